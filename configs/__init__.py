@@ -1,0 +1,8 @@
+"""Experiment configs: one module per experiment, each with `get_config(variant)`.
+
+A config module defines:
+  DESCRIPTION: str         one line for `python -m jaxflow.run --list`
+  ENTRY: str               "package.module:function" called as fn(config, run) -> summary dict
+  VARIANTS: tuple[str,...] normally ("quick", "default", "full")
+  get_config(variant) ->   a frozen dataclass (nested frozen dataclasses allowed)
+"""

@@ -1,0 +1,186 @@
+"""The contract between the runner and an experiment's entry function.
+
+An experiment is `configs/NAME.py` (``get_config(variant)`` -> frozen dataclass) plus an entry
+function ``main(config, run: RunContext) -> dict`` named by the config module's ``ENTRY``.
+The entry function does the work and returns its summary keys; the runner adds the common
+keys of shared/CONVENTIONS.md, writes ``summary.json`` and plots ``metrics.jsonl``.
+
+Only process 0 (``run.is_primary``) writes to the run directory; ``RunContext`` methods are
+no-ops elsewhere, so entry functions call them unconditionally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+
+def to_jsonable(value: Any) -> Any:
+    """Converts numpy/jax scalars and arrays, dataclasses, tuples and paths to JSON types."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, pathlib.Path):
+        return str(value)
+    if isinstance(value, (bool, str, type(None))):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        return v if math.isfinite(v) else str(v)
+    if hasattr(value, "shape") and hasattr(value, "tolist"):  # numpy / jax arrays
+        return to_jsonable(np.asarray(value).tolist())
+    return str(value)
+
+
+class _Progress:
+    """A tqdm bar on a TTY, periodic plain log lines otherwise."""
+
+    def __init__(self, enabled: bool, log_every_s: float = 10.0):
+        self._enabled = enabled
+        self._tty = enabled and sys.stdout.isatty()
+        self._bar = None
+        self._total: int | None = None
+        self._last_line = 0.0
+        self._log_every_s = log_every_s
+        self._start = time.time()
+
+    def set_total(self, total: int, desc: str = "") -> None:
+        self.close()
+        self._total = int(total)
+        self._start = time.time()
+        self._last_line = 0.0
+        if self._tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self._total, desc=desc, dynamic_ncols=True)
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self._enabled:
+            return
+        shown = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        text = " ".join(f"{k}={v:.4g}" for k, v in list(shown.items())[:6])
+        if self._bar is not None:
+            self._bar.n = min(step, self._total or step)
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.refresh()
+            return
+        now = time.time()
+        done = self._total is not None and step >= self._total
+        if now - self._last_line >= self._log_every_s or done or self._last_line == 0.0:
+            self._last_line = now
+            if self._total:
+                elapsed = now - self._start
+                eta = elapsed / max(step, 1) * (self._total - step)
+                head = f"step {step}/{self._total} eta {eta:.0f}s"
+            else:
+                head = f"step {step}"
+            print(f"[jaxflow] {head} {text}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What an experiment's entry function gets besides its config.
+
+    Attributes:
+      name, variant: the experiment and variant being run.
+      out_dir: the run directory (exists on every process; only process 0 writes to it).
+      is_primary: True on process 0.
+      resume: True when the user asked to continue the run in ``out_dir``.
+      seed: the run's base seed (the config's ``seed`` field if present, else 0).
+    """
+
+    name: str
+    variant: str
+    out_dir: pathlib.Path
+    is_primary: bool = True
+    resume: bool = False
+    seed: int = 0
+    _progress: _Progress | None = None
+    _metrics_file: Any = None
+
+    def __post_init__(self):
+        self.out_dir = pathlib.Path(self.out_dir)
+        if self._progress is None:
+            self._progress = _Progress(enabled=self.is_primary)
+
+    @property
+    def checkpoint_dir(self) -> pathlib.Path:
+        """Where checkpoints go (``out_dir/checkpoints``); shared by all processes."""
+        return self.out_dir / "checkpoints"
+
+    def set_total_steps(self, total: int, desc: str = "") -> None:
+        """Starts the progress display for ``total`` steps."""
+        self._progress.set_total(total, desc or self.name)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Appends ``{"step": step, **metrics}`` to metrics.jsonl and updates the progress."""
+        row = {"step": int(step), **{k: to_jsonable(v) for k, v in metrics.items()}}
+        self._progress.update(int(step), row)
+        if not self.is_primary:
+            return
+        if self._metrics_file is None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics_file = open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._metrics_file.write(json.dumps(row) + "\n")
+        self._metrics_file.flush()
+
+    def truncate_metrics_after(self, step: int) -> None:
+        """On resume: drops metrics rows logged after ``step`` (they will be logged again)."""
+        if not self.is_primary:
+            return
+        path = self.out_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        keep = [
+            line
+            for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", -1) <= step
+        ]
+        path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+
+    def write_json(self, filename: str, obj: Any) -> None:
+        """Writes ``obj`` as JSON to ``out_dir/filename`` (process 0 only)."""
+        if not self.is_primary:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / filename, "w", encoding="utf-8") as f:
+            json.dump(to_jsonable(obj), f, indent=2)
+
+    def info(self, message: str) -> None:
+        """Prints a log line on process 0."""
+        if self.is_primary:
+            print(f"[jaxflow] {message}", flush=True)
+
+    def close(self) -> None:
+        self._progress.close()
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+
+
+EntryFn = Callable[[Any, RunContext], Mapping[str, Any]]
+
+
+def standalone_context(name: str, variant: str = "quick", out_dir: str | None = None) -> RunContext:
+    """A RunContext for notebooks and tests (a temporary directory unless ``out_dir`` is given)."""
+    import tempfile
+
+    path = pathlib.Path(out_dir) if out_dir else pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    return RunContext(name=name, variant=variant, out_dir=path)
