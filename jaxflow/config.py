@@ -1,0 +1,207 @@
+"""Experiment configs: loading `configs/NAME.py` modules and applying `--set a.b=value` overrides.
+
+Configs are frozen dataclasses (nested frozen dataclasses allowed). An override is parsed as the
+field's declared type: int, float, bool, str, ``X | None`` and tuples (comma lists, e.g.
+``--set model.shape=2,4``; an empty string gives an empty tuple).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import pkgutil
+import types
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user error in choosing or overriding a config; the message is one readable line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentSpec:
+    """One registered experiment: its config module and what `--list` shows."""
+
+    name: str
+    description: str
+    entry: str
+    variants: tuple[str, ...]
+    module: types.ModuleType
+
+    def get_config(self, variant: str) -> Any:
+        if variant not in self.variants:
+            raise ConfigError(
+                f"unknown variant {variant!r} for experiment {self.name!r}; "
+                f"valid: {', '.join(self.variants)}{_did_you_mean(variant, self.variants)}"
+            )
+        return self.module.get_config(variant)
+
+    def entry_fn(self):
+        module_name, _, fn_name = self.entry.partition(":")
+        return getattr(importlib.import_module(module_name), fn_name)
+
+
+def _did_you_mean(value: str, choices) -> str:
+    close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def experiments() -> dict[str, ExperimentSpec]:
+    """All experiments, from the modules of the `configs` package, sorted by name."""
+    import configs
+
+    found = {}
+    for info in pkgutil.iter_modules(configs.__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"configs.{info.name}")
+        if not hasattr(module, "get_config"):
+            continue
+        found[info.name] = ExperimentSpec(
+            name=info.name,
+            description=getattr(module, "DESCRIPTION", "").strip(),
+            entry=module.ENTRY,
+            variants=tuple(getattr(module, "VARIANTS", ("quick", "default", "full"))),
+            module=module,
+        )
+    return dict(sorted(found.items()))
+
+
+def get_experiment(name: str) -> ExperimentSpec:
+    """The experiment called ``name``; ConfigError naming the valid ones otherwise."""
+    registry = experiments()
+    if name not in registry:
+        raise ConfigError(
+            f"unknown experiment {name!r}; valid: {', '.join(registry)}"
+            f"{_did_you_mean(name, registry)}"
+        )
+    return registry[name]
+
+
+def _strip_optional(tp) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def parse_value(text: str, tp: Any, key: str) -> Any:
+    """Parses ``text`` as type ``tp`` (the declared type of field ``key``)."""
+    tp, optional = _strip_optional(tp)
+    if optional and text.strip().lower() in ("none", "null"):
+        return None
+    origin = typing.get_origin(tp)
+    try:
+        if tp is bool:
+            low = text.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            return int(text)
+        if tp is float:
+            return float(text)
+        if tp is str:
+            return text
+        if origin is tuple or tp is tuple:
+            args = typing.get_args(tp)
+            parts = [p.strip() for p in text.split(",")] if text.strip() else []
+            if args and args[-1] is Ellipsis:
+                return tuple(parse_value(p, args[0], key) for p in parts)
+            if args:
+                if len(parts) != len(args):
+                    raise ConfigError(
+                        f"--set {key}={text!r}: expected {len(args)} comma-separated values"
+                    )
+                return tuple(parse_value(p, a, key) for p, a in zip(parts, args))
+            return tuple(parts)
+        if typing.get_origin(tp) is typing.Literal:
+            choices = typing.get_args(tp)
+            if text in choices:
+                return text
+            raise ConfigError(
+                f"--set {key}={text!r}: valid values are {', '.join(map(str, choices))}"
+                f"{_did_you_mean(text, choices)}"
+            )
+    except ConfigError:
+        raise
+    except (ValueError, TypeError):
+        name = getattr(tp, "__name__", str(tp))
+        raise ConfigError(f"--set {key}={text!r}: cannot parse {text!r} as {name}") from None
+    raise ConfigError(f"--set {key}: field type {tp} cannot be set from the command line")
+
+
+def apply_overrides(config: Any, overrides: list[str]) -> Any:
+    """Returns ``config`` with each ``a.b=value`` override applied (frozen dataclasses).
+
+    Overrides of one dataclass are applied together, so fields validated against each other
+    (``n_heads`` and ``n_kv_heads``) can change in one command; a later override of the same key
+    wins.
+
+    Raises:
+      ConfigError: malformed override, unknown key (with the closest valid key), bad value.
+    """
+    tree: dict = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.steps=100")
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {part!r} is set as a value and as a group")
+        node[leaf] = (text, key)
+    return _apply_tree(config, tree, "")
+
+
+def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
+    if not dataclasses.is_dataclass(obj):
+        raise ConfigError(f"--set {prefix.rstrip('.')}: is not a config group")
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    hints = typing.get_type_hints(type(obj))
+    changes, texts = {}, []
+    for name, sub in tree.items():
+        full_key = f"{prefix}{name}"
+        if name not in fields:
+            valid = sorted(fields)
+            raise ConfigError(
+                f"unknown config key {full_key!r}; valid keys here: {', '.join(valid)}"
+                f"{_did_you_mean(name, valid)}"
+            )
+        current = getattr(obj, name)
+        if isinstance(sub, dict):
+            changes[name] = _apply_tree(current, sub, full_key + ".")
+            continue
+        text, key = sub
+        if dataclasses.is_dataclass(current):
+            group = sorted(f.name for f in dataclasses.fields(current))
+            raise ConfigError(f"--set {key}: is a group; set one of {', '.join(group)}")
+        changes[name] = parse_value(text, hints.get(name, type(current)), key)
+        texts.append(f"{key}={text}")
+    try:
+        return dataclasses.replace(obj, **changes)
+    except (ValueError, TypeError) as e:  # __post_init__ validation
+        where = " ".join(texts) or prefix.rstrip(".")
+        raise ConfigError(f"--set {where}: {e}") from None
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": value}`` for every leaf field of a (nested) dataclass config."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out.update(flatten(value, key + "."))
+        else:
+            out[key] = value
+    return out

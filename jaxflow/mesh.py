@@ -1,0 +1,232 @@
+"""Meshes, disjoint role sub-meshes, and logical-axis sharding rules.
+
+Parameters and activations are annotated with *logical* axis names ("embed", "mlp", "batch");
+a small table of rules maps each logical name to a mesh axis (or None = replicated). Rules are
+checked: a logical name given two mesh axes, or one mesh axis used twice in one array, is an
+error, never silently resolved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+#: Default rules for the LM: data parallel over "data", tensor parallel over "model".
+DEFAULT_RULES: LogicalRules = (
+    ("batch", "data"),
+    ("vocab", "model"),
+    ("mlp", "model"),
+    ("heads", "model"),
+    ("kv_heads", "model"),
+    ("embed", None),
+    ("head_dim", None),
+    ("norm", None),
+    ("length", None),
+)
+
+
+class MeshError(ValueError):
+    """A mesh that cannot be built from the devices at hand, or conflicting sharding rules."""
+
+
+def resolve_axis_sizes(axes: Mapping[str, int], n_devices: int) -> dict[str, int]:
+    """Fills in at most one ``-1`` axis size so the product equals ``n_devices``.
+
+    Raises:
+      MeshError: when the sizes do not multiply to ``n_devices`` (naming both).
+    """
+    sizes = dict(axes)
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1:
+        raise MeshError(f"at most one mesh axis may be -1, got {free}")
+    for k, v in sizes.items():
+        if v != -1 and (not isinstance(v, int) or v < 1):
+            raise MeshError(f"mesh axis {k!r} has size {v!r}; sizes are positive ints or -1")
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if free:
+        if n_devices % fixed:
+            raise MeshError(
+                f"{n_devices} devices cannot be split into mesh {dict(axes)}: "
+                f"{n_devices} is not divisible by {fixed}"
+            )
+        sizes[free[0]] = n_devices // fixed
+    if math.prod(sizes.values()) != n_devices:
+        raise MeshError(
+            f"mesh {dict(axes)} needs {math.prod(sizes.values())} devices but "
+            f"{n_devices} are available; use sizes whose product is {n_devices} (or -1 for one axis)"
+        )
+    return sizes
+
+
+def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with named axes, e.g. ``make_mesh({"data": -1, "model": 2})``.
+
+    Works on any backend and across processes (``devices`` defaults to ``jax.devices()``, the
+    global device list). Axis types are the classic Auto ones so jit + NamedSharding behave as
+    usual. Device order follows ``jax.experimental.mesh_utils`` when it applies.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = resolve_axis_sizes(axes, len(devices))
+    shape = tuple(sizes.values())
+    try:
+        from jax.experimental import mesh_utils
+
+        if len(devices) == len(jax.devices()):
+            arr = mesh_utils.create_device_mesh(shape, devices=devices)
+        else:
+            arr = np.asarray(devices, dtype=object).reshape(shape)
+    except Exception:  # noqa: BLE001 - topology helpers are best-effort; plain order is valid
+        arr = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(arr, tuple(sizes.keys()))
+
+
+def role_meshes(
+    roles: Mapping[str, int],
+    axes: Mapping[str, Mapping[str, int]] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> dict[str, Mesh]:
+    """Disjoint sub-meshes of one device set, one per role (tunix ``role_to_mesh``).
+
+    Args:
+      roles: devices per role, e.g. ``{"trainer": 6, "rollout": 2}``; in order, consecutive
+        device blocks. One role may be -1 (the rest).
+      axes: per role, its mesh axis sizes (default ``{"data": -1}``).
+    Returns:
+      ``{role: Mesh}``; no device is in two meshes.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    counts = resolve_axis_sizes(dict(roles), len(devices)) if -1 in roles.values() else dict(roles)
+    total = sum(counts.values())
+    if total > len(devices):
+        raise MeshError(
+            f"roles {dict(roles)} need {total} devices but only {len(devices)} are available"
+        )
+    out, start = {}, 0
+    for role, count in counts.items():
+        role_axes = (axes or {}).get(role, {"data": -1})
+        out[role] = make_mesh(role_axes, devices[start : start + count])
+        start += count
+    return out
+
+
+def check_rules(rules: LogicalRules) -> dict[str, tuple[str, ...]]:
+    """Validates rules and returns ``{logical: mesh axes}``; conflicting rules raise MeshError."""
+    table: dict[str, tuple[str, ...]] = {}
+    for logical, target in rules:
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        if logical in table and table[logical] != axes:
+            raise MeshError(
+                f"conflicting sharding rules for logical axis {logical!r}: "
+                f"{table[logical] or None} vs {axes or None}"
+            )
+        table[logical] = axes
+    return table
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None], rules: LogicalRules, mesh: Mesh | None = None
+) -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions have the given logical names.
+
+    A logical name with no rule is replicated. Mesh axes absent from ``mesh`` are dropped (so
+    the LM's rules work on a data-only mesh). Using one mesh axis for two dimensions raises.
+    """
+    table = check_rules(rules)
+    used: dict[str, str] = {}
+    spec = []
+    for name in logical_axes:
+        axes = table.get(name, ()) if name is not None else ()
+        if mesh is not None:
+            axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
+        for a in axes:
+            if a in used:
+                raise MeshError(
+                    f"mesh axis {a!r} would shard both logical axes {used[a]!r} and {name!r} "
+                    f"of array with logical axes {tuple(logical_axes)}"
+                )
+            used[a] = name
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def _fits(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
+    """Drops sharding on dimensions the mesh axis size does not divide (they stay replicated)."""
+    out = []
+    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        size = math.prod(mesh.shape[a] for a in axes)
+        out.append(entry if axes and dim % size == 0 else None)
+    return PartitionSpec(*out)
+
+
+def shardings_from_logical(
+    abstract_tree: Any, logical_tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES
+) -> Any:
+    """NamedShardings for a pytree of (abstract) arrays given their logical axis names.
+
+    Args:
+      abstract_tree: arrays or ShapeDtypeStructs (e.g. from ``jax.eval_shape``).
+      logical_tree: same structure, each leaf a tuple of logical names (len == ndim).
+    """
+
+    def one(x, names):
+        if len(names) != len(x.shape):
+            raise MeshError(f"logical axes {names} do not match array shape {x.shape}")
+        return NamedSharding(mesh, _fits(x.shape, logical_to_spec(names, rules, mesh), mesh))
+
+    return jax.tree.map(one, abstract_tree, logical_tree, is_leaf=lambda t: isinstance(t, tuple))
+
+
+def assert_params_sufficiently_sharded(
+    params: Any, mesh: Mesh, *, min_size: int = 2**16, axes: Sequence[str] = ("model",)
+) -> None:
+    """Raises AssertionError naming every parameter of >= ``min_size`` elements that is not
+    sharded over any of ``axes`` (only axes present in ``mesh`` with size > 1 count).
+
+    (MaxText's ``assert_params_sufficiently_sharded``.) With no such axis there is nothing to
+    check and the call returns.
+    """
+    active = [a for a in axes if a in mesh.shape and mesh.shape[a] > 1]
+    if not active:
+        return
+    bad = []
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        if np.size(x) < min_size:
+            continue
+        spec = getattr(getattr(x, "sharding", None), "spec", PartitionSpec())
+        used = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+        if not used & set(active):
+            bad.append(f"{jax.tree_util.keystr(path)} {tuple(np.shape(x))} spec={spec}")
+    if bad:
+        raise AssertionError(
+            f"{len(bad)} large parameter(s) not sharded over {active}: " + "; ".join(bad)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axes of an experiment, overridable as ``--set mesh.shape=4,2``.
+
+    ``shape`` may hold one -1 (all remaining devices).
+    """
+
+    axes: tuple[str, ...] = ("data", "model")
+    shape: tuple[int, ...] = (-1, 1)
+
+    def __post_init__(self):
+        if len(self.axes) != len(self.shape):
+            raise ValueError(f"mesh axes {self.axes} and shape {self.shape} differ in length")
+
+    def sizes(self, n_devices: int) -> dict[str, int]:
+        """Axis sizes for ``n_devices``; MeshError when they cannot be formed."""
+        return resolve_axis_sizes(dict(zip(self.axes, self.shape)), n_devices)
+
+    def make(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        return make_mesh(dict(zip(self.axes, self.shape)), devices)

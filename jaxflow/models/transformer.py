@@ -1,0 +1,367 @@
+"""Decoder-only transformer LM (flax nnx): pre-norm blocks, RoPE, GQA, SwiGLU, no biases.
+
+Public API: TransformerConfig, Transformer, PRESETS, param_count, logical_axes.
+
+Every parameter carries logical axis names (nnx metadata ``out_sharding``, with
+``eager_sharding=False`` so a model can be built without a mesh); ``logical_axes`` reads
+them back so the mesh code can map logical names -> mesh axes. Logical names used:
+"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm".
+
+Dtypes: parameters are stored in ``param_dtype`` and cast to ``dtype`` for the matmuls;
+the residual stream is carried in ``dtype``; RMSNorm statistics, attention logits/softmax
+and the returned logits are float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxflow.models.attention import (
+    apply_rope,
+    cache_causal_mask,
+    dot_product_attention,
+    segment_causal_mask,
+)
+from jaxflow.models.kv_cache import KVCache, empty_cache, write_rows
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+LOGICAL_AXIS_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Architecture hyper-parameters; validated on construction."""
+
+    vocab_size: int = 32
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 4  # grouped-query attention when < n_heads (must divide n_heads)
+    d_ff: int = 512  # SwiGLU hidden size
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                     "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"TransformerConfig.{name}={value!r}: must be a positive int")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"TransformerConfig.{name}={value!r}: must be > 0")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"TransformerConfig.d_model={self.d_model} must be divisible by "
+                f"n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"TransformerConfig.d_model/n_heads={self.d_model // self.n_heads} (head_dim) "
+                "must be even for RoPE")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"TransformerConfig.n_kv_heads={self.n_kv_heads} must divide "
+                f"n_heads={self.n_heads}")
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            if value not in _DTYPES:
+                raise ValueError(
+                    f"TransformerConfig.{name}={value!r}: valid values are {sorted(_DTYPES)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def params_dtype(self) -> jnp.dtype:
+        return _DTYPES[self.param_dtype]
+
+
+PRESETS: dict[str, TransformerConfig] = {
+    # ~103k params: unit tests.
+    "tiny": TransformerConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              d_ff=192, max_seq_len=64),
+    # ~2.4M params: CPU experiments.
+    "small": TransformerConfig(vocab_size=32, d_model=256, n_layers=4, n_heads=8,
+                               n_kv_heads=4, d_ff=512, max_seq_len=256),
+    # ~104M params (with a small vocabulary): GPU runs.
+    "100m": TransformerConfig(vocab_size=32, d_model=768, n_layers=12, n_heads=12,
+                              n_kv_heads=4, d_ff=3072, max_seq_len=1024),
+}
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: tuple[str, ...],
+           dtype: jnp.dtype) -> nnx.Param:
+    value = std * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """x * rsqrt(mean(x^2) + eps) * scale, statistics in float32."""
+
+    def __init__(self, config: TransformerConfig):
+        self.eps = config.norm_eps
+        self.dtype = config.compute_dtype
+        self.scale = nnx.Param(jnp.ones((config.d_model,), config.params_dtype),
+                               out_sharding=("norm",), eager_sharding=False)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head (grouped-query) self-attention with RoPE; projections without bias."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        d, h, k, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
+        pdt = config.params_dtype
+        out_std = (h * hd) ** -0.5 / math.sqrt(2 * config.n_layers)
+        self.wq = _param(rngs, (d, h, hd), d**-0.5, ("embed", "heads", "head_dim"), pdt)
+        self.wk = _param(rngs, (d, k, hd), d**-0.5, ("embed", "kv_heads", "head_dim"), pdt)
+        self.wv = _param(rngs, (d, k, hd), d**-0.5, ("embed", "kv_heads", "head_dim"), pdt)
+        self.wo = _param(rngs, (h, hd, d), out_std, ("heads", "head_dim", "embed"), pdt)
+        self.rope_theta = config.rope_theta
+        self.dtype = config.compute_dtype
+
+    def _qkv(self, x, positions):
+        dt = self.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        q = apply_rope(q, positions, theta=self.rope_theta)
+        k = apply_rope(k, positions, theta=self.rope_theta)
+        return q, k, v
+
+    def _out(self, attn):
+        return jnp.einsum("bthk,hkd->btd", attn, self.wo[...].astype(self.dtype))
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        q, k, v = self._qkv(x, positions)
+        return self._out(dot_product_attention(q, k, v, mask))
+
+    def decode(self, x, positions, k_cache, v_cache, index, slots, key_valid):
+        """Writes this step's keys/values at `index` and attends over the cache."""
+        q, k, v = self._qkv(x, positions)
+        k_cache = write_rows(k_cache, k, index)
+        v_cache = write_rows(v_cache, v, index)
+        mask = cache_causal_mask(slots, key_valid)
+        return self._out(dot_product_attention(q, k_cache, v_cache, mask)), k_cache, v_cache
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(x @ gate) * (x @ up)), no biases."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        d, f, pdt = config.d_model, config.d_ff, config.params_dtype
+        self.w_gate = _param(rngs, (d, f), d**-0.5, ("embed", "mlp"), pdt)
+        self.w_up = _param(rngs, (d, f), d**-0.5, ("embed", "mlp"), pdt)
+        self.w_down = _param(rngs, (f, d), f**-0.5 / math.sqrt(2 * config.n_layers),
+                             ("mlp", "embed"), pdt)
+        self.dtype = config.compute_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        gate = x @ self.w_gate[...].astype(dt)
+        up = x @ self.w_up[...].astype(dt)
+        return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config)
+        self.attn = Attention(config, rngs=rngs)
+        self.mlp_norm = RMSNorm(config)
+        self.mlp = SwiGLU(config, rngs=rngs)
+
+    def __call__(self, x, positions, mask):
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def decode(self, x, positions, k_cache, v_cache, index, slots, key_valid):
+        attn, k_cache, v_cache = self.attn.decode(
+            self.attn_norm(x), positions, k_cache, v_cache, index, slots, key_valid)
+        x = x + attn
+        return x + self.mlp(self.mlp_norm(x)), k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model.
+
+    Usage:
+      model = Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0))
+      logits = model(tokens)                       # [B, T] int32 -> [B, T, V] float32
+    """
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        pdt = config.params_dtype
+        self.embedding = _param(rngs, (config.vocab_size, config.d_model), 0.02,
+                                ("vocab", "embed"), pdt)
+        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
+        self.final_norm = RMSNorm(config)
+        if not config.tie_embeddings:
+            self.lm_head = _param(rngs, (config.d_model, config.vocab_size),
+                                  config.d_model**-0.5, ("embed", "vocab"), pdt)
+
+    # -- forward ---------------------------------------------------------------------
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.config.compute_dtype)
+
+    def head_weight(self) -> jax.Array:
+        """[d_model, vocab_size] LM-head matrix in param_dtype (embedding.T when tied)."""
+        if self.config.tie_embeddings:
+            return self.embedding[...].T
+        return self.lm_head[...]
+
+    def _logits(self, hidden: jax.Array) -> jax.Array:
+        w = self.head_weight().astype(self.config.compute_dtype)
+        return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
+
+    def hidden_states(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
+        """Final-RMSNorm output that the LM head sees.
+
+        Args:
+          tokens: [B, T] int32.
+          positions: [B, T] int32 RoPE positions (per segment); default arange(T).
+          segment_ids: [B, T] int32, tokens attend causally within their own segment only;
+            0 marks padding. Default all ones.
+
+        Returns:
+          [B, T, d_model] in the compute dtype. Padding rows are finite but meaningless.
+        """
+        b, t = tokens.shape
+        if t > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}")
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        mask = segment_causal_mask(segment_ids)
+        x = self._embed(tokens)
+        for block in self.layers:
+            x = block(x, positions, mask)
+        return self.final_norm(x)
+
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Logits. tokens [B, T] int32 -> [B, T, vocab_size] float32 (see hidden_states)."""
+        return self._logits(
+            self.hidden_states(tokens, positions=positions, segment_ids=segment_ids))
+
+    # -- incremental decoding --------------------------------------------------------
+
+    def init_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """Empty KVCache with per-layer k/v of shape [batch_size, max_len, n_kv_heads, head_dim]."""
+        c = self.config
+        if max_len > c.max_seq_len:
+            raise ValueError(f"cache max_len={max_len} exceeds max_seq_len={c.max_seq_len}")
+        return empty_cache(n_layers=c.n_layers, batch_size=batch_size, max_len=max_len,
+                           n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                           dtype=c.compute_dtype)
+
+    def decode(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array,
+               valid: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Appends tokens to the cache and returns their logits.
+
+        Row b's tokens are written at cache slots index[b] .. index[b]+L-1; then index[b]
+        advances by the number of VALID tokens, so valid tokens must be a prefix of each
+        row (right padding) and the next call overwrites the padding slots: every row
+        continues right after its own real tokens. The cache must have room for
+        index[b] + L slots (writes past the end are clamped, i.e. wrong).
+
+        Args:
+          tokens: [B, L] int32 (L = prompt length for prefill, 1 for a step).
+          cache: KVCache from init_cache or a previous decode.
+          positions: [B, L] int32 RoPE positions.
+          valid: [B, L] bool, False for padding tokens (never attended to). Default all True.
+
+        Returns:
+          (logits [B, L, vocab_size] float32, updated cache). Each token attends to the
+          valid cache entries at or before its own slot. Logits of invalid tokens are
+          finite but meaningless.
+        """
+        b, l = tokens.shape
+        if valid is None:
+            valid = jnp.ones((b, l), bool)
+        valid = valid.astype(bool)
+        index = cache.index
+        slots = index[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
+        key_valid = write_rows(cache.valid, valid, index)
+        x = self._embed(tokens)
+        new_k, new_v = [], []
+        for block, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+            x, k_cache, v_cache = block.decode(x, positions, k_cache, v_cache, index, slots,
+                                               key_valid)
+            new_k.append(k_cache)
+            new_v.append(v_cache)
+        logits = self._logits(self.final_norm(x))
+        new_index = index + valid.sum(axis=1, dtype=jnp.int32)
+        return logits, KVCache(k=tuple(new_k), v=tuple(new_v), valid=key_valid,
+                               index=new_index)
+
+
+# -- parameter utilities ---------------------------------------------------------------
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_count(model_or_state) -> int:
+    """Number of scalar parameters in a Transformer (its nnx.Param state) or any pytree.
+
+    Works on abstract states (ShapeDtypeStruct leaves, e.g. from nnx.eval_shape).
+    """
+    if isinstance(model_or_state, nnx.Module):
+        model_or_state = nnx.state(model_or_state, nnx.Param)
+    return int(sum(math.prod(np.shape(leaf)) for leaf in jax.tree.leaves(model_or_state)))
+
+
+def logical_axes(state) -> nnx.State:
+    """Logical axis names of every parameter.
+
+    Args:
+      state: nnx.state(model, nnx.Param) (or a model), leaves must still be nnx.Variables
+        (the metadata lives there; a pure array dict has lost it).
+
+    Returns:
+      Same tree structure as `state`, each leaf a tuple[str | None, ...] of length
+      param.ndim with names from LOGICAL_AXIS_NAMES. Note tuples are pytree nodes: use
+      `jax.tree.map(f, axes, is_leaf=lambda x: isinstance(x, tuple))`.
+    """
+    if isinstance(state, nnx.Module):
+        state = nnx.state(state, nnx.Param)
+
+    def axes(variable):
+        if not _is_variable(variable):
+            raise ValueError(
+                f"logical_axes needs nnx.Variable leaves carrying metadata, got "
+                f"{type(variable).__name__}; pass nnx.state(model, nnx.Param)")
+        names = variable.get_metadata().get("out_sharding")
+        if names is None:
+            raise ValueError(f"parameter of shape {np.shape(variable[...])} has no logical "
+                             "axis annotation")
+        return tuple(names)
+
+    return jax.tree.map(axes, state, is_leaf=_is_variable)

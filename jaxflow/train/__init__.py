@@ -1,0 +1,1 @@
+"""LM training: sharded train state, pure train step, held-out evaluation, lm_pretrain."""

@@ -1,0 +1,115 @@
+"""The ``lm_pretrain`` experiment: train the LM on the arithmetic corpus, checkpoint, resume.
+
+Every process builds the same global batch from ``(seed, step)`` and contributes its devices'
+slices (``jax.make_array_from_callback``), so one program runs unchanged on 1 CPU, 8 fake
+devices, or N processes of the multi-controller runtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxflow.checkpoint import Checkpointer, abstract_like
+from jaxflow.data.arithmetic import AdditionTask, packed_batch
+from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.distributed import to_host
+from jaxflow.experiment import RunContext
+from jaxflow.models.transformer import param_count
+from jaxflow.train.evaluate import ExactMatchEvaluator
+from jaxflow.train.lm_state import init_train_state, lm_functions, make_optimizer, make_train_step
+
+#: Test hook: SIGKILL this process right after the checkpoint of this step is committed.
+FAULT_ENV = "JAXFLOW_KILL_AFTER_CHECKPOINT"
+
+
+def global_batch(np_batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Places a host batch (identical on every process) as global arrays with ``sharding``."""
+    return {
+        k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+        for k, v in np_batch.items()
+    }
+
+
+def params_checksum(params: Any) -> str:
+    """sha256 over every parameter's bytes (in tree order): equal iff bit-identical."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        h.update(np.ascontiguousarray(to_host(leaf)).tobytes())
+    return h.hexdigest()
+
+
+def build(config):
+    """Mesh, tokenizer/task, model functions, optimizer: everything a run (or a test) needs."""
+    tokenizer = CharTokenizer()
+    if config.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size={config.model.vocab_size} < tokenizer's {tokenizer.vocab_size}")
+    task = AdditionTask(max_digits=config.data.max_digits, heldout_mod=config.data.heldout_mod)
+    mesh = config.mesh.make()
+    fns = lm_functions(config.model, mesh)
+    tx = make_optimizer(config.optim, config.train.steps)
+    return mesh, tokenizer, task, fns, tx
+
+
+def main(config, run: RunContext) -> dict:
+    mesh, tokenizer, task, fns, tx = build(config)
+    tc = config.train
+    state, shardings = init_train_state(fns, config.model, tx, jax.random.key(config.seed))
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data" if "data" in mesh.shape else None))
+    train_step = make_train_step(fns, tx, shardings, batch_sharding)
+    evaluate = ExactMatchEvaluator(fns, task, tokenizer, n=tc.eval_examples, mesh=mesh)
+    ckpt = Checkpointer(run.checkpoint_dir, save_every=tc.checkpoint_every, max_to_keep=tc.keep_checkpoints)
+
+    start = 0
+    if run.resume and (latest := ckpt.latest_step()) is not None:
+        state = ckpt.restore(latest, abstract_like(state))
+        start = latest
+        run.truncate_metrics_after(start)
+        run.info(f"resumed from checkpoint at step {start}")
+    run.info(f"model params: {param_count(state['params']):,}; mesh {dict(mesh.shape)}")
+    kill_at = int(os.environ.get(FAULT_ENV, "-1"))
+
+    run.set_total_steps(tc.steps, "lm_pretrain")
+    accuracy, window = None, []
+    for step in range(start, tc.steps):
+        host = packed_batch(task, tokenizer, seed=config.seed, step=step, batch_size=tc.batch_size,
+                            seq_len=tc.seq_len, loss_on=config.data.loss_on)
+        state, metrics = train_step(state, global_batch(vars(host), batch_sharding))
+        window.append(metrics)
+        done = step + 1
+        if done % tc.log_every == 0 or done == tc.steps:
+            rows = jax.device_get(window)
+            row = {k: float(np.mean([r[k] for r in rows])) for k in ("loss", "token_accuracy", "grad_norm")}
+            row["last_loss"] = float(rows[-1]["loss"])
+            window = []
+            if done % tc.eval_every == 0 or done == tc.steps:
+                accuracy = evaluate(state["params"])
+                row["heldout_accuracy"] = accuracy
+            run.log(done, row)
+        if ckpt.save(done, state, force=done == tc.steps) and done == kill_at:
+            ckpt.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.close()
+    if accuracy is None:  # resumed at the very end: nothing left to train
+        accuracy = evaluate(state["params"])
+    final_loss = float(jax.device_get(window[-1]["loss"])) if window else _last_logged_loss(run)
+    return {
+        "final_loss": final_loss,
+        "heldout_accuracy": accuracy,
+        "steps": tc.steps,
+        "param_count": param_count(state["params"]),
+        "params_checksum": params_checksum(state["params"]),
+    }
+
+
+def _last_logged_loss(run: RunContext) -> float:
+    from jaxflow.plots import read_metrics
+
+    rows = [r for r in read_metrics(run.out_dir / "metrics.jsonl") if "last_loss" in r]
+    return float(rows[-1]["last_loss"]) if rows else float("nan")

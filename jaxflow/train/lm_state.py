@@ -1,0 +1,144 @@
+"""Sharded LM train state and a pure train step.
+
+The train state is a plain pytree ``{"params": pure dict, "opt_state": optax state,
+"step": int32}``: easy to checkpoint, to donate and to publish to another sub-mesh. Parameters
+are placed by logical-axis rules (``jaxflow.mesh``): shardings come from ``jax.eval_shape``, and
+the init is jitted with those ``out_shardings`` so no device ever holds an unsharded copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxflow.mesh import DEFAULT_RULES, LogicalRules, shardings_from_logical
+from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay to ``lr * final_lr_fraction``."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    final_lr_fraction: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.98
+    grad_clip: float = 1.0
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """optax chain: global-norm clipping + AdamW on a warm-up/cosine schedule."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, max(cfg.warmup_steps, 1), max(total_steps, cfg.warmup_steps + 1),
+        end_value=cfg.lr * cfg.final_lr_fraction,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LMFunctions:
+    """The model's static half: ``graphdef`` + abstract params, and how to rebuild the model."""
+
+    graphdef: Any
+    abstract_state: Any  # nnx.State with ShapeDtypeStruct leaves (keeps Variable metadata)
+    param_shardings: Any  # pure dict of NamedSharding, same structure as params
+
+    def nnx_state(self, params: Any) -> nnx.State:
+        """The nnx.State (e.g. for ``jaxflow.models.make_sampler``) holding pure-dict ``params``."""
+        state = jax.tree.map(lambda x: x, self.abstract_state)
+        nnx.replace_by_pure_dict(state, params)
+        return state
+
+    def model(self, params: Any) -> Transformer:
+        """The nnx model for a pure-dict ``params`` (inside or outside jit)."""
+        return nnx.merge(self.graphdef, self.nnx_state(params))
+
+
+def lm_functions(model_cfg: TransformerConfig, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> LMFunctions:
+    """Graph definition, abstract params and their NamedShardings on ``mesh``."""
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    axes = nnx.to_pure_dict(logical_axes(nnx.state(abstract, nnx.Param)))
+    shardings = shardings_from_logical(nnx.to_pure_dict(state), axes, mesh, rules)
+    return LMFunctions(graphdef, state, shardings)
+
+
+def init_params(fns: LMFunctions, model_cfg: TransformerConfig, key: jax.Array) -> Any:
+    """Freshly initialised params (pure dict), created directly in their shardings."""
+
+    def init(key):
+        model = Transformer(model_cfg, rngs=nnx.Rngs(params=key))
+        return nnx.to_pure_dict(nnx.state(model))
+
+    return jax.jit(init, out_shardings=fns.param_shardings)(key)
+
+
+def init_train_state(fns: LMFunctions, model_cfg: TransformerConfig, tx: optax.GradientTransformation,
+                     key: jax.Array) -> tuple[dict, dict]:
+    """(train_state, its shardings); optimizer state is sharded like the params it mirrors."""
+    params = init_params(fns, model_cfg, key)
+    mesh = jax.tree.leaves(fns.param_shardings)[0].mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def opt_sharding(leaf_abstract):
+        return replicated
+
+    abstract_opt = jax.eval_shape(tx.init, params)
+    # Moments mirror params: match each optimizer leaf to the param sharding by shape path.
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, abstract_opt, fns.param_shardings,
+        transform_non_params=opt_sharding,
+    )
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
+    shardings = {"params": fns.param_shardings, "opt_state": opt_shardings, "step": replicated}
+    state["step"] = jax.device_put(state["step"], replicated)
+    return state, shardings
+
+
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-token negative log-likelihood: logits [B, T, V], targets [B, T] -> [B, T] f32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def make_train_step(fns: LMFunctions, tx: optax.GradientTransformation, shardings: dict,
+                    batch_sharding: NamedSharding) -> Callable:
+    """A jitted, donating ``(state, batch) -> (state, metrics)``.
+
+    ``batch`` is a dict of [B, L] arrays: tokens, targets, loss_mask, segment_ids, positions.
+    The loss is the mean NLL over tokens with ``loss_mask == 1``.
+    """
+
+    def loss_fn(params, batch):
+        model = fns.model(params)
+        logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+        nll = token_nll(logits, batch["targets"])
+        mask = batch["loss_mask"]
+        n = jnp.maximum(mask.sum(), 1.0)
+        loss = (nll * mask).sum() / n
+        pred = jnp.argmax(logits, axis=-1)
+        token_acc = ((pred == batch["targets"]) * mask).sum() / n
+        return loss, {"loss": loss, "token_accuracy": token_acc, "tokens": mask.sum()}
+
+    def step(state, batch):
+        grads, metrics = jax.grad(loss_fn, has_aux=True)(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    batch_shardings = {k: batch_sharding for k in ("tokens", "targets", "loss_mask", "segment_ids", "positions")}
+    return jax.jit(step, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, None),
+                   donate_argnums=(0,))

@@ -1,0 +1,24 @@
+"""Helpers for tests that run ``python -m jaxflow.run`` in a subprocess."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+#: A model small enough that lm_pretrain compiles and steps in seconds on one core.
+TINY_LM = [
+    "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
+    "--set", "model.n_kv_heads=2", "--set", "model.d_ff=64", "--set", "train.batch_size=8",
+    "--set", "train.seq_len=32", "--set", "train.eval_examples=16",
+]
+
+
+def run_cli(args, *, env_extra=None, timeout=300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "jaxflow.run", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
