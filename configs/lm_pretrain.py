@@ -60,8 +60,8 @@ def get_config(variant: str) -> Config:
     if variant == "quick":
         return dataclasses.replace(
             base,
-            train=dataclasses.replace(base.train, steps=600, eval_every=300, eval_examples=256,
-                                      checkpoint_every=300),
+            train=dataclasses.replace(base.train, steps=400, batch_size=32, eval_every=200,
+                                      eval_examples=256, checkpoint_every=200),
         )
     if variant == "default":
         return base

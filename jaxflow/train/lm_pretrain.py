@@ -21,6 +21,7 @@ from jaxflow.data.arithmetic import AdditionTask, packed_batch
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.distributed import to_host
 from jaxflow.experiment import RunContext
+from jaxflow.mesh import assert_params_sufficiently_sharded
 from jaxflow.models.transformer import param_count
 from jaxflow.train.evaluate import ExactMatchEvaluator
 from jaxflow.train.lm_state import init_train_state, lm_functions, make_optimizer, make_train_step
@@ -72,6 +73,7 @@ def main(config, run: RunContext) -> dict:
         start = latest
         run.truncate_metrics_after(start)
         run.info(f"resumed from checkpoint at step {start}")
+    assert_params_sufficiently_sharded(state["params"], mesh)  # no-op without a "model" axis
     run.info(f"model params: {param_count(state['params']):,}; mesh {dict(mesh.shape)}")
     kill_at = int(os.environ.get(FAULT_ENV, "-1"))
 
