@@ -1,0 +1,30 @@
+"""RL policy losses: GRPO / DAPO / GSPO / CISPO with SIS, TIS and MIS plug-in corrections.
+
+Modules (one idea each):
+  policy_loss   PolicyLossConfig and policy_loss (base algorithms, aggregation, metrics)
+  sis           Selective Importance Sampling: envelope, acceptance test, ratio rewrite
+  corrections   behaviour-policy weights: TIS (truncated) and MIS (masked)
+  advantages    GRPO group normalisation (with / without std) and RLOO
+  exact_gradient  the `sis_exact_gradient` study (enumerable toy policy; exact gradient)
+
+Usage::
+
+    from jaxflow.rl import policy_loss, PolicyLossConfig
+    cfg = PolicyLossConfig(algo="dapo", correction="sis")
+    loss, metrics = policy_loss(logp, old_logp, adv, mask, config=cfg, key=key,
+                                old_topk_logp=old_k, new_topk_logp=new_k)
+"""
+
+from jaxflow.rl.advantages import grpo_advantages, rloo_advantages
+from jaxflow.rl.corrections import mis_weights, tis_weights
+from jaxflow.rl.policy_loss import (AGGS, ALGOS, CORRECTIONS, DEFAULT_CLIP_EPS,
+                                    PolicyLossConfig, policy_loss)
+from jaxflow.rl.sis import sis_accept, sis_log_envelope, sis_log_ratio, sis_uniforms
+
+__all__ = [
+    "AGGS", "ALGOS", "CORRECTIONS", "DEFAULT_CLIP_EPS",
+    "PolicyLossConfig", "policy_loss",
+    "sis_accept", "sis_log_envelope", "sis_log_ratio", "sis_uniforms",
+    "tis_weights", "mis_weights",
+    "grpo_advantages", "rloo_advantages",
+]

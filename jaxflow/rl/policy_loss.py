@@ -1,0 +1,372 @@
+"""The policy loss: GRPO / DAPO / GSPO / CISPO with SIS, TIS and MIS as plug-in corrections.
+
+Everything is a pure function of arrays; ``config`` is a frozen, hashable dataclass, so
+``jax.jit(policy_loss, static_argnames="config")`` works, as does closing over it.
+
+Per token (``log_w = clip(logp - old_logp, -20, 20)``, ``r = exp(log_w)``, A the advantage):
+
+* ``grpo`` / ``dapo``: ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``; with
+  ``dual_clip_c`` the loss of a negative-advantage token is further capped at ``-A c``.
+  ``dapo`` is the same loss with clip-higher defaults (0.2 / 0.28).
+* ``gspo``: the GSPO-token form: ``r_t = sg(s) * exp(log_w_t - sg(log_w_t))`` with ``s`` the
+  length-normalised sequence ratio ``exp(mean_t log_w_t)``, then the PPO clip with GSPO's
+  tiny eps (3e-4 / 4e-4). Under ``seq-mean-token-mean`` its gradient is GSPO's sequence one.
+* ``cispo``: ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp`` (gradient always flows).
+
+SIS (``correction`` contains ``sis``) replaces ``log_w`` by ``log_w - sg(accept * log_w)``
+(see :mod:`jaxflow.rl.sis`): an accepted token has ratio value exactly 1, is never clipped
+(nor dual-clipped, nor truncated by CISPO) and gets the on-policy gradient ``-A grad logp``.
+A rejected token goes through the base algorithm unchanged, except that for GSPO the sequence
+ratio is the mean of ``log_w`` over the sequence's *rejected* tokens only (1 when none are).
+TIS / MIS weights (:mod:`jaxflow.rl.corrections`) multiply every unmasked token's loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxflow.rl import corrections
+from jaxflow.rl import sis
+
+ALGOS = ("grpo", "dapo", "gspo", "cispo")
+CORRECTIONS = ("none", "sis", "tis", "mis", "sis+tis", "sis+mis")
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+# (eps_low, eps_high) per algorithm; the clip range of the ratio is [1 - low, 1 + high].
+# CISPO has no lower truncation by default (1 - 1.0 = 0), as in MiniMax-M1.
+DEFAULT_CLIP_EPS = {
+    "grpo": (0.2, 0.2),
+    "dapo": (0.2, 0.28),
+    "gspo": (3e-4, 4e-4),
+    "cispo": (1.0, 0.28),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    """What :func:`policy_loss` computes. Frozen and hashable (a valid static jit argument).
+
+    Attributes:
+      algo: one of ``ALGOS`` ("grpo", "dapo", "gspo", "cispo"). Default "grpo".
+      correction: one of ``CORRECTIONS``. Default "none". "sis" needs ``key`` and both top-K
+        arrays; "tis" / "mis" need ``behaviour_logp``.
+      agg: one of ``AGGS``. Default "token-mean" (mean over all unmasked tokens);
+        "seq-mean-token-mean" / "seq-mean-token-sum" average, over sequences with at least one
+        unmasked token, the per-sequence token mean / sum.
+      clip_eps_low, clip_eps_high: clip range [1 - low, 1 + high]; None takes the algorithm's
+        default from ``DEFAULT_CLIP_EPS`` (grpo 0.2/0.2, dapo 0.2/0.28, gspo 3e-4/4e-4,
+        cispo 1.0/0.28). ``float("inf")`` disables a side.
+      dual_clip_c: grpo/dapo only; caps the loss of negative-advantage tokens at ``-A * c``
+        (c > 1, typically 3.0). Default None (off).
+      log_ratio_clip: every log ratio is clipped to [-this, this]. Default 20.0.
+      tis_cap: TIS weight ``min(pi_old / mu, tis_cap)``. Default 2.0.
+      mis_low, mis_high: MIS keeps ``pi_old / mu`` inside [low, high], zero outside.
+        Defaults 0.5 and 2.0.
+    """
+
+    algo: str = "grpo"
+    correction: str = "none"
+    agg: str = "token-mean"
+    clip_eps_low: float | None = None
+    clip_eps_high: float | None = None
+    dual_clip_c: float | None = None
+    log_ratio_clip: float = sis.LOG_RATIO_CLIP
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+
+    def __post_init__(self):
+        for field, choices in (("algo", ALGOS), ("correction", CORRECTIONS), ("agg", AGGS)):
+            value = getattr(self, field)
+            if value not in choices:
+                raise ValueError(f"unknown {field} {value!r}; valid choices: {choices}")
+        for field in ("clip_eps_low", "clip_eps_high"):
+            value = getattr(self, field)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{field} must be >= 0 (or None for the default), got {value!r}")
+        if self.dual_clip_c is not None:
+            if self.algo not in ("grpo", "dapo"):
+                raise ValueError(
+                    f"dual_clip_c applies to algo 'grpo' or 'dapo', not {self.algo!r}")
+            if not self.dual_clip_c > 1:
+                raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c!r}")
+        if not self.log_ratio_clip > 0:
+            raise ValueError(f"log_ratio_clip must be > 0, got {self.log_ratio_clip!r}")
+        if not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap!r}")
+        if not 0 <= self.mis_low < self.mis_high:
+            raise ValueError(
+                f"need 0 <= mis_low < mis_high, got mis_low={self.mis_low!r}, "
+                f"mis_high={self.mis_high!r}")
+
+    @property
+    def eps(self) -> tuple[float, float]:
+        """The resolved (eps_low, eps_high)."""
+        low, high = DEFAULT_CLIP_EPS[self.algo]
+        return (low if self.clip_eps_low is None else self.clip_eps_low,
+                high if self.clip_eps_high is None else self.clip_eps_high)
+
+    @property
+    def uses_sis(self) -> bool:
+        return self.correction.startswith("sis")
+
+    @property
+    def behaviour_correction(self) -> str | None:
+        """"tis", "mis" or None."""
+        tail = self.correction.split("+")[-1]
+        return tail if tail in ("tis", "mis") else None
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_like(name: str, x: Any, ref: jax.Array, ndim_extra: int = 0) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if ndim_extra == 0 and x.shape != ref.shape:
+        raise ValueError(f"{name} shape {x.shape} does not match logp shape {ref.shape} [B, T]")
+    if ndim_extra == 1 and (x.ndim != 3 or x.shape[:2] != ref.shape or x.shape[2] < 1):
+        raise ValueError(f"{name} shape {x.shape} must be [B, T, K] = [{ref.shape[0]}, "
+                         f"{ref.shape[1]}, K>=1] to match logp shape {ref.shape}")
+    if x.dtype != ref.dtype:
+        raise ValueError(f"{name} dtype {x.dtype} does not match logp dtype {ref.dtype}")
+
+
+def _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_topk_logp,
+              behaviour_logp, uniforms=None) -> None:
+    if not isinstance(config, PolicyLossConfig):
+        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    if not hasattr(logp, "ndim") or logp.ndim != 2:
+        raise ValueError(f"logp must be a [B, T] array, got shape {getattr(logp, 'shape', None)}")
+    if not jnp.issubdtype(logp.dtype, jnp.floating):
+        raise ValueError(f"logp must be floating point, got dtype {logp.dtype}")
+    _check_like("old_logp", old_logp, logp)
+    if not hasattr(mask, "shape") or mask.shape != logp.shape:
+        raise ValueError(f"mask shape {getattr(mask, 'shape', None)} does not match logp shape "
+                         f"{logp.shape} [B, T]")
+    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.number)):
+        raise ValueError(f"mask must be bool or numeric, got dtype {mask.dtype}")
+    if not hasattr(advantages, "shape") or advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"advantages shape {getattr(advantages, 'shape', None)} must be [B] = "
+                         f"{logp.shape[:1]} or [B, T] = {logp.shape}")
+    if not jnp.issubdtype(advantages.dtype, jnp.floating):
+        raise ValueError(f"advantages must be floating point, got dtype {advantages.dtype}")
+    if config.uses_sis:
+        if key is None and uniforms is None:
+            raise ValueError(f"correction {config.correction!r} needs key= (a PRNG key for the "
+                             "SIS uniforms); got None")
+        if uniforms is not None and getattr(uniforms, "shape", None) != logp.shape:
+            raise ValueError(f"uniforms shape {getattr(uniforms, 'shape', None)} does not match "
+                             f"logp shape {logp.shape} [B, T]")
+        for name, arr in (("old_topk_logp", old_topk_logp), ("new_topk_logp", new_topk_logp)):
+            if arr is None:
+                raise ValueError(f"correction {config.correction!r} needs {name}= [B, T, K] "
+                                 "(log-probs at pi_old's top-K tokens); got None")
+            _check_like(name, arr, logp, ndim_extra=1)
+        if old_topk_logp.shape != new_topk_logp.shape:
+            raise ValueError(f"old_topk_logp shape {old_topk_logp.shape} does not match "
+                             f"new_topk_logp shape {new_topk_logp.shape}")
+    if config.behaviour_correction is not None:
+        if behaviour_logp is None:
+            raise ValueError(f"correction {config.correction!r} needs behaviour_logp= [B, T] "
+                             "(the sampler's log-probs); got None")
+        _check_like("behaviour_logp", behaviour_logp, logp)
+    elif behaviour_logp is not None:
+        _check_like("behaviour_logp", behaviour_logp, logp)
+
+
+# ----------------------------------------------------------------------------- base losses
+
+
+def _ppo_clip(ratio, adv, accept, eps, dual_clip_c):
+    """PPO clip (+ optional dual clip); accepted tokens take the unclipped branch."""
+    low, high = eps
+    unclipped = -adv * ratio
+    clipped_loss = -adv * jnp.clip(ratio, 1.0 - low, 1.0 + high)
+    clip_active = clipped_loss > unclipped
+    loss = jnp.where(clip_active, clipped_loss, unclipped)
+    if dual_clip_c is not None:
+        bound = -adv * dual_clip_c
+        dual_active = jnp.logical_and(adv < 0, loss > bound)
+        loss = jnp.where(dual_active, bound, loss)
+        clip_active = jnp.logical_or(clip_active, dual_active)
+    loss = jnp.where(accept, unclipped, loss)
+    return loss, jnp.logical_and(clip_active, ~accept)
+
+
+def _gspo_token_log_ratio(log_w, sis_log_w, accept, mask):
+    """Accepted: ``sis_log_w`` (value 0). Rejected: ``sg(seq) + log_w - sg(log_w)`` where
+    ``seq`` is the mean of ``log_w`` over the sequence's rejected unmasked tokens."""
+    rejected = jnp.logical_and(mask, ~accept)
+    count = jnp.sum(rejected, axis=-1, keepdims=True)
+    seq = jnp.sum(jnp.where(rejected, log_w, 0.0), axis=-1, keepdims=True)
+    seq = seq / jnp.maximum(count, 1).astype(log_w.dtype)
+    rejected_log_ratio = jax.lax.stop_gradient(seq) + (log_w - jax.lax.stop_gradient(log_w))
+    return jnp.where(accept, sis_log_w, rejected_log_ratio)
+
+
+def _cispo(ratio, logp, adv, accept, eps):
+    low, high = eps
+    truncated = jnp.clip(ratio, 1.0 - low, 1.0 + high)
+    weight = jax.lax.stop_gradient(jnp.where(accept, ratio, truncated))
+    clip_active = jnp.logical_and(truncated != ratio, ~accept)
+    return -adv * weight * logp, clip_active
+
+
+# ----------------------------------------------------------------------------- aggregation, metrics
+
+
+def aggregate(token_loss: jax.Array, mask: jax.Array, agg: str) -> jax.Array:
+    """Reduces [B, T] token losses (already zero where masked) with ``agg`` (see AGGS)."""
+    maskf = mask.astype(token_loss.dtype)
+    if agg == "token-mean":
+        return jnp.sum(token_loss * maskf) / jnp.maximum(jnp.sum(maskf), 1.0)
+    if agg not in AGGS:
+        raise ValueError(f"unknown agg {agg!r}; valid choices: {AGGS}")
+    count = jnp.sum(maskf, axis=-1)
+    per_seq = jnp.sum(token_loss * maskf, axis=-1)
+    if agg == "seq-mean-token-mean":
+        per_seq = per_seq / jnp.maximum(count, 1.0)
+    nonempty = count > 0
+    return jnp.sum(jnp.where(nonempty, per_seq, 0.0)) / jnp.maximum(jnp.sum(nonempty), 1)
+
+
+def masked_percentile(values: jax.Array, mask: jax.Array, q: float) -> jax.Array:
+    """Linear-interpolated percentile (numpy's default) over ``values[mask]``; 0 if empty."""
+    flat = jnp.where(mask, values, -jnp.inf).reshape(-1)
+    ordered = jnp.sort(flat)
+    n = jnp.sum(mask)
+    first = flat.shape[0] - n  # masked-out entries sort first
+    pos = (q / 100.0) * jnp.maximum(n - 1, 0).astype(jnp.float32)
+    lo = jnp.floor(pos).astype(jnp.int32)
+    hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0))
+    frac = (pos - lo).astype(values.dtype)
+    lo_v = ordered[jnp.clip(first + lo, 0, flat.shape[0] - 1)]
+    hi_v = ordered[jnp.clip(first + hi, 0, flat.shape[0] - 1)]
+    return jnp.where(n > 0, lo_v + frac * (hi_v - lo_v), 0.0)
+
+
+def _metrics(log_w, accept, clip_active, weights, mask):
+    log_w = jax.lax.stop_gradient(log_w)
+    weights = jax.lax.stop_gradient(weights)
+    maskf = mask.astype(log_w.dtype)
+    n = jnp.sum(maskf)
+    denom = jnp.maximum(n, 1.0)
+    ratio = jnp.exp(log_w)
+    abs_log_w = jnp.abs(log_w) * maskf
+    w = weights * maskf
+    ess = jnp.where(n > 0, jnp.sum(w) ** 2 / jnp.maximum(n * jnp.sum(w * w), 1e-30), 0.0)
+    return {
+        "accept_rate": jnp.sum(jnp.logical_and(accept, mask)) / denom,
+        "clip_fraction": jnp.sum(jnp.logical_and(clip_active, mask)) / denom,
+        "d_original": jnp.sum(abs_log_w) / denom,
+        "d_sis": jnp.sum(jnp.where(accept, 0.0, abs_log_w)) / denom,
+        "ratio_max": jnp.where(n > 0, jnp.max(jnp.where(mask, ratio, -jnp.inf)), 0.0),
+        "ratio_p99": masked_percentile(ratio, mask, 99.0),
+        "ess": ess,
+    }
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def policy_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    config: PolicyLossConfig,
+    key: jax.Array | None = None,
+    old_topk_logp: jax.Array | None = None,
+    new_topk_logp: jax.Array | None = None,
+    behaviour_logp: jax.Array | None = None,
+    uniforms: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The policy-gradient loss (to minimise) and its diagnostics.
+
+    Args:
+      logp: [B, T] current policy log-prob of the sampled tokens (differentiated).
+      old_logp: [B, T] pi_old's log-prob of the same tokens: the trainer's own recomputation at
+        the start of the rollout's updates (treated as data: no gradient).
+      advantages: [B] per sequence or [B, T] per token.
+      mask: [B, T] bool (or 0/1) response mask; masked entries may hold anything (even inf).
+      config: a :class:`PolicyLossConfig` (static).
+      key: PRNG key for the SIS uniforms (needed when ``config.correction`` has "sis"); the
+        uniforms are ``sis.sis_uniforms(key, logp.shape)``.
+      old_topk_logp, new_topk_logp: [B, T, K] pi_old's / the current policy's log-probs at
+        pi_old's top-K tokens (needed for SIS). K = |V| gives the exact envelope.
+      behaviour_logp: [B, T] the sampler's log-probs (needed for TIS / MIS).
+      uniforms: optional [B, T] SIS uniforms in [0, 1] used instead of drawing them from
+        ``key`` (an extension beyond issue 3 for replays and for exact expectations over the
+        accept coin: 0 forces acceptance, 1 forces rejection unless log_w == 0).
+
+    Returns:
+      ``(loss, metrics)``: a scalar in f32 (or wider, matching logp) and a dict of scalars:
+      accept_rate (fraction of unmasked tokens SIS accepted; 0 without SIS), clip_fraction
+      (fraction of unmasked tokens whose loss the clip / dual clip / CISPO truncation changed),
+      d_original (mean |log_w| over unmasked tokens, log_w clipped to +-log_ratio_clip), d_sis
+      (the same with accepted tokens counted as 0), ratio_max and ratio_p99 (of exp(log_w), the
+      ratio before SIS), ess ((sum v)^2 / (n sum v^2) over unmasked tokens, v = the ratio value
+      the loss uses after SIS -- the sequence ratio for GSPO, before clipping -- times the
+      TIS/MIS weight; 0 when every token is masked). With every token masked the loss is 0
+      and its gradient is finite (zero).
+
+    Raises:
+      ValueError: bad shapes / dtypes, an unknown name in the config, or an input the chosen
+        correction needs is missing.
+    """
+    _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_topk_logp,
+              behaviour_logp, uniforms)
+    dtype = jnp.promote_types(logp.dtype, jnp.float32)
+    keep = mask.astype(bool)
+
+    def clean(x, m=keep):  # masked entries -> 0 so inf/nan padding can't reach the loss or grad
+        return jnp.where(m, x.astype(dtype), jnp.zeros((), dtype))
+
+    logp_c = clean(logp)
+    old_c = jax.lax.stop_gradient(clean(old_logp))
+    adv = advantages if advantages.ndim == 2 else advantages[:, None]
+    adv = jax.lax.stop_gradient(clean(jnp.broadcast_to(adv, logp.shape)))
+    log_w = sis.clipped_log_ratio(logp_c, old_c, config.log_ratio_clip)
+
+    if config.uses_sis:
+        keep_k = keep[..., None]
+        log_m = sis.sis_log_envelope(log_w, clean(new_topk_logp, keep_k),
+                                     clean(old_topk_logp, keep_k), config.log_ratio_clip)
+        if uniforms is None:
+            uniforms = sis.sis_uniforms(key, logp.shape)
+        accept = jnp.logical_and(sis.sis_accept(log_w, log_m, uniforms), keep)
+    else:
+        accept = jnp.zeros(logp.shape, bool)
+    sis_log_w = sis.sis_log_ratio(log_w, accept)
+
+    eps = config.eps
+    if config.algo in ("grpo", "dapo"):
+        ratio = jnp.exp(sis_log_w)
+        token_loss, clip_active = _ppo_clip(ratio, adv, accept, eps, config.dual_clip_c)
+    elif config.algo == "gspo":
+        ratio = jnp.exp(_gspo_token_log_ratio(log_w, sis_log_w, accept, keep))
+        token_loss, clip_active = _ppo_clip(ratio, adv, accept, eps, None)
+    else:  # cispo
+        ratio = jnp.exp(sis_log_w)
+        token_loss, clip_active = _cispo(ratio, logp_c, adv, accept, eps)
+
+    weights = jnp.ones(logp.shape, dtype)
+    if config.behaviour_correction is not None:
+        behaviour_c = clean(behaviour_logp)
+        if config.behaviour_correction == "tis":
+            weights = corrections.tis_weights(old_c, behaviour_c, config.tis_cap)
+        else:
+            weights = corrections.mis_weights(old_c, behaviour_c, config.mis_low,
+                                              config.mis_high)
+        token_loss = token_loss * weights
+
+    token_loss = jnp.where(keep, token_loss, jnp.zeros((), dtype))
+    loss = aggregate(token_loss, keep, config.agg)
+    metrics = _metrics(log_w, accept, clip_active, jax.lax.stop_gradient(ratio) * weights, keep)
+    return loss, metrics
