@@ -1,0 +1,203 @@
+"""bench_sync_codec: bytes on the wire and throughput of every sync codec on synthetic trees.
+
+A tree is made as a real optimizer makes it: fp32 master weights of transformer shapes and
+scales, one Adam-like step (update directions of magnitude <= 1, like Adam's normalised step)
+with the learning rate bisected to hit each target changed fraction, cast to bf16 before and
+after. Per density and codec: ``len(to_bytes())``, ratio vs dense, bytes over the entropy bound,
+encode (encode + to_bytes) and apply (from_bytes + apply) throughput in bf16 parameter bytes
+per second, bit-exactness. In the same run: a plain memory copy of the tree and the PULSE-style
+baseline (baseline.py). Timings alternate all codecs round by round after a warm-up and report
+medians.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+
+from jaxflow.sync import baseline, bits
+from jaxflow.sync.bound import entropy_bound_bytes
+from jaxflow.sync.diff import diff_tree
+from jaxflow.sync.encoder import encode
+from jaxflow.sync.payload import Payload
+from jaxflow.sync.receiver import apply
+
+HEADLINE_DENSITY = 0.006
+BF16 = ml_dtypes.bfloat16
+
+
+def transformer_shapes(d_model: int, n_layers: int, vocab: int) -> dict[str, tuple[int, ...]]:
+    shapes = {"embed": (vocab, d_model), "final_norm": (d_model,)}
+    for layer in range(n_layers):
+        p = f"layer{layer:02d}"
+        shapes.update({f"{p}.attn_norm": (d_model,), f"{p}.qkv": (d_model, 3 * d_model),
+                       f"{p}.out": (d_model, d_model), f"{p}.mlp_norm": (d_model,),
+                       f"{p}.up": (d_model, 4 * d_model), f"{p}.down": (4 * d_model, d_model)})
+    return shapes
+
+
+def master_weights(shapes, rng) -> tuple[dict, dict]:
+    """fp32 weights (norms ~1, matrices ~N(0, 1/fan_in) or 0.02) and Adam-like directions."""
+    weights, directions = {}, {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            w = 1.0 + 0.05 * rng.standard_normal(shape, dtype=np.float32)
+        else:
+            std = 0.02 if name == "embed" else 1.0 / np.sqrt(shape[0])
+            w = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        weights[name] = w
+        # Adam's step m / (sqrt(v) + eps) is bounded by ~1 and often near +-1.
+        directions[name] = np.tanh(1.5 * rng.standard_normal(shape, dtype=np.float32))
+    return weights, directions
+
+
+def adam_step_bf16(weights, directions, lr: float) -> dict:
+    return {k: (w - np.float32(lr) * directions[k]).astype(BF16) for k, w in weights.items()}
+
+
+def calibrate_lr(weights, directions, density: float, sample: int = 1 << 20) -> float:
+    """Bisects (in log space) the learning rate whose step changes ``density`` of bf16 values."""
+    total = sum(w.size for w in weights.values())
+    ws, ds = [], []
+    for k, w in weights.items():
+        take = max(1, int(round(w.size * sample / total)))
+        ws.append(w.reshape(-1)[:take])
+        ds.append(directions[k].reshape(-1)[:take])
+    w, d = np.concatenate(ws), np.concatenate(ds)
+    base = w.astype(BF16).view(np.uint16)
+
+    def changed(lr):
+        return np.mean((w - np.float32(lr) * d).astype(BF16).view(np.uint16) != base)
+
+    lo, hi = 1e-9, 1.0
+    for _ in range(40):
+        mid = np.sqrt(lo * hi)
+        lo, hi = (mid, hi) if changed(mid) < density else (lo, mid)
+    return float(np.sqrt(lo * hi))
+
+
+def _median(xs) -> float:
+    return float(np.median(np.asarray(xs)))
+
+
+def _bit_equal(a: dict, b: dict) -> bool:
+    return all(np.array_equal(bits.as_bits(np.asarray(a[k])), bits.as_bits(np.asarray(b[k])))
+               for k in b)
+
+
+def _measure(old, new, codecs, rounds, config, memcpy_times=None):
+    """Alternates every codec (and the memcpy) round by round; returns per-codec results."""
+    nbytes = sum(v.nbytes for v in new.values())
+    old_bits = [bits.as_bits(old[k]) for k in sorted(old)]
+    new_bits = [bits.as_bits(new[k]) for k in sorted(new)]
+    scratch = {k: np.empty_like(v) for k, v in new.items()} if memcpy_times is not None else None
+    times = {c: {"encode": [], "apply": []} for c in codecs}
+    wire = {}
+    exact = {}
+    for r in range(rounds + 1):  # round 0 is the warm-up
+        if scratch is not None:
+            t0 = time.perf_counter()
+            for k, v in new.items():
+                np.copyto(scratch[k], v)
+            if r:
+                memcpy_times.append(time.perf_counter() - t0)
+        for codec in codecs:
+            t0 = time.perf_counter()
+            if codec == "pulse":
+                blob = baseline.pulse_encode(old_bits, new_bits)
+            else:
+                blob = encode(old, new, base_version=0, version=1, codec=codec,
+                              bucket_elems=config.bucket_elems,
+                              zstd_level=config.zstd_level).to_bytes()
+            t1 = time.perf_counter()
+            if codec == "pulse":
+                out_bits = baseline.pulse_apply(blob, old_bits)
+            else:
+                out = apply(Payload.from_bytes(blob), old, version=0)
+            t2 = time.perf_counter()
+            if r:
+                times[codec]["encode"].append(t1 - t0)
+                times[codec]["apply"].append(t2 - t1)
+            else:
+                wire[codec] = len(blob)
+                if codec == "pulse":
+                    exact[codec] = all(np.array_equal(a, b) for a, b in zip(out_bits, new_bits))
+                else:
+                    exact[codec] = _bit_equal(out, new)
+            del blob
+    return {c: {"bytes": wire[c], "bit_exact": exact[c],
+                "encode_s": times[c]["encode"], "apply_s": times[c]["apply"],
+                "encode_gbps": nbytes / _median(times[c]["encode"]) / 1e9,
+                "apply_gbps": nbytes / _median(times[c]["apply"]) / 1e9} for c in codecs}
+
+
+def main(config, run) -> dict:
+    rng = np.random.default_rng(config.seed)
+    shapes = transformer_shapes(config.d_model, config.n_layers, config.vocab)
+    weights, directions = master_weights(shapes, rng)
+    old = {k: w.astype(BF16) for k, w in weights.items()}
+    n_elems = sum(w.size for w in weights.values())
+    dense_bytes = 2 * n_elems
+    run.info(f"tree: {len(shapes)} tensors, {n_elems / 1e6:.1f}M bf16 elements")
+    codecs = tuple(config.codecs) + ("pulse",)
+    run.set_total_steps(len(config.densities), "densities")
+    memcpy_times: list[float] = []
+    by_density, headline = [], None
+    for step, density in enumerate(config.densities):
+        lr = calibrate_lr(weights, directions, density)
+        new = adam_step_bf16(weights, directions, lr)
+        _, specs, diffs = diff_tree(old, new)
+        changed = sum(d.count for d in diffs) / n_elems
+        bound = entropy_bound_bytes(specs, diffs)
+        del diffs
+        is_headline = abs(density - HEADLINE_DENSITY) < 1e-12
+        rounds = config.timing_rounds if is_headline else config.timing_rounds_other
+        results = _measure(old, new, codecs, rounds, config,
+                           memcpy_times if is_headline else None)
+        for codec, res in results.items():
+            row = {"density": density, "codec": codec, "changed_fraction": changed,
+                   "bytes": res["bytes"], "ratio_vs_dense": dense_bytes / res["bytes"],
+                   "bytes_over_entropy_bound": res["bytes"] / bound,
+                   "encode_gbps": res["encode_gbps"], "apply_gbps": res["apply_gbps"],
+                   "bit_exact": res["bit_exact"], "lr": lr}
+            by_density.append(row)
+        if is_headline:
+            headline = results
+            headline_bound, headline_changed = bound, changed
+        smallest = min(r["bytes"] for r in results.values())
+        run.log(step + 1, {"density": density, "changed_fraction": changed,
+                           "best_ratio_vs_dense": dense_bytes / smallest, "bound_bytes": bound})
+        del new
+    if headline is None:
+        raise ValueError(f"densities {config.densities} must include {HEADLINE_DENSITY}")
+    memcpy_gbps = 2 * n_elems / _median(memcpy_times) / 1e9
+
+    def per_codec(fn):
+        return {c: fn(r) for c, r in headline.items()}
+
+    summary = {
+        "memcpy_gbps": memcpy_gbps,
+        "encode_gbps": per_codec(lambda r: r["encode_gbps"]),
+        "apply_gbps": per_codec(lambda r: r["apply_gbps"]),
+        "ratio_vs_dense": per_codec(lambda r: dense_bytes / r["bytes"]),
+        "bytes_over_entropy_bound": per_codec(lambda r: r["bytes"] / headline_bound),
+        "by_density": by_density,
+        "encode_fraction_of_memcpy": per_codec(lambda r: r["encode_gbps"] / memcpy_gbps),
+        "apply_fraction_of_memcpy": per_codec(lambda r: r["apply_gbps"] / memcpy_gbps),
+        "bit_exact": all(row["bit_exact"] for row in by_density),
+        "num_elements": n_elems,
+        "dense_bytes": dense_bytes,
+        "entropy_bound_bytes": headline_bound,
+        "changed_fraction": headline_changed,
+        "timing_rounds": config.timing_rounds,
+    }
+    if "auto" in headline:
+        # Paired per round (auto and pulse ran back to back): pulse time / auto time.
+        ratios = (np.asarray(headline["pulse"]["encode_s"])
+                  / np.asarray(headline["auto"]["encode_s"]))
+        summary["encode_speedup_auto_vs_pulse"] = {
+            "median": float(np.median(ratios)), "min": float(ratios.min()),
+            "max": float(ratios.max())}
+    return summary

@@ -1,0 +1,86 @@
+"""Bit-pattern diff of a parameter tree: what changed between the receiver's snapshot and the
+trainer's fresh bf16 cast.
+
+``diff_tree(old, new)`` yields one ``LeafDiff`` per leaf: for bf16 leaves the sorted flat
+positions whose bit patterns differ plus the old and new patterns there; every leaf also keeps
+its full new contents (a host view, no copy) for the dense codec and for non-bf16 leaves,
+which are carried whole and exactly whenever any bit changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxflow.sync import bits
+from jaxflow.sync.payload import LeafSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafDiff:
+    """Changes of one leaf.
+
+    Attributes:
+      positions: int64[k] sorted flat positions (in the logical, unsharded leaf) whose bits
+        differ; for non-bf16 leaves, the positions of differing elements.
+      old_bits, new_bits: uint16[k] bf16 bit patterns at ``positions`` (empty for non-bf16).
+      full_new: the whole new leaf as a flat host array (any dtype), or None when the producer
+        (e.g. ChangeTracker) did not gather it.
+    """
+
+    positions: np.ndarray
+    old_bits: np.ndarray
+    new_bits: np.ndarray
+    full_new: np.ndarray | None
+
+    @property
+    def count(self) -> int:
+        return int(self.positions.size)
+
+
+def leaf_name(path) -> str:
+    return jax.tree_util.keystr(path)
+
+
+def tree_layout(tree) -> tuple[str, list, tuple[LeafSpec, ...]]:
+    """(treedef string, leaves, LeafSpecs) of a parameter tree."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    specs = tuple(
+        LeafSpec(leaf_name(path), np.dtype(_dtype(leaf)).name,
+                 tuple(int(d) for d in np.shape(leaf)))
+        for path, leaf in flat)
+    return str(treedef), [leaf for _, leaf in flat], specs
+
+
+def _dtype(leaf):
+    return leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+
+
+def check_same_layout(old_specs, new_specs, old_treedef: str, new_treedef: str) -> None:
+    if old_treedef != new_treedef:
+        raise ValueError(f"old and new trees differ in structure: {old_treedef} vs {new_treedef}")
+    for o, n in zip(old_specs, new_specs):
+        if o != n:
+            raise ValueError(f"leaf {o.name}: old is {o.dtype}{list(o.shape)}, "
+                             f"new is {n.dtype}{list(n.shape)}")
+
+
+def diff_leaf(old, new) -> LeafDiff:
+    old_h, new_h = bits.host_array(old), bits.host_array(new)
+    old_b, new_b = bits.as_bits(old_h), bits.as_bits(new_h)
+    pos, old_at, new_at = bits.diff_bits(old_b, new_b)
+    flat_new = new_h.reshape(-1)
+    if bits.is_bf16(new_h.dtype):
+        return LeafDiff(pos, old_at, new_at, flat_new)
+    empty = np.zeros(0, np.uint16)
+    return LeafDiff(pos, empty, empty, flat_new)
+
+
+def diff_tree(old_tree, new_tree) -> tuple[str, tuple[LeafSpec, ...], list[LeafDiff]]:
+    """Diffs two trees of identical structure, shapes and dtypes (ValueError otherwise)."""
+    old_def, old_leaves, old_specs = tree_layout(old_tree)
+    new_def, new_leaves, new_specs = tree_layout(new_tree)
+    check_same_layout(old_specs, new_specs, old_def, new_def)
+    return new_def, new_specs, [diff_leaf(o, n) for o, n in zip(old_leaves, new_leaves)]

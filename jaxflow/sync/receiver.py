@@ -1,0 +1,192 @@
+"""Receiver side: validate a payload completely, then write it into the params.
+
+Every check (versions, tree structure, leaf names, shapes, dtypes, section kinds, stream
+lengths, counts, positions) runs and every section is decoded before any leaf is written, so a
+rejected payload raises ``PayloadError`` and leaves the receiver's params untouched. Writes are
+integer scatters on the uint16 bit patterns: XLA's bf16 scatter may canonicalise NaN payloads,
+an integer scatter cannot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from jaxflow.sync import bits, codecs, entropy
+from jaxflow.sync.diff import tree_layout
+from jaxflow.sync.payload import Payload, PayloadError
+
+_BUCKET_KINDS = ("coo", "gap", "entropy")
+_CHUNK = 1 << 18
+
+
+def apply(payload: Payload, params, *, version: int, inplace: bool = False,
+          on_device: bool | None = None):
+    """Returns ``params`` advanced from ``version`` to ``payload.version``.
+
+    Args:
+      payload: a Payload (e.g. from ``Payload.from_bytes``).
+      params: the receiver's tree at ``version``; numpy or jax leaves. Unchanged leaves are
+        returned as the same objects; changed jax leaves keep their sharding.
+      version: the receiver's current version; must equal ``payload.base_version``.
+      inplace: write changed numpy leaves in place (only after all validation passed).
+      on_device: update jax leaves with an integer scatter on their own devices (keeping
+        their sharding, no host round trip of the leaf) instead of on the host. Default: on
+        for leaves living on an accelerator, off on CPU where host numpy is faster.
+    Raises:
+      PayloadError: the payload does not apply; ``params`` are unchanged.
+    """
+    if payload.base_version != version:
+        raise PayloadError(f"payload applies to version {payload.base_version}, "
+                           f"receiver is at version {version}")
+    treedef_str, leaves, specs = tree_layout(params)
+    if treedef_str != payload.treedef:
+        raise PayloadError(f"tree structure mismatch: payload has {payload.treedef}, "
+                           f"receiver has {treedef_str}")
+    if len(specs) != len(payload.leaves):
+        raise PayloadError(f"payload has {len(payload.leaves)} leaves, receiver {len(specs)}")
+    for mine, theirs in zip(specs, payload.leaves):
+        if mine != theirs:
+            raise PayloadError(f"leaf mismatch: payload {theirs.name} {theirs.dtype}"
+                               f"{list(theirs.shape)}, receiver {mine.name} {mine.dtype}"
+                               f"{list(mine.shape)}")
+    updates = decode_updates(payload, leaves)
+    out = list(leaves)
+    for i, update in updates.items():
+        leaf = leaves[i]
+        device = isinstance(leaf, jax.Array) and leaf.size < 2**31 and (  # int32 positions
+            on_device if on_device is not None else leaf.devices().pop().platform != "cpu")
+        out[i] = _write_on_device(leaf, update) if device else _write(leaf, update, inplace)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), out)
+
+
+def decode_updates(payload: Payload, leaves: list) -> dict[int, tuple]:
+    """Decodes every section against the receiver's leaves without writing anything.
+
+    Returns leaf index -> ("full", flat array), ("scatter", positions, new uint16 bits) or
+    ("delta", positions, uint16 bit-pattern differences to add to the old bits).
+    """
+    specs = payload.leaves
+    updates: dict[int, tuple] = {}
+    for section in payload.sections:
+        for i in section.leaves:
+            if i in updates:
+                raise PayloadError(f"leaf {specs[i].name} appears in more than one section")
+            updates[i] = None
+        is_bf16 = [specs[i].dtype == bits.BF16.name for i in section.leaves]
+        if section.kind != "exact" and not all(is_bf16):
+            raise PayloadError(f"{section.kind} section covers non-bf16 leaves")
+        if section.kind not in _BUCKET_KINDS and len(section.leaves) != 1:
+            raise PayloadError(f"{section.kind} section must cover exactly one leaf")
+        if section.kind == "exact":
+            i = section.leaves[0]
+            dtype = bits.host_array(leaves[i]).dtype
+            updates[i] = ("full", codecs.exact_decode(section.streams, dtype, specs[i].size))
+        elif section.kind == "dense":
+            i = section.leaves[0]
+            updates[i] = ("full", codecs.dense_decode(section.streams, specs[i].size))
+        elif section.kind == "mask":
+            i = section.leaves[0]
+            pos, deltas = entropy.mask_decode(section.meta, section.streams, specs[i].size)
+            updates[i] = ("delta", pos, deltas)
+        else:
+            updates.update(_decode_bucket(section, specs, leaves))
+    return updates
+
+
+def _decode_bucket(section, specs, leaves) -> dict[int, tuple]:
+    sizes = [specs[i].size for i in section.leaves]
+    offsets = np.cumsum([0] + sizes)
+    total = int(offsets[-1])
+    if section.kind == "coo":
+        pos, new = codecs.coo_decode(section.meta, section.streams, total)
+    elif section.kind == "gap":
+        pos, new = codecs.gap_decode(section.meta, section.streams, total)
+    else:
+        pos, new = entropy.entropy_decode(section.meta, section.streams, total)
+    cuts = np.searchsorted(pos, offsets)
+    out = {}
+    for j, i in enumerate(section.leaves):
+        lo, hi = cuts[j], cuts[j + 1]
+        kind = "delta" if section.kind == "entropy" else "scatter"
+        out[i] = (kind, pos[lo:hi] - offsets[j], new[lo:hi])
+    return out
+
+
+def _write(leaf, update, inplace: bool):
+    host = bits.host_array(leaf)
+    is_numpy = isinstance(leaf, np.ndarray)
+    if inplace and is_numpy and leaf.flags.writeable and leaf.flags.c_contiguous:
+        target, copy = leaf, False
+    else:
+        target, copy = np.empty_like(host), True
+    flat, source = bits.as_bits(target), bits.as_bits(host)
+    if update[0] == "full":
+        flat[:] = bits.as_bits(update[1])
+    else:
+        _scatter_chunked(flat, source if copy else None, *update)
+    if isinstance(leaf, jax.Array):
+        return jax.device_put(target, leaf.sharding)
+    if is_numpy:
+        return target
+    return target.reshape(np.shape(leaf))[()] if target.ndim == 0 else target
+
+
+def _write_on_device(leaf: jax.Array, update):
+    if update[0] == "full":
+        host = np.asarray(update[1]).view(np.dtype(leaf.dtype)).reshape(leaf.shape)
+        return jax.device_put(host, leaf.sharding)
+    kind, pos, values = update
+    # n-d indices: a flat view of a sharded leaf would need a reshape across shards.
+    index = tuple(jnp.asarray(i, jnp.int32) for i in np.unravel_index(pos, leaf.shape))
+    gathered = kept = None
+    sharding = leaf.sharding
+    if isinstance(sharding, NamedSharding) and any(
+            t == AxisType.Explicit for t in sharding.mesh.axis_types):
+        # Explicit-axis meshes want the gather's and the scatter's output shardings spelled out.
+        gathered, kept = NamedSharding(sharding.mesh, PartitionSpec()), sharding
+    out = _device_scatter(leaf, index, jnp.asarray(values), kind == "delta", gathered, kept)
+    return out if out.sharding == sharding else jax.device_put(out, sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("delta", "gathered", "kept"))
+def _device_scatter(leaf, index, values, delta: bool, gathered, kept):
+    """Integer scatter of uint16 bit patterns into a bf16 leaf on its own devices.
+
+    Same semantics as ``pallas_kernels.sync_scatter_apply.scatter_apply_reference`` (an
+    integer scatter, so NaN payloads survive); XLA partitions it over the leaf's sharding.
+    """
+    leaf_bits = jax.lax.bitcast_convert_type(leaf, jnp.uint16)
+    if delta:
+        old = leaf_bits.at[index].get(out_sharding=gathered) if gathered else leaf_bits[index]
+        values = old + values  # uint16 arithmetic wraps mod 2**16
+    if kept:
+        leaf_bits = leaf_bits.at[index].set(values, mode="drop", out_sharding=kept)
+    else:
+        leaf_bits = leaf_bits.at[index].set(values, mode="drop")
+    return jax.lax.bitcast_convert_type(leaf_bits, leaf.dtype)
+
+
+def _scatter_chunked(flat: np.ndarray, source: np.ndarray | None, kind: str,
+                     pos: np.ndarray, values: np.ndarray) -> None:
+    """Copies ``source`` into ``flat`` (unless None: in place) and writes the updates, one
+    cache-sized chunk at a time so the scatter (and the old-value gather of "delta" updates)
+    hits a chunk that was just copied instead of missing cache on every change."""
+    n = flat.size
+    cuts = np.searchsorted(pos, np.arange(0, n + _CHUNK, _CHUNK))
+    for c, start in enumerate(range(0, max(n, 1), _CHUNK)):
+        stop = min(start + _CHUNK, n)
+        if source is not None:
+            flat[start:stop] = source[start:stop]
+        lo, hi = cuts[c], cuts[c + 1]
+        if lo == hi:
+            continue
+        where = pos[lo:hi]
+        if kind == "delta":
+            flat[where] = entropy.apply_values(flat[where], values[lo:hi])
+        else:
+            flat[where] = values[lo:hi]
