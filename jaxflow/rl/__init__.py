@@ -5,7 +5,9 @@ Modules (one idea each):
   sis           Selective Importance Sampling: envelope, acceptance test, ratio rewrite
   corrections   behaviour-policy weights: TIS (truncated) and MIS (masked)
   advantages    GRPO group normalisation (with / without std) and RLOO
+  logprobs      fused log-probs from hidden states + LM head, never holding [B, T, V] logits
   exact_gradient  the `sis_exact_gradient` study (enumerable toy policy; exact gradient)
+  bench_policy_loss  the `bench_policy_loss` benchmark (fused path, SIS overhead, memory)
 
 Usage::
 
@@ -17,6 +19,7 @@ Usage::
 
 from jaxflow.rl.advantages import grpo_advantages, rloo_advantages
 from jaxflow.rl.corrections import mis_weights, tis_weights
+from jaxflow.rl.logprobs import FusedLogprobsOutput, LogprobBackend, fused_logprobs
 from jaxflow.rl.policy_loss import (AGGS, ALGOS, CORRECTIONS, DEFAULT_CLIP_EPS,
                                     PolicyLossConfig, policy_loss)
 from jaxflow.rl.sis import sis_accept, sis_log_envelope, sis_log_ratio, sis_uniforms
@@ -27,4 +30,5 @@ __all__ = [
     "sis_accept", "sis_log_envelope", "sis_log_ratio", "sis_uniforms",
     "tis_weights", "mis_weights",
     "grpo_advantages", "rloo_advantages",
+    "fused_logprobs", "FusedLogprobsOutput", "LogprobBackend",
 ]

@@ -1,0 +1,304 @@
+"""Log-probs from hidden states and the LM head without holding [B, T, V] logits.
+
+``fused_logprobs(hidden, head, targets, topk_indices, own_topk=K, temperature=T)`` returns
+the sampled tokens' log-probs, the log-probs at given top-K indices (pi_old's top-K for SIS)
+and optionally the distribution's own top-K (values and indices; stored when old log-probs
+are computed, no gradient). Logits are ``(hidden @ head) / T`` in f32 everywhere, so the
+sampler and trainer apply the temperature identically.
+
+Backends (``LogprobBackend``):
+  xla        lax.scan over vocab tiles of the head with an online logsumexp, gathers and a
+             running top-K merge; custom_vjp whose backward also scans the vocab tiles,
+             recomputing softmax per tile. The CPU default. Peak extra memory ~ N * tile.
+  pallas     ``pallas_kernels.fused_logprobs`` (GPU/TPU; on CPU only with interpret=True).
+  reference  ``fused_logprobs_reference``: materialises the logits (the naive baseline).
+The default (backend=None) picks pallas on GPU/TPU, falling back to xla with a warning if
+the kernel cannot be built; asking for ``"pallas"`` explicitly makes such a failure an error.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import fused_logprobs as pallas_fused
+from pallas_kernels.fused_logprobs import (
+    FusedLogprobsBlockSizes,
+    FusedLogprobsOutput,
+    fused_logprobs_reference,
+    validate_inputs,
+)
+
+__all__ = [
+    "FusedLogprobsOutput",
+    "LogprobBackend",
+    "fused_logprobs",
+    "fused_logprobs_reference",
+    "fused_logprobs_xla",
+]
+
+DEFAULT_VOCAB_TILE = 2048
+
+
+class LogprobBackend(enum.Enum):
+    XLA = "xla"
+    PALLAS = "pallas"
+    REFERENCE = "reference"
+
+
+# ------------------------------------------------------------------------------- XLA path
+
+
+def _tiles(vocab: int, tile: int):
+    """(number of full tiles, width of the remainder tile or 0)."""
+    return vocab // tile, vocab % tile
+
+
+def _gather_in_tile(z, idx, col0, width):
+    """z[n, idx[n, k] - col0] where idx falls in [col0, col0 + width), else 0. idx [N, K]."""
+    local = idx - col0
+    inside = (local >= 0) & (local < width)
+    vals = jnp.take_along_axis(z, jnp.clip(local, 0, width - 1), axis=1)
+    return jnp.where(inside, vals, 0.0)
+
+
+def _fwd_tile(carry, w_tile, col0, h, t, kidx, own_topk, temperature):
+    m, s, tz, kz, ov, oi = carry
+    width = w_tile.shape[1]
+    z = jnp.dot(h, w_tile, preferred_element_type=jnp.float32) / temperature
+    m_new = jnp.maximum(m, jnp.max(z, axis=1))
+    s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
+    tz = tz + _gather_in_tile(z, t[:, None], col0, width)[:, 0]
+    if kidx is not None:
+        kz = kz + _gather_in_tile(z, kidx, col0, width)
+    if own_topk:
+        v, i = jax.lax.top_k(z, min(own_topk, width))
+        # Carry first: lax.top_k puts the lower position first on ties = lower vocab index.
+        cat_v = jnp.concatenate([ov, v], axis=1)
+        cat_i = jnp.concatenate([oi, i.astype(jnp.int32) + col0], axis=1)
+        ov, pos = jax.lax.top_k(cat_v, own_topk)
+        oi = jnp.take_along_axis(cat_i, pos, axis=1)
+    return m_new, s, tz, kz, ov, oi
+
+
+def _xla_forward(h, w, t, kidx, own_topk, temperature, tile):
+    n = h.shape[0]
+    vocab = w.shape[1]
+    nfull, rem = _tiles(vocab, tile)
+    step = functools.partial(
+        _fwd_tile, h=h, t=t, kidx=kidx, own_topk=own_topk, temperature=temperature
+    )
+    carry = (
+        jnp.full((n,), -jnp.inf, jnp.float32),
+        jnp.zeros((n,), jnp.float32),
+        jnp.zeros((n,), jnp.float32),
+        None if kidx is None else jnp.zeros(kidx.shape, jnp.float32),
+        jnp.full((n, own_topk), -jnp.inf, jnp.float32),
+        jnp.zeros((n, own_topk), jnp.int32),
+    )
+    if nfull:
+
+        def body(c, col0):
+            w_tile = jax.lax.dynamic_slice_in_dim(w, col0, tile, axis=1)
+            return step(c, w_tile, col0), None
+
+        carry, _ = jax.lax.scan(body, carry, jnp.arange(nfull, dtype=jnp.int32) * tile)
+    if rem:
+        carry = step(carry, w[:, nfull * tile :], nfull * tile)
+    m, s, tz, kz, ov, oi = carry
+    lse = m + jnp.log(s)
+    kz = None if kidx is None else kz - lse[:, None]
+    return lse, tz - lse, kz, ov - lse[:, None], oi
+
+
+def _bwd_tile(dh, w_tile, col0, h, idx, g, total, lse, temperature):
+    """Adds this tile's dz @ w_tile^T to dh; returns (dh, h^T @ dz).
+
+    idx [N, J] / g [N, J]: every (index, cotangent) pair of the one-hot terms (the target
+    and the given top-K), added to dz in one flat scatter.
+    """
+    n = h.shape[0]
+    width = w_tile.shape[1]
+    z = jnp.dot(h, w_tile, preferred_element_type=jnp.float32) / temperature
+    dz = -total[:, None] * jnp.exp(z - lse[:, None])
+    local = idx - col0
+    flat = jnp.arange(n, dtype=jnp.int32)[:, None] * width + local
+    flat = jnp.where((local >= 0) & (local < width), flat, n * width)  # n * width: dropped
+    dz = dz.reshape(-1).at[flat.reshape(-1)].add(g.reshape(-1), mode="drop").reshape(n, width)
+    dz = dz / temperature
+    dh = dh + jnp.dot(dz.astype(w_tile.dtype), w_tile.T, preferred_element_type=jnp.float32)
+    dw_tile = jnp.dot(h.T, dz.astype(h.dtype), preferred_element_type=jnp.float32)
+    return dh, dw_tile
+
+
+def _xla_backward(h, w, t, kidx, lse, g_t, g_k, temperature, tile):
+    d, vocab = w.shape
+    nfull, rem = _tiles(vocab, tile)
+    idx, g = t[:, None], g_t[:, None]
+    if kidx is not None:
+        idx, g = jnp.concatenate([idx, kidx], axis=1), jnp.concatenate([g, g_k], axis=1)
+    step = functools.partial(
+        _bwd_tile, h=h, idx=idx, g=g, total=jnp.sum(g, axis=1), lse=lse,
+        temperature=temperature,
+    )
+    dh = jnp.zeros(h.shape, jnp.float32)
+    dw = jnp.zeros((d, vocab), w.dtype)
+    if nfull:
+
+        def body(c, col0):
+            dh, dw = c
+            w_tile = jax.lax.dynamic_slice_in_dim(w, col0, tile, axis=1)
+            dh, dw_tile = step(dh, w_tile, col0)
+            dw = jax.lax.dynamic_update_slice_in_dim(dw, dw_tile.astype(w.dtype), col0, axis=1)
+            return (dh, dw), None
+
+        (dh, dw), _ = jax.lax.scan(body, (dh, dw), jnp.arange(nfull, dtype=jnp.int32) * tile)
+    if rem:
+        dh, dw_tile = step(dh, w[:, nfull * tile :], nfull * tile)
+        dw = jax.lax.dynamic_update_slice_in_dim(dw, dw_tile.astype(w.dtype), nfull * tile, axis=1)
+    return dh.astype(h.dtype), dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _xla_fused_2d(h, w, t, kidx, own_topk, temperature, tile):
+    return _xla_fused_fwd(h, w, t, kidx, own_topk, temperature, tile)[0]
+
+
+def _xla_fused_fwd(h, w, t, kidx, own_topk, temperature, tile):
+    lse, tlp, klp, ov, oi = _xla_forward(h, w, t, kidx, own_topk, temperature, tile)
+    return (tlp, klp, ov, oi), (h, w, t, kidx, lse)
+
+
+def _xla_fused_bwd(own_topk, temperature, tile, res, cts):
+    h, w, t, kidx, lse = res
+    g_t, g_k, _, _ = cts  # own top-K carries no gradient by contract
+    dh, dw = _xla_backward(h, w, t, kidx, lse, g_t, g_k, temperature, tile)
+    zero_t = jnp.zeros(t.shape, jax.dtypes.float0)
+    zero_k = None if kidx is None else jnp.zeros(kidx.shape, jax.dtypes.float0)
+    return dh, dw, zero_t, zero_k
+
+
+_xla_fused_2d.defvjp(_xla_fused_fwd, _xla_fused_bwd)
+
+
+def fused_logprobs_xla(
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    topk_indices: jax.Array | None = None,
+    *,
+    own_topk: int = 0,
+    temperature: float = 1.0,
+    vocab_tile: int = DEFAULT_VOCAB_TILE,
+) -> FusedLogprobsOutput:
+    """The chunked XLA path (see module docstring); same contract as ``fused_logprobs``."""
+    validate_inputs(hidden, head, targets, topk_indices, own_topk, temperature)
+    if not isinstance(vocab_tile, int) or vocab_tile < 1:
+        raise ValueError(f"vocab_tile must be a positive int, got {vocab_tile!r}")
+    tile = min(vocab_tile, head.shape[1])
+    lead = hidden.shape[:-1]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if h.shape[0] * tile >= 2**31:  # the backward's flat int32 scatter index
+        raise ValueError(
+            f"rows * vocab_tile = {h.shape[0]} * {tile} must be < 2**31; lower vocab_tile or "
+            "split the batch"
+        )
+    t = targets.reshape(-1).astype(jnp.int32)
+    kidx = None
+    if topk_indices is not None:
+        kidx = topk_indices.reshape(h.shape[0], topk_indices.shape[-1]).astype(jnp.int32)
+    tlp, klp, ov, oi = _xla_fused_2d(h, head, t, kidx, own_topk, float(temperature), tile)
+    return FusedLogprobsOutput(
+        tlp.reshape(lead),
+        None if klp is None else klp.reshape(lead + (klp.shape[-1],)),
+        jax.lax.stop_gradient(ov).reshape(lead + (own_topk,)) if own_topk else None,
+        oi.reshape(lead + (own_topk,)) if own_topk else None,
+    )
+
+
+# ------------------------------------------------------------------------------- dispatch
+
+
+def _parse_backend(backend: LogprobBackend | str | None) -> LogprobBackend | None:
+    if backend is None or isinstance(backend, LogprobBackend):
+        return backend
+    try:
+        return LogprobBackend(backend)
+    except ValueError:
+        valid = ", ".join(repr(b.value) for b in LogprobBackend)
+        raise ValueError(f"unknown log-prob backend {backend!r}; valid: {valid} or None") from None
+
+
+def _try_pallas(call, *, forced: bool) -> FusedLogprobsOutput | None:
+    """Runs the Pallas kernel; on failure raises if forced, else warns and returns None.
+
+    Catches failures at trace time (missing backend support, unsupported shapes); a failure
+    while the enclosing jit compiles surfaces from that compilation instead.
+    """
+    try:
+        return call()
+    except Exception as err:  # noqa: BLE001 - any kernel failure falls back unless forced
+        if forced:
+            raise
+        warnings.warn(
+            f"Pallas fused_logprobs unavailable ({type(err).__name__}: {err}); "
+            "falling back to the XLA path",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def fused_logprobs(
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    topk_indices: jax.Array | None = None,
+    *,
+    own_topk: int = 0,
+    temperature: float = 1.0,
+    backend: LogprobBackend | str | None = None,
+    vocab_tile: int = DEFAULT_VOCAB_TILE,
+    block_sizes: FusedLogprobsBlockSizes | None = None,
+    interpret: bool = False,
+) -> FusedLogprobsOutput:
+    """Log-probs of ``targets`` (and at ``topk_indices``) under softmax((hidden @ head) / T).
+
+    Args:
+      hidden: [B, T, d] (any leading shape) hidden states, same float dtype as ``head``.
+      head: [d, V] LM head.
+      targets: [B, T] int sampled token ids in [0, V) (ids outside it are not checked).
+      topk_indices: optional [B, T, K] int indices (e.g. pi_old's top-K for SIS).
+      own_topk: K' > 0 also returns the distribution's own top-K' (stop-gradient).
+      temperature: logits are divided by it (> 0).
+      backend: None (auto), "xla", "pallas" (forced: errors raise) or "reference".
+      vocab_tile: vocab columns per step of the XLA path.
+      block_sizes, interpret: Pallas kernel options.
+
+    Returns:
+      FusedLogprobsOutput(target_logp [B, T], topk_logp [B, T, K] | None,
+      own_topk_logp [B, T, K'] | None, own_topk_indices [B, T, K'] int32 | None), all f32
+      log-probs. Gradients flow to ``hidden`` and ``head`` through the first two.
+    """
+    choice = _parse_backend(backend)
+    validate_inputs(hidden, head, targets, topk_indices, own_topk, temperature)
+    kwargs = dict(own_topk=own_topk, temperature=temperature)
+    if choice is LogprobBackend.REFERENCE:
+        return fused_logprobs_reference(hidden, head, targets, topk_indices, **kwargs)
+    if choice is LogprobBackend.PALLAS or (
+        choice is None and jax.default_backend() in ("gpu", "tpu")
+    ):
+        out = _try_pallas(
+            lambda: pallas_fused.fused_logprobs(
+                hidden, head, targets, topk_indices, block_sizes=block_sizes,
+                interpret=interpret, **kwargs,
+            ),
+            forced=choice is LogprobBackend.PALLAS,
+        )
+        if out is not None:
+            return out
+    return fused_logprobs_xla(hidden, head, targets, topk_indices, vocab_tile=vocab_tile, **kwargs)
