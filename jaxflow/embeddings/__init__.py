@@ -1,0 +1,14 @@
+"""Sharded embedding tables for recommendation (issue 7): placement, routing, lookup, sparse
+optimizers, host-resident tables, checkpoints. See ``lookup.py`` for the stage list."""
+
+from jaxflow.embeddings.lookup import (CapacityOverflowError, GroupContext, ShardedEmbeddings,
+                                       apply_owner_update, check_stats, exchange_grads,
+                                       exchange_ids, exchange_rows, gather_rows, group_forward,
+                                       group_pool, group_update, unique_rows)
+from jaxflow.embeddings.optimizers import (SparseOptimizer, adam, make_sparse_optimizer,
+                                           rowwise_adagrad, sgd)
+from jaxflow.embeddings.pooling import PoolingBackend, pool_bags
+from jaxflow.embeddings.routing import Routing, apply_id_policy, check_ids_host, dedup, route_ids
+from jaxflow.embeddings.spec import (EmbeddingPlan, IdPolicy, Placement, Pooling, TableSpec,
+                                     plan_tables)
+from jaxflow.embeddings.step import make_train_step

@@ -1,0 +1,67 @@
+"""A pure train step over sharded embeddings plus replicated dense parameters, in ``shard_map``.
+
+``(state, ids, batch) -> (state, metrics)``: lookup (all stages of ``lookup.py``), the user's
+loss on this device's batch slice, gradients w.r.t. the dense parameters (``psum`` over the
+axis) and w.r.t. each device's deduplicated rows (sent to their owners), then the dense optax
+update and the sparse row update. The global loss is the mean of the per-device losses, so with
+equal slices it is the global-batch mean. Every collective is written out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxflow.embeddings.lookup import ShardedEmbeddings, error_stats
+
+#: loss_fn(dense_params, embeddings {table: [b, D] | [b, L, D]}, batch slice) -> (loss, aux dict)
+LossFn = Callable[[Any, dict, dict], tuple[jax.Array, dict]]
+
+
+def state_specs(emb: ShardedEmbeddings, dense_state: Any) -> dict:
+    """shard_map specs: embedding state as placed, dense state replicated (a prefix spec)."""
+    return {"emb": emb.state_specs(), "dense": P()}
+
+
+def make_train_step(emb: ShardedEmbeddings, loss_fn: LossFn,
+                    dense_tx: optax.GradientTransformation | None = None, *, donate: bool = True):
+    """Jitted ``step(state, ids, batch) -> (state, metrics)``.
+
+    ``state = {"emb": ShardedEmbeddings state, "dense": {"params": ..., "opt": ...}}`` (dense may
+    be ``{}`` for an embedding-only loss); ``ids`` and ``batch`` are split over ``emb.axis``.
+    ``metrics``: loss, aux means, and the overflow / bad-id counts. A traced step cannot raise:
+    call ``lookup.check_stats(metrics)`` (a host sync) every step or every few steps; a step
+    that overflowed its capacity applied an incomplete update and the run must stop there.
+    """
+    axis, n = emb.axis, emb.plan.num_shards
+
+    def local(state, ids, batch):
+        embs, ctxs = emb.local_forward(state["emb"]["tables"], ids)
+        params = state["dense"].get("params", {})
+
+        def objective(params, embs):
+            loss, aux = loss_fn(params, emb.local_pool(embs, ctxs, ids), batch)
+            return loss / n, (loss, aux)
+
+        (_, (loss, aux)), (g_dense, g_rows) = jax.value_and_grad(
+            objective, argnums=(0, 1), has_aux=True)(params, embs)
+        new_state = {"emb": emb.local_update(state["emb"], ctxs, g_rows), "dense": state["dense"]}
+        if dense_tx is not None and state["dense"]:
+            g_dense = jax.lax.psum(g_dense, axis)
+            updates, opt = dense_tx.update(g_dense, state["dense"]["opt"], params)
+            new_state["dense"] = {"params": optax.apply_updates(params, updates), "opt": opt}
+        metrics = {"loss": jax.lax.pmean(loss, axis),
+                   **{k: jax.lax.pmean(v, axis) for k, v in aux.items()},
+                   **error_stats(ctxs, axis)}
+        return new_state, metrics
+
+    def step(state, ids, batch):
+        specs = state_specs(emb, state["dense"])
+        fn = jax.shard_map(local, mesh=emb.mesh, in_specs=(specs, P(axis), P(axis)),
+                           out_specs=(specs, P()), check_vma=False)
+        return fn(state, ids, batch)
+
+    return jax.jit(step, donate_argnums=(0,) if donate else ())

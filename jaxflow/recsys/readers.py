@@ -1,0 +1,102 @@
+"""Readers for user-given files: Criteo TSV and MovieLens ratings. No downloads.
+
+Both return in-memory arrays in the batch layout of ``synthetic.py``
+(``{"dense": f32[N, F], "label": f32[N], "sparse": {name: int32[N, 1]}}``); ``file_batch``
+slices batches from them.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+
+
+def read_criteo_tsv(path: str | pathlib.Path, vocab_sizes: tuple[int, ...], *,
+                    max_rows: int | None = None, num_dense: int = 13) -> dict:
+    """Criteo TSV: ``label, 13 integer features, 26 hex categorical features`` per line.
+
+    Missing dense values are 0 and counts go through ``log1p(max(x, 0))``; a categorical hex
+    string is hashed into its table as ``int(hex, 16) % vocab`` (the hash-modulo policy, done
+    here because raw values exceed int32); a missing one is padding (-1).
+    """
+    num_cat = len(vocab_sizes)
+    labels, dense, cats = [], [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if max_rows is not None and len(labels) >= max_rows:
+                break
+            line = line.rstrip("\n")
+            if not line:
+                continue
+            parts = line.split("\t")
+            if len(parts) != 1 + num_dense + num_cat:
+                raise ValueError(f"{path}:{lineno}: {len(parts)} tab-separated fields, expected "
+                                 f"{1 + num_dense + num_cat} (label, {num_dense} dense, {num_cat} categorical)")
+            labels.append(float(parts[0]))
+            dense.append([float(x) if x else 0.0 for x in parts[1:1 + num_dense]])
+            cats.append([int(x, 16) % v if x else -1
+                         for x, v in zip(parts[1 + num_dense:], vocab_sizes)])
+    if not labels:
+        raise ValueError(f"{path}: no rows")
+    cat = np.asarray(cats, np.int64)
+    return {"dense": np.log1p(np.maximum(np.asarray(dense, np.float64), 0)).astype(np.float32),
+            "label": np.asarray(labels, np.float32),
+            "sparse": {f"c{i}": cat[:, i:i + 1].astype(np.int32) for i in range(num_cat)}}
+
+
+def read_movielens(path: str | pathlib.Path, *, max_rows: int | None = None) -> dict:
+    """MovieLens ratings ``user item rating timestamp``, separated by ``::``, tabs, commas or
+    spaces (ml-1m, ml-100k, ml-latest); a non-numeric header line is skipped.
+
+    Returns int64 ``user``, ``item``, ``timestamp`` and f32 ``rating`` arrays.
+    """
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if max_rows is not None and len(rows) >= max_rows:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            for sep in ("::", "\t", ","):
+                if sep in line:
+                    parts = line.split(sep)
+                    break
+            else:
+                parts = line.split()
+            if len(parts) < 4:
+                raise ValueError(f"{path}:{lineno}: {len(parts)} fields; expected user item rating timestamp")
+            try:
+                rows.append((int(parts[0]), int(parts[1]), float(parts[2]), int(float(parts[3]))))
+            except ValueError:
+                if lineno == 1:
+                    continue  # header
+                raise ValueError(f"{path}:{lineno}: cannot parse {line!r} as user item rating timestamp") from None
+    if not rows:
+        raise ValueError(f"{path}: no ratings")
+    arr = list(zip(*rows))
+    return {"user": np.asarray(arr[0], np.int64), "item": np.asarray(arr[1], np.int64),
+            "rating": np.asarray(arr[2], np.float32), "timestamp": np.asarray(arr[3], np.int64)}
+
+
+def movielens_to_clicks(ratings: dict, *, positive_at: float = 4.0) -> dict:
+    """Click-style rows: label = rating >= positive_at; features user, item; dense = the
+    timestamp scaled to [0, 1]. User / item ids index tables of size max id + 1."""
+    ts = ratings["timestamp"].astype(np.float64)
+    span = max(ts.max() - ts.min(), 1.0)
+    return {"dense": ((ts - ts.min()) / span).astype(np.float32)[:, None],
+            "label": (ratings["rating"] >= positive_at).astype(np.float32),
+            "sparse": {"user": ratings["user"].astype(np.int32)[:, None],
+                       "item": ratings["item"].astype(np.int32)[:, None]}}
+
+
+def file_batch(data: dict, step: int, batch_size: int, *, start: int = 0, stop: int | None = None) -> dict:
+    """Batch ``step`` of rows [start, stop), cycling (a fixed order; shuffle the file upstream)."""
+    stop = len(data["label"]) if stop is None else stop
+    n = stop - start
+    if n < 1:
+        raise ValueError(f"empty row range [{start}, {stop})")
+    idx = start + (np.arange(batch_size) + step * batch_size) % n
+    return {"dense": data["dense"][idx], "label": data["label"][idx],
+            "sparse": {k: v[idx] for k, v in data["sparse"].items()}}
