@@ -8,6 +8,12 @@ Modules (one idea each):
   logprobs      fused log-probs from hidden states + LM head, never holding [B, T, V] logits
   exact_gradient  the `sis_exact_gradient` study (enumerable toy policy; exact gradient)
   bench_policy_loss  the `bench_policy_loss` benchmark (fused path, SIS overhead, memory)
+  tasks         verifiable tasks (prompt source + score): addition, countdown
+  rollout       G responses per prompt on the rollout sub-mesh; train/inference mismatch knobs
+  publish       publish_weights: trainer -> rollout sub-mesh
+  grpo          the GRPO trainer: policy lag N, async staleness k, KL to a reference, entropy
+  warm_start    an lm_pretrain checkpoint (trained on the fly, cached) as the RL starting point
+  offpolicy_study  the `sis_offpolicy` study
 
 Usage::
 
@@ -23,6 +29,14 @@ from jaxflow.rl.logprobs import FusedLogprobsOutput, LogprobBackend, fused_logpr
 from jaxflow.rl.policy_loss import (AGGS, ALGOS, CORRECTIONS, DEFAULT_CLIP_EPS,
                                     PolicyLossConfig, policy_loss)
 from jaxflow.rl.sis import sis_accept, sis_log_envelope, sis_log_ratio, sis_uniforms
+from jaxflow.rl.tasks import (TASKS, AdditionRLTask, CountdownTask, Task, encode_prompts,
+                              evaluate_expression, make_task, score_completions)
+from jaxflow.rl.rollout import (RolloutBatch, RolloutSpec, RolloutWorker, make_noisy_sampler,
+                                parse_mismatch)
+from jaxflow.rl.publish import publish_weights
+from jaxflow.rl.grpo import (GRPOConfig, GRPOTrainer, MiniBatch, OldStats, grpo_loss,
+                             make_rl_optimizer, old_stats, response_hidden, update_step)
+from jaxflow.rl.warm_start import load_pretrained_params
 
 __all__ = [
     "AGGS", "ALGOS", "CORRECTIONS", "DEFAULT_CLIP_EPS",
@@ -31,4 +45,10 @@ __all__ = [
     "tis_weights", "mis_weights",
     "grpo_advantages", "rloo_advantages",
     "fused_logprobs", "FusedLogprobsOutput", "LogprobBackend",
+    "TASKS", "AdditionRLTask", "CountdownTask", "Task", "encode_prompts", "evaluate_expression",
+    "make_task", "score_completions",
+    "RolloutBatch", "RolloutSpec", "RolloutWorker", "make_noisy_sampler", "parse_mismatch",
+    "publish_weights",
+    "GRPOConfig", "GRPOTrainer", "MiniBatch", "OldStats", "grpo_loss", "make_rl_optimizer",
+    "old_stats", "response_hidden", "update_step", "load_pretrained_params",
 ]

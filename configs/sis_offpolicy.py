@@ -1,0 +1,148 @@
+"""sis_offpolicy: does SIS keep GRPO / DAPO / GSPO / CISPO accurate when training goes off-policy?
+
+Warm start: an ``lm_pretrain`` checkpoint (2-digit addition, tiny model) trained on the fly and
+cached under ``cache_root`` (``runs/_cache/lm_pretrain-<config hash>``), so RL starts at a
+20-60% sampled pass rate. Then, per cell, a fresh GRPO-style run from that checkpoint:
+
+  base grid       algos x corrections x lags            (mismatch "none", staleness 0)
+  mismatch cells  mismatch_algos x mismatch_corrections x mismatches at lag mismatch_lag
+  staleness cells staleness_algos x corrections x stalenesses (lag 1)
+
+each for ``seeds`` seeds; held-out greedy accuracy after ``train.rollouts`` rollouts.
+
+    python -m jaxflow.run --exp=sis_offpolicy --variant=quick      # ~3-5 min on 2 CPU cores
+    python -m jaxflow.run --exp=sis_offpolicy --variant=default    # the ~2 h grid, 3 seeds
+    python -m jaxflow.run --exp=sis_offpolicy --variant=default --set grid.algos=grpo
+
+Roles: with >= 2 devices the trainer and the rollout sampler live on disjoint sub-meshes
+(``roles.rollout_devices`` for the sampler, the rest for the trainer); on a 1-device CPU, or
+with ``--set roles.colocate=true``, both roles share every device (reported as ``roles``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from configs.lm_pretrain import Config as PretrainConfig
+from configs.lm_pretrain import DataConfig, TrainConfig
+from jaxflow.models.transformer import TransformerConfig
+from jaxflow.rl.grpo import GRPOConfig
+from jaxflow.rl.policy_loss import ALGOS, CORRECTIONS
+from jaxflow.rl.rollout import parse_mismatch
+from jaxflow.train.lm_state import OptimConfig
+
+DESCRIPTION = "SIS vs GRPO/DAPO/GSPO/CISPO under policy lag, staleness and sampler mismatch"
+ENTRY = "jaxflow.rl.offpolicy_study:main"
+VARIANTS = ("quick", "default", "full")
+
+#: The warm-start recipe: ~85k-param model, 2-digit addition, ~2 min on a 2-core CPU.
+WARM_START = PretrainConfig(
+    seed=0,
+    model=TransformerConfig(vocab_size=23, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
+                            d_ff=128, max_seq_len=32),
+    data=DataConfig(max_digits=2, heldout_mod=20),
+    train=TrainConfig(steps=300, batch_size=32, seq_len=32, log_every=50, eval_every=300,
+                      eval_examples=256, checkpoint_every=300, keep_checkpoints=1),
+    optim=OptimConfig(lr=3e-3, warmup_steps=20),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GridConfig:
+    """The cells. Tuples of names; empty tuples switch a block of cells off."""
+
+    algos: tuple[str, ...] = ("grpo", "dapo", "gspo", "cispo")
+    corrections: tuple[str, ...] = ("none", "sis")
+    lags: tuple[int, ...] = (1, 4, 8, 16)
+    mismatches: tuple[str, ...] = ("noise0.3",)
+    mismatch_algos: tuple[str, ...] = ("grpo",)
+    mismatch_corrections: tuple[str, ...] = ("none", "tis", "mis", "sis+tis")
+    mismatch_lag: int = 4
+    stalenesses: tuple[int, ...] = ()
+    staleness_algos: tuple[str, ...] = ("grpo",)
+    seeds: int = 3
+
+    def __post_init__(self):  # fail at --set time, not an hour into the sweep
+        for field, valid in (("algos", ALGOS), ("mismatch_algos", ALGOS),
+                             ("staleness_algos", ALGOS), ("corrections", CORRECTIONS),
+                             ("mismatch_corrections", CORRECTIONS)):
+            bad = [v for v in getattr(self, field) if v not in valid]
+            if bad:
+                raise ValueError(f"grid.{field} has unknown {bad}; valid: {valid}")
+        for m in self.mismatches:
+            parse_mismatch(m)
+        for field in ("lags", "stalenesses"):
+            if any(not isinstance(v, int) or v < (1 if field == "lags" else 0)
+                   for v in getattr(self, field)):
+                raise ValueError(f"grid.{field}={getattr(self, field)}: need ints "
+                                 f"{'>= 1' if field == 'lags' else '>= 0'}")
+        if self.mismatch_lag < 1 or self.seeds < 1:
+            raise ValueError(f"grid.mismatch_lag={self.mismatch_lag} and grid.seeds="
+                             f"{self.seeds} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """Per cell: rollouts (each = one batch + ``lag`` optimizer steps), eval, checkpoints.
+
+    The headline accuracy is held-out pass@1 at the RL temperature, ``eval_samples`` samples
+    of each of ``eval_examples`` held-out prompts; greedy accuracy is logged beside it.
+    """
+
+    rollouts: int = 40
+    eval_every: int = 10
+    eval_examples: int = 256
+    eval_samples: int = 4
+    checkpoint_every: int = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class RolesConfig:
+    """Devices per role; ``colocate`` (or a single device) puts both roles on all devices."""
+
+    rollout_devices: int = 1
+    colocate: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    cache_root: str = "runs/_cache"
+    pretrain: PretrainConfig = WARM_START
+    rl: GRPOConfig = GRPOConfig(prompts_per_rollout=8, group_size=8, temperature=1.0,
+                                max_new_tokens=4, sis_topk=8)
+    optim: OptimConfig = OptimConfig(lr=2e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0)
+    train: ScheduleConfig = ScheduleConfig()
+    grid: GridConfig = GridConfig()
+    roles: RolesConfig = RolesConfig()
+
+    def __post_init__(self):
+        size = self.rl.rollout_size
+        bad = [n for n in (*self.grid.lags, self.grid.mismatch_lag) if size % n]
+        if bad:
+            raise ValueError(f"lags {bad} do not divide the rollout size rl.prompts_per_rollout"
+                             f" * rl.group_size = {size}")
+
+
+def get_config(variant: str) -> Config:
+    base = Config()
+    if variant == "quick":
+        return dataclasses.replace(
+            base,
+            grid=GridConfig(algos=("grpo",), corrections=("none", "sis"), lags=(1, 8),
+                            mismatches=("noise0.3",), mismatch_corrections=("tis", "sis+tis"),
+                            mismatch_lag=8, seeds=1),
+            train=ScheduleConfig(rollouts=16, eval_every=8, eval_examples=128,
+                                 eval_samples=4, checkpoint_every=8),
+        )
+    if variant == "default":
+        return base
+    if variant == "full":
+        return dataclasses.replace(
+            base,
+            grid=dataclasses.replace(base.grid, mismatches=("bf16", "noise0.1", "noise0.3"),
+                                     stalenesses=(1, 2, 4), seeds=5),
+            train=ScheduleConfig(rollouts=100, eval_every=10, eval_examples=512,
+                                 checkpoint_every=10),
+        )
+    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")

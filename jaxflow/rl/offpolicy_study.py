@@ -1,0 +1,317 @@
+"""The ``sis_offpolicy`` experiment: a grid of GRPO runs under off-policy knobs, +/- SIS.
+
+See ``configs/sis_offpolicy.py`` for the grid. Each cell is an independent RL run from the same
+warm start; its curve (held-out greedy accuracy vs rollout) goes to ``metrics.jsonl`` (rows
+carry ``cell``; the x axis is a global step ``cell_index * rollouts + rollout``) and to
+``cells.jsonl`` when the cell finishes. ``plots/sis_offpolicy_*.png`` overlay the curves.
+
+Resume (``--resume``): finished cells (``cells.jsonl``) are skipped; the running cell continues
+from its latest checkpoint (``checkpoints/<cell>/``) bit-exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jaxflow.checkpoint import Checkpointer, abstract_like
+from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.experiment import RunContext
+from jaxflow.mesh import make_mesh, role_meshes
+from jaxflow.plots import read_metrics
+from jaxflow.rl.grpo import GRPOTrainer
+from jaxflow.rl.tasks import AdditionRLTask
+from jaxflow.rl.publish import publish_weights
+from jaxflow.rl.rollout import RolloutWorker
+from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
+from jaxflow.train.lm_pretrain import params_checksum
+from jaxflow.train.lm_state import lm_functions
+
+#: Test hook: SIGKILL right after the RL checkpoint at this global step is committed.
+FAULT_ENV = "JAXFLOW_RL_KILL_AFTER_CHECKPOINT"
+
+
+class Cell(NamedTuple):
+    algo: str
+    correction: str
+    mismatch: str
+    lag: int
+    staleness: int
+    seed: int
+
+    @property
+    def label(self) -> str:
+        return (f"{self.algo}-{self.correction}-{self.mismatch}-lag{self.lag}-k{self.staleness}"
+                f"-s{self.seed}")
+
+    @property
+    def group(self) -> tuple:
+        return self[:5]
+
+
+def grid_cells(grid) -> list[Cell]:
+    """Every cell of the grid, seeds innermost, duplicates dropped (in order)."""
+    keys: list[tuple] = []
+    keys += [(a, c, "none", n, 0) for a in grid.algos for c in grid.corrections for n in grid.lags]
+    keys += [(a, c, m, grid.mismatch_lag, 0) for m in grid.mismatches
+             for a in grid.mismatch_algos for c in grid.mismatch_corrections]
+    keys += [(a, c, "none", 1, k) for k in grid.stalenesses
+             for a in grid.staleness_algos for c in grid.corrections]
+    seen, cells = set(), []
+    for key in keys:
+        if key not in seen:
+            seen.add(key)
+            cells += [Cell(*key, seed=s) for s in range(grid.seeds)]
+    return cells
+
+
+def make_role_meshes(roles) -> tuple[dict, str]:
+    """{"trainer", "rollout"} meshes and a description. Disjoint when there are >= 2 devices
+    and ``roles.colocate`` is off; otherwise both roles use every device."""
+    n = jax.device_count()
+    if roles.colocate or n < 2:
+        mesh = make_mesh({"data": -1})
+        return {"trainer": mesh, "rollout": mesh}, f"colocated on {n} device(s)"
+    r = roles.rollout_devices
+    if not 1 <= r < n:
+        raise ValueError(f"roles.rollout_devices={r} must be in [1, {n - 1}] with {n} devices "
+                         "(or set roles.colocate=true)")
+    meshes = role_meshes({"trainer": n - r, "rollout": r})
+    return meshes, f"disjoint: trainer {n - r} device(s), rollout {r} device(s)"
+
+
+def _load_done(run: RunContext) -> dict[str, dict]:
+    path = run.out_dir / "cells.jsonl"
+    if not run.resume or not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["label"]: r for r in rows}
+
+
+def _append_done(run: RunContext, row: dict) -> None:
+    if run.is_primary:
+        with open(run.out_dir / "cells.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_params,
+             initial_accuracy: tuple[float, float], kill_at: int) -> dict:
+    """One RL run; returns its record for cells.jsonl."""
+    sched = config.train
+    rl = dataclasses.replace(config.rl, algo=cell.algo, correction=cell.correction,
+                             mismatch=cell.mismatch, lag=cell.lag, staleness=cell.staleness)
+    trainer = GRPOTrainer(config.pretrain.model, rl, config.optim, _task(config), CharTokenizer(),
+                          meshes,
+                          seed=config.seed * 1000 + cell.seed, total_rollouts=sched.rollouts)
+    state = trainer.init_state(warm_params)
+    ckpt = Checkpointer(run.checkpoint_dir / cell.label, save_every=sched.checkpoint_every,
+                        max_to_keep=1)
+    base = index * sched.rollouts
+    start = 0
+    curve = [(0, initial_accuracy[0])]
+    greedy = [(0, initial_accuracy[1])]
+    history: list[dict] = []
+    if run.resume and (latest := ckpt.latest_step()) is not None:
+        state = ckpt.restore(latest, abstract_like(state))
+        start = latest
+        run.truncate_metrics_after(base + start)
+        for row in read_metrics(run.out_dir / "metrics.jsonl"):
+            if row.get("cell") == cell.label:
+                history.append(row)
+                if "heldout_accuracy" in row:
+                    curve.append((row["rollout"], row["heldout_accuracy"]))
+                    greedy.append((row["rollout"], row["heldout_greedy_accuracy"]))
+        run.info(f"{cell.label}: resumed from checkpoint at rollout {start}")
+    for r in range(start, sched.rollouts):
+        state, metrics = trainer.step(state)
+        done = r + 1
+        row = {"cell": cell.label, "rollout": done, **metrics}
+        if done % sched.eval_every == 0 or done == sched.rollouts:
+            row["heldout_accuracy"] = trainer.heldout_accuracy(state, sched.eval_examples,
+                                                               samples=sched.eval_samples)
+            row["heldout_greedy_accuracy"] = trainer.heldout_accuracy(state,
+                                                                      sched.eval_examples)
+            curve.append((done, row["heldout_accuracy"]))
+            greedy.append((done, row["heldout_greedy_accuracy"]))
+        run.log(base + done, row)
+        history.append(row)
+        if ckpt.save(done, state, force=done == sched.rollouts) and base + done == kill_at:
+            ckpt.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.close()
+
+    def mean_of(key, rows):
+        vals = [h[key] for h in rows if key in h]
+        return float(np.mean(vals)) if vals else None
+
+    return {
+        "label": cell.label, **cell._asdict(),
+        "final_accuracy": curve[-1][1],
+        "final_greedy_accuracy": greedy[-1][1],
+        "curve": curve,
+        "greedy_curve": greedy,
+        "accept_rate": mean_of("accept_rate", history),
+        "accept_rate_first": mean_of("accept_rate_first", history),
+        "accept_rate_later": mean_of("accept_rate_later", history),
+        "clip_fraction": mean_of("clip_fraction", history),
+        "d_original": mean_of("d_original", history),
+        "d_sis": mean_of("d_sis", history),
+        "reward_first": history[0]["reward_mean"] if history else None,
+        "reward_last": history[-1]["reward_mean"] if history else None,
+        # fresh training prompts every rollout: an unbiased train-distribution pass rate
+        "reward_last5": mean_of("reward_mean", history[-5:]),
+        "params_checksum": params_checksum(state["policy"]["params"]),
+    }
+
+
+def aggregate(records: list[dict]) -> list[dict]:
+    """Rows {algo, correction, mismatch, lag, staleness, seeds, acc_mean, acc_std, ...}.
+
+    acc = final held-out pass@1 at the RL temperature (``train.eval_samples`` samples per
+    prompt); greedy_acc = final held-out greedy accuracy. Stds are sample stds over seeds
+    (ddof=1; 0.0 for one seed)."""
+    groups: dict[tuple, list[dict]] = {}
+    for rec in records:
+        key = (rec["algo"], rec["correction"], rec["mismatch"], rec["lag"], rec["staleness"])
+        groups.setdefault(key, []).append(rec)
+    rows = []
+    for (algo, corr, mismatch, lag, k), recs in groups.items():
+        accs = np.array([r["final_accuracy"] for r in recs], np.float64)
+        greedy = np.array([r["final_greedy_accuracy"] for r in recs], np.float64)
+
+        def avg(key):
+            vals = [r[key] for r in recs if r.get(key) is not None]
+            return float(np.mean(vals)) if vals else None
+
+        rows.append({
+            "algo": algo, "correction": corr, "mismatch": mismatch, "lag": lag, "staleness": k,
+            "seeds": len(recs),
+            "acc_mean": float(accs.mean()),
+            "acc_std": float(accs.std(ddof=1)) if len(accs) > 1 else 0.0,
+            "acc_per_seed": accs.tolist(),
+            "greedy_acc_mean": float(greedy.mean()),
+            "greedy_acc_std": float(greedy.std(ddof=1)) if len(greedy) > 1 else 0.0,
+            # SIS accept rates (None without SIS); "later" = mini-batches 2..N of a rollout
+            "accept_rate": avg("accept_rate") if corr.startswith("sis") else None,
+            "accept_rate_later": avg("accept_rate_later") if corr.startswith("sis") else None,
+            "clip_fraction": avg("clip_fraction"),
+            "reward_first": avg("reward_first"),
+            "reward_last": avg("reward_last"),
+            "reward_last5": avg("reward_last5"),
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """A markdown table of the results rows."""
+    head = ("| algo | correction | mismatch | lag | k | seeds | acc_mean | acc_std | greedy_mean | "
+            "greedy_std | train reward (last 5) | accept | accept (mb>1) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = [f"| {r['algo']} | {r['correction']} | {r['mismatch']} | {r['lag']} | "
+             f"{r['staleness']} | {r['seeds']} | {r['acc_mean']:.3f} | {r['acc_std']:.3f} | "
+             f"{r['greedy_acc_mean']:.3f} | {r['greedy_acc_std']:.3f} | {fmt(r['reward_last5'])} | "
+             f"{fmt(r['accept_rate'])} | {fmt(r['accept_rate_later'])} |" for r in rows]
+    return "\n".join([head, *lines])
+
+
+def plot_curves(run: RunContext, records: list[dict]) -> None:
+    """plots/sis_offpolicy_<algo>.png: seed-mean held-out accuracy vs rollout, one line per
+    (correction, mismatch, lag, staleness)."""
+    if not run.is_primary or not records:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_algo: dict[str, dict[tuple, list]] = {}
+    for rec in records:
+        key = (rec["correction"], rec["mismatch"], rec["lag"], rec["staleness"])
+        by_algo.setdefault(rec["algo"], {}).setdefault(key, []).append(rec["curve"])
+    out = run.out_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    for algo, lines in by_algo.items():
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=90)
+        for (corr, mismatch, lag, k), curves in sorted(lines.items()):
+            steps = [s for s, _ in curves[0]]
+            acc = np.mean([[a for _, a in c] for c in curves if len(c) == len(steps)], axis=0)
+            style = "-" if corr.startswith("sis") else "--"
+            ax.plot(steps, acc, style, marker="o", ms=3,
+                    label=f"{corr} {mismatch} N={lag} k={k} ({len(curves)} seeds)")
+        ax.set_xlabel("rollout")
+        ax.set_ylabel("held-out accuracy")
+        ax.set_title(f"sis_offpolicy: {algo}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / f"sis_offpolicy_{algo}.png")
+        plt.close(fig)
+
+
+def _task(config) -> AdditionRLTask:
+    return AdditionRLTask(max_digits=config.pretrain.data.max_digits,
+                          heldout_mod=config.pretrain.data.heldout_mod)
+
+
+def warm_start_accuracy(config, meshes, params) -> tuple[float, float]:
+    """(sampled pass@1, greedy) held-out accuracy of ``params``: the curves' point 0."""
+    worker = RolloutWorker(config.pretrain.model, meshes["rollout"], config.rl.rollout_spec,
+                           _task(config), CharTokenizer())
+    params = publish_weights(params, worker.param_shardings)
+    n = config.train.eval_examples
+    return (worker.heldout_accuracy(params, n, samples=config.train.eval_samples),
+            worker.heldout_accuracy(params, n))
+
+
+def main(config, run: RunContext) -> dict:
+    meshes, roles = make_role_meshes(config.roles)
+    run.info(f"roles: {roles}")
+    fns = lm_functions(config.pretrain.model, meshes["trainer"])
+    warm_params, pre_summary = load_pretrained_params(config.pretrain, config.cache_root, fns,
+                                                      log=run.info)
+    cells = grid_cells(config.grid)
+    done = _load_done(run)
+    kill_at = int(os.environ.get(FAULT_ENV, "-1"))
+    run.set_total_steps(len(cells) * config.train.rollouts, "sis_offpolicy")
+    initial_accuracy = warm_start_accuracy(config, meshes, warm_params)
+    run.info(f"warm start held-out accuracy: sampled {initial_accuracy[0]:.3f}, "
+             f"greedy {initial_accuracy[1]:.3f}")
+    records = []
+    for index, cell in enumerate(cells):
+        if cell.label in done:
+            records.append(done[cell.label])
+            continue
+        record = run_cell(cell, index, config, run, meshes=meshes, warm_params=warm_params,
+                          initial_accuracy=initial_accuracy, kill_at=kill_at)
+        _append_done(run, record)
+        shutil.rmtree(run.checkpoint_dir / cell.label, ignore_errors=True)
+        run.info(f"{cell.label}: accuracy {record['final_accuracy']:.3f}, greedy "
+                 f"{record['final_greedy_accuracy']:.3f} (first-rollout reward "
+                 f"{record['reward_first']:.3f}), accept {record['accept_rate']:.3f}")
+        records.append(record)
+    rows = aggregate(records)
+    run.write_json("results.json", rows)
+    if run.is_primary:
+        (run.out_dir / "results.md").write_text(format_table(rows) + "\n")
+        run.info("results:\n" + format_table(rows))
+    plot_curves(run, records)
+    rewards = [r["reward_first"] for r in records if r.get("reward_first") is not None]
+    return {
+        "results": rows,
+        "cells_run": [r["label"] for r in records],
+        "roles": roles,
+        "warm_start": {"cache": cache_dir(config.pretrain, config.cache_root).name,
+                       "pretrain_heldout_accuracy": pre_summary.get("heldout_accuracy"),
+                       "heldout_accuracy": initial_accuracy[0],
+                       "heldout_greedy_accuracy": initial_accuracy[1],
+                       "first_rollout_reward_mean": float(np.mean(rewards)) if rewards else None},
+        "params_checksums": {r["label"]: r["params_checksum"] for r in records},
+    }

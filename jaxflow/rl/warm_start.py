@@ -1,0 +1,87 @@
+"""Warm start for RL: an ``lm_pretrain`` checkpoint, trained on the fly and cached.
+
+The cache key is a hash of the whole ``lm_pretrain`` config, so any change to the pretraining
+recipe (model, data, steps, seed) builds a new entry; a clean clone builds it once. The entry
+is the ordinary ``lm_pretrain`` run directory (``config.json``, ``metrics.jsonl``,
+``summary.json``, ``checkpoints/``), written to a temporary sibling and renamed into place so
+a killed build never leaves a half-written cache entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxflow.checkpoint import Checkpointer
+from jaxflow.experiment import RunContext, to_jsonable
+from jaxflow.train.lm_state import LMFunctions, make_optimizer
+
+
+def config_hash(config: Any) -> str:
+    """12 hex digits of sha256 over the config's canonical JSON."""
+    text = json.dumps(to_jsonable(config), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def cache_dir(pretrain_config: Any, cache_root: str | pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(cache_root) / f"lm_pretrain-{config_hash(pretrain_config)}"
+
+
+def build_pretrain_cache(pretrain_config: Any, cache_root: str | pathlib.Path,
+                         *, log=print) -> pathlib.Path:
+    """Runs ``lm_pretrain`` with ``pretrain_config`` unless its cache entry exists; returns
+    the entry's directory."""
+    from jaxflow.train import lm_pretrain
+
+    target = cache_dir(pretrain_config, cache_root)
+    if (target / "summary.json").exists():
+        return target
+    log(f"warm start: training lm_pretrain into {target} (cached for later runs)")
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ctx = RunContext(name="lm_pretrain", variant="warm_start", out_dir=tmp)
+    try:
+        ctx.write_json("config.json", {"experiment": "lm_pretrain", "variant": "warm_start",
+                                       "config": pretrain_config})
+        summary = lm_pretrain.main(pretrain_config, ctx)
+    finally:
+        ctx.close()
+    ctx.write_json("summary.json", summary)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished the same entry first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_pretrained_params(pretrain_config: Any, cache_root: str | pathlib.Path,
+                           fns: LMFunctions, *, log=print) -> tuple[Any, dict]:
+    """(params laid out with ``fns.param_shardings``, the pretraining summary), building the
+    cache entry first when needed. ``fns`` must describe ``pretrain_config.model``."""
+    entry = build_pretrain_cache(pretrain_config, cache_root, log=log)
+    summary = json.loads((entry / "summary.json").read_text())
+    ckpt = Checkpointer(entry / "checkpoints", async_save=False)
+    step = ckpt.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"warm-start cache {entry} has no checkpoint; delete it to rebuild")
+    mesh = jax.tree.leaves(fns.param_shardings)[0].mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          nnx.to_pure_dict(fns.abstract_state), fns.param_shardings)
+    tx = make_optimizer(pretrain_config.optim, pretrain_config.train.steps)
+    opt = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                       jax.eval_shape(tx.init, params))
+    step_abs = jax.ShapeDtypeStruct((), jax.numpy.int32, sharding=replicated)
+    state = ckpt.restore(step, {"params": params, "opt_state": opt, "step": step_abs})
+    ckpt.close()
+    log(f"warm start: {entry.name} step {step}, held-out accuracy "
+        f"{summary.get('heldout_accuracy')}")
+    return state["params"], summary
