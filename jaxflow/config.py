@@ -48,36 +48,42 @@ def _did_you_mean(value: str, choices) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def experiments() -> dict[str, ExperimentSpec]:
-    """All experiments, from the modules of the `configs` package, sorted by name."""
+def experiment_names() -> list[str]:
+    """Names of the modules of the `configs` package (without importing them), sorted."""
     import configs
 
-    found = {}
-    for info in pkgutil.iter_modules(configs.__path__):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"configs.{info.name}")
-        if not hasattr(module, "get_config"):
-            continue
-        found[info.name] = ExperimentSpec(
-            name=info.name,
-            description=getattr(module, "DESCRIPTION", "").strip(),
-            entry=module.ENTRY,
-            variants=tuple(getattr(module, "VARIANTS", ("quick", "default", "full"))),
-            module=module,
-        )
-    return dict(sorted(found.items()))
+    return sorted(i.name for i in pkgutil.iter_modules(configs.__path__) if not i.name.startswith("_"))
+
+
+def _load(name: str) -> ExperimentSpec | None:
+    module = importlib.import_module(f"configs.{name}")
+    if not hasattr(module, "get_config"):
+        return None
+    return ExperimentSpec(
+        name=name,
+        description=getattr(module, "DESCRIPTION", "").strip(),
+        entry=module.ENTRY,
+        variants=tuple(getattr(module, "VARIANTS", ("quick", "default", "full"))),
+        module=module,
+    )
+
+
+def experiments() -> dict[str, ExperimentSpec]:
+    """All experiments, from the modules of the `configs` package, sorted by name."""
+    specs = {name: _load(name) for name in experiment_names()}
+    return {name: spec for name, spec in specs.items() if spec is not None}
 
 
 def get_experiment(name: str) -> ExperimentSpec:
-    """The experiment called ``name``; ConfigError naming the valid ones otherwise."""
-    registry = experiments()
-    if name not in registry:
+    """The experiment called ``name`` (imports only its config module); ConfigError naming the
+    valid ones otherwise."""
+    names = experiment_names()
+    spec = _load(name) if name in names else None
+    if spec is None:
         raise ConfigError(
-            f"unknown experiment {name!r}; valid: {', '.join(registry)}"
-            f"{_did_you_mean(name, registry)}"
+            f"unknown experiment {name!r}; valid: {', '.join(names)}{_did_you_mean(name, names)}"
         )
-    return registry[name]
+    return spec
 
 
 def _strip_optional(tp) -> tuple[Any, bool]:

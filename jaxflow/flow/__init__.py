@@ -1,0 +1,15 @@
+"""FlowTrain: decoupled vision-encoder / LLM-backbone training with dynamic packing.
+
+Modules (one idea each):
+  digits_data  sklearn digits rendered at 8-32 px, 1-4 images per sample, text tasks
+  vit          ViT encoder over packed variable-size images + projector
+  vlm          image embeddings spliced into text, packed rows, segment attention backends
+  packing      cost model and balanced packing (first-fit / LPT / Karmarkar-Karp)
+  batching     host layout of one step: encoder patch rows, padded or packed token rows
+  pool         bounded producer-consumer embedding pool keyed by sample
+  steps        pure gradient functions and jitted steps of both modes
+  monolithic   the whole VLM as one step on one mesh (padded or packed rows)
+  decoupled    encoder and backbone on disjoint sub-meshes joined by the pool
+  allocator    throughput-matching split of the devices
+  flowtrain, bench_packing   the experiments' entry functions
+"""

@@ -1,0 +1,283 @@
+"""The ``flowtrain`` experiment: monolithic_padded vs monolithic_packed vs decoupled.
+
+1. Allocator: profile encoder and backbone throughput on each candidate split of the devices,
+   pick the throughput-matching one (``allocator.allocate``).
+2. Train the three modes from the same initial parameters on the same samples, side by side:
+   after ``warmup_rounds`` untimed rounds (compilation), each timed round runs every mode for
+   ``block_steps`` steps (the order rotates per round); speedups are medians of per-round
+   time ratios.
+3. Held-out accuracy: teacher-forced exact match of the answer on samples built only from
+   held-out digit images.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflow.experiment import RunContext
+from jaxflow.flow.allocator import allocate, candidates, measure_throughput
+from jaxflow.flow.batching import (PackingConfig, encoder_image_base, encoder_patches,
+                                   layout_rows, pooled_image_base)
+from jaxflow.flow.decoupled import DecoupledTrainer, put_replicated, put_rows
+from jaxflow.flow.digits_data import heldout_samples, step_samples
+from jaxflow.flow.monolithic import MonolithicTrainer
+from jaxflow.flow.packing import CostModel
+from jaxflow.flow.steps import Sides, build_sides, eval_correct, make_backbone_step, make_encoder_fns
+from jaxflow.flow.vlm import bucket, resolve_backend
+from jaxflow.mesh import role_meshes
+from jaxflow.models.transformer import param_count
+
+MODES = ("monolithic_padded", "monolithic_packed", "decoupled")
+
+
+def _host_copy(state: dict) -> dict:
+    return jax.tree.map(np.array, state)
+
+
+def _split_meshes(encoder: int, backbone: int, model: int = 1):
+    """Disjoint sub-meshes: encoder data-parallel; backbone data x model (tensor) parallel."""
+    return role_meshes({"encoder": encoder, "backbone": backbone},
+                       axes={"encoder": {"data": encoder},
+                             "backbone": {"data": backbone // model, "model": model}})
+
+
+def profile_sides(config, sides: Sides, enc_host: dict, bb_host: dict, samples: list,
+                  cost: CostModel) -> tuple[float, float]:
+    """(encoder samples/s, backbone samples/s) of one step's samples on these sub-meshes."""
+    encode, update = make_encoder_fns(sides)
+    bb_step = make_backbone_step(sides)
+    enc_rows = sides.enc.mesh.shape["data"]
+    bb_rows = sides.bb.mesh.shape["data"]
+    patches = encoder_patches(samples, sides.vit, enc_rows)
+    enc_in = put_rows(patches.arrays(), sides.enc.mesh)
+    placed = sides.place(enc_host, bb_host)
+    state = {"enc": placed[0], "bb": placed[1]}
+
+    def enc_step():
+        flat, vjp_fn = encode(state["enc"]["params"], enc_in)
+        np.asarray(flat)
+        state["enc"], norm = update(state["enc"], vjp_fn, jnp.zeros_like(flat))
+        jax.block_until_ready(norm)
+
+    base, offsets = pooled_image_base(samples)
+    layout = layout_rows(samples, "packed", base, packing=config.packing, cost=cost,
+                         row_multiple=bb_rows)
+    buf = put_replicated(np.zeros((bucket(max(int(offsets[-1]), 1), 256), sides.lm.d_model),
+                                  np.float32), sides.bb.mesh)
+    rows = put_rows(layout.rows, sides.bb.mesh)
+    denom = put_replicated(np.float32(1.0), sides.bb.mesh)
+
+    def bb_step_once():
+        state["bb"], d_buf, _ = bb_step(state["bb"], buf, rows, denom)
+        np.asarray(d_buf)
+
+    r = config.allocator.profile_repeats
+    n = len(samples)
+    return measure_throughput(enc_step, n, repeats=r), measure_throughput(bb_step_once, n, repeats=r)
+
+
+def heldout_accuracy(sides: Sides, enc_params, bb_params, samples: list, cost) -> float:
+    """Fraction of held-out samples whose every answer token is the argmax (teacher forcing)."""
+    mesh = sides.bb.mesh
+    rows_multiple = mesh.shape["data"]
+    patches = encoder_patches(samples, sides.vit, rows_multiple)
+    lay = layout_rows(samples, "padded", encoder_image_base(samples, patches),
+                      packing=PackingConfig(), cost=cost, row_multiple=rows_multiple)
+    if "eval" not in sides.jitted:
+        sides.jitted["eval"] = jax.jit(lambda e, b, p, r: eval_correct(sides, e, b, p, r))
+    fn = sides.jitted["eval"]
+    correct = np.asarray(fn(jax.device_put(enc_params, sides.enc.param_shardings),
+                            jax.device_put(bb_params, sides.bb.param_shardings),
+                            put_rows(patches.arrays(), mesh), put_rows(lay.rows, mesh)))
+    need = lay.rows["loss_mask"].sum(axis=1)
+    got = correct.sum(axis=1)
+    return float(np.mean(got[:len(samples)] == need[:len(samples)]))
+
+
+def measured_peak_flops(n: int = 1024, repeats: int = 5) -> float:
+    """f32 matmul flop/s this process achieves on one device (the MFU denominator)."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / float(np.median(times))
+
+
+def model_flops(config, samples: list, n_enc_params: int, n_bb_params: int) -> float:
+    """Useful training flops of one step (no padding): 6 * params * tokens + attention."""
+    lm, vit = config.model, config.vit
+    bb_matmul = n_bb_params - lm.vocab_size * lm.d_model  # the embedding table is a gather
+    tokens = sum(s.length for s in samples)
+    patches = sum(s.n_image_tokens for s in samples)
+    attn = 6 * lm.n_layers * 2 * lm.d_model * sum(s.length**2 / 2 for s in samples)
+    attn += 6 * vit.n_layers * 2 * vit.d_model * sum(n**2 for s in samples for n in s.image_tokens)
+    return 6.0 * (bb_matmul * tokens + n_enc_params * patches) + attn
+
+
+def _persistent_compile_cache(run: RunContext) -> None:
+    """Compiled programs are cached under runs/.jax_cache: a rerun (quick, then default)
+    skips most of the compilation that dominates short runs on a loaded 2-core CPU."""
+    path = run.out_dir.parent.parent / ".jax_cache"
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def main(config, run: RunContext) -> dict[str, Any]:
+    _persistent_compile_cache(run)
+    tc = config.train
+    n_dev = jax.device_count()
+    backend = resolve_backend(config.flow.attention)
+    cost = CostModel.for_width(config.model.d_model, config.packing.encoder_cost_per_patch)
+    total_steps = (tc.warmup_rounds + tc.rounds) * tc.block_steps
+    steps = [(k, step_samples(config.data, seed=config.seed, step=k, batch_size=tc.batch_size))
+             for k in range(total_steps)]
+    full = config.mesh.make()
+    mono_sides = build_sides(config.vit, config.model, full, full, config.optim, total_steps,
+                             backend)
+    enc0, bb0 = mono_sides.init(jax.random.key(config.seed))
+    enc_host, bb_host = _host_copy(enc0), _host_copy(bb0)
+    n_enc, n_bb = param_count(enc_host["params"]), param_count(bb_host["params"])
+    run.info(f"encoder {n_enc:,} params, backbone {n_bb:,}; {n_dev} devices; attention "
+             f"{backend.value}")
+
+    # 1. Allocator.
+    split_sides: dict[tuple[int, int, int], Sides] = {}
+
+    def sides_for(e: int, b: int, model: int) -> Sides:
+        if (e, b, model) not in split_sides:
+            meshes = _split_meshes(e, b, model)
+            split_sides[(e, b, model)] = build_sides(
+                config.vit, config.model, meshes["encoder"], meshes["backbone"], config.optim,
+                total_steps, backend)
+        return split_sides[(e, b, model)]
+
+    profile_rows = []
+    if config.flow.encoder_devices:
+        enc_c, bb_c = candidates(n_dev, [config.flow.encoder_devices], (1,))
+    else:
+        enc_c, bb_c = candidates(n_dev, config.allocator.encoder_candidates,
+                                 config.allocator.backbone_model_degrees)
+    enc_prof, bb_prof = {}, {}
+    for e in enc_c:
+        for b in [b for b in bb_c if b.devices == n_dev - e.devices]:
+            sides = sides_for(e.devices, b.devices, b.model)
+            te, tb = profile_sides(config, sides, enc_host, bb_host, steps[0][1], cost)
+            enc_prof[e] = max(enc_prof.get(e, 0.0), te)
+            bb_prof[b] = tb
+            profile_rows.append({"encoder": str(e), "backbone": str(b),
+                                 "encoder_samples_per_s": te, "backbone_samples_per_s": tb})
+            run.info(f"profile encoder {e} {te:.1f} samples/s | backbone {b} {tb:.1f} samples/s")
+    alloc = allocate(enc_prof, bb_prof, n_dev)
+    run.info(f"allocator: encoder {alloc.encoder}, backbone {alloc.backbone}, predicted "
+             f"{alloc.predicted_samples_per_s:.1f} samples/s (pipelined), "
+             f"{alloc.predicted_serial_samples_per_s:.1f} (serial)")
+    dec_sides = sides_for(alloc.encoder.devices, alloc.backbone.devices, alloc.backbone.model)
+
+    # 2. Side-by-side training.
+    trainers = {
+        "monolithic_padded": MonolithicTrainer(
+            mono_sides, *mono_sides.place(enc_host, bb_host),
+            layout="padded", packing=config.packing, cost=cost),
+        "monolithic_packed": MonolithicTrainer(
+            mono_sides, *mono_sides.place(enc_host, bb_host),
+            layout="packed", packing=config.packing, cost=cost),
+        "decoupled": DecoupledTrainer(
+            dec_sides, *dec_sides.place(enc_host, bb_host),
+            packing=config.packing, cost=cost, run_ahead=config.flow.run_ahead,
+            pool_capacity=config.flow.pool_capacity),
+    }
+    for mode, tr in trainers.items():
+        t0 = time.perf_counter()
+        n_shapes = tr.warm(steps)
+        run.info(f"{mode}: compiled {n_shapes} shape bucket(s) in {time.perf_counter() - t0:.0f}s")
+    times = {m: [] for m in MODES}
+    results = {m: [] for m in MODES}
+    run.set_total_steps(total_steps, "flowtrain")
+    for r in range(tc.warmup_rounds + tc.rounds):
+        block = steps[r * tc.block_steps:(r + 1) * tc.block_steps]
+        order = MODES[r % 3:] + MODES[:r % 3]
+        for mode in order:
+            t0 = time.perf_counter()
+            out = trainers[mode].run(block)
+            jax.block_until_ready(out[-1]["metrics"]["loss"])
+            if r >= tc.warmup_rounds:
+                times[mode].append(time.perf_counter() - t0)
+            results[mode] += out
+        for k, (step, _) in enumerate(block):
+            row = {}
+            for mode in MODES:
+                res = results[mode][step]
+                row[f"loss_{mode}"] = float(res["metrics"]["loss"])
+                row[f"padding_waste_{mode}"] = res["layout"].padding_waste
+                if res["layout"].packing is not None:
+                    row[f"cost_imbalance_{mode}"] = res["layout"].packing.imbalance
+            row["staleness"] = results["decoupled"][step]["staleness"]
+            run.log(step + 1, row)
+
+    # 3. Summary.
+    per_sample = tc.block_steps * tc.batch_size
+    t = {m: np.asarray(times[m]) for m in MODES}
+    ratios = {m: t["monolithic_padded"] / t[m] for m in MODES}
+    timed = [s for k, s in steps[tc.warmup_rounds * tc.block_steps:]]
+    flops = float(np.mean([model_flops(config, s, n_enc, n_bb) for s in timed]))
+    peak = measured_peak_flops()
+    samples_per_s = {m: per_sample / float(np.median(t[m])) for m in MODES}
+    held = heldout_samples(config.data, seed=config.seed, n=tc.eval_examples)
+    accuracy = {}
+    for mode, tr in trainers.items():
+        accuracy[mode] = heldout_accuracy(mono_sides, tr.enc_state["params"],
+                                          tr.bb_state["params"], held, cost)
+
+    def mean_of(mode, fn):
+        return float(np.mean([fn(res) for res in results[mode]]))
+
+    waste = {m: mean_of(m, lambda r: r["layout"].padding_waste) for m in MODES}
+    imbalance = {m: mean_of(m, lambda r: r["layout"].packing.imbalance) for m in MODES[1:]}
+    stale = [r["staleness"] for r in results["decoupled"]]
+    dec = trainers["decoupled"]
+    summary = {
+        "speedup_vs_monolithic_padded": {m: float(np.median(ratios[m])) for m in MODES},
+        "speedup_spread": {m: [float(ratios[m].min()), float(ratios[m].max())] for m in MODES},
+        "samples_per_s": samples_per_s,
+        "cost_imbalance": imbalance["decoupled"],
+        "cost_imbalance_by_mode": imbalance,
+        "padding_waste": waste["decoupled"],
+        "padding_waste_by_mode": waste,
+        "allocator": {
+            "encoder_devices": alloc.encoder.devices,
+            "backbone_devices": alloc.backbone.devices,
+            "backbone_model_degree": alloc.backbone.model,
+            "predicted_samples_per_s": alloc.predicted_samples_per_s,
+            "predicted_serial_samples_per_s": alloc.predicted_serial_samples_per_s,
+            "measured_samples_per_s": samples_per_s["decoupled"],
+            "profile": profile_rows,
+        },
+        "estimated_mfu": {m: flops / tc.batch_size * samples_per_s[m] / peak for m in MODES},
+        "peak_flops_measured": peak,
+        "model_flops_per_step": flops,
+        "final_loss": {m: float(np.mean([float(r["metrics"]["loss"])
+                                         for r in results[m][-max(1, len(results[m]) // 5):]]))
+                       for m in MODES},
+        "heldout_accuracy": accuracy,
+        "staleness": {"run_ahead": config.flow.run_ahead, "mean": float(np.mean(stale)),
+                      "max": int(max(stale))},
+        "decoupled_timers_s": dict(dec.timers),
+        "pool": dec.pool.stats(),
+        "steps": total_steps,
+        "batch_size": tc.batch_size,
+        "encoder_params": n_enc,
+        "backbone_params": n_bb,
+        "attention_backend": backend.value,
+    }
+    run.info(f"samples/s {({m: round(v, 2) for m, v in samples_per_s.items()})}; "
+             f"speedup {summary['speedup_vs_monolithic_padded']}")
+    return summary

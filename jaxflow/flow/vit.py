@@ -1,0 +1,161 @@
+"""ViT encoder over packed variable-size images + projector into the LM's embedding space.
+
+Images of different sizes give different patch counts. Instead of padding every image to the
+largest, the patches of many images are packed into rows (``pack_patches``): each image is one
+segment, attention is bidirectional within a segment, and learned row/column embeddings give
+each patch its 2-D place. The transformer blocks are the foundation's decoder blocks
+(``jaxflow.models.transformer.Block``) given a non-causal segment mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxflow.models.transformer import Block, RMSNorm, TransformerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig:
+    patch_size: int = 4
+    max_grid: int = 8  # largest image = max_grid * patch_size pixels per side
+    d_model: int = 32
+    n_layers: int = 1
+    n_heads: int = 2
+    d_ff: int = 64
+    out_dim: int = 64  # the LM's d_model
+
+    def block_config(self) -> TransformerConfig:
+        return TransformerConfig(vocab_size=1, d_model=self.d_model, n_layers=self.n_layers,
+                                 n_heads=self.n_heads, n_kv_heads=self.n_heads, d_ff=self.d_ff,
+                                 max_seq_len=self.max_grid**2)
+
+    @property
+    def patch_dim(self) -> int:
+        return self.patch_size**2
+
+    @property
+    def row_len(self) -> int:
+        """Patch slots per encoder row: the patch count of the largest image."""
+        return self.max_grid**2
+
+
+def bidirectional_segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, L] int (0 = padding) -> [B, L, L] bool: same segment, key not padding."""
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return same & (segment_ids != 0)[:, None, :]
+
+
+class ViTEncoder(nnx.Module):
+    """patches [R, L, P*P] -> embeddings [R, L, out_dim] (one per patch, already projected)."""
+
+    def __init__(self, config: ViTConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d = config.d_model
+
+        def param(shape, std, axes):
+            return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32),
+                             out_sharding=axes, eager_sharding=False)
+
+        self.patch_embed = param((config.patch_dim, d), config.patch_dim**-0.5, (None, "embed"))
+        self.row_embed = param((config.max_grid, d), 0.02, (None, "embed"))
+        self.col_embed = param((config.max_grid, d), 0.02, (None, "embed"))
+        block_cfg = config.block_config()
+        self.blocks = nnx.List([Block(block_cfg, rngs=rngs) for _ in range(config.n_layers)])
+        self.norm = RMSNorm(block_cfg)
+        self.proj_in = param((d, config.out_dim), d**-0.5, ("embed", "mlp"))
+        self.proj_out = param((config.out_dim, config.out_dim), config.out_dim**-0.5,
+                              ("mlp", None))
+
+    def __call__(self, patches: jax.Array, segment_ids: jax.Array, rows: jax.Array,
+                 cols: jax.Array) -> jax.Array:
+        """Args: patches [R, L, P*P] f32; segment_ids [R, L] (0 = empty slot); rows, cols,
+        [R, L] int grid coordinates. Returns [R, L, out_dim] f32 (empty slots meaningless)."""
+        x = patches @ self.patch_embed[...]
+        x = x + self.row_embed[...][rows] + self.col_embed[...][cols]
+        mask = bidirectional_segment_mask(segment_ids)
+        positions = rows * self.config.max_grid + cols
+        for block in self.blocks:
+            x = block(x, positions, mask)
+        x = self.norm(x)
+        return jax.nn.gelu(x @ self.proj_in[...]) @ self.proj_out[...]
+
+
+def patchify(image: np.ndarray, patch_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[S, S] -> (patches [(S/P)^2, P*P], rows, cols), raster order."""
+    s = image.shape[0]
+    g = s // patch_size
+    p = image.reshape(g, patch_size, g, patch_size).transpose(0, 2, 1, 3).reshape(g * g, -1)
+    rr, cc = np.divmod(np.arange(g * g), g)
+    return p, rr, cc
+
+
+@dataclasses.dataclass
+class PatchBatch:
+    """Packed encoder input (host numpy) and where each image landed.
+
+    ``image_slots[i]`` is the flat index (row * L + col) of image i's first patch in the
+    encoder output reshaped to [R * L, out_dim]; its patches are consecutive.
+    """
+
+    patches: np.ndarray  # [R, L, P*P] f32
+    segment_ids: np.ndarray  # [R, L] int32
+    rows: np.ndarray  # [R, L] int32
+    cols: np.ndarray  # [R, L] int32
+    image_slots: list[int]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"patches": self.patches, "segment_ids": self.segment_ids, "rows": self.rows,
+                "cols": self.cols}
+
+    @property
+    def padding_waste(self) -> float:
+        return float(1.0 - (self.segment_ids > 0).mean()) if self.segment_ids.size else 0.0
+
+
+def pack_patches(images: list[np.ndarray], config: ViTConfig, *, row_multiple: int = 1,
+                 row_bucket: int = 4) -> PatchBatch:
+    """Packs images (first-fit decreasing by patch count) into rows of ``config.row_len``.
+
+    The row count is rounded up to a multiple of ``row_multiple * row_bucket`` so the number
+    of compiled shapes stays small and rows shard evenly over ``row_multiple`` devices.
+    """
+    L = config.row_len
+    counts = [(im.shape[0] // config.patch_size) ** 2 for im in images]
+    if any(c > L for c in counts):
+        raise ValueError(f"an image with {max(counts)} patches exceeds the encoder row of {L} "
+                         f"patches (max_grid={config.max_grid})")
+    order = sorted(range(len(images)), key=lambda i: -counts[i])
+    fill: list[int] = []
+    placed: dict[int, tuple[int, int]] = {}
+    for i in order:
+        for r, used in enumerate(fill):
+            if used + counts[i] <= L:
+                placed[i] = (r, used)
+                fill[r] += counts[i]
+                break
+        else:
+            placed[i] = (len(fill), 0)
+            fill.append(counts[i])
+    step = max(1, row_multiple * row_bucket)
+    n_rows = max(step, math.ceil(len(fill) / step) * step)
+    patches = np.zeros((n_rows, L, config.patch_dim), np.float32)
+    seg = np.zeros((n_rows, L), np.int32)
+    rows = np.zeros((n_rows, L), np.int32)
+    cols = np.zeros((n_rows, L), np.int32)
+    slots = []
+    for i, im in enumerate(images):
+        r, c0 = placed[i]
+        p, rr, cc = patchify(im, config.patch_size)
+        n = p.shape[0]
+        patches[r, c0:c0 + n] = p
+        seg[r, c0:c0 + n] = i + 1
+        rows[r, c0:c0 + n] = rr
+        cols[r, c0:c0 + n] = cc
+        slots.append(r * L + c0)
+    return PatchBatch(patches, seg, rows, cols, slots)

@@ -1,0 +1,230 @@
+"""The VLM's LLM side: image embeddings spliced into text, packed rows, segment attention.
+
+A packed row holds several samples (or pieces of one, see ``packing.split_over_budget``), each
+its own segment with positions restarting at its start; attention is causal within a segment.
+Image placeholder tokens take their embedding from an image-embedding buffer ``[E, d]``
+through ``embed_index`` (-1 for text tokens), so the same backbone function serves the
+monolithic model (buffer = encoder output) and the decoupled backbone (buffer = pool contents).
+
+Attention backend: ``AttentionBackend.XLA`` is the masked-einsum reference
+(``jaxflow.models.attention``) and the CPU default; ``PALLAS_GPU`` uses the upstream
+segment-id flash attention ``jax.experimental.pallas.ops.gpu.attention.mha``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxflow.mesh import DEFAULT_RULES, LogicalRules, shardings_from_logical
+from jaxflow.models.attention import segment_causal_mask
+from jaxflow.models.transformer import Transformer, logical_axes
+from jaxflow.train.lm_state import token_nll
+
+ROW_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "embed_index")
+
+
+class AttentionBackend(enum.Enum):
+    XLA = "xla"
+    PALLAS_GPU = "pallas_gpu"
+
+
+def segment_attention_pallas(q, k, v, segment_ids, *, interpret: bool = False):
+    """Causal segment attention with the upstream Pallas GPU flash kernel (GQA by repeat).
+
+    Padding queries (segment 0) attend to padding keys here, unlike the reference; their
+    outputs are meaningless either way and never reach the loss.
+    """
+    from jax.experimental.pallas.ops.gpu.attention import BlockSizes, mha
+
+    t = q.shape[1]
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    block = 64
+    pad = (-t) % block  # the kernel tiles by `block`; extra slots are padding (segment 0)
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+    sizes = BlockSizes(block_q=block, block_k=block, block_q_dkv=block, block_kv_dkv=block,
+                       block_q_dq=block, block_kv_dq=block)
+    out = mha(q, k, v, segment_ids, sm_scale=q.shape[-1] ** -0.5, causal=True,
+              block_sizes=sizes, interpret=interpret)
+    return out[:, :t]
+
+
+def resolve_backend(requested: str) -> AttentionBackend:
+    """"auto" -> PALLAS_GPU on a GPU, else the XLA reference; forcing pallas_gpu off a GPU
+    raises (the kernel is tested on CPU in interpret mode only)."""
+    if requested == "auto":
+        return AttentionBackend.PALLAS_GPU if jax.default_backend() == "gpu" else AttentionBackend.XLA
+    try:
+        backend = AttentionBackend(requested)
+    except ValueError:
+        raise ValueError(f"attention backend {requested!r}; valid: auto, "
+                         f"{', '.join(b.value for b in AttentionBackend)}") from None
+    if backend is AttentionBackend.PALLAS_GPU and jax.default_backend() != "gpu":
+        raise ValueError(f"attention backend 'pallas_gpu' was forced but the JAX backend is "
+                         f"{jax.default_backend()!r}; use 'xla' or 'auto'")
+    return backend
+
+
+def backbone_hidden(lm: Transformer, x: jax.Array, positions: jax.Array,
+                    segment_ids: jax.Array, *, backend: AttentionBackend = AttentionBackend.XLA,
+                    interpret: bool = False) -> jax.Array:
+    """The LM's blocks + final norm on input EMBEDDINGS x [B, T, d] (the LM only takes tokens)."""
+    x = x.astype(lm.config.compute_dtype)
+    if backend is AttentionBackend.XLA:
+        mask = segment_causal_mask(segment_ids)
+        for block in lm.layers:
+            x = block(x, positions, mask)
+    else:
+        for block in lm.layers:
+            q, k, v = block.attn._qkv(block.attn_norm(x), positions)
+            x = x + block.attn._out(segment_attention_pallas(q, k, v, segment_ids,
+                                                             interpret=interpret))
+            x = x + block.mlp(block.mlp_norm(x))
+    return lm.final_norm(x)
+
+
+def splice(lm: Transformer, tokens: jax.Array, image_embeds: jax.Array,
+           embed_index: jax.Array) -> jax.Array:
+    """Token embeddings with image placeholders replaced: [B, T] + [E, d] -> [B, T, d]."""
+    tok = jnp.take(lm.embedding[...], tokens, axis=0).astype(jnp.float32)
+    img = jnp.take(image_embeds.astype(jnp.float32), jnp.maximum(embed_index, 0), axis=0)
+    return jnp.where((embed_index >= 0)[..., None], img, tok)
+
+
+def backbone_loss(lm: Transformer, image_embeds: jax.Array, rows: dict, denom: jax.Array, *,
+                  backend: AttentionBackend = AttentionBackend.XLA) -> tuple[jax.Array, dict]:
+    """Sum of answer-token NLL / ``denom`` (the global loss-token count, so micro-batches add up).
+
+    Returns (loss, {"nll_sum", "correct": [B, T] bool argmax == target on loss tokens}).
+    """
+    x = splice(lm, rows["tokens"], image_embeds, rows["embed_index"])
+    h = backbone_hidden(lm, x, rows["positions"], rows["segment_ids"], backend=backend)
+    logits = jnp.einsum("btd,dv->btv", h, lm.head_weight().astype(h.dtype),
+                        preferred_element_type=jnp.float32)
+    nll = token_nll(logits, rows["targets"]) * rows["loss_mask"]
+    correct = (jnp.argmax(logits, -1) == rows["targets"]) & (rows["loss_mask"] > 0)
+    return nll.sum() / denom, {"nll_sum": nll.sum(), "correct": correct}
+
+
+# -- host-side row building --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Tokens ``start:stop`` of sample ``sample`` (the whole sample unless split)."""
+
+    sample: int
+    start: int
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+def bucket(n: int, granularity: int) -> int:
+    """n rounded up to a multiple of ``granularity`` (shape buckets bound recompiles)."""
+    return max(granularity, math.ceil(n / granularity) * granularity)
+
+
+def build_rows(bins: Sequence[Sequence[Piece]], samples: Sequence[Any], row_len: int,
+               n_rows: int, image_base: Callable[[int, int], int]) -> dict[str, np.ndarray]:
+    """Packed rows [n_rows, row_len] for ``bins`` (one bin per row; extra rows are padding).
+
+    ``image_base(sample, i)`` is the index in the image-embedding buffer of image i's first
+    token. Positions continue across the pieces of a split sample.
+    """
+    if len(bins) > n_rows:
+        raise ValueError(f"{len(bins)} bins do not fit {n_rows} rows")
+    out = {k: np.zeros((n_rows, row_len), np.int32) for k in ROW_KEYS}
+    out["loss_mask"] = np.zeros((n_rows, row_len), np.float32)
+    out["embed_index"][:] = -1
+    for r, pieces in enumerate(bins):
+        c = 0
+        for seg, p in enumerate(pieces, start=1):
+            s = samples[p.sample]
+            n = p.length
+            if c + n > row_len:
+                raise ValueError(f"bin {r} holds {c + n} tokens > row length {row_len}")
+            sl = slice(c, c + n)
+            out["tokens"][r, sl] = s.inputs[p.start:p.stop]
+            out["targets"][r, sl] = s.targets[p.start:p.stop]
+            out["loss_mask"][r, sl] = s.loss_mask[p.start:p.stop]
+            out["segment_ids"][r, sl] = seg
+            out["positions"][r, sl] = np.arange(p.start, p.stop)
+            for i, (st, count) in enumerate(zip(s.image_starts, s.image_tokens)):
+                lo, hi = max(st, p.start), min(st + count, p.stop)
+                if lo < hi:
+                    base = image_base(p.sample, i)
+                    out["embed_index"][r, c + lo - p.start:c + hi - p.start] = (
+                        base + np.arange(lo - st, hi - st))
+            c += n
+    return out
+
+
+# -- parameters and optimizer state of one side (encoder or backbone) ---------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SideFunctions:
+    """A module's static half (graphdef, abstract state) and its param shardings on a mesh."""
+
+    graphdef: Any
+    abstract_state: Any
+    param_shardings: Any
+    mesh: Mesh
+
+    def module(self, params: Any) -> nnx.Module:
+        state = jax.tree.map(lambda x: x, self.abstract_state)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+
+def side_functions(factory: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh,
+                   rules: LogicalRules = DEFAULT_RULES) -> SideFunctions:
+    abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    axes = nnx.to_pure_dict(logical_axes(nnx.state(abstract, nnx.Param)))
+    shardings = shardings_from_logical(nnx.to_pure_dict(state), axes, mesh, rules)
+    return SideFunctions(graphdef, state, shardings, mesh)
+
+
+def state_shardings(fns: SideFunctions, tx: optax.GradientTransformation) -> dict:
+    """Shardings of {"params", "opt_state", "step"}: moments mirror params, scalars replicated.
+
+    Steps use them as out_shardings so a state's layout never changes (no recompiles)."""
+    replicated = NamedSharding(fns.mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(tx.init, nnx.to_pure_dict(fns.abstract_state))
+    opt = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, fns.param_shardings,
+                                transform_non_params=lambda _: replicated)
+    return {"params": fns.param_shardings, "opt_state": opt, "step": replicated}
+
+
+def init_side_state(fns: SideFunctions, factory: Callable[[nnx.Rngs], nnx.Module],
+                    tx: optax.GradientTransformation, key: jax.Array) -> dict:
+    """{"params", "opt_state", "step"} created directly in the side's shardings."""
+    sh = state_shardings(fns, tx)
+
+    def init(k):
+        params = nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(params=k))))
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    return jax.jit(init, out_shardings=sh)(key)
+
+
+def apply_grads(tx: optax.GradientTransformation, state: dict, grads: Any) -> dict:
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+            "step": state["step"] + 1}
