@@ -6,14 +6,18 @@
 
 Modules: bits (bit views), diff (tree diff), tracker (in-mesh change tracking), codecs and
 entropy (section formats), payload (wire format), encoder / receiver (encode / apply),
-bound (entropy bound), baseline (PULSE-style codec) and bench (the bench_sync_codec
-experiment).
+bound (entropy bound), baseline (PULSE-style codec), bench (the bench_sync_codec
+experiment), replica (sender / replicas, catch-up) and transport/ (in-process, TCP, storage).
 """
 
 from jaxflow.sync.encoder import CODECS, encode, encode_diffs
 from jaxflow.sync.receiver import apply
 from jaxflow.sync.payload import Payload, PayloadError
 from jaxflow.sync.tracker import ChangeTracker, CompactBackend
+from jaxflow.sync.replica import (FRESH, PublishStats, Replica, SyncSender, VersionMismatch,
+                                  to_bf16, tree_digest)
+from jaxflow.sync.weight_sync import SyncConfig, WeightSync
 
-__all__ = ["CODECS", "ChangeTracker", "CompactBackend", "Payload", "PayloadError", "apply",
-           "encode", "encode_diffs"]
+__all__ = ["CODECS", "FRESH", "ChangeTracker", "CompactBackend", "Payload", "PayloadError",
+           "PublishStats", "Replica", "SyncConfig", "SyncSender", "VersionMismatch", "apply", "encode",
+           "WeightSync", "encode_diffs", "to_bf16", "tree_digest"]

@@ -59,7 +59,7 @@ def apply(payload: Payload, params, *, version: int, inplace: bool = False,
     for i, update in updates.items():
         leaf = leaves[i]
         device = isinstance(leaf, jax.Array) and leaf.size < 2**31 and (  # int32 positions
-            on_device if on_device is not None else leaf.devices().pop().platform != "cpu")
+            on_device if on_device is not None else next(iter(leaf.sharding.device_set)).platform != "cpu")
         out[i] = _write_on_device(leaf, update) if device else _write(leaf, update, inplace)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), out)
 

@@ -1,0 +1,77 @@
+"""sparse_sync: SparseRL-Sync on real GRPO runs (issue 6).
+
+GRPO from the addition warm start (the sis_offpolicy model and task; bf16 sampler), syncing the
+trainer's weights to bf16 rollout replicas every 1, 4 and 16 steps with every codec; per sync
+the changed fraction, bytes per codec, ratio vs dense, bytes / entropy bound, encode and
+delivery time and a bit-exactness hash check; at every=1 two replica processes over TCP too.
+
+    python -m jaxflow.run --exp=sparse_sync --variant=quick      # ~2 min (+ warm start once)
+    python -m jaxflow.run --exp=sparse_sync --variant=default    # 64 steps per interval
+    python -m jaxflow.run --exp=sparse_sync --set sync.codec=entropy --set intervals=4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from configs.sis_offpolicy import WARM_START, RolesConfig
+from configs.lm_pretrain import Config as PretrainConfig
+from jaxflow.rl.grpo import GRPOConfig
+from jaxflow.sync.encoder import CODECS
+from jaxflow.sync.weight_sync import SyncConfig
+from jaxflow.train.lm_state import OptimConfig
+
+DESCRIPTION = "Sparse bf16 weight sync on real GRPO runs: bytes, ratio, bound, bit-exactness"
+ENTRY = "jaxflow.sync.rl_study:main"
+VARIANTS = ("quick", "default", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """``sync.codec``: the codec whose replicas serve the rollouts (and the TCP replicas);
+    ``codecs``: every codec measured on the same trajectory; ``intervals``: sync every N
+    optimizer steps, one GRPO run each (``sync.every`` is set from it); ``steps``: rollouts
+    (= optimizer steps, lag 1) per run."""
+
+    seed: int = 0
+    cache_root: str = "runs/_cache"
+    pretrain: PretrainConfig = WARM_START
+    rl: GRPOConfig = GRPOConfig(prompts_per_rollout=8, group_size=8, temperature=1.0,
+                                max_new_tokens=4, sis_topk=8, mismatch="bf16")
+    optim: OptimConfig = OptimConfig(lr=2e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0)
+    sync: SyncConfig = SyncConfig(codec="auto")
+    codecs: tuple[str, ...] = CODECS
+    intervals: tuple[int, ...] = (1, 4, 16)
+    steps: int = 64
+    tcp_replicas: int = 2
+    tcp_every: int = 1
+    roles: RolesConfig = RolesConfig()
+
+    def __post_init__(self):
+        bad = [c for c in self.codecs if c not in CODECS]
+        if bad or not self.codecs:
+            raise ValueError(f"codecs={self.codecs}: unknown {bad}; valid: {CODECS}")
+        if not self.intervals or any(not isinstance(e, int) or e < 1 for e in self.intervals):
+            raise ValueError(f"intervals={self.intervals}: need ints >= 1")
+        if self.steps < max(self.intervals):
+            raise ValueError(f"steps={self.steps} < the largest interval {max(self.intervals)}: "
+                             "that run would never sync")
+        if self.rl.staleness != 0 or self.rl.lag != 1:
+            raise ValueError("sparse_sync serves rollouts from the synced replica: needs "
+                             f"rl.staleness=0 and rl.lag=1, got {self.rl.staleness}, {self.rl.lag}")
+        if self.sync.every != 1:
+            raise ValueError(f"sync.every={self.sync.every}: sparse_sync sweeps its own sync "
+                             "intervals; use --set intervals=N[,M...] instead")
+        if self.tcp_replicas < 0:
+            raise ValueError(f"tcp_replicas={self.tcp_replicas}: need >= 0")
+
+
+def get_config(variant: str) -> Config:
+    base = Config()
+    if variant == "quick":
+        return dataclasses.replace(base, steps=16)
+    if variant == "default":
+        return base
+    if variant == "full":
+        return dataclasses.replace(base, steps=256, intervals=(1, 2, 4, 8, 16, 32))
+    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")

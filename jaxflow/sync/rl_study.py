@@ -1,0 +1,199 @@
+"""The ``sparse_sync`` experiment: SparseRL-Sync on real GRPO runs (see configs/sparse_sync.py).
+
+Per sync interval ``every``: a GRPO run from the addition warm start (the RL trainer's task
+and model; the sampler runs bf16, ``mismatch="bf16"``), ``steps`` rollouts of one optimizer
+step each. Every ``every`` steps the trainer's f32 params are published through one
+:class:`WeightSync` per codec (same trajectory, same snapshots) to bf16 replicas on the
+rollout sub-mesh; the replica of ``sync.codec`` serves the rollouts (upcast to f32 for the
+sampler, which casts back to bf16 exactly), after the per-rollout version check. At every sync:
+changed fraction, bytes per codec, ratio vs dense, bytes / entropy bound, encode and delivery
+time, and bit-exactness (every replica's hash == hash of the trainer's bf16 cast). At
+``every == tcp_every`` ``tcp_replicas`` replica processes (``python -m
+jaxflow.sync.transport.tcp``, 127.0.0.1) receive the same payloads over TCP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.experiment import RunContext
+from jaxflow.rl.grpo import GRPOTrainer
+from jaxflow.rl.offpolicy_study import make_role_meshes
+from jaxflow.rl.tasks import AdditionRLTask
+from jaxflow.rl.warm_start import load_pretrained_params
+from jaxflow.sync.replica import to_bf16
+from jaxflow.sync.transport.tcp import TcpLink
+from jaxflow.sync.weight_sync import WeightSync
+from jaxflow.train.lm_state import lm_functions
+
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _median(xs) -> float | None:
+    xs = [x for x in xs if x is not None and np.isfinite(x)]
+    return float(np.median(xs)) if xs else None
+
+
+def _start_tcp_replicas(n: int, template, tmp: pathlib.Path) -> list:
+    (tmp / "template.pkl").write_bytes(pickle.dumps(jax.tree.map(np.zeros_like, template)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
+    procs = []
+    for i in range(n):
+        procs.append((subprocess.Popen(
+            [sys.executable, "-m", "jaxflow.sync.transport.tcp", f"--template={tmp}/template.pkl",
+             f"--port-file={tmp}/port{i}", "--timeout-s=30"], cwd=_ROOT, env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), tmp / f"port{i}"))
+    return procs
+
+
+def _tcp_links(procs, timeout_s: float = 120.0) -> list[TcpLink]:
+    deadline, links = time.monotonic() + timeout_s, []
+    for proc, port_file in procs:
+        while not port_file.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"replica process exited: {proc.stderr.read()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica process did not start within {timeout_s} s")
+            time.sleep(0.05)
+        links.append(TcpLink("127.0.0.1", int(port_file.read_text()), timeout_s=30))
+    return links
+
+
+def run_interval(every: int, config, run: RunContext, *, meshes, warm_params, tcp_links=(),
+                 step_offset: int = 0) -> list[dict]:
+    """One GRPO run syncing every ``every`` steps; one row per (sync, codec)."""
+    trainer = GRPOTrainer(config.pretrain.model, config.rl, config.optim,
+                          AdditionRLTask(max_digits=config.pretrain.data.max_digits),
+                          CharTokenizer(), meshes, seed=config.seed, total_rollouts=config.steps)
+    state = trainer.init_state(warm_params)
+    params0 = state["policy"]["params"]
+    sync_cfg = dataclasses.replace(config.sync, every=every)
+    syncs = {c: WeightSync(params0, trainer.worker.param_shardings,
+                           dataclasses.replace(sync_cfg, codec=c),
+                           links=tcp_links if c == config.sync.codec else ())
+             for c in dict.fromkeys((config.sync.codec, *config.codecs))}
+    serving = syncs[config.sync.codec]
+    if tcp_links:  # fresh replica processes: dense resync to version 0
+        report = serving.sender.sync_all(serving.links)
+        if not all(r["ok"] for r in report):
+            raise RuntimeError(f"initial TCP resync failed: {report}")
+    rows = []
+    for step in range(1, config.steps + 1):
+        bf16 = serving.rollout_params()  # version check on every rollout
+        state = dict(state, published=(jax.tree.map(lambda x: x.astype(jnp.float32), bf16),))
+        state, metrics = trainer.step(state)
+        run.log(step_offset + step, {"every": every, "reward_mean": metrics["reward_mean"]})
+        if not serving.due(step):
+            continue
+        params = state["policy"]["params"]
+        for codec, ws in syncs.items():
+            rec = ws.publish(params, version=step, with_bound=codec == config.sync.codec)
+            s = rec.stats
+            rows.append({"every": every, "step": step, "codec": codec,
+                         "changed_fraction": s.changed_fraction, "payload_bytes": s.payload_bytes,
+                         "dense_bytes": s.dense_bytes, "ratio_vs_dense": s.ratio_vs_dense,
+                         "bound_bytes": s.bound_bytes, "encode_s": s.encode_s,
+                         "deliver_s": rec.deliver_s, "links": len(ws.links),
+                         "bit_exact": rec.bit_exact,
+                         "routes": [r.get("route") for r in rec.report]})
+        bound = rows[-len(syncs)]["bound_bytes"]
+        for r in rows[-len(syncs):]:
+            r["bytes_over_bound"] = r["payload_bytes"] / bound if bound > 0 else None
+        run.log(step_offset + step, {"every": every, "sync_step": step,
+                                     "changed_fraction": rows[-1]["changed_fraction"],
+                                     "bit_exact": all(r["bit_exact"] for r in rows[-len(syncs):])})
+    return rows
+
+
+def _by_interval(rows: list[dict]) -> list[dict]:
+    out = []
+    for every in dict.fromkeys(r["every"] for r in rows):
+        for codec in dict.fromkeys(r["codec"] for r in rows):
+            sel = [r for r in rows if r["every"] == every and r["codec"] == codec]
+            if not sel:
+                continue
+            out.append({
+                "every": every, "codec": codec, "syncs": len(sel),
+                "changed_fraction_median": _median(r["changed_fraction"] for r in sel),
+                "ratio_vs_dense": _median(r["ratio_vs_dense"] for r in sel),
+                "payload_bytes_median": _median(r["payload_bytes"] for r in sel),
+                "dense_bytes": sel[0]["dense_bytes"],
+                "bytes_over_bound_median": _median(r["bytes_over_bound"] for r in sel),
+                "encode_s_median": _median(r["encode_s"] for r in sel),
+                "deliver_s_median": _median(r["deliver_s"] for r in sel),
+                "bit_exact_all": all(r["bit_exact"] for r in sel),
+            })
+    return out
+
+
+def main(config, run: RunContext) -> dict:
+    meshes, roles = make_role_meshes(config.roles)
+    fns = lm_functions(config.pretrain.model, meshes["trainer"])
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="sparse_sync_tcp-"))
+    procs = []
+    try:
+        if config.tcp_replicas and run.is_primary:
+            from flax import nnx
+            template = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
+                                    nnx.to_pure_dict(fns.abstract_state))
+            # started before the warm start loads so their start-up overlaps it
+            procs = _start_tcp_replicas(config.tcp_replicas, to_bf16(template), tmp)
+        warm_params, pre = load_pretrained_params(config.pretrain, config.cache_root, fns,
+                                                  log=run.info)
+        links = _tcp_links(procs) if procs else []
+        rows, tcp = [], None
+        for i, every in enumerate(config.intervals):
+            use_tcp = links if every == config.tcp_every else []
+            rows += run_interval(every, config, run, meshes=meshes, warm_params=warm_params,
+                                 tcp_links=use_tcp, step_offset=i * config.steps)
+            if use_tcp:
+                served = [r for r in rows if r["every"] == every
+                          and r["codec"] == config.sync.codec]
+                statuses = [link.status() for link in use_tcp]
+                tcp = {"processes": len(use_tcp), "every": every, "codec": config.sync.codec,
+                       "syncs": len(served), "bit_exact_all": all(r["bit_exact"] for r in served),
+                       "final_versions": [v for v, _ in statuses],
+                       "payload_bytes_total": int(sum(r["payload_bytes"] for r in served))}
+                run.info(f"TCP: {tcp}")
+    finally:
+        for proc, _ in procs:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    by_interval = _by_interval(rows)
+    if run.is_primary:
+        run.write_json("syncs.json", rows)
+    first = config.intervals[0]
+    at_first = [r for r in by_interval if r["every"] == first]
+    for r in by_interval:
+        run.info(f"every={r['every']:>3} {r['codec']:>8}: changed {r['changed_fraction_median']:.5f}"
+                 f" ratio {r['ratio_vs_dense']:.1f}x bytes/bound "
+                 f"{r['bytes_over_bound_median'] or float('nan'):.2f} exact {r['bit_exact_all']}")
+    return {
+        "roles": roles,
+        "warm_start_accuracy": pre.get("heldout_accuracy"),
+        "bit_exact_all": all(r["bit_exact"] for r in rows) and (tcp is None or tcp["bit_exact_all"]),
+        "changed_fraction_median": _median(r["changed_fraction"] for r in rows
+                                           if r["every"] == first),
+        "ratio_vs_dense": {r["codec"]: r["ratio_vs_dense"] for r in at_first},
+        "ratio_interval": first,
+        "by_interval": by_interval,
+        "tcp": tcp,
+        "syncs": len(rows),
+    }
+
