@@ -1,0 +1,18 @@
+"""Post-training pruning: SparseGPT (JAX), Wanda / magnitude baselines, sequential pruning of the
+foundation LM, capability-decomposed evaluation and calibration sources (incl. IGSP).
+
+    from jaxflow.prune import prune
+    pruned_params, report = prune(params, calibration_batches, 0.6)        # or "2:4"
+"""
+
+from jaxflow.prune.baselines import magnitude_prune, wanda_prune
+from jaxflow.prune.masks import SparsityPattern, parse_sparsity
+from jaxflow.prune.sequential import METHODS, PrunedMatrix, infer_model_config, prune
+from jaxflow.prune.sparsegpt import (CholeskyRetryWarning, HessianState, hessian_init, hessian_update,
+                                     reconstruction_error, sparsegpt_prune)
+
+__all__ = [
+    "CholeskyRetryWarning", "HessianState", "METHODS", "PrunedMatrix", "SparsityPattern",
+    "hessian_init", "hessian_update", "infer_model_config", "magnitude_prune", "parse_sparsity",
+    "prune", "reconstruction_error", "sparsegpt_prune", "wanda_prune",
+]

@@ -1,0 +1,87 @@
+"""The dense capability model: the foundation LM trained on the capability mixture, cached.
+
+The cache entry ``<cache_root>/calibration_dense-<hash>`` (hash of model, training recipe and
+world seed) holds an orbax checkpoint of the params and ``summary.json``; it is built in a
+temporary sibling and renamed into place, so a killed build never leaves half an entry and
+repeated experiment runs reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxflow.checkpoint import Checkpointer
+from jaxflow.prune.capabilities import World, make_tokenizer, mixture_batch
+from jaxflow.rl.warm_start import config_hash
+from jaxflow.train.lm_pretrain import global_batch
+from jaxflow.train.lm_state import LMFunctions, init_train_state, make_optimizer, make_train_step
+
+#: Share of each document source in the training mixture.
+MIXTURE = {"math": 0.3, "code": 0.25, "general": 0.2, "commonsense": 0.15, "text": 0.1}
+
+
+def dense_cache_dir(cache_root: str | pathlib.Path, recipe: Any) -> pathlib.Path:
+    return pathlib.Path(cache_root) / f"calibration_dense-{config_hash(recipe)}"
+
+
+def train_dense(fns: LMFunctions, model_cfg, optim_cfg, train_cfg, world: World, *, seed: int,
+                log: Callable[[int, dict], None] | None = None) -> Any:
+    """Trains the LM on the capability mixture; returns params (pure dict)."""
+    mesh = jax.tree.leaves(fns.param_shardings)[0].mesh
+    tx = make_optimizer(optim_cfg, train_cfg.steps)
+    state, shardings = init_train_state(fns, model_cfg, tx, jax.random.key(seed))
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data" if "data" in mesh.shape else None))
+    step_fn = make_train_step(fns, tx, shardings, batch_sharding)
+    tokenizer = make_tokenizer()
+    window = []
+    for step in range(train_cfg.steps):
+        host = mixture_batch(world, tokenizer, seed=seed, step=step, rows=train_cfg.batch_size,
+                             seq_len=train_cfg.seq_len, weights=MIXTURE)
+        state, metrics = step_fn(state, global_batch(host, batch_sharding))
+        window.append(metrics)
+        if log is not None and ((step + 1) % train_cfg.log_every == 0 or step + 1 == train_cfg.steps):
+            rows = jax.device_get(window)
+            log(step + 1, {k: float(np.mean([r[k] for r in rows])) for k in ("loss", "token_accuracy")})
+            window = []
+    return state["params"]
+
+
+def load_or_train_dense(fns: LMFunctions, recipe: Any, cache_root: str | pathlib.Path, *,
+                        train: Callable[[], Any], info: Callable[[str], None] = print) -> tuple[Any, pathlib.Path]:
+    """(params, cache entry): restored from the cache, or ``train()``-ed and saved there."""
+    target = dense_cache_dir(cache_root, recipe)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            _pure(fns.abstract_state), fns.param_shardings)
+    if (target / "summary.json").exists():
+        info(f"dense model: reusing cache {target}")
+        ckpt = Checkpointer(target / "checkpoints", async_save=False)
+        params = ckpt.restore(ckpt.latest_step(), abstract)
+        ckpt.close()
+        return params, target
+    info(f"dense model: training into {target} (cached for later runs)")
+    params = train()
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ckpt = Checkpointer(tmp / "checkpoints", async_save=False)
+    ckpt.save(1, params, force=True)
+    ckpt.close()
+    (tmp / "summary.json").write_text(json.dumps({"recipe_hash": config_hash(recipe)}))
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished the same entry first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return params, target
+
+
+def _pure(state):
+    from flax import nnx
+
+    return nnx.to_pure_dict(state)
