@@ -1,0 +1,36 @@
+"""The nestpipe experiment end to end on a tiny config: summary keys and exactness."""
+
+import dataclasses
+
+import pytest
+
+from configs.nestpipe import Config, get_config
+from jaxflow.experiment import standalone_context
+from jaxflow.nestpipe.experiment import main
+
+TINY = Config(vocab_sizes=(60, 40, 25, 9), multi_hot=3, embed_dim=8, bottom=(16,), top=(16,),
+              batch_size=64, micro_batches=4, steps=4, eval_batches=2, warmup=1, timing_steps=2,
+              pairs=1, sparse_lr=0.1, dense_lr=1e-2)
+
+
+def test_summary_keys_and_exactness(tmp_path):
+    run = standalone_context("nestpipe", "quick", out_dir=str(tmp_path))
+    s = main(TINY, run)
+    names = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
+    for key in ("speedup_vs_sync", "ideal_speedup", "max_param_diff_vs_sync"):
+        assert set(s[key]) == set(names), key
+    assert s["max_param_diff_vs_sync"]["dbp"] == 0.0
+    assert s["max_param_diff_vs_sync"]["dbp+fwp"] == s["max_param_diff_vs_sync"]["fwp"] <= 4e-6
+    assert s["max_param_diff_vs_sync"]["semi_sync"] > 1e-3
+    assert max(s["max_one_step_diff_vs_sync"].values()) <= 1e-6
+    assert s["ideal_speedup"]["dbp"] > 1.0
+    assert 0.0 <= s["duplicate_transfer_reduction"] < 1.0
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="pipelines"):
+        dataclasses.replace(get_config("quick"), pipelines=("sync", "async"))
+    with pytest.raises(ValueError, match="micro_batches"):
+        dataclasses.replace(get_config("quick"), micro_batches=3)
+    with pytest.raises(ValueError, match="variant"):
+        get_config("huge")
