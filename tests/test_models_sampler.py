@@ -162,3 +162,23 @@ def test_sampler_on_sharded_params_matches_unsharded(split_model, prompts):
 def test_invalid_sampling_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingConfig(**{field: value})
+
+
+def test_logit_noise_logprobs_are_those_of_the_noisy_distribution(split_model, prompts):
+    graphdef, state = split_model
+    cfg = SamplingConfig(max_new_tokens=N, temperature=0.8)
+    key = jax.random.key(5)
+    std = 0.7
+    out = make_sampler(graphdef, cfg, std)(state, prompts, LENGTHS, key)
+    logits = _logits_at_generated(split_model, prompts, out.tokens)  # [B, N, V]
+    step_keys = jax.random.split(key, N)
+    for t in range(N):
+        noise_key, _ = jax.random.split(step_keys[t])
+        noisy = logits[:, t] + std * jax.random.normal(noise_key, logits[:, t].shape, jnp.float32)
+        want = jnp.take_along_axis(jax.nn.log_softmax(noisy / 0.8, axis=-1),
+                                   out.tokens[:, t, None], axis=-1)[:, 0]
+        np.testing.assert_allclose(out.logprobs[:, t], want, atol=F32_TOL, rtol=0)
+    plain = make_sampler(graphdef, cfg)(state, prompts, LENGTHS, key)
+    assert not np.allclose(plain.logprobs, out.logprobs)  # the noise really changes the distribution
+    with pytest.raises(ValueError, match="logit_noise_std"):
+        make_sampler(graphdef, SamplingConfig(max_new_tokens=N, temperature=0.0), 0.5)

@@ -100,8 +100,16 @@ def sampling_log_probs(logits: jax.Array, config: SamplingConfig) -> jax.Array:
     return jax.nn.log_softmax(logits, axis=-1)
 
 
-def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig):
-    """Returns (token [B] int32, logprob [B] float32) for one step."""
+def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig, logit_noise_std: float = 0.0):
+    """Returns (token [B] int32, logprob [B] float32) for one step.
+
+    With ``logit_noise_std > 0`` N(0, std^2) noise is added to the raw logits first (the
+    train/inference-mismatch knob); the log-prob is then that of the noisy distribution.
+    """
+    if logit_noise_std > 0.0:
+        noise_key, key = jax.random.split(key)
+        logits = logits.astype(jnp.float32) + logit_noise_std * jax.random.normal(
+            noise_key, logits.shape, jnp.float32)
     logp = sampling_log_probs(logits, config)
     if config.temperature == 0.0:
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -111,8 +119,11 @@ def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig):
 
 
 @functools.lru_cache(maxsize=32)
-def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig) -> Callable:
+def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std: float = 0.0) -> Callable:
     """Builds a jitted sampler for one model structure and sampling config.
+
+    ``logit_noise_std > 0`` adds fresh N(0, std^2) noise to the raw logits of every sampled
+    step (needs temperature > 0); the returned log-probs are those of the noisy distribution.
 
     Returns:
       fn(params_state, prompts, prompt_lengths, key) -> SampleOutput where
@@ -124,6 +135,9 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig) -> Callable:
         key: PRNG key (split per step, unused when greedy).
       The KV cache has P + max_new_tokens slots, which must be <= the model's max_seq_len.
     """
+    if logit_noise_std < 0 or (logit_noise_std > 0 and config.temperature == 0.0):
+        raise ValueError(f"logit_noise_std={logit_noise_std!r}: must be >= 0, and > 0 needs "
+                         "temperature > 0 (greedy has no distribution)")
     n_new = config.max_new_tokens
 
     def run(params_state, prompts, prompt_lengths, key) -> SampleOutput:
@@ -143,7 +157,7 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig) -> Callable:
         step_keys = jax.random.split(key, n_new)
 
         def emit(logits, done, step_key):
-            token, logprob = _draw(logits, step_key, config)
+            token, logprob = _draw(logits, step_key, config, logit_noise_std)
             live = ~done
             token = jnp.where(live, token, config.pad_id)
             logprob = jnp.where(live, logprob, 0.0)

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.distributed import to_host
-from jaxflow.models.sampler import SampleOutput, SamplingConfig, make_sampler, sampling_log_probs
+from jaxflow.models.sampler import SampleOutput, SamplingConfig, make_sampler
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.tasks import Task, encode_prompts, score_completions
 from jaxflow.train.lm_state import lm_functions
@@ -71,57 +71,7 @@ def make_noisy_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, noise_std
     log-probs are those of the noisy distribution. Needs temperature > 0."""
     if config.temperature == 0.0:
         raise ValueError("make_noisy_sampler needs temperature > 0 (greedy has no distribution)")
-    n_new = config.max_new_tokens
-
-    def draw(logits, key):
-        noise_key, draw_key = jax.random.split(key)
-        noisy = logits.astype(jnp.float32) + noise_std * jax.random.normal(
-            noise_key, logits.shape, jnp.float32)
-        logp = sampling_log_probs(noisy, config)
-        token = jax.random.categorical(draw_key, logp, axis=-1).astype(jnp.int32)
-        return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-
-    def run(params_state, prompts, prompt_lengths, key) -> SampleOutput:
-        model = nnx.merge(graphdef, params_state)
-        b, p = prompts.shape
-        if p + n_new > model.config.max_seq_len:
-            raise ValueError(f"prompt length {p} + max_new_tokens {n_new} exceeds the model's "
-                             f"max_seq_len={model.config.max_seq_len}")
-        prompt_lengths = prompt_lengths.astype(jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        cache = model.init_cache(b, p + n_new)
-        logits, cache = model.decode(prompts, cache, positions=positions,
-                                     valid=positions < prompt_lengths[:, None])
-        last = jnp.clip(prompt_lengths - 1, 0, p - 1)
-        last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-        step_keys = jax.random.split(key, n_new)
-
-        def emit(logits, done, step_key):
-            token, logprob = draw(logits, step_key)
-            live = ~done
-            token = jnp.where(live, token, config.pad_id)
-            logprob = jnp.where(live, logprob, 0.0)
-            if config.eos_id is not None:
-                done = done | (token == config.eos_id)
-            return token, logprob, live, done
-
-        def step(carry, step_key):
-            cache, token, live, done, t = carry
-            logits, cache = model.decode(token[:, None], cache,
-                                         positions=(prompt_lengths + t - 1)[:, None],
-                                         valid=live[:, None])
-            token, logprob, live, done = emit(logits[:, 0], done, step_key)
-            return (cache, token, live, done, t + 1), (token, logprob, live)
-
-        token0, logprob0, live0, done = emit(last_logits, jnp.zeros((b,), bool), step_keys[0])
-        _, (tokens, logprobs, live) = jax.lax.scan(
-            step, (cache, token0, live0, done, jnp.int32(1)), step_keys[1:])
-        tokens = jnp.concatenate([token0[:, None], tokens.T], axis=1)
-        logprobs = jnp.concatenate([logprob0[:, None], logprobs.T], axis=1)
-        mask = jnp.concatenate([live0[:, None], live.T], axis=1).astype(jnp.float32)
-        return SampleOutput(tokens, logprobs, mask, mask.sum(axis=1).astype(jnp.int32))
-
-    return jax.jit(run)
+    return make_sampler(graphdef, config, float(noise_std))
 
 
 def batch_sharding(mesh: Mesh, batch_size: int) -> NamedSharding:
