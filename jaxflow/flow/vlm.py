@@ -88,8 +88,8 @@ def backbone_hidden(lm: Transformer, x: jax.Array, positions: jax.Array,
             x = block(x, positions, mask)
     else:
         for block in lm.layers:
-            q, k, v = block.attn._qkv(block.attn_norm(x), positions)
-            x = x + block.attn._out(segment_attention_pallas(q, k, v, segment_ids,
+            q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
+            x = x + block.attn.project_out(segment_attention_pallas(q, k, v, segment_ids,
                                                              interpret=interpret))
             x = x + block.mlp(block.mlp_norm(x))
     return lm.final_norm(x)

@@ -139,7 +139,12 @@ class Attention(nnx.Module):
         self.rope_theta = config.rope_theta
         self.dtype = config.compute_dtype
 
-    def _qkv(self, x, positions):
+    def project_qkv(self, x: jax.Array, positions: jax.Array):
+        """Queries, keys, values with RoPE applied: x [B, T, d], positions [B, T] ->
+        q [B, T, n_heads, head_dim], k and v [B, T, n_kv_heads, head_dim].
+
+        Public so other attention implementations (segment-id Pallas kernels, pruning hooks)
+        can reuse this layer's projections."""
         dt = self.dtype
         q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
@@ -148,20 +153,21 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, theta=self.rope_theta)
         return q, k, v
 
-    def _out(self, attn):
+    def project_out(self, attn: jax.Array) -> jax.Array:
+        """Output projection: attn [B, T, n_heads, head_dim] -> [B, T, d]."""
         return jnp.einsum("bthk,hkd->btd", attn, self.wo[...].astype(self.dtype))
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        q, k, v = self._qkv(x, positions)
-        return self._out(dot_product_attention(q, k, v, mask))
+        q, k, v = self.project_qkv(x, positions)
+        return self.project_out(dot_product_attention(q, k, v, mask))
 
     def decode(self, x, positions, k_cache, v_cache, index, slots, key_valid):
         """Writes this step's keys/values at `index` and attends over the cache."""
-        q, k, v = self._qkv(x, positions)
+        q, k, v = self.project_qkv(x, positions)
         k_cache = write_rows(k_cache, k, index)
         v_cache = write_rows(v_cache, v, index)
         mask = cache_causal_mask(slots, key_valid)
-        return self._out(dot_product_attention(q, k_cache, v_cache, mask)), k_cache, v_cache
+        return self.project_out(dot_product_attention(q, k_cache, v_cache, mask)), k_cache, v_cache
 
 
 class SwiGLU(nnx.Module):

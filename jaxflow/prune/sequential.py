@@ -112,11 +112,11 @@ class _BlockRunner:
         h = block.attn_norm(x)
         if stage == "attn_in":
             return h
-        q, k, v = block.attn._qkv(h, positions)
+        q, k, v = block.attn.project_qkv(h, positions)
         attn = dot_product_attention(q, k, v, segment_causal_mask(segment_ids))
         if stage == "attn_out":
             return attn.reshape(*attn.shape[:2], -1)
-        m = block.mlp_norm(x + block.attn._out(attn))
+        m = block.mlp_norm(x + block.attn.project_out(attn))
         if stage == "mlp_in":
             return m
         dt = block.mlp.dtype
