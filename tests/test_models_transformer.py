@@ -66,6 +66,20 @@ def test_forward_shapes_defaults_and_head(model):
     np.testing.assert_allclose(hidden @ model.head_weight(), logits, atol=F32_TOL)
 
 
+def test_inputs_embeds_equals_token_path_bitwise(model):
+    tokens = _tokens(7)
+    by_tokens = nnx.jit(lambda m, t: m.hidden_states(t))(model, tokens)
+    embeds = jnp.take(model.embedding[...], tokens, axis=0)
+    by_embeds = nnx.jit(lambda m, e: m.hidden_states(inputs_embeds=e))(model, embeds)
+    np.testing.assert_array_equal(np.asarray(by_embeds), np.asarray(by_tokens))
+    with pytest.raises(ValueError, match="exactly one of tokens / inputs_embeds"):
+        model.hidden_states(tokens, inputs_embeds=embeds)
+    with pytest.raises(ValueError, match="exactly one of tokens / inputs_embeds"):
+        model.hidden_states()
+    with pytest.raises(ValueError, match="d_model="):
+        model.hidden_states(inputs_embeds=embeds[..., :-1])
+
+
 def test_packed_equals_per_segment(model):
     alone = _tokens(1, (2, 5))  # two segments, each also run alone as a batch row
     packed = jnp.concatenate([alone[0], alone[1], jnp.zeros((2,), jnp.int32)])

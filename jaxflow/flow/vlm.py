@@ -26,7 +26,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules, shardings_from_logical
-from jaxflow.models.attention import segment_causal_mask
 from jaxflow.models.transformer import Transformer, logical_axes
 from jaxflow.train.lm_state import token_nll
 
@@ -80,18 +79,19 @@ def resolve_backend(requested: str) -> AttentionBackend:
 def backbone_hidden(lm: Transformer, x: jax.Array, positions: jax.Array,
                     segment_ids: jax.Array, *, backend: AttentionBackend = AttentionBackend.XLA,
                     interpret: bool = False) -> jax.Array:
-    """The LM's blocks + final norm on input EMBEDDINGS x [B, T, d] (the LM only takes tokens)."""
-    x = x.astype(lm.config.compute_dtype)
+    """The LM's blocks + final norm on input EMBEDDINGS x [B, T, d] -> [B, T, d].
+
+    The XLA backend is ``Transformer.hidden_states(inputs_embeds=x)`` itself; the Pallas
+    backend runs the same blocks with the segment flash kernel in place of masked attention.
+    """
     if backend is AttentionBackend.XLA:
-        mask = segment_causal_mask(segment_ids)
-        for block in lm.layers:
-            x = block(x, positions, mask)
-    else:
-        for block in lm.layers:
-            q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
-            x = x + block.attn.project_out(segment_attention_pallas(q, k, v, segment_ids,
-                                                             interpret=interpret))
-            x = x + block.mlp(block.mlp_norm(x))
+        return lm.hidden_states(inputs_embeds=x, positions=positions, segment_ids=segment_ids)
+    x = x.astype(lm.config.compute_dtype)
+    for block in lm.layers:
+        q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
+        x = x + block.attn.project_out(segment_attention_pallas(q, k, v, segment_ids,
+                                                         interpret=interpret))
+        x = x + block.mlp(block.mlp_norm(x))
     return lm.final_norm(x)
 
 

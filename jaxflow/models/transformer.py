@@ -242,20 +242,36 @@ class Transformer(nnx.Module):
         w = self.head_weight().astype(self.config.compute_dtype)
         return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
 
-    def hidden_states(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-                      segment_ids: jax.Array | None = None) -> jax.Array:
+    def hidden_states(self, tokens: jax.Array | None = None, *,
+                      positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None,
+                      inputs_embeds: jax.Array | None = None) -> jax.Array:
         """Final-RMSNorm output that the LM head sees.
 
         Args:
-          tokens: [B, T] int32.
+          tokens: [B, T] int32; or None when ``inputs_embeds`` is given.
           positions: [B, T] int32 RoPE positions (per segment); default arange(T).
           segment_ids: [B, T] int32, tokens attend causally within their own segment only;
             0 marks padding. Default all ones.
+          inputs_embeds: [B, T, d_model] input embeddings used instead of looking ``tokens``
+            up (e.g. image embeddings spliced into text); cast to the compute dtype.
+            Exactly one of ``tokens`` / ``inputs_embeds``.
 
         Returns:
           [B, T, d_model] in the compute dtype. Padding rows are finite but meaningless.
         """
-        b, t = tokens.shape
+        if (tokens is None) == (inputs_embeds is None):
+            raise ValueError("hidden_states takes exactly one of tokens / inputs_embeds, got "
+                             f"tokens={'None' if tokens is None else tokens.shape}, inputs_embeds="
+                             f"{'None' if inputs_embeds is None else inputs_embeds.shape}")
+        if inputs_embeds is not None:
+            if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != self.config.d_model:
+                raise ValueError(f"inputs_embeds shape {inputs_embeds.shape}; need "
+                                 f"[B, T, d_model={self.config.d_model}]")
+            x = inputs_embeds.astype(self.config.compute_dtype)
+        else:
+            x = self._embed(tokens)
+        b, t = x.shape[:2]
         if t > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}")
@@ -264,7 +280,6 @@ class Transformer(nnx.Module):
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
         mask = segment_causal_mask(segment_ids)
-        x = self._embed(tokens)
         for block in self.layers:
             x = block(x, positions, mask)
         return self.final_norm(x)
