@@ -14,6 +14,11 @@ each for ``seeds`` seeds; held-out greedy accuracy after ``train.rollouts`` roll
     python -m jaxflow.run --exp=sis_offpolicy --variant=default    # the ~2 h grid, 3 seeds
     python -m jaxflow.run --exp=sis_offpolicy --variant=default --set grid.algos=grpo
 
+Weight sync: ``--set sync.codec=entropy --set sync.every=4`` makes each cell's trainer publish
+through SparseRL-Sync to a bf16 rollout replica every 4 rollouts (``every`` counts rollouts; see
+jaxflow.rl.grpo); the default ``sync.codec=none`` is the dense f32 publish of the results in
+experiments/README.md. Weight sync does not combine with staleness cells (k > 0).
+
 Roles: with >= 2 devices the trainer and the rollout sampler live on disjoint sub-meshes
 (``roles.rollout_devices`` for the sampler, the rest for the trainer); on a 1-device CPU, or
 with ``--set roles.colocate=true``, both roles share every device (reported as ``roles``).
@@ -29,6 +34,7 @@ from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.rl.policy_loss import ALGOS, CORRECTIONS
 from jaxflow.rl.rollout import parse_mismatch
+from jaxflow.sync.weight_sync import SyncConfig
 from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "SIS vs GRPO/DAPO/GSPO/CISPO under policy lag, staleness and sampler mismatch"
@@ -115,8 +121,14 @@ class Config:
     train: ScheduleConfig = ScheduleConfig()
     grid: GridConfig = GridConfig()
     roles: RolesConfig = RolesConfig()
+    sync: SyncConfig = SyncConfig(codec="none")
 
     def __post_init__(self):
+        if self.sync.enabled and (self.grid.stalenesses or self.rl.staleness):
+            raise ValueError(f"sync.codec={self.sync.codec!r} with grid.stalenesses="
+                             f"{self.grid.stalenesses} / rl.staleness={self.rl.staleness}: weight "
+                             "sync needs staleness 0; set grid.stalenesses= (empty) or "
+                             "sync.codec=none")
         size = self.rl.rollout_size
         bad = [n for n in (*self.grid.lags, self.grid.mismatch_lag) if size % n]
         if bad:

@@ -7,7 +7,11 @@ delivery time and a bit-exactness hash check; at every=1 two replica processes o
 
     python -m jaxflow.run --exp=sparse_sync --variant=quick      # ~2 min (+ warm start once)
     python -m jaxflow.run --exp=sparse_sync --variant=default    # 64 steps per interval
-    python -m jaxflow.run --exp=sparse_sync --set sync.codec=entropy --set intervals=4
+    python -m jaxflow.run --exp=sparse_sync --set sync.codec=entropy --set sync.every=4
+    python -m jaxflow.run --exp=sparse_sync --set sync.codec=entropy --set intervals=4,16
+
+The rollouts are served by the RL trainer's own weight sync (``GRPOTrainer(sync=...)``), with
+``sync.codec``; the other ``codecs`` are measured on the same trajectory beside it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from configs.sis_offpolicy import WARM_START, RolesConfig
 from configs.lm_pretrain import Config as PretrainConfig
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.sync.encoder import CODECS
-from jaxflow.sync.weight_sync import SyncConfig
+from jaxflow.sync.weight_sync import OFF, SyncConfig
 from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "Sparse bf16 weight sync on real GRPO runs: bytes, ratio, bound, bit-exactness"
@@ -30,8 +34,9 @@ VARIANTS = ("quick", "default", "full")
 class Config:
     """``sync.codec``: the codec whose replicas serve the rollouts (and the TCP replicas);
     ``codecs``: every codec measured on the same trajectory; ``intervals``: sync every N
-    optimizer steps, one GRPO run each (``sync.every`` is set from it); ``steps``: rollouts
-    (= optimizer steps, lag 1) per run."""
+    rollouts (= optimizer steps, lag 1), one GRPO run each; None: (1, 4, 16), or just
+    ``(sync.every,)`` when ``sync.every`` is set to another value (see :attr:`sweep`);
+    ``steps``: rollouts per run."""
 
     seed: int = 0
     cache_root: str = "runs/_cache"
@@ -41,7 +46,7 @@ class Config:
     optim: OptimConfig = OptimConfig(lr=2e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0)
     sync: SyncConfig = SyncConfig(codec="auto")
     codecs: tuple[str, ...] = CODECS
-    intervals: tuple[int, ...] = (1, 4, 16)
+    intervals: tuple[int, ...] | None = None
     steps: int = 64
     tcp_replicas: int = 2
     tcp_every: int = 1
@@ -51,19 +56,35 @@ class Config:
         bad = [c for c in self.codecs if c not in CODECS]
         if bad or not self.codecs:
             raise ValueError(f"codecs={self.codecs}: unknown {bad}; valid: {CODECS}")
-        if not self.intervals or any(not isinstance(e, int) or e < 1 for e in self.intervals):
+        if not self.sync.enabled:
+            raise ValueError(f"sync.codec={OFF!r}: sparse_sync measures weight sync; pick one "
+                             f"of {CODECS}")
+        if self.intervals is not None and (not self.intervals or any(
+                not isinstance(e, int) or e < 1 for e in self.intervals)):
             raise ValueError(f"intervals={self.intervals}: need ints >= 1")
-        if self.steps < max(self.intervals):
-            raise ValueError(f"steps={self.steps} < the largest interval {max(self.intervals)}: "
+        if self.intervals is not None and self.sync.every != 1 and \
+                self.intervals != (self.sync.every,):
+            raise ValueError(f"sync.every={self.sync.every} and intervals={self.intervals} "
+                             "disagree: set one of them (intervals sweeps several)")
+        if self.steps < max(self.sweep):
+            raise ValueError(f"steps={self.steps} < the largest interval {max(self.sweep)}: "
                              "that run would never sync")
         if self.rl.staleness != 0 or self.rl.lag != 1:
             raise ValueError("sparse_sync serves rollouts from the synced replica: needs "
                              f"rl.staleness=0 and rl.lag=1, got {self.rl.staleness}, {self.rl.lag}")
-        if self.sync.every != 1:
-            raise ValueError(f"sync.every={self.sync.every}: sparse_sync sweeps its own sync "
-                             "intervals; use --set intervals=N[,M...] instead")
         if self.tcp_replicas < 0:
             raise ValueError(f"tcp_replicas={self.tcp_replicas}: need >= 0")
+
+
+    @property
+    def sweep(self) -> tuple[int, ...]:
+        """The sync intervals run, one GRPO run each."""
+        if self.intervals is not None:
+            return self.intervals
+        return (self.sync.every,) if self.sync.every != 1 else DEFAULT_INTERVALS
+
+
+DEFAULT_INTERVALS = (1, 4, 16)
 
 
 def get_config(variant: str) -> Config:

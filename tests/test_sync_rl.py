@@ -1,5 +1,6 @@
 """RL integration: publish_weights through a WeightSync, the per-rollout version check, and a
-tiny real GRPO run whose rollouts are served by the synced bf16 replica, bit-exact each sync."""
+tiny real GRPO run (the sparse_sync study's loop) whose rollouts are served by the trainer's own
+synced bf16 replica, bit-exact each sync. The trainer's sync itself: test_sync_rl_trainer.py."""
 
 import dataclasses
 
@@ -61,6 +62,9 @@ def test_sync_config_errors_name_the_key():
         SyncConfig(codec="zip")
     with pytest.raises(ValueError, match="sync.every=0"):
         SyncConfig(every=0)
+    assert not SyncConfig(codec="none").enabled  # "none": no weight sync (dense f32 publish)
+    with pytest.raises(ValueError, match="sync.codec='none' means no weight sync"):
+        WeightSync(trainer_tree(), None, SyncConfig(codec="none"))
 
 
 def test_tiny_grpo_run_syncs_bit_exactly(meshes):

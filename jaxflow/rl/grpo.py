@@ -20,13 +20,28 @@ Everything the run needs to continue is one pytree (:meth:`GRPOTrainer.init_stat
 policy params + optimizer state + version, the frozen reference params (when KL is on), the
 queue of the last k+1 published weights and their versions, the rollout counter and the RNG
 key. Randomness is a pure function of (key, rollout index), so resuming is bit-exact.
+
+Weight sync (``sync=SyncConfig(codec=..., every=E)``, ``--set sync.codec=entropy``; codec
+"none" or ``sync=None`` is the plain dense f32 publish above): the trainer owns a
+:class:`jaxflow.sync.WeightSync` whose first bf16 replica on the rollout sub-mesh serves the
+rollouts. ``every`` counts rollouts: after rollouts E, 2E, ... the trainer publishes its params
+through ``publish_weights(..., sync=...)`` as version = its optimizer step (sparse payloads of the
+changed bf16 bit patterns); the rollouts in between keep sampling the previous synced version.
+Every rollout first goes through the version check (``WeightSync.rollout_params``: a replica
+that fell behind is caught up, or VersionMismatch with ``on_mismatch="error"``), and the
+sampler gets the replica's bf16 values upcast to f32 (exact), so it samples bit-for-bit the
+trainer's bf16 cast at that version whatever its ``mismatch`` knob (``"bf16"`` then computes
+in bf16 as well). The queue holds one entry, the replica's bf16 params and version, so it is in
+the checkpoint; a trainer given a state it did not produce (a restored checkpoint) rebuilds its
+WeightSync from that entry by a dense resync, so resuming stays bit-exact. Async staleness
+k > 0 is rejected with sync on (one replica holds one version); policy lag N is supported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +58,8 @@ from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
 from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.rollout import RolloutBatch, RolloutSpec, RolloutWorker, batch_sharding
 from jaxflow.rl.tasks import Task
+from jaxflow.sync.replica import Link, VersionMismatch
+from jaxflow.sync.weight_sync import SyncConfig, WeightSync
 from jaxflow.train.lm_state import LMFunctions, OptimConfig, lm_functions, make_optimizer
 
 KL_ESTIMATORS = ("k1", "k3")
@@ -282,19 +299,40 @@ class GRPOTrainer:
       meshes: ``{"trainer": Mesh, "rollout": Mesh}`` (disjoint, or the same mesh to colocate).
       seed: seeds the RNG key and the prompt stream.
       total_rollouts: for the optimizer schedule (``total_rollouts * lag`` steps).
+      sync: weight sync to bf16 rollout replicas (module doc); None or codec "none": the
+        dense f32 publish.
+      sync_links: extra links (e.g. TCP replica processes) that receive every sync too.
     """
 
     def __init__(self, model_cfg: TransformerConfig, config: GRPOConfig, optim: OptimConfig,
                  task: Task, tokenizer: CharTokenizer, meshes: dict[str, Mesh], *, seed: int,
-                 total_rollouts: int = 100):
+                 total_rollouts: int = 100, sync: SyncConfig | None = None,
+                 sync_links: Sequence[Link] = ()):
         self.model_cfg, self.config, self.optim, self.seed = model_cfg, config, optim, seed
         self.task, self.tokenizer = task, tokenizer
+        self.sync_config = sync if sync is not None and sync.enabled else None
+        if self.sync_config is not None and config.staleness:
+            raise ValueError(
+                f"sync.codec={sync.codec!r} with staleness={config.staleness}: the synced "
+                "rollout replica holds one version, so async staleness k > 0 is not supported "
+                f"with weight sync; use staleness=0 (sync.every={sync.every} already delays "
+                "the sampler's weights by whole rollouts) or sync.codec='none'")
+        if sync_links and self.sync_config is None:
+            raise ValueError("sync_links given but weight sync is off (sync.codec='none')")
+        self._sync_links = tuple(sync_links)
+        self._weight_sync: WeightSync | None = None
+        self._synced_leaves: list | None = None  # the published tree this trainer last handed out
         self.trainer_mesh, self.rollout_mesh = meshes["trainer"], meshes["rollout"]
         (self.fns, self.tx, self.shardings, self._old_stats,
          self._update) = _compiled(model_cfg, self.trainer_mesh, config, optim,
                                    total_rollouts * config.lag)
         self.worker = RolloutWorker(model_cfg, self.rollout_mesh, config.rollout_spec, task,
                                     tokenizer)
+
+    @property
+    def weight_sync(self) -> WeightSync | None:
+        """The WeightSync serving the rollouts (None with sync off or before ``init_state``)."""
+        return self._weight_sync
 
     # -- state ---------------------------------------------------------------------------
 
@@ -307,11 +345,19 @@ class GRPOTrainer:
         policy = {"params": jax.tree.map(jnp.copy, params), "opt_state": opt_state,
                   "step": jax.device_put(jnp.zeros((), jnp.int32), replicated)}
         k = self.config.staleness
+        if self.sync_config is None:
+            # the queue of the last k+1 published weights (oldest first), all version 0 now
+            published = tuple(publish_weights(policy["params"], self.worker.param_shardings)
+                              for _ in range(k + 1))
+        else:  # the serving replica's bf16 params (k == 0)
+            self._weight_sync = WeightSync(policy["params"], self.worker.param_shardings,
+                                           self.sync_config, version=0, links=self._sync_links)
+            self._weight_sync.catch_up()  # extra links (replica processes) start fresh
+            published = (self._weight_sync.rollout_params(),)
+            self._synced_leaves = jax.tree.leaves(published[0])
         state = {
             "policy": policy,
-            # the queue of the last k+1 published weights (oldest first), all version 0 now
-            "published": tuple(publish_weights(policy["params"], self.worker.param_shardings)
-                               for _ in range(k + 1)),
+            "published": published,
             "published_version": jax.device_put(jnp.zeros((k + 1,), jnp.int32), replicated),
             "rollout": jax.device_put(jnp.zeros((), jnp.int32), replicated),
             "rng": jax.device_put(jax.random.key_data(jax.random.key(self.seed)), replicated),
@@ -332,11 +378,41 @@ class GRPOTrainer:
         sample_key, loss_key = jax.random.split(key)
         return sample_key, loss_key
 
+    def _sync_for(self, state: dict) -> WeightSync:
+        """This trainer's WeightSync at ``state``'s published version; rebuilt (a dense resync
+        of fresh replicas from the state's bf16 rollout params) when ``state`` is not the one
+        this trainer last published into, e.g. a restored checkpoint."""
+        leaves = jax.tree.leaves(state["published"][0])
+        known = self._synced_leaves
+        if (self._weight_sync is None or known is None or len(known) != len(leaves)
+                or any(a is not b for a, b in zip(known, leaves))):
+            self._weight_sync = WeightSync.resume(
+                state["published"][0], self.worker.param_shardings, self.sync_config,
+                version=int(state["published_version"][0]), links=self._sync_links)
+            self._synced_leaves = leaves
+        return self._weight_sync
+
+    def rollout_params(self, state: dict) -> Any:
+        """The params this step's rollout samples with (on the rollout mesh): the oldest
+        queued published weights; with weight sync, the serving replica's bf16 params after
+        the version check, upcast to f32 (exact)."""
+        if self.sync_config is None:
+            return state["published"][0]
+        ws = self._sync_for(state)
+        bf16 = ws.rollout_params()  # the per-rollout version check (catch-up or error)
+        expected = int(state["published_version"][0])
+        if ws.replicas[0].version != expected:
+            raise VersionMismatch(f"rollout replica is at version {ws.replicas[0].version}, "
+                                  f"the state's published version is {expected}")
+        return jax.tree.map(
+            lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            bf16)
+
     def generate(self, state: dict) -> RolloutBatch:
-        """This step's rollout, sampled with the oldest queued published weights."""
+        """This step's rollout, sampled with :meth:`rollout_params`."""
         rollout = int(state["rollout"])
         sample_key, _ = self._keys(state, rollout)
-        return self.worker.generate(state["published"][0], self.rollout_prompts(rollout),
+        return self.worker.generate(self.rollout_params(state), self.rollout_prompts(rollout),
                                     sample_key)
 
     def minibatches(self, batch: RolloutBatch) -> list[MiniBatch]:
@@ -369,22 +445,45 @@ class GRPOTrainer:
         for mb, old, key in zip(mbs, olds, keys):
             policy, metrics = self._update(policy, mb, old, key=key)
             history.append(metrics)
-        published = publish_weights(policy["params"], self.worker.param_shardings)
         new = dict(state)
         new["policy"] = policy
-        new["published"] = tuple(state["published"][1:]) + (published,)
-        new["published_version"] = jnp.concatenate(
-            [state["published_version"][1:], policy["step"][None]])
+        if self.sync_config is None:
+            published = publish_weights(policy["params"], self.worker.param_shardings)
+            new["published"] = tuple(state["published"][1:]) + (published,)
+            new["published_version"] = jnp.concatenate(
+                [state["published_version"][1:], policy["step"][None]])
+        else:
+            ws = self._sync_for(state)
+            if ws.due(rollout + 1):  # ``every`` counts rollouts
+                published = publish_weights(policy["params"], self.worker.param_shardings,
+                                            sync=ws, version=int(policy["step"]))
+                new["published"] = (published,)
+                new["published_version"] = policy["step"][None]
+            self._synced_leaves = jax.tree.leaves(new["published"][0])
         new["rollout"] = state["rollout"] + 1
         return new, history
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
-        """One rollout + N updates + publish; host metrics of the step."""
+        """One rollout + N updates + publish; host metrics of the step. With weight sync also
+        ``synced`` (1.0 when this step synced) and, when it did, ``sync_payload_bytes``,
+        ``sync_changed_fraction`` and ``sync_bit_exact``."""
         sampler_version = int(state["published_version"][0])
         trainer_version = int(state["policy"]["step"])
         batch = self.generate(state)
+        records = self._weight_sync.records if self._weight_sync is not None else []
+        last = records[-1] if records else None
         state, history = self.train_on_rollout(state, batch)
-        return state, summarize(history, batch, sampler_version, trainer_version)
+        metrics = summarize(history, batch, sampler_version, trainer_version)
+        if self.sync_config is not None:  # did this step sync, and what did it send
+            records = self._weight_sync.records
+            synced = bool(records) and records[-1] is not last
+            metrics["synced"] = float(synced)
+            if synced:
+                stats = records[-1].stats
+                metrics["sync_payload_bytes"] = float(stats.payload_bytes)
+                metrics["sync_changed_fraction"] = stats.changed_fraction
+                metrics["sync_bit_exact"] = float(records[-1].bit_exact)
+        return state, metrics
 
     def heldout_accuracy(self, state: dict, n: int, *, samples: int = 0) -> float:
         """Held-out accuracy of the current trainer params (published fresh): greedy, or

@@ -108,8 +108,8 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
     rl = dataclasses.replace(config.rl, algo=cell.algo, correction=cell.correction,
                              mismatch=cell.mismatch, lag=cell.lag, staleness=cell.staleness)
     trainer = GRPOTrainer(config.pretrain.model, rl, config.optim, _task(config), CharTokenizer(),
-                          meshes,
-                          seed=config.seed * 1000 + cell.seed, total_rollouts=sched.rollouts)
+                          meshes, seed=config.seed * 1000 + cell.seed,
+                          total_rollouts=sched.rollouts, sync=config.sync)
     state = trainer.init_state(warm_params)
     ckpt = Checkpointer(run.checkpoint_dir / cell.label, save_every=sched.checkpoint_every,
                         max_to_keep=1)

@@ -5,7 +5,8 @@ shardings (a cross-mesh transfer when the roles are disjoint, a no-op copy when 
 devices); values are equal. With ``sync`` (a :class:`jaxflow.sync.weight_sync.WeightSync`):
 the trainer's params are cast to bf16, the changed bit patterns since the last sync are
 encoded and applied to the bf16 replicas on the rollout mesh, and the first replica's params
-are returned (bit-identical to the trainer's bf16 cast).
+are returned (bit-identical to the trainer's bf16 cast). :class:`jaxflow.rl.grpo.GRPOTrainer`
+passes its own WeightSync here when its ``sync.codec`` is not "none".
 """
 
 from __future__ import annotations

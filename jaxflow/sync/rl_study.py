@@ -2,12 +2,16 @@
 
 Per sync interval ``every``: a GRPO run from the addition warm start (the RL trainer's task
 and model; the sampler runs bf16, ``mismatch="bf16"``), ``steps`` rollouts of one optimizer
-step each. Every ``every`` steps the trainer's f32 params are published through one
-:class:`WeightSync` per codec (same trajectory, same snapshots) to bf16 replicas on the
-rollout sub-mesh; the replica of ``sync.codec`` serves the rollouts (upcast to f32 for the
-sampler, which casts back to bf16 exactly), after the per-rollout version check. At every sync:
+step each. The trainer syncs itself (``GRPOTrainer(sync=config.sync with every)``): every
+``every`` rollouts it publishes its f32 params through its own :class:`WeightSync` of codec
+``sync.codec``, whose bf16 replica on the rollout sub-mesh serves the rollouts after the
+per-rollout version check (see jaxflow.rl.grpo). Beside it, one measuring WeightSync per other
+codec publishes the same params at the same versions (same trajectory, same snapshots). At
+every sync:
 changed fraction, bytes per codec, ratio vs dense, bytes / entropy bound, encode and delivery
-time, and bit-exactness (every replica's hash == hash of the trainer's bf16 cast). At
+time, and bit-exactness: every replica's hash == hash of the trainer's bf16 cast, and every
+rollout since the previous sync sampled params whose hash is that cast too (``served_exact``;
+``bit_exact`` is both). At
 ``every == tcp_every`` ``tcp_replicas`` replica processes (``python -m
 jaxflow.sync.transport.tcp``, 127.0.0.1) receive the same payloads over TCP.
 """
@@ -26,7 +30,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxflow.data.tokenizer import CharTokenizer
@@ -35,7 +38,7 @@ from jaxflow.rl.grpo import GRPOTrainer
 from jaxflow.rl.offpolicy_study import make_role_meshes
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.warm_start import load_pretrained_params
-from jaxflow.sync.replica import to_bf16
+from jaxflow.sync.replica import to_bf16, tree_digest
 from jaxflow.sync.transport.tcp import TcpLink
 from jaxflow.sync.weight_sync import WeightSync
 from jaxflow.train.lm_state import lm_functions
@@ -76,40 +79,49 @@ def _tcp_links(procs, timeout_s: float = 120.0) -> list[TcpLink]:
 
 def run_interval(every: int, config, run: RunContext, *, meshes, warm_params, tcp_links=(),
                  step_offset: int = 0) -> list[dict]:
-    """One GRPO run syncing every ``every`` steps; one row per (sync, codec)."""
+    """One GRPO run syncing every ``every`` rollouts; one row per (sync, codec), the serving
+    codec first. Fresh TCP replica processes behind ``tcp_links`` get a dense resync to
+    version 0 when the trainer starts, then every sync."""
+    # the serving sync also measures the entropy bound (the same for every codec)
+    sync_cfg = dataclasses.replace(config.sync, every=every, bound=True)
     trainer = GRPOTrainer(config.pretrain.model, config.rl, config.optim,
                           AdditionRLTask(max_digits=config.pretrain.data.max_digits),
-                          CharTokenizer(), meshes, seed=config.seed, total_rollouts=config.steps)
+                          CharTokenizer(), meshes, seed=config.seed, total_rollouts=config.steps,
+                          sync=sync_cfg, sync_links=tcp_links)
     state = trainer.init_state(warm_params)
+    serving = trainer.weight_sync
     params0 = state["policy"]["params"]
-    sync_cfg = dataclasses.replace(config.sync, every=every)
-    syncs = {c: WeightSync(params0, trainer.worker.param_shardings,
-                           dataclasses.replace(sync_cfg, codec=c),
-                           links=tcp_links if c == config.sync.codec else ())
-             for c in dict.fromkeys((config.sync.codec, *config.codecs))}
-    serving = syncs[config.sync.codec]
-    if tcp_links:  # fresh replica processes: dense resync to version 0
-        report = serving.sender.sync_all(serving.links)
-        if not all(r["ok"] for r in report):
-            raise RuntimeError(f"initial TCP resync failed: {report}")
+    syncs = {config.sync.codec: serving}
+    for c in config.codecs:  # the other codecs, measured on the same trajectory
+        if c not in syncs:
+            syncs[c] = WeightSync(params0, trainer.worker.param_shardings,
+                                  dataclasses.replace(sync_cfg, codec=c, bound=False))
     rows = []
+    cast = {0: tree_digest(to_bf16(params0))}  # hash of the trainer's bf16 cast per version
+    served_exact = True  # every rollout since the last sync sampled exactly that cast
     for step in range(1, config.steps + 1):
-        bf16 = serving.rollout_params()  # version check on every rollout
-        state = dict(state, published=(jax.tree.map(lambda x: x.astype(jnp.float32), bf16),))
+        served = tree_digest(to_bf16(trainer.rollout_params(state)))  # after the version check
+        served_exact &= served == cast.get(int(state["published_version"][0]))
         state, metrics = trainer.step(state)
-        run.log(step_offset + step, {"every": every, "reward_mean": metrics["reward_mean"]})
-        if not serving.due(step):
+        run.log(step_offset + step, {"every": every, "reward_mean": metrics["reward_mean"],
+                                     "sampler_version": metrics["sampler_version"]})
+        if not metrics["synced"]:
             continue
         params = state["policy"]["params"]
+        version = serving.version
+        cast = {version: tree_digest(to_bf16(params))}
+        rollout_exact, served_exact = served_exact, True
         for codec, ws in syncs.items():
-            rec = ws.publish(params, version=step, with_bound=codec == config.sync.codec)
+            rec = (serving.records[-1] if ws is serving
+                   else ws.publish(params, version=version))
             s = rec.stats
             rows.append({"every": every, "step": step, "codec": codec,
                          "changed_fraction": s.changed_fraction, "payload_bytes": s.payload_bytes,
                          "dense_bytes": s.dense_bytes, "ratio_vs_dense": s.ratio_vs_dense,
                          "bound_bytes": s.bound_bytes, "encode_s": s.encode_s,
                          "deliver_s": rec.deliver_s, "links": len(ws.links),
-                         "bit_exact": rec.bit_exact,
+                         "bit_exact": rec.bit_exact and rollout_exact,
+                         "served_exact": rollout_exact,
                          "routes": [r.get("route") for r in rec.report]})
         bound = rows[-len(syncs)]["bound_bytes"]
         for r in rows[-len(syncs):]:
@@ -157,7 +169,7 @@ def main(config, run: RunContext) -> dict:
                                                   log=run.info)
         links = _tcp_links(procs) if procs else []
         rows, tcp = [], None
-        for i, every in enumerate(config.intervals):
+        for i, every in enumerate(config.sweep):
             use_tcp = links if every == config.tcp_every else []
             rows += run_interval(every, config, run, meshes=meshes, warm_params=warm_params,
                                  tcp_links=use_tcp, step_offset=i * config.steps)
@@ -178,7 +190,7 @@ def main(config, run: RunContext) -> dict:
     by_interval = _by_interval(rows)
     if run.is_primary:
         run.write_json("syncs.json", rows)
-    first = config.intervals[0]
+    first = config.sweep[0]
     at_first = [r for r in by_interval if r["every"] == first]
     for r in by_interval:
         run.info(f"every={r['every']:>3} {r['codec']:>8}: changed {r['changed_fraction_median']:.5f}"

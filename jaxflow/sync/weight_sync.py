@@ -3,13 +3,16 @@
 ``WeightSync`` composes a :class:`SyncSender` with in-process replicas on the rollout sub-mesh
 (plus any extra links: TCP replica processes, ...). ``jaxflow.rl.publish.publish_weights``
 uses it when given one (``sync=``); ``SyncConfig`` is the ``sync`` sub-config of an RL
-experiment (``--set sync.codec=entropy --set sync.every=4``).
+experiment (``--set sync.codec=entropy --set sync.every=4``), and
+:class:`jaxflow.rl.grpo.GRPOTrainer` builds and drives its own WeightSync from it (see there).
+``sync.codec="none"`` switches weight sync off: the trainer then publishes its f32 params with a
+plain dense copy (the behaviour before weight sync existed).
 
     ws = WeightSync(params, rollout_shardings, SyncConfig(codec="auto", every=4))
-    for step in range(1, steps + 1):
+    for rollout in range(1, rollouts + 1):
         rollout_params = ws.rollout_params()     # version check on every rollout
-        ...train one step...
-        if ws.due(step):
+        ...train on the rollout...
+        if ws.due(rollout):
             ws.publish(params, version=step)
 """
 
@@ -19,23 +22,34 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
+import jax
+import numpy as np
+
 from jaxflow.sync.encoder import CODECS
-from jaxflow.sync.replica import (Link, PublishStats, Replica, SyncSender, VersionMismatch,
-                                  tree_digest, to_bf16)
+from jaxflow.sync.replica import (FRESH, Link, PublishStats, Replica, SyncSender,
+                                  VersionMismatch, tree_digest, to_bf16)
 from jaxflow.sync.transport.inprocess import InProcessLink
 
 ON_MISMATCH = ("resync", "error")
+OFF = "none"  # sync.codec value that switches weight sync off (plain dense f32 publish)
+SYNC_CODECS = (OFF, *CODECS)
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
     """Attributes:
-      codec: a ``jaxflow.sync.CODECS`` name.
-      every: publish every this many optimizer steps (rollouts in between use older weights).
+      codec: a ``jaxflow.sync.CODECS`` name, or "none": no weight sync (the RL trainer's plain
+        dense f32 publish; a WeightSync refuses it).
+      every: sync every this many trainer publishes. In :class:`jaxflow.rl.grpo.GRPOTrainer` a
+        publish ends every rollout, so ``every`` counts ROLLOUTS (RL steps): with policy lag N
+        the trainer syncs every ``every * N`` optimizer steps, and the rollouts in between
+        sample from the previous synced version.
       history: step payloads kept for chained catch-up of lagging replicas.
       replicas: in-process bf16 replicas on the rollout sub-mesh (the first one serves rollouts).
       on_mismatch: what a rollout does when its replica is not at the published version:
         "resync" (catch it up, then sample) or "error" (raise VersionMismatch).
+      bound: also compute the entropy bound of every publish (a study measurement, costs about
+        one more encode; ``PublishStats.bound_bytes`` is NaN without it).
     """
 
     codec: str = "auto"
@@ -43,10 +57,12 @@ class SyncConfig:
     history: int = 64
     replicas: int = 1
     on_mismatch: str = "resync"
+    bound: bool = False
 
     def __post_init__(self):
-        if self.codec not in CODECS:
-            raise ValueError(f"sync.codec={self.codec!r}; valid: {CODECS}")
+        if self.codec not in SYNC_CODECS:
+            raise ValueError(f"sync.codec={self.codec!r}; valid: {SYNC_CODECS} "
+                             f"({OFF!r} switches weight sync off)")
         for name in ("every", "replicas"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"sync.{name}={getattr(self, name)!r}: need an int >= 1")
@@ -54,6 +70,10 @@ class SyncConfig:
             raise ValueError(f"sync.history={self.history}: need >= 0")
         if self.on_mismatch not in ON_MISMATCH:
             raise ValueError(f"sync.on_mismatch={self.on_mismatch!r}; valid: {ON_MISMATCH}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.codec != OFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +88,52 @@ class SyncRecord:
 
 
 class WeightSync:
+    """A sender, ``config.replicas`` in-process bf16 replicas and any extra ``links``.
+
+    Args:
+      params: the weights every replica starts from (f32 trainer params, cast to bf16 here, or
+        an already-bf16 tree), at ``version``.
+      rollout_shardings: same structure, the rollout sub-mesh's shardings of the replicas.
+      fresh: start the in-process replicas as empty templates (version FRESH) instead of
+        copies of ``params``; :meth:`catch_up` then gives them a dense resync (see
+        :meth:`resume`).
+    """
+
     def __init__(self, params: Any, rollout_shardings: Any, config: SyncConfig = SyncConfig(),
-                 *, version: int = 0, links: Sequence[Link] = ()):
+                 *, version: int = 0, links: Sequence[Link] = (), fresh: bool = False):
+        if not config.enabled:
+            raise ValueError(f"sync.codec={config.codec!r} means no weight sync; a WeightSync "
+                             f"needs one of {CODECS}")
         self.config = config
         self.sender = SyncSender(params, version=version, codec=config.codec,
                                  history=config.history)
-        self.replicas = [Replica(self.sender.snapshot, version=version,
+        start = jax.tree.map(np.zeros_like, self.sender.snapshot) if fresh else self.sender.snapshot
+        self.replicas = [Replica(start, version=FRESH if fresh else version,
                                  shardings=rollout_shardings) for _ in range(config.replicas)]
         self.links: list[Link] = [InProcessLink(r) for r in self.replicas] + list(links)
         self.records: list[SyncRecord] = []
+
+    @classmethod
+    def resume(cls, bf16_params: Any, rollout_shardings: Any, config: SyncConfig, *,
+               version: int, links: Sequence[Link] = ()) -> "WeightSync":
+        """A WeightSync rebuilt at ``version`` from that version's bf16 weights (e.g. the
+        rollout params a checkpoint holds): new, empty replicas receive a dense resync through
+        the payload path, and every link (e.g. replica processes that outlived the trainer) is
+        brought to ``version``. Raises RuntimeError when a link cannot be reached."""
+        ws = cls(bf16_params, rollout_shardings, config, version=version, links=links,
+                 fresh=True)
+        ws.catch_up()
+        return ws
+
+    def catch_up(self) -> list[dict]:
+        """Brings every link to the sender's version (nothing to send for those already
+        there); RuntimeError naming the failed links otherwise."""
+        report = self.sender.sync_all(self.links)
+        failed = [r for r in report if not r["ok"]]
+        if failed:
+            raise RuntimeError(f"weight sync: links failed to reach version {self.version}: "
+                               f"{failed}")
+        return report
 
     @property
     def version(self) -> int:
@@ -85,11 +142,14 @@ class WeightSync:
     def due(self, step: int) -> bool:
         return step % self.config.every == 0
 
-    def publish(self, params: Any, *, version: int, with_bound: bool = False) -> SyncRecord:
+    def publish(self, params: Any, *, version: int,
+                with_bound: bool | None = None) -> SyncRecord:
         """Encodes ``params`` (the trainer's f32 tree; cast to bf16 here) as ``version`` and
         delivers it to every link. A failed link stays behind (reported in ``report``) and is
         caught up at its next sync; ``bit_exact`` checks every successful replica's digest
-        against an independent hash of the trainer's bf16 cast."""
+        against an independent hash of the trainer's bf16 cast. ``with_bound`` defaults to
+        ``config.bound``."""
+        with_bound = self.config.bound if with_bound is None else with_bound
         stats = self.sender.publish(params, version=version, with_bound=with_bound)
         t0 = time.perf_counter()
         report = self.sender.sync_all(self.links)
@@ -111,4 +171,4 @@ class WeightSync:
         return rep.params
 
 
-__all__ = ["ON_MISMATCH", "SyncConfig", "SyncRecord", "VersionMismatch", "WeightSync"]
+__all__ = ["OFF", "ON_MISMATCH", "SYNC_CODECS", "SyncConfig", "SyncRecord", "VersionMismatch", "WeightSync"]
