@@ -1,0 +1,80 @@
+"""nestpipe_scale: a discrete-event simulator of sync / dbp / fwp / dbp+fwp / semi_sync on
+128 -> 1,536 workers (issue 8). Its synchronous baseline, fed the paper's stage shares, is
+checked against TorchRec's 44.34% scaling efficiency at 1,536; then each pipeline's predicted
+efficiency is reported beside the paper's table. Pure numpy, seconds.
+
+    python -m jaxflow.run --exp=nestpipe_scale --variant=quick
+    python -m jaxflow.run --exp=nestpipe_scale --variant=quick --set calibration=runs/nestpipe/<run>
+    python -m jaxflow.run --exp=nestpipe_scale --variant=default --set jitter_cv=0.1
+
+Summary keys: ``scaling_efficiency`` (pipeline -> E at the largest scale, E = T(128) / T(N)
+under weak scaling), ``baseline_efficiency_error`` (simulated sync minus 0.4434),
+``efficiency_by_workers``, ``speedup_vs_sync``, ``exposed_ms_at_max_workers``, ``sensitivity``.
+The model and its assumptions: jaxflow/nestpipe/simulate.py's docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DESCRIPTION = "NestPipe at 128 -> 1,536 workers: discrete-event simulator validated on TorchRec's 44%"
+ENTRY = "jaxflow.nestpipe.simulate:main"
+VARIANTS = ("quick", "default", "full")
+PIPELINE_NAMES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    calibration: str = ""  # nestpipe summary.json or run dir; "" = built-in measured table
+    workers: tuple[int, ...] = (128, 256, 512, 768, 1024, 1536)  # first = reference, last = target
+    pipelines: tuple[str, ...] = PIPELINE_NAMES
+    micro_batches: int = 4  # the frozen window's N (the measured nestpipe run used 4)
+    rest_on_accelerator: bool = False  # True: data / h2d / write back counted as compute
+    host_threads: int = 4  # CPU threads per worker for data / retrieval / write back
+    jitter_cv: float = 0.05  # per-worker, per-op coefficient of variation (lognormal)
+    device_copy_speedup: float = 20.0  # patch on device vs measured CPU patch / retrieve ratio
+    peer_latency_us: float = 10.0  # All2All latency per peer per call (a priori, not fitted)
+    gpus_per_node: int = 8
+    pod_size: int = 256
+    oversubscription: float = 2.0  # spine above a pod
+    intra_over_inter_bw: float = 8.0
+    batches: int = 16  # simulated steps per (pipeline, scale)
+    warmup: int = 4
+    repeats: int = 2  # seeds averaged per point
+    sensitivity_cv: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)
+    sensitivity_micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    sensitivity_peer_latency_us: tuple[float, ...] = (0.0, 10.0, 50.0, 150.0)
+    sensitivity_oversubscription: tuple[float, ...] = (1.0, 2.0, 4.0)
+    sensitivity_device_copy_speedup: tuple[float, ...] = (1.0, 20.0, 1000.0)
+
+    def __post_init__(self):
+        bad = [p for p in self.pipelines if p not in PIPELINE_NAMES]
+        if bad or "sync" not in self.pipelines:
+            raise ValueError(f"pipelines={self.pipelines}: {bad or 'sync missing'}; valid: "
+                             f"{', '.join(PIPELINE_NAMES)} (sync is required, it is the baseline)")
+        if len(self.workers) < 2 or list(self.workers) != sorted(set(self.workers)) or self.workers[0] < 1:
+            raise ValueError(f"workers={self.workers}: need >= 2 increasing counts >= 1 "
+                             "(first = reference scale, last = target)")
+        for name in ("micro_batches", "host_threads", "repeats", "warmup"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}; need >= 1")
+        if self.batches <= self.warmup:
+            raise ValueError(f"batches={self.batches} must exceed warmup={self.warmup}")
+        if not self.jitter_cv >= 0 or any(not c >= 0 for c in self.sensitivity_cv):
+            raise ValueError(f"jitter_cv={self.jitter_cv} / sensitivity_cv={self.sensitivity_cv}; "
+                             "need >= 0")
+        if self.peer_latency_us < 0:
+            raise ValueError(f"peer_latency_us={self.peer_latency_us}; need >= 0")
+        if self.device_copy_speedup <= 0:
+            raise ValueError(f"device_copy_speedup={self.device_copy_speedup}; need > 0")
+
+
+def get_config(variant: str) -> Config:
+    if variant == "quick":
+        return Config()
+    if variant == "default":
+        return Config(workers=(128, 256, 384, 512, 768, 1024, 1280, 1536), batches=32, repeats=5)
+    if variant == "full":
+        return Config(workers=tuple(range(128, 1537, 128)), batches=64, warmup=8, repeats=10)
+    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
