@@ -1,0 +1,59 @@
+"""flexmarl_scale: discrete-event simulation of FlexMARL vs a MARTI-style synchronous baseline at
+8-64 nodes (8 accelerators each), skewed response lengths, costs calibrated from the measured
+``flexmarl`` quick run (issue 10). Pure Python/numpy, no JAX work.
+
+    python -m jaxflow.run --exp=flexmarl_scale --variant=quick      # seconds
+    python -m jaxflow.run --exp=flexmarl_scale --variant=default
+
+Assumptions (not measured): the agents' sizes and length distributions below, slots per
+accelerator, weak scaling (inputs per version grow with the node count), the accelerator
+peak / MFU (absolute time scale only) and the host link for state swaps. See
+jaxflow/marl/simulate.py for the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxflow.marl.simulate import AgentLoad, Hardware, MeasuredRun
+
+DESCRIPTION = "Simulated FlexMARL vs sync baseline at 8-64 nodes (calibrated from flexmarl)"
+ENTRY = "jaxflow.marl.simulate:main"
+VARIANTS = ("quick", "default", "full")
+
+# Assumed paper-scale agents: a 7B solver with long-tailed reasoning lengths and a 3B verifier
+# that reads the solver's trajectory 0 and answers briefly.
+SOLVER = AgentLoad("solver", params=7e9, prompt_tokens=256, len_median=600.0, len_sigma=1.0,
+                   len_max=8192)
+VERIFIER = AgentLoad("verifier", params=3e9, prompt_tokens=128, len_median=150.0,
+                     len_sigma=0.7, len_max=2048, upstream="solver")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    nodes: tuple[int, ...] = (8, 16, 32, 64)
+    devices_per_node: int = 8
+    slots: int = 64  # concurrent sequences per accelerator (KV memory)
+    inputs_per_node: int = 16  # prompts per version per node (weak scaling)
+    global_inputs: int = 0  # > 0: this many prompts per version at every scale (strong scaling)
+    sigma_scale: float = 1.0  # multiplies every agent's len_sigma (0 = no length skew)
+    group_size: int = 8
+    versions: int = 6
+    micro_batch: int = 8  # trainer micro-batch, samples (at least the agent's train devices)
+    request_policy: str = "work_stealing"  # FlexMARL's request level
+    etas: tuple[int, ...] = (1,)  # bounded-staleness rows besides strict
+    agents: tuple = (SOLVER, VERIFIER)
+    measured: MeasuredRun = MeasuredRun()
+    hardware: Hardware = Hardware()
+
+
+def get_config(variant: str) -> Config:
+    if variant == "quick":
+        return Config(inputs_per_node=8, versions=3)
+    if variant == "default":
+        return Config()
+    if variant == "full":
+        return Config(nodes=(8, 16, 24, 32, 48, 64), inputs_per_node=32, versions=10,
+                      etas=(1, 2))
+    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
