@@ -1,9 +1,12 @@
-"""flexmarl: synchronous barrier baseline vs the FlexMARL strict micro-batch pipeline.
-
-Solver (bigger) / verifier (smaller) workflow on 1-digit addition; same samples in both runs.
+"""flexmarl: synchronous barrier baseline vs the FlexMARL micro-batch pipeline (strict and
+bounded staleness), on the solver / verifier workflow; same samples in sync and strict.
 
     python -m jaxflow.run --exp=flexmarl --variant=quick      # ~1-2 min on 2 CPU cores
-    python -m jaxflow.run --exp=flexmarl --variant=default
+    python -m jaxflow.run --exp=flexmarl --variant=default    # ~3 min
+
+``--devices=N`` (fake CPU devices): 2 gives the trainer and rollout roles disjoint halves; >= 3
+also gives each agent its own trainer devices in proportion to its size (agent-centric
+allocation, see jaxflow.marl.experiment.agent_centric_meshes); 1 colocates everything.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import dataclasses
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
 
-DESCRIPTION = "FlexMARL strict micro-batch pipeline vs synchronous multi-agent GRPO"
+DESCRIPTION = "FlexMARL micro-batch pipeline (strict / bounded) vs synchronous multi-agent GRPO"
 ENTRY = "jaxflow.marl.experiment:main"
 VARIANTS = ("quick", "default")
 
@@ -29,15 +32,26 @@ class Config:
                                                     max_seq_len=32)
     group_size: int = 8
     max_digits: int = 1
+    solver_tokens: int = 6       # max response tokens: skewed lengths across agents
+    verifier_tokens: int = 2
     n_inputs: int = 8
     steps: int = 20
+    reps: int = 10               # timed (sync, strict, bounded...) rounds; medians reported
+    micro_inputs: int = 2        # inputs per trainer micro-batch
+    rollout_batch: int = 1       # inputs per rollout engine call (sync and pipeline alike)
+    rollout_workers: int = 1     # 1, or >= 2: per-agent worker pools (agent-level balancing)
+    engine_chunk: int = 2        # decode steps between compactions of finished rows
+    etas: tuple[int, ...] = (1, 2)  # bounded-staleness runs
+    bench_tokens: int = 24       # engine benchmark: compacted vs padded decode of the solver
+    bench_rows: int = 64
+    bench_chunk: int = 4
     entropy_coef: float = 0.01
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=0)
 
 
 def get_config(variant: str) -> Config:
     if variant == "quick":
-        return Config(n_inputs=4, steps=4, group_size=4)
+        return Config(n_inputs=4, steps=4, group_size=4, reps=10, micro_inputs=2)
     if variant == "default":
         return Config()
     raise ValueError(f"unknown variant {variant!r}; valid: {VARIANTS}")

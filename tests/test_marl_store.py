@@ -128,3 +128,19 @@ def test_flexmarl_config_variants():
     assert flexmarl.get_config("quick").steps < flexmarl.get_config("default").steps
     with pytest.raises(ValueError, match="unknown variant"):
         flexmarl.get_config("huge")
+
+
+def test_agent_level_allocation_follows_load_and_request_queues_cover_all():
+    from jaxflow.marl.balance import allocate_workers, assign
+    alloc = allocate_workers({"solver": 9.0, "verifier": 1.0}, 5)
+    assert alloc == {"solver": 4, "verifier": 1} and sum(alloc.values()) == 5
+    assert allocate_workers({"a": 0.0, "b": 0.0}, 2) == {"a": 1, "b": 1}
+    with pytest.raises(ValueError, match="one per agent"):
+        allocate_workers({"a": 1.0, "b": 1.0, "c": 1.0}, 2)
+    costs = [1, 9, 2, 8, 3, 7]
+    queues = assign(costs, 2, "longest_first")
+    assert sorted(i for q in queues for i in q) == list(range(len(costs)))
+    assert all(costs[q[0]] >= costs[q[-1]] for q in queues)  # longest first within a worker
+    lf = [sum(costs[i] for i in q) for q in queues]
+    rr = [sum(costs[i] for i in q) for q in assign(costs, 2, "round_robin")]
+    assert max(lf) < max(rr)

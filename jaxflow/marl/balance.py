@@ -9,6 +9,11 @@ worker runs its requests back to back, and ``busy fraction = sum(costs) / (n * m
                   (makespan <= 4/3 OPT).
   work_stealing   round-robin queues; an idle worker steals the last queued request of the
                   worker with the most queued work (an event simulation, see below).
+
+Agent level: :func:`allocate_workers` (rollout workers per agent by load), used by
+:func:`jaxflow.marl.pipeline.run_pipeline`, whose per-agent worker pools then pull requests
+longest-first from a shared queue (dynamic list scheduling). :func:`assign` gives static
+per-worker queues for the same policies.
 """
 
 from __future__ import annotations
@@ -65,6 +70,43 @@ def work_stealing_makespan(costs: Sequence[float], n_workers: int) -> float:
             job = queues[v].pop()
         heapq.heappush(events, (now + float(costs[job]), w))
     return end
+
+
+def allocate_workers(loads: dict[str, float], n_workers: int) -> dict[str, int]:
+    """Agent-level balancing: ``n_workers`` rollout workers split over agents in proportion to
+    their (measured or estimated) load, at least one each (largest remainder; ties by name
+    order). Needs ``n_workers >= len(loads)``."""
+    names = list(loads)
+    if n_workers < len(names):
+        raise ValueError(f"n_workers={n_workers}: need >= one per agent ({len(names)})")
+    if any(v < 0 for v in loads.values()):
+        raise ValueError(f"loads must be >= 0, got {loads}")
+    total = float(sum(loads.values())) or 1.0
+    spare = n_workers - len(names)
+    share = {n: spare * loads[n] / total for n in names}
+    out = {n: 1 + int(np.floor(share[n])) for n in names}
+    rest = n_workers - sum(out.values())
+    for n in sorted(names, key=lambda n: -(share[n] - np.floor(share[n])))[:rest]:
+        out[n] += 1
+    return out
+
+
+def assign(costs: Sequence[float], n_workers: int, policy: str) -> list[list[int]]:
+    """Request-level balancing: per worker, the request indices it runs, in run order
+    (``round_robin`` or ``longest_first``; a worker runs its longest requests first)."""
+    if policy == "round_robin":
+        owner = round_robin(costs, n_workers)
+    elif policy == "longest_first":
+        owner = longest_first(costs, n_workers)
+    else:
+        raise ValueError(f"unknown assignment policy {policy!r}; valid: round_robin, "
+                         "longest_first")
+    queues: list[list[int]] = [[] for _ in range(n_workers)]
+    order = (range(len(costs)) if policy == "round_robin"
+             else sorted(range(len(costs)), key=lambda i: (-costs[i], i)))
+    for i in order:
+        queues[owner[i]].append(i)
+    return queues
 
 
 def busy_fraction(costs: Sequence[float], span: float, n_workers: int) -> float:

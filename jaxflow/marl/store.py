@@ -90,6 +90,32 @@ class ExperienceStore:
                 r.status = "leased"
             return rows
 
+    def take_ids(self, agent: str, sample_ids: list[SampleId], timeout: float) -> list[Row] | None:
+        """Waits until every row in ``sample_ids`` is "ready", then leases them and returns
+        them in the given order; None after ``timeout`` seconds (nothing leased)."""
+        ids = [SampleId(*map(int, s)) for s in sample_ids]
+        with self._cond:
+            table = self._table(agent)
+            for s in ids:
+                if s in table and table[s].status != "ready":
+                    raise ValueError(f"agent {agent!r}: row {s} is {table[s].status!r}, "
+                                     "cannot take it again")
+            if not self._cond.wait_for(lambda: all(s in table and table[s].status == "ready"
+                                                   for s in ids), timeout):
+                return None
+            rows = [table[s] for s in ids]
+            for r in rows:
+                r.status = "leased"
+            return rows
+
+    def has(self, agent: str, sample_id: SampleId) -> bool:
+        with self._cond:
+            return SampleId(*map(int, sample_id)) in self._table(agent)
+
+    def get(self, agent: str, sample_id: SampleId) -> Row:
+        with self._cond:
+            return self._table(agent)[SampleId(*map(int, sample_id))]
+
     def commit(self, agent: str, sample_ids: list[SampleId],
                consumer_state: dict[str, Any] | None = None) -> None:
         """Marks leased rows consumed and stores ``consumer_state``, atomically on disk."""

@@ -1,0 +1,273 @@
+"""Rollout engine: per-row-keyed KV-cache sampling that stops decoding finished sequences.
+
+The foundation sampler (:func:`jaxflow.models.make_sampler`) decodes every row for all
+``max_new_tokens`` steps and draws a whole batch from one key per step, so a row's sample
+depends on the batch it sits in. This engine instead
+
+* gives every row its own key (``fold_in(row_key, t)`` at step t; the draw is a per-row
+  ``categorical``), so a row's sample is a function of (params, prompt, row key) only;
+* decodes in chunks of ``chunk`` steps and, between chunks, **compacts** the batch to the rows
+  still live (padded up to a multiple of batch/8, see :func:`bucket`, to bound the number of
+  compiled shapes; padding slots are marked done). Rows that finished (EOS) cost at most ``chunk - 1`` wasted
+  steps instead of all remaining ones.
+
+``compact=False, chunk=max_new_tokens`` is the padded batch decode (one scan, no host sync):
+the reference the compacted decode is tested against (same tokens, log-probs and mask for the
+same keys) and the count :attr:`EngineStats.padded_row_steps` is measured against.
+
+Prefill is the same as the foundation sampler's (one ``decode`` over the right-padded prompt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.models.sampler import SamplingConfig, sampling_log_probs
+from jaxflow.models.transformer import TransformerConfig
+from jaxflow.rl.rollout import RolloutBatch, batch_sharding
+from jaxflow.rl.tasks import Task, encode_prompts, score_completions
+from jaxflow.train.lm_state import lm_functions
+
+
+class Sampled(NamedTuple):
+    """Host arrays: tokens [B, N] int32 (pad after EOS), logprobs [B, N] f32 (0 where masked),
+    mask [B, N] f32 (1 up to and including EOS)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    mask: np.ndarray
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Decode work in row-steps (one row through one 1-token decode step)."""
+
+    row_steps: int = 0          # executed (incl. padding slots and finished rows in a chunk)
+    padded_row_steps: int = 0   # what the padded batch decode would execute: B * (N - 1)
+    useful_row_steps: int = 0   # steps that produced a live token
+    calls: int = 0
+
+    def add(self, other: "EngineStats") -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def saved_fraction(self) -> float:
+        """Fraction of the padded decode's row-steps not executed."""
+        return 1.0 - self.row_steps / self.padded_row_steps if self.padded_row_steps else 0.0
+
+
+def bucket(n: int, batch: int) -> int:
+    """Compacted batch size for ``n`` live rows of a ``batch``-row decode: ``n`` rounded up to
+    a multiple of ``max(1, batch // 8)`` (at most 8 distinct shapes, so few compilations)."""
+    g = max(1, batch // 8)
+    return min(batch, -(-n // g) * g)
+
+
+def row_keys(key: jax.Array, n: int) -> jax.Array:
+    """Per-row keys ``fold_in(key, row)`` [n]."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(n, dtype=jnp.uint32))
+
+
+def _draw(logits, keys, t, config: SamplingConfig):
+    """Per-row draw at step t: (token [B] int32, logprob [B] f32)."""
+    logp = sampling_log_probs(logits, config)
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
+    token = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(step_keys, logp)
+    token = token.astype(jnp.int32)
+    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def _emit(logits, done, keys, t, config: SamplingConfig):
+    token, logprob = _draw(logits, keys, t, config)
+    live = ~done
+    token = jnp.where(live, token, config.pad_id)
+    logprob = jnp.where(live, logprob, 0.0)
+    if config.eos_id is not None:
+        done = done | (token == config.eos_id)
+    return token, logprob, live, done
+
+
+@functools.lru_cache(maxsize=32)
+def _functions(graphdef, config: SamplingConfig):
+    from flax import nnx
+
+    n_new = config.max_new_tokens
+
+    def prefill(state, prompts, lengths, keys):
+        model = nnx.merge(graphdef, state)
+        b, p = prompts.shape
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        cache = model.init_cache(b, p + n_new)
+        logits, cache = model.decode(prompts, cache, positions=positions,
+                                     valid=positions < lengths[:, None])
+        last = jnp.clip(lengths - 1, 0, p - 1)
+        last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        token, logprob, live, done = _emit(last_logits, jnp.zeros((b,), bool), keys, 0, config)
+        return cache, token, logprob, live, done
+
+    def decode(state, cache, token, live, done, lengths, keys, t0, n_steps):
+        model = nnx.merge(graphdef, state)
+
+        def step(carry, t):
+            cache, token, live, done = carry
+            logits, cache = model.decode(token[:, None], cache,
+                                         positions=(lengths + t - 1)[:, None],
+                                         valid=live[:, None])
+            token, logprob, live, done = _emit(logits[:, 0], done, keys, t, config)
+            return (cache, token, live, done), (token, logprob, live)
+
+        carry, out = jax.lax.scan(step, (cache, token, live, done),
+                                  t0 + jnp.arange(n_steps, dtype=jnp.int32))
+        return carry, out
+
+    def gather(tree, idx):
+        return jax.tree.map(lambda x: x[idx], tree)
+
+    return (jax.jit(prefill), jax.jit(decode, static_argnums=8), jax.jit(gather))
+
+
+class RolloutEngine:
+    """One agent's sampler on a rollout mesh (see module doc).
+
+    Args:
+      model_cfg, mesh: the agent's model and the rollout sub-mesh its params live on.
+      max_new_tokens, temperature: sampling shape (temperature > 0).
+      task, tokenizer: prompt width and scoring.
+      chunk: decode steps between compactions; compact: drop finished rows between chunks.
+    """
+
+    def __init__(self, model_cfg: TransformerConfig, mesh: Mesh, *, max_new_tokens: int,
+                 temperature: float, task: Task, tokenizer: CharTokenizer, chunk: int = 2,
+                 compact: bool = True):
+        if chunk < 1:
+            raise ValueError(f"chunk={chunk}: need >= 1")
+        self.mesh, self.task, self.tokenizer = mesh, task, tokenizer
+        self.fns = lm_functions(model_cfg, mesh)
+        self.config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature,
+                                     eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+        self.chunk, self.compact = chunk, compact
+        self.prompt_width = task.max_prompt_len + 1  # + BOS
+        self._prefill, self._decode, self._gather = _functions(self.fns.graphdef, self.config)
+        self.stats = EngineStats()
+        self._stats_lock = threading.Lock()  # several rollout workers may share an engine
+        self._cached = None
+
+    @property
+    def param_shardings(self) -> Any:
+        return self.fns.param_shardings
+
+    def _put(self, x):
+        return jax.device_put(x, batch_sharding(self.mesh, x.shape[0]))
+
+    def _state(self, params):
+        """nnx state of ``params``, cached for the last params object (a published version is
+        sampled many times)."""
+        cached = self._cached
+        if cached is not None and cached[0] is params:
+            return cached[1]
+        state = self.fns.nnx_state(params)
+        self._cached = (params, state)
+        return state
+
+    def sample(self, params: Any, prompts: np.ndarray, lengths: np.ndarray, keys: jax.Array,
+               *, chunk: int | None = None, compact: bool | None = None
+               ) -> tuple[Sampled, EngineStats]:
+        """Samples ``max_new_tokens`` per row; ``keys`` [B] are the per-row keys."""
+        chunk = self.chunk if chunk is None else chunk
+        compact = self.compact if compact is None else compact
+        cfg, n = self.config, self.config.max_new_tokens
+        b = prompts.shape[0]
+        state = self._state(params)
+        lengths = self._put(np.asarray(lengths, np.int32))
+        keys = jax.device_put(keys, NamedSharding(self.mesh, PartitionSpec()))
+        cache, token, logp, live, done = self._prefill(state, self._put(prompts), lengths, keys)
+        tokens = np.full((b, n), cfg.pad_id, np.int32)
+        logps = np.zeros((b, n), np.float32)
+        mask = np.zeros((b, n), np.float32)
+        tokens[:, 0], logps[:, 0], mask[:, 0], done_h = jax.device_get((token, logp, live, done))
+        stats = EngineStats(padded_row_steps=b * (n - 1), calls=1)
+        slots = np.arange(b)  # original row of each batch slot; -1: padding
+        carry, t = (cache, token, live, done), 1
+        while t < n:
+            if compact:  # done_h: the done flags fetched with the last outputs (one sync)
+                active = np.nonzero(~done_h & (slots >= 0))[0]
+                if active.size == 0:
+                    break
+                size = bucket(active.size, b)
+                if size < len(slots):
+                    idx = np.concatenate([active, np.full(size - active.size, active[0])])
+                    pad = np.arange(size) >= active.size
+                    cache, token, live, done = self._gather(carry, self._put(idx))
+                    done = done | self._put(pad)  # padding slots never emit
+                    carry = (cache, token, live, done)
+                    lengths, keys = self._gather((lengths, keys), self._put(idx))
+                    slots = np.where(pad, -1, slots[idx])
+            steps = min(chunk, n - t)
+            carry, out = self._decode(state, *carry, lengths, keys, jnp.int32(t), steps)
+            (tok, lp, lv), done_h = jax.device_get((out, carry[3]))  # [steps, slots]
+            real = slots >= 0
+            rows = slots[real]
+            tokens[rows, t:t + steps] = tok[:, real].T
+            logps[rows, t:t + steps] = lp[:, real].T
+            mask[rows, t:t + steps] = lv[:, real].T
+            stats.row_steps += len(slots) * steps
+            stats.useful_row_steps += int(lv[:, real].sum())
+            t += steps
+        with self._stats_lock:
+            self.stats.add(stats)
+        return Sampled(tokens, logps, mask), stats
+
+    def precompile(self, params: Any, batch: int) -> int:
+        """Compiles every shape a ``batch``-row :meth:`sample` can hit (each compacted size and
+        chunk length), so timed runs never compile. Returns the number of sizes."""
+        n, chunk = self.config.max_new_tokens, self.chunk
+        steps = sorted({min(chunk, n - t) for t in range(1, n, chunk)})
+        prompts = np.full((batch, self.prompt_width), self.config.pad_id, np.int32)
+        lengths = self._put(np.ones((batch,), np.int32))
+        keys = jax.device_put(row_keys(jax.random.key(0), batch),
+                              NamedSharding(self.mesh, PartitionSpec()))
+        state = self._state(params)
+        cache, token, logp, live, done = self._prefill(state, self._put(prompts), lengths, keys)
+        sizes = sorted({bucket(m, batch) for m in range(1, batch + 1)})
+        for size in sizes:
+            idx = self._put(np.arange(size) % batch)
+            carry = self._gather((cache, token, live, done), idx)
+            carry = carry[:3] + (carry[3] | self._put(np.zeros(size, bool)),)
+            lk = self._gather((lengths, keys), idx)
+            for k in steps:
+                jax.block_until_ready(self._decode(state, *carry, *lk, jnp.int32(1), k))
+        return len(sizes)
+
+    def generate(self, params: Any, prompt_texts: Sequence[str], keys: jax.Array | Sequence,
+                 group_size: int) -> RolloutBatch:
+        """G samples per prompt (rows ``i*G .. i*G+G-1``). ``keys``: one key per prompt (or a
+        single key for a single prompt); row t of prompt i is keyed ``fold_in(keys[i], t)``, so
+        prompts batched together sample exactly what they sample one at a time."""
+        if isinstance(keys, jax.Array) and keys.ndim == 0:
+            keys = [keys]
+        if len(keys) != len(prompt_texts):
+            raise ValueError(f"{len(keys)} keys for {len(prompt_texts)} prompts; need one each")
+        return self.generate_rows(params, prompt_texts,
+                                  jnp.concatenate([row_keys(k, group_size) for k in keys]),
+                                  group_size)
+
+    def generate_rows(self, params: Any, prompt_texts: Sequence[str], keys: jax.Array,
+                      group_size: int) -> RolloutBatch:
+        """:meth:`generate` with the per-row keys [len(prompt_texts) * G] given."""
+        texts = [p for p in prompt_texts for _ in range(group_size)]
+        if keys.shape[0] != len(texts):
+            raise ValueError(f"{keys.shape[0]} row keys for {len(texts)} rows")
+        prompts, lengths = encode_prompts(self.tokenizer, texts, self.prompt_width)
+        out, _ = self.sample(params, prompts, lengths, keys)
+        rewards = score_completions(self.task, self.tokenizer, texts, out.tokens)
+        return RolloutBatch(prompts, lengths, out.tokens, out.mask, out.logprobs, rewards)
