@@ -2,9 +2,12 @@
 DLRM (issue 8): exactness vs sync, per-stage and exposed time, speedup vs sync in the same run,
 the ideal bound (sum of stages / slowest), AUC / logloss, clustering's transfer reduction.
 
-    python -m jaxflow.run --exp=nestpipe --variant=quick
-    python -m jaxflow.run --exp=nestpipe --variant=default
-    python -m jaxflow.run --exp=nestpipe --variant=quick --set micro_batches=8
+    python -m jaxflow.run --exp=nestpipe --variant=quick --devices=8
+    python -m jaxflow.run --exp=nestpipe --variant=default --devices=8
+    python -m jaxflow.run --exp=nestpipe --variant=quick --devices=8 --set micro_batches=8
+
+Data-parallel DLRM on a mesh of ``devices`` devices (``--devices=8`` gives 8 fake CPU devices);
+each device routes its keys to the owning shard of the host tables and gets rows back by All2All.
 
 Summary keys (maps keyed by pipeline): ``speedup_vs_sync``, ``ideal_speedup``,
 ``max_param_diff_vs_sync`` (max over leaves of max |x - x_sync| / max |x_sync|).
@@ -33,13 +36,18 @@ class Config:
     batch_size: int = 2048
     dense_lr: float = 1e-3
     sparse_lr: float = 0.05
-    capacity: int = 0  # distinct keys per table per batch; 0 = batch_size x multi_hot
+    devices: int = 8  # data-parallel mesh; tables split row-wise over the same shards
+    # fixed shapes of the routing (exceeding one raises CapacityOverflowError; 0 = cannot overflow)
+    capacity: int = 0  # distinct keys per device per (micro-)batch, all tables together
+    bucket_capacity: int = 0  # keys one device asks of one owner per batch (sync, dbp, semi_sync)
+    micro_bucket_capacity: int = 0  # the same per micro-batch (frozen window)
+    owner_capacity: int = 0  # distinct rows one owner retrieves per batch
     micro_batches: int = 4  # the frozen window's N
     cluster: bool = True  # key-centric clustering of samples into micro-batches
     cluster_method: str = "vote"  # vote (vectorised) | greedy (fewer rows moved, slower)
-    num_shards: int = 8  # owners that keys are bucketed by in the routing stage
     pipelines: tuple[str, ...] = PIPELINE_NAMES
     steps: int = 50  # K, for the exactness comparison and AUC
+    step_check_steps: int = 10  # steps of the per-step (one-step-from-sync) reorder error check
     eval_batches: int = 4
     warmup: int = 3
     timing_steps: int = 8
@@ -51,16 +59,19 @@ class Config:
             raise ValueError(f"pipelines {bad}; valid: {', '.join(PIPELINE_NAMES)}")
         if self.cluster_method not in ("vote", "greedy"):
             raise ValueError(f"cluster_method={self.cluster_method!r}; valid: vote, greedy")
-        if self.batch_size % self.micro_batches:
-            raise ValueError(f"batch_size={self.batch_size} not divisible by "
-                             f"micro_batches={self.micro_batches}")
+        if self.devices < 1 or self.batch_size % (self.devices * self.micro_batches):
+            raise ValueError(f"batch_size={self.batch_size} not divisible by devices={self.devices}"
+                             f" x micro_batches={self.micro_batches}")
 
 
 def get_config(variant: str) -> Config:
-    if variant == "quick":
-        return Config()
+    if variant == "quick":  # capacities ~1.5x the maxima seen over the run's batches
+        return Config(capacity=3072, bucket_capacity=512, micro_bucket_capacity=192,
+                      owner_capacity=2048)
     if variant == "default":
         return Config(batch_size=8192, embed_dim=64, steps=500, pairs=20, timing_steps=16,
+                      capacity=12288, bucket_capacity=1664, micro_bucket_capacity=576,
+                      owner_capacity=8192, step_check_steps=20,
                       vocab_sizes=(2_000_000, 1_000_000, 500_000, 200_000, 50_000, 10_000, 1_000, 100))
     if variant == "full":
         return Config(batch_size=32768, embed_dim=128, steps=2000, pairs=30, timing_steps=16,

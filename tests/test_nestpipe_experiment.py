@@ -9,7 +9,7 @@ from jaxflow.experiment import standalone_context
 from jaxflow.nestpipe.experiment import main
 
 TINY = Config(vocab_sizes=(60, 40, 25, 9), multi_hot=3, embed_dim=8, bottom=(16,), top=(16,),
-              batch_size=64, micro_batches=4, steps=4, eval_batches=2, warmup=1, timing_steps=2,
+              batch_size=64, micro_batches=2, steps=4, eval_batches=2, warmup=1, timing_steps=2,
               pairs=1, sparse_lr=0.1, dense_lr=1e-2)
 
 
@@ -25,6 +25,12 @@ def test_summary_keys_and_exactness(tmp_path):
     assert max(s["max_one_step_diff_vs_sync"].values()) <= 1e-6
     assert s["ideal_speedup"]["dbp"] > 1.0
     assert 0.0 <= s["duplicate_transfer_reduction"] < 1.0
+    # 8 devices, every stage timed (the simulator calibrates from these keys)
+    assert s["devices"] == 8 and all(len(v) == 8 for v in s["owner_rows_per_step"].values())
+    for k in ("data", "h2d", "route", "retrieve", "exchange", "compute", "write_back", "patch"):
+        assert k in s["stage_seconds"]["sync"], k
+    assert s["stage_seconds"]["sync"]["exchange"] > 0 and s["stage_seconds"]["sync"]["route"] > 0
+    assert s["stage_seconds"]["fwp"]["exchange"] == 0.0  # fused into the frozen window's compute
 
 
 def test_config_validation():
@@ -32,5 +38,7 @@ def test_config_validation():
         dataclasses.replace(get_config("quick"), pipelines=("sync", "async"))
     with pytest.raises(ValueError, match="micro_batches"):
         dataclasses.replace(get_config("quick"), micro_batches=3)
+    with pytest.raises(ValueError, match="devices"):
+        dataclasses.replace(get_config("quick"), devices=3)
     with pytest.raises(ValueError, match="variant"):
         get_config("huge")

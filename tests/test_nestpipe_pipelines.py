@@ -1,5 +1,7 @@
-"""NestPipe pipelines == sync: dbp bit-identical, fwp / clustering within f32 reorder tolerance,
-semi_sync (one step stale) far outside it."""
+"""NestPipe pipelines on 8 devices with a real All2All == sync: dbp bit-identical, fwp /
+clustering within f32 reorder tolerance, semi_sync (one step stale) far outside it; the mesh
+path == one device; a shard that receives no ids works; the frozen window's row All2All of
+micro-batch i+1 does not depend on micro-batch i's dense compute."""
 
 import dataclasses
 
@@ -8,15 +10,20 @@ import numpy as np
 import pytest
 
 from configs.nestpipe import Config
-from jaxflow.nestpipe import (clone_tables, cluster_samples, intersection_slots, micro_batch_transfers,
-                              patch_intersection_rows, retrieve_rows, route_keys, run_pipeline)
+from jaxflow.nestpipe import (clone_tables, cluster_order, cluster_samples, intersection_slots,
+                              micro_batch_transfers, patch_intersection_rows, run_pipeline)
 from jaxflow.nestpipe.experiment import build, max_relative_diff, one_step_diffs, snapshot, train
+from jaxflow.nestpipe.host_io import HostShards
 
 # tiny tables and a Zipf sampler: consecutive batches share most keys (a missing patch shows)
 SMALL = Config(vocab_sizes=(60, 40, 25, 9), multi_hot=3, embed_dim=8, bottom=(16,), top=(16,),
-               batch_size=32, micro_batches=4, steps=10, sparse_lr=0.1, dense_lr=1e-2)
+               batch_size=64, micro_batches=4, steps=10, sparse_lr=0.1, dense_lr=1e-2, devices=8)
 STEPS = 10
 TOL_PER_STEP = 1e-6  # f32 relative, reordered batch sums
+
+
+def test_the_session_has_8_devices():
+    assert jax.device_count() >= 8, "tests/conftest.py must give 8 fake CPU devices"
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +46,15 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_runs_on_an_8_device_mesh_with_every_owner_busy(setup, finals):
+    _, _, _, dense0, _, parts_for = setup
+    assert parts_for("sync", None).stages.num_shards == 8
+    assert all(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(dense0))
+    _, stats = finals
+    assert len(stats["sync"]["owner_rows"]) == 8
+    assert min(stats["sync"]["owner_rows"]) > 0  # keys really cross devices
+
+
 def test_dbp_is_bit_identical_to_sync(finals):
     out, stats = finals
     assert_trees_equal(out["dbp"], out["sync"])
@@ -59,13 +75,31 @@ def test_fwp_matches_sync_within_reorder_tolerance(finals):
 
 def test_fwp_one_step_error_is_within_tolerance_at_every_step(setup):
     _, _, tables0, dense0, _, parts_for = setup
-    diffs = one_step_diffs("fwp", tables0, dense0, parts_for, STEPS)
+    diffs = one_step_diffs("fwp", tables0, dense0, parts_for, 6)
     assert max(diffs) <= TOL_PER_STEP, diffs
 
 
 def test_dbp_fwp_is_bit_identical_to_fwp(finals):
-    out, _ = finals
+    out, stats = finals
     assert_trees_equal(out["dbp+fwp"], out["fwp"])
+    assert stats["dbp+fwp"]["patched_rows"] > 10
+
+
+def test_mesh_all2all_matches_one_device(setup):
+    """8 devices (keys routed to owners, rows back by All2All, dense grads AllReduced) vs a
+    1-device mesh (no exchange): the same step up to the order of the batch sum."""
+    _, _, tables0, dense0, _, parts_for = setup
+    one = dataclasses.replace(SMALL, devices=1)
+    _, _, tables1, dense1, _, parts1 = build(one)
+    diffs = []
+    tab8, tab1, s8, s1 = clone_tables(tables0), clone_tables(tables1), dense0, dense1
+    for t in range(3):
+        s8, _ = run_pipeline("sync", parts_for("sync", tab8), s8, 1, start=t)
+        s1, _ = run_pipeline("sync", parts1("sync", tab1), s1, 1, start=t)
+        diffs.append(max_relative_diff(snapshot(s8, tab8), snapshot(s1, tab1)))
+        s1 = jax.device_put(jax.device_get(s8), jax.tree.map(lambda x: x.sharding, dense1))
+        tab1 = clone_tables(tab8)
+    assert 0.0 < max(diffs) <= TOL_PER_STEP, diffs  # > 0: the sums really were split
 
 
 def test_clustering_keeps_the_full_batch_update(setup):
@@ -80,37 +114,140 @@ def test_clustering_keeps_the_full_batch_update(setup):
         order = cluster_samples(sp, 8, method)
         assert sorted(order.tolist()) == list(range(256))
         assert micro_batch_transfers(sp, 8, order) < micro_batch_transfers(sp, 8), method
+    # on the mesh samples are clustered inside each device's shard only
+    order = cluster_order(sp, 8, 4)
+    assert sorted(order.tolist()) == list(range(256))
+    assert all(set(order[p * 32:(p + 1) * 32] // 32) == {p} for p in range(8))
 
 
 def test_patch_copies_exactly_the_shared_rows(setup):
-    _, specs, tables0, _, _, _ = setup
+    _, _, tables0, dense0, _, parts_for = setup
     src, dst, n = intersection_slots(np.array([1, 4, 7, 9]), np.array([0, 4, 9, 12]), 6)
     assert n == 2 and src[:2].tolist() == [1, 3] and dst[:2].tolist() == [1, 2]
     assert (dst[2:] == 6).all()  # padding slots are dropped by the scatter
-    tables = {specs[0].name: tables0[specs[0].name]}
-    ids = {specs[0].name: np.array([[0], [4], [9], [12]], np.int32)}
-    pre = retrieve_rows(tables, route_keys(specs[:1], ids), capacity=6)
-    name = specs[0].name
-    active_rows = {name: jax.numpy.full((6, 8), 7.0)}
-    active_opt = {name: {"accum": jax.numpy.full((6,), 3.0)}}
-    patched, copied = patch_intersection_rows(pre, {name: np.array([1, 4, 7, 9])},
-                                              active_rows, active_opt)
-    assert copied == 2
-    rows = np.asarray(patched.rows[name])
-    np.testing.assert_array_equal(rows[[1, 2]], 7.0)
-    np.testing.assert_array_equal(rows[[0, 3]], np.asarray(pre.rows[name])[[0, 3]])
-    np.testing.assert_array_equal(np.asarray(patched.opt[name]["accum"])[[1, 2]], 3.0)
+    # on the mesh: prefetch batch 1 from the untouched tables, patch from a fake updated batch 0
+    from jaxflow.nestpipe.pipelines import prefetch
+    parts = parts_for("sync", clone_tables(tables0))
+    st, shards = parts.stages, HostShards(parts.stages, parts.tables)
+    try:
+        a, b = prefetch(parts, shards, 0, {}), prefetch(parts, shards, 1, {})
+    finally:
+        shards.close()
+    rows = a.buf.rows + 1000.0  # marks every Active slot
+    opt = {k: v + 1000.0 for k, v in a.buf.opt.items()}
+    patched, copied = patch_intersection_rows(st, b.buf, a.buf, rows, opt)
+    new, old, co = np.asarray(patched.rows), np.asarray(b.buf.rows), st.owner_capacity
+    expect = 0
+    for p in range(8):
+        ia = a.buf.owner_ids[p][:a.buf.owner_counts[p]]
+        ib = b.buf.owner_ids[p][:b.buf.owner_counts[p]]
+        shared = np.isin(ib, ia)
+        expect += int(shared.sum())
+        blk_new, blk_old = new[p * co:(p + 1) * co], old[p * co:(p + 1) * co]
+        np.testing.assert_array_equal(blk_new[:ib.size][shared], blk_old[:ib.size][shared] + 1000.0)
+        np.testing.assert_array_equal(blk_new[:ib.size][~shared], blk_old[:ib.size][~shared])
+    assert copied == expect > 0
+
+
+def test_capacity_overflow_raises_never_drops(setup):
+    from jaxflow.embeddings import CapacityOverflowError
+    _, _, tables0, dense0, _, _ = setup
+    for field in ("owner_capacity", "bucket_capacity"):
+        small = dataclasses.replace(SMALL, **{field: 2})
+        _, _, _, _, _, parts_small = build(small)
+        with pytest.raises(CapacityOverflowError, match="capacity"):
+            run_pipeline("sync", parts_small("sync", clone_tables(tables0)), dense0, 1)
+
+
+class OneOwnerData:
+    """Every id of every table falls in shard 0's row block: shards 1..7 receive no ids."""
+
+    def __init__(self, gen, rows_per_shard):
+        self.gen, self.r = gen, rows_per_shard
+
+    def batch(self, step, batch_size):
+        b = self.gen.batch(step, batch_size)
+        b["sparse"] = {k: np.where(v >= 0, v % self.r[k], -1).astype(np.int32)
+                       for k, v in b["sparse"].items()}
+        return b
 
 
 def test_a_shard_with_no_ids_works(setup):
-    _, specs, tables0, dense0, _, parts_for = setup
-    ids = {s.name: (2 * np.arange(12).reshape(4, 3) % s.vocab_size // 2 * 2).astype(np.int32)
-           for s in specs}
-    routed = route_keys(specs, ids, num_shards=2)
-    assert all(c[1] == 0 and c[0] > 0 for c in routed.owner_counts.values())
-    hb = retrieve_rows(tables0, routed, capacity=12)
-    assert all(hb.rows[s.name].shape == (12, 8) for s in specs)
-    # and a whole pipeline whose keys are bucketed over more owners than there are keys
-    parts = parts_for("dbp", clone_tables(tables0))
-    parts.num_shards = 1000
-    run_pipeline("dbp", parts, dense0, 2)
+    gen, specs, tables0, dense0, _, parts_for = setup
+    st = parts_for("sync", None).stages
+    r = {s.name: st.plan.table(s.name).rows_per_shard for s in specs}
+    out, stats = {}, {}
+    for p in ("sync", "dbp", "fwp"):
+        parts = parts_for(p, clone_tables(tables0))
+        parts.gen = OneOwnerData(gen, r)
+        dense, stats[p] = run_pipeline("sync" if p == "fwp" else p, parts, dense0, 3)
+        out[p] = snapshot(dense, parts.tables)
+        assert stats[p]["owner_rows"][0] > 0 and stats[p]["owner_rows"][1:] == [0.0] * 7, p
+        assert np.isfinite(stats[p]["losses"]).all()
+    assert_trees_equal(out["dbp"], out["sync"])
+    assert max_relative_diff(out["fwp"], out["sync"]) <= TOL_PER_STEP * 3
+    for s in specs:  # rows outside shard 0's block never change; some inside do
+        before, after = tables0[s.name].to_numpy()[0], out["sync"]["tables"][s.name][0]
+        np.testing.assert_array_equal(after[r[s.name]:], before[r[s.name]:])
+    assert any((out["sync"]["tables"][s.name][0] != tables0[s.name].to_numpy()[0]).any()
+               for s in specs)
+
+
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            j = getattr(x, "jaxpr", x)
+            if hasattr(j, "eqns"):
+                yield j
+
+
+def _contains(jaxpr, name):
+    return any(e.primitive.name == name or any(_contains(j, name) for j in _subjaxprs(e))
+               for e in jaxpr.eqns)
+
+
+def _body_with(jaxpr, name):
+    """The (sub-)jaxpr whose own equations include ``name``."""
+    if any(e.primitive.name == name for e in jaxpr.eqns):
+        return jaxpr
+    for e in jaxpr.eqns:
+        for j in _subjaxprs(e):
+            found = _body_with(j, name)
+            if found is not None:
+                return found
+    return None
+
+
+def _all_to_alls_and_taint(jaxpr):
+    """In program order, each all_to_all of the shard_map body and whether it depends
+    (transitively) on a dot_general — i.e. on dense compute."""
+    body = _body_with(jaxpr, "all_to_all")
+    tainted, out = set(), []
+    for eqn in body.eqns:
+        dep = any(not hasattr(x, "val") and x in tainted for x in eqn.invars)
+        if eqn.primitive.name == "all_to_all":
+            out.append(dep)
+        if dep or eqn.primitive.name == "dot_general" or any(
+                _contains(j, "dot_general") for j in _subjaxprs(eqn)):
+            tainted.update(eqn.outvars)
+    return out
+
+
+def test_frozen_window_row_exchange_is_independent_of_compute(setup, finals):
+    """Micro-batch i+1's row All2All must not wait for i's dense compute (so XLA's async
+    collectives can overlap them); the gradient All2Alls come after compute."""
+    _, _, tables0, dense0, _, parts_for = setup
+    from jaxflow.nestpipe.pipelines import prefetch
+    parts = parts_for("fwp", clone_tables(tables0))
+    st, shards = parts.stages, HostShards(parts.stages, parts.tables)
+    try:
+        pf = prefetch(parts, shards, 0, {})
+    finally:
+        shards.close()
+    args = (dense0, pf.buf.rows, pf.buf.opt, pf.routed.owner_inverse, pf.routed.routing,
+            pf.dev.ids, pf.dev.dense, pf.dev.label)
+    flags = _all_to_alls_and_taint(jax.make_jaxpr(st._frozen)(*args).jaxpr)
+    n = SMALL.micro_batches
+    assert len(flags) == 2 * n, flags
+    assert flags.count(False) == n and flags.count(True) == n, flags  # n row, n grad exchanges
+    assert flags[:2] == [False, False]  # rows of micro-batch 1 issued before 0's grads exist

@@ -1,13 +1,16 @@
-"""NestPipe (issue 8): staleness-free pipelining of host-resident embedding training.
+"""NestPipe (issue 8): staleness-free pipelining of host-resident embedding training on a mesh.
 
-``stages.py`` the five stage functions; ``buffers.py`` the dual-buffer intersection patch;
+``stages.py`` the host-side stages (data, host-to-device); ``sharded.py`` the device programs
+(key routing + All2All, row exchange, compute, buffer patch) in ``shard_map``; ``host_io.py``
+per-shard retrieval / write-back threads; ``buffers.py`` the dual-buffer intersection patch;
 ``clustering.py`` key-centric sample clustering; ``pipelines.py`` the schedules (sync, dbp,
 semi_sync, fwp, dbp+fwp); ``experiment.py`` the ``nestpipe`` experiment.
 """
 
 from jaxflow.nestpipe.buffers import intersection_slots, patch_intersection_rows
 from jaxflow.nestpipe.clustering import CLUSTER_METHODS, cluster_samples, micro_batch_transfers
+from jaxflow.nestpipe.host_io import HostShards
 from jaxflow.nestpipe.pipelines import PIPELINES, Parts, prefetch, run_pipeline
-from jaxflow.nestpipe.stages import (DeviceBatch, Routed, clone_tables, load_batch, make_compute,
-                                     reorder_batch, retrieve_rows, route_keys, to_device,
-                                     write_back)
+from jaxflow.nestpipe.sharded import AXIS, MeshStages, OwnerBuffer, Routed
+from jaxflow.nestpipe.stages import (DeviceBatch, clone_tables, cluster_order, load_batch,
+                                     reorder_batch, to_device)

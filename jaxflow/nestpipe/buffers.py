@@ -1,16 +1,16 @@
-"""Dual buffers: the Prefetch buffer of batch t+1 was read from the host tables before batch
-t's update landed, so its rows in K(B_t) ∩ K(B_t+1) are stale. ``patch_intersection_rows``
-overwrites exactly those slots (rows and optimizer state) with the freshly updated Active
-buffer — a device-to-device copy — which makes the prefetched batch equal to what a
-synchronous re-read of the host tables would give, bit for bit.
+"""Dual buffers: the Prefetch owner buffers of batch t+1 were read from the host tables before
+batch t's update landed, so each owner's rows in K(B_t) ∩ K(B_t+1) are stale.
+``patch_intersection_rows`` overwrites exactly those slots (rows and optimizer state), shard by
+shard, with the freshly updated Active buffer — a device-local copy inside ``shard_map`` (a key
+has one owner, so both buffers of a key live on the same device) — which makes the prefetched
+batch equal to what a synchronous re-read of the host tables would give, bit for bit.
 """
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
-from jaxflow.embeddings.host import HostBatch
+from jaxflow.nestpipe.sharded import MeshStages, OwnerBuffer
 
 
 def intersection_slots(active_ids: np.ndarray, prefetch_ids: np.ndarray,
@@ -25,22 +25,19 @@ def intersection_slots(active_ids: np.ndarray, prefetch_ids: np.ndarray,
     return pad_src, pad_dst, n
 
 
-@jax.jit
-def _copy_slots(prefetch_rows, prefetch_opt, active_rows, active_opt, src, dst):
-    rows = {n: prefetch_rows[n].at[dst[n]].set(active_rows[n][src[n]], mode="drop")
-            for n in prefetch_rows}
-    opt = {n: {k: v.at[dst[n]].set(active_opt[n][k][src[n]], mode="drop")
-               for k, v in prefetch_opt[n].items()} for n in prefetch_opt}
-    return rows, opt
+def patch_intersection_rows(stages: MeshStages, prefetch: OwnerBuffer, active: OwnerBuffer,
+                            active_rows, active_opt) -> tuple[OwnerBuffer, int]:
+    """Returns the patched Prefetch buffer and the number of rows copied (all shards).
 
-
-def patch_intersection_rows(prefetch: HostBatch, active_ids: dict[str, np.ndarray],
-                            active_rows: dict, active_opt: dict) -> tuple[HostBatch, int]:
-    """Returns the patched Prefetch buffer and the number of rows copied."""
-    src, dst, copied = {}, {}, 0
-    for name, ids in prefetch.unique_ids.items():
-        capacity = prefetch.rows[name].shape[0]
-        src[name], dst[name], n = intersection_slots(active_ids[name], ids, capacity)
+    ``active_rows`` / ``active_opt`` are the Active buffer after batch t's update.
+    """
+    co, src, dst, copied = stages.owner_capacity, [], [], 0
+    for p in range(stages.num_shards):
+        a = active.owner_ids[p][:int(active.owner_counts[p])]
+        b = prefetch.owner_ids[p][:int(prefetch.owner_counts[p])]
+        s, d, n = intersection_slots(a, b, co)
+        src.append(s)
+        dst.append(d)
         copied += n
-    rows, opt = _copy_slots(prefetch.rows, prefetch.opt, active_rows, active_opt, src, dst)
+    rows, opt = stages.patch(prefetch, active_rows, active_opt, np.stack(src), np.stack(dst))
     return prefetch._replace(rows=rows, opt=opt), copied

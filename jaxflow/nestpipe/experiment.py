@@ -1,11 +1,16 @@
-"""The ``nestpipe`` experiment: every pipeline for K steps from the same host tables and DLRM.
+"""The ``nestpipe`` experiment: every pipeline for K steps from the same host tables and DLRM,
+data-parallel on a mesh of ``config.devices`` devices with the tables split row-wise over the
+same shards (keys routed and rows returned by All2All; ``sharded.py``).
 
 Exactness: params and tables after K steps vs ``sync`` (max relative difference = max |x - x_sync|
 / max |x_sync| over all dense params and tables together), and for the frozen window the
-one-step difference from sync's own state at every step (the per-step reorder error). Speed: each pipeline timed against ``sync`` in the
-same process, alternating (sync, pipeline) rounds of ``timing_steps`` steps from fresh copies
-after a warm-up; median ratio and spread. Ideal bound: sum of the five stage times of ``sync``
-/ the slowest stage. Clustering: rows moved by per-micro-batch dedup, clustered vs not.
+one-step difference from sync's own state at each of the first ``step_check_steps`` steps (the
+per-step reorder error). Speed: each pipeline timed against ``sync`` in the same process,
+alternating (sync, pipeline) rounds of ``timing_steps`` steps from fresh copies after a warm-up;
+median ratio and spread. Per-stage times (``stage_seconds``: data, h2d, route, retrieve,
+exchange, compute, write_back, patch; mean seconds per step, medians over rounds). Ideal bound:
+sum of the five stage times of ``sync`` (stage 5 = exchange + compute + write_back) / the
+slowest. Clustering: rows moved by per-micro-batch dedup, clustered vs not.
 """
 
 from __future__ import annotations
@@ -13,16 +18,28 @@ from __future__ import annotations
 import jax
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.embeddings import TableSpec, make_sparse_optimizer
 from jaxflow.embeddings.host import HostTable
+from jaxflow.config import ConfigError
 from jaxflow.experiment import RunContext
 from jaxflow.nestpipe.clustering import CLUSTER_METHODS, cluster_samples, micro_batch_transfers
 from jaxflow.nestpipe.pipelines import PIPELINES, STAGES, Parts, run_pipeline
-from jaxflow.nestpipe.stages import clone_tables, make_compute
+from jaxflow.nestpipe.sharded import AXIS, MeshStages
+from jaxflow.nestpipe.stages import clone_tables
 from jaxflow.recsys.metrics import log_loss, roc_auc
 from jaxflow.recsys.models import build_model, functional
 from jaxflow.recsys.synthetic import SyntheticConfig, SyntheticCriteo
+
+
+def make_mesh(devices: int) -> Mesh:
+    """A 1-D mesh over the first ``devices`` devices (axis ``"data"``)."""
+    have = jax.devices()
+    if devices < 1 or devices > len(have):
+        raise ConfigError(f"devices={devices}, but {len(have)} {jax.default_backend()} device(s) "
+                          "are available; on a CPU-only machine pass --devices=8")
+    return Mesh(np.array(have[:devices]), (AXIS,))
 
 
 def build(config):
@@ -41,21 +58,32 @@ def build(config):
                         bottom=config.bottom, top=config.top)
     params, apply = functional(model)
     tx = optax.adam(config.dense_lr)
-    dense = jax.device_put({"params": params, "opt": tx.init(params), "step": np.int32(0)})
-    capacity = config.capacity or config.batch_size * config.multi_hot
-    computes = {}
+    mesh = make_mesh(config.devices)
+    dense = jax.device_put({"params": params, "opt": tx.init(params), "step": np.int32(0)},
+                           NamedSharding(mesh, PartitionSpec()))
+    programs = {}
 
     def parts_for(pipeline: str, tables) -> Parts:
         schedule, frozen = PIPELINES[pipeline]
         n = config.micro_batches if frozen else 1
-        if n not in computes:
-            computes[n] = make_compute(apply, specs, opt, tx, micro_batches=n)
-        return Parts(gen, specs, tables, computes[n], config.batch_size, capacity,
-                     cluster=frozen and config.cluster and n > 1, micro_batches=n,
-                     cluster_method=config.cluster_method,
-                     num_shards=config.num_shards)
+        if n not in programs:
+            programs[n] = MeshStages(specs, mesh, opt, apply, tx, batch_size=config.batch_size,
+                                     multi_hot=config.multi_hot, micro_batches=n,
+                                     capacity=config.capacity,
+                                     bucket_capacity=(config.micro_bucket_capacity if n > 1
+                                                      else config.bucket_capacity),
+                                     owner_capacity=config.owner_capacity)
+        return Parts(gen, specs, tables, programs[n], config.batch_size,
+                     cluster=frozen and config.cluster and n > 1,
+                     cluster_method=config.cluster_method)
 
+    parts_for.programs = programs
     return gen, specs, tables, dense, apply, parts_for
+
+
+def programs_of(parts_for) -> dict:
+    """The compiled MeshStages built so far, by micro-batch count."""
+    return parts_for.programs
 
 
 def max_relative_diff(a, b) -> float:
@@ -127,21 +155,23 @@ def evaluate(config, gen, apply, dense, tables, specs) -> dict:
 
 def main(config, run: RunContext) -> dict:
     gen, specs, tables0, dense0, apply, parts_for = build(config)
-    pipelines = tuple(config.pipelines)
-    if "sync" not in pipelines:
-        pipelines = ("sync",) + pipelines
+    pipelines = ("sync",) + tuple(p for p in config.pipelines if p != "sync")
     # 1. exactness and quality: K steps each from the same start
-    finals, results = {}, {}
+    # ``sync`` first; every other pipeline is compared as soon as it finishes (one snapshot of
+    # the tables held at a time besides sync's)
+    sync_final, results, diff, leafwise = None, {}, {}, {}
     for p in pipelines:
         dense, tables, stats = train(config, p, tables0, dense0, parts_for, config.steps)
-        finals[p] = snapshot(dense, tables)
+        final = snapshot(dense, tables)
+        sync_final = final if p == "sync" else sync_final
+        diff[p], leafwise[p] = max_relative_diff(final, sync_final), max_leafwise_diff(final, sync_final)
         results[p] = {"final_train_loss": float(np.mean(stats["losses"][-10:])),
                       **evaluate(config, gen, apply, dense, tables, specs)}
+        del final, tables
         run.info(f"{p}: {config.steps} steps, loss {results[p]['final_train_loss']:.4f}, "
                  f"AUC {results[p]['auc']:.4f}")
-    diff = {p: max_relative_diff(finals[p], finals["sync"]) for p in pipelines}
-    leafwise = {p: max_leafwise_diff(finals[p], finals["sync"]) for p in pipelines}
-    step_diff = {p: max(one_step_diffs(p, tables0, dense0, parts_for, config.steps))
+    check = min(config.steps, config.step_check_steps)
+    step_diff = {p: max(one_step_diffs(p, tables0, dense0, parts_for, check))
                  for p in pipelines if p in ("fwp", "dbp+fwp")}
     # 2. timing: alternate sync and each pipeline, fresh tables each round
     for p in pipelines:
@@ -159,8 +189,8 @@ def main(config, run: RunContext) -> dict:
     stage = {p: {k: med([s["stage_seconds"].get(k, 0.0) for s in timing[p]])
                  for k in STAGES + ("patch",)} for p in pipelines}
     sync_stages = [stage["sync"][k] for k in STAGES]
-    # five stages; compute includes the write back of the updated rows
-    five = sync_stages[:4] + [sync_stages[4] + sync_stages[5]]
+    # the five stages; stage 5 = row All2All back + compute (+ grad All2All) + write back
+    five = sync_stages[:4] + [sum(sync_stages[4:])]
     ideal = sum(five) / max(five)
     # 3. clustering: rows moved by per-micro-batch dedup
     plain, clustered = 0, {m: 0 for m in CLUSTER_METHODS}
@@ -182,6 +212,11 @@ def main(config, run: RunContext) -> dict:
         "stage_seconds": stage,
         "sync_step_vs_sum_of_stages": med([s["step_seconds"] for s in timing["sync"]]) / sum(sync_stages),
         "patched_rows_per_step": {p: med([s["patched_rows"] for s in timing[p]]) for p in pipelines},
+        "owner_rows_per_step": {p: [med([s["owner_rows"][q] for s in timing[p]])
+                                    for q in range(config.devices)] for p in pipelines},
+        "capacities": {n: {"device": m.capacity, "bucket": m.bucket_capacity, "owner": m.owner_capacity}
+                       for n, m in ((f"micro_batches={k}", v) for k, v in programs_of(parts_for).items())},
+        "devices": config.devices,
         "duplicate_transfer_reduction": 1.0 - clustered[config.cluster_method] / plain,
         "duplicate_transfer_reduction_by_method": {m: 1.0 - c / plain for m, c in clustered.items()},
         "micro_batch_rows_moved": {"unclustered": plain, **clustered},

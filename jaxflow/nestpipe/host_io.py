@@ -1,0 +1,77 @@
+"""Stage 4 and the write-back on the host: each shard's owner buffer from / to the host tables.
+
+Shard p owns row block ``[p*R_a, (p+1)*R_a)`` of every row-wise table a (``R_a = ceil(V_a/P)``),
+at local rows ``off_a + i % R_a`` of the group. The route stage hands each owner its distinct
+local rows, sorted — so each table's rows form one contiguous run of them. One host thread per
+shard reads its rows and optimizer state, pads to the owner capacity and puts them on that
+shard's device; a shard that received no ids gets an all-padding buffer.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from jaxflow.embeddings.host import HostTable
+from jaxflow.nestpipe.sharded import MeshStages, OwnerBuffer, Routed
+
+
+def _table_runs(stages: MeshStages, local_rows: np.ndarray, shard: int):
+    """[(table name, positions slice in local_rows, table rows)] for one owner's sorted rows."""
+    out = []
+    for layout in stages.plan.group_tables(stages.group.name):
+        lo, hi = np.searchsorted(local_rows, [layout.offset, layout.offset + layout.rows_per_shard])
+        if hi > lo:
+            rows = shard * layout.rows_per_shard + local_rows[lo:hi].astype(np.int64) - layout.offset
+            out.append((layout.spec.name, slice(lo, hi), rows))
+    return out
+
+
+def _read_shard(stages: MeshStages, tables: dict[str, HostTable], owner_ids: np.ndarray,
+                count: int, shard: int):
+    co, d = stages.owner_capacity, stages.dim
+    rows = np.zeros((co, d), np.float32)
+    _, template = next(iter(tables.values())).read_rows(np.zeros(0, np.int64))
+    opt = {k: np.zeros((co,) + v.shape[1:], v.dtype) for k, v in template.items()}
+    for name, pos, table_rows in _table_runs(stages, owner_ids[:count], shard):
+        values, state = tables[name].read_rows(table_rows)
+        rows[pos] = values
+        for k, v in state.items():
+            opt[k][pos] = v
+    return rows, opt
+
+
+class HostShards:
+    """The retrieval threads (one per shard) over a dict of host tables."""
+
+    def __init__(self, stages: MeshStages, tables: dict[str, HostTable]):
+        self.stages, self.tables = stages, tables
+        self._pool = ThreadPoolExecutor(max_workers=stages.num_shards,
+                                        thread_name_prefix="nestpipe-retrieve")
+
+    def close(self):
+        self._pool.shutdown(wait=True)
+
+    def retrieve(self, routed: Routed) -> OwnerBuffer:
+        """Stage 4: every owner's rows (+ optimizer state) into its device's buffer."""
+        st = self.stages
+        parts = list(self._pool.map(
+            lambda p: _read_shard(st, self.tables, routed.owner_ids[p], int(routed.owner_counts[p]), p),
+            range(st.num_shards)))
+        rows = st.from_shards([r for r, _ in parts])
+        opt = {k: st.from_shards([o[k] for _, o in parts]) for k in parts[0][1]}
+        return OwnerBuffer(rows, opt, routed.owner_ids, routed.owner_counts)
+
+    def write_back(self, buf: OwnerBuffer, rows, opt) -> None:
+        """Stores each owner's updated rows (only its real ones) and optimizer state."""
+        st = self.stages
+        co = st.owner_capacity
+        rows = np.asarray(rows)
+        opt = {k: np.asarray(v) for k, v in opt.items()}
+        for p in range(st.num_shards):
+            n = int(buf.owner_counts[p])
+            base = p * co
+            for name, pos, table_rows in _table_runs(st, buf.owner_ids[p][:n], p):
+                sl = slice(base + pos.start, base + pos.stop)
+                self.tables[name].write_rows(table_rows, rows[sl], {k: v[sl] for k, v in opt.items()})
