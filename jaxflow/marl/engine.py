@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.tokenizer import CharTokenizer
-from jaxflow.models.sampler import SamplingConfig, sampling_log_probs
+from jaxflow.models.sampler import SamplingConfig, mask_finished, sampling_log_probs
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.rollout import RolloutBatch, batch_sharding
 from jaxflow.rl.tasks import Task, encode_prompts, score_completions
@@ -89,12 +89,7 @@ def _draw(logits, keys, t, config: SamplingConfig):
 
 def _emit(logits, done, keys, t, config: SamplingConfig):
     token, logprob = _draw(logits, keys, t, config)
-    live = ~done
-    token = jnp.where(live, token, config.pad_id)
-    logprob = jnp.where(live, logprob, 0.0)
-    if config.eos_id is not None:
-        done = done | (token == config.eos_id)
-    return token, logprob, live, done
+    return mask_finished(token, logprob, done, config)
 
 
 @functools.lru_cache(maxsize=32)

@@ -118,6 +118,22 @@ def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig, logit_noise
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
+def mask_finished(token: jax.Array, logprob: jax.Array, done: jax.Array,
+                  config: SamplingConfig):
+    """One decode step's bookkeeping for rows that already finished.
+
+    token / logprob / done: [B]. Finished rows emit ``pad_id`` with log-prob 0; a row that
+    emits ``eos_id`` is finished from the next step on. Returns (token, logprob, live, done)
+    where ``live`` marks the rows whose token this step is real.
+    """
+    live = ~done
+    token = jnp.where(live, token, config.pad_id)
+    logprob = jnp.where(live, logprob, 0.0)
+    if config.eos_id is not None:
+        done = done | (token == config.eos_id)
+    return token, logprob, live, done
+
+
 @functools.lru_cache(maxsize=32)
 def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std: float = 0.0) -> Callable:
     """Builds a jitted sampler for one model structure and sampling config.
@@ -158,12 +174,7 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
 
         def emit(logits, done, step_key):
             token, logprob = _draw(logits, step_key, config, logit_noise_std)
-            live = ~done
-            token = jnp.where(live, token, config.pad_id)
-            logprob = jnp.where(live, logprob, 0.0)
-            if config.eos_id is not None:
-                done = done | (token == config.eos_id)
-            return token, logprob, live, done
+            return mask_finished(token, logprob, done, config)
 
         def step(carry, step_key):
             cache, token, live, done, t = carry
