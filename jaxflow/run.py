@@ -101,6 +101,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def default_devices(args: argparse.Namespace, config) -> int | None:
+    """``--devices``, else the experiment's own ``devices`` field (e.g. nestpipe's 8-device mesh)
+    for a single-process run, so ``--exp=NAME --variant=quick`` runs as written on a CPU; the
+    count only creates fake CPU devices, an accelerator backend is untouched."""
+    if args.devices is not None or args.coordinator is not None or args.distributed_auto:
+        return args.devices
+    wanted = getattr(config, "devices", None)
+    return wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 1 else None
+
+
 def _main(argv: list[str]) -> int:
     from jaxflow.mesh import MeshError
 
@@ -118,6 +128,7 @@ def _main(argv: list[str]) -> int:
     # Devices and the multi-controller runtime must be set before JAX touches a backend.
     from jaxflow import distributed
 
+    args.devices = default_devices(args, config)
     if args.devices is not None:
         if args.devices < 1:
             raise UsageError(f"--devices {args.devices}: need at least 1")

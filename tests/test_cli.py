@@ -75,3 +75,17 @@ def test_devices_flag_gives_fake_devices_and_mesh_check(tmp_path):
     summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
     assert summary["device_count"] == 4
     assert summary["config"]["mesh"]["shape"] == [2, 2]
+
+
+def test_experiment_devices_field_is_the_default_device_count():
+    from configs import lm_pretrain, nestpipe
+
+    config = nestpipe.get_config("quick")
+    parse = runner.build_parser().parse_args
+    assert runner.default_devices(parse(["--exp=nestpipe"]), config) == config.devices == 8
+    assert runner.default_devices(parse(["--exp=nestpipe", "--devices=2"]), config) == 2
+    multi = parse(["--exp=nestpipe", "--coordinator=127.0.0.1:1", "--num-processes=2",
+                   "--process-id=0"])
+    assert runner.default_devices(multi, config) is None  # each process brings its own
+    lm = lm_pretrain.get_config("quick")
+    assert runner.default_devices(parse(["--exp=lm_pretrain"]), lm) is None
