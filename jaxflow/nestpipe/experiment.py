@@ -16,6 +16,7 @@ slowest. Clustering: rows moved by per-micro-batch dedup, clustered vs not.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -136,15 +137,14 @@ def one_step_diffs(pipeline: str, tables0, dense0, parts_for, steps: int) -> lis
 
 
 def evaluate(config, gen, apply, dense, tables, specs) -> dict:
-    import jax.numpy as jnp
     labels, probs = [], []
     for i in range(config.eval_batches):
         b = gen.eval_batch(i, config.batch_size)
         emb = []
         for s in specs:
             ids = np.where(b["sparse"][s.name] >= 0, b["sparse"][s.name], 0)
-            rows = tables[s.name].read_rows(np.unique(ids))[0]
-            vals = rows[np.searchsorted(np.unique(ids), ids)]
+            uniq, inv = np.unique(ids, return_inverse=True)
+            vals = tables[s.name].read_rows(uniq)[0][inv.reshape(ids.shape)]
             emb.append((vals * (b["sparse"][s.name] >= 0)[..., None]).sum(1))
         logits = apply(dense["params"], jnp.asarray(b["dense"]), jnp.asarray(np.stack(emb, 1)))
         probs.append(np.asarray(jax.nn.sigmoid(logits)))

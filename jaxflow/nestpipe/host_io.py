@@ -28,12 +28,11 @@ def _table_runs(stages: MeshStages, local_rows: np.ndarray, shard: int):
     return out
 
 
-def _read_shard(stages: MeshStages, tables: dict[str, HostTable], owner_ids: np.ndarray,
-                count: int, shard: int):
+def _read_shard(stages: MeshStages, tables: dict[str, HostTable], opt_template: dict,
+                owner_ids: np.ndarray, count: int, shard: int):
     co, d = stages.owner_capacity, stages.dim
     rows = np.zeros((co, d), np.float32)
-    _, template = next(iter(tables.values())).read_rows(np.zeros(0, np.int64))
-    opt = {k: np.zeros((co,) + v.shape[1:], v.dtype) for k, v in template.items()}
+    opt = {k: np.zeros((co,) + v.shape[1:], v.dtype) for k, v in opt_template.items()}
     for name, pos, table_rows in _table_runs(stages, owner_ids[:count], shard):
         values, state = tables[name].read_rows(table_rows)
         rows[pos] = values
@@ -47,6 +46,8 @@ class HostShards:
 
     def __init__(self, stages: MeshStages, tables: dict[str, HostTable]):
         self.stages, self.tables = stages, tables
+        # zero-row reads: each optimizer-state array's row shape and dtype, for padding buffers
+        self._opt_template = next(iter(tables.values())).read_rows(np.zeros(0, np.int64))[1]
         self._pool = ThreadPoolExecutor(max_workers=stages.num_shards,
                                         thread_name_prefix="nestpipe-retrieve")
 
@@ -57,7 +58,8 @@ class HostShards:
         """Stage 4: every owner's rows (+ optimizer state) into its device's buffer."""
         st = self.stages
         parts = list(self._pool.map(
-            lambda p: _read_shard(st, self.tables, routed.owner_ids[p], int(routed.owner_counts[p]), p),
+            lambda p: _read_shard(st, self.tables, self._opt_template, routed.owner_ids[p],
+                                  int(routed.owner_counts[p]), p),
             range(st.num_shards)))
         rows = st.from_shards([r for r, _ in parts])
         opt = {k: st.from_shards([o[k] for _, o in parts]) for k in parts[0][1]}

@@ -126,7 +126,7 @@ def run_pipeline(schedule: str, parts: Parts, dense_state: dict, steps: int,
     """
     if schedule not in ("sync", "dbp", "semi_sync"):
         raise ValueError(f"schedule={schedule!r}; valid: sync, dbp, semi_sync")
-    times, losses, exposed, patched, owner_rows = {}, [], 0.0, 0, None
+    times, losses, exposed, patched, owner_rows = {}, [], 0.0, 0, 0
     shards = HostShards(parts.stages, parts.tables)
     wall0 = time.perf_counter()
     try:
@@ -136,7 +136,7 @@ def run_pipeline(schedule: str, parts: Parts, dense_state: dict, steps: int,
                 dense_state, rows, opt, loss = _compute(parts, dense_state, pf, times)
                 _write_back(shards, pf, rows, opt, times)
                 losses.append(loss)
-                owner_rows = pf.buf.owner_counts if owner_rows is None else owner_rows + pf.buf.owner_counts
+                owner_rows = owner_rows + pf.buf.owner_counts
             exposed = sum(times.get(k, 0.0) for k in HOST_STAGES)
         else:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nestpipe-prefetch") as pool:
@@ -148,7 +148,7 @@ def run_pipeline(schedule: str, parts: Parts, dense_state: dict, steps: int,
                            if t + 1 < start + steps else None)
                     dense_state, rows, opt, loss = _compute(parts, dense_state, pf, times)
                     losses.append(loss)
-                    owner_rows = pf.buf.owner_counts if owner_rows is None else owner_rows + pf.buf.owner_counts
+                    owner_rows = owner_rows + pf.buf.owner_counts
                     if nxt is None:
                         _write_back(shards, pf, rows, opt, times)
                         break

@@ -34,10 +34,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxflow.embeddings.lookup import (check_stats, exchange_grads, exchange_ids, exchange_rows,
-                                       unique_rows)
+from jaxflow.embeddings.lookup import (GroupContext, check_stats, exchange_grads, exchange_ids,
+                                       exchange_rows, gather_rows, group_pool, unique_rows)
 from jaxflow.embeddings.optimizers import SparseOptimizer
-from jaxflow.embeddings.pooling import pool_bags
 from jaxflow.embeddings.routing import SENTINEL, Routing, dedup, route_ids
 from jaxflow.embeddings.spec import EmbeddingPlan, Placement, TableSpec, plan_tables
 
@@ -121,7 +120,6 @@ class MeshStages:
         plan, g, axis, n = self.plan, self.group.name, AXIS, self.n
         c, cb, co, d = self.capacity, self.bucket_capacity, self.owner_capacity, self.dim
         names = [s.name for s in self.specs]
-        tables = self.plan.group_tables(g)
         optimizer, p_shards, big_b = self.optimizer, self.num_shards, self.global_batch
 
         def split_mb(x):  # [b, ...] -> [N, b/N, ...]
@@ -154,9 +152,7 @@ class MeshStages:
                                             out_specs=(sh, sh, sh, sh, rep), check_vma=False))
 
         def requested_rows(owner_rows, owner_inverse):  # -> [P, N, Cb, D]
-            ok = owner_inverse >= 0
-            rows = jnp.where(ok[:, None], owner_rows[jnp.where(ok, owner_inverse, 0)], 0)
-            return rows.reshape(p_shards, n, cb, d)
+            return gather_rows(owner_rows, owner_inverse).reshape(p_shards, n, cb, d)
 
         def local_exchange(owner_rows, owner_inverse, routing):
             req = requested_rows(owner_rows, owner_inverse[0])
@@ -167,14 +163,9 @@ class MeshStages:
                                                in_specs=(sh, sh, sh), out_specs=sh,
                                                check_vma=False))
 
-        def sample_loss_sum(params, unique_emb, inverse, ids_shapes, dense, label):
-            pooled, start = {}, 0
-            for layout in tables:
-                shape = ids_shapes[layout.spec.name]
-                size = int(np.prod(shape))
-                inv = inverse[start:start + size].reshape(shape)
-                pooled[layout.spec.name] = pool_bags(unique_emb, inv, layout.spec.pooling)
-                start += size
+        def sample_loss_sum(params, unique_emb, routing, ids, dense, label):
+            # group_pool reads only ctx.routing (and the ids' shapes)
+            pooled = group_pool(plan, g, unique_emb, GroupContext(routing, None), ids)
             emb = jnp.stack([pooled[k] for k in names], axis=1)
             loss = optax.sigmoid_binary_cross_entropy(apply(params, dense, emb), label)
             return jnp.sum(loss) / big_b
@@ -198,9 +189,8 @@ class MeshStages:
         def local_compute(dense_state, owner_rows, owner_opt, owner_inverse, routing, unique_emb,
                           ids, dense, label):
             r = jax.tree.map(lambda x: x[0], routing)
-            shapes = {k: v.shape for k, v in ids.items()}
-            loss, (g_params, g_emb) = grad_fn(dense_state["params"], unique_emb[0], r.inverse,
-                                              shapes, dense, label)
+            loss, (g_params, g_emb) = grad_fn(dense_state["params"], unique_emb[0], r, ids, dense,
+                                              label)
             recv_grads = exchange_grads(g_emb, r, axis)  # [P, Cb, D] aligned with owner requests
             return update(dense_state, owner_rows, owner_opt, owner_inverse[0], g_params,
                           recv_grads, loss)
@@ -218,9 +208,8 @@ class MeshStages:
                 if i + 1 < n:  # issued before micro-batch i's compute; independent of it
                     replies[i + 1] = exchange_rows(req[:, i + 1], axis)
                 emb = unique_rows(replies.pop(i), rs[i])
-                shapes = {k: v.shape[1:] for k, v in mb_ids.items()}
-                l_i, (gp_i, ge_i) = grad_fn(params, emb, rs[i].inverse, shapes, mb_dense[i],
-                                            mb_label[i])
+                l_i, (gp_i, ge_i) = grad_fn(params, emb, rs[i], {k: v[i] for k, v in mb_ids.items()},
+                                            mb_dense[i], mb_label[i])
                 loss = loss + l_i
                 g_params = gp_i if g_params is None else jax.tree.map(jnp.add, g_params, gp_i)
                 recv_grads.append(exchange_grads(ge_i, rs[i], axis))  # feeds only the update

@@ -443,10 +443,10 @@ def main(config, run) -> dict:
     workers = tuple(int(n) for n in config.workers)
     n0, n1 = workers[0], workers[-1]
 
-    def fit(**over):
+    def fit(stage_ms=measured, **over):
         kw = {"workers": (n0, n1), "shape": shape, "device_copy_speedup": config.device_copy_speedup,
               "peer_latency_us": config.peer_latency_us, **over}
-        return calibrate(measured, **kw)
+        return calibrate(stage_ms, **kw)
 
     model = fit()
     sim = dict(batches=config.batches, warmup=config.warmup, micro_batches=config.micro_batches,
@@ -483,8 +483,7 @@ def main(config, run) -> dict:
         sens[name] = {}
         for v in values:
             try:
-                m_v = fit(shape=dataclasses.replace(shape, oversubscription=v)) if (
-                    name == "oversubscription") else fit(**{name: v})
+                m_v = fit(**{name: v})
             except ValueError as e:
                 sens[name][str(v)] = {"error": str(e)}
                 continue
@@ -506,8 +505,7 @@ def main(config, run) -> dict:
     sens["rest_split"] = {}
     for name, ms_table in (("measured", as_measured), ("rest_on_accelerator",
                                                         fold_rest_into_compute(as_measured))):
-        m_r = calibrate(ms_table, workers=(n0, n1), shape=shape, peer_latency_us=config.peer_latency_us,
-                        device_copy_speedup=config.device_copy_speedup)
+        m_r = fit(ms_table)
         sens["rest_split"][name] = {p: point(p, m=m_r) for p in PIPELINES}
 
     identity = (1 - PAPER_SHARES["lookup"][1] - PAPER_SHARES["all2all"][1]) / (
