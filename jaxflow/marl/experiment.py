@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 
 import jax
 import numpy as np
 
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.marl.balance import allocate_workers
+from jaxflow.marl.engine import RolloutEngine, row_keys
 from jaxflow.marl.pipeline import (AgentRuntime, RunResult, relative_param_diff, run_pipeline,
                                    run_sync)
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import solver_verifier_workflow
 from jaxflow.mesh import role_meshes
+from jaxflow.rl.tasks import encode_prompts
 from jaxflow.train.lm_state import init_params
 
 
@@ -73,11 +76,6 @@ def _n_params(cfg) -> int:
 def engine_benchmark(config, wf, meshes, params, run) -> dict:
     """Compacted vs padded batch decode of the solver on the same rows and keys (alternating,
     medians): row-steps saved, time ratio, and whether the outputs are bit-identical."""
-    import time
-
-    from jaxflow.marl.engine import RolloutEngine, row_keys
-    from jaxflow.rl.tasks import encode_prompts
-
     rt_task = wf.task("solver")
     tok = CharTokenizer()
     eng = RolloutEngine(config.solver, meshes["rollout"], max_new_tokens=config.bench_tokens,
@@ -106,7 +104,7 @@ def engine_benchmark(config, wf, meshes, params, run) -> dict:
            "speedup_vs_padded": statistics.median(ratios),
            "speedup_spread": [min(ratios), max(ratios)],
            "compacted_s": statistics.median(tc), "padded_s": statistics.median(tp),
-           "bit_identical": all(np.array_equal(x, y) for x, y in zip(a, b)),
+           "bit_identical": _bit_equal(a, b),
            "tokens_identical": bool(np.array_equal(a.tokens, b.tokens)),
            "mask_identical": bool(np.array_equal(a.mask, b.mask)),
            # XLA CPU picks matmul kernels by batch size: a compacted batch's log-probs may
@@ -186,7 +184,6 @@ def main(config, run) -> dict:
                                                           sync.params[-1][n])
                                       for n in wf.order()),
         "reward_curve": results[m][0].rewards} for m in modes if m.startswith("bounded")}
-    stalest = max(bounded.values(), key=lambda b: b["staleness_max"], default=None)
     summary = {
         "speedup_vs_sync": ratio("strict")["median"],
         "speedup_spread": ratio("strict"),
@@ -218,6 +215,5 @@ def main(config, run) -> dict:
              f"[{summary['speedup_spread']['min']:.2f}, {summary['speedup_spread']['max']:.2f}], "
              f"strict max param diff {max(per_step):.2e}; bounded: "
              + ", ".join(f"{k} {b['speedup_vs_sync']:.2f}x lag<={b['staleness_max']:.0f}"
-                         for k, b in bounded.items())
-             + ("" if stalest is None else ""))
+                         for k, b in bounded.items()))
     return summary

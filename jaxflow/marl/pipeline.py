@@ -47,11 +47,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.marl.balance import allocate_workers
 from jaxflow.marl.engine import EngineStats, RolloutEngine, row_keys
-from jaxflow.marl.store import ExperienceStore, Row, SampleId
+from jaxflow.marl.store import ExperienceStore, SampleId
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import AgentSpec, Workflow
 from jaxflow.rl.advantages import grpo_advantages
-from jaxflow.rl.grpo import GRPOConfig, MiniBatch, _compiled, grpo_loss, old_stats
+from jaxflow.rl.grpo import (GRPOConfig, MiniBatch, _compiled, fns_abstract_params, grpo_loss,
+                              old_stats)
 from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.rollout import RolloutBatch, batch_sharding
 from jaxflow.rl.tasks import completion_text
@@ -181,8 +182,7 @@ def sample_key(seed: int, version: int, input_id: int, turn: int) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=4)
 def _request_row_keys(seed, version, input_ids, turn, group_size):
     def one(i):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), version), i)
-        return row_keys(jax.random.fold_in(key, turn), group_size)
+        return row_keys(sample_key(seed, version, i, turn), group_size)
     return jax.vmap(one)(input_ids).reshape(-1)
 
 
@@ -392,14 +392,10 @@ def agent_loads(workflow: Workflow, runtimes: dict[str, "AgentRuntime"]) -> dict
     out = {}
     for n in workflow.order():
         rt = runtimes[n]
-        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(_abstract(rt)))
+        n_params = sum(int(np.prod(x.shape))
+                       for x in jax.tree.leaves(fns_abstract_params(rt.fns)))
         out[n] = float(rt.spec.group_size * rt.spec.max_new_tokens * n_params)
     return out
-
-
-def _abstract(rt: "AgentRuntime"):
-    from flax import nnx
-    return nnx.to_pure_dict(rt.fns.abstract_state)
 
 
 def run_pipeline(workflow: Workflow, runtimes: dict[str, AgentRuntime],
@@ -452,9 +448,8 @@ def run_pipeline(workflow: Workflow, runtimes: dict[str, AgentRuntime],
     stats0 = _snapshot(runtimes)
     n_mb = n_inputs // micro_inputs
     turn = {n: workflow.turn(n) for n in names}
-    measured_load = agent_loads(workflow, runtimes)
-    allocation = (allocate_workers(measured_load, rollout_workers) if rollout_workers > 1
-                  else {"all": 1})
+    allocation = (allocate_workers(agent_loads(workflow, runtimes), rollout_workers)
+                  if rollout_workers > 1 else {"all": 1})
 
     def add_busy(role, seconds):
         with lock:
@@ -589,10 +584,8 @@ def run_pipeline(workflow: Workflow, runtimes: dict[str, AgentRuntime],
         policy = policies[n]
         v0, j0, grad_sum, weight_sum = 0, 0, None, None
         if n in start_state:
-            v0, j0, grad_sum, weight_sum, policy = start_state[n][:5]
+            v0, j0, grad_sum, weight_sum, policy = start_state[n]
         for v in range(v0, steps):
-            if v > v0 or n not in start_state:
-                j0, grad_sum, weight_sum = 0, None, None
             for j in range(j0, n_mb):
                 ids = [SampleId(v * n_inputs + i, turn[n], t)
                        for i in range(j * micro_inputs, (j + 1) * micro_inputs)
@@ -637,6 +630,7 @@ def run_pipeline(workflow: Workflow, runtimes: dict[str, AgentRuntime],
             if swapper is not None and v + 1 < steps:  # idle until version v+1's rows arrive
                 swapper.swap_out(n, policy, version=v + 1)
                 policy = None
+            j0, grad_sum, weight_sum = 0, None, None  # only a resumed first version starts late
         policies[n] = policy
 
     start = time.perf_counter()
@@ -655,8 +649,7 @@ def run_pipeline(workflow: Workflow, runtimes: dict[str, AgentRuntime],
         raise errors[0]
     wall = time.perf_counter() - start
     samples = (steps - first) * n_inputs * sum(runtimes[n].spec.group_size for n in names)
-    n_workers = 1 if rollout_workers == 1 else rollout_workers
-    busy["rollout"] /= n_workers  # busy fraction of the pool
+    busy["rollout"] /= rollout_workers  # busy fraction of the pool
     swap = ({"seconds": swapper.swap_seconds, "swaps": swapper.swaps} if swapper is not None
             else {})
     return RunResult(out_params, out_rewards, busy, wall, samples,

@@ -340,16 +340,12 @@ class RolloutPool:
 
 
 def split_devices(total: int, weights: Sequence[float]) -> list[int]:
-    """``total`` devices in proportion to ``weights``, each share >= 1 (largest remainder)."""
+    """``total`` devices in proportion to ``weights``, each share >= 1 (largest remainder:
+    :func:`jaxflow.marl.balance.allocate_workers`)."""
     k = len(weights)
     if total < k:
         raise ValueError(f"{total} devices cannot give each of {k} shares >= 1")
-    w = np.asarray(weights, float)
-    raw = 1 + (total - k) * w / w.sum()
-    out = np.floor(raw).astype(int)
-    for i in np.argsort(-(raw - out), kind="stable")[: total - out.sum()]:
-        out[i] += 1
-    return out.tolist()
+    return list(balance.allocate_workers(dict(enumerate(weights)), total).values())
 
 
 def expected_loads(agents: Sequence[AgentLoad], costs: dict[str, AgentCosts], slots: int,
