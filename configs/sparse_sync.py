@@ -28,13 +28,14 @@ from jaxflow.train.lm_state import OptimConfig
 DESCRIPTION = "Sparse bf16 weight sync on real GRPO runs: bytes, ratio, bound, bit-exactness"
 ENTRY = "jaxflow.sync.rl_study:main"
 VARIANTS = ("quick", "default", "full")
+DEFAULT_INTERVALS = (1, 4, 16)  # the sweep when neither ``intervals`` nor ``sync.every`` is set
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """``sync.codec``: the codec whose replicas serve the rollouts (and the TCP replicas);
     ``codecs``: every codec measured on the same trajectory; ``intervals``: sync every N
-    rollouts (= optimizer steps, lag 1), one GRPO run each; None: (1, 4, 16), or just
+    rollouts (= optimizer steps, lag 1), one GRPO run each; None: DEFAULT_INTERVALS, or just
     ``(sync.every,)`` when ``sync.every`` is set to another value (see :attr:`sweep`);
     ``steps``: rollouts per run."""
 
@@ -75,16 +76,12 @@ class Config:
         if self.tcp_replicas < 0:
             raise ValueError(f"tcp_replicas={self.tcp_replicas}: need >= 0")
 
-
     @property
     def sweep(self) -> tuple[int, ...]:
         """The sync intervals run, one GRPO run each."""
         if self.intervals is not None:
             return self.intervals
         return (self.sync.every,) if self.sync.every != 1 else DEFAULT_INTERVALS
-
-
-DEFAULT_INTERVALS = (1, 4, 16)
 
 
 def get_config(variant: str) -> Config:

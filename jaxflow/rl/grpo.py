@@ -352,7 +352,8 @@ class GRPOTrainer:
         else:  # the serving replica's bf16 params (k == 0)
             self._weight_sync = WeightSync(policy["params"], self.worker.param_shardings,
                                            self.sync_config, version=0, links=self._sync_links)
-            self._weight_sync.catch_up()  # extra links (replica processes) start fresh
+            if self._sync_links:  # extra links (replica processes) start fresh
+                self._weight_sync.catch_up()
             published = (self._weight_sync.rollout_params(),)
             self._synced_leaves = jax.tree.leaves(published[0])
         state = {
@@ -384,7 +385,7 @@ class GRPOTrainer:
         this trainer last published into, e.g. a restored checkpoint."""
         leaves = jax.tree.leaves(state["published"][0])
         known = self._synced_leaves
-        if (self._weight_sync is None or known is None or len(known) != len(leaves)
+        if (known is None or len(known) != len(leaves)
                 or any(a is not b for a, b in zip(known, leaves))):
             self._weight_sync = WeightSync.resume(
                 state["published"][0], self.worker.param_shardings, self.sync_config,
@@ -470,19 +471,18 @@ class GRPOTrainer:
         sampler_version = int(state["published_version"][0])
         trainer_version = int(state["policy"]["step"])
         batch = self.generate(state)
-        records = self._weight_sync.records if self._weight_sync is not None else []
-        last = records[-1] if records else None
+        ws = self._weight_sync  # the sync serving ``state`` (generate rebuilt it if needed)
+        n_records = len(ws.records) if ws is not None else 0
         state, history = self.train_on_rollout(state, batch)
         metrics = summarize(history, batch, sampler_version, trainer_version)
         if self.sync_config is not None:  # did this step sync, and what did it send
-            records = self._weight_sync.records
-            synced = bool(records) and records[-1] is not last
+            synced = len(ws.records) > n_records
             metrics["synced"] = float(synced)
             if synced:
-                stats = records[-1].stats
-                metrics["sync_payload_bytes"] = float(stats.payload_bytes)
-                metrics["sync_changed_fraction"] = stats.changed_fraction
-                metrics["sync_bit_exact"] = float(records[-1].bit_exact)
+                record = ws.records[-1]
+                metrics["sync_payload_bytes"] = float(record.stats.payload_bytes)
+                metrics["sync_changed_fraction"] = record.stats.changed_fraction
+                metrics["sync_bit_exact"] = float(record.bit_exact)
         return state, metrics
 
     def heldout_accuracy(self, state: dict, n: int, *, samples: int = 0) -> float:

@@ -97,7 +97,8 @@ def run_interval(every: int, config, run: RunContext, *, meshes, warm_params, tc
             syncs[c] = WeightSync(params0, trainer.worker.param_shardings,
                                   dataclasses.replace(sync_cfg, codec=c, bound=False))
     rows = []
-    cast = {0: tree_digest(to_bf16(params0))}  # hash of the trainer's bf16 cast per version
+    # hash of the trainer's bf16 cast per version: the serving sender's snapshot digest
+    cast = {serving.version: serving.sender.digest()}
     served_exact = True  # every rollout since the last sync sampled exactly that cast
     for step in range(1, config.steps + 1):
         served = tree_digest(to_bf16(trainer.rollout_params(state)))  # after the version check
@@ -109,7 +110,7 @@ def run_interval(every: int, config, run: RunContext, *, meshes, warm_params, tc
             continue
         params = state["policy"]["params"]
         version = serving.version
-        cast = {version: tree_digest(to_bf16(params))}
+        cast = {version: serving.sender.digest()}  # computed once by the sync's verification
         rollout_exact, served_exact = served_exact, True
         for codec, ws in syncs.items():
             rec = (serving.records[-1] if ws is serving

@@ -171,4 +171,5 @@ class WeightSync:
         return rep.params
 
 
-__all__ = ["OFF", "ON_MISMATCH", "SYNC_CODECS", "SyncConfig", "SyncRecord", "VersionMismatch", "WeightSync"]
+__all__ = ["OFF", "ON_MISMATCH", "SYNC_CODECS", "SyncConfig", "SyncRecord", "VersionMismatch",
+           "WeightSync"]
