@@ -375,3 +375,50 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 5 *
             total += arr.nbytes
     with open(os.path.join(path, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def write_random_checkpoint(config: TransformerConfig, path: str, *, seed: int = 0,
+                            std: float = 0.02, max_shard_bytes: int = 2**30) -> int:
+    """Writes a random checkpoint of ``config`` (host numpy, one file's tensors in memory at a
+    time): N(0, std^2) weights, norm scales 1 + N(0, std^2). For tests and benchmarks.
+
+    Returns the total tensor bytes written.
+    """
+    from safetensors.numpy import save_file
+
+    hf_config = hf_config_from(config)
+    abstract = _flat(nnx.to_pure_dict(_abstract_model(config)[2]))
+    dtype = np.dtype(config.params_dtype)
+    rng = np.random.default_rng(seed)
+    plan: list[list[tuple[str, tuple[int, ...], bool]]] = [[]]
+    size = 0
+    for p, src in tensor_map(config).items():
+        shape = tuple(abstract[p].shape)
+        block = shape[1:] if src.stacked else shape
+        for name in src.hf_names:
+            t_shape = hf_shape(src, block)
+            nbytes = math.prod(t_shape) * dtype.itemsize
+            if plan[-1] and size + nbytes > max_shard_bytes:
+                plan.append([])
+                size = 0
+            plan[-1].append((name, t_shape, p[-1] == "scale"))
+            size += nbytes
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    weight_map, total = {}, 0
+    for i, entries in enumerate(plan):
+        file = ("model.safetensors" if len(plan) == 1
+                else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors")
+        tensors = {}
+        for name, shape, is_scale in entries:
+            x = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+            tensors[name] = (x + 1 if is_scale else x).astype(dtype)
+            weight_map[name] = file
+            total += tensors[name].nbytes
+        save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+        del tensors
+    if len(plan) > 1:
+        with open(os.path.join(path, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return total
