@@ -179,7 +179,7 @@ def load_balancing_loss(router_logits: list[jax.Array] | tuple[jax.Array, ...], 
 
     ``E * sum_e f_e * P_e`` where, over the concatenated tokens of every layer, ``f_e`` is the
     fraction of (token, choice) assignments [k, E] and ``P_e`` the mean router probability.
-    Args: router_logits: per MoE layer [N, E]. Returns a scalar f32 (1.0 when balanced).
+    Args: router_logits: per MoE layer [N, E]. Returns a scalar f32 (k for a uniform router).
     """
     logits = jnp.concatenate([jnp.asarray(l, jnp.float32) for l in router_logits], axis=0)
     probs = jax.nn.softmax(logits, axis=-1)
