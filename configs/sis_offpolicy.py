@@ -19,6 +19,10 @@ through SparseRL-Sync to a bf16 rollout replica every 4 rollouts (``every`` coun
 jaxflow.rl.grpo); the default ``sync.codec=none`` is the dense f32 publish of the results in
 experiments/README.md. Weight sync does not combine with staleness cells (k > 0).
 
+Checkpoint: ``--set model.hf_path=DIR`` starts every cell from a local Hugging Face checkpoint
+(Llama / Qwen3 / Qwen3-MoE; its tokenizer.json replaces the character tokenizer) instead of
+the lm_pretrain warm start.
+
 Roles: with >= 2 devices the trainer and the rollout sampler live on disjoint sub-meshes
 (``roles.rollout_devices`` for the sampler, the rest for the trainer); on a 1-device CPU, or
 with ``--set roles.colocate=true``, both roles share every device (reported as ``roles``).
@@ -30,6 +34,7 @@ import dataclasses
 
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.lm_pretrain import DataConfig, TrainConfig
+from jaxflow.models.pretrained import HFSource
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.rl.policy_loss import ALGOS, CORRECTIONS
@@ -122,6 +127,7 @@ class Config:
     grid: GridConfig = GridConfig()
     roles: RolesConfig = RolesConfig()
     sync: SyncConfig = SyncConfig(codec="none")
+    model: HFSource = HFSource()  # --set model.hf_path=DIR: RL on a local HF checkpoint
 
     def __post_init__(self):
         if self.sync.enabled and (self.grid.stalenesses or self.rl.staleness):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,10 @@ class TransformerConfig:
     expert_axis: str = "expert"
     architecture: str = "jaxflow"  # checkpoint family written by save_pretrained
     hf_extra: tuple[tuple[str, str], ...] = ()  # other config.json keys (JSON values) kept
+    # Experiments only (``--set model.hf_path=DIR``): load this local Hugging Face checkpoint's
+    # architecture, weights and tokenizer instead (jaxflow.models.pretrained). The model
+    # itself never reads it.
+    hf_path: str = ""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -96,6 +101,9 @@ class TransformerConfig:
         if self.head_dim % 2:
             raise ValueError(
                 f"TransformerConfig head_dim={self.head_dim} must be even for RoPE")
+        if self.hf_path and not os.path.isfile(os.path.join(self.hf_path, "config.json")):
+            raise ValueError(f"model.hf_path={self.hf_path!r}: not a checkpoint directory "
+                             "(no config.json there)")
         if self.n_experts:
             if not 1 <= self.n_experts_per_token <= self.n_experts or self.d_ff_expert <= 0:
                 raise ValueError(
