@@ -1,0 +1,1 @@
+"""Experiment drivers: ``main(config, run) -> dict`` per experiment (see configs/)."""
