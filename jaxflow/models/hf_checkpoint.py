@@ -154,8 +154,14 @@ def _group_range(slices: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int
 
 
 class _Reader:
-    """Reads blocks of checkpoint tensors, one memory-mapped file handle per file, counting
-    the bytes read."""
+    """Reads blocks of checkpoint tensors, counting the bytes read.
+
+    Small reads share one memory-mapped handle per file (closed after each parameter).
+    Reads over ``chunk_bytes`` go in row chunks, each through its own short-lived handle, and
+    are written (converted, transposed) straight into the output, so a big tensor costs its
+    output plus one chunk of resident memory, not its mapped pages plus copies."""
+
+    chunk_bytes = 32 * 2**20
 
     def __init__(self, weight_map: dict[str, str], stats: LoadStats, dtype: np.dtype):
         self.weight_map, self.stats, self.dtype = weight_map, stats, dtype
@@ -174,25 +180,50 @@ class _Reader:
             self._files[file] = self._stack.enter_context(safe_open(file, framework="np"))
         return self._files[file].get_slice(name)
 
-    def _read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        arr = self._slice(name)[index]
+    def _count(self, arr: np.ndarray) -> np.ndarray:
         self.stats.bytes_read += arr.nbytes
         self.stats.reads += 1
         return arr
+
+    def _read(self, name: str, index: tuple[slice, ...], transpose: bool = False) -> np.ndarray:
+        """tensor[index] in the load dtype, transposed (2-D only) when asked."""
+        sl = self._slice(name)
+        shape = [s.indices(d) for s, d in zip(index, sl.get_shape())]
+        lengths = [stop - start for start, stop, _ in shape]
+        itemsize = np.dtype(self.dtype).itemsize
+        if len(index) != 2 or math.prod(lengths) * itemsize <= self.chunk_bytes:
+            arr = self._count(sl[index]).astype(self.dtype, copy=False)
+            return np.ascontiguousarray(arr.T) if transpose else arr
+        from safetensors import safe_open
+
+        (r0, r1, _), (c0, c1, _) = shape
+        rows_per_chunk = max(1, self.chunk_bytes // max(1, lengths[1] * itemsize))
+        out = np.empty(lengths[::-1] if transpose else lengths, self.dtype)
+        for a in range(r0, r1, rows_per_chunk):
+            b = min(a + rows_per_chunk, r1)
+            with safe_open(self.weight_map[name], framework="np") as f:
+                chunk = self._count(f.get_slice(name)[a:b, c0:c1]).astype(self.dtype,
+                                                                          copy=False)
+            if transpose:
+                out[:, a - r0:b - r0] = chunk.T
+            else:
+                out[a - r0:b - r0] = chunk
+            del chunk
+        return out
 
     def block(self, name: str, src: TensorSource, shape: tuple[int, ...],
               index: tuple[slice, ...]) -> np.ndarray:
         """jaxflow block ``[index]`` (block shape ``shape``) from checkpoint tensor ``name``."""
         if not src.transpose:
-            return self._read(name, index).astype(self.dtype)
+            return self._read(name, index)
         inner, outer = shape[:src.split], shape[src.split:]
         i_idx, o_idx = index[:src.split], index[src.split:]
         r0, r1, n_out = _group_range(o_idx, outer)
         c0, c1, n_in = _group_range(i_idx, inner)
-        arr = self._read(name, (slice(r0, r1), slice(c0, c1))).T
-        arr = arr.reshape((n_in,) + inner[1:] + (n_out,) + outer[1:])
+        arr = self._read(name, (slice(r0, r1), slice(c0, c1)), transpose=True)
+        arr = arr.reshape((n_in,) + inner[1:] + (n_out,) + outer[1:])  # splits: a view
         arr = arr[(slice(None),) + tuple(i_idx[1:]) + (slice(None),) + tuple(o_idx[1:])]
-        return np.ascontiguousarray(arr, dtype=self.dtype)
+        return np.ascontiguousarray(arr)  # no copy unless head_dim itself is sliced
 
     def param(self, src: TensorSource, shape: tuple[int, ...], index: tuple) -> np.ndarray:
         index = tuple(slice(*s.indices(d)) for s, d in zip(index, shape))
