@@ -188,3 +188,14 @@ def test_chunked_reads_of_big_tensors_are_exact(saved, monkeypatch):
         params, stats = load_hf_params(path, model.config, mesh=mesh)
         assert stats.reads > reads  # really chunked
         jax.tree.map(np.testing.assert_array_equal, params, _pure(model))
+
+
+def test_loaded_qwen3_moe_lowers_for_tpu_and_gpu(saved):
+    model, _ = saved["moe"]
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    exported = jax.export.export(forward, platforms=["tpu", "cuda"])(
+        abstract, jax.ShapeDtypeStruct((2, 8), jnp.int32))
+    assert exported.platforms == ("tpu", "cuda")
+    assert exported.out_avals[0].shape == (2, 8, 64)
