@@ -11,7 +11,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxflow.mesh import make_mesh
-from jaxflow.models import Transformer, TransformerConfig
+from jaxflow.models import Transformer, TransformerConfig, from_pretrained
+from jaxflow.models.hf_checkpoint import write_random_checkpoint
 from jaxflow.models.moe import (
     Routing,
     expert_capacity,
@@ -98,13 +99,11 @@ def test_expert_parallel_equals_per_shard_dispatch(weights, expert_mesh, factor)
     device (capacity per source shard); with factor E nothing drops and it equals dense."""
     x, router, *w = weights
     y, stats = _ep(expert_mesh, factor)(x, router, *w)
-    ys, drops = [], []
-    for chunk in jnp.split(x, 8):
-        r = route(chunk, router, k=K, norm_topk_prob=True)
-        yc, dc = moe_dispatch(chunk, r, *w, capacity_factor=factor)
-        ys.append(yc)
-        drops.append(float(dc))
-    np.testing.assert_allclose(y, jnp.concatenate(ys), atol=1e-5)
+    per_shard = jax.jit(jax.vmap(lambda c: moe_dispatch(
+        c, route(c, router, k=K, norm_topk_prob=True), *w, capacity_factor=factor)))
+    ys, drops = per_shard(x.reshape(8, N // 8, D))
+    drops = np.asarray(drops)
+    np.testing.assert_allclose(y, ys.reshape(N, D), atol=1e-5)
     assert float(stats.dropped_fraction) == pytest.approx(np.mean(drops), abs=1e-6)
     np.testing.assert_allclose(stats.router_logits, x @ router, atol=1e-5)
     if factor == 8.0:
@@ -130,11 +129,15 @@ def test_expert_parallel_gradients_equal_dense(weights, expert_mesh):
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
-def test_moe_transformer_on_an_expert_mesh_equals_dense_reference():
+def test_moe_transformer_on_an_expert_mesh_equals_dense_reference(tmp_path):
     cfg = TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=2,
                             d_ff=32, max_seq_len=16, n_experts=8, n_experts_per_token=2,
-                            d_ff_expert=8, dense_layers=(0,), capacity_factor=8.0)
-    model = nnx.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))()
+                            d_ff_expert=8, dense_layers=(0,), capacity_factor=8.0,
+                            qk_norm=True, architecture="qwen3_moe")
+    path = str(tmp_path / "moe")
+    write_random_checkpoint(cfg, path, seed=2, std=0.3)
+    model = from_pretrained(path, capacity_factor=8.0)
+    assert model.config == cfg
     tokens = jax.random.randint(jax.random.key(1), (4, 8), 0, 32)
     graphdef, state = nnx.split(model)
     fwd = jax.jit(lambda gd, s, t: nnx.merge(gd, s).forward_with_aux(t), static_argnums=0)

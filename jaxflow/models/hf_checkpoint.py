@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh
 
 from jaxflow.mesh import LogicalRules, shardings_from_logical
 from jaxflow.models.architectures import (
@@ -266,7 +266,8 @@ def load_hf_params(path: str, config: TransformerConfig, *, mesh: Mesh | None = 
       config: its TransformerConfig (``config_from_hf(read_config(path))``, possibly with
         runtime fields such as ``moe_impl`` or ``remat`` replaced).
       mesh: place each parameter by its logical axes and ``rules`` on this mesh (each
-        process reads only its addressable shards); None: the first local device.
+        process reads only its addressable shards); None: uncommitted arrays on the default
+        device.
 
     Returns:
       (params pure dict as ``nnx.to_pure_dict(nnx.state(model))``, LoadStats).
@@ -281,12 +282,10 @@ def load_hf_params(path: str, config: TransformerConfig, *, mesh: Mesh | None = 
                              f"{sorted(set(sources) ^ set(flat_abstract))}")
     weight_map = _weight_map(path)
     _validate(config, sources, flat_abstract, _checkpoint_shapes(weight_map))
+    shardings = {}
     if mesh is not None:
         axes = nnx.to_pure_dict(logical_axes(nnx.state(abstract, nnx.Param)))
         shardings = _flat(shardings_from_logical(pure, axes, mesh, rules))
-    else:
-        one = SingleDeviceSharding(jax.local_devices()[0])
-        shardings = {p: one for p in flat_abstract}
     stats = LoadStats()
     dtype = np.dtype(config.params_dtype)
     for p, aval in flat_abstract.items():
@@ -301,7 +300,11 @@ def load_hf_params(path: str, config: TransformerConfig, *, mesh: Mesh | None = 
             return memo[key]
 
         try:
-            _set(pure, p, jax.make_array_from_callback(shape, shardings[p], callback))
+            if mesh is None:  # uncommitted on the default device, free to move later
+                value = jax.device_put(callback(tuple(slice(None) for _ in shape)))
+            else:
+                value = jax.make_array_from_callback(shape, shardings[p], callback)
+            _set(pure, p, value)
         finally:
             reader.close()
             memo.clear()
