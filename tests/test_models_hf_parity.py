@@ -14,6 +14,10 @@ from jaxflow.models import SamplingConfig, from_pretrained, make_sampler, save_p
 from jaxflow.models.moe import load_balancing_loss
 from flax import nnx
 
+# One intra-op thread: on a loaded 2-core machine torch's OpenMP pool is 10-20x slower than a
+# single thread (measured 4-6 s vs 0.2-0.3 s per forward in bench_checkpoint).
+torch.set_num_threads(1)
+
 VOCAB = 89
 LOGIT_ATOL = 1e-4  # the bound on f32 logits; measured max |diff| is ~1e-7
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
