@@ -1,6 +1,7 @@
 """Two real processes (jax.distributed on 127.0.0.1, gloo) load one checkpoint onto a mesh
-whose "fsdp" axis spans the processes: each reads only its own slices (bytes asserted) and
-the sharded model's logits equal a single-process load."""
+whose "fsdp" axis spans the processes: each reads only its own slices (bytes asserted), the
+sharded model's logits equal a single-process load, and save_pretrained from the two
+processes writes the original tensors back."""
 import json
 import os
 import socket
@@ -39,7 +40,8 @@ def test_each_process_reads_only_its_slices(tmp_path):
     env["JAX_PLATFORMS"] = "cpu"
     port = _free_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "tests._hf_load_worker", path, f"127.0.0.1:{port}", str(i)],
+        [sys.executable, "-m", "tests._hf_load_worker", path, f"127.0.0.1:{port}", str(i),
+         str(tmp_path / "saved")],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -57,3 +59,7 @@ def test_each_process_reads_only_its_slices(tmp_path):
     want = np.asarray(single(tokens))
     for r in reports:
         np.testing.assert_allclose(np.asarray(r["logits"]), want, atol=1e-5)
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert sorted(saved) == sorted(tensors)
+    for name, t in tensors.items():
+        np.testing.assert_array_equal(saved[name], t, err_msg=name)
