@@ -63,8 +63,13 @@ def test_save_writes_back_the_same_tensors(saved, name, tmp_path):
             == json.load(open(os.path.join(path, "config.json"))))
 
 
+@jax.jit
+def _jit_logits(graphdef_state, tokens):
+    return nnx.merge(*graphdef_state)(tokens)
+
+
 def _logits(model, tokens):
-    return np.asarray(jax.jit(lambda gs, t: nnx.merge(*gs)(t))(nnx.split(model), tokens))
+    return np.asarray(_jit_logits(nnx.split(model), tokens))
 
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(8, 8)), jnp.int32)

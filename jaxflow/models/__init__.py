@@ -4,6 +4,7 @@ from jaxflow.models.architectures import CheckpointError, config_from_hf, hf_con
 from jaxflow.models.hf_checkpoint import from_pretrained, load_hf_params, save_pretrained
 from jaxflow.models.kv_cache import KVCache
 from jaxflow.models.rope import RopeScaling
+from jaxflow.models.tokenizer_hf import HFTokenizer
 from jaxflow.models.sampler import SampleOutput, SamplingConfig, make_sampler, sample
 from jaxflow.models.transformer import (
     PRESETS,
@@ -15,6 +16,7 @@ from jaxflow.models.transformer import (
 
 __all__ = [
     "CheckpointError",
+    "HFTokenizer",
     "RopeScaling",
     "config_from_hf",
     "from_pretrained",
