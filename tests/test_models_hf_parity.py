@@ -148,3 +148,17 @@ def test_saved_by_jaxflow_reloads_in_transformers(checkpoints, arch, tmp_path):
     reloaded.eval()
     tokens = _tokens(4)
     np.testing.assert_array_equal(_torch_logits(reloaded, tokens), _torch_logits(ref, tokens))
+
+
+def test_jaxflow_native_model_exports_as_llama(tmp_path):
+    """jaxflow's own decoder (e.g. an lm_pretrain model) is a Llama: save_pretrained writes it
+    as LlamaForCausalLM and transformers computes the same logits."""
+    from jaxflow.models import PRESETS, Transformer
+
+    model = nnx.jit(lambda: Transformer(PRESETS["tiny"], rngs=nnx.Rngs(3)))()
+    save_pretrained(model, str(tmp_path / "native"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "native"))
+    ref.eval()
+    assert type(ref).__name__ == "LlamaForCausalLM"
+    tokens = np.random.default_rng(5).integers(0, PRESETS["tiny"].vocab_size, (2, 16))
+    assert np.abs(_jax_logits(model, tokens) - _torch_logits(ref, tokens)).max() <= LOGIT_ATOL

@@ -116,8 +116,11 @@ def config_from_hf(cfg: dict[str, Any], *, dtype: str | None = None) -> Transfor
 
 
 def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
-    """config.json contents for ``config`` (its ``architecture`` picks the family)."""
+    """config.json contents for ``config`` (its ``architecture`` picks the family; jaxflow's
+    own dense decoder, architecture "jaxflow", is exactly a Llama and is written as one)."""
     arch = config.architecture
+    if arch == "jaxflow" and not config.qk_norm and not config.n_experts:
+        arch = "llama"
     if arch not in _HF_CLASS:
         raise CheckpointError(f"TransformerConfig.architecture={arch!r} has no Hugging Face "
                               f"format; valid: {sorted(_HF_CLASS)}")
