@@ -15,7 +15,6 @@ from safetensors.numpy import load_file, save_file
 from jaxflow.mesh import assert_params_sufficiently_sharded, make_mesh
 from jaxflow.models import (
     CheckpointError,
-    Transformer,
     TransformerConfig,
     from_pretrained,
     load_hf_params,
