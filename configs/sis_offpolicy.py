@@ -16,7 +16,7 @@ each for ``seeds`` seeds; held-out greedy accuracy after ``train.rollouts`` roll
 
 Weight sync: ``--set sync.codec=entropy --set sync.every=4`` makes each cell's trainer publish
 through SparseRL-Sync to a bf16 rollout replica every 4 rollouts (``every`` counts rollouts; see
-jaxflow.rl.grpo); the default ``sync.codec=none`` is the dense f32 publish of the results in
+jaxflow.rl.grpo); the default ``sync=none`` is the dense f32 publish of the results in
 experiments/README.md. Weight sync does not combine with staleness cells (k > 0).
 
 Roles: with >= 2 devices the trainer and the rollout sampler live on disjoint sub-meshes
@@ -121,14 +121,14 @@ class Config:
     train: ScheduleConfig = ScheduleConfig()
     grid: GridConfig = GridConfig()
     roles: RolesConfig = RolesConfig()
-    sync: SyncConfig = SyncConfig(codec="none")
+    sync: SyncConfig | None = None  # --set sync.codec=entropy turns SparseRL-Sync on
 
     def __post_init__(self):
-        if self.sync.enabled and (self.grid.stalenesses or self.rl.staleness):
+        if self.sync is not None and (self.grid.stalenesses or self.rl.staleness):
             raise ValueError(f"sync.codec={self.sync.codec!r} with grid.stalenesses="
                              f"{self.grid.stalenesses} / rl.staleness={self.rl.staleness}: weight "
                              "sync needs staleness 0; set grid.stalenesses= (empty) or "
-                             "sync.codec=none")
+                             "sync=none")
         size = self.rl.rollout_size
         bad = [n for n in (*self.grid.lags, self.grid.mismatch_lag) if size % n]
         if bad:

@@ -2,7 +2,9 @@
 
 Configs are frozen dataclasses (nested frozen dataclasses allowed). An override is parsed as the
 field's declared type: int, float, bool, str, ``X | None`` and tuples (comma lists, e.g.
-``--set model.shape=2,4``; an empty string gives an empty tuple).
+``--set model.shape=2,4``; an empty string gives an empty tuple). An optional group (``sync:
+SyncConfig | None = None``) is switched on by setting one of its fields (``--set sync.codec=gap``)
+and off by ``--set sync=none``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import importlib
 import pkgutil
 import types
 import typing
-from typing import Any
+from typing import Any, Callable
 
 
 class ConfigError(ValueError):
@@ -41,6 +43,30 @@ class ExperimentSpec:
     def entry_fn(self):
         module_name, _, fn_name = self.entry.partition(":")
         return getattr(importlib.import_module(module_name), fn_name)
+
+
+class Variants:
+    """A config module's ``get_config``: each variant declared once, as a zero-argument factory.
+
+        get_config = Variants(quick=lambda: Config(steps=20), default=Config)
+        VARIANTS = get_config.variants          # ("quick", "default"), for --list
+
+    Calling it with an unknown name raises ValueError naming the valid ones.
+    """
+
+    def __init__(self, **factories: Callable[[], Any]):
+        if not factories:
+            raise ValueError("Variants needs at least one variant")
+        self._factories = dict(factories)
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return tuple(self._factories)
+
+    def __call__(self, variant: str) -> Any:
+        if variant not in self._factories:
+            raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(self._factories)}")
+        return self._factories[variant]()
 
 
 def _did_you_mean(value: str, choices) -> str:
@@ -184,13 +210,22 @@ def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
                 f"{_did_you_mean(name, valid)}"
             )
         current = getattr(obj, name)
+        group_type, optional = _strip_optional(hints.get(name, type(current)))
         if isinstance(sub, dict):
+            if current is None and optional and dataclasses.is_dataclass(group_type):
+                current = group_type()  # an optional group switched on by setting a field
             changes[name] = _apply_tree(current, sub, full_key + ".")
             continue
         text, key = sub
-        if dataclasses.is_dataclass(current):
-            group = sorted(f.name for f in dataclasses.fields(current))
-            raise ConfigError(f"--set {key}: is a group; set one of {', '.join(group)}")
+        if dataclasses.is_dataclass(current) or (current is None and optional
+                                                 and dataclasses.is_dataclass(group_type)):
+            if optional and text.strip().lower() in ("none", "null"):
+                changes[name] = None  # an optional group switched off
+                texts.append(f"{key}={text}")
+                continue
+            group = sorted(f.name for f in dataclasses.fields(group_type))
+            off = f" (or {key}=none)" if optional else ""
+            raise ConfigError(f"--set {key}: is a group; set one of {', '.join(group)}{off}")
         changes[name] = parse_value(text, hints.get(name, type(current)), key)
         texts.append(f"{key}={text}")
     try:

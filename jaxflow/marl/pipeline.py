@@ -51,7 +51,7 @@ from jaxflow.marl.store import ExperienceStore, SampleId
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import AgentSpec, Workflow
 from jaxflow.rl.advantages import grpo_advantages
-from jaxflow.rl.grpo import (GRPOConfig, MiniBatch, _compiled, fns_abstract_params, grpo_loss,
+from jaxflow.rl.grpo import (GRPOConfig, MiniBatch, compiled_functions, grpo_loss,
                               old_stats)
 from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.rollout import RolloutBatch, batch_sharding
@@ -75,7 +75,7 @@ def weighted_grad(params: Any, mb: MiniBatch, old: Any, *, fns, config: GRPOConf
                   key: jax.Array) -> tuple[Any, jax.Array]:
     """``(grad(loss_mb) * weight_mb, weight_mb)`` for gradient accumulation."""
     grads, _ = jax.grad(grpo_loss, has_aux=True)(params, mb, old, fns=fns, config=config, key=key)
-    w = loss_weight(mb, config.agg)
+    w = loss_weight(mb, config.loss.agg)
     return jax.tree.map(lambda g: g * w, grads), w
 
 
@@ -136,7 +136,7 @@ class AgentRuntime:
                                  **{"sis_topk": 4} | grpo_overrides)
         self.mesh = meshes["trainer"]
         (self.fns, self.tx, self.shardings, self.old_stats,
-         self.update) = _compiled(spec.model, self.mesh, self.config, optim, total_steps)
+         self.update) = compiled_functions(spec.model, self.mesh, self.config, optim, total_steps)
         self.tokenizer = CharTokenizer()
         self.task = workflow.task(spec.name)
         self.engine = RolloutEngine(spec.model, meshes["rollout"],
@@ -393,7 +393,7 @@ def agent_loads(workflow: Workflow, runtimes: dict[str, "AgentRuntime"]) -> dict
     for n in workflow.order():
         rt = runtimes[n]
         n_params = sum(int(np.prod(x.shape))
-                       for x in jax.tree.leaves(fns_abstract_params(rt.fns)))
+                       for x in jax.tree.leaves(rt.fns.abstract_params()))
         out[n] = float(rt.spec.group_size * rt.spec.max_new_tokens * n_params)
     return out
 

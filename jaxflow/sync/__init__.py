@@ -15,8 +15,8 @@ from jaxflow.sync.payload import Payload, PayloadError
 from jaxflow.sync.tracker import ChangeTracker, CompactBackend
 from jaxflow.sync.replica import (FRESH, PublishStats, Replica, SyncSender, VersionMismatch,
                                   to_bf16, tree_digest)
-from jaxflow.sync.weight_sync import OFF, SYNC_CODECS, SyncConfig, WeightSync
+from jaxflow.sync.weight_sync import SYNC_CODECS, SyncConfig, WeightSync
 
-__all__ = ["CODECS", "FRESH", "OFF", "SYNC_CODECS", "ChangeTracker", "CompactBackend", "Payload", "PayloadError",
+__all__ = ["CODECS", "FRESH", "SYNC_CODECS", "ChangeTracker", "CompactBackend", "Payload", "PayloadError",
            "PublishStats", "Replica", "SyncConfig", "SyncSender", "VersionMismatch", "apply", "encode",
            "WeightSync", "encode_diffs", "to_bf16", "tree_digest"]

@@ -64,6 +64,12 @@ class LMFunctions:
         """The nnx model for a pure-dict ``params`` (inside or outside jit)."""
         return nnx.merge(self.graphdef, self.nnx_state(params))
 
+    def abstract_params(self) -> Any:
+        """Pure-dict ``jax.ShapeDtypeStruct`` leaves with their trainer shardings (what
+        ``Checkpointer.restore`` or ``jax.jit(..., out_shardings=)`` take); no allocation."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            nnx.to_pure_dict(self.abstract_state), self.param_shardings)
+
 
 def lm_functions(model_cfg: TransformerConfig, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> LMFunctions:
     """Graph definition, abstract params and their NamedShardings on ``mesh``."""
