@@ -225,6 +225,24 @@ class Payload:
         return _from_header(header, blob[start + head_len:]).validate()
 
 
+def max_payload_bytes(treedef: str, specs: tuple[LeafSpec, ...]) -> int:
+    """An upper bound on the size of any payload this package's encoders produce for a tree
+    with this structure and these leaves (what a receiver may expect, e.g. to cap a frame).
+
+    Header: the JSON of every leaf entry and its section, names at their worst-case escaped
+    length (12 bytes per character). Body: 7 bytes per bf16 element (coo and gap send at most
+    6, entropy at most 33 bits of Rice code + 2 value bytes), the raw bytes of other leaves,
+    and 1 KiB of stream overhead (zstd frames, padding) per leaf.
+    """
+    head = 4096 + 12 * len(treedef)
+    body = 0
+    for spec in specs:
+        head += 12 * len(spec.name) + 24 * len(spec.shape) + 600
+        per_element = 7 if spec.dtype == "bfloat16" else np.dtype(spec.dtype).itemsize
+        body += per_element * spec.size + 1024
+    return FIXED_BYTES + min(head, MAX_HEADER_BYTES) + body
+
+
 def _byte_view(data) -> memoryview:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"payload must be bytes, bytearray or memoryview, got "
