@@ -150,12 +150,10 @@ def _leaf_lanes(x) -> jnp.ndarray:
 
 
 @jax.jit
-def leaf_lanes(leaves: tuple) -> jnp.ndarray:
-    """uint32[n_leaves, 2]: the two lanes of every leaf in ``leaves`` (jax arrays on one
-    device set). The only output; the leaves never leave their devices."""
-    if not leaves:
-        return jnp.zeros((0, 2), jnp.uint32)
-    return jnp.stack([_leaf_lanes(x) for x in leaves])
+def leaf_lanes(leaves: tuple) -> tuple:
+    """One uint32[2] (the two lanes) per leaf of ``leaves`` (jax arrays on one device set,
+    any shardings, meshes alike or not). The only outputs; the leaves stay on their devices."""
+    return tuple(_leaf_lanes(x) for x in leaves)
 
 
 def _groups(leaves: list) -> list[tuple[list[int], Any]]:
@@ -189,8 +187,10 @@ def tree_lanes(tree: Any) -> np.ndarray:
             args = tuple(leaves[i] for i in ids)
         pending.append((ids, leaf_lanes(args)))
     out = np.zeros((len(leaves), 2), np.uint32)
-    for ids, lanes in pending:
-        out[ids] = jax.device_get(lanes)  # the few scalars per leaf, explicitly
+    fetched = jax.device_get([lanes for _, lanes in pending])  # 8 bytes per leaf, explicitly
+    for (ids, _), lanes in zip(pending, fetched):
+        if ids:
+            out[ids] = np.stack(lanes)
     return out
 
 

@@ -248,6 +248,8 @@ def _byte_view(data) -> memoryview:
         raise PayloadError(f"payload must be bytes, bytearray or memoryview, got "
                            f"{type(data).__name__}")
     view = memoryview(data)
+    if not view.contiguous:
+        raise PayloadError("payload memoryview is not a contiguous byte buffer")
     if view.format != "B" or view.ndim != 1:
         try:
             view = view.cast("B")

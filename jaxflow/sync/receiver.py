@@ -175,6 +175,9 @@ def _write_on_device(leaf: jax.Array, update):
         host = np.asarray(update[1]).view(np.dtype(leaf.dtype)).reshape(leaf.shape)
         return jax.device_put(host, leaf.sharding)
     kind, pos, values = update
+    if leaf.ndim == 0:  # unravel_index has no 0-d form: scatter into a (1,) view
+        out = _write_on_device(leaf.reshape(1), update).reshape(())
+        return out if out.sharding == leaf.sharding else jax.device_put(out, leaf.sharding)
     # n-d indices: a flat view of a sharded leaf would need a reshape across shards.
     index = tuple(jnp.asarray(i, jnp.int32) for i in np.unravel_index(pos, leaf.shape))
     gathered = kept = None
