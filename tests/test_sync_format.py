@@ -322,3 +322,50 @@ def test_largest_encoder_outputs_fit_max_payload_bytes():
     sizes = {c: sync.encode(old, new, base_version=0, version=1, codec=c,
                             bucket_elems=b).num_bytes for c in CODECS for b in (1, 1 << 26)}
     assert max(sizes.values()) <= bound < 4 * dense
+
+
+def _random_value(rnd, depth=0):
+    choices = [0, 1, -1, 2**31, 2**64, -(2**70), 1.5, "x", "", "bfloat16", None, True, [],
+               {}, [0], {"count": 0}]
+    if depth < 2 and rnd.random() < 0.2:
+        return [_random_value(rnd, depth + 1) for _ in range(rnd.randrange(3))]
+    return rnd.choice(choices)
+
+
+def _mutate(rnd, node):
+    """Replaces one random field anywhere in a JSON tree by a random value."""
+    path = []
+    while isinstance(node, (dict, list)) and node and (not path or rnd.random() < 0.7):
+        key = rnd.choice(list(node)) if isinstance(node, dict) else rnd.randrange(len(node))
+        path.append((node, key))
+        node = node[key]
+    if path:
+        parent, key = path[-1]
+        parent[key] = _random_value(rnd)
+
+
+@pytest.mark.parametrize("codec", ["auto", "dense"])
+def test_random_header_mutations_raise_only_payload_error(codec):
+    """An adversary reseals mutated headers: each either applies or raises PayloadError
+    (never another exception), and a rejected one leaves the receiver bit-identical."""
+    import random
+
+    rnd = random.Random(codec)
+    old, new = adversarial_pair()
+    header, body = _split(sync.encode(old, new, base_version=0, version=1, codec=codec,
+                                      bucket_elems=1000).to_bytes())
+    receiver = adversarial_pair()[0]
+    before = tree_bits(receiver)
+    rejected = 0
+    for _ in range(150):
+        h = json.loads(json.dumps(header))
+        for _ in range(rnd.randrange(1, 3)):
+            _mutate(rnd, h)
+        try:
+            out = sync.apply(sync.Payload.from_bytes(_reseal(h, body)), receiver, version=0)
+        except sync.PayloadError:
+            rejected += 1
+            assert tree_bits(receiver) == before
+        else:
+            assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(receiver)
+    assert rejected > 100

@@ -4,6 +4,10 @@
     wire = payload.to_bytes()
     params = sync.apply(sync.Payload.from_bytes(wire), params, version=3)   # now version 4
 
+A delta payload carries the on-device digest of the tree it was encoded against and applies
+only to that tree at its base version; a malformed or inapplicable payload raises
+PayloadError before anything is written. Wire format (version 2): docs/sync_payload_format.md.
+
 Modules: bits (bit views), diff (tree diff), digest (on-device base-tree digest), tracker (in-mesh change tracking), codecs and
 entropy (section formats), payload (wire format), encoder / receiver (encode / apply),
 bound (entropy bound), baseline (PULSE-style codec), bench (the bench_sync_codec
