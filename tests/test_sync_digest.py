@@ -227,3 +227,14 @@ def test_dense_resync_payload_is_based_on_fresh():
     fresh = sync.Replica(jax.tree.map(np.zeros_like, sender.snapshot), version=FRESH)
     assert fresh.receive(sender.dense_payload()) == 5
     assert fresh.receive(sender.dense_payload()) == 5  # same version again: accepted
+
+
+def test_digest_lowers_for_tpu_and_cuda():
+    from jax import export
+
+    leaves = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
+        ((64, 32), jnp.bfloat16), ((), jnp.float32), ((0, 3), jnp.float16), ((5,), jnp.uint8),
+        ((4,), jnp.bool_), ((3,), jnp.complex64), ((7,), jnp.float8_e4m3fn),
+        ((6,), jnp.float4_e2m1fn), ((2, 2), jnp.int32)])
+    exported = export.export(digest.leaf_lanes, platforms=("tpu", "cuda"))(leaves)
+    assert [(a.shape, a.dtype) for a in exported.out_avals] == [((2,), jnp.uint32)] * 9
