@@ -238,3 +238,17 @@ def test_digest_lowers_for_tpu_and_cuda():
         ((6,), jnp.float4_e2m1fn), ((2, 2), jnp.int32)])
     exported = export.export(digest.leaf_lanes, platforms=("tpu", "cuda"))(leaves)
     assert [(a.shape, a.dtype) for a in exported.out_avals] == [((2,), jnp.uint32)] * 9
+
+
+def test_sender_keeps_its_base_digest_current_from_the_diffs():
+    """The sender advances its snapshot's lanes in O(changes) (bf16 leaves by lanes_delta,
+    others recomputed); they must equal a full recomputation after every publish."""
+    trees = [dict(t, counter=np.int64(v)) for v, t in enumerate(_versions(3))]
+    sender = sync.SyncSender(trees[0], codec="entropy")
+    for v in range(1, 4):
+        base = sync.device_digest(sender.snapshot)
+        assert sender.base_digest() == base
+        sender.publish(trees[v])
+        assert sync.Payload.from_bytes(sender.chain_from(v - 1)[0]).base_digest == base
+    assert sender.base_digest() == sync.device_digest(sender.snapshot)
+    np.testing.assert_array_equal(sender._lanes, digest.tree_lanes(sender.snapshot))

@@ -28,11 +28,10 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from jaxflow.sync import bits
+from jaxflow.sync import bits, digest
 from jaxflow.sync.bound import entropy_bound_bytes
 from jaxflow.sync.diff import diff_tree, tree_layout
 from jaxflow.sync.encoder import CODECS, encode, encode_diffs
-from jaxflow.sync.digest import device_digest
 from jaxflow.sync.payload import FRESH, Payload, PayloadError
 from jaxflow.sync.receiver import apply, check_applicable
 
@@ -184,7 +183,9 @@ class SyncSender:
         self.codec, self.history = codec, history
         self._snapshot = to_bf16(params)
         self._version = int(version)
-        self._base_digest: str | None = None  # device_digest of the snapshot, when needed
+        # Per-leaf digest lanes of the snapshot (jaxflow.sync.digest), computed once and then
+        # advanced from each publish's diff in O(changes): the base digest costs no pass.
+        self._lanes: np.ndarray | None = None
         self._steps: dict[int, tuple[int, bytes]] = {}  # base version -> (version, bytes)
         self._dense: bytes | None = None
         self._digest: str | None = None
@@ -213,11 +214,13 @@ class SyncSender:
         new = to_bf16(params)
         t0 = time.perf_counter()
         treedef, specs, diffs = diff_tree(self._snapshot, new)
-        if self._base_digest is None and self.codec != "dense":
-            self._base_digest = device_digest(self._snapshot)
+        base_digest = None
+        if self.codec != "dense":
+            if self._lanes is None:
+                self._lanes = digest.tree_lanes(self._snapshot)
+            base_digest = digest.combine(treedef, specs, self._lanes)
         payload = encode_diffs(treedef, specs, diffs, base_version=self._version,
-                               version=version, codec=self.codec,
-                               base_digest=self._base_digest)
+                               version=version, codec=self.codec, base_digest=base_digest)
         data = payload.to_bytes()
         encode_s = time.perf_counter() - t0
         bf16_ids = [i for i, s in enumerate(specs) if s.dtype == bits.BF16.name]
@@ -231,9 +234,27 @@ class SyncSender:
         self._steps[self._version] = (version, data)
         for base in sorted(self._steps)[: max(0, len(self._steps) - self.history)]:
             del self._steps[base]
+        if self._lanes is not None:
+            self._advance_lanes(specs, diffs, jax.tree_util.tree_leaves(new))
         self._snapshot, self._version, self._digest = new, version, None
-        self._base_digest = None
         return stats
+
+    def _advance_lanes(self, specs, diffs, new_leaves) -> None:
+        for i, (spec, diff) in enumerate(zip(specs, diffs)):
+            if not diff.count:
+                continue
+            if spec.dtype == bits.BF16.name:  # one word per element: update the changes only
+                self._lanes[i] += digest.lanes_delta(diff.positions, diff.old_bits,
+                                                     diff.new_bits)
+            else:
+                self._lanes[i] = digest.host_lanes(np.asarray(new_leaves[i]))
+
+    def base_digest(self) -> str:
+        """``device_digest`` of the snapshot (what the next step payload names as its base)."""
+        if self._lanes is None:
+            self._lanes = digest.tree_lanes(self._snapshot)
+        treedef, _, specs = tree_layout(self._snapshot)
+        return digest.combine(treedef, specs, self._lanes)
 
     def _dense_of(self, params: Any, version: int) -> bytes:
         # base FRESH: a full payload applies from any version (Payload.is_full)
