@@ -36,7 +36,6 @@ from jaxflow.sync.payload import FRESH, Payload, PayloadError
 from jaxflow.sync.receiver import apply, check_applicable
 
 
-
 class VersionMismatch(RuntimeError):
     """A rollout found its replica at another version than the trainer published."""
 

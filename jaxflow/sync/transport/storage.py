@@ -78,9 +78,7 @@ class StorageChannel:
         except PayloadError:  # nothing readable: start over (a dense snapshot, new steps)
             manifest = None
         if manifest is None:
-            keys = self._history_keys()
-            manifest = {"seq": int(keys[-1][len(HISTORY):].split(b"-")[0]) if keys else 0,
-                        "version": None, "steps": [], "dense": None}
+            manifest = {"seq": self._last_seq(), "version": None, "steps": [], "dense": None}
         steps, last = list(manifest["steps"]), manifest["version"]
         chain = sender.chain_from(last) if last is not None else None
         if chain is None:
@@ -111,6 +109,10 @@ class StorageChannel:
         self.kv.write(MANIFEST, data).result()
         for key in self._history_keys()[: -self.keep_manifests]:
             self.kv.delete_range(ts.KvStore.KeyRange(key, key + b"\x00")).result()
+
+    def _last_seq(self) -> int:
+        seqs = [key[len(HISTORY):].split(b"-")[0] for key in self._history_keys()]
+        return max((int(s) for s in seqs if s.isdigit()), default=0)
 
     def _history_keys(self) -> list[bytes]:
         prefix = HISTORY.encode()
