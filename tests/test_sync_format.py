@@ -369,3 +369,27 @@ def test_random_header_mutations_raise_only_payload_error(codec):
         else:
             assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(receiver)
     assert rejected > 100
+
+
+def test_json_depth_is_the_same_in_any_slicing():
+    """The scan carries quote parity, backslash runs and depth across slices (bounded memory);
+    on random JSON with escapes it equals the parsed depth for every slice size."""
+    import random
+
+    rnd = random.Random(0)
+
+    def value(level):
+        r = rnd.random()
+        if level < 6 and r < 0.35:
+            return [value(level + 1) for _ in range(rnd.randrange(3))]
+        if level < 6 and r < 0.6:
+            return {rnd.choice(['a', '"[', '\\\\', 'k{']) + str(i): value(level + 1)
+                    for i in range(rnd.randrange(3))}
+        return rnd.choice(['x', '\\', '\\\\"', '"]]', '}{', 1, None, '\\\\\\[', '\u00e9['])
+
+    for _ in range(40):
+        doc = value(0)
+        text = json.dumps(doc, ensure_ascii=rnd.random() < 0.5).encode()
+        expected = _depth_by_parsing(doc)
+        for chunk in (1, 2, 3, 7, 64, 1 << 20):
+            assert fmt.json_depth(text, chunk=chunk) == expected, (text, chunk)

@@ -266,34 +266,43 @@ _STRUCTURAL = np.zeros(256, bool)
 _STRUCTURAL[list(b'[]{}"\\')] = True
 
 
-def json_depth(raw: bytes) -> int:
+def json_depth(raw: bytes, *, chunk: int = 1 << 20) -> int:
     """Maximum bracket nesting depth of the JSON text ``raw``, brackets inside strings not
-    counted; vectorised over the structural characters only (no recursion, no parse).
+    counted; vectorised over the structural characters of ``chunk``-byte slices (state carried
+    across slices: memory stays bounded whatever the header holds; no recursion, no parse).
 
     On valid JSON it is exact; on invalid JSON it is exact up to the first invalid character,
     which is as far as ``json.loads`` recurses before it fails.
     """
     b = np.frombuffer(raw, np.uint8)
-    pos = np.flatnonzero(_STRUCTURAL[b])
-    if pos.size == 0:
-        return 0
-    ch = b[pos]
-    is_bs = ch == 0x5C
-    follows = np.zeros(pos.size, bool)  # token directly after the previous token
-    follows[1:] = pos[1:] == pos[:-1] + 1
-    after_bs = np.zeros(pos.size, bool)
-    after_bs[1:] = is_bs[:-1] & follows[1:]
-    idx = np.arange(pos.size)
-    run_start = np.maximum.accumulate(np.where(is_bs & ~after_bs, idx, 0))
-    odd_run = (idx - run_start) % 2 == 0  # at a backslash: the run so far has odd length
-    escaped = np.zeros(pos.size, bool)
-    escaped[1:] = after_bs[1:] & odd_run[:-1]
-    quote = (ch == 0x22) & ~escaped
-    inside = (np.cumsum(quote) - quote) % 2 == 1
-    live = ~inside & ~quote
-    step = (live & ((ch == 0x5B) | (ch == 0x7B))).astype(np.int64)
-    step -= live & ((ch == 0x5D) | (ch == 0x7D))
-    return int(np.cumsum(step).max(initial=0))
+    depth = deepest = 0
+    inside = 0                 # string-quote parity before the slice
+    last_pos, last_bs = -2, False
+    run = 0                    # length of the backslash run ending at last_pos (if last_bs)
+    for start in range(0, b.size, chunk):
+        pos = np.flatnonzero(_STRUCTURAL[b[start: start + chunk]]) + start
+        if pos.size == 0:
+            continue
+        ch = b[pos]
+        is_bs = ch == 0x5C
+        prev_pos = np.concatenate([[last_pos], pos[:-1]])
+        prev_bs = np.concatenate([[last_bs], is_bs[:-1]])
+        after_bs = prev_bs & (pos == prev_pos + 1)  # directly after a backslash
+        idx = np.arange(pos.size)
+        run_start = np.maximum.accumulate(np.where(is_bs & ~after_bs, idx, -1))
+        length = np.where(run_start >= 0, idx - run_start + 1, run + idx + 1)  # at backslashes
+        odd_before = np.concatenate([[run % 2 == 1], length[:-1] % 2 == 1])
+        quote = (ch == 0x22) & ~(after_bs & odd_before)
+        before = (inside + np.cumsum(quote) - quote) % 2 == 1
+        live = ~before & ~quote
+        step = (live & ((ch == 0x5B) | (ch == 0x7B))).astype(np.int64)
+        step -= live & ((ch == 0x5D) | (ch == 0x7D))
+        levels = depth + np.cumsum(step)
+        deepest = max(deepest, int(levels.max()))
+        depth, inside = int(levels[-1]), (inside + int(quote.sum())) % 2
+        last_pos, last_bs = int(pos[-1]), bool(is_bs[-1])
+        run = int(length[-1]) if last_bs else 0
+    return deepest
 
 
 def _int(value: Any, what: str) -> int:
