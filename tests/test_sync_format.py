@@ -194,10 +194,10 @@ def test_deeply_nested_header_rejected_before_parsing():
     payload, receiver, before = _setup()
     header, body = _split(payload.to_bytes())
     deep = b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    _rejected(_reseal(deep, body), receiver, before, "header nests 100001 deep, the format "
-                                                      "allows 4")
+    _rejected(_reseal(deep, body), receiver, before, "header nests at least 100001 deep; "
+                                                      "the format allows 4")
     header["sections"][0]["meta"]["count"] = [[[0]]]  # depth 7 in an otherwise valid header
-    _rejected(_reseal(header, body), receiver, before, "header nests 7 deep")
+    _rejected(_reseal(header, body), receiver, before, "header nests at least 7 deep")
 
 
 def test_json_depth_ignores_brackets_and_escaped_quotes_in_strings():

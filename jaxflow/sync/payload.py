@@ -214,9 +214,9 @@ class Payload:
         if start + head_len > len(blob):
             raise PayloadError(f"header length {head_len} exceeds payload size {len(blob)}")
         raw = bytes(blob[start: start + head_len])
-        depth = json_depth(raw)
+        depth = json_depth(raw, limit=MAX_HEADER_DEPTH)
         if depth > MAX_HEADER_DEPTH:
-            raise PayloadError(f"header nests {depth} deep, the format allows "
+            raise PayloadError(f"header nests at least {depth} deep; the format allows "
                                f"{MAX_HEADER_DEPTH}")
         try:
             header = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
@@ -266,13 +266,14 @@ _STRUCTURAL = np.zeros(256, bool)
 _STRUCTURAL[list(b'[]{}"\\')] = True
 
 
-def json_depth(raw: bytes, *, chunk: int = 1 << 20) -> int:
+def json_depth(raw: bytes, *, chunk: int = 1 << 20, limit: int | None = None) -> int:
     """Maximum bracket nesting depth of the JSON text ``raw``, brackets inside strings not
     counted; vectorised over the structural characters of ``chunk``-byte slices (state carried
     across slices: memory stays bounded whatever the header holds; no recursion, no parse).
 
     On valid JSON it is exact; on invalid JSON it is exact up to the first invalid character,
-    which is as far as ``json.loads`` recurses before it fails.
+    which is as far as ``json.loads`` recurses before it fails. With ``limit``, stops after the
+    first slice that goes deeper (returning that slice's depth: a lower bound).
     """
     b = np.frombuffer(raw, np.uint8)
     depth = deepest = 0
@@ -299,6 +300,8 @@ def json_depth(raw: bytes, *, chunk: int = 1 << 20) -> int:
         step -= live & ((ch == 0x5D) | (ch == 0x7D))
         levels = depth + np.cumsum(step)
         deepest = max(deepest, int(levels.max()))
+        if limit is not None and deepest > limit:
+            break
         depth, inside = int(levels[-1]), (inside + int(quote.sum())) % 2
         last_pos, last_bs = int(pos[-1]), bool(is_bs[-1])
         run = int(length[-1]) if last_bs else 0
