@@ -10,8 +10,7 @@ PayloadError before anything is written. Wire format (version 2): docs/sync_payl
 
 Modules: bits (bit views), diff (tree diff), digest (on-device base-tree digest), tracker (in-mesh change tracking), codecs and
 entropy (section formats), payload (wire format), encoder / receiver (encode / apply),
-bound (entropy bound), baseline (PULSE-style codec), bench (the bench_sync_codec
-experiment), replica (sender / replicas, catch-up) and transport/ (in-process, TCP, storage).
+bound (entropy bound), baseline (PULSE-style codec), replica (sender / replicas, catch-up) and transport/ (in-process, TCP, storage).
 """
 
 from jaxflow.sync.encoder import CODECS, encode, encode_diffs
