@@ -8,9 +8,10 @@ A delta payload carries the on-device digest of the tree it was encoded against 
 only to that tree at its base version; a malformed or inapplicable payload raises
 PayloadError before anything is written. Wire format (version 2): docs/sync_payload_format.md.
 
-Modules: bits (bit views), diff (tree diff), digest (on-device base-tree digest), tracker (in-mesh change tracking), codecs and
-entropy (section formats), payload (wire format), encoder / receiver (encode / apply),
-bound (entropy bound), baseline (PULSE-style codec), replica (sender / replicas, catch-up) and transport/ (in-process, TCP, storage).
+Modules: bits (bit views), diff (tree diff), digest (on-device base-tree digest), tracker
+(in-mesh change tracking), codecs and entropy (section formats), payload (wire format),
+encoder / receiver (encode / apply), bound (entropy bound), baseline (PULSE-style codec),
+replica (sender / replicas, catch-up) and transport/ (in-process, TCP, storage).
 """
 
 from jaxflow.sync.encoder import CODECS, encode, encode_diffs
