@@ -2,7 +2,10 @@
 
 Configs are frozen dataclasses (nested frozen dataclasses allowed). An override is parsed as the
 field's declared type: int, float, bool, str, ``X | None`` and tuples (comma lists, e.g.
-``--set model.shape=2,4``; an empty string gives an empty tuple).
+``--set model.shape=2,4``; an empty string gives an empty tuple). A float override is never
+NaN. Config classes validate their own values where they are declared (``__post_init__`` with
+:func:`require_positive` / :func:`require_finite` / :func:`require_range`); those errors reach the
+user as one line naming the ``--set`` that caused them.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 import pkgutil
 import types
 import typing
@@ -41,6 +45,35 @@ class ExperimentSpec:
     def entry_fn(self):
         module_name, _, fn_name = self.entry.partition(":")
         return getattr(importlib.import_module(module_name), fn_name)
+
+
+def require_positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
+    """Raises ValueError unless every field ``names`` of ``obj`` is an int >= 1 (>= 0 with
+    ``allow_zero``); for counts, sizes and intervals (``steps``, ``batch_size``, ``log_every``)."""
+    low = 0 if allow_zero else 1
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r}; valid: an integer >= {low}")
+
+
+def require_finite(obj: Any, *names: str, positive: bool = False) -> None:
+    """Raises ValueError unless every field ``names`` of ``obj`` is a finite number (> 0 with
+    ``positive``); for rates and coefficients (``lr``, ``weight_decay``)."""
+    for name in names:
+        value = getattr(obj, name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (positive and value <= 0):
+            raise ValueError(f"{name}={value!r}; valid: a finite number{' > 0' if positive else ''}")
+
+
+def require_range(obj: Any, name: str, low: float, high: float, *, high_open: bool = False) -> None:
+    """Raises ValueError unless ``low <= obj.name <= high`` (``< high`` with ``high_open``)."""
+    value = getattr(obj, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        raise ValueError(f"{name}={value!r}; valid: [{low}, {high}{')' if high_open else ']'}")
 
 
 def _did_you_mean(value: str, choices) -> str:
@@ -112,7 +145,10 @@ def parse_value(text: str, tp: Any, key: str) -> Any:
         if tp is int:
             return int(text)
         if tp is float:
-            return float(text)
+            value = float(text)
+            if math.isnan(value):
+                raise ConfigError(f"--set {key}={text!r}: NaN is not a valid value; valid: a number")
+            return value
         if tp is str:
             return text
         if origin is tuple or tp is tuple:
@@ -186,6 +222,7 @@ def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
         current = getattr(obj, name)
         if isinstance(sub, dict):
             changes[name] = _apply_tree(current, sub, full_key + ".")
+            texts.extend(_tree_texts(sub))
             continue
         text, key = sub
         if dataclasses.is_dataclass(current):
@@ -198,6 +235,16 @@ def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
     except (ValueError, TypeError) as e:  # __post_init__ validation
         where = " ".join(texts) or prefix.rstrip(".")
         raise ConfigError(f"--set {where}: {e}") from None
+
+
+def _tree_texts(tree: dict) -> list[str]:
+    out = []
+    for sub in tree.values():
+        if isinstance(sub, dict):
+            out.extend(_tree_texts(sub))
+        else:
+            out.append(f"{sub[1]}={sub[0]}")
+    return out
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
