@@ -217,8 +217,13 @@ def _main(argv: list[str]) -> int:
     _check_flags(args)
     try:
         out = run_path(args.out) if args.out else None
+        if out is not None and not is_local(out):
+            out.exists()  # the filesystem package for the URI's scheme must be installed
     except ValueError as e:
         raise UsageError(f"--out: {e}") from None
+    except ImportError as e:
+        raise UsageError(f"--out {args.out!r} needs a filesystem package: {e} (for gs://: "
+                         "pip install gcsfs)") from None
     name, variant, overrides = _resolve_run(args, out)
     spec = get_experiment(name)
     config = apply_overrides(spec.get_config(variant), overrides)
@@ -280,7 +285,8 @@ def _main(argv: list[str]) -> int:
         run.close()
         how = (f"checkpoint at step {stop.step} saved; resume: {PROG} --resume --out {out_dir}"
                if stop.step is not None else
-               "abandoned (no checkpoint was due); rerun: " + " ".join([PROG, *argv]))
+               f"abandoned, no checkpoint to resume from (partial output stays in {out_dir}); "
+               "run it again with another --out")
         print(f"[jaxflow] {stop}: {how}", file=sys.stderr, flush=True)
         return stop.exit_code
     except Exception:

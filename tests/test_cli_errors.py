@@ -130,6 +130,14 @@ def test_out_file_uri_with_a_host_is_refused(capsys, tmp_path):
     assert "names a local path" in one_line_error(capsys, [*LM, f"--out=file://server{tmp_path}"])
 
 
+def test_out_remote_uri_without_its_filesystem_package(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # as when gcsfs is not installed
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    assert "pip install gcsfs" in one_line_error(capsys, [*LM, "--out=gs://bucket/run"])
+
+
 def test_existing_run_dir_is_not_overwritten(capsys, stopped_run_dir):
     before = snapshot(stopped_run_dir)
     assert "already holds a run" in one_line_error(capsys, [*LM, f"--out={stopped_run_dir}"])
@@ -286,7 +294,7 @@ def test_signal_where_nothing_polls_abandons_with_one_line(capsys, tmp_path, mon
     capsys.readouterr()
     assert runner.main([*LM, f"--out={tmp_path / 'run'}"]) == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "abandoned" in err[0] and "rerun: python -m jaxflow.run" in err[0]
+    assert len(err) == 1 and "abandoned, no checkpoint to resume from" in err[0]
     assert signals.requested() is None
 
 
