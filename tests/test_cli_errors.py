@@ -106,6 +106,18 @@ def test_bad_values_exit_2_before_anything_is_written(capsys, tmp_path, extra, e
     assert not out.exists()
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--exp=dlrm_train", "--set", "train.log_every=0"], "log_every=0; valid: an integer >= 1"),
+    (["--exp=dlrm_train", "--set", "train.sparse_lr=inf"], "sparse_lr=inf; valid: a finite number > 0"),
+    (["--exp=sis_offpolicy", "--set", "train.checkpoint_every=0"], "checkpoint_every=0"),
+    (["--exp=calibration_tradeoffs", "--set", "train.steps=-1"], "steps=-1; valid: an integer >= 1"),
+])
+def test_other_trainers_validate_their_counts_and_rates(capsys, tmp_path, argv, expected):
+    out = tmp_path / "run"
+    assert expected in one_line_error(capsys, [*argv, "--variant=quick", f"--out={out}"])
+    assert not out.exists()
+
+
 # ---- --out ----------------------------------------------------------------------------------
 
 def test_out_naming_a_file(capsys, tmp_path):
