@@ -186,6 +186,8 @@ def _check_flags(args) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if (worker := _supervised_worker(argv)) is not None:
+            return worker()
         return _main(argv)
     except (UsageError, ConfigError, MissingExtraError) as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -194,6 +196,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: interrupted (SIGINT) before the run started; nothing was written",
               file=sys.stderr)
         return 128 + signal.SIGINT
+
+
+def _supervised_worker(argv: list[str]):
+    """For a process other than the coordinator of a multi-process run (flags already valid):
+    a function running this command as a supervised child (see ``jaxflow.supervise``)."""
+    from jaxflow import supervise
+
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError:
+        return None  # _main reports it
+    if (args.list or args.coordinator is None or args.process_id in (None, 0)
+            or os.environ.get(supervise.SUPERVISED_ENV) == "1"):
+        return None
+    _check_flags(args)
+    from jaxflow.distributed import parse_coordinator
+
+    host, port = parse_coordinator(args.coordinator)
+    command = [sys.executable, "-m", "jaxflow.run", *argv]
+    return lambda: supervise.supervise(command, host=host, port=port, process_id=args.process_id)
 
 
 def default_devices(args: argparse.Namespace, config) -> int | None:

@@ -53,3 +53,28 @@ def test_survivor_names_the_lost_process_and_exits_within_the_timeout():
     last = err0.strip().splitlines()[-1]
     assert last.startswith("[jaxflow] process 0: lost process 1 (no sign of life for ")
     assert "peer still alive" not in out0 and "Check failure stack trace" not in err0
+
+
+def _listening_socket():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_supervisor_names_a_lost_coordinator_and_passes_other_outcomes_through(capsys):
+    from jaxflow.supervise import supervise
+
+    port = _free_port()  # nothing listens there: the coordinator is gone
+    abort = [sys.executable, "-c", "import os, resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); os.abort()"]
+    assert supervise(abort, host="127.0.0.1", port=port, process_id=1) == LOST_PEER_EXIT
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"[jaxflow] process 1: lost process 0 (the coordinator at 127.0.0.1:{port} no longer "
+        "answers); exiting"]
+    with _listening_socket() as alive:  # coordinator still there: the abort is something else
+        assert supervise(abort, host="127.0.0.1", port=alive.getsockname()[1], process_id=1) == 134
+    assert capsys.readouterr().err == ""
+    term = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]
+    assert supervise(term, host="127.0.0.1", port=port, process_id=1) == 143
+    env_check = [sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['JAXFLOW_SUPERVISED']) + 4)"]
+    assert supervise(env_check, host="127.0.0.1", port=port, process_id=1) == 5
