@@ -101,11 +101,14 @@ class Checkpointer:
         import signal as _signal
 
         signals.mark_polled()
-        signum = signals.requested()
-        if signum is None and jax.process_count() > 1 and self._manager.reached_preemption(int(step)):
-            signum = _signal.SIGTERM
-        if signum is None:
-            return
+        if jax.process_count() > 1:  # a step every process agrees on, or none
+            if not self._manager.reached_preemption(int(step)):
+                return
+            signum = signals.requested() or _signal.SIGTERM
+        else:
+            signum = signals.requested()
+            if signum is None:
+                return
         self.save(step, state, force=True)
         self.close()
         raise signals.RunStopped(signum, int(step))

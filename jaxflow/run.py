@@ -294,7 +294,7 @@ def _main(argv: list[str]) -> int:
     run.info(f"{name} [{variant}] -> {out_dir} ({jax.device_count()} {jax.default_backend()} devices, "
              f"{jax.process_count()} process(es))")
     # With several processes JAX's preemption service owns SIGTERM (orbax reads it per step).
-    restore_signals = signals.install((signal.SIGINT,) if started else (signal.SIGINT, signal.SIGTERM))
+    restore_signals = signals.install(multi_process=jax.process_count() > 1)
     start = time.time()
     try:
         result = dict(spec.entry_fn()(config, run) or {})

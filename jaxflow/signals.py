@@ -5,6 +5,10 @@ training loop polls it (``Checkpointer.stop_if_requested`` after each step): the
 its step, saves a checkpoint and raises :class:`RunStopped`. Where nothing polls (an experiment
 without checkpoints, or start-up before the first step), the signal abandons the work at once
 by raising :class:`RunStopped` with ``step=None``. A second signal always abandons at once.
+
+With several processes every one must stop at the same step (checkpoints are collective), so
+SIGTERM is left to JAX's preemption service (the loop asks orbax ``reached_preemption``, a step
+all processes agree on) and a polled SIGINT is turned into that same notice.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import signal
 import threading
 from typing import Callable
 
-_STATE = {"requested": None, "polled": False}
+import os
+
+_STATE = {"requested": None, "polled": False, "multi_process": False}
 
 
 class RunStopped(BaseException):
@@ -38,6 +44,11 @@ def requested() -> int | None:
     return _STATE["requested"]
 
 
+def multi_process() -> bool:
+    """True when the installed handlers defer to JAX's preemption service."""
+    return _STATE["multi_process"]
+
+
 def mark_polled() -> None:
     """Called by a loop that checks :func:`requested` after every step (so a signal can wait)."""
     _STATE["polled"] = True
@@ -47,13 +58,18 @@ def _handler(signum, frame):
     first = _STATE["requested"] is None
     _STATE["requested"] = signum
     if first and _STATE["polled"]:
+        if _STATE["multi_process"]:  # JAX's SIGTERM handler syncs a stop step across processes
+            os.kill(os.getpid(), signal.SIGTERM)
         return  # the loop finishes its step, checkpoints and raises RunStopped
     raise RunStopped(signum)
 
 
-def install(signals=(signal.SIGINT, signal.SIGTERM)) -> Callable[[], None]:
-    """Installs the stop handlers (main thread only); returns a function restoring the old ones."""
-    _STATE.update(requested=None, polled=False)
+def install(*, multi_process: bool = False) -> Callable[[], None]:
+    """Installs the stop handlers (main thread only); returns a function restoring the old ones.
+
+    ``multi_process``: SIGINT only (SIGTERM stays with JAX's preemption service)."""
+    signals = (signal.SIGINT,) if multi_process else (signal.SIGINT, signal.SIGTERM)
+    _STATE.update(requested=None, polled=False, multi_process=multi_process)
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = {s: signal.signal(s, _handler) for s in signals}
@@ -61,6 +77,6 @@ def install(signals=(signal.SIGINT, signal.SIGTERM)) -> Callable[[], None]:
     def restore():
         for s, h in previous.items():
             signal.signal(s, h)
-        _STATE.update(requested=None, polled=False)
+        _STATE.update(requested=None, polled=False, multi_process=False)
 
     return restore
