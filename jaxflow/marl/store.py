@@ -230,6 +230,9 @@ class ExperienceStore:
             (each named). A damaged row file is not an error: see ``damaged``.
         """
         log_path = os.path.join(path, "log.jsonl")
+        if not os.path.exists(log_path) and os.path.exists(os.path.join(path, "meta.json")):
+            raise StoreError(f"{path} holds a store in the older meta.json format, which this "
+                             f"version does not read; valid: a store with {log_path}")
         if not os.path.exists(log_path):
             raise StoreError(f"{log_path} does not exist: {path!r} is not an experience store "
                              "(create one with ExperienceStore(agents, path))")
