@@ -30,6 +30,7 @@ import dataclasses
 
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.lm_pretrain import DataConfig, TrainConfig
+from jaxflow.config import require_positive
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.rl.policy_loss import ALGOS, CORRECTIONS
@@ -100,6 +101,10 @@ class ScheduleConfig:
     eval_examples: int = 256
     eval_samples: int = 4
     checkpoint_every: int = 10
+
+    def __post_init__(self):
+        require_positive(self, "rollouts", "eval_every", "eval_examples", "eval_samples",
+                         "checkpoint_every")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,10 @@ Configs are frozen dataclasses (nested frozen dataclasses allowed). An override 
 field's declared type: int, float, bool, str, ``X | None`` and tuples (comma lists, e.g.
 ``--set model.shape=2,4``; an empty string gives an empty tuple). An optional group (``sync:
 SyncConfig | None = None``) is switched on by setting one of its fields (``--set sync.codec=gap``)
-and off by ``--set sync=none``.
+and off by ``--set sync=none``. A float override is never
+NaN. Config classes validate their own values where they are declared (``__post_init__`` with
+:func:`require_positive` / :func:`require_finite` / :func:`require_range`); those errors reach the
+user as one line naming the ``--set`` that caused them.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 import pkgutil
 import types
 import typing
@@ -67,6 +71,35 @@ class Variants:
         if variant not in self._factories:
             raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(self._factories)}")
         return self._factories[variant]()
+
+
+def require_positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
+    """Raises ValueError unless every field ``names`` of ``obj`` is an int >= 1 (>= 0 with
+    ``allow_zero``); for counts, sizes and intervals (``steps``, ``batch_size``, ``log_every``)."""
+    low = 0 if allow_zero else 1
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r}; valid: an integer >= {low}")
+
+
+def require_finite(obj: Any, *names: str, positive: bool = False) -> None:
+    """Raises ValueError unless every field ``names`` of ``obj`` is a finite number (> 0 with
+    ``positive``); for rates and coefficients (``lr``, ``weight_decay``)."""
+    for name in names:
+        value = getattr(obj, name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (positive and value <= 0):
+            raise ValueError(f"{name}={value!r}; valid: a finite number{' > 0' if positive else ''}")
+
+
+def require_range(obj: Any, name: str, low: float, high: float, *, high_open: bool = False) -> None:
+    """Raises ValueError unless ``low <= obj.name <= high`` (``< high`` with ``high_open``)."""
+    value = getattr(obj, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        raise ValueError(f"{name}={value!r}; valid: [{low}, {high}{')' if high_open else ']'}")
 
 
 def _did_you_mean(value: str, choices) -> str:
@@ -138,7 +171,10 @@ def parse_value(text: str, tp: Any, key: str) -> Any:
         if tp is int:
             return int(text)
         if tp is float:
-            return float(text)
+            value = float(text)
+            if math.isnan(value):
+                raise ConfigError(f"--set {key}={text!r}: NaN is not a valid value; valid: a number")
+            return value
         if tp is str:
             return text
         if origin is tuple or tp is tuple:
@@ -215,6 +251,7 @@ def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
             if current is None and optional and dataclasses.is_dataclass(group_type):
                 current = group_type()  # an optional group switched on by setting a field
             changes[name] = _apply_tree(current, sub, full_key + ".")
+            texts.extend(_tree_texts(sub))
             continue
         text, key = sub
         if dataclasses.is_dataclass(current) or (current is None and optional
@@ -233,6 +270,16 @@ def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
     except (ValueError, TypeError) as e:  # __post_init__ validation
         where = " ".join(texts) or prefix.rstrip(".")
         raise ConfigError(f"--set {where}: {e}") from None
+
+
+def _tree_texts(tree: dict) -> list[str]:
+    out = []
+    for sub in tree.values():
+        if isinstance(sub, dict):
+            out.extend(_tree_texts(sub))
+        else:
+            out.append(f"{sub[1]}={sub[0]}")
+    return out
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:

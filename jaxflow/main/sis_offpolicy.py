@@ -130,6 +130,7 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
         if ckpt.save(done, state, force=done == sched.rollouts) and base + done == kill_at:
             ckpt.wait()
             os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.stop_if_requested(done, state)  # SIGINT / SIGTERM: checkpoint this rollout, stop
     ckpt.close()
 
     def mean_of(key, rows):

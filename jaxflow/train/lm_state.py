@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxflow.config import require_finite, require_positive, require_range
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules, shardings_from_logical
 from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
 
@@ -32,6 +33,15 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.98
     grad_clip: float = 1.0
+
+    def __post_init__(self):
+        require_finite(self, "lr", "grad_clip", positive=True)
+        require_positive(self, "warmup_steps", allow_zero=True)
+        require_range(self, "final_lr_fraction", 0.0, 1.0)
+        require_finite(self, "weight_decay")
+        require_range(self, "weight_decay", 0.0, float("inf"))
+        require_range(self, "b1", 0.0, 1.0, high_open=True)
+        require_range(self, "b2", 0.0, 1.0, high_open=True)
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
