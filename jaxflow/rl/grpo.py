@@ -281,6 +281,11 @@ def _compiled(model_cfg: TransformerConfig, mesh: Mesh, config: GRPOConfig, opti
     return fns, tx, shardings, old_fn, update
 
 
+#: Public name of the shared compilation cache: ``compiled_functions(model_cfg, mesh, config,
+#: optim, total_steps) -> (fns, tx, policy shardings, jitted old_stats, jitted update)``.
+compiled_functions = _compiled
+
+
 def fns_abstract_params(fns: LMFunctions) -> Any:
     """Pure-dict ShapeDtypeStructs of the params (with their trainer shardings)."""
     pure = nnx.to_pure_dict(fns.abstract_state)
