@@ -12,19 +12,21 @@ Backends (``LogprobBackend``):
              recomputing softmax per tile. The CPU default. Peak extra memory ~ N * tile.
   pallas     ``pallas_kernels.fused_logprobs`` (GPU/TPU; on CPU only with interpret=True).
   reference  ``fused_logprobs_reference``: materialises the logits (the naive baseline).
-The default (backend=None) picks pallas on GPU/TPU, falling back to xla with a warning if
-the kernel cannot be built; asking for ``"pallas"`` explicitly makes such a failure an error.
+  auto       (the default, also backend=None) pallas on GPU/TPU where the kernel's forward
+             and gradient build for these shapes (compiled alone first, verdict cached per
+             shape: ``pallas_kernels.dispatch``), else xla with one warning naming kernel,
+             platform, shapes and reason. A forced ``"pallas"`` raises that message instead.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
 from pallas_kernels import fused_logprobs as pallas_fused
 from pallas_kernels.fused_logprobs import (
     FusedLogprobsBlockSizes,
@@ -32,9 +34,11 @@ from pallas_kernels.fused_logprobs import (
     fused_logprobs_reference,
     validate_inputs,
 )
+from pallas_kernels.dispatch import KernelUnavailable
 
 __all__ = [
     "FusedLogprobsOutput",
+    "KernelUnavailable",
     "LogprobBackend",
     "fused_logprobs",
     "fused_logprobs_reference",
@@ -45,6 +49,7 @@ DEFAULT_VOCAB_TILE = 2048
 
 
 class LogprobBackend(enum.Enum):
+    AUTO = "auto"
     XLA = "xla"
     PALLAS = "pallas"
     REFERENCE = "reference"
@@ -223,8 +228,10 @@ def fused_logprobs_xla(
 # ------------------------------------------------------------------------------- dispatch
 
 
-def _parse_backend(backend: LogprobBackend | str | None) -> LogprobBackend | None:
-    if backend is None or isinstance(backend, LogprobBackend):
+def _parse_backend(backend: LogprobBackend | str | None) -> LogprobBackend:
+    if backend is None:
+        return LogprobBackend.AUTO
+    if isinstance(backend, LogprobBackend):
         return backend
     try:
         return LogprobBackend(backend)
@@ -233,24 +240,31 @@ def _parse_backend(backend: LogprobBackend | str | None) -> LogprobBackend | Non
         raise ValueError(f"unknown log-prob backend {backend!r}; valid: {valid} or None") from None
 
 
-def _try_pallas(call, *, forced: bool) -> FusedLogprobsOutput | None:
-    """Runs the Pallas kernel; on failure raises if forced, else warns and returns None.
+def use_pallas(hidden, head, targets, topk_indices, *, own_topk: int, temperature: float,
+               mode: str, block_sizes: FusedLogprobsBlockSizes | None = None) -> bool:
+    """Whether ``fused_logprobs`` runs the Pallas kernel (forward and backward) here.
 
-    Catches failures at trace time (missing backend support, unsupported shapes); a failure
-    while the enclosing jit compiles surfaces from that compilation instead.
-    """
-    try:
-        return call()
-    except Exception as err:  # noqa: BLE001 - any kernel failure falls back unless forced
-        if forced:
-            raise
-        warnings.warn(
-            f"Pallas fused_logprobs unavailable ({type(err).__name__}: {err}); "
-            "falling back to the XLA path",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
+    The verdict (``pallas_kernels.dispatch``) builds the kernel's forward and gradient for
+    these shapes on this platform; mode "auto" falls back to XLA with one warning, "pallas"
+    raises ``KernelUnavailable``."""
+    blocks = block_sizes or FusedLogprobsBlockSizes.get_default(
+        "gpu" if dispatch.backend_platform() == "gpu" else "tpu", d=head.shape[0],
+        dtype=head.dtype, num_ids=1 + (0 if topk_indices is None else topk_indices.shape[-1]))
+    kw = dict(own_topk=own_topk, temperature=float(temperature), block_sizes=blocks)
+
+    def fwd_and_grad(h, w, t, *k):
+        k = k[0] if k else None
+
+        def loss(h, w):
+            out = pallas_fused.fused_logprobs(h, w, t, k, **kw)
+            total = jax.numpy.sum(out.target_logp)
+            return total if k is None else total + jax.numpy.sum(out.topk_logp)
+
+        return jax.grad(loss, argnums=(0, 1))(h, w)
+
+    args = (hidden, head, targets) + (() if topk_indices is None else (topk_indices,))
+    return dispatch.choose_kernel("fused_logprobs", mode, fwd_and_grad, args,
+                                  options=(own_topk, float(temperature), blocks))
 
 
 def fused_logprobs(
@@ -275,7 +289,10 @@ def fused_logprobs(
       topk_indices: optional [B, T, K] int indices (e.g. pi_old's top-K for SIS).
       own_topk: K' > 0 also returns the distribution's own top-K' (stop-gradient).
       temperature: logits are divided by it (> 0).
-      backend: None (auto), "xla", "pallas" (forced: errors raise) or "reference".
+      backend: "auto" / None (the Pallas kernel on GPU/TPU where it builds for these
+        shapes, else XLA with one warning), "xla", "pallas" (forced: raises
+        ``KernelUnavailable`` where it does not build; with ``interpret=True`` it runs in
+        interpret mode anywhere) or "reference".
       vocab_tile: vocab columns per step of the XLA path.
       block_sizes, interpret: Pallas kernel options.
 
@@ -289,16 +306,12 @@ def fused_logprobs(
     kwargs = dict(own_topk=own_topk, temperature=temperature)
     if choice is LogprobBackend.REFERENCE:
         return fused_logprobs_reference(hidden, head, targets, topk_indices, **kwargs)
-    if choice is LogprobBackend.PALLAS or (
-        choice is None and jax.default_backend() in ("gpu", "tpu")
-    ):
-        out = _try_pallas(
-            lambda: pallas_fused.fused_logprobs(
-                hidden, head, targets, topk_indices, block_sizes=block_sizes,
-                interpret=interpret, **kwargs,
-            ),
-            forced=choice is LogprobBackend.PALLAS,
-        )
-        if out is not None:
-            return out
+    run_kernel = choice is LogprobBackend.PALLAS and interpret
+    if not run_kernel and choice is not LogprobBackend.XLA:
+        run_kernel = use_pallas(hidden, head, targets, topk_indices, mode=choice.value,
+                                block_sizes=block_sizes, **kwargs)
+    if run_kernel:
+        return pallas_fused.fused_logprobs(hidden, head, targets, topk_indices,
+                                           block_sizes=block_sizes, interpret=interpret,
+                                           **kwargs)
     return fused_logprobs_xla(hidden, head, targets, topk_indices, vocab_tile=vocab_tile, **kwargs)
