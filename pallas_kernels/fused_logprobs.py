@@ -280,11 +280,12 @@ def _fwd_kernel_tpu(h_ref, w_ref, ids_ref, lse_ref, logp_ref, m_ref, s_ref, *,
 def _fwd_kernel_gpu(h_ref, w_ref, ids_ref, lse_ref, logp_ref, *, vocab, block_v, block_d,
                     num_tiles, num_chunks, temperature, num_ids):
     bn, lanes = logp_ref.shape
+    rs = pl.ds(pl.program_id(0) * bn, bn)  # h and W are whole arrays (pl.ANY pointers)
 
     def tile(j, carry):
         m, s, acc = carry
         col0 = j * block_v
-        z = chunked_logits(lambda c: h_ref[:, pl.ds(c * block_d, block_d)],
+        z = chunked_logits(lambda c: h_ref[rs, pl.ds(c * block_d, block_d)],
                            lambda c: w_ref[pl.ds(c * block_d, block_d), pl.ds(col0, block_v)],
                            num_chunks, block_d)
         z, cols = mask_logits(z, col0, vocab, temperature)
@@ -336,8 +337,7 @@ def _forward_call(hp, wp, ids, *, vocab, temperature, num_ids, blocks, interpret
                           num_tiles=vp // bv, num_chunks=dp // bd, temperature=temperature,
                           num_ids=num_ids),
         grid=(np_ // bn,),
-        in_specs=[pl.BlockSpec((bn, dp), lambda i: (i, 0)),
-                  pl.BlockSpec((dp, vp), lambda i: (0, 0)),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec((bn, lanes), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((bn, stat), lambda i: (i, 0)),
                    pl.BlockSpec((bn, lanes), lambda i: (i, 0))],

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 _NEG_INF = float("-inf")
+_ANY = pl.BlockSpec(memory_space=pl.ANY)
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
@@ -160,10 +161,11 @@ def chunked_logits(h_rows, w_cols, num_chunks, block_d):
 
 def _dh_kernel_gpu(h_ref, w_ref, ids_ref, lse_ref, g_ref, dh_ref, *, vocab, block_v, block_d,
                    num_tiles, num_chunks, temperature, num_ids):
-    bn = dh_ref.shape[0]
+    bn = ids_ref.shape[0]
+    rs = pl.ds(pl.program_id(0) * bn, bn)  # h and dh are whole arrays (pl.ANY pointers)
 
     def zero(c, _):
-        dh_ref[:, pl.ds(c * block_d, block_d)] = jnp.zeros((bn, block_d), jnp.float32)
+        dh_ref[rs, pl.ds(c * block_d, block_d)] = jnp.zeros((bn, block_d), jnp.float32)
         return 0
 
     jax.lax.fori_loop(0, num_chunks, zero, 0)
@@ -173,7 +175,7 @@ def _dh_kernel_gpu(h_ref, w_ref, ids_ref, lse_ref, g_ref, dh_ref, *, vocab, bloc
     def tile(j, _):
         col0 = j * block_v
         cols_ds = pl.ds(col0, block_v)
-        z = chunked_logits(lambda c: h_ref[:, pl.ds(c * block_d, block_d)],
+        z = chunked_logits(lambda c: h_ref[rs, pl.ds(c * block_d, block_d)],
                            lambda c: w_ref[pl.ds(c * block_d, block_d), cols_ds],
                            num_chunks, block_d)
         z, cols = mask_logits(z, col0, vocab, temperature)
@@ -184,7 +186,7 @@ def _dh_kernel_gpu(h_ref, w_ref, ids_ref, lse_ref, g_ref, dh_ref, *, vocab, bloc
 
         def update(c, _):
             chunk = pl.ds(c * block_d, block_d)
-            dh_ref[:, chunk] = dh_ref[:, chunk] + _dot(dz, w_ref[chunk, cols_ds], trans_b=True)
+            dh_ref[rs, chunk] = dh_ref[rs, chunk] + _dot(dz, w_ref[chunk, cols_ds], trans_b=True)
             return 0
 
         return jax.lax.fori_loop(0, num_chunks, update, 0)
@@ -196,9 +198,10 @@ def _dw_kernel_gpu(h_ref, w_ref, ids_ref, lse_ref, g_ref, dw_ref, *, vocab, bloc
                    block_d, num_row_blocks, num_chunks, temperature, num_ids):
     j = pl.program_id(0)
     col0 = j * block_v
+    cs = pl.ds(col0, block_v)  # W and dW are whole arrays (pl.ANY pointers)
 
     def zero(c, _):
-        dw_ref[pl.ds(c * block_d, block_d), :] = jnp.zeros((block_d, block_v), jnp.float32)
+        dw_ref[pl.ds(c * block_d, block_d), cs] = jnp.zeros((block_d, block_v), jnp.float32)
         return 0
 
     jax.lax.fori_loop(0, num_chunks, zero, 0)
@@ -206,7 +209,7 @@ def _dw_kernel_gpu(h_ref, w_ref, ids_ref, lse_ref, g_ref, dw_ref, *, vocab, bloc
     def rows(r, _):
         rs = pl.ds(r * block_n, block_n)
         z = chunked_logits(lambda c: h_ref[rs, pl.ds(c * block_d, block_d)],
-                           lambda c: w_ref[pl.ds(c * block_d, block_d), :],
+                           lambda c: w_ref[pl.ds(c * block_d, block_d), cs],
                            num_chunks, block_d)
         z, cols = mask_logits(z, col0, vocab, temperature)
         scattered = scatter_ids(cols, lambda k: g_ref[rs, pl.ds(k, 1)],
@@ -218,7 +221,7 @@ def _dw_kernel_gpu(h_ref, w_ref, ids_ref, lse_ref, g_ref, dw_ref, *, vocab, bloc
 
         def update(c, _):
             chunk = pl.ds(c * block_d, block_d)
-            dw_ref[chunk, :] = dw_ref[chunk, :] + _dot(h_ref[rs, chunk], dz, trans_a=True)
+            dw_ref[chunk, cs] = dw_ref[chunk, cs] + _dot(h_ref[rs, chunk], dz, trans_a=True)
             return 0
 
         return jax.lax.fori_loop(0, num_chunks, update, 0)
@@ -239,12 +242,11 @@ def _backward_gpu(hp, wp, ids, lse, g, *, vocab, temperature, num_ids, blocks, i
     dh = pl.pallas_call(
         functools.partial(_dh_kernel_gpu, block_v=bv, num_tiles=vp // bv, **common),
         grid=(np_ // bn,),
-        in_specs=[pl.BlockSpec((bn, dp), lambda i: (i, 0)),
-                  pl.BlockSpec((dp, vp), lambda i: (0, 0)),
+        in_specs=[_ANY, _ANY,
                   pl.BlockSpec((bn, lanes), lambda i: (i, 0)),
                   pl.BlockSpec((bn, stat), lambda i: (i, 0)),
                   pl.BlockSpec((bn, lanes), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((bn, dp), lambda i: (i, 0)),
+        out_specs=_ANY,
         out_shape=jax.ShapeDtypeStruct((np_, dp), jnp.float32),
         compiler_params=params,
         interpret=interpret,
@@ -255,12 +257,8 @@ def _backward_gpu(hp, wp, ids, lse, g, *, vocab, temperature, num_ids, blocks, i
         functools.partial(_dw_kernel_gpu, block_n=bn2, block_v=bv2, num_row_blocks=np_ // bn2,
                           **common),
         grid=(vp // bv2,),
-        in_specs=[pl.BlockSpec((np_, dp), lambda j: (0, 0)),
-                  pl.BlockSpec((dp, bv2), lambda j: (0, j)),
-                  pl.BlockSpec((np_, lanes), lambda j: (0, 0)),
-                  pl.BlockSpec((np_, stat), lambda j: (0, 0)),
-                  pl.BlockSpec((np_, lanes), lambda j: (0, 0))],
-        out_specs=pl.BlockSpec((dp, bv2), lambda j: (0, j)),
+        in_specs=[_ANY] * 5,
+        out_specs=_ANY,
         out_shape=jax.ShapeDtypeStruct((dp, vp), jnp.float32),
         compiler_params=params,
         interpret=interpret,

@@ -12,10 +12,10 @@ declared device kind: the export runs under an abstract mesh whose device is
 * ``tpu_bytes``: in + out + scratch blocks, each x2 (double buffering; scratch counted twice
   as a conservative bound), refs with ``memory_space=pl.ANY`` excluded (they stay in HBM).
   Budget ``TPU_VMEM_BUDGET`` (16 MiB: fits every TPU generation's VMEM).
-* ``triton_bytes``: what a Triton program holds at once: non-pallas.ANY blocks that are loaded
-  whole, plus every value loaded from a ref, every loop carry and every dot result in the
-  kernel body (each counted once: an over-estimate). Budget ``GPU_SMEM_BUDGET`` (227 KiB per
-  block on H100/H200).
+* ``triton_bytes``: what a Triton program holds: its in and out blocks (``pl.ANY`` refs, plain
+  pointers, excluded) plus every value loaded from a ref, every loop carry and every dot
+  result in the kernel body (each counted once; blocks and their loads both: an
+  over-estimate). Budget ``GPU_SMEM_BUDGET`` (227 KiB per block on H100/H200).
 """
 
 from __future__ import annotations
@@ -137,14 +137,20 @@ def _footprint(eqn) -> KernelFootprint:
     for aval in gm.scratch_avals:
         inner = getattr(aval, "inner_aval", aval)
         shape = tuple(getattr(inner, "shape", ()))
-        dtype = getattr(inner, "dtype", jnp.int8)
+        dtype = getattr(inner, "dtype", None)
+        try:
+            jnp.dtype(dtype)
+        except TypeError:  # semaphores: no VMEM bytes
+            continue
         in_hbm = _is_any(aval)
         blocks.append(("scratch", shape, str(dtype), in_hbm))
         if not in_hbm and hasattr(inner, "shape"):
             tpu += 2 * _nbytes(shape, dtype)
     kernel = eqn.params["jaxpr"]
     kernel = getattr(kernel, "jaxpr", kernel)
-    triton = _body_values(kernel, set())
+    triton = _body_values(kernel, set()) + sum(
+        _nbytes(shape, dtype) for role, shape, dtype, in_hbm in blocks
+        if not in_hbm and role != "scratch")
     return KernelFootprint(str(eqn.params.get("name") or getattr(eqn.params.get("metadata"), "name", "")
                                or "pallas_call"),
                            tuple(int(g) for g in gm.grid), tuple(blocks), tpu, triton)
