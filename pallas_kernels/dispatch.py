@@ -10,7 +10,10 @@ back. ``kernel_verdict`` therefore builds the kernel alone for the concrete shap
   footprint checks of ``pallas_kernels.lowering`` (TPU blocks x2 <= 16 MiB, Triton loads and
   accumulators <= 227 KiB).
 
-Verdicts are cached per (kernel, platform, shapes, options). ``choose_kernel`` turns the
+Verdicts are cached per (kernel, platform, shapes, options). A caller that traces its kernel
+where an enclosing jit may split it over several devices (no mesh context, not inside
+``shard_map``) passes ``auto_partition_problem(platform)`` as ``blocked``: Mosaic TPU refuses
+automatic partitioning, an error that would otherwise surface only when the program lowers. ``choose_kernel`` turns the
 requested mode into a decision: ``"auto"`` uses the kernel only on GPU/TPU and only where
 the verdict is good, otherwise warns once (naming kernel, platform, shapes and reason) and
 returns False (use XLA); a forced kernel raises ``KernelUnavailable`` with that message.
@@ -68,6 +71,16 @@ def _check_footprints(fn, args, platform: str) -> str | None:
     return None
 
 
+def auto_partition_problem(platform: str) -> str | None:
+    """The reason a kernel traced right here cannot run on ``platform``, if the enclosing jit
+    may partition it automatically and the platform's kernels refuse that (Mosaic TPU)."""
+    if platform == "tpu" and partition_context()[0] == "auto":
+        return (f"Mosaic TPU kernels cannot be partitioned automatically over "
+                f"{jax.device_count()} devices; call under jax.set_mesh(mesh) or inside "
+                "jax.shard_map")
+    return None
+
+
 def _build(fn: Callable, args, platform: str) -> str | None:
     try:
         if platform in _local_platforms():
@@ -102,18 +115,19 @@ def unavailable_message(kernel: str, platform: str, args, reason: str) -> str:
 _WARNED: set[tuple] = set()
 
 
-def choose_kernel(kernel: str, mode: str, fn: Callable, args, *, options: tuple = ()) -> bool:
+def choose_kernel(kernel: str, mode: str, fn: Callable, args, *, options: tuple = (),
+                  blocked: str | None = None) -> bool:
     """True to run the Pallas kernel, False for the XLA path.
 
     mode: "auto" (kernel on GPU/TPU where it builds, else XLA; one warning per kernel,
     platform and shapes when it does not), "pallas" (forced: raises KernelUnavailable when it
-    does not build) or "xla"."""
+    does not build) or "xla". ``blocked``: a reason known without building (the verdict)."""
     if mode == "xla":
         return False
     platform = backend_platform()
     if mode == "auto" and platform not in ACCELERATORS:
         return False
-    reason = kernel_verdict(kernel, fn, args, options=options, platform=platform)
+    reason = blocked or kernel_verdict(kernel, fn, args, options=options, platform=platform)
     if reason is None:
         return True
     message = unavailable_message(kernel, platform, args, reason)
@@ -124,6 +138,23 @@ def choose_kernel(kernel: str, mode: str, fn: Callable, args, *, options: tuple 
         _WARNED.add(key)
         warnings.warn(message + "; using XLA", RuntimeWarning, stacklevel=3)
     return False
+
+
+def partition_context():
+    """How a kernel traced here will be partitioned: ("manual", None) inside a shard_map over
+    every mesh axis (the kernel sees local shards), ("mesh", abstract_mesh) under
+    ``jax.set_mesh`` (a caller can wrap the kernel in its own shard_map), ("single", None) in
+    a one-device process, else ("auto", None): an enclosing jit may split the kernel's
+    operands over several devices, which Mosaic TPU kernels refuse to lower ("cannot be
+    automatically partitioned") and Triton kernels lower replicated."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.are_all_axes_manual:
+        return "manual", None
+    if not mesh.empty:
+        return "mesh", mesh
+    if jax.device_count() == 1:
+        return "single", None
+    return "auto", None
 
 
 def clear_cache() -> None:

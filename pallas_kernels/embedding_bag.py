@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import dispatch
+
 _MODES = ("sum", "mean")
 _PLATFORMS = ("tpu", "gpu")
 _ANY = pl.BlockSpec(memory_space=pl.ANY)
@@ -61,9 +63,9 @@ class EmbeddingBagBlockSizes:
 
     @classmethod
     def get_default(cls, platform: str | None = None) -> "EmbeddingBagBlockSizes":
-        """platform "tpu", "gpu" or None (the default JAX backend; CPU gets the TPU layout)."""
+        """platform "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU layout)."""
         if platform is None:
-            platform = "gpu" if jax.default_backend() == "gpu" else "tpu"
+            platform = "gpu" if dispatch.backend_platform() == "gpu" else "tpu"
         if platform == "gpu":
             return cls(platform="gpu", block_b=16, block_d=128, num_warps=4, num_stages=1)
         return cls(platform="tpu", block_b=32, block_d=128)

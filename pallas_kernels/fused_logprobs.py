@@ -44,6 +44,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import dispatch
+
 from pallas_kernels import fused_logprobs_bwd
 from pallas_kernels.fused_logprobs_bwd import chunked_logits, mask_logits
 
@@ -114,10 +116,10 @@ class FusedLogprobsBlockSizes:
                     dtype=jnp.bfloat16, num_ids: int = 1) -> "FusedLogprobsBlockSizes":
         """Per-platform defaults; on TPU the largest blocks whose footprint fits 16 MiB.
 
-        platform: "tpu", "gpu" or None (the default JAX backend; CPU gets the TPU layout,
+        platform: "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU layout,
         which is what interpret mode runs)."""
         if platform is None:
-            platform = "gpu" if jax.default_backend() == "gpu" else "tpu"
+            platform = "gpu" if dispatch.backend_platform() == "gpu" else "tpu"
         if platform == "gpu":
             return cls(platform="gpu", block_n=32, block_v=128, block_n_dw=32, block_v_dw=64,
                        block_d=64, num_warps=4, num_stages=2)

@@ -43,10 +43,21 @@ def _nbytes(shape, dtype) -> int:
 
 
 @contextlib.contextmanager
-def declared_tpu(mesh_shape: tuple[int, ...] = (1,), axis_names: tuple[str, ...] = ("x",)):
-    """An abstract mesh whose device kind is a real TPU, so Mosaic's chip queries answer."""
-    mesh = AbstractMesh(tuple(mesh_shape), tuple(axis_names),
-                        abstract_device=AbstractDevice(TPU_DEVICE_KIND, 1, "tpu"))
+def declared_tpu(args: Any = ()):
+    """An abstract mesh whose device kind is a real TPU, so Mosaic's chip queries answer.
+
+    Its axes are those of the current abstract mesh (inside a shard_map body or under
+    ``jax.set_mesh``), else of the first NamedSharding among ``args``, else one device."""
+    device = AbstractDevice(TPU_DEVICE_KIND, 1, "tpu")
+    current = jax.sharding.get_abstract_mesh()
+    meshes = [getattr(getattr(a, "sharding", None), "mesh", None) for a in jax.tree.leaves(args)]
+    meshes = [m for m in meshes if m is not None]
+    if current is not None and not current.empty:
+        mesh = current.update(abstract_device=device)
+    elif meshes:
+        mesh = meshes[0].abstract_mesh.update(abstract_device=device)
+    else:
+        mesh = AbstractMesh((1,), ("x",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
         yield
 
@@ -63,7 +74,7 @@ def export_for(fn: Callable, *args: Any, platform: str, declare_device: bool = T
     checks = [jax.export.DisabledSafetyCheck.custom_call(_TRITON_CALL),
               jax.export.DisabledSafetyCheck.custom_call(_MOSAIC_GPU_CALL)]
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    ctx = declared_tpu() if platform == "tpu" and declare_device else contextlib.nullcontext()
+    ctx = declared_tpu(args) if platform == "tpu" and declare_device else contextlib.nullcontext()
     with ctx:
         return jax.export.export(jitted, platforms=[platform], disabled_checks=checks)(*args)
 

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import dispatch
+
 LANES = 128
 _PLATFORMS = ("tpu", "gpu")
 
@@ -56,9 +58,9 @@ class BlockSizes:
 
     @classmethod
     def get_default(cls, platform: str | None = None) -> "BlockSizes":
-        """platform "tpu", "gpu" or None (the default JAX backend; CPU gets the TPU layout)."""
+        """platform "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU layout)."""
         if platform is None:
-            platform = "gpu" if jax.default_backend() == "gpu" else "tpu"
+            platform = "gpu" if dispatch.backend_platform() == "gpu" else "tpu"
         if platform == "gpu":
             return cls(block_rows=32, platform="gpu", num_warps=4, num_stages=1)
         return cls(block_rows=256, platform="tpu")

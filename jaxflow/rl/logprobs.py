@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import dispatch
 from pallas_kernels import fused_logprobs as pallas_fused
@@ -240,31 +242,64 @@ def _parse_backend(backend: LogprobBackend | str | None) -> LogprobBackend:
         raise ValueError(f"unknown log-prob backend {backend!r}; valid: {valid} or None") from None
 
 
+def _kernel_call(block_sizes, interpret, own_topk, temperature):
+    """The Pallas call as this trace will run it: under a mesh context (``jax.set_mesh``),
+    wrapped in a shard_map that splits the rows over every mesh axis (the head replicated;
+    its gradient summed by shard_map's transpose), so no kernel is left for the automatic
+    partitioner (which Mosaic TPU refuses)."""
+    kw = dict(own_topk=own_topk, temperature=float(temperature), block_sizes=block_sizes,
+              interpret=interpret)
+    context, mesh = dispatch.partition_context()
+
+    def local(h, w, t, k):
+        return pallas_fused.fused_logprobs(h, w, t, k, **kw)
+
+    if context != "mesh":
+        return local
+    rows = P(tuple(mesh.axis_names))
+
+    def sharded(h, w, t, k):
+        n, lead = math.prod(t.shape), t.shape
+        pad = (-n) % mesh.size
+        h2 = jnp.pad(h.reshape(n, h.shape[-1]), ((0, pad), (0, 0)))
+        t2 = jnp.pad(t.reshape(n), (0, pad))
+        k2 = None if k is None else jnp.pad(k.reshape(n, k.shape[-1]), ((0, pad), (0, 0)))
+        out = jax.shard_map(local, in_specs=(rows, P(), rows, None if k is None else rows),
+                            out_specs=FusedLogprobsOutput(
+                                rows, None if k is None else rows,
+                                rows if own_topk else None, rows if own_topk else None),
+                            check_vma=False)(h2, w, t2, k2)
+        return jax.tree.map(lambda x: x[:n].reshape(lead + x.shape[1:]), out)
+
+    return sharded
+
+
 def use_pallas(hidden, head, targets, topk_indices, *, own_topk: int, temperature: float,
                mode: str, block_sizes: FusedLogprobsBlockSizes | None = None) -> bool:
     """Whether ``fused_logprobs`` runs the Pallas kernel (forward and backward) here.
 
     The verdict (``pallas_kernels.dispatch``) builds the kernel's forward and gradient for
-    these shapes on this platform; mode "auto" falls back to XLA with one warning, "pallas"
-    raises ``KernelUnavailable``."""
+    these shapes on this platform, as this trace would call it (``_kernel_call``); mode
+    "auto" falls back to XLA with one warning, "pallas" raises ``KernelUnavailable``."""
     blocks = block_sizes or FusedLogprobsBlockSizes.get_default(
-        "gpu" if dispatch.backend_platform() == "gpu" else "tpu", d=head.shape[0],
-        dtype=head.dtype, num_ids=1 + (0 if topk_indices is None else topk_indices.shape[-1]))
-    kw = dict(own_topk=own_topk, temperature=float(temperature), block_sizes=blocks)
+        d=head.shape[0], dtype=head.dtype,
+        num_ids=1 + (0 if topk_indices is None else topk_indices.shape[-1]))
+    call = _kernel_call(blocks, False, own_topk, temperature)
 
     def fwd_and_grad(h, w, t, *k):
         k = k[0] if k else None
 
         def loss(h, w):
-            out = pallas_fused.fused_logprobs(h, w, t, k, **kw)
-            total = jax.numpy.sum(out.target_logp)
-            return total if k is None else total + jax.numpy.sum(out.topk_logp)
+            out = call(h, w, t, k)
+            total = jnp.sum(out.target_logp)
+            return total if k is None else total + jnp.sum(out.topk_logp)
 
         return jax.grad(loss, argnums=(0, 1))(h, w)
 
     args = (hidden, head, targets) + (() if topk_indices is None else (topk_indices,))
-    return dispatch.choose_kernel("fused_logprobs", mode, fwd_and_grad, args,
-                                  options=(own_topk, float(temperature), blocks))
+    return dispatch.choose_kernel(
+        "fused_logprobs", mode, fwd_and_grad, args, options=(own_topk, float(temperature), blocks),
+        blocked=dispatch.auto_partition_problem(dispatch.backend_platform()))
 
 
 def fused_logprobs(
@@ -311,7 +346,6 @@ def fused_logprobs(
         run_kernel = use_pallas(hidden, head, targets, topk_indices, mode=choice.value,
                                 block_sizes=block_sizes, **kwargs)
     if run_kernel:
-        return pallas_fused.fused_logprobs(hidden, head, targets, topk_indices,
-                                           block_sizes=block_sizes, interpret=interpret,
-                                           **kwargs)
+        return _kernel_call(block_sizes, interpret, own_topk, temperature)(
+            hidden, head, targets, topk_indices)
     return fused_logprobs_xla(hidden, head, targets, topk_indices, vocab_tile=vocab_tile, **kwargs)

@@ -205,6 +205,7 @@ class ChangeTracker:
         local = int(np.prod(new.sharding.shard_shape(tuple(new.shape))))
         shard = jax.ShapeDtypeStruct((local,), jnp.uint16)
         mode = "auto" if self.backend is CompactBackend.AUTO else "pallas"
+        # The kernel runs on each device's shard inside shard_map: built alone for the shard.
         return dispatch.choose_kernel(
             "sync_diff_compact", mode, functools.partial(diff_compact, capacity=capacity),
             (shard, shard), options=(capacity,))
