@@ -83,11 +83,14 @@ def auto_partition_problem(platform: str) -> str | None:
 
 def _build(fn: Callable, args, platform: str) -> str | None:
     try:
+        too_big = _check_footprints(fn, args, platform)  # a trace: cheaper than a lowering
+        if too_big:
+            return too_big
         if platform in _local_platforms():
             jax.jit(fn).lower(*args).compile()
         else:
             lowering.export_for(fn, *args, platform="cuda" if platform == "gpu" else platform)
-        return _check_footprints(fn, args, platform)
+        return None
     except Exception as err:  # noqa: BLE001 - any build failure is the verdict
         text = str(err).strip().splitlines()
         return f"{type(err).__name__}: {text[0] if text else ''}"[:400]

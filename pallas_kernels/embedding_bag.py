@@ -118,8 +118,11 @@ def _fwd_kernel_tpu(ids_ref, table_hbm, out_ref, buf, sem, *, bag_len, block_d):
     c0 = pl.program_id(1) * block_d
 
     def start(b, slot):
-        for l in range(bag_len):
+        def one(l, _):
             _row_copy(table_hbm, buf, sem, ids_ref, b, l, slot, c0, block_d).start()
+            return 0
+
+        jax.lax.fori_loop(0, bag_len, one, 0)
 
     start(0, 0)
 
@@ -130,11 +133,12 @@ def _fwd_kernel_tpu(ids_ref, table_hbm, out_ref, buf, sem, *, bag_len, block_d):
         def _():
             start(b + 1, 1 - slot)
 
-        acc = jnp.zeros((1, block_d), jnp.float32)
-        for l in range(bag_len):
+        def add(l, acc):
             _row_copy(table_hbm, buf, sem, ids_ref, b, l, slot, c0, block_d).wait()
             row = buf[slot, pl.ds(l, 1), :].astype(jnp.float32)
-            acc = acc + jnp.where(ids_ref[b, l] >= 0, row, 0.0)
+            return acc + jnp.where(ids_ref[b, l] >= 0, row, 0.0)
+
+        acc = jax.lax.fori_loop(0, bag_len, add, jnp.zeros((1, block_d), jnp.float32))
         out_ref[pl.ds(b, 1), :] = acc.astype(out_ref.dtype)
         return 0
 
@@ -158,21 +162,23 @@ def _bwd_kernel_tpu(ids_ref, mult_ref, g_ref, grad_in, grad_hbm, buf, sem_in, se
     def bag(b, _):
         # Ids are distinct within a bag (deduplicated, multiplicities in mult), so the bag's
         # row reads and writes may overlap each other; the next bag waits for the writes.
-        for l in range(bag_len):
-            @pl.when(ids_ref[b, l] >= 0)
-            def _():
-                copy(b, l, out=False).start()
+        def each(body):
+            def one(l, _):
+                pl.when(ids_ref[b, l] >= 0)(lambda: body(l))
+                return 0
+
+            jax.lax.fori_loop(0, bag_len, one, 0)
+
+        each(lambda l: copy(b, l, out=False).start())
         g = g_ref[pl.ds(b, 1), :]
-        for l in range(bag_len):
-            @pl.when(ids_ref[b, l] >= 0)
-            def _():
-                copy(b, l, out=False).wait()
-                buf[pl.ds(l, 1), :] = buf[pl.ds(l, 1), :] + mult_ref[b, l] * g
-                copy(b, l, out=True).start()
-        for l in range(bag_len):
-            @pl.when(ids_ref[b, l] >= 0)
-            def _():
-                copy(b, l, out=True).wait()
+
+        def update(l):
+            copy(b, l, out=False).wait()
+            buf[pl.ds(l, 1), :] = buf[pl.ds(l, 1), :] + mult_ref[b, l] * g
+            copy(b, l, out=True).start()
+
+        each(update)
+        each(lambda l: copy(b, l, out=True).wait())
         return 0
 
     jax.lax.fori_loop(0, block_b, bag, 0)

@@ -26,7 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 from pallas_kernels import dispatch
 from pallas_kernels import fused_logprobs as pallas_fused
@@ -264,11 +264,17 @@ def _kernel_call(block_sizes, interpret, own_topk, temperature):
         h2 = jnp.pad(h.reshape(n, h.shape[-1]), ((0, pad), (0, 0)))
         t2 = jnp.pad(t.reshape(n), (0, pad))
         k2 = None if k is None else jnp.pad(k.reshape(n, k.shape[-1]), ((0, pad), (0, 0)))
+        explicit = any(a == AxisType.Explicit for a in mesh.axis_types)
+        if explicit:  # shard_map wants explicitly sharded inputs laid out as its in_specs
+            h2, t2, w = jax.reshard(h2, rows), jax.reshard(t2, rows), jax.reshard(w, P())
+            k2 = None if k2 is None else jax.reshard(k2, rows)
         out = jax.shard_map(local, in_specs=(rows, P(), rows, None if k is None else rows),
                             out_specs=FusedLogprobsOutput(
                                 rows, None if k is None else rows,
                                 rows if own_topk else None, rows if own_topk else None),
                             check_vma=False)(h2, w, t2, k2)
+        if explicit:  # the padded rows are cut below; explicit row shards cannot be sliced
+            out = jax.tree.map(lambda x: jax.reshard(x, P()), out)
         return jax.tree.map(lambda x: x[:n].reshape(lead + x.shape[1:]), out)
 
     return sharded
