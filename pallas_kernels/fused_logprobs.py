@@ -114,16 +114,22 @@ class FusedLogprobsBlockSizes:
     @classmethod
     def get_default(cls, platform: str | None = None, *, d: int = 4096,
                     dtype=jnp.bfloat16, num_ids: int = 1) -> "FusedLogprobsBlockSizes":
-        """Per-platform defaults; on TPU the largest blocks whose footprint fits 16 MiB.
+        """Per-platform defaults; on TPU the largest blocks whose footprint fits 16 MiB
+        (bf16 fits up to d = 8,192; f32 up to d = 4,096: at 8,192 the dW blocks need
+        17 MiB and ``auto`` falls back to XLA).
 
         platform: "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU layout,
         which is what interpret mode runs)."""
         if platform is None:
             platform = "gpu" if dispatch.backend_platform() == "gpu" else "tpu"
-        if platform == "gpu":
-            return cls(platform="gpu", block_n=32, block_v=128, block_n_dw=32, block_v_dw=64,
-                       block_d=64, num_warps=4, num_stages=2)
         s = jnp.dtype(dtype).itemsize
+        if platform == "gpu":
+            # 32-row blocks while the id columns and h are narrow; 16 rows and 32-wide hidden
+            # chunks otherwise (K = 128 or f32), which keeps every program under 227 KiB.
+            wide = cls(platform="gpu").id_lanes(num_ids) > 128 or s > 2
+            bn, bd = (16, 32) if wide else (32, 64)
+            return cls(platform="gpu", block_n=bn, block_v=128, block_n_dw=bn, block_v_dw=64,
+                       block_d=bd, num_warps=4, num_stages=2)
         lanes = cls().id_lanes(num_ids)
         fwd = [(256, 512), (128, 512), (128, 256), (64, 256), (64, 128), (32, 128), (16, 128)]
         dw = [(512, 256), (256, 256), (256, 128), (128, 128), (64, 128), (32, 128), (16, 128)]

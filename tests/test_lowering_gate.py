@@ -63,6 +63,33 @@ def test_kernel_lowers_and_fits(case, platform):
     _check_footprints(lowering.pallas_footprints(fn, *args), platform)
 
 
+@pytest.mark.parametrize("dtype,platform,fits", [
+    ("bfloat16", "tpu", True), ("bfloat16", "cuda", True), ("float32", "cuda", True),
+    ("float32", "tpu", False),  # the stated limit: f32 dW blocks at d 8,192 need 17 MiB
+])
+def test_fused_logprobs_range_corner(dtype, platform, fits):
+    """d 8,192, V 262,144, K 128 (the top of the stated range), forward and backward."""
+    from pallas_kernels import fused_logprobs as fl
+
+    dt = jnp.dtype(dtype)
+    n, d, vocab, k = 8192, 8192, 262_144, 128
+    blocks = fl.FusedLogprobsBlockSizes.get_default(catalog.block_platform(platform), d=d,
+                                                    dtype=dt, num_ids=k + 1)
+
+    def bwd(h, w, t, ids):
+        return jax.grad(lambda h, w: jnp.sum(fl.fused_logprobs(h, w, t, ids, block_sizes=blocks)
+                                             .topk_logp), argnums=(0, 1))(h, w)
+
+    S = jax.ShapeDtypeStruct
+    args = (S((n, d), dt), S((d, vocab), dt), S((n,), jnp.int32), S((n, k), jnp.int32))
+    footprints = lowering.pallas_footprints(bwd, *args)
+    assert len(footprints) == 3
+    if fits:
+        _check_footprints(footprints, platform)
+    else:
+        assert max(fp.tpu_bytes for fp in footprints) > lowering.TPU_VMEM_BUDGET
+
+
 def test_footprint_counts_blocks_twice_and_skips_hbm_refs():
     """The TPU rule on a hand-sized kernel: 2 x (in + out + scratch), pl.ANY excluded."""
     from jax.experimental import pallas as pl
