@@ -13,7 +13,7 @@ ids; embedding bag a 10M x 128 f32 table, 16,384 bags of 32; sync 64M uint16 ele
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

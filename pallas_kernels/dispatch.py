@@ -13,17 +13,19 @@ back. ``kernel_verdict`` therefore builds the kernel alone for the concrete shap
 Verdicts are cached per (kernel, platform, shapes, options). A caller that traces its kernel
 where an enclosing jit may split it over several devices (no mesh context, not inside
 ``shard_map``) passes ``auto_partition_problem(platform)`` as ``blocked``: Mosaic TPU refuses
-automatic partitioning, an error that would otherwise surface only when the program lowers. ``choose_kernel`` turns the
-requested mode into a decision: ``"auto"`` uses the kernel only on GPU/TPU and only where
-the verdict is good, otherwise warns once (naming kernel, platform, shapes and reason) and
-returns False (use XLA); a forced kernel raises ``KernelUnavailable`` with that message.
+automatic partitioning, an error that would otherwise surface only when the program lowers.
+``choose_kernel`` turns the requested mode into a decision: ``"auto"`` uses the kernel only
+on GPU/TPU and only where the verdict is good, otherwise warns once (naming kernel,
+platform, shapes and reason) and returns False (use XLA); a forced kernel raises
+``KernelUnavailable`` with that message.
 (levanter's attention backend selection follows the same warn-or-raise pattern.)
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

@@ -62,8 +62,9 @@ class EmbeddingBagBlockSizes:
                 raise ValueError(f"{name}={v!r}; must be a power of two >= 8")
 
     @classmethod
-    def get_default(cls, platform: str | None = None) -> "EmbeddingBagBlockSizes":
-        """platform "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU layout)."""
+    def get_default(cls, platform: str | None = None) -> EmbeddingBagBlockSizes:
+        """platform "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU
+        layout, which interpret mode runs)."""
         if platform is None:
             platform = "gpu" if dispatch.backend_platform() == "gpu" else "tpu"
         if platform == "gpu":
@@ -337,7 +338,7 @@ def _table_grad_gpu(ids, g, vocab, bs, interpret):
 def _pad_bags(ids, bs):
     """Bags padded to a multiple of block_b, and on GPU the bag length to a power of two
     (Triton blocks), all with -1. (TPU ids live in SMEM, which has no (8, 128) tiling.)"""
-    n_bags, bag_len = ids.shape
+    bag_len = ids.shape[1]
     if bs.platform == "gpu":
         ids = _pad_to(ids, 1, 1 << max(0, bag_len - 1).bit_length(), -1)
     return _pad_to(ids, 0, bs.block_b, -1)

@@ -44,9 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import dispatch
-
-from pallas_kernels import fused_logprobs_bwd
+from pallas_kernels import dispatch, fused_logprobs_bwd
 from pallas_kernels.fused_logprobs_bwd import chunked_logits, mask_logits
 
 _NEG_INF = float("-inf")
@@ -113,7 +111,7 @@ class FusedLogprobsBlockSizes:
 
     @classmethod
     def get_default(cls, platform: str | None = None, *, d: int = 4096,
-                    dtype=jnp.bfloat16, num_ids: int = 1) -> "FusedLogprobsBlockSizes":
+                    dtype=jnp.bfloat16, num_ids: int = 1) -> FusedLogprobsBlockSizes:
         """Per-platform defaults; on TPU the largest blocks whose footprint fits 16 MiB
         (bf16 fits up to d = 8,192; f32 up to d = 4,096: at 8,192 the dW blocks need
         17 MiB and ``auto`` falls back to XLA).
@@ -141,7 +139,7 @@ class FusedLogprobsBlockSizes:
         return cls(platform="tpu", block_n=pick[0], block_v=pick[1], block_n_dw=pick_dw[0],
                    block_v_dw=pick_dw[1])
 
-    def clamp(self, rows: int, vocab: int) -> "FusedLogprobsBlockSizes":
+    def clamp(self, rows: int, vocab: int) -> FusedLogprobsBlockSizes:
         """Blocks no larger than the (power-of-two rounded) problem needs."""
         lo_v = 128 if self.platform == "tpu" else 16
         rows2, vocab2 = max(16, _next_pow2(rows)), max(lo_v, _next_pow2(vocab))

@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.extend
@@ -118,9 +119,7 @@ def _body_values(jaxpr, seen: set) -> int:
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
         outs = []
-        if prim in ("get", "load", "dot_general"):
-            outs = eqn.outvars
-        elif prim in ("while", "scan"):
+        if prim in ("get", "load", "dot_general") or prim in ("while", "scan"):
             outs = eqn.outvars
         for v in outs:
             aval = v.aval
@@ -162,9 +161,9 @@ def _footprint(eqn) -> KernelFootprint:
     triton = _body_values(kernel, set()) + sum(
         _nbytes(shape, dtype) for role, shape, dtype, in_hbm in blocks
         if not in_hbm and role != "scratch")
-    return KernelFootprint(str(eqn.params.get("name") or getattr(eqn.params.get("metadata"), "name", "")
-                               or "pallas_call"),
-                           tuple(int(g) for g in gm.grid), tuple(blocks), tpu, triton)
+    name = eqn.params.get("name") or getattr(eqn.params.get("metadata"), "name", "")
+    return KernelFootprint(str(name or "pallas_call"), tuple(int(g) for g in gm.grid),
+                           tuple(blocks), tpu, triton)
 
 
 def _walk(jaxpr, out: list) -> None:

@@ -57,8 +57,9 @@ class BlockSizes:
             raise ValueError(f"block_rows={r!r}; must be a multiple of 16 (a power of two on GPU)")
 
     @classmethod
-    def get_default(cls, platform: str | None = None) -> "BlockSizes":
-        """platform "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU layout)."""
+    def get_default(cls, platform: str | None = None) -> BlockSizes:
+        """platform "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU
+        layout, which interpret mode runs)."""
         if platform is None:
             platform = "gpu" if dispatch.backend_platform() == "gpu" else "tpu"
         if platform == "gpu":
@@ -172,7 +173,7 @@ def diff_compact(old_bits: jax.Array, new_bits: jax.Array, *, capacity: int,
     ranks = ranks.reshape(tiles, per_tile)
     slot = jnp.where(ranks >= 0, starts[:, None] + ranks, capacity).reshape(-1)
     flat = jnp.arange(tiles * per_tile, dtype=jnp.int32)
-    scatter = lambda fill, vals: jnp.full((capacity,), fill, vals.dtype).at[slot].set(  # noqa: E731
+    scatter = lambda fill, vals: jnp.full((capacity,), fill, vals.dtype).at[slot].set(
         vals, mode="drop")
     positions = scatter(-1, flat)
     old_out = scatter(0, old2.reshape(-1))

@@ -54,8 +54,9 @@ class BlockSizes:
             raise ValueError(f"block_rows={r!r}; must be a multiple of 16 (a power of two on GPU)")
 
     @classmethod
-    def get_default(cls, platform: str | None = None) -> "BlockSizes":
-        """platform "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU layout)."""
+    def get_default(cls, platform: str | None = None) -> BlockSizes:
+        """platform "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU
+        layout, which interpret mode runs)."""
         if platform is None:
             platform = "gpu" if dispatch.backend_platform() == "gpu" else "tpu"
         if platform == "gpu":

@@ -138,7 +138,8 @@ def test_pooling_auto_falls_back_and_forced_raises(on_platform):
 
 
 def test_tracker_forced_kernel_raises_on_cpu_without_interpret():
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxflow import sync
 
@@ -157,7 +158,11 @@ def test_tracker_forced_kernel_raises_on_cpu_without_interpret():
 def test_vlm_attention_auto_falls_back_on_gpu_past_shared_memory(on_platform):
     from flax import nnx
 
-    from jaxflow.flow.vlm import AttentionBackend, attention_uses_kernel, resolve_backend
+    from jaxflow.flow.vlm import (
+        AttentionBackend,
+        attention_uses_kernel,
+        resolve_backend,
+    )
     from jaxflow.models.transformer import Transformer, TransformerConfig
 
     assert resolve_backend("auto") is AttentionBackend.AUTO

@@ -19,9 +19,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import catalog, dispatch, lowering
 
@@ -181,8 +181,12 @@ def _grpo_steps():
 
 
 def _embedding_step():
-    from jaxflow.embeddings import ShardedEmbeddings, TableSpec, make_sparse_optimizer
-    from jaxflow.embeddings import make_train_step
+    from jaxflow.embeddings import (
+        ShardedEmbeddings,
+        TableSpec,
+        make_sparse_optimizer,
+        make_train_step,
+    )
     from jaxflow.mesh import make_mesh
 
     mesh = make_mesh({"data": 8})
@@ -257,7 +261,7 @@ def test_grpo_without_mesh_context_falls_back_on_tpu(monkeypatch):
     """No mesh context and 8 devices: the TPU verdict is negative (one warning) and the step
     still lowers, on XLA."""
     with building_for("tpu", monkeypatch):
-        name, fn, args, _ = _grpo_steps()[1]
+        _, fn, args, _ = _grpo_steps()[1]
         with pytest.warns(RuntimeWarning, match="cannot be partitioned automatically"):
             exported = lowering.export_for(fn, *args, platform="tpu", declare_device=False)
         assert KERNEL_CALL["tpu"] not in exported.mlir_module()

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 
 from jaxflow.embeddings.pooling import pool_bags
-from pallas_kernels.embedding_bag import (EmbeddingBagBlockSizes, embedding_bag,
-                                          embedding_bag_reference)
+from pallas_kernels.embedding_bag import (
+    EmbeddingBagBlockSizes,
+    embedding_bag,
+    embedding_bag_reference,
+)
 
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
 # 10 bags in blocks of 8 and 136 columns in blocks of 128: 2 x 2 programs, both ragged.
@@ -79,7 +82,8 @@ def test_pooling_backend_pallas_matches_xla():
 
 def test_sharded_lookup_with_pallas_pooling():
     """The kernel inside the shard_map lookup (interpret mode) == the XLA pooling path."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxflow.embeddings import ShardedEmbeddings, TableSpec, make_sparse_optimizer
     from jaxflow.mesh import make_mesh

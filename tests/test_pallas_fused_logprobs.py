@@ -44,8 +44,12 @@ def _inputs(dtype, B=2, T=6, d=16, V=300, K=3):
 
 
 def test_block_sizes_default_fits_tpu_budget():
-    from pallas_kernels.fused_logprobs import (TPU_BLOCK_BUDGET, tpu_dh_bytes, tpu_dw_bytes,
-                                               tpu_forward_bytes)
+    from pallas_kernels.fused_logprobs import (
+        TPU_BLOCK_BUDGET,
+        tpu_dh_bytes,
+        tpu_dw_bytes,
+        tpu_forward_bytes,
+    )
     for d in (1024, 4096, 8192):
         b = FusedLogprobsBlockSizes.get_default("tpu", d=d, dtype=jnp.bfloat16, num_ids=101)
         assert b.platform == "tpu"

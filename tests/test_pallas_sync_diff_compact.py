@@ -6,7 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sync_diff_compact import BlockSizes, diff_compact, diff_compact_reference
+from pallas_kernels.sync_diff_compact import (
+    BlockSizes,
+    diff_compact,
+    diff_compact_reference,
+)
 
 
 def _bits(n, changes, seed=0):

@@ -7,8 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sync_scatter_apply import BlockSizes, scatter_apply, scatter_apply_reference
-
+from pallas_kernels.sync_scatter_apply import (
+    BlockSizes,
+    scatter_apply,
+    scatter_apply_reference,
+)
 
 LAYOUTS = {"tpu": BlockSizes(16), "gpu": BlockSizes(16, platform="gpu")}
 

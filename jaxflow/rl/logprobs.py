@@ -26,17 +26,18 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import dispatch
 from pallas_kernels import fused_logprobs as pallas_fused
+from pallas_kernels.dispatch import KernelUnavailable
 from pallas_kernels.fused_logprobs import (
     FusedLogprobsBlockSizes,
     FusedLogprobsOutput,
     fused_logprobs_reference,
     validate_inputs,
 )
-from pallas_kernels.dispatch import KernelUnavailable
 
 __all__ = [
     "FusedLogprobsOutput",

@@ -25,7 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxflow.sync import bits
 from jaxflow.sync.diff import LeafDiff, check_same_layout, diff_leaf, tree_layout
@@ -74,7 +75,7 @@ def _shard_geometry(mesh, axes: list[tuple[str, ...]], local_shape, global_shape
     return flat, owner
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _count_fn(mesh, spec, global_shape):
     axes = _spec_axes(spec, len(global_shape))
     every = P(tuple(mesh.axis_names))
@@ -89,7 +90,7 @@ def _count_fn(mesh, spec, global_shape):
                                  check_vma=False))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compact_fn(mesh, spec, global_shape, capacity: int, backend: str, interpret: bool):
     axes = _spec_axes(spec, len(global_shape))
     every = P(tuple(mesh.axis_names))
