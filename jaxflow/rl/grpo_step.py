@@ -61,7 +61,7 @@ class GRPOConfig:
     entropy_coef: float = 0.0
     sis_topk: int = 8
     normalize_std: bool = True
-    logprob_backend: str = "xla"
+    logprob_backend: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.loss, PolicyLossConfig):
