@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflow.align import (FigaConfig, PairData, Rows, addition_answers, build_pairs,
                            concat_pairs, dpo_loss, figa_loss, interleave_rows, sequence_logp,
@@ -95,11 +96,13 @@ def method_loss(params, ref_params, rows: Rows, *, fns: LMFunctions, method: str
 
 
 def _compiled_step(fns: LMFunctions, method: str, dpo_beta: float, figa: FigaConfig,
-                   tx: optax.GradientTransformation):
+                   tx: optax.GradientTransformation, replicated: NamedSharding):
+    """The jitted train step; everything in and out is replicated (a tiny model), so the
+    first step's inputs and every later step's match and it compiles once."""
     loss_fn = functools.partial(method_loss, fns=fns, method=method, dpo_beta=dpo_beta,
                                 figa=figa)
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=replicated)
     def step(params, opt_state, ref_params, rows):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params,
                                                                            rows)
@@ -123,11 +126,13 @@ def pair_stats(data: PairData) -> dict:
 
 def main(config, run: RunContext) -> dict[str, Any]:
     start = time.time()
-    mesh = make_mesh({"data": -1})
+    mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])  # a tiny model: one device
     model_cfg = config.pretrain.model
     fns = lm_functions(model_cfg, mesh)
     warm, pre_summary = load_pretrained_params(config.pretrain, config.cache_root, fns,
                                                log=run.info)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    warm = jax.device_put(warm, replicated)
     task = AdditionRLTask(max_digits=config.pretrain.data.max_digits,
                           heldout_mod=config.pretrain.data.heldout_mod)
     tok = CharTokenizer()
@@ -147,7 +152,9 @@ def main(config, run: RunContext) -> dict[str, Any]:
     warm_eval = evaluate(warm)
     run.info(f"warm start held-out: {warm_eval}")
     tx = optax.chain(optax.clip_by_global_norm(tcfg.grad_clip), optax.adam(tcfg.lr))
-    steps = {m: _compiled_step(fns, m, config.dpo_beta, config.figa, tx) for m in config.methods}
+    steps = {m: _compiled_step(fns, m, config.dpo_beta, config.figa, tx, replicated)
+             for m in config.methods}
+    init_opt = jax.jit(tx.init, out_shardings=replicated)
     run.set_total_steps(config.seeds * len(config.methods) * tcfg.steps, "figa")
     records, pools, global_step = [], [], 0
     for s in range(config.seed, config.seed + config.seeds):
@@ -157,11 +164,12 @@ def main(config, run: RunContext) -> dict[str, Any]:
         run.info(f"seed {s}: {stats}")
         schedule = batch_schedule(stats["pairs"], tcfg.steps, tcfg.pairs_per_batch, s)
         for method in config.methods:
-            params, opt_state = warm, tx.init(warm)
+            params, opt_state = warm, init_opt(warm)
             curve = [{"step": 0, **warm_eval}]
             first_metrics = None
             for i in range(tcfg.steps):
-                rows = Rows(*(jnp.asarray(x) for x in interleave_rows(data, schedule[i])))
+                rows = Rows(*(jax.device_put(x, replicated)
+                              for x in interleave_rows(data, schedule[i])))
                 params, opt_state, metrics = steps[method](params, opt_state, warm, rows)
                 global_step += 1
                 done = i + 1
