@@ -88,7 +88,7 @@ class GRPOConfig:
 
     algo: str = "grpo"
     correction: str = "none"
-    agg: str = "token-mean"
+    agg: str | None = "token-mean"  # None: the algorithm's default (sa_gcpo: seq-mean-token-mean)
     prompts_per_rollout: int = 8
     group_size: int = 8
     temperature: float = 1.0
