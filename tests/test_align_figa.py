@@ -214,3 +214,13 @@ def test_pairs_from_samples_with_oracle_revision():
                        addition_answers, length=4) is None
     with pytest.raises(ValueError, match=r"rewards shape \(3,\) must have 4 rows"):
         build_pairs(texts, prompts, lengths, tokens, rewards[:3], tok, addition_answers, length=4)
+
+
+def test_lowers_for_tpu_and_cuda():
+    def loss_grad(logp, marks, mask, revised):
+        return jax.grad(lambda lp: figa_loss(lp, marks, mask, revised)[0])(logp)
+
+    args = (jax.ShapeDtypeStruct((4, 6), jnp.float32), jax.ShapeDtypeStruct((4, 6), jnp.int32),
+            jax.ShapeDtypeStruct((4, 6), jnp.bool_), jax.ShapeDtypeStruct((4,), jnp.bool_))
+    exported = jax.export.export(jax.jit(loss_grad), platforms=("tpu", "cuda"))(*args)
+    assert exported.platforms == ("tpu", "cuda")

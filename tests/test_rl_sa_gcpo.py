@@ -171,3 +171,18 @@ def test_bad_inputs_name_argument_and_shape():
         unified_reward(r, jnp.zeros(3, jnp.int32), jnp.zeros((2, 3)))
     with pytest.raises(ValueError, match=r"scenario ids must lie in \[0, S=2\), got range \[0, 2\]"):
         unified_reward(r, jnp.array([0, 1, 2, 0]), jnp.zeros((2, 3)))
+
+
+def test_lowers_for_tpu_and_cuda():
+    cfg = PolicyLossConfig(algo="sa_gcpo", correction="sis+tis")
+
+    def loss_grad(logp, old, adv, mask, old_k, new_k, behaviour, u, rewards, target):
+        return jax.grad(lambda lp: policy_loss(
+            lp, old, adv, mask, config=cfg, old_topk_logp=old_k, new_topk_logp=new_k,
+            behaviour_logp=behaviour, uniforms=u, rewards=rewards, target_reward=target)[0])(logp)
+
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    args = (f32(4, 6), f32(4, 6), f32(4), jax.ShapeDtypeStruct((4, 6), jnp.bool_), f32(4, 6, 3),
+            f32(4, 6, 3), f32(4, 6), f32(4, 6), f32(4), f32(4))
+    exported = jax.export.export(jax.jit(loss_grad), platforms=("tpu", "cuda"))(*args)
+    assert exported.platforms == ("tpu", "cuda")
