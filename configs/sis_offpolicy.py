@@ -155,9 +155,15 @@ def get_config(variant: str) -> Config:
     if variant == "default":
         return base
     if variant == "full":
+        # SA-GCPO joins the algorithms here (not in the ~2 h default); rl.loss.agg None lets each
+        # algorithm use its own default aggregation (token-mean; seq-mean-token-mean for
+        # sa_gcpo, as OxygenREC). Rewards are 0/1 with no per-request target, so SA-GCPO's
+        # target gate does not apply: it is the soft gate on group-normalised advantages.
         return dataclasses.replace(
             base,
-            grid=dataclasses.replace(base.grid, mismatches=("bf16", "noise0.1", "noise0.3"),
+            rl=dataclasses.replace(base.rl, loss=dataclasses.replace(base.rl.loss, agg=None)),
+            grid=dataclasses.replace(base.grid, algos=(*base.grid.algos, "sa_gcpo"),
+                                     mismatches=("bf16", "noise0.1", "noise0.3"),
                                      stalenesses=(1, 2, 4), seeds=5),
             train=ScheduleConfig(rollouts=100, eval_every=10, eval_examples=512,
                                  checkpoint_every=10),

@@ -38,7 +38,7 @@ def weighted_grad(params: Any, mb: MiniBatch, old: Any, *, fns, config: GRPOConf
                   key: jax.Array) -> tuple[Any, jax.Array]:
     """``(grad(loss_mb) * weight_mb, weight_mb)`` for gradient accumulation."""
     grads, _ = jax.grad(grpo_loss, has_aux=True)(params, mb, old, fns=fns, config=config, key=key)
-    w = loss_weight(mb, config.loss.agg)
+    w = loss_weight(mb, config.loss.aggregation)
     return jax.tree.map(lambda g: g * w, grads), w
 
 
