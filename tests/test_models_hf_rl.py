@@ -11,6 +11,7 @@ from jaxflow.mesh import role_meshes
 from jaxflow.models import from_pretrained
 from jaxflow.models.tokenizer_hf import HFTokenizer
 from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer
+from jaxflow.rl.policy_loss import PolicyLossConfig
 from jaxflow.rl.tasks import AdditionRLTask, completion_text, encode_prompts
 from jaxflow.sync import SyncConfig
 from jaxflow.train.lm_state import OptimConfig
@@ -46,8 +47,8 @@ def test_grpo_sis_with_sparse_sync_on_a_loaded_qwen3(checkpoint):
     tok = HFTokenizer.from_pretrained(checkpoint)
     assert model.config.vocab_size >= tok.vocab_size
     meshes = role_meshes({"trainer": 4, "rollout": 4})
-    config = GRPOConfig(correction="sis", prompts_per_rollout=2, group_size=4,
-                        max_new_tokens=3, sis_topk=4, lag=2, entropy_coef=0.05)
+    config = GRPOConfig(loss=PolicyLossConfig(correction="sis"), prompts_per_rollout=2,
+                        group_size=4, max_new_tokens=3, sis_topk=4, lag=2, entropy_coef=0.05)
     trainer = GRPOTrainer(model.config, config, OptimConfig(lr=3e-3, warmup_steps=0),
                           AdditionRLTask(max_digits=1), tok, meshes, seed=0, total_rollouts=2,
                           sync=SyncConfig(codec="entropy"))
