@@ -16,7 +16,8 @@ function of a measurable rate, in [0, 1]:
 
   educational_value  explanation phrases ("is defined as", "for example", "returns", ...)
                      per sentence
-  expertise          fraction of words that are topic keywords of the tag tree
+  expertise          topic keywords of the tag tree and technical tokens (identifiers with
+                     "_", calls "f()", quoted literals, alphanumerics) per word
   fact_and_trivia    numbers and mid-sentence capitalised words per word
   reasoning_level    connectives ("because", "therefore", "if", "since", "hence", ...) per
                      sentence
@@ -26,8 +27,8 @@ function of a measurable rate, in [0, 1]:
   subjectivity       first-person and opinion words per word
 
 The five "quality" criteria (educational value, expertise, facts, reasoning, structure) are
-multiplied by cleanliness = exp(-8 * fraction of characters the teacher's edit changes), so
-noisy copies rate lower. A comparison adds logistic judge noise (``judge_noise``) to the
+multiplied by cleanliness = exp(-8 * fraction of characters the teacher's edit changes) times
+fluency = min(1, 4 * fraction of function words), so noisy copies and keyword salad rate lower. A comparison adds logistic judge noise (``judge_noise``) to the
 feature difference. Tags: keyword hits summed per level-1 category, then per level-2 child,
 then per leaf (top-down argmax, ties to the lower id; no hit at all gives leaf 0). Edits
 (``teacher_edit_ops``): delete the markup junk of ``corpus.JUNK_MARKERS`` (with the space before
@@ -98,6 +99,10 @@ _OPINION = {"i", "my", "me", "think", "feel", "believe", "honestly", "opinion", 
             "terrible", "amazing", "love", "hate", "overrated", "best", "worst"}
 _RARE = {"recondite", "abstruse", "esoteric", "arcane", "idiosyncratic", "sesquipedalian",
          "perspicacious", "crepuscular", "ineffable", "quixotic"}
+_FUNCTION_WORDS = {"the", "a", "an", "is", "are", "was", "were", "be", "of", "to", "in", "and",
+                   "or", "for", "with", "on", "that", "this", "it", "as", "by", "at", "from",
+                   "not", "can", "which", "when", "its", "their", "has", "have", "about"}
+_TECHNICAL = re.compile(r"[A-Za-z]\w*_\w*|\w+\(\)|\w+\.\w+\(|\"[^\"\n]{1,20}\"|[A-Za-z]+\d+")
 _STRUCT_LINE = re.compile(r"^\s*(?:[-*+] |\d+[.)] |Title:|[*=~^-]{4,}$)")
 
 
@@ -133,12 +138,15 @@ class ProgrammaticTeacher:
         lines = [ln for ln in text.split("\n") if ln.strip()]
         n_sent = max(len(re.findall(r"[.!?](?:\s|$)", text)), len(lines), 1)
         ops = teacher_edit_ops(text)
-        clean = float(np.exp(-8.0 * np.mean(ops != KEEP)))
+        # fluent prose has ~1 function word in 3; keyword salad almost none
+        fluent = min(1.0, 4.0 * sum(w in _FUNCTION_WORDS for w in words) / n_words)
+        clean = float(np.exp(-8.0 * np.mean(ops != KEEP))) * fluent
+        technical = len(_TECHNICAL.findall(text))
         numbers = sum(w.isdigit() for w in words)
         caps = sum(1 for i, w in enumerate(raw_words[1:], 1) if w[:1].isupper() and w[1:].islower())
         f = [
             _sat(sum(low.count(p) for p in _EXPLAIN) / n_sent, 2.0) * clean,
-            _sat(sum(w in self._keywords for w in words) / n_words, 6.0) * clean,
+            _sat((sum(w in self._keywords for w in words) + technical) / n_words, 6.0) * clean,
             _sat((numbers + caps) / n_words, 12.0) * clean,
             _sat(sum(w in _CONNECT for w in words) / n_sent, 1.5) * clean,
             _sat(sum(len(w) >= 11 or w in _RARE for w in words) / n_words, 15.0),

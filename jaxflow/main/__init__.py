@@ -1,0 +1,1 @@
+"""Experiment drivers: ``main(config, run) -> dict`` entry points named by configs/*.py."""
