@@ -86,13 +86,12 @@ def student_functions(trunk: TransformerConfig, hierarchy: TagHierarchy, mesh: M
 
 
 def init_student(fns: StudentFunctions, key: jax.Array) -> Any:
-    """Fresh parameters (pure dict), created in their shardings."""
+    """Fresh parameters (pure dict), placed in their (replicated) shardings.
 
-    def init(key):
-        model = DecorateStudent(fns.trunk, fns.hierarchy.sizes, rngs=nnx.Rngs(params=key))
-        return nnx.to_pure_dict(nnx.state(model))
-
-    return jax.jit(init, out_shardings=fns.param_shardings)(key)
+    Built eagerly and then placed: the student is small, and compiling the whole init as one
+    program costs far more than running it."""
+    model = DecorateStudent(fns.trunk, fns.hierarchy.sizes, rngs=nnx.Rngs(params=key))
+    return jax.device_put(nnx.to_pure_dict(nnx.state(model)), fns.param_shardings)
 
 
 def encode_texts(texts: Sequence[str], tokenizer: CharTokenizer, length: int) -> tuple[np.ndarray, np.ndarray]:

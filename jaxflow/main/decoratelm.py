@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxflow.config import ConfigError
 from jaxflow.decorate import corpus as C
 from jaxflow.decorate import decorate as D
 from jaxflow.decorate import selection as S
@@ -181,6 +182,10 @@ def main(config, run: RunContext) -> dict:
 
     # 1. corpus ----------------------------------------------------------------------------
     pool, heldout, probe, fingerprint = build_corpus(cc, hierarchy, config.seed)
+    pool_tokens = sum(C.count_tokens(d.text) for d in pool)
+    if config.selection.token_budget > pool_tokens:
+        raise ConfigError(f"selection.token_budget={config.selection.token_budget} exceeds the corpus's "
+                          f"{pool_tokens} tokens; lower it or enlarge the corpus")
     corpus_path = run.out_dir / "corpus.jsonl"
     run.out_dir.mkdir(parents=True, exist_ok=True)
     C.write_jsonl(pool, corpus_path)
