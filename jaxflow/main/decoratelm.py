@@ -285,7 +285,7 @@ def main(config, run: RunContext) -> dict:
                     hierarchy.sizes[0])})
             results[arm].append(res)
             done += 1
-            run.log(done, {"arm": ARMS.index(arm), "seed": seed, **res})
+            run.log(sc.steps + done, {"arm": ARMS.index(arm), "seed": seed, **res})
     lm_s = time.time() - t0
 
     table_rows = {}
