@@ -46,10 +46,7 @@ def sample_pairs(n_items: int, min_comparisons: int, *, key: jax.Array) -> np.nd
     for k in jax.random.split(key, rounds):
         perm = np.asarray(jax.random.permutation(k, n_items))
         out.append(np.stack([perm, np.roll(perm, -1)], axis=1))
-    pairs = np.concatenate(out).astype(np.int32)
-    if n_items == 2:  # a 2-cycle pairs (a, b) with (b, a): still two comparisons each
-        return pairs
-    return pairs
+    return np.concatenate(out).astype(np.int32)
 
 
 def validate_pairs(pairs: np.ndarray, n_items: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.tokenizer import CharTokenizer
-from jaxflow.decorate.editing import KEEP, N_OPS, BidirectionalTrunk, EditHead, apply_ops, edit_similarity
+from jaxflow.decorate.editing import KEEP, BidirectionalTrunk, EditHead, apply_ops, edit_similarity
 from jaxflow.decorate.rating import CRITERIA, spearman
 from jaxflow.decorate.tagging import TagHierarchy, hierarchical_accuracy, hierarchical_decode
 from jaxflow.models.transformer import TransformerConfig

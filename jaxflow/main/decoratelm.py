@@ -265,7 +265,7 @@ def main(config, run: RunContext) -> dict:
                       {"heldout_real": [d.text for d in heldout], "probe": [d.text for d in probe]}, T)
     results = {arm: [] for arm in ARMS}
     selections = {arm: [] for arm in ARMS}
-    run.set_total_steps(len(ARMS) * config.seeds, "lm arms")
+    run.set_total_steps(sc.steps + len(ARMS) * config.seeds, "lm arms")
     t0 = time.time()
     done = 0
     for seed in range(config.seeds):
