@@ -75,7 +75,7 @@ class DecorateConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SelectionConfig:
-    token_budget: int = 150_000
+    token_budget: int = 200_000
     coefs: tuple[float, ...] = DEFAULT_COEFS
     tag_exponent: float = 0.5
 
@@ -83,8 +83,8 @@ class SelectionConfig:
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
     model: TransformerConfig = TransformerConfig(
-        vocab_size=99, d_model=96, n_layers=3, n_heads=4, n_kv_heads=4, d_ff=256, max_seq_len=160)
-    steps: int = 1500
+        vocab_size=99, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=192, max_seq_len=160)
+    steps: int = 600
     batch_size: int = 32
     seq_len: int = 128
     eval_batch_size: int = 64
