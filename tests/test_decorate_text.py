@@ -113,3 +113,23 @@ def test_readers_and_bad_input(tmp_path):
     stats = C.ReadStats()
     assert [d.id for d in C.read_text_dir(tmp_path / "d", max_chars=64, stats=stats)] == ["x.txt"]
     assert stats.empty == 1
+
+
+def test_label_file_annotator(tmp_path):
+    from jaxflow.decorate.teacher import LabelFileAnnotator
+
+    rows = [{"text": "alpha", "scores": [1, 2, 3, 4, 5, 6, 7, 8], "tag": H.path(5), "edit": "Alpha."},
+            {"text": "beta", "scores": [2, 2, 1, 4, 5, 6, 7, 9], "tag": H.path(80)}]
+    path = tmp_path / "labels.jsonl"
+    path.write_text("".join(json.dumps({**r, "tag": list(r["tag"])}) + "\n" for r in rows))
+    ann = LabelFileAnnotator(H, path)
+    np.testing.assert_array_equal(ann.compare(["alpha"], ["beta"])[0], [0, .5, 1, .5, .5, .5, .5, 0])
+    np.testing.assert_array_equal(ann.tag(["beta"]), [H.path(80)])
+    assert ann.edit(["alpha"]) == ["Alpha."]
+    with pytest.raises(ValueError, match="no 'edit' for text 'beta'"):
+        ann.edit(["beta"])
+    with pytest.raises(ValueError, match="no 'scores' for text 'gamma'"):
+        ann.compare(["gamma"], ["alpha"])
+    path.write_text(json.dumps({"text": "x", "tag": [0, 0, 83]}) + "\n")
+    with pytest.raises(ValueError, match="not a path"):
+        LabelFileAnnotator(H, path)

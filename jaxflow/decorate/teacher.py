@@ -7,8 +7,8 @@ An annotator is anything with three methods (records in, labels out):
 * ``tag(texts) -> [N, 3]`` tag paths of a ``TagHierarchy``;
 * ``edit(texts) -> list[str]`` rewritten texts.
 
-``CallableAnnotator`` wraps user functions (an LLM endpoint, a label-file lookup) and checks
-what they return. With no network, ``ProgrammaticTeacher`` is the default: its judgements are
+``CallableAnnotator`` wraps user functions (e.g. calls to an LLM endpoint) and checks what they
+return; ``LabelFileAnnotator`` answers from a JSONL file of stored labels. With no network, ``ProgrammaticTeacher`` is the default: its judgements are
 computable from the text, so every experiment can verify them.
 
 ProgrammaticTeacher, documented rules (``criteria_features``): each criterion is a saturating
@@ -286,3 +286,48 @@ def annotate(annotator: Annotator, texts: Sequence[str], *, min_comparisons: int
     return {"pairs": pairs, "outcomes": outcomes, "scores": scores,
             "uniform": uniform_scores(scores), "tags": tags, "edits": edits, "ops": ops,
             "unrepresentable": missing}
+
+
+class LabelFileAnnotator:
+    """An annotator answering from a JSONL label file (e.g. an LLM's stored annotations).
+
+    One row per text: ``{"text": str, "scores": [8 floats], "tag": [l1, l2, l3], "edit": str}``
+    (each label optional). ``compare`` orders two texts by their stored per-criterion scores
+    (ties 0.5); a text without a row, or without the label asked for, raises ValueError naming
+    it.
+    """
+
+    def __init__(self, hierarchy: TagHierarchy, path):
+        import json
+
+        self.hierarchy = hierarchy
+        self._rows: dict[str, dict] = {}
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if "text" not in row:
+                    raise ValueError(f"{path}:{lineno}: label row needs a 'text' field")
+                if "tag" in row:
+                    validate_tags(np.asarray([row["tag"]]), hierarchy)
+                if "scores" in row and len(row["scores"]) != len(CRITERIA):
+                    raise ValueError(f"{path}:{lineno}: 'scores' needs {len(CRITERIA)} values")
+                self._rows[row["text"]] = row
+
+    def _get(self, text: str, field: str):
+        row = self._rows.get(text)
+        if row is None or field not in row:
+            raise ValueError(f"label file has no {field!r} for text {text[:60]!r}")
+        return row[field]
+
+    def compare(self, texts_a, texts_b):
+        sa = np.asarray([self._get(t, "scores") for t in texts_a], np.float64).reshape(-1, len(CRITERIA))
+        sb = np.asarray([self._get(t, "scores") for t in texts_b], np.float64).reshape(-1, len(CRITERIA))
+        return np.where(sa > sb, 1.0, np.where(sa < sb, 0.0, 0.5)).astype(np.float32)
+
+    def tag(self, texts):
+        return validate_tags(np.asarray([self._get(t, "tag") for t in texts]).reshape(-1, 3), self.hierarchy)
+
+    def edit(self, texts):
+        return [str(self._get(t, "edit")) for t in texts]
