@@ -63,8 +63,9 @@ def test_decoration_resumes_bit_identically(student, tmp_path):
     for col in D.COLUMNS:
         assert a[col].tobytes() == b[col].tobytes(), col
     np.testing.assert_array_equal(a["lengths"], [len(d.text) + 1 for d in docs])
-    with pytest.raises(ValueError, match="chunk the corpus first"):
+    with pytest.raises(ValueError, match=r"document \d+ \('tpl:\d+'\) has \d+ characters > seq_len=16"):
         D.decorate_corpus(path, tmp_path / "short", **{**kw, "seq_len": 16})
+    assert not (tmp_path / "short").exists()  # rejected before anything was written
 
 
 def test_student_predict_lowers_for_tpu_and_gpu():

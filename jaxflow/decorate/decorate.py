@@ -73,8 +73,19 @@ def read_table(directory: str | pathlib.Path, columns=COLUMNS) -> dict[str, np.n
 
 
 def count_documents(path: str | pathlib.Path, max_chars: int) -> int:
-    """Documents ``corpus.read_jsonl`` yields from ``path`` (one streaming pass)."""
-    return sum(1 for _ in read_jsonl(path, max_chars=max_chars))
+    """Documents ``corpus.read_jsonl`` yields from ``path`` (one streaming pass).
+
+    Raises:
+      ValueError: naming the first document longer than ``max_chars`` (stored documents with
+        known fields are not re-chunked by the reader; chunk the corpus first).
+    """
+    n = 0
+    for doc in read_jsonl(path, max_chars=max_chars):
+        if len(doc.text) > max_chars:
+            raise ValueError(f"document {n} ({doc.id!r}) has {len(doc.text)} characters > "
+                             f"seq_len={max_chars}; chunk the corpus first (corpus.chunk_text)")
+        n += 1
+    return n
 
 
 def _batches(path, batch_size: int, max_chars: int, start: int) -> Iterator[list[Document]]:
@@ -115,7 +126,7 @@ def decorate_corpus(corpus_path: str | pathlib.Path, table_dir: str | pathlib.Pa
     Resumes automatically when ``table_dir`` holds a checkpoint.
     """
     table_dir = pathlib.Path(table_dir)
-    n_rows = count_documents(corpus_path, seq_len)
+    n_rows = count_documents(corpus_path, seq_len)  # validates every length before any write
     if n_rows == 0:
         raise ValueError(f"{corpus_path}: no documents to decorate")
     ckpt = Checkpointer(table_dir / "checkpoints", save_every=checkpoint_every, max_to_keep=2,
@@ -132,10 +143,6 @@ def decorate_corpus(corpus_path: str | pathlib.Path, table_dir: str | pathlib.Pa
         if stop_after_batches is not None and k - start >= stop_after_batches:
             break
         texts = [d.text for d in docs]
-        too_long = [i for i, t in enumerate(texts) if len(t) > seq_len]
-        if too_long:
-            raise ValueError(f"document {k * batch_size + too_long[0]} has {len(texts[too_long[0]])} "
-                             f"characters > seq_len={seq_len}; chunk the corpus first")
         tokens, valid = encode_texts(texts, tokenizer, seq_len)
         m = len(texts)
         if m < batch_size:
