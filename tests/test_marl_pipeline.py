@@ -164,6 +164,7 @@ def test_trainer_stopped_mid_version_resumes_bit_identically(setup, strict_run, 
     with pytest.raises(Interrupted):
         run_strict(wf, runtimes, _policies(runtimes, init), steps=STEPS, n_inputs=INPUTS,
                    seed=0, store=store, interrupt=lambda *at: at == stop_at, timeout_s=300)
+    store.close()  # the stopped trainer's process is gone: its writer lock with it
     reopened = ExperienceStore.open(str(tmp_path))
     state = reopened.consumer_state("solver")
     assert (int(state["version"]), int(state["micro"])) == (1, 1)  # really mid-version

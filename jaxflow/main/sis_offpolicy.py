@@ -89,8 +89,9 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
              initial_accuracy: tuple[float, float], kill_at: int) -> dict:
     """One RL run; returns its record for cells.jsonl."""
     sched = config.train
-    rl = dataclasses.replace(config.rl, algo=cell.algo, correction=cell.correction,
-                             mismatch=cell.mismatch, lag=cell.lag, staleness=cell.staleness)
+    loss = dataclasses.replace(config.rl.loss, algo=cell.algo, correction=cell.correction)
+    rl = dataclasses.replace(config.rl, loss=loss, mismatch=cell.mismatch, lag=cell.lag,
+                             staleness=cell.staleness)
     trainer = GRPOTrainer(config.pretrain.model, rl, config.optim, _task(config), CharTokenizer(),
                           meshes, seed=config.seed * 1000 + cell.seed,
                           total_rollouts=sched.rollouts, sync=config.sync)
@@ -129,6 +130,7 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
         if ckpt.save(done, state, force=done == sched.rollouts) and base + done == kill_at:
             ckpt.wait()
             os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.stop_if_requested(done, state)  # SIGINT / SIGTERM: checkpoint this rollout, stop
     ckpt.close()
 
     def mean_of(key, rows):
