@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
 from jaxflow.mesh import MeshConfig
 
 DESCRIPTION = "sharded embedding lookup + sparse update vs dense jnp.take baseline; Pallas bag kernel"
 ENTRY = "jaxflow.main.bench_embedding:main"
-VARIANTS = ("quick", "default", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +46,19 @@ class Config:
     devices: int = 8  # fake CPU devices the runner creates when --devices is not given
 
 
-def get_config(variant: str) -> Config:
-    if variant == "quick":
-        return Config(vocab_size=200_000, dim=32, batch_size=2048, capacity=4096, kernel_bags=32)
-    if variant == "default":
-        return Config(capacity=8192, pairs=20)
-    if variant == "full":
-        return Config(num_tables=26, vocab_size=2_000_000, dim=128, batch_size=65536, pairs=30,
-                      capacity=131072,
-                      kernel_vocab=100_000, kernel_bags=65536)
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+def _quick() -> Config:
+    return Config(vocab_size=200_000, dim=32, batch_size=2048, capacity=4096, kernel_bags=32)
+
+
+def _default() -> Config:
+    return Config(capacity=8192, pairs=20)
+
+
+def _full() -> Config:
+    return Config(num_tables=26, vocab_size=2_000_000, dim=128, batch_size=65536, pairs=30,
+                  capacity=131072,
+                  kernel_vocab=100_000, kernel_bags=65536)
+
+
+get_config = Variants(quick=_quick, default=_default, full=_full)
+VARIANTS = get_config.variants

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
+
 DESCRIPTION = "packing algorithms: waste, imbalance, speed on long-tailed multi-image lengths"
 ENTRY = "jaxflow.main.bench_packing:main"
-VARIANTS = ("quick", "default", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +31,13 @@ class Config:
     row_granularity: int = 32
 
 
-def get_config(variant: str) -> Config:
-    if variant == "quick":
-        return Config(batch_sizes=(64, 256), batches=5)
-    if variant == "default":
-        return Config()
-    if variant == "full":
-        return Config(batch_sizes=(64, 256, 1024), batches=50)
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+def _quick() -> Config:
+    return Config(batch_sizes=(64, 256), batches=5)
+
+
+def _full() -> Config:
+    return Config(batch_sizes=(64, 256, 1024), batches=50)
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
+VARIANTS = get_config.variants

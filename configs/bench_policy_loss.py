@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
+
 DESCRIPTION = "policy-loss step from hidden states: SIS overhead vs none, fused vs naive log-prob bytes"
 ENTRY = "jaxflow.main.bench_policy_loss:main"
-VARIANTS = ("quick", "default", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +47,13 @@ class Config:
             raise ValueError(f"topk={self.topk} must be in [1, vocab={self.vocab}]")
 
 
-def get_config(variant: str) -> Config:
-    if variant == "quick":
-        return Config(batch=4, seq_len=128, d_model=128, vocab=4096, vocab_tile=1024)
-    if variant == "default":
-        return Config()
-    if variant == "full":
-        return Config(vocab=131072, pairs=20)
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+def _quick() -> Config:
+    return Config(batch=4, seq_len=128, d_model=128, vocab=4096, vocab_tile=1024)
+
+
+def _full() -> Config:
+    return Config(vocab=131072, pairs=20)
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
+VARIANTS = get_config.variants

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
 from jaxflow.prune.masks import parse_sparsity
 
 DESCRIPTION = "SparseGPT per-layer time and reconstruction error vs llmcompressor (torch)"
 ENTRY = "jaxflow.main.bench_sparsegpt:main"
-VARIANTS = ("quick", "default", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,13 +39,16 @@ class Config:
                 raise ValueError(f"layers: {shape!r} is not 'ROWSxCOLS'")
 
 
-def get_config(variant: str) -> Config:
+def _quick() -> Config:
     base = Config()
-    if variant == "quick":
-        return dataclasses.replace(base, layers=("256x256", "768x256"), tokens=2048, pairs=10)
-    if variant == "default":
-        return base
-    if variant == "full":
-        return dataclasses.replace(base, layers=base.layers + ("2048x2048", "5632x2048", "2048x5632"),
-                                   tokens=8192)
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    return dataclasses.replace(base, layers=("256x256", "768x256"), tokens=2048, pairs=10)
+
+
+def _full() -> Config:
+    base = Config()
+    return dataclasses.replace(base, layers=base.layers + ("2048x2048", "5632x2048", "2048x5632"),
+                               tokens=8192)
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
+VARIANTS = get_config.variants

@@ -8,9 +8,10 @@ baseline and a memory copy, on synthetic optimizer-made bf16 trees.
 
 import dataclasses
 
+from jaxflow.config import Variants
+
 DESCRIPTION = "Sparse bf16 weight-sync codecs: bytes vs entropy bound and encode/apply GB/s"
 ENTRY = "jaxflow.main.bench_sync_codec:main"
-VARIANTS = ("quick", "default", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +28,17 @@ class Config:
     zstd_level: int = 3
 
 
-def get_config(variant: str) -> Config:
-    if variant == "quick":
-        return Config(d_model=256, n_layers=4, vocab=8192)
-    if variant == "default":
-        return Config()  # 6 x 12.6M + 33.6M = 109M bf16 elements
-    if variant == "full":
-        return Config(d_model=2048, n_layers=8, vocab=50304, timing_rounds_other=2)
-    raise ValueError(f"unknown variant {variant!r}; valid: {VARIANTS}")
+def _quick() -> Config:
+    return Config(d_model=256, n_layers=4, vocab=8192)
+
+
+def _default() -> Config:
+    return Config()  # 6 x 12.6M + 33.6M = 109M bf16 elements
+
+
+def _full() -> Config:
+    return Config(d_model=2048, n_layers=8, vocab=50304, timing_rounds_other=2)
+
+
+get_config = Variants(quick=_quick, default=_default, full=_full)
+VARIANTS = get_config.variants

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxflow.config import require_positive
+from jaxflow.config import Variants, require_positive
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.prune.calibration import SOURCES, CalibrationConfig
@@ -24,7 +24,6 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "SparseGPT calibration sources x sparsity: per-capability retention and perplexity correlation"
 ENTRY = "jaxflow.main.calibration_tradeoffs:main"
-VARIANTS = ("quick", "default", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,23 +69,26 @@ class Config:
             raise ValueError(f"draws={self.draws}: must be >= 1")
 
 
-def get_config(variant: str) -> Config:
+def _quick() -> Config:
     base = Config()
-    if variant == "quick":
-        return dataclasses.replace(
-            base,
-            model=TransformerConfig(vocab_size=60, d_model=96, n_layers=2, n_heads=4, n_kv_heads=4,
-                                    d_ff=256, max_seq_len=128),
-            train=TrainConfig(steps=500, batch_size=32, seq_len=96, log_every=50),
-            calibration=CalibrationConfig(rows=16, seq_len=96, igsp_pool_factor=2),
-            sources=("math", "code", "text", "random", "mix", "igsp"),
-            sparsities=("0.6",), draws=1, eval_examples=64, math_digits=1)
-    if variant == "default":
-        return base
-    if variant == "full":
-        return dataclasses.replace(
-            base,
-            model=dataclasses.replace(base.model, d_model=192, n_layers=6, d_ff=512),
-            train=dataclasses.replace(base.train, steps=4000),
-            calibration=CalibrationConfig(rows=64, seq_len=128), draws=5, eval_examples=256)
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    return dataclasses.replace(
+        base,
+        model=TransformerConfig(vocab_size=60, d_model=96, n_layers=2, n_heads=4, n_kv_heads=4,
+                                d_ff=256, max_seq_len=128),
+        train=TrainConfig(steps=500, batch_size=32, seq_len=96, log_every=50),
+        calibration=CalibrationConfig(rows=16, seq_len=96, igsp_pool_factor=2),
+        sources=("math", "code", "text", "random", "mix", "igsp"),
+        sparsities=("0.6",), draws=1, eval_examples=64, math_digits=1)
+
+
+def _full() -> Config:
+    base = Config()
+    return dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, d_model=192, n_layers=6, d_ff=512),
+        train=dataclasses.replace(base.train, steps=4000),
+        calibration=CalibrationConfig(rows=64, seq_len=128), draws=5, eval_examples=256)
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
+VARIANTS = get_config.variants

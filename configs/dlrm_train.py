@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxflow.config import require_finite, require_positive
+from jaxflow.config import Variants, require_finite, require_positive
 from jaxflow.mesh import MeshConfig
 from jaxflow.recsys.synthetic import CRITEO_LIKE_VOCABS
 
 DESCRIPTION = "DLRM / DCN-v2 on sharded embeddings; synthetic Criteo-like data; AUC + logloss"
 ENTRY = "jaxflow.main.dlrm_train:main"
-VARIANTS = ("quick", "default", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,17 +89,20 @@ class Config:
     mesh: MeshConfig = MeshConfig(axes=("data",), shape=(-1,))
 
 
-def get_config(variant: str) -> Config:
+def _quick() -> Config:
     base = Config()
-    if variant == "quick":
-        return dataclasses.replace(base, train=dataclasses.replace(
-            base.train, steps=300, batch_size=512, log_every=25, checkpoint_every=150, eval_batches=8))
-    if variant == "default":
-        return base
-    if variant == "full":
-        return dataclasses.replace(
-            base, data=dataclasses.replace(base.data, vocab_sizes=tuple(v * 10 for v in CRITEO_LIKE_VOCABS)),
-            model=dataclasses.replace(base.model, embed_dim=64, bottom=(512, 256), top=(512, 256)),
-            train=dataclasses.replace(base.train, steps=20000, batch_size=8192, checkpoint_every=2000,
-                                      eval_batches=32))
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    return dataclasses.replace(base, train=dataclasses.replace(
+        base.train, steps=300, batch_size=512, log_every=25, checkpoint_every=150, eval_batches=8))
+
+
+def _full() -> Config:
+    base = Config()
+    return dataclasses.replace(
+        base, data=dataclasses.replace(base.data, vocab_sizes=tuple(v * 10 for v in CRITEO_LIKE_VOCABS)),
+        model=dataclasses.replace(base.model, embed_dim=64, bottom=(512, 256), top=(512, 256)),
+        train=dataclasses.replace(base.train, steps=20000, batch_size=8192, checkpoint_every=2000,
+                                  eval_batches=32))
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
+VARIANTS = get_config.variants

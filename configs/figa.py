@@ -21,11 +21,11 @@ import dataclasses
 
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.sis_offpolicy import WARM_START
+from jaxflow.config import Variants
 from jaxflow.align.figa_loss import FigaConfig
 
 DESCRIPTION = "FIGA vs SFT-on-revisions vs DPO on the model's own oracle-revised samples (addition)"
 ENTRY = "jaxflow.main.figa:main"
-VARIANTS = ("quick", "default", "full")
 METHODS = ("sft", "dpo", "figa", "figa_constant")
 
 
@@ -105,19 +105,22 @@ class Config:
             raise ValueError(f"seeds={self.seeds!r} (>= 1) / dpo_beta={self.dpo_beta!r} (> 0)")
 
 
-def get_config(variant: str) -> Config:
+def _default() -> Config:
     base = Config()
-    if variant == "quick":
-        return base
-    if variant == "default":
-        return dataclasses.replace(
-            base, seeds=5, data=dataclasses.replace(base.data, pairs=8192),
-            train=dataclasses.replace(base.train, steps=600, eval_every=50),
-            methods=METHODS)
-    if variant == "full":
-        return dataclasses.replace(
-            base, seeds=10, data=dataclasses.replace(base.data, pairs=16384, max_rounds=128),
-            train=dataclasses.replace(base.train, steps=2000, pairs_per_batch=32,
-                                      eval_every=100, eval_examples=1024),
-            methods=METHODS)
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    return dataclasses.replace(
+        base, seeds=5, data=dataclasses.replace(base.data, pairs=8192),
+        train=dataclasses.replace(base.train, steps=600, eval_every=50),
+        methods=METHODS)
+
+
+def _full() -> Config:
+    base = Config()
+    return dataclasses.replace(
+        base, seeds=10, data=dataclasses.replace(base.data, pairs=16384, max_rounds=128),
+        train=dataclasses.replace(base.train, steps=2000, pairs_per_batch=32,
+                                  eval_every=100, eval_examples=1024),
+        methods=METHODS)
+
+
+get_config = Variants(quick=Config, default=_default, full=_full)
+VARIANTS = get_config.variants

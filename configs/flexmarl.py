@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "FlexMARL micro-batch pipeline (strict / bounded) vs synchronous multi-agent GRPO"
 ENTRY = "jaxflow.main.flexmarl:main"
-VARIANTS = ("quick", "default")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +49,9 @@ class Config:
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=0)
 
 
-def get_config(variant: str) -> Config:
-    if variant == "quick":
-        return Config(n_inputs=4, steps=4, group_size=4, reps=10, micro_inputs=2)
-    if variant == "default":
-        return Config()
-    raise ValueError(f"unknown variant {variant!r}; valid: {VARIANTS}")
+def _quick() -> Config:
+    return Config(n_inputs=4, steps=4, group_size=4, reps=10, micro_inputs=2)
+
+
+get_config = Variants(quick=_quick, default=Config)
+VARIANTS = get_config.variants

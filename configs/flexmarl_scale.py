@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
 from jaxflow.marl.simulate import AgentLoad, Hardware, MeasuredRun
 
 DESCRIPTION = "Simulated FlexMARL vs sync baseline at 8-64 nodes (calibrated from flexmarl)"
 ENTRY = "jaxflow.main.flexmarl_scale:main"
-VARIANTS = ("quick", "default", "full")
 
 # Assumed paper-scale agents: a 7B solver with long-tailed reasoning lengths and a 3B verifier
 # that reads the solver's trajectory 0 and answers briefly.
@@ -48,12 +48,14 @@ class Config:
     hardware: Hardware = Hardware()
 
 
-def get_config(variant: str) -> Config:
-    if variant == "quick":
-        return Config(inputs_per_node=8, versions=3)
-    if variant == "default":
-        return Config()
-    if variant == "full":
-        return Config(nodes=(8, 16, 24, 32, 48, 64), inputs_per_node=32, versions=10,
-                      etas=(1, 2))
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+def _quick() -> Config:
+    return Config(inputs_per_node=8, versions=3)
+
+
+def _full() -> Config:
+    return Config(nodes=(8, 16, 24, 32, 48, 64), inputs_per_node=32, versions=10,
+                  etas=(1, 2))
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
+VARIANTS = get_config.variants

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
 from jaxflow.flow.batching import PackingConfig
 from jaxflow.flow.digits_data import FLOW_ALPHABET, DigitsConfig
 from jaxflow.flow.vit import ViTConfig
@@ -24,7 +25,6 @@ from jaxflow.train.lm_state import OptimConfig
 DESCRIPTION = ("decoupled ViT/LM training on multi-image digits: padded vs packed vs decoupled "
                "samples/s, padding waste, cost imbalance, allocator, held-out accuracy")
 ENTRY = "jaxflow.main.flowtrain:main"
-VARIANTS = ("quick", "default", "full")
 VOCAB = len(FLOW_ALPHABET) + 3
 
 
@@ -87,23 +87,31 @@ class Config:
                              f"{self.model.d_model}")
 
 
-def get_config(variant: str) -> Config:
+def _quick() -> Config:
     base = Config()
-    if variant == "quick":
-        return dataclasses.replace(
-            base, allocator=dataclasses.replace(base.allocator, encoder_candidates=(1, 2),
-                                                profile_repeats=2),
-            train=dataclasses.replace(base.train, rounds=10, block_steps=2, eval_examples=64))
-    if variant == "default":
-        return dataclasses.replace(
-            base, packing=dataclasses.replace(base.packing, row_granularity=16),
-            train=dataclasses.replace(base.train, rounds=100, block_steps=3, eval_examples=256))
-    if variant == "full":
-        return dataclasses.replace(
-            base,
-            model=dataclasses.replace(base.model, d_model=128, n_layers=4, d_ff=384),
-            vit=dataclasses.replace(base.vit, d_model=64, n_layers=2, d_ff=128, out_dim=128),
-            allocator=dataclasses.replace(base.allocator, backbone_model_degrees=(1, 2)),
-            train=dataclasses.replace(base.train, batch_size=64, rounds=300, block_steps=3,
-                                      eval_examples=512))
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    return dataclasses.replace(
+        base, allocator=dataclasses.replace(base.allocator, encoder_candidates=(1, 2),
+                                            profile_repeats=2),
+        train=dataclasses.replace(base.train, rounds=10, block_steps=2, eval_examples=64))
+
+
+def _default() -> Config:
+    base = Config()
+    return dataclasses.replace(
+        base, packing=dataclasses.replace(base.packing, row_granularity=16),
+        train=dataclasses.replace(base.train, rounds=100, block_steps=3, eval_examples=256))
+
+
+def _full() -> Config:
+    base = Config()
+    return dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, d_model=128, n_layers=4, d_ff=384),
+        vit=dataclasses.replace(base.vit, d_model=64, n_layers=2, d_ff=128, out_dim=128),
+        allocator=dataclasses.replace(base.allocator, backbone_model_degrees=(1, 2)),
+        train=dataclasses.replace(base.train, batch_size=64, rounds=300, block_steps=3,
+                                  eval_examples=512))
+
+
+get_config = Variants(quick=_quick, default=_default, full=_full)
+VARIANTS = get_config.variants

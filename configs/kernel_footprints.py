@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
+
 DESCRIPTION = "Pallas kernels lowered for tpu/cuda: grids, blocks and per-program footprints"
 ENTRY = "jaxflow.main.kernel_footprints:main"
-VARIANTS = ("quick", "default")
 _SIZES = ("test", "production")
 _PLATFORMS = ("tpu", "cuda")
 
@@ -34,7 +35,6 @@ class Config:
                 raise ValueError(f"platform {p!r}; valid: {', '.join(_PLATFORMS)}")
 
 
-def get_config(variant: str) -> Config:
-    if variant in VARIANTS:
-        return Config()
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+# every variant is the same study (it reads a run, or lowers at fixed sizes)
+get_config = Variants(quick=Config, default=Config)
+VARIANTS = get_config.variants

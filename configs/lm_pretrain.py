@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxflow.config import require_positive
+from jaxflow.config import Variants, require_positive
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "decoder LM pretraining on multi-digit addition; loss + held-out exact-match accuracy"
 ENTRY = "jaxflow.main.lm_pretrain:main"
-VARIANTS = ("quick", "default", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,22 +64,25 @@ class Config:
                              f"{self.model.max_seq_len}; valid: train.seq_len <= model.max_seq_len")
 
 
-def get_config(variant: str) -> Config:
+def _quick() -> Config:
     base = Config()
-    if variant == "quick":
-        return dataclasses.replace(
-            base,
-            train=dataclasses.replace(base.train, steps=400, batch_size=32, eval_every=200,
-                                      eval_examples=256, checkpoint_every=200),
-        )
-    if variant == "default":
-        return base
-    if variant == "full":
-        return dataclasses.replace(
-            base,
-            model=dataclasses.replace(base.model, d_model=256, n_layers=4, n_heads=8, d_ff=768),
-            data=dataclasses.replace(base.data, max_digits=5),
-            train=dataclasses.replace(base.train, steps=20000, batch_size=128, eval_every=2000,
-                                      checkpoint_every=2000),
-        )
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    return dataclasses.replace(
+        base,
+        train=dataclasses.replace(base.train, steps=400, batch_size=32, eval_every=200,
+                                  eval_examples=256, checkpoint_every=200),
+    )
+
+
+def _full() -> Config:
+    base = Config()
+    return dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, d_model=256, n_layers=4, n_heads=8, d_ff=768),
+        data=dataclasses.replace(base.data, max_digits=5),
+        train=dataclasses.replace(base.train, steps=20000, batch_size=128, eval_every=2000,
+                                  checkpoint_every=2000),
+    )
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
+VARIANTS = get_config.variants

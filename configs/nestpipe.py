@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
+
 DESCRIPTION = "NestPipe dual-buffer / frozen-window pipelines vs sync over host-resident tables"
 ENTRY = "jaxflow.main.nestpipe:main"
-VARIANTS = ("quick", "default", "full")
 PIPELINE_NAMES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
 
 
@@ -64,18 +65,24 @@ class Config:
                              f" x micro_batches={self.micro_batches}")
 
 
-def get_config(variant: str) -> Config:
-    if variant == "quick":  # capacities ~1.5x the maxima seen over the run's batches
-        return Config(capacity=3072, bucket_capacity=512, micro_bucket_capacity=192,
-                      owner_capacity=2048)
-    if variant == "default":
-        return Config(batch_size=8192, embed_dim=64, steps=500, pairs=20, timing_steps=16,
-                      capacity=12288, bucket_capacity=1664, micro_bucket_capacity=576,
-                      owner_capacity=8192, step_check_steps=20,
-                      vocab_sizes=(2_000_000, 1_000_000, 500_000, 200_000, 50_000, 10_000, 1_000, 100))
-    if variant == "full":
-        return Config(batch_size=32768, embed_dim=128, steps=2000, pairs=30, timing_steps=16,
-                      micro_batches=8, bottom=(512, 256), top=(512, 256),
-                      vocab_sizes=(10_000_000, 5_000_000, 2_000_000, 1_000_000, 200_000,
-                                   50_000, 1_000, 100))
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+def _quick() -> Config:  # capacities ~1.5x the maxima seen over the run's batches
+    return Config(capacity=3072, bucket_capacity=512, micro_bucket_capacity=192,
+                  owner_capacity=2048)
+
+
+def _default() -> Config:
+    return Config(batch_size=8192, embed_dim=64, steps=500, pairs=20, timing_steps=16,
+                  capacity=12288, bucket_capacity=1664, micro_bucket_capacity=576,
+                  owner_capacity=8192, step_check_steps=20,
+                  vocab_sizes=(2_000_000, 1_000_000, 500_000, 200_000, 50_000, 10_000, 1_000, 100))
+
+
+def _full() -> Config:
+    return Config(batch_size=32768, embed_dim=128, steps=2000, pairs=30, timing_steps=16,
+                  micro_batches=8, bottom=(512, 256), top=(512, 256),
+                  vocab_sizes=(10_000_000, 5_000_000, 2_000_000, 1_000_000, 200_000,
+                               50_000, 1_000, 100))
+
+
+get_config = Variants(quick=_quick, default=_default, full=_full)
+VARIANTS = get_config.variants

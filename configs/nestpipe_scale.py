@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
+
 DESCRIPTION = "NestPipe at 128 -> 1,536 workers: discrete-event simulator validated on TorchRec's 44%"
 ENTRY = "jaxflow.main.nestpipe_scale:main"
-VARIANTS = ("quick", "default", "full")
 PIPELINE_NAMES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
 
 
@@ -70,11 +71,13 @@ class Config:
             raise ValueError(f"device_copy_speedup={self.device_copy_speedup}; need > 0")
 
 
-def get_config(variant: str) -> Config:
-    if variant == "quick":
-        return Config()
-    if variant == "default":
-        return Config(workers=(128, 256, 384, 512, 768, 1024, 1280, 1536), batches=32, repeats=5)
-    if variant == "full":
-        return Config(workers=tuple(range(128, 1537, 128)), batches=64, warmup=8, repeats=10)
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+def _default() -> Config:
+    return Config(workers=(128, 256, 384, 512, 768, 1024, 1280, 1536), batches=32, repeats=5)
+
+
+def _full() -> Config:
+    return Config(workers=tuple(range(128, 1537, 128)), batches=64, warmup=8, repeats=10)
+
+
+get_config = Variants(quick=Config, default=_default, full=_full)
+VARIANTS = get_config.variants

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
+
 DESCRIPTION = ("SIS vs token/sequence IS, TIS, MIS (GRPO/DAPO/GSPO/CISPO/SA-GCPO): exact-gradient "
                "bias and variance on a toy policy")
 ENTRY = "jaxflow.main.sis_exact_gradient:main"
-VARIANTS = ("quick", "default", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +54,16 @@ class Config:
     mis_high: float = 2.0
 
 
-def get_config(variant: str) -> Config:
-    if variant == "quick":
-        # a smaller vocabulary (512 responses) keeps the quick run (and its test) short
-        return Config(vocab=8, topk=8, perturbations=(0.0, 1.0), draws=1000, chunk=1000,
-                      exact_chunk=256)
-    if variant == "default":
-        return Config()
-    if variant == "full":
-        return Config(perturbations=(0.0, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0), draws=20000,
-                      chunk=1000)
-    raise ValueError(f"unknown variant {variant!r}; valid variants: {VARIANTS}")
+def _quick() -> Config:
+    # a smaller vocabulary (512 responses) keeps the quick run (and its test) short
+    return Config(vocab=8, topk=8, perturbations=(0.0, 1.0), draws=1000, chunk=1000,
+                  exact_chunk=256)
+
+
+def _full() -> Config:
+    return Config(perturbations=(0.0, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0), draws=20000,
+                  chunk=1000)
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
+VARIANTS = get_config.variants

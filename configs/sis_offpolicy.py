@@ -34,7 +34,7 @@ import dataclasses
 
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.lm_pretrain import DataConfig, TrainConfig
-from jaxflow.config import require_positive
+from jaxflow.config import Variants, require_positive
 from jaxflow.models.pretrained import HFSource
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig
@@ -45,7 +45,6 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "SIS vs GRPO/DAPO/GSPO/CISPO under policy lag, staleness and sampler mismatch"
 ENTRY = "jaxflow.main.sis_offpolicy:main"
-VARIANTS = ("quick", "default", "full")
 
 #: The warm-start recipe: ~85k-param model, 2-digit addition, ~2 min on a 2-core CPU.
 WARM_START = PretrainConfig(
@@ -147,31 +146,33 @@ class Config:
                              f" * rl.group_size = {size}")
 
 
-def get_config(variant: str) -> Config:
+def _quick() -> Config:
     base = Config()
-    if variant == "quick":
-        return dataclasses.replace(
-            base,
-            grid=GridConfig(algos=("grpo",), corrections=("none", "sis"), lags=(1, 8),
-                            mismatches=("noise0.3",), mismatch_corrections=("tis", "sis+tis"),
-                            mismatch_lag=8, seeds=1),
-            train=ScheduleConfig(rollouts=16, eval_every=8, eval_examples=128,
-                                 eval_samples=4, checkpoint_every=8),
-        )
-    if variant == "default":
-        return base
-    if variant == "full":
-        # SA-GCPO joins the algorithms here (not in the ~2 h default); rl.loss.agg None lets each
-        # algorithm use its own default aggregation (token-mean; seq-mean-token-mean for
-        # sa_gcpo, as OxygenREC). Rewards are 0/1 with no per-request target, so SA-GCPO's
-        # target gate does not apply: it is the soft gate on group-normalised advantages.
-        return dataclasses.replace(
-            base,
-            rl=dataclasses.replace(base.rl, loss=dataclasses.replace(base.rl.loss, agg=None)),
-            grid=dataclasses.replace(base.grid, algos=(*base.grid.algos, "sa_gcpo"),
-                                     mismatches=("bf16", "noise0.1", "noise0.3"),
-                                     stalenesses=(1, 2, 4), seeds=5),
-            train=ScheduleConfig(rollouts=100, eval_every=10, eval_examples=512,
-                                 checkpoint_every=10),
-        )
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    return dataclasses.replace(
+        base,
+        grid=GridConfig(algos=("grpo",), corrections=("none", "sis"), lags=(1, 8),
+                        mismatches=("noise0.3",), mismatch_corrections=("tis", "sis+tis"),
+                        mismatch_lag=8, seeds=1),
+        train=ScheduleConfig(rollouts=16, eval_every=8, eval_examples=128,
+                             eval_samples=4, checkpoint_every=8),
+    )
+
+
+def _full() -> Config:
+    base = Config()
+    # SA-GCPO joins the algorithms here (not in the ~2 h default); rl.loss.agg is None by
+    # default, so each algorithm uses its own default aggregation (token-mean; seq-mean-token-
+    # mean for sa_gcpo, as OxygenREC). Rewards are 0/1 with no per-request target, so SA-GCPO's
+    # target gate does not apply: it is the soft gate on group-normalised advantages.
+    return dataclasses.replace(
+        base,
+        grid=dataclasses.replace(base.grid, algos=(*base.grid.algos, "sa_gcpo"),
+                                 mismatches=("bf16", "noise0.1", "noise0.3"),
+                                 stalenesses=(1, 2, 4), seeds=5),
+        train=ScheduleConfig(rollouts=100, eval_every=10, eval_examples=512,
+                             checkpoint_every=10),
+    )
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
+VARIANTS = get_config.variants

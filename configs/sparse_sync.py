@@ -20,6 +20,7 @@ import dataclasses
 
 from configs.sis_offpolicy import WARM_START, RolesConfig
 from configs.lm_pretrain import Config as PretrainConfig
+from jaxflow.config import Variants
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.sync.encoder import CODECS
 from jaxflow.sync.weight_sync import SyncConfig
@@ -27,7 +28,6 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "Sparse bf16 weight sync on real GRPO runs: bytes, ratio, bound, bit-exactness"
 ENTRY = "jaxflow.main.sparse_sync:main"
-VARIANTS = ("quick", "default", "full")
 DEFAULT_INTERVALS = (1, 4, 16)  # the sweep when neither ``intervals`` nor ``sync.every`` is set
 
 
@@ -81,12 +81,15 @@ class Config:
         return (self.sync.every,) if self.sync.every != 1 else DEFAULT_INTERVALS
 
 
-def get_config(variant: str) -> Config:
+def _quick() -> Config:
     base = Config()
-    if variant == "quick":
-        return dataclasses.replace(base, steps=16)
-    if variant == "default":
-        return base
-    if variant == "full":
-        return dataclasses.replace(base, steps=256, intervals=(1, 2, 4, 8, 16, 32))
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    return dataclasses.replace(base, steps=16)
+
+
+def _full() -> Config:
+    base = Config()
+    return dataclasses.replace(base, steps=256, intervals=(1, 2, 4, 8, 16, 32))
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
+VARIANTS = get_config.variants

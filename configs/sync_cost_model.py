@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
+
 DESCRIPTION = "Projected sync wire time (8B/70B/671B x 400/25/1 Gb/s) from measured ratios"
 ENTRY = "jaxflow.main.sync_cost_model:main"
-VARIANTS = ("quick", "default", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,6 @@ class Config:
     networks: tuple = (("400Gbps", 400.0), ("25Gbps", 25.0), ("1Gbps", 1.0))
 
 
-def get_config(variant: str) -> Config:
-    if variant in ("quick", "default", "full"):
-        return Config()
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+# every variant is the same study (it reads a run, or lowers at fixed sizes)
+get_config = Variants(quick=Config, default=Config, full=Config)
+VARIANTS = get_config.variants

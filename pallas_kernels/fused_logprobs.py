@@ -431,9 +431,52 @@ def _fused_ids_bwd(temperature, blocks, interpret, res, cts):
 _fused_ids.defvjp(_fused_ids_fwd, _fused_ids_bwd)
 
 
+def flatten_rows(hidden: jax.Array, targets: jax.Array, topk_indices: jax.Array | None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array | None, tuple[int, ...]]:
+    """Any leading shape -> rows: (h [N, d], targets [N] int32, topk_indices [N, K] int32 |
+    None, the leading shape). Every backend's public wrapper uses this and
+    :func:`unflatten_rows`; the row functions below assume validated inputs."""
+    lead = hidden.shape[:-1]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).astype(jnp.int32)
+    k = None
+    if topk_indices is not None:
+        k = topk_indices.reshape(h.shape[0], topk_indices.shape[-1]).astype(jnp.int32)
+    return h, t, k, lead
+
+
+def unflatten_rows(out: FusedLogprobsOutput, lead: tuple[int, ...]) -> FusedLogprobsOutput:
+    """Row outputs ([N], [N, K]) back to the leading shape ([...], [..., K])."""
+    return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), out)
+
+
 @functools.partial(
     jax.jit, static_argnames=("own_topk", "temperature", "block_sizes", "interpret")
 )
+def fused_logprobs_rows(h: jax.Array, head: jax.Array, targets: jax.Array,
+                        topk_indices: jax.Array | None = None, *, own_topk: int = 0,
+                        temperature: float = 1.0,
+                        block_sizes: FusedLogprobsBlockSizes | None = None,
+                        interpret: bool = False) -> FusedLogprobsOutput:
+    """The kernel on rows (h [N, d], targets [N] int32, topk_indices [N, K] int32 | None),
+    inputs already validated; outputs [N] / [N, K]."""
+    n, d = h.shape
+    cols = [targets.reshape(n, 1)]
+    if topk_indices is not None:
+        cols.append(topk_indices)
+    ids = jnp.concatenate(cols, axis=1)
+    blocks = block_sizes or FusedLogprobsBlockSizes.get_default(
+        d=d, dtype=h.dtype, num_ids=ids.shape[1])
+    blocks = blocks.clamp(n, head.shape[1])
+    logp, lse = _fused_ids(h, head, ids, float(temperature), blocks, interpret)
+    own_v = own_i = None
+    if own_topk:
+        own_v, own_i = _own_topk(jax.lax.stop_gradient(h), jax.lax.stop_gradient(head),
+                                 jax.lax.stop_gradient(lse), own_topk, float(temperature))
+    return FusedLogprobsOutput(logp[:, 0], logp[:, 1:] if topk_indices is not None else None,
+                               own_v, own_i)
+
+
 def fused_logprobs(
     hidden: jax.Array,
     head: jax.Array,
@@ -453,26 +496,7 @@ def fused_logprobs(
     ``FusedLogprobsBlockSizes.get_default()`` for this backend, d and dtype.
     """
     validate_inputs(hidden, head, targets, topk_indices, own_topk, temperature)
-    lead = hidden.shape[:-1]
-    h = hidden.reshape(-1, hidden.shape[-1])
-    n, d = h.shape
-    cols = [targets.reshape(n, 1).astype(jnp.int32)]
-    num_given = 0
-    if topk_indices is not None:
-        num_given = topk_indices.shape[-1]
-        cols.append(topk_indices.reshape(n, num_given).astype(jnp.int32))
-    ids = jnp.concatenate(cols, axis=1)
-    blocks = block_sizes or FusedLogprobsBlockSizes.get_default(
-        d=d, dtype=hidden.dtype, num_ids=ids.shape[1])
-    blocks = blocks.clamp(n, head.shape[1])
-    logp, lse = _fused_ids(h, head, ids, float(temperature), blocks, interpret)
-    own_v = own_i = None
-    if own_topk:
-        own_v, own_i = _own_topk(jax.lax.stop_gradient(h), jax.lax.stop_gradient(head),
-                                 jax.lax.stop_gradient(lse), own_topk, float(temperature))
-        own_v, own_i = own_v.reshape(lead + (own_topk,)), own_i.reshape(lead + (own_topk,))
-    return FusedLogprobsOutput(
-        logp[:, 0].reshape(lead),
-        logp[:, 1:].reshape(lead + (num_given,)) if topk_indices is not None else None,
-        own_v, own_i,
-    )
+    h, t, k, lead = flatten_rows(hidden, targets, topk_indices)
+    out = fused_logprobs_rows(h, head, t, k, own_topk=own_topk, temperature=float(temperature),
+                              block_sizes=block_sizes, interpret=interpret)
+    return unflatten_rows(out, lead)

@@ -22,7 +22,6 @@ the iotas and would need TMA copies of the 128-update chunks). No custom_vjp.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -30,38 +29,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import dispatch
+from pallas_kernels.sync_tiles import SyncBlockSizes as BlockSizes  # noqa: F401  (public name)
 
 LANES = 128
-_PLATFORMS = ("tpu", "gpu")
 _ANY = pl.BlockSpec(memory_space=pl.ANY)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Rows of 128 lanes per tile (a multiple of 16) and the kernel layout."""
-
-    block_rows: int = 256
-    platform: str = "tpu"
-    num_warps: int = 4
-    num_stages: int = 1
-
-    def __post_init__(self):
-        if self.platform not in _PLATFORMS:
-            raise ValueError(f"platform {self.platform!r}; valid: {', '.join(_PLATFORMS)}")
-        r = self.block_rows
-        if not isinstance(r, int) or r < 16 or r % 16 or (self.platform == "gpu" and r & (r - 1)):
-            raise ValueError(f"block_rows={r!r}; must be a multiple of 16 (a power of two on GPU)")
-
-    @classmethod
-    def get_default(cls, platform: str | None = None) -> BlockSizes:
-        """platform "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU
-        layout, which interpret mode runs)."""
-        if platform is None:
-            platform = "gpu" if dispatch.backend_platform() == "gpu" else "tpu"
-        if platform == "gpu":
-            return cls(block_rows=32, platform="gpu", num_warps=4, num_stages=1)
-        return cls(block_rows=256, platform="tpu")
 
 
 def scatter_apply_reference(dst_bits: jax.Array, positions: jax.Array, values: jax.Array):

@@ -144,17 +144,19 @@ def _grpo_steps():
     from jaxflow.mesh import make_mesh
     from jaxflow.models.transformer import TransformerConfig
     from jaxflow.rl import grpo
+    from jaxflow.rl.policy_loss import PolicyLossConfig
     from jaxflow.train.lm_state import OptimConfig
 
     mesh = make_mesh({"data": 8})
     model = TransformerConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
                               d_ff=64, max_seq_len=32)
     config = grpo.GRPOConfig(prompts_per_rollout=2, group_size=4, max_new_tokens=4,
-                             correction="sis", sis_topk=4, logprob_backend="auto")
-    grpo._compiled.cache_clear()
-    fns, tx, shardings, old_fn, update = grpo._compiled(model, mesh, config,
-                                                        OptimConfig(warmup_steps=0), 10)
-    params = grpo.fns_abstract_params(fns)
+                             loss=PolicyLossConfig(correction="sis"), sis_topk=4,
+                             logprob_backend="auto")
+    grpo.compiled_functions.cache_clear()
+    fns, tx, shardings, old_fn, update = grpo.compiled_functions(
+        model, mesh, config, OptimConfig(warmup_steps=0), 10)
+    params = fns.abstract_params()
     opt = jax.eval_shape(tx.init, params)
     rep = NamedSharding(mesh, P())
     opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt,

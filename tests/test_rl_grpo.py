@@ -16,7 +16,7 @@ from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer
 from jaxflow.rl.policy_loss import PolicyLossConfig
 from jaxflow.rl.tasks import AdditionRLTask
-from jaxflow.checkpoint import params_checksum
+from jaxflow.sync.replica import tree_digest
 from jaxflow.train.lm_state import OptimConfig, init_params
 
 MODEL = TransformerConfig(vocab_size=23, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
@@ -82,17 +82,17 @@ def test_lag_and_staleness_give_the_intended_parameter_versions(meshes, lag, sta
     trainer = _trainer(meshes, lag=lag, staleness=staleness, prompts_per_rollout=3,
                        entropy_coef=0.05)
     state = trainer.init_state(_params(trainer))
-    snapshots = {0: params_checksum(state["policy"]["params"])}  # version -> params
+    snapshots = {0: tree_digest(state["policy"]["params"])}  # version -> params
     for r in range(4):
         expected = max(0, r - staleness) * lag
         assert int(state["published_version"][0]) == expected
         # the weights the sampler uses are bit-identical to the trainer's at that version
-        assert params_checksum(state["published"][0]) == snapshots[expected]
+        assert tree_digest(state["published"][0]) == snapshots[expected]
         state, metrics = trainer.step(state)
         assert metrics["sampler_version"] == expected
         assert metrics["trainer_version"] == r * lag
         assert int(state["policy"]["step"]) == (r + 1) * lag  # N optimizer steps per rollout
-        snapshots[(r + 1) * lag] = params_checksum(state["policy"]["params"])
+        snapshots[(r + 1) * lag] = tree_digest(state["policy"]["params"])
     assert len(set(snapshots.values())) == len(snapshots)  # every update changed the params
 
 
@@ -134,7 +134,7 @@ def test_resume_from_checkpoint_is_bit_identical(meshes, tmp_path):
     for _ in range(4):
         state, m = trainer.step(state)
         straight.append(m)
-    want = params_checksum(state)
+    want = tree_digest(state)
 
     state = trainer.init_state(params)
     ckpt = Checkpointer(tmp_path / "ckpt", save_every=1)
@@ -150,7 +150,7 @@ def test_resume_from_checkpoint_is_bit_identical(meshes, tmp_path):
     for _ in range(2):
         restored, m = fresh.step(restored)
         resumed.append(m)
-    assert params_checksum(restored) == want  # whole state: params, opt, queue, ref, rng
+    assert tree_digest(restored) == want  # whole state: params, opt, queue, ref, rng
     assert resumed == straight[2:]
 
 

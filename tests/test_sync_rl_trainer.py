@@ -17,7 +17,6 @@ from jaxflow.rl.grpo import GRPOTrainer
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.sync import CODECS, Replica, SyncConfig, VersionMismatch, to_bf16, tree_digest
 from jaxflow.sync.transport.inprocess import InProcessLink
-from jaxflow.checkpoint import params_checksum
 from jaxflow.train.lm_state import OptimConfig, init_params
 from tests.test_rl_grpo import BASE, MODEL
 
@@ -48,14 +47,14 @@ def test_rollouts_sample_the_trainer_bf16_cast_at_every_sync(meshes):
     trainer = _trainer(meshes, SyncConfig(codec="entropy"))
     state = trainer.init_state(_params(trainer))
     casts = {0: _bf16_digest(state["policy"]["params"])}
-    f32 = {0: params_checksum(state["policy"]["params"])}
+    f32 = {0: tree_digest(state["policy"]["params"])}
     for r in range(2):
         version = r * 2  # every=1: synced after every rollout, at the trainer's step count
         served = trainer.rollout_params(state)
         assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(served))
         assert _bf16_digest(served) == casts[version]  # bf16 values, upcast exactly
         # the test could fail: the trainer's f32 weights are not bf16-representable
-        assert params_checksum(served) != f32[version]
+        assert tree_digest(served) != f32[version]
         if r == 1:  # generate really samples from the served replica
             batch = trainer.generate(state)
             key, _ = trainer._keys(state, r)
@@ -67,7 +66,7 @@ def test_rollouts_sample_the_trainer_bf16_cast_at_every_sync(meshes):
         rec = trainer.weight_sync.records[-1]
         assert rec.bit_exact and rec.stats.version == (r + 1) * 2
         casts[(r + 1) * 2] = _bf16_digest(state["policy"]["params"])
-        f32[(r + 1) * 2] = params_checksum(state["policy"]["params"])
+        f32[(r + 1) * 2] = tree_digest(state["policy"]["params"])
         assert trainer.weight_sync.replicas[0].digest() == casts[(r + 1) * 2]
     assert len(set(casts.values())) == len(casts)  # every sync changed the bf16 weights
 
@@ -184,7 +183,7 @@ def test_resume_with_sync_between_syncs_is_bit_identical(meshes, tmp_path):
     for _ in range(3):
         state, m = trainer.step(state)
         straight.append(m)
-    want = params_checksum(state)
+    want = tree_digest(state)
     assert [m["sampler_version"] for m in straight] == [0, 0, 4]
 
     state = trainer.init_state(params)
@@ -200,6 +199,6 @@ def test_resume_with_sync_between_syncs_is_bit_identical(meshes, tmp_path):
     for _ in range(2):
         restored, m = fresh.step(restored)
         resumed.append(m)
-    assert params_checksum(restored) == want  # whole state incl. the bf16 rollout params
+    assert tree_digest(restored) == want  # whole state incl. the bf16 rollout params
     assert resumed == straight[1:]  # incl. sync payload bytes and changed fraction
     assert fresh.weight_sync.version == 4 and fresh.weight_sync.records[-1].bit_exact

@@ -30,7 +30,7 @@ from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.rollout import RolloutWorker
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
-from jaxflow.checkpoint import params_checksum
+from jaxflow.sync.replica import tree_digest
 from jaxflow.train.lm_state import lm_functions
 
 #: Test hook: SIGKILL right after the RL checkpoint at this global step is committed.
@@ -153,7 +153,7 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
         "reward_last": history[-1]["reward_mean"] if history else None,
         # fresh training prompts every rollout: an unbiased train-distribution pass rate
         "reward_last5": mean_of("reward_mean", history[-5:]),
-        "params_checksum": params_checksum(state["policy"]["params"]),
+        "params_checksum": tree_digest(state["policy"]["params"]),
     }
 
 

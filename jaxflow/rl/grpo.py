@@ -22,7 +22,8 @@ with version ``max(0, r - k) * N``; its mini-batch j (0-based) is trained at ver
 
 Everything the run needs to continue is one pytree (:meth:`GRPOTrainer.init_state`):
 policy params + optimizer state + version, the frozen reference params (when KL is on), the
-queue of the last k+1 published weights and their versions, the rollout counter and the RNG
+queue of the last k+1 published weights, their versions and their origin (the digest of the
+params the run started from), the rollout counter and the RNG
 key. Randomness is a pure function of (key, rollout index), so resuming is bit-exact.
 
 Weight sync (``sync=SyncConfig(codec=..., every=E)``, ``--set sync.codec=entropy``;
@@ -56,7 +57,8 @@ from jaxflow.rl.advantages import grpo_advantages
 from jaxflow.rl.grpo_step import (KL_ESTIMATORS, GRPOConfig, MiniBatch, OldStats,  # noqa: F401
                                   compiled_functions, grpo_loss, make_rl_optimizer, old_stats,
                                   response_hidden, summarize, update_step)
-from jaxflow.rl.publish import DensePublisher, Publisher, SyncPublisher, publish_weights
+from jaxflow.rl.publish import (DensePublisher, Publisher, SyncPublisher, params_origin,
+                                publish_weights)
 from jaxflow.rl.rollout import RolloutBatch, RolloutWorker, batch_sharding
 from jaxflow.rl.tasks import Task
 from jaxflow.sync.replica import Link
@@ -124,11 +126,13 @@ class GRPOTrainer:
         replicated = NamedSharding(self.trainer_mesh, PartitionSpec())
         policy = {"params": jax.tree.map(jnp.copy, params), "opt_state": opt_state,
                   "step": jax.device_put(jnp.zeros((), jnp.int32), replicated)}
-        published, versions = self.publisher.init(policy["params"])
+        origin = params_origin(params)
+        published, versions = self.publisher.init(policy["params"], origin)
         state = {
             "policy": policy,
             "published": published,
             "published_version": versions,
+            "published_origin": origin,
             "rollout": jax.device_put(jnp.zeros((), jnp.int32), replicated),
             "rng": jax.device_put(jax.random.key_data(jax.random.key(self.seed)), replicated),
         }
@@ -152,7 +156,8 @@ class GRPOTrainer:
         """The params this step's rollout samples with (on the rollout mesh): the oldest
         queued published weights; with weight sync, the serving replica's bf16 params after
         the version check, upcast to f32 (exact)."""
-        return self.publisher.rollout_params(state["published"], state["published_version"])
+        return self.publisher.rollout_params(state["published"], state["published_version"],
+                                             state["published_origin"])
 
     def generate(self, state: dict) -> RolloutBatch:
         """This step's rollout, sampled with :meth:`rollout_params`."""
@@ -195,7 +200,7 @@ class GRPOTrainer:
         new["policy"] = policy
         new["published"], new["published_version"] = self.publisher.publish(
             state["published"], state["published_version"], policy["params"], policy["step"],
-            rollout=rollout)
+            rollout=rollout, origin=state["published_origin"])
         new["rollout"] = state["rollout"] + 1
         return new, history
 

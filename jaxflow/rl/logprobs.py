@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +34,9 @@ from pallas_kernels.dispatch import KernelUnavailable
 from pallas_kernels.fused_logprobs import (
     FusedLogprobsBlockSizes,
     FusedLogprobsOutput,
+    flatten_rows,
     fused_logprobs_reference,
+    unflatten_rows,
     validate_inputs,
 )
 
@@ -205,27 +206,23 @@ def fused_logprobs_xla(
 ) -> FusedLogprobsOutput:
     """The chunked XLA path (see module docstring); same contract as ``fused_logprobs``."""
     validate_inputs(hidden, head, targets, topk_indices, own_topk, temperature)
+    h, t, k, lead = flatten_rows(hidden, targets, topk_indices)
+    return unflatten_rows(_xla_rows(h, head, t, k, own_topk, temperature, vocab_tile), lead)
+
+
+def _xla_rows(h, head, t, k, own_topk, temperature, vocab_tile) -> FusedLogprobsOutput:
+    """The XLA path on validated rows (h [N, d], t [N], k [N, K] | None)."""
     if not isinstance(vocab_tile, int) or vocab_tile < 1:
         raise ValueError(f"vocab_tile must be a positive int, got {vocab_tile!r}")
     tile = min(vocab_tile, head.shape[1])
-    lead = hidden.shape[:-1]
-    h = hidden.reshape(-1, hidden.shape[-1])
     if h.shape[0] * tile >= 2**31:  # the backward's flat int32 scatter index
         raise ValueError(
             f"rows * vocab_tile = {h.shape[0]} * {tile} must be < 2**31; lower vocab_tile or "
             "split the batch"
         )
-    t = targets.reshape(-1).astype(jnp.int32)
-    kidx = None
-    if topk_indices is not None:
-        kidx = topk_indices.reshape(h.shape[0], topk_indices.shape[-1]).astype(jnp.int32)
-    tlp, klp, ov, oi = _xla_fused_2d(h, head, t, kidx, own_topk, float(temperature), tile)
-    return FusedLogprobsOutput(
-        tlp.reshape(lead),
-        None if klp is None else klp.reshape(lead + (klp.shape[-1],)),
-        jax.lax.stop_gradient(ov).reshape(lead + (own_topk,)) if own_topk else None,
-        oi.reshape(lead + (own_topk,)) if own_topk else None,
-    )
+    tlp, klp, ov, oi = _xla_fused_2d(h, head, t, k, own_topk, float(temperature), tile)
+    return FusedLogprobsOutput(tlp, klp, jax.lax.stop_gradient(ov) if own_topk else None,
+                               oi if own_topk else None)
 
 
 # ------------------------------------------------------------------------------- dispatch
@@ -244,27 +241,27 @@ def _parse_backend(backend: LogprobBackend | str | None) -> LogprobBackend:
 
 
 def _kernel_call(block_sizes, interpret, own_topk, temperature):
-    """The Pallas call as this trace will run it: under a mesh context (``jax.set_mesh``),
-    wrapped in a shard_map that splits the rows over every mesh axis (the head replicated;
-    its gradient summed by shard_map's transpose), so no kernel is left for the automatic
-    partitioner (which Mosaic TPU refuses)."""
+    """The Pallas call on validated rows as this trace will run it: under a mesh context
+    (``jax.set_mesh``), wrapped in a shard_map that splits the rows over every mesh axis (the
+    head replicated; its gradient summed by shard_map's transpose), so no kernel is left for
+    the automatic partitioner (which Mosaic TPU refuses)."""
     kw = dict(own_topk=own_topk, temperature=float(temperature), block_sizes=block_sizes,
               interpret=interpret)
     context, mesh = dispatch.partition_context()
 
     def local(h, w, t, k):
-        return pallas_fused.fused_logprobs(h, w, t, k, **kw)
+        return pallas_fused.fused_logprobs_rows(h, w, t, k, **kw)
 
     if context != "mesh":
         return local
     rows = P(tuple(mesh.axis_names))
 
     def sharded(h, w, t, k):
-        n, lead = math.prod(t.shape), t.shape
+        n = t.shape[0]
         pad = (-n) % mesh.size
-        h2 = jnp.pad(h.reshape(n, h.shape[-1]), ((0, pad), (0, 0)))
-        t2 = jnp.pad(t.reshape(n), (0, pad))
-        k2 = None if k is None else jnp.pad(k.reshape(n, k.shape[-1]), ((0, pad), (0, 0)))
+        h2 = jnp.pad(h, ((0, pad), (0, 0)))
+        t2 = jnp.pad(t, (0, pad))
+        k2 = None if k is None else jnp.pad(k, ((0, pad), (0, 0)))
         explicit = any(a == AxisType.Explicit for a in mesh.axis_types)
         if explicit:  # shard_map wants explicitly sharded inputs laid out as its in_specs
             h2, t2, w = jax.reshard(h2, rows), jax.reshard(t2, rows), jax.reshard(w, P())
@@ -276,7 +273,7 @@ def _kernel_call(block_sizes, interpret, own_topk, temperature):
                             check_vma=False)(h2, w, t2, k2)
         if explicit:  # the padded rows are cut below; explicit row shards cannot be sliced
             out = jax.tree.map(lambda x: jax.reshard(x, P()), out)
-        return jax.tree.map(lambda x: x[:n].reshape(lead + x.shape[1:]), out)
+        return jax.tree.map(lambda x: x[:n], out)
 
     return sharded
 
@@ -294,7 +291,7 @@ def use_pallas(hidden, head, targets, topk_indices, *, own_topk: int, temperatur
     call = _kernel_call(blocks, False, own_topk, temperature)
 
     def fwd_and_grad(h, w, t, *k):
-        k = k[0] if k else None
+        h, t, k, _ = flatten_rows(h, t, k[0] if k else None)
 
         def loss(h, w):
             out = call(h, w, t, k)
@@ -344,15 +341,17 @@ def fused_logprobs(
       log-probs. Gradients flow to ``hidden`` and ``head`` through the first two.
     """
     choice = _parse_backend(backend)
-    validate_inputs(hidden, head, targets, topk_indices, own_topk, temperature)
     kwargs = dict(own_topk=own_topk, temperature=temperature)
-    if choice is LogprobBackend.REFERENCE:
+    if choice is LogprobBackend.REFERENCE:  # validates its own inputs
         return fused_logprobs_reference(hidden, head, targets, topk_indices, **kwargs)
+    validate_inputs(hidden, head, targets, topk_indices, own_topk, temperature)  # once
     run_kernel = choice is LogprobBackend.PALLAS and interpret
     if not run_kernel and choice is not LogprobBackend.XLA:
         run_kernel = use_pallas(hidden, head, targets, topk_indices, mode=choice.value,
                                 block_sizes=block_sizes, **kwargs)
+    h, t, k, lead = flatten_rows(hidden, targets, topk_indices)
     if run_kernel:
-        return _kernel_call(block_sizes, interpret, own_topk, temperature)(
-            hidden, head, targets, topk_indices)
-    return fused_logprobs_xla(hidden, head, targets, topk_indices, vocab_tile=vocab_tile, **kwargs)
+        out = _kernel_call(block_sizes, interpret, own_topk, temperature)(h, head, t, k)
+    else:
+        out = _xla_rows(h, head, t, k, own_topk, temperature, vocab_tile)
+    return unflatten_rows(out, lead)

@@ -57,21 +57,24 @@ def published_bytes(params: Any) -> int:
 # The trainer's state holds what the rollouts sample with in one layout, whichever publisher:
 #   state["published"]:          a tuple of n parameter trees on the rollout mesh, oldest first
 #   state["published_version"]:  int32[n], the trainer version (optimizer step) of each entry
+#   state["published_origin"]:   uint32[4], the digest of the params the run started from
 # A rollout samples with entry 0. The dense publisher keeps n = k + 1 (async staleness k); the
-# SparseRL-Sync publisher keeps n = 1, the serving bf16 replica's params.
+# SparseRL-Sync publisher keeps n = 1, the serving bf16 replica's params. (version, origin)
+# names a published tree within and across processes: a restored checkpoint keeps both.
 
 
 class Publisher(Protocol):
     """How a trainer hands its weights to the rollout mesh (see the layout above)."""
 
-    def init(self, params: Any) -> tuple[tuple, jax.Array]:
-        """(published, published_version) at version 0 from the trainer's initial params."""
+    def init(self, params: Any, origin: jax.Array) -> tuple[tuple, jax.Array]:
+        """(published, published_version) at version 0 from the trainer's initial params
+        (whose :func:`params_origin` is ``origin``)."""
 
-    def rollout_params(self, published: tuple, versions: jax.Array) -> Any:
+    def rollout_params(self, published: tuple, versions: jax.Array, origin: jax.Array) -> Any:
         """The params a rollout samples with (rollout mesh, f32)."""
 
     def publish(self, published: tuple, versions: jax.Array, params: Any, step: jax.Array, *,
-                rollout: int) -> tuple[tuple, jax.Array]:
+                rollout: int, origin: jax.Array) -> tuple[tuple, jax.Array]:
         """The new (published, published_version) after rollout ``rollout``'s updates, which
         left the trainer at optimizer step ``step`` with ``params``."""
 
@@ -85,15 +88,15 @@ class DensePublisher:
             raise ValueError(f"staleness={staleness!r}: need an int >= 0")
         self.rollout_shardings, self.staleness = rollout_shardings, staleness
 
-    def init(self, params):
+    def init(self, params, origin):
         n = self.staleness + 1
         published = tuple(publish_weights(params, self.rollout_shardings) for _ in range(n))
         return published, _versions(jax.numpy.zeros((n,), jax.numpy.int32), params)
 
-    def rollout_params(self, published, versions):
+    def rollout_params(self, published, versions, origin):
         return published[0]
 
-    def publish(self, published, versions, params, step, *, rollout):
+    def publish(self, published, versions, params, step, *, rollout, origin):
         new = publish_weights(params, self.rollout_shardings)
         return (tuple(published[1:]) + (new,),
                 jax.numpy.concatenate([versions[1:], step[None]]))
@@ -104,10 +107,10 @@ class SyncPublisher:
     ``config.every`` rollouts; the state holds the serving replica's bf16 params.
 
     The :class:`jaxflow.sync.weight_sync.WeightSync` lives here, outside the state. A state
-    whose published version is not the replica's (a restored checkpoint, a fresh publisher) is
-    served after a dense resync of fresh replicas from the state's own bf16 params, so resuming
-    is bit-exact. States at the replica's version are the replica's own: every state is a pure
-    function of (seed, version), so equal versions of one run hold equal params.
+    whose (published version, origin) is not the replica's -- a restored checkpoint, a fresh
+    publisher, a run started from other params -- is served after a dense resync of fresh
+    replicas from the state's own bf16 params, so resuming is bit-exact. Within one run (one
+    origin) a state is a pure function of its version, so equal versions hold equal params.
 
     Args:
       rollout_shardings: the rollout mesh's parameter shardings.
@@ -118,33 +121,36 @@ class SyncPublisher:
     def __init__(self, rollout_shardings: Any, config: Any, *, links: Sequence[Any] = ()):
         self.rollout_shardings, self.config, self.links = rollout_shardings, config, tuple(links)
         self.weight_sync = None  # jaxflow.sync.weight_sync.WeightSync, once init / served
+        self._origin: bytes | None = None  # the lineage weight_sync serves
 
-    def init(self, params):
+    def init(self, params, origin):
         from jaxflow.sync.weight_sync import WeightSync
 
         self.weight_sync = WeightSync(params, self.rollout_shardings, self.config, version=0,
                                       links=self.links)
         if self.links:  # extra links (replica processes) start fresh
             self.weight_sync.catch_up()
+        self._origin = np.asarray(origin).tobytes()
         bf16 = self.weight_sync.rollout_params()
         return (bf16,), _versions(jax.numpy.zeros((1,), jax.numpy.int32), params)
 
-    def serving(self, published, versions):
-        """The WeightSync at the state's published version (resynced when it is not)."""
+    def serving(self, published, versions, origin):
+        """The WeightSync at the state's published version and origin (resynced when not)."""
         from jaxflow.sync.weight_sync import WeightSync
 
-        version = int(versions[0])
+        version, lineage = int(versions[0]), np.asarray(origin).tobytes()
         ws = self.weight_sync
-        if ws is None or ws.version != version:
+        if ws is None or ws.version != version or self._origin != lineage:
             self.weight_sync = ws = WeightSync.resume(
                 published[0], self.rollout_shardings, self.config, version=version,
                 links=self.links)
+            self._origin = lineage
         return ws
 
-    def rollout_params(self, published, versions):
+    def rollout_params(self, published, versions, origin):
         from jaxflow.sync.replica import VersionMismatch
 
-        ws = self.serving(published, versions)
+        ws = self.serving(published, versions, origin)
         bf16 = ws.rollout_params()  # the per-rollout version check (catch-up or error)
         expected = int(versions[0])
         if ws.replicas[0].version != expected:
@@ -154,8 +160,8 @@ class SyncPublisher:
             lambda x: x.astype(jax.numpy.float32) if jax.numpy.issubdtype(
                 x.dtype, jax.numpy.floating) else x, bf16)
 
-    def publish(self, published, versions, params, step, *, rollout):
-        ws = self.serving(published, versions)
+    def publish(self, published, versions, params, step, *, rollout, origin):
+        ws = self.serving(published, versions, origin)
         if not ws.due(rollout + 1):  # ``every`` counts rollouts
             return published, versions
         bf16 = publish_weights(params, self.rollout_shardings, sync=ws, version=int(step))
@@ -170,3 +176,12 @@ def _versions(zeros: jax.Array, like: Any) -> jax.Array:
     if isinstance(sharding, NamedSharding):
         return jax.device_put(zeros, NamedSharding(sharding.mesh, PartitionSpec()))
     return zeros
+
+
+def params_origin(params: Any) -> jax.Array:
+    """uint32[4]: the on-device digest (``jaxflow.sync.digest.device_digest``) of ``params``,
+    the tag ``state["published_origin"]`` that tells one run's published trees from another's."""
+    from jaxflow.sync.digest import device_digest
+
+    words = np.frombuffer(bytes.fromhex(device_digest(params)), np.uint32).copy()
+    return _versions(jax.numpy.asarray(words), params)

@@ -49,12 +49,19 @@ def to_bf16(params: Any) -> Any:
 
 
 def tree_digest(params: Any) -> str:
-    """blake2b-128 hex over every leaf's name, dtype, shape and raw bytes (bit patterns)."""
+    """blake2b-128 hex over every leaf's name, dtype, shape and raw bytes (bit patterns): equal
+    iff the trees are bit-identical. The project's one parameter digest (sync end-to-end checks,
+    the ``params_checksum`` of run summaries, resume tests). Leaves spread over several
+    processes are gathered first (every process gets the same digest)."""
+    from jaxflow.distributed import to_host
+
     h = hashlib.blake2b(digest_size=16)
     treedef, leaves, specs = tree_layout(params)
     h.update(treedef.encode())
     for spec, leaf in zip(specs, leaves):
         h.update(f"{spec.name}|{spec.dtype}|{spec.shape}".encode())
+        if not getattr(leaf, "is_fully_addressable", True):
+            leaf = to_host(leaf)
         h.update(bits.host_array(leaf).tobytes())
     return h.hexdigest()
 

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxflow.sync import bits
+from jaxflow.sync.digest import device_digest
 from jaxflow.sync.diff import LeafDiff, check_same_layout, diff_leaf, tree_layout
 from jaxflow.sync.encoder import DEFAULT_BUCKET_ELEMS, encode_diffs
 from jaxflow.sync.entropy import DEFAULT_ZSTD_LEVEL
@@ -142,6 +143,7 @@ class ChangeTracker:
     def commit(self, params) -> None:
         """Makes ``params`` the new snapshot (call after the receiver applied a payload)."""
         self._treedef, self._snapshot, self._specs = tree_layout(params)
+        self._snapshot_tree, self._base_digest = params, None  # digest on first encode
 
     def _leaves(self, params) -> list:
         treedef, leaves, specs = tree_layout(params)
@@ -215,8 +217,11 @@ class ChangeTracker:
                bucket_elems: int = DEFAULT_BUCKET_ELEMS,
                zstd_level: int = DEFAULT_ZSTD_LEVEL) -> Payload:
         """Like ``sync.encode(snapshot, params, ...)`` without gathering tracked leaves
-        (except for ``codec="dense"``, which sends them whole)."""
+        (except for ``codec="dense"``, which sends them whole); delta payloads carry the
+        snapshot's base digest, so ``apply`` refuses them on any other base."""
         diffs = self.diffs(params, with_full=codec == "dense")
+        if self._base_digest is None:  # on the snapshot's own devices, a few scalars per leaf
+            self._base_digest = device_digest(self._snapshot_tree)
         return encode_diffs(self._treedef, self._specs, diffs, base_version=base_version,
                             version=version, codec=codec, bucket_elems=bucket_elems,
-                            zstd_level=zstd_level)
+                            zstd_level=zstd_level, base_digest=self._base_digest)

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxflow.checkpoint import Checkpointer, abstract_like, params_checksum
+from jaxflow.checkpoint import Checkpointer, abstract_like
+from jaxflow.sync.replica import tree_digest
 from jaxflow.data.arithmetic import AdditionTask, packed_batch
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.distributed import global_batch
@@ -92,7 +93,7 @@ def pretrain(config, run: RunContext) -> dict:
         "heldout_accuracy": accuracy,
         "steps": tc.steps,
         "param_count": param_count(state["params"]),
-        "params_checksum": params_checksum(state["params"]),
+        "params_checksum": tree_digest(state["params"]),
     }
 
 
