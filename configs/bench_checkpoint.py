@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
+
 DESCRIPTION = "HF checkpoint load time / memory, forward vs transformers, MoE all-to-all vs dense"
 ENTRY = "jaxflow.main.bench_checkpoint:main"
-VARIANTS = ("quick", "default")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +70,16 @@ class Config:
     moe: MoEBench = MoEBench()
 
 
-def get_config(variant: str) -> Config:
-    if variant == "quick":
-        return Config(load=LoadBench(vocab_size=8192, d_model=512, n_layers=8, n_heads=8,
-                                     n_kv_heads=4, d_ff=1536, max_shard_bytes=2**26),
-                      forward=ForwardBench(pairs=10),
-                      moe=MoEBench(tokens=2048, d_model=128, d_ff_expert=256, pairs=10))
-    if variant == "default":
-        return Config(forward=ForwardBench(pairs=20), moe=MoEBench(pairs=20))
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+def _quick() -> Config:
+    return Config(load=LoadBench(vocab_size=8192, d_model=512, n_layers=8, n_heads=8,
+                                 n_kv_heads=4, d_ff=1536, max_shard_bytes=2**26),
+                  forward=ForwardBench(pairs=10),
+                  moe=MoEBench(tokens=2048, d_model=128, d_ff_expert=256, pairs=10))
+
+
+def _default() -> Config:
+    return Config(forward=ForwardBench(pairs=20), moe=MoEBench(pairs=20))
+
+
+get_config = Variants(quick=_quick, default=_default)
+VARIANTS = get_config.variants

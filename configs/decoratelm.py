@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
 from jaxflow.decorate.selection import DEFAULT_COEFS
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.transformer import TransformerConfig
@@ -23,7 +24,6 @@ from jaxflow.train.lm_state import OptimConfig
 DESCRIPTION = ("DecorateLM: teacher annotations -> distilled rate/tag/edit student -> decorated "
                "corpus -> rating + tag-balanced selection; LM perplexity per selection arm")
 ENTRY = "jaxflow.main.decoratelm:main"
-VARIANTS = ("quick", "default")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,22 +117,22 @@ class Config:
             raise ValueError(f"seeds={self.seeds}: must be >= 1")
 
 
-def get_config(variant: str) -> Config:
+def _quick() -> Config:
     base = Config()
-    if variant == "default":
-        return base
-    if variant == "quick":
-        return dataclasses.replace(
-            base,
-            corpus=dataclasses.replace(base.corpus, n_real=1000, n_heldout_real=120, n_template=1000,
-                                       n_degraded=400, n_noise=160, n_probe=84),
-            teacher=dataclasses.replace(base.teacher, n_annotate=700),
-            student=dataclasses.replace(base.student, d_model=32, d_ff=64, steps=150),
-            selection=dataclasses.replace(base.selection, token_budget=40_000),
-            lm=dataclasses.replace(
-                base.lm, model=dataclasses.replace(base.lm.model, d_model=48, n_layers=2, d_ff=128),
-                steps=120, batch_size=16, seq_len=64, eval_batch_size=64),
-            optim=dataclasses.replace(base.optim, warmup_steps=10),
-            recovery=dataclasses.replace(base.recovery, n_items=300, repeats=2),
-        )
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    return dataclasses.replace(
+        base,
+        corpus=dataclasses.replace(base.corpus, n_real=1000, n_heldout_real=120, n_template=1000,
+                                   n_degraded=400, n_noise=160, n_probe=84),
+        teacher=dataclasses.replace(base.teacher, n_annotate=700),
+        student=dataclasses.replace(base.student, d_model=32, d_ff=64, steps=150),
+        selection=dataclasses.replace(base.selection, token_budget=40_000),
+        lm=dataclasses.replace(
+            base.lm, model=dataclasses.replace(base.lm.model, d_model=48, n_layers=2, d_ff=128),
+            steps=120, batch_size=16, seq_len=64, eval_batch_size=64),
+        optim=dataclasses.replace(base.optim, warmup_steps=10),
+        recovery=dataclasses.replace(base.recovery, n_items=300, repeats=2),
+    )
+
+
+get_config = Variants(quick=_quick, default=Config)
+VARIANTS = get_config.variants
