@@ -1,12 +1,13 @@
 """bench_embedding: sharded lookup + sparse update vs jnp.take + dense gradient + dense optimizer
 on the full table (same run, interleaved), and the Pallas embedding-bag kernel vs its reference.
 
-    python -m jaxflow.run --exp=bench_embedding --variant=quick --devices=8
-    python -m jaxflow.run --exp=bench_embedding --variant=default --devices=8
+    python -m jaxflow.run --exp=bench_embedding --variant=quick
+    python -m jaxflow.run --exp=bench_embedding --variant=default
     python -m jaxflow.run --exp=bench_embedding --variant=full            # an accelerator host
 
-The mesh is one "data" axis over every device there is (-1): on a CPU-only machine pass
-``--devices=8`` for the issue's 8 devices; on one GPU it runs on 1 (no All2All traffic).
+The mesh is one "data" axis over every device there is (-1): on a CPU-only machine the runner
+creates ``devices`` (8) fake CPU devices unless ``--devices`` says otherwise; on one GPU it runs
+on 1 (no All2All traffic).
 Summary keys: ``speedup_vs_dense_take`` (dense step time / sharded step time, median of the
 pairs; ``speedup_spread`` = [min, max]) and ``rows_per_second`` (non-padding ids looked up and
 updated per second by the sharded path).
@@ -19,7 +20,7 @@ import dataclasses
 from jaxflow.mesh import MeshConfig
 
 DESCRIPTION = "sharded embedding lookup + sparse update vs dense jnp.take baseline; Pallas bag kernel"
-ENTRY = "jaxflow.embeddings.bench:main"
+ENTRY = "jaxflow.main.bench_embedding:main"
 VARIANTS = ("quick", "default", "full")
 
 
@@ -42,6 +43,7 @@ class Config:
     kernel_bags: int = 64
     kernel_pairs: int = 10
     mesh: MeshConfig = MeshConfig(axes=("data",), shape=(-1,))
+    devices: int = 8  # fake CPU devices the runner creates when --devices is not given
 
 
 def get_config(variant: str) -> Config:

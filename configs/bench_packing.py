@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 DESCRIPTION = "packing algorithms: waste, imbalance, speed on long-tailed multi-image lengths"
-ENTRY = "jaxflow.flow.bench_packing:main"
+ENTRY = "jaxflow.main.bench_packing:main"
 VARIANTS = ("quick", "default", "full")
 
 

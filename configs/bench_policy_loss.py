@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 DESCRIPTION = "policy-loss step from hidden states: SIS overhead vs none, fused vs naive log-prob bytes"
-ENTRY = "jaxflow.rl.bench_policy_loss:main"
+ENTRY = "jaxflow.main.bench_policy_loss:main"
 VARIANTS = ("quick", "default", "full")
 
 

@@ -14,7 +14,7 @@ import dataclasses
 from jaxflow.prune.masks import parse_sparsity
 
 DESCRIPTION = "SparseGPT per-layer time and reconstruction error vs llmcompressor (torch)"
-ENTRY = "jaxflow.prune.bench:main"
+ENTRY = "jaxflow.main.bench_sparsegpt:main"
 VARIANTS = ("quick", "default", "full")
 
 

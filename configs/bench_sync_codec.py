@@ -1,5 +1,5 @@
 """bench_sync_codec: SparseRL-Sync codecs (dense, coo, gap, entropy, auto) vs PULSE-style
-baseline and a memory copy, on synthetic optimizer-made bf16 trees (issue 5).
+baseline and a memory copy, on synthetic optimizer-made bf16 trees.
 
     python -m jaxflow.run --exp=bench_sync_codec --variant=quick     # ~5M elements, ~1 min
     python -m jaxflow.run --exp=bench_sync_codec --variant=default   # ~109M elements
@@ -9,7 +9,7 @@ baseline and a memory copy, on synthetic optimizer-made bf16 trees (issue 5).
 import dataclasses
 
 DESCRIPTION = "Sparse bf16 weight-sync codecs: bytes vs entropy bound and encode/apply GB/s"
-ENTRY = "jaxflow.sync.bench:main"
+ENTRY = "jaxflow.main.bench_sync_codec:main"
 VARIANTS = ("quick", "default", "full")
 
 

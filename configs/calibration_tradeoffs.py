@@ -22,7 +22,7 @@ from jaxflow.prune.sequential import METHODS
 from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "SparseGPT calibration sources x sparsity: per-capability retention and perplexity correlation"
-ENTRY = "jaxflow.prune.tradeoffs:main"
+ENTRY = "jaxflow.main.calibration_tradeoffs:main"
 VARIANTS = ("quick", "default", "full")
 
 

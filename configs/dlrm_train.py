@@ -1,5 +1,5 @@
 """dlrm_train: DLRM (or DCN-v2) over sharded embedding tables on synthetic Criteo-like data
-(or a user's Criteo TSV / MovieLens ratings file); held-out AUC and log loss (issue 7).
+(or a user's Criteo TSV / MovieLens ratings file); held-out AUC and log loss.
 
     python -m jaxflow.run --exp=dlrm_train --variant=quick --devices=8
     python -m jaxflow.run --exp=dlrm_train --variant=default --devices=8
@@ -21,7 +21,7 @@ from jaxflow.mesh import MeshConfig
 from jaxflow.recsys.synthetic import CRITEO_LIKE_VOCABS
 
 DESCRIPTION = "DLRM / DCN-v2 on sharded embeddings; synthetic Criteo-like data; AUC + logloss"
-ENTRY = "jaxflow.recsys.train:main"
+ENTRY = "jaxflow.main.dlrm_train:main"
 VARIANTS = ("quick", "default", "full")
 
 

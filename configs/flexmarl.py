@@ -6,7 +6,7 @@ bounded staleness), on the solver / verifier workflow; same samples in sync and 
 
 ``--devices=N`` (fake CPU devices): 2 gives the trainer and rollout roles disjoint halves; >= 3
 also gives each agent its own trainer devices in proportion to its size (agent-centric
-allocation, see jaxflow.marl.experiment.agent_centric_meshes); 1 colocates everything.
+allocation, see jaxflow.marl.meshes.agent_centric_meshes); 1 colocates everything.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "FlexMARL micro-batch pipeline (strict / bounded) vs synchronous multi-agent GRPO"
-ENTRY = "jaxflow.marl.experiment:main"
+ENTRY = "jaxflow.main.flexmarl:main"
 VARIANTS = ("quick", "default")
 
 

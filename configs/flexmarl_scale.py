@@ -1,6 +1,6 @@
 """flexmarl_scale: discrete-event simulation of FlexMARL vs a MARTI-style synchronous baseline at
 8-64 nodes (8 accelerators each), skewed response lengths, costs calibrated from the measured
-``flexmarl`` quick run (issue 10). Pure Python/numpy, no JAX work.
+``flexmarl`` quick run. Pure Python/numpy, no JAX work.
 
     python -m jaxflow.run --exp=flexmarl_scale --variant=quick      # seconds
     python -m jaxflow.run --exp=flexmarl_scale --variant=default
@@ -8,7 +8,7 @@
 Assumptions (not measured): the agents' sizes and length distributions below, slots per
 accelerator, weak scaling (inputs per version grow with the node count), the accelerator
 peak / MFU (absolute time scale only) and the host link for state swaps. See
-jaxflow/marl/simulate.py for the model.
+jaxflow/marl/simulate.py for the model (driver: jaxflow/main/flexmarl_scale.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 from jaxflow.marl.simulate import AgentLoad, Hardware, MeasuredRun
 
 DESCRIPTION = "Simulated FlexMARL vs sync baseline at 8-64 nodes (calibrated from flexmarl)"
-ENTRY = "jaxflow.marl.simulate:main"
+ENTRY = "jaxflow.main.flexmarl_scale:main"
 VARIANTS = ("quick", "default", "full")
 
 # Assumed paper-scale agents: a 7B solver with long-tailed reasoning lengths and a 3B verifier

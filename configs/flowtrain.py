@@ -3,11 +3,11 @@
 Three modes on the same samples, model, kernels and optimizers, timed side by side in one
 process: monolithic_padded (baseline), monolithic_packed, decoupled (allocator-chosen split,
 encoder and backbone on disjoint sub-meshes joined by the embedding pool). Needs 8 devices;
-on a CPU-only machine pass ``--devices 8`` (8 fake CPU devices):
+on a CPU-only machine the runner creates ``devices`` (8) fake CPU devices by itself:
 
-    python -m jaxflow.run --exp=flowtrain --variant=quick --devices 8
-    python -m jaxflow.run --exp=flowtrain --variant=default --devices 8
-    python -m jaxflow.run --exp=flowtrain --variant=quick --devices 8 --set flow.run_ahead=1
+    python -m jaxflow.run --exp=flowtrain --variant=quick
+    python -m jaxflow.run --exp=flowtrain --variant=default
+    python -m jaxflow.run --exp=flowtrain --variant=quick --set flow.run_ahead=1
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = ("decoupled ViT/LM training on multi-image digits: padded vs packed vs decoupled "
                "samples/s, padding waste, cost imbalance, allocator, held-out accuracy")
-ENTRY = "jaxflow.flow.flowtrain:main"
+ENTRY = "jaxflow.main.flowtrain:main"
 VARIANTS = ("quick", "default", "full")
 VOCAB = len(FLOW_ALPHABET) + 3
 
@@ -74,6 +74,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=20)
     mesh: MeshConfig = MeshConfig(axes=("data",), shape=(8,))
+    devices: int = 8  # fake CPU devices the runner creates when --devices is not given
 
     def __post_init__(self):
         if self.flow.run_ahead >= self.train.block_steps:

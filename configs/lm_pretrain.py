@@ -16,7 +16,7 @@ from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "decoder LM pretraining on multi-digit addition; loss + held-out exact-match accuracy"
-ENTRY = "jaxflow.train.lm_pretrain:main"
+ENTRY = "jaxflow.main.lm_pretrain:main"
 VARIANTS = ("quick", "default", "full")
 
 

@@ -1,10 +1,10 @@
 """nestpipe: sync / dbp / fwp / dbp+fwp / semi_sync pipelines over host-resident tables and a
-DLRM (issue 8): exactness vs sync, per-stage and exposed time, speedup vs sync in the same run,
+DLRM: exactness vs sync, per-stage and exposed time, speedup vs sync in the same run,
 the ideal bound (sum of stages / slowest), AUC / logloss, clustering's transfer reduction.
 
-    python -m jaxflow.run --exp=nestpipe --variant=quick --devices=8
-    python -m jaxflow.run --exp=nestpipe --variant=default --devices=8
-    python -m jaxflow.run --exp=nestpipe --variant=quick --devices=8 --set micro_batches=8
+    python -m jaxflow.run --exp=nestpipe --variant=quick
+    python -m jaxflow.run --exp=nestpipe --variant=default
+    python -m jaxflow.run --exp=nestpipe --variant=quick --set micro_batches=8
 
 Data-parallel DLRM on a mesh of ``devices`` devices (``--devices=8`` gives 8 fake CPU devices);
 each device routes its keys to the owning shard of the host tables and gets rows back by All2All.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 DESCRIPTION = "NestPipe dual-buffer / frozen-window pipelines vs sync over host-resident tables"
-ENTRY = "jaxflow.nestpipe.experiment:main"
+ENTRY = "jaxflow.main.nestpipe:main"
 VARIANTS = ("quick", "default", "full")
 PIPELINE_NAMES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
 

@@ -1,5 +1,5 @@
 """nestpipe_scale: a discrete-event simulator of sync / dbp / fwp / dbp+fwp / semi_sync on
-128 -> 1,536 workers (issue 8). Its synchronous baseline, fed the paper's stage shares, is
+128 -> 1,536 workers. Its synchronous baseline, fed the paper's stage shares, is
 checked against TorchRec's 44.34% scaling efficiency at 1,536; then each pipeline's predicted
 efficiency is reported beside the paper's table. Pure numpy, seconds.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 DESCRIPTION = "NestPipe at 128 -> 1,536 workers: discrete-event simulator validated on TorchRec's 44%"
-ENTRY = "jaxflow.nestpipe.simulate:main"
+ENTRY = "jaxflow.main.nestpipe_scale:main"
 VARIANTS = ("quick", "default", "full")
 PIPELINE_NAMES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
 

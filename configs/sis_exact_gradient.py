@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 DESCRIPTION = "SIS vs token/sequence IS, TIS, MIS: exact-gradient bias and variance on a toy policy"
-ENTRY = "jaxflow.rl.exact_gradient:main"
+ENTRY = "jaxflow.main.sis_exact_gradient:main"
 VARIANTS = ("quick", "default", "full")
 
 
@@ -28,7 +28,7 @@ class Config:
       logit_scale: std of the current policy's tabular logits.
       reward_rate: each response's reward is 1 with this probability (a fixed random table).
       perturbations: behaviour logits = current + p * eps, eps ~ N(0, 1) (one fixed eps).
-      draws: independent draws of each estimator (>= 1000 for the issue's numbers).
+      draws: independent draws of each estimator (>= 1000 for stable Monte Carlo checks).
       batch: responses per draw (the estimator averages over them).
       topk: K of the SIS envelope (K = vocab is the exact envelope).
       chunk: draws evaluated per compiled call (memory / progress granularity).

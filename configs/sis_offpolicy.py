@@ -38,7 +38,7 @@ from jaxflow.sync.weight_sync import SyncConfig
 from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "SIS vs GRPO/DAPO/GSPO/CISPO under policy lag, staleness and sampler mismatch"
-ENTRY = "jaxflow.rl.offpolicy_study:main"
+ENTRY = "jaxflow.main.sis_offpolicy:main"
 VARIANTS = ("quick", "default", "full")
 
 #: The warm-start recipe: ~85k-param model, 2-digit addition, ~2 min on a 2-core CPU.

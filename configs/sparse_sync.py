@@ -1,4 +1,4 @@
-"""sparse_sync: SparseRL-Sync on real GRPO runs (issue 6).
+"""sparse_sync: SparseRL-Sync on real GRPO runs.
 
 GRPO from the addition warm start (the sis_offpolicy model and task; bf16 sampler), syncing the
 trainer's weights to bf16 rollout replicas every 1, 4 and 16 steps with every codec; per sync
@@ -26,7 +26,7 @@ from jaxflow.sync.weight_sync import OFF, SyncConfig
 from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "Sparse bf16 weight sync on real GRPO runs: bytes, ratio, bound, bit-exactness"
-ENTRY = "jaxflow.sync.rl_study:main"
+ENTRY = "jaxflow.main.sparse_sync:main"
 VARIANTS = ("quick", "default", "full")
 DEFAULT_INTERVALS = (1, 4, 16)  # the sweep when neither ``intervals`` nor ``sync.every`` is set
 

@@ -1,5 +1,5 @@
 """sync_cost_model: projected full vs sparse weight-sync wire time for 8B / 70B / 671B models at
-400 Gb/s, 25 Gb/s and 1 Gb/s from the ratios a sparse_sync run measured (issue 6).
+400 Gb/s, 25 Gb/s and 1 Gb/s from the ratios a sparse_sync run measured.
 
     python -m jaxflow.run --exp=sparse_sync --variant=quick          # the measurement first
     python -m jaxflow.run --exp=sync_cost_model --variant=quick      # seconds
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 DESCRIPTION = "Projected sync wire time (8B/70B/671B x 400/25/1 Gb/s) from measured ratios"
-ENTRY = "jaxflow.sync.cost_model:main"
+ENTRY = "jaxflow.main.sync_cost_model:main"
 VARIANTS = ("quick", "default", "full")
 
 

@@ -78,3 +78,17 @@ def abstract_like(state: Any) -> Any:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), state
     )
+
+
+def params_checksum(params: Any) -> str:
+    """sha256 over every parameter's bytes (in tree order): equal iff bit-identical."""
+    import hashlib
+
+    import numpy as np
+
+    from jaxflow.distributed import to_host
+
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        h.update(np.ascontiguousarray(to_host(leaf)).tobytes())
+    return h.hexdigest()

@@ -66,3 +66,18 @@ def to_host(x) -> "np.ndarray":
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def global_batch(np_batch: dict, sharding) -> dict:
+    """Places a host batch (identical on every process) as global arrays with ``sharding``.
+
+    Args:
+      np_batch: ``{name: np.ndarray}``, the same full global batch on every process.
+      sharding: a ``NamedSharding`` for every array (leading axis usually over ``"data"``).
+    Returns:
+      ``{name: jax.Array}``; each process supplies only its own devices' slices.
+    """
+    return {
+        k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+        for k, v in np_batch.items()
+    }

@@ -3,7 +3,7 @@
 An experiment is `configs/NAME.py` (``get_config(variant)`` -> frozen dataclass) plus an entry
 function ``main(config, run: RunContext) -> dict`` named by the config module's ``ENTRY``.
 The entry function does the work and returns its summary keys; the runner adds the common
-keys of shared/CONVENTIONS.md, writes ``summary.json`` and plots ``metrics.jsonl``.
+keys of experiments/CONVENTIONS.md, writes ``summary.json`` and plots ``metrics.jsonl``.
 
 Only process 0 (``run.is_primary``) writes to the run directory; ``RunContext`` methods are
 no-ops elsewhere, so entry functions call them unconditionally.

@@ -116,6 +116,26 @@ def role_meshes(
     return out
 
 
+def trainer_rollout_meshes(roles) -> tuple[dict, str]:
+    """{"trainer", "rollout"} meshes and a description. Disjoint when there are >= 2 devices
+    and ``roles.colocate`` is off; otherwise both roles use every device.
+
+    Args:
+      roles: any object with ``colocate: bool`` and ``rollout_devices: int`` (the RL configs'
+        ``RolesConfig``); the trainer gets the remaining devices.
+    """
+    n = jax.device_count()
+    if roles.colocate or n < 2:
+        mesh = make_mesh({"data": -1})
+        return {"trainer": mesh, "rollout": mesh}, f"colocated on {n} device(s)"
+    r = roles.rollout_devices
+    if not 1 <= r < n:
+        raise ValueError(f"roles.rollout_devices={r} must be in [1, {n - 1}] with {n} devices "
+                         "(or set roles.colocate=true)")
+    meshes = role_meshes({"trainer": n - r, "rollout": r})
+    return meshes, f"disjoint: trainer {n - r} device(s), rollout {r} device(s)"
+
+
 def check_rules(rules: LogicalRules) -> dict[str, tuple[str, ...]]:
     """Validates rules and returns ``{logical: mesh axes}``; conflicting rules raise MeshError."""
     table: dict[str, tuple[str, ...]] = {}

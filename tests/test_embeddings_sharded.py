@@ -1,4 +1,4 @@
-"""Sharded lookup and sparse update == the single-device dense reference (issue 7)."""
+"""Sharded lookup and sparse update == the single-device dense reference."""
 
 import jax
 import jax.numpy as jnp

@@ -3,7 +3,7 @@
 import json
 
 from jaxflow.plots import read_metrics
-from jaxflow.train.lm_pretrain import FAULT_ENV
+from jaxflow.train.pretrain import FAULT_ENV
 from tests._cli import TINY_LM, run_cli
 
 COMMON = ["--exp=lm_pretrain", "--variant=quick", "--devices=2", "--set", "train.log_every=1", *TINY_LM]

@@ -6,7 +6,7 @@ import pytest
 
 from configs.nestpipe import Config, get_config
 from jaxflow.experiment import standalone_context
-from jaxflow.nestpipe.experiment import main
+from jaxflow.main.nestpipe import main
 
 TINY = Config(vocab_sizes=(60, 40, 25, 9), multi_hot=3, embed_dim=8, bottom=(16,), top=(16,),
               batch_size=64, micro_batches=2, steps=4, eval_batches=2, warmup=1, timing_steps=2,

@@ -12,7 +12,7 @@ import pytest
 from configs.nestpipe import Config
 from jaxflow.nestpipe import (clone_tables, cluster_order, cluster_samples, intersection_slots,
                               micro_batch_transfers, patch_intersection_rows, run_pipeline)
-from jaxflow.nestpipe.experiment import build, max_relative_diff, one_step_diffs, snapshot, train
+from jaxflow.main.nestpipe import build, max_relative_diff, one_step_diffs, snapshot, train
 from jaxflow.nestpipe.host_io import HostShards
 
 # tiny tables and a Zipf sampler: consecutive batches share most keys (a missing patch shows)

@@ -9,7 +9,7 @@ import pytest
 from configs import dlrm_train as cfg_mod
 from jaxflow.experiment import standalone_context
 from jaxflow.recsys.models import build_model, functional
-from jaxflow.recsys.train import main
+from jaxflow.main.dlrm_train import main
 
 
 @pytest.mark.parametrize("arch", ["dlrm", "dcn_v2"])

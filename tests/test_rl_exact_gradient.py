@@ -10,10 +10,11 @@ import pytest
 from configs import sis_exact_gradient
 from jaxflow.experiment import standalone_context
 from jaxflow.rl import exact_gradient
+from jaxflow.main.sis_exact_gradient import main as sis_exact_gradient_main
 
 
 def test_config_contract():
-    assert sis_exact_gradient.ENTRY == "jaxflow.rl.exact_gradient:main"
+    assert sis_exact_gradient.ENTRY == "jaxflow.main.sis_exact_gradient:main"
     for variant in sis_exact_gradient.VARIANTS:
         cfg = sis_exact_gradient.get_config(variant)
         assert dataclasses.is_dataclass(cfg) and cfg.draws >= 1000
@@ -42,7 +43,7 @@ def test_exact_gradient_matches_score_function_enumeration():
 
 def test_quick_variant_entry():
     cfg = sis_exact_gradient.get_config("quick")
-    summary = exact_gradient.main(cfg, standalone_context("sis_exact_gradient"))
+    summary = sis_exact_gradient_main(cfg, standalone_context("sis_exact_gradient"))
     rows = summary["estimators"]
     names = {(r["algo"], r["name"]) for r in rows}
     for algo in ("grpo", "dapo", "gspo", "cispo", "token_is"):

@@ -15,7 +15,7 @@ from jaxflow.mesh import role_meshes
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer
 from jaxflow.rl.tasks import AdditionRLTask
-from jaxflow.train.lm_pretrain import params_checksum
+from jaxflow.checkpoint import params_checksum
 from jaxflow.train.lm_state import OptimConfig, init_params
 
 MODEL = TransformerConfig(vocab_size=23, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,

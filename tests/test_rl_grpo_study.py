@@ -3,7 +3,7 @@
 import json
 
 from jaxflow.plots import read_metrics
-from jaxflow.rl.offpolicy_study import FAULT_ENV, grid_cells
+from jaxflow.main.sis_offpolicy import FAULT_ENV, grid_cells
 from tests._cli import run_cli
 
 TINY = [

@@ -163,7 +163,7 @@ def test_bench_policy_loss_entry_tiny():
 
     from configs import bench_policy_loss as bench_cfg
     from jaxflow.experiment import standalone_context
-    from jaxflow.rl.bench_policy_loss import main
+    from jaxflow.main.bench_policy_loss import main
 
     with pytest.raises(ValueError, match="unknown variant 'huge'"):
         bench_cfg.get_config("huge")

@@ -6,7 +6,7 @@ import pytest
 
 from configs import bench_sync_codec
 from jaxflow.experiment import standalone_context
-from jaxflow.sync import bench
+from jaxflow.main import bench_sync_codec as bench
 
 
 def test_configs():

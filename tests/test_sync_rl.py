@@ -15,7 +15,7 @@ from jaxflow.experiment import standalone_context
 from jaxflow.mesh import role_meshes
 from jaxflow.rl.publish import publish_weights
 from jaxflow.sync import SyncConfig, VersionMismatch, WeightSync, to_bf16, tree_digest
-from jaxflow.sync.rl_study import run_interval
+from jaxflow.main.sparse_sync import run_interval
 from jaxflow.train.lm_state import init_params, lm_functions
 from tests.test_sync_transport import trainer_tree, trajectory
 from tests.test_rl_grpo import MODEL

@@ -17,7 +17,7 @@ from jaxflow.rl.grpo import GRPOTrainer
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.sync import CODECS, Replica, SyncConfig, VersionMismatch, to_bf16, tree_digest
 from jaxflow.sync.transport.inprocess import InProcessLink
-from jaxflow.train.lm_pretrain import params_checksum
+from jaxflow.checkpoint import params_checksum
 from jaxflow.train.lm_state import OptimConfig, init_params
 from tests.test_rl_grpo import BASE, MODEL
 

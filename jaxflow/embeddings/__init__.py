@@ -1,4 +1,4 @@
-"""Sharded embedding tables for recommendation (issue 7): placement, routing, lookup, sparse
+"""Sharded embedding tables for recommendation (TorchRec-style): placement, routing, lookup, sparse
 optimizers, host-resident tables, checkpoints. See ``lookup.py`` for the stage list."""
 
 from jaxflow.embeddings.lookup import (CapacityOverflowError, GroupContext, ShardedEmbeddings,

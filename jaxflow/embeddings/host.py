@@ -8,7 +8,7 @@ Tables larger than device memory stay on the host; a step moves only the rows it
                 rows (duplicates already summed by the gather's transpose), sparse optimizer;
   ``write_back`` (host) store the updated rows and optimizer state.
 
-This is NestPipe's retrieval stage (issue 8 overlaps it with compute). The update is the same
+This is NestPipe's retrieval stage (``jaxflow.nestpipe`` overlaps it with compute). The update is the same
 ``SparseOptimizer.apply`` as the device-resident path, so host == device up to sum order.
 """
 

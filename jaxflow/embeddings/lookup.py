@@ -14,7 +14,7 @@ Inside ``shard_map`` over the plan's mesh axis, for each group of tables:
 Replicated groups skip 2-4 (local gather) and update by all-gathering (keys, row grads) so
 every replica applies the same update. ``group_forward`` / ``group_update`` chain the stages;
 ``ShardedEmbeddings`` holds a plan, mesh and optimizer, builds and converts state, and jits
-``lookup``. NestPipe (issue 8) times and overlaps the stages individually.
+``lookup``. NestPipe (``jaxflow.nestpipe``) times and overlaps the stages individually.
 """
 
 from __future__ import annotations

@@ -11,5 +11,6 @@ Modules (one idea each):
   monolithic   the whole VLM as one step on one mesh (padded or packed rows)
   decoupled    encoder and backbone on disjoint sub-meshes joined by the pool
   allocator    throughput-matching split of the devices
-  flowtrain, bench_packing   the experiments' entry functions
+
+The ``flowtrain`` and ``bench_packing`` experiments live in ``jaxflow/main/``.
 """

@@ -1,10 +1,11 @@
-"""NestPipe (issue 8): staleness-free pipelining of host-resident embedding training on a mesh.
+"""NestPipe (arXiv 2604.06956): staleness-free pipelining of host-resident embedding training on a mesh.
 
 ``stages.py`` the host-side stages (data, host-to-device); ``sharded.py`` the device programs
 (key routing + All2All, row exchange, compute, buffer patch) in ``shard_map``; ``host_io.py``
 per-shard retrieval / write-back threads; ``buffers.py`` the dual-buffer intersection patch;
 ``clustering.py`` key-centric sample clustering; ``pipelines.py`` the schedules (sync, dbp,
-semi_sync, fwp, dbp+fwp); ``experiment.py`` the ``nestpipe`` experiment.
+semi_sync, fwp, dbp+fwp); ``simulate.py`` the cluster-scale simulator. The ``nestpipe`` and
+``nestpipe_scale`` experiments live in ``jaxflow/main/``.
 """
 
 from jaxflow.nestpipe.buffers import intersection_slots, patch_intersection_rows

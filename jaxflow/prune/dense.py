@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxflow.checkpoint import Checkpointer
 from jaxflow.prune.capabilities import World, make_tokenizer, mixture_batch
 from jaxflow.rl.warm_start import config_hash
-from jaxflow.train.lm_pretrain import global_batch
+from jaxflow.distributed import global_batch
 from jaxflow.train.lm_state import LMFunctions, init_train_state, make_optimizer, make_train_step
 
 #: Share of each document source in the training mixture.

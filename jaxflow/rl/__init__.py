@@ -6,14 +6,15 @@ Modules (one idea each):
   corrections   behaviour-policy weights: TIS (truncated) and MIS (masked)
   advantages    GRPO group normalisation (with / without std) and RLOO
   logprobs      fused log-probs from hidden states + LM head, never holding [B, T, V] logits
-  exact_gradient  the `sis_exact_gradient` study (enumerable toy policy; exact gradient)
-  bench_policy_loss  the `bench_policy_loss` benchmark (fused path, SIS overhead, memory)
+  exact_gradient  exact moments of the gradient estimators on an enumerable toy policy
   tasks         verifiable tasks (prompt source + score): addition, countdown
   rollout       G responses per prompt on the rollout sub-mesh; train/inference mismatch knobs
   publish       publish_weights: trainer -> rollout sub-mesh
   grpo          the GRPO trainer: policy lag N, async staleness k, KL to a reference, entropy
   warm_start    an lm_pretrain checkpoint (trained on the fly, cached) as the RL starting point
-  offpolicy_study  the `sis_offpolicy` study
+
+The experiments that use them (``sis_offpolicy``, ``sis_exact_gradient``,
+``bench_policy_loss``) live in ``jaxflow/main/``.
 
 Usage::
 

@@ -302,7 +302,7 @@ def policy_loss(
         pi_old's top-K tokens (needed for SIS). K = |V| gives the exact envelope.
       behaviour_logp: [B, T] the sampler's log-probs (needed for TIS / MIS).
       uniforms: optional [B, T] SIS uniforms in [0, 1] used instead of drawing them from
-        ``key`` (an extension beyond issue 3 for replays and for exact expectations over the
+        ``key`` (an extension beyond the SIS paper for replays and for exact expectations over the
         accept coin: 0 forces acceptance, 1 forces rejection unless log_w == 0).
 
     Returns:

@@ -39,7 +39,7 @@ def build_pretrain_cache(pretrain_config: Any, cache_root: str | pathlib.Path,
                          *, log=print) -> pathlib.Path:
     """Runs ``lm_pretrain`` with ``pretrain_config`` unless its cache entry exists; returns
     the entry's directory."""
-    from jaxflow.train import lm_pretrain
+    from jaxflow.train.pretrain import pretrain
 
     target = cache_dir(pretrain_config, cache_root)
     if (target / "summary.json").exists():
@@ -51,7 +51,7 @@ def build_pretrain_cache(pretrain_config: Any, cache_root: str | pathlib.Path,
     try:
         ctx.write_json("config.json", {"experiment": "lm_pretrain", "variant": "warm_start",
                                        "config": pretrain_config})
-        summary = lm_pretrain.main(pretrain_config, ctx)
+        summary = pretrain(pretrain_config, ctx)
     finally:
         ctx.close()
     ctx.write_json("summary.json", summary)

@@ -6,8 +6,7 @@
 
 Modules: bits (bit views), diff (tree diff), tracker (in-mesh change tracking), codecs and
 entropy (section formats), payload (wire format), encoder / receiver (encode / apply),
-bound (entropy bound), baseline (PULSE-style codec), bench (the bench_sync_codec
-experiment), replica (sender / replicas, catch-up) and transport/ (in-process, TCP, storage).
+bound (entropy bound), baseline (PULSE-style codec), replica (sender / replicas, catch-up) and transport/ (in-process, TCP, storage).
 """
 
 from jaxflow.sync.encoder import CODECS, encode, encode_diffs

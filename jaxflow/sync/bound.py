@@ -1,6 +1,6 @@
 """The entropy bound of a sync: how few bytes any lossless codec could use.
 
-Fixed definition (issue 5): per bf16 tensor log2 C(n, k) bits for the positions, plus k times
+Fixed definition: per bf16 tensor log2 C(n, k) bits for the positions, plus k times
 the order-0 empirical entropy of the values written as signed differences of the bf16 bit
 patterns (new - old, as integers), the value histogram pooled over the whole tree.
 """

@@ -1,1 +1,1 @@
-"""LM training: sharded train state, pure train step, held-out evaluation, lm_pretrain."""
+"""LM training: sharded train state, pure train step, held-out evaluation, pretraining with checkpoints."""

@@ -25,13 +25,12 @@ import jax
 import numpy as np
 
 from jaxflow.data.tokenizer import CharTokenizer
-from jaxflow.marl.balance import allocate_workers
+from jaxflow.marl.meshes import agent_centric_meshes
 from jaxflow.marl.engine import RolloutEngine, row_keys
 from jaxflow.marl.pipeline import (AgentRuntime, RunResult, relative_param_diff, run_pipeline,
                                    run_sync)
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import solver_verifier_workflow
-from jaxflow.mesh import role_meshes
 from jaxflow.rl.tasks import encode_prompts
 from jaxflow.train.lm_state import init_params
 
@@ -46,31 +45,6 @@ def _median_util(runs: list[RunResult]) -> dict[str, float]:
 
 def _bit_equal(a, b) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-def agent_centric_meshes(wf, n_dev: int) -> dict[str, dict]:
-    """Per agent: {"trainer": mesh, "rollout": mesh}. 1 device: everything colocated. 2: the
-    trainer / rollout halves. >= 3: rollout gets n // 2 devices and the trainer devices are
-    split over agents in proportion to their parameter counts (agent-centric allocation,
-    :func:`~jaxflow.marl.balance.allocate_workers`), so agents train on disjoint devices."""
-    names = wf.order()
-    if n_dev == 1:
-        mesh = role_meshes({"trainer": 1})["trainer"]
-        return {n: {"trainer": mesh, "rollout": mesh} for n in names}
-    n_roll = n_dev // 2
-    n_train = n_dev - n_roll
-    if n_train < len(names):
-        m = role_meshes({"trainer": n_train, "rollout": n_roll})
-        return {n: m for n in names}
-    sizes = {n: float(_n_params(wf.agent(n).model)) for n in names}
-    split = allocate_workers(sizes, n_train)
-    m = role_meshes({f"trainer/{n}": split[n] for n in names} | {"rollout": n_roll})
-    return {n: {"trainer": m[f"trainer/{n}"], "rollout": m["rollout"]} for n in names}
-
-
-def _n_params(cfg) -> int:
-    d, f, L, v = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size
-    return v * d + L * (4 * d * d + 3 * d * f)  # order of magnitude: for the split only
 
 
 def engine_benchmark(config, wf, meshes, params, run) -> dict:

@@ -35,7 +35,7 @@ import numpy as np
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.experiment import RunContext
 from jaxflow.rl.grpo import GRPOTrainer
-from jaxflow.rl.offpolicy_study import make_role_meshes
+from jaxflow.mesh import trainer_rollout_meshes
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.warm_start import load_pretrained_params
 from jaxflow.sync.replica import to_bf16, tree_digest
@@ -155,7 +155,7 @@ def _by_interval(rows: list[dict]) -> list[dict]:
 
 
 def main(config, run: RunContext) -> dict:
-    meshes, roles = make_role_meshes(config.roles)
+    meshes, roles = trainer_rollout_meshes(config.roles)
     fns = lm_functions(config.pretrain.model, meshes["trainer"])
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sparse_sync_tcp-"))
     procs = []

@@ -1,25 +1,24 @@
-"""The ``lm_pretrain`` experiment: train the LM on the arithmetic corpus, checkpoint, resume.
+"""LM pretraining on the arithmetic corpus: build, train with checkpoints, resume exactly.
 
 Every process builds the same global batch from ``(seed, step)`` and contributes its devices'
 slices (``jax.make_array_from_callback``), so one program runs unchanged on 1 CPU, 8 fake
-devices, or N processes of the multi-controller runtime.
+devices, or N processes of the multi-controller runtime. The ``lm_pretrain`` experiment and the
+RL warm start (``jaxflow.rl.warm_start``) both run :func:`pretrain`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxflow.checkpoint import Checkpointer, abstract_like
+from jaxflow.checkpoint import Checkpointer, abstract_like, params_checksum
 from jaxflow.data.arithmetic import AdditionTask, packed_batch
 from jaxflow.data.tokenizer import CharTokenizer
-from jaxflow.distributed import to_host
+from jaxflow.distributed import global_batch
 from jaxflow.experiment import RunContext
 from jaxflow.mesh import assert_params_sufficiently_sharded
 from jaxflow.models.transformer import param_count
@@ -28,22 +27,6 @@ from jaxflow.train.lm_state import init_train_state, lm_functions, make_optimize
 
 #: Test hook: SIGKILL this process right after the checkpoint of this step is committed.
 FAULT_ENV = "JAXFLOW_KILL_AFTER_CHECKPOINT"
-
-
-def global_batch(np_batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Places a host batch (identical on every process) as global arrays with ``sharding``."""
-    return {
-        k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-        for k, v in np_batch.items()
-    }
-
-
-def params_checksum(params: Any) -> str:
-    """sha256 over every parameter's bytes (in tree order): equal iff bit-identical."""
-    h = hashlib.sha256()
-    for leaf in jax.tree.leaves(params):
-        h.update(np.ascontiguousarray(to_host(leaf)).tobytes())
-    return h.hexdigest()
 
 
 def build(config):
@@ -58,7 +41,9 @@ def build(config):
     return mesh, tokenizer, task, fns, tx
 
 
-def main(config, run: RunContext) -> dict:
+def pretrain(config, run: RunContext) -> dict:
+    """Trains ``config.model`` per ``config.train`` into ``run``'s checkpoints (resuming from the
+    latest when ``run.resume``); returns the summary (final loss, held-out accuracy, checksum)."""
     mesh, tokenizer, task, fns, tx = build(config)
     tc = config.train
     state, shardings = init_train_state(fns, config.model, tx, jax.random.key(config.seed))

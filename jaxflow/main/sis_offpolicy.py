@@ -18,20 +18,19 @@ import shutil
 import signal
 from typing import NamedTuple
 
-import jax
 import numpy as np
 
 from jaxflow.checkpoint import Checkpointer, abstract_like
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.experiment import RunContext
-from jaxflow.mesh import make_mesh, role_meshes
+from jaxflow.mesh import trainer_rollout_meshes
 from jaxflow.plots import read_metrics
 from jaxflow.rl.grpo import GRPOTrainer
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.rollout import RolloutWorker
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
-from jaxflow.train.lm_pretrain import params_checksum
+from jaxflow.checkpoint import params_checksum
 from jaxflow.train.lm_state import lm_functions
 
 #: Test hook: SIGKILL right after the RL checkpoint at this global step is committed.
@@ -70,21 +69,6 @@ def grid_cells(grid) -> list[Cell]:
             seen.add(key)
             cells += [Cell(*key, seed=s) for s in range(grid.seeds)]
     return cells
-
-
-def make_role_meshes(roles) -> tuple[dict, str]:
-    """{"trainer", "rollout"} meshes and a description. Disjoint when there are >= 2 devices
-    and ``roles.colocate`` is off; otherwise both roles use every device."""
-    n = jax.device_count()
-    if roles.colocate or n < 2:
-        mesh = make_mesh({"data": -1})
-        return {"trainer": mesh, "rollout": mesh}, f"colocated on {n} device(s)"
-    r = roles.rollout_devices
-    if not 1 <= r < n:
-        raise ValueError(f"roles.rollout_devices={r} must be in [1, {n - 1}] with {n} devices "
-                         "(or set roles.colocate=true)")
-    meshes = role_meshes({"trainer": n - r, "rollout": r})
-    return meshes, f"disjoint: trainer {n - r} device(s), rollout {r} device(s)"
 
 
 def _load_done(run: RunContext) -> dict[str, dict]:
@@ -272,7 +256,7 @@ def warm_start_accuracy(config, meshes, params) -> tuple[float, float]:
 
 
 def main(config, run: RunContext) -> dict:
-    meshes, roles = make_role_meshes(config.roles)
+    meshes, roles = trainer_rollout_meshes(config.roles)
     run.info(f"roles: {roles}")
     fns = lm_functions(config.pretrain.model, meshes["trainer"])
     warm_params, pre_summary = load_pretrained_params(config.pretrain, config.cache_root, fns,
