@@ -40,12 +40,15 @@ def sa_gcpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, ma
     Args:
       logp, old_logp: f32[N, T] per-token log-probs (current policy / the sampler's).
       advantages: f32[N] per sequence (from :func:`sa_gcpo_advantages`, flattened).
-      mask: bool[N, T] tokens that count.
+      mask: bool[N, T] tokens that count; masked entries may hold anything (even -inf).
 
     Returns:
       (loss scalar, {"gate_mean": mean f over tokens, "ratio_max": max rho}).
     """
     maskf = mask.astype(jnp.float32)
+    mask = mask.astype(bool)
+    logp = jnp.where(mask, logp, 0.0)
+    old_logp = jnp.where(mask, old_logp, 0.0)
     rho = jnp.exp(jnp.clip(logp - jax.lax.stop_gradient(old_logp), -20.0, 20.0))
     adv = jax.lax.stop_gradient(advantages)[:, None]
     tau = jnp.where(adv > 0, tau_pos, tau_neg)

@@ -10,6 +10,7 @@ search, top-K items per request).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +85,9 @@ def sft_loss(model: GenRec, batch: dict, *, q2i_weight: float, q2i_temperature: 
 
 
 def make_sft_step(graphdef, tx: optax.GradientTransformation, config: SFTConfig):
-    """Jitted SFT step ``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+    """Jitted SFT step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+    Only ``config.q2i_weight`` / ``q2i_temperature`` are read (the step is pure)."""
 
     def step(params, opt_state, batch):
         def loss_fn(p):
@@ -95,7 +98,7 @@ def make_sft_step(graphdef, tx: optax.GradientTransformation, config: SFTConfig)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics}
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step)
 
 
 def data_mesh(devices=None) -> jax.sharding.Mesh:
@@ -136,9 +139,8 @@ def fit(data: RecData, codes: np.ndarray, model_config: GenRecConfig, sft: SFTCo
         raise ValueError(f"batch_size={sft.batch_size} is not divisible by {mesh.size} devices")
     if params is None:
         graphdef, params = init_model(model_config, seed=seed, mesh=mesh)
-    tx = optax.adam(sft.lr)
+    tx, step = _adam_sft_step(graphdef, sft.lr, sft.q2i_weight, sft.q2i_temperature)
     opt_state = tx.init(params)
-    step = make_sft_step(graphdef, tx, sft)
     inputs = model_inputs(requests, codes, data.behaviour_weights,
                           use_instruction=sft.use_instruction)
     rng = np.random.default_rng([seed, 1])
@@ -153,6 +155,15 @@ def fit(data: RecData, codes: np.ndarray, model_config: GenRecConfig, sft: SFTCo
     return graphdef, params, [float(x) for x in jax.device_get(history)]
 
 
+@functools.lru_cache(maxsize=32)
+def _adam_sft_step(graphdef, lr: float, q2i_weight: float, q2i_temperature: float):
+    # one compiled program per model / loss (fits of equal shapes reuse it)
+    tx = optax.adam(lr)
+    sft = SFTConfig(lr=lr, q2i_weight=q2i_weight, q2i_temperature=q2i_temperature)
+    return tx, make_sft_step(graphdef, tx, sft)
+
+
+@functools.lru_cache(maxsize=32)
 def make_recommender(graphdef, beam_size: int):
     """Jitted ``(params, trie, encoder inputs...) -> (items, codes, scores)`` beam search."""
 

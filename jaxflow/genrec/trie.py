@@ -30,8 +30,11 @@ class Trie:
         return self.children.shape[1]
 
 
-def build_trie(codes, width: int) -> Trie:
+def build_trie(codes, width: int, *, pad_nodes: int | None = None) -> Trie:
     """The trie of the code tuples ``codes`` int[N, L] (row = item index), codes in [0, width).
+
+    ``pad_nodes`` pads the tables with unreachable nodes to that many rows, so tries of
+    different catalogues share one compiled decoder (1 + N L rows always suffice).
 
     Raises:
       ValueError: a code outside [0, width), or two items with the same tuple (the item a
@@ -62,6 +65,13 @@ def build_trie(codes, width: int) -> Trie:
         parent = node_of[d]
     leaf = np.full(offset, -1, np.int64)
     leaf[parent] = np.arange(n)
+    if pad_nodes is not None:
+        if pad_nodes < offset:
+            raise ValueError(f"pad_nodes={pad_nodes} < the trie's {offset} nodes")
+        extra = pad_nodes - offset
+        children = np.concatenate([children, np.full((extra, width), -1, np.int64)])
+        leaf = np.concatenate([leaf, np.full(extra, -1, np.int64)])
+        depth = np.concatenate([depth, np.full(extra, -1, np.int64)])
     return Trie(children=jnp.asarray(children, jnp.int32), leaf_item=jnp.asarray(leaf, jnp.int32),
                 depth=jnp.asarray(depth, jnp.int32))
 
