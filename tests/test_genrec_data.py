@@ -6,7 +6,7 @@ import pytest
 from jaxflow.genrec.data import movielens, synthetic
 from jaxflow.genrec.data.requests import SCENARIOS
 
-SMALL = synthetic.SyntheticGenRecConfig(n_genres=3, n_sub=2, items_per_cell=5, n_users=20,
+SMALL = synthetic.SyntheticGenRecConfig(n_genres=3, n_sub=2, items_per_cell=10, n_users=20,
                                         min_history=2, max_history=6, test_users=5,
                                         train_requests_per_user=2)
 
@@ -15,7 +15,7 @@ def test_synthetic_is_deterministic_and_follows_its_intents():
     a, b = synthetic.generate(SMALL, seed=3), synthetic.generate(SMALL, seed=3)
     np.testing.assert_array_equal(a.train.target, b.train.target)
     np.testing.assert_array_equal(a.test.history, b.test.history)
-    assert a.n_items == 30 and a.instruction_vocab == 1 + 3 + 3
+    assert a.n_items == 60 and a.instruction_vocab == 1 + 3 + 3
     assert len(a.test) == 5 * 3 and set(a.test.scenario.tolist()) == {0, 1, 2}
     for req in (a.train, a.test):
         genre_tok = req.instruction[:, 1] - 1 - len(SCENARIOS)

@@ -17,8 +17,9 @@ from tests._cli import run_cli
 
 DATA = synthetic.SyntheticGenRecConfig(n_genres=4, n_sub=2, items_per_cell=10, n_users=300,
                                        min_history=6, max_history=12, test_users=100)
-#: Stated margin: instructions add at least this much Recall@10 (measured ~0.2+ on this data).
-MARGIN = 0.10
+#: Stated margin: instructions add at least this much Recall@10 (measured at 150 steps, seed 0:
+#: 0.77 with vs 0.30 without overall, 0.71 vs 0.10 on "different").
+MARGIN = 0.20
 
 
 def _without_instructions(requests):
@@ -32,7 +33,7 @@ def test_instructions_recover_known_intents_better_than_without():
     mc = GenRecConfig(levels=3, width=16, instruction_vocab=data.instruction_vocab,
                       max_instruction=2, max_history=6, d_model=32, n_heads=2, d_ff=64,
                       encoder_layers=1, decoder_layers=1, use_igr=False)
-    sft = train_lib.SFTConfig(steps=200, batch_size=64, lr=3e-3, q2i_weight=0.0)
+    sft = train_lib.SFTConfig(steps=120, batch_size=64, lr=3e-3, q2i_weight=0.0)
     recall = {}
     for name, tr, te in (("with", data.train, data.test),
                          ("without", _without_instructions(data.train),
