@@ -96,3 +96,42 @@ def test_missing_features_named_and_cooccurrence_fallback(tmp_path):
         movielens.load_movielens(tmp_path / "u.data", embeddings_path=str(emb))
     with pytest.raises(ValueError, match="does not exist"):
         movielens.read_ratings(tmp_path / "nope.data")
+
+
+def test_unified_reward_mapping_per_scenario():
+    from jaxflow.genrec.rl import RLConfig, unified_reward
+
+    data = synthetic.generate(SMALL, seed=0)
+    req = data.test.take(np.arange(3))  # one request per scenario: genre, new, different
+    g_new = np.flatnonzero(data.item_new)[0]
+    hist0 = int(req.history[0, 0])
+    asked = req.instruction[:, 1] - 1 - len(SCENARIOS)
+    same_genre_other = [i for i in np.flatnonzero(data.item_genre == asked[0])
+                        if i not in req.history[0] and i != req.target[0]][0]
+    items = np.asarray([[req.target[0], same_genre_other, hist0, -1],
+                        [g_new, req.target[1], hist0, -1],
+                        [req.target[2], hist0, hist0, -1]])
+    cfg = RLConfig()
+    r = unified_reward(items, req, data, cfg)
+    top = cfg.hit_weight + cfg.match_weight + cfg.novelty_weight
+    g0 = data.item_genre[hist0] == asked[0]
+    want = np.asarray([
+        [1.0, (0.3 + 0.1) / top, (0.3 * g0) / top, 0.0],
+        [(0.3 + 0.1) / top, 1.0, 0.0, 0.0],  # a new release matches "new"; history items don't
+        [1.0, 0.0, 0.0, 0.0]])  # a watched genre is never "different"
+    np.testing.assert_allclose(r, want, rtol=1e-6)
+
+
+def test_sasrec_sequences_layout():
+    from jaxflow.genrec.sasrec import sequences
+
+    data = synthetic.generate(SMALL, seed=1)
+    req = data.test.take(np.arange(4))
+    s = sequences(req, max_len=5)
+    for b in range(4):
+        h = req.history[b][req.history[b] >= 0][-4:]
+        n = len(h)
+        assert s["last"][b] == n and s["tokens"][b, 0] == 1
+        np.testing.assert_array_equal(s["tokens"][b, 1:n + 1], h + 2)
+        np.testing.assert_array_equal(s["labels"][b, :n + 1], np.append(h, req.target[b]) + 2)
+        assert s["segment_ids"][b].tolist() == [1] * (n + 1) + [0] * (4 - n)

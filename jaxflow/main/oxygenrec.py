@@ -70,16 +70,17 @@ def run_seed(config, seed: int, run: RunContext) -> tuple[dict, dict, dict]:
     data = load_data(config, seed)
     run.info(f"seed {seed}: {data.source}; {len(data.train)} train / {len(data.test)} test requests")
     m = config.model
-    try:
+    mesh = train_lib.data_mesh()
+    try:  # items sharded over the data axis when there are several devices
         sid = rq_kmeans(data.item_features, levels=m.levels, width=m.width,
-                        key=jax.random.key(seed), iters=m.kmeans_iters)
+                        key=jax.random.key(seed), iters=m.kmeans_iters,
+                        mesh=mesh if mesh.size > 1 else None)
     except ValueError as e:
         raise ConfigError(f"semantic IDs (model.levels={m.levels}, model.width={m.width}): {e}") from None
     trie = build_trie(sid.codes, m.width)
     sid_report = {"reconstruction_error": list(sid.reconstruction_error),
                   "utilisation": list(sid.utilisation), "collision_rate": sid.collision_rate,
                   "trie_nodes": int(trie.children.shape[0])}
-    mesh = train_lib.data_mesh()
     test, results, rl_report = data.test, {}, {}
     systems = set(config.systems)
     step_log = [0]
