@@ -264,13 +264,13 @@ def load_movielens(path, *, items_path: str | None = None, max_history: int = 50
             targets.append(int(seq[t]))
             kinds.append(t == len(seq) - 1)
     scenario, shown = [], []
-    for (u, h), tgt in zip(hists, targets):
+    for (_, h), tgt in zip(hists, targets):
         if new[tgt]:
-            scenario.append(1), shown.append(-1)
-        elif np.isin(genre[tgt], genre[h]):
-            scenario.append(0), shown.append(int(genre[tgt]))
+            kind = "new"
         else:
-            scenario.append(2), shown.append(int(genre[tgt]))
+            kind = "genre" if np.isin(genre[tgt], genre[h]) else "different"
+        scenario.append(SCENARIOS.index(kind))
+        shown.append(-1 if kind == "new" else int(genre[tgt]))
     hist, beh = pad_histories([h for _, h in hists], [np.zeros(len(h), int) for _, h in hists],
                               max_history)
     all_req = Requests(history=hist, behaviour=beh,
