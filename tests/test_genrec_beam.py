@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from jaxflow.genrec import beam
-from jaxflow.genrec.model import GenRec, GenRecConfig
+from jaxflow.genrec.model import GenRecConfig
+from jaxflow.genrec.train import init_model
 from jaxflow.genrec.trie import build_trie, item_of
 
 L, W, NODES = 3, 5, 1 + 40 * 3
@@ -32,7 +33,7 @@ def _inputs(rng, b, codes):
 
 @pytest.fixture(scope="module")
 def model():
-    graphdef, params = nnx.split(GenRec(CFG, rngs=nnx.Rngs(0)))
+    graphdef, params = init_model(CFG, seed=0)
     search = {k: jax.jit(lambda p, t, *enc, k=k: beam.beam_search(nnx.merge(graphdef, p), t, *enc,
                                                                     beam_size=k))
               for k in (3, 8)}

@@ -33,12 +33,14 @@ def test_instructions_recover_known_intents_better_than_without():
     mc = GenRecConfig(levels=3, width=16, instruction_vocab=data.instruction_vocab,
                       max_instruction=2, max_history=6, d_model=32, n_heads=2, d_ff=64,
                       encoder_layers=1, decoder_layers=1, use_igr=False)
-    sft = train_lib.SFTConfig(steps=120, batch_size=64, lr=3e-3, q2i_weight=0.0)
+    sft = train_lib.SFTConfig(steps=100, batch_size=64, lr=3e-3, q2i_weight=0.0)
+    one_device = train_lib.data_mesh(jax.devices()[:1])  # sharded paths: the other tests
     recall = {}
     for name, tr, te in (("with", data.train, data.test),
                          ("without", _without_instructions(data.train),
                           _without_instructions(data.test))):
-        g, p, hist = train_lib.fit(data, sid.codes, mc, sft, seed=0, requests=tr)
+        g, p, hist = train_lib.fit(data, sid.codes, mc, sft, seed=0, requests=tr,
+                                   mesh=one_device)
         assert hist[-1] < hist[0]
         inputs = train_lib.model_inputs(te, sid.codes, data.behaviour_weights)
         items = train_lib.recommend(g, p, trie, inputs, beam_size=10)

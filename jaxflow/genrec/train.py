@@ -113,10 +113,11 @@ def shard_batch(batch: dict, mesh) -> dict:
 
 
 def init_model(config: GenRecConfig, *, seed: int, mesh=None):
-    """(graphdef, params) of a fresh GenRec, params replicated on ``mesh`` when given."""
-    graphdef, params = nnx.split(GenRec(config, rngs=nnx.Rngs(seed)))
-    if mesh is not None:
-        params = jax.device_put(params, NamedSharding(mesh, P()))
+    """(graphdef, params) of a fresh GenRec: one jitted init (replicated on ``mesh``)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GenRec(config, rngs=nnx.Rngs(seed))))
+    out = None if mesh is None else NamedSharding(mesh, P())
+    params = jax.jit(lambda: nnx.split(GenRec(config, rngs=nnx.Rngs(seed)))[1],
+                     out_shardings=out)()
     return graphdef, params
 
 
