@@ -120,3 +120,14 @@ def test_empty_history_is_finite_and_long_instruction_is_an_error(model):
                                          "max_instruction=2"):
         encode(params, jnp.ones((2, 3), jnp.int32), codes, jnp.zeros((2, 3), jnp.int32),
                jnp.ones((2, 3), bool))
+
+
+def test_constrained_beam_search_lowers_for_tpu_and_cuda(model):
+    _, params, search, _, _ = model
+    rng = np.random.default_rng(4)
+    codes = _random_codes(rng, 10)
+    trie = build_trie(codes, W, pad_nodes=NODES)
+    exported = jax.export.export(search[8], platforms=("tpu", "cuda"))(
+        params, trie, *_inputs(rng, 8, codes))
+    assert exported.platforms == ("tpu", "cuda")
+    assert [a.shape for a in exported.out_avals] == [(8, 8), (8, 8, L), (8, 8)]
