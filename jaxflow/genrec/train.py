@@ -126,8 +126,9 @@ def fit(data: RecData, codes: np.ndarray, model_config: GenRecConfig, sft: SFTCo
         log=None):
     """Trains a GenRec on ``requests`` (default ``data.train``) for ``sft.steps`` steps.
 
-    Batches are drawn uniformly with replacement from a generator seeded by ``seed``; with a
-    mesh the batch (its size divisible by the mesh size) is sharded over "data".
+    Batches are drawn uniformly with replacement from a generator seeded by ``seed``; the
+    batch (its size divisible by the mesh size) is sharded over the mesh's "data" axis
+    (default: all devices). ``graphdef`` + ``params`` continue from a trained model.
 
     Returns:
       (graphdef, params, history) with history a list of per-step loss floats.
@@ -140,6 +141,8 @@ def fit(data: RecData, codes: np.ndarray, model_config: GenRecConfig, sft: SFTCo
         raise ValueError(f"batch_size={sft.batch_size} is not divisible by {mesh.size} devices")
     if params is None:
         graphdef, params = init_model(model_config, seed=seed, mesh=mesh)
+    elif graphdef is None:
+        raise ValueError("fit(params=...) continues training and needs graphdef= as well")
     tx, step = _adam_sft_step(graphdef, sft.lr, sft.q2i_weight, sft.q2i_temperature)
     opt_state = tx.init(params)
     inputs = model_inputs(requests, codes, data.behaviour_weights,
