@@ -34,7 +34,7 @@ from flax import nnx
 from jaxflow.genrec import beam as beam_lib
 from jaxflow.genrec.data.requests import RecData, Requests
 from jaxflow.genrec.sa_gcpo import sa_gcpo_advantages, sa_gcpo_loss
-from jaxflow.genrec.train import ENCODER_KEYS, model_inputs, shard_batch, data_mesh
+from jaxflow.genrec.train import ENCODER_KEYS, data_mesh, model_inputs, replicate, shard_batch
 from jaxflow.genrec.trie import Trie
 
 
@@ -142,7 +142,8 @@ def rl_stage(graphdef, params, trie: Trie, data: RecData, codes: np.ndarray, con
     """
     mesh = data_mesh() if mesh is None else mesh
     tx = optax.adam(config.lr)
-    opt_state = tx.init(params)
+    params = replicate(params, mesh)
+    opt_state = replicate(tx.init(params), mesh)
     sample, update = make_rl_fns(graphdef, tx, config)
     inputs = model_inputs(data.train, codes, data.behaviour_weights)
     rng = np.random.default_rng([seed, 3])

@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from jaxflow.genrec.data.requests import Requests
-from jaxflow.genrec.train import data_mesh, shard_batch
+from jaxflow.genrec.train import data_mesh, replicate, shard_batch
 from jaxflow.models.transformer import Transformer, TransformerConfig
 
 
@@ -58,8 +58,9 @@ def fit_sasrec(requests: Requests, n_items: int, config: SASRecConfig, *, seed: 
     """Trains the baseline; returns (graphdef, params, losses)."""
     mesh = data_mesh() if mesh is None else mesh
     graphdef, params = nnx.split(Transformer(_model_config(config, n_items), rngs=nnx.Rngs(seed)))
+    params = replicate(params, mesh)
     tx = optax.adam(config.lr)
-    opt_state = tx.init(params)
+    opt_state = replicate(tx.init(params), mesh)
 
     @jax.jit
     def step(params, opt_state, batch):

@@ -112,6 +112,12 @@ def shard_batch(batch: dict, mesh) -> dict:
     return {k: jax.device_put(v, NamedSharding(mesh, P("data"))) for k, v in batch.items()}
 
 
+def replicate(tree, mesh):
+    """``tree`` replicated on ``mesh``: the shardings the jitted steps return, so the second
+    call hits the first call's compiled program."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
 def init_model(config: GenRecConfig, *, seed: int, mesh=None):
     """(graphdef, params) of a fresh GenRec: one jitted init (replicated on ``mesh``)."""
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: GenRec(config, rngs=nnx.Rngs(seed))))
@@ -144,7 +150,7 @@ def fit(data: RecData, codes: np.ndarray, model_config: GenRecConfig, sft: SFTCo
     elif graphdef is None:
         raise ValueError("fit(params=...) continues training and needs graphdef= as well")
     tx, step = _adam_sft_step(graphdef, sft.lr, sft.q2i_weight, sft.q2i_temperature)
-    opt_state = tx.init(params)
+    opt_state = replicate(tx.init(params), mesh)
     inputs = model_inputs(requests, codes, data.behaviour_weights,
                           use_instruction=sft.use_instruction)
     rng = np.random.default_rng([seed, 1])
