@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import require_positive
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.prune.calibration import SOURCES, CalibrationConfig
@@ -32,6 +33,9 @@ class TrainConfig:
     batch_size: int = 32
     seq_len: int = 128
     log_every: int = 50
+
+    def __post_init__(self):
+        require_positive(self, "steps", "batch_size", "seq_len", "log_every")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import require_finite, require_positive
 from jaxflow.mesh import MeshConfig
 from jaxflow.recsys.synthetic import CRITEO_LIKE_VOCABS
 
@@ -72,6 +73,11 @@ class TrainConfig:
     log_every: int = 50
     checkpoint_every: int = 500
     eval_batches: int = 16
+
+    def __post_init__(self):
+        require_positive(self, "steps", "batch_size", "log_every", "checkpoint_every", "eval_batches")
+        require_positive(self, "capacity", allow_zero=True)
+        require_finite(self, "dense_lr", "sparse_lr", positive=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@
 Assumptions (not measured): the agents' sizes and length distributions below, slots per
 accelerator, weak scaling (inputs per version grow with the node count), the accelerator
 peak / MFU (absolute time scale only) and the host link for state swaps. See
-jaxflow/marl/simulate.py for the model (driver: jaxflow/main/flexmarl_scale.py).
+jaxflow/marl/simulate/ for the model (driver: jaxflow/main/flexmarl_scale.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Config:
     request_policy: str = "work_stealing"  # FlexMARL's request level
     etas: tuple[int, ...] = (1,)  # bounded-staleness rows besides strict
     agents: tuple = (SOLVER, VERIFIER)
-    measured: MeasuredRun = MeasuredRun()
+    measured: MeasuredRun = MeasuredRun.builtin()  # data/flexmarl_quick_sync.json
     hardware: Hardware = Hardware()
 
 

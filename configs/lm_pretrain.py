@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import require_positive
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
@@ -42,6 +43,10 @@ class TrainConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
 
+    def __post_init__(self):
+        require_positive(self, "steps", "batch_size", "seq_len", "log_every", "eval_every",
+                         "eval_examples", "checkpoint_every", "keep_checkpoints")
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -53,6 +58,11 @@ class Config:
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     mesh: MeshConfig = MeshConfig()
+
+    def __post_init__(self):
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
+                             f"{self.model.max_seq_len}; valid: train.seq_len <= model.max_seq_len")
 
 
 def get_config(variant: str) -> Config:

@@ -10,7 +10,7 @@ efficiency is reported beside the paper's table. Pure numpy, seconds.
 Summary keys: ``scaling_efficiency`` (pipeline -> E at the largest scale, E = T(128) / T(N)
 under weak scaling), ``baseline_efficiency_error`` (simulated sync minus 0.4434),
 ``efficiency_by_workers``, ``speedup_vs_sync``, ``exposed_ms_at_max_workers``, ``sensitivity``.
-The model and its assumptions: jaxflow/nestpipe/simulate.py's docstring.
+The model and its assumptions: jaxflow/nestpipe/simulate/'s docstring.
 """
 
 from __future__ import annotations

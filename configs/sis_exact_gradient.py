@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-DESCRIPTION = "SIS vs token/sequence IS, TIS, MIS: exact-gradient bias and variance on a toy policy"
+DESCRIPTION = ("SIS vs token/sequence IS, TIS, MIS (GRPO/DAPO/GSPO/CISPO/SA-GCPO): exact-gradient "
+               "bias and variance on a toy policy")
 ENTRY = "jaxflow.main.sis_exact_gradient:main"
 VARIANTS = ("quick", "default", "full")
 

@@ -16,8 +16,12 @@ each for ``seeds`` seeds; held-out greedy accuracy after ``train.rollouts`` roll
 
 Weight sync: ``--set sync.codec=entropy --set sync.every=4`` makes each cell's trainer publish
 through SparseRL-Sync to a bf16 rollout replica every 4 rollouts (``every`` counts rollouts; see
-jaxflow.rl.grpo); the default ``sync.codec=none`` is the dense f32 publish of the results in
+jaxflow.rl.grpo); the default ``sync=none`` is the dense f32 publish of the results in
 experiments/README.md. Weight sync does not combine with staleness cells (k > 0).
+
+Checkpoint: ``--set model.hf_path=DIR`` starts every cell from a local Hugging Face checkpoint
+(Llama / Qwen3 / Qwen3-MoE; its tokenizer.json replaces the character tokenizer) instead of
+the lm_pretrain warm start.
 
 Roles: with >= 2 devices the trainer and the rollout sampler live on disjoint sub-meshes
 (``roles.rollout_devices`` for the sampler, the rest for the trainer); on a 1-device CPU, or
@@ -30,6 +34,8 @@ import dataclasses
 
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.lm_pretrain import DataConfig, TrainConfig
+from jaxflow.config import require_positive
+from jaxflow.models.pretrained import HFSource
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.rl.policy_loss import ALGOS, CORRECTIONS
@@ -101,6 +107,10 @@ class ScheduleConfig:
     eval_samples: int = 4
     checkpoint_every: int = 10
 
+    def __post_init__(self):
+        require_positive(self, "rollouts", "eval_every", "eval_examples", "eval_samples",
+                         "checkpoint_every")
+
 
 @dataclasses.dataclass(frozen=True)
 class RolesConfig:
@@ -121,14 +131,15 @@ class Config:
     train: ScheduleConfig = ScheduleConfig()
     grid: GridConfig = GridConfig()
     roles: RolesConfig = RolesConfig()
-    sync: SyncConfig = SyncConfig(codec="none")
+    sync: SyncConfig | None = None  # --set sync.codec=entropy turns SparseRL-Sync on
+    model: HFSource = HFSource()  # --set model.hf_path=DIR: RL on a local HF checkpoint
 
     def __post_init__(self):
-        if self.sync.enabled and (self.grid.stalenesses or self.rl.staleness):
+        if self.sync is not None and (self.grid.stalenesses or self.rl.staleness):
             raise ValueError(f"sync.codec={self.sync.codec!r} with grid.stalenesses="
                              f"{self.grid.stalenesses} / rl.staleness={self.rl.staleness}: weight "
                              "sync needs staleness 0; set grid.stalenesses= (empty) or "
-                             "sync.codec=none")
+                             "sync=none")
         size = self.rl.rollout_size
         bad = [n for n in (*self.grid.lags, self.grid.mismatch_lag) if size % n]
         if bad:
@@ -150,9 +161,15 @@ def get_config(variant: str) -> Config:
     if variant == "default":
         return base
     if variant == "full":
+        # SA-GCPO joins the algorithms here (not in the ~2 h default); rl.loss.agg None lets each
+        # algorithm use its own default aggregation (token-mean; seq-mean-token-mean for
+        # sa_gcpo, as OxygenREC). Rewards are 0/1 with no per-request target, so SA-GCPO's
+        # target gate does not apply: it is the soft gate on group-normalised advantages.
         return dataclasses.replace(
             base,
-            grid=dataclasses.replace(base.grid, mismatches=("bf16", "noise0.1", "noise0.3"),
+            rl=dataclasses.replace(base.rl, loss=dataclasses.replace(base.rl.loss, agg=None)),
+            grid=dataclasses.replace(base.grid, algos=(*base.grid.algos, "sa_gcpo"),
+                                     mismatches=("bf16", "noise0.1", "noise0.3"),
                                      stalenesses=(1, 2, 4), seeds=5),
             train=ScheduleConfig(rollouts=100, eval_every=10, eval_examples=512,
                                  checkpoint_every=10),

@@ -22,7 +22,7 @@ from configs.sis_offpolicy import WARM_START, RolesConfig
 from configs.lm_pretrain import Config as PretrainConfig
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.sync.encoder import CODECS
-from jaxflow.sync.weight_sync import OFF, SyncConfig
+from jaxflow.sync.weight_sync import SyncConfig
 from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "Sparse bf16 weight sync on real GRPO runs: bytes, ratio, bound, bit-exactness"
@@ -57,9 +57,6 @@ class Config:
         bad = [c for c in self.codecs if c not in CODECS]
         if bad or not self.codecs:
             raise ValueError(f"codecs={self.codecs}: unknown {bad}; valid: {CODECS}")
-        if not self.sync.enabled:
-            raise ValueError(f"sync.codec={OFF!r}: sparse_sync measures weight sync; pick one "
-                             f"of {CODECS}")
         if self.intervals is not None and (not self.intervals or any(
                 not isinstance(e, int) or e < 1 for e in self.intervals)):
             raise ValueError(f"intervals={self.intervals}: need ints >= 1")

@@ -2,7 +2,12 @@
 
 Configs are frozen dataclasses (nested frozen dataclasses allowed). An override is parsed as the
 field's declared type: int, float, bool, str, ``X | None`` and tuples (comma lists, e.g.
-``--set model.shape=2,4``; an empty string gives an empty tuple).
+``--set model.shape=2,4``; an empty string gives an empty tuple). An optional group (``sync:
+SyncConfig | None = None``) is switched on by setting one of its fields (``--set sync.codec=gap``)
+and off by ``--set sync=none``. A float override is never
+NaN. Config classes validate their own values where they are declared (``__post_init__`` with
+:func:`require_positive` / :func:`require_finite` / :func:`require_range`); those errors reach the
+user as one line naming the ``--set`` that caused them.
 """
 
 from __future__ import annotations
@@ -10,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 import pkgutil
 import types
 import typing
-from typing import Any
+from typing import Any, Callable
 
 
 class ConfigError(ValueError):
@@ -41,6 +47,59 @@ class ExperimentSpec:
     def entry_fn(self):
         module_name, _, fn_name = self.entry.partition(":")
         return getattr(importlib.import_module(module_name), fn_name)
+
+
+class Variants:
+    """A config module's ``get_config``: each variant declared once, as a zero-argument factory.
+
+        get_config = Variants(quick=lambda: Config(steps=20), default=Config)
+        VARIANTS = get_config.variants          # ("quick", "default"), for --list
+
+    Calling it with an unknown name raises ValueError naming the valid ones.
+    """
+
+    def __init__(self, **factories: Callable[[], Any]):
+        if not factories:
+            raise ValueError("Variants needs at least one variant")
+        self._factories = dict(factories)
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return tuple(self._factories)
+
+    def __call__(self, variant: str) -> Any:
+        if variant not in self._factories:
+            raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(self._factories)}")
+        return self._factories[variant]()
+
+
+def require_positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
+    """Raises ValueError unless every field ``names`` of ``obj`` is an int >= 1 (>= 0 with
+    ``allow_zero``); for counts, sizes and intervals (``steps``, ``batch_size``, ``log_every``)."""
+    low = 0 if allow_zero else 1
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r}; valid: an integer >= {low}")
+
+
+def require_finite(obj: Any, *names: str, positive: bool = False) -> None:
+    """Raises ValueError unless every field ``names`` of ``obj`` is a finite number (> 0 with
+    ``positive``); for rates and coefficients (``lr``, ``weight_decay``)."""
+    for name in names:
+        value = getattr(obj, name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (positive and value <= 0):
+            raise ValueError(f"{name}={value!r}; valid: a finite number{' > 0' if positive else ''}")
+
+
+def require_range(obj: Any, name: str, low: float, high: float, *, high_open: bool = False) -> None:
+    """Raises ValueError unless ``low <= obj.name <= high`` (``< high`` with ``high_open``)."""
+    value = getattr(obj, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        raise ValueError(f"{name}={value!r}; valid: [{low}, {high}{')' if high_open else ']'}")
 
 
 def _did_you_mean(value: str, choices) -> str:
@@ -112,7 +171,10 @@ def parse_value(text: str, tp: Any, key: str) -> Any:
         if tp is int:
             return int(text)
         if tp is float:
-            return float(text)
+            value = float(text)
+            if math.isnan(value):
+                raise ConfigError(f"--set {key}={text!r}: NaN is not a valid value; valid: a number")
+            return value
         if tp is str:
             return text
         if origin is tuple or tp is tuple:
@@ -184,13 +246,23 @@ def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
                 f"{_did_you_mean(name, valid)}"
             )
         current = getattr(obj, name)
+        group_type, optional = _strip_optional(hints.get(name, type(current)))
         if isinstance(sub, dict):
+            if current is None and optional and dataclasses.is_dataclass(group_type):
+                current = group_type()  # an optional group switched on by setting a field
             changes[name] = _apply_tree(current, sub, full_key + ".")
+            texts.extend(_tree_texts(sub))
             continue
         text, key = sub
-        if dataclasses.is_dataclass(current):
-            group = sorted(f.name for f in dataclasses.fields(current))
-            raise ConfigError(f"--set {key}: is a group; set one of {', '.join(group)}")
+        if dataclasses.is_dataclass(current) or (current is None and optional
+                                                 and dataclasses.is_dataclass(group_type)):
+            if optional and text.strip().lower() in ("none", "null"):
+                changes[name] = None  # an optional group switched off
+                texts.append(f"{key}={text}")
+                continue
+            group = sorted(f.name for f in dataclasses.fields(group_type))
+            off = f" (or {key}=none)" if optional else ""
+            raise ConfigError(f"--set {key}: is a group; set one of {', '.join(group)}{off}")
         changes[name] = parse_value(text, hints.get(name, type(current)), key)
         texts.append(f"{key}={text}")
     try:
@@ -198,6 +270,16 @@ def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
     except (ValueError, TypeError) as e:  # __post_init__ validation
         where = " ".join(texts) or prefix.rstrip(".")
         raise ConfigError(f"--set {where}: {e}") from None
+
+
+def _tree_texts(tree: dict) -> list[str]:
+    out = []
+    for sub in tree.values():
+        if isinstance(sub, dict):
+            out.extend(_tree_texts(sub))
+        else:
+            out.append(f"{sub[1]}={sub[0]}")
+    return out
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:

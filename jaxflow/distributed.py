@@ -3,13 +3,31 @@
 ``initialize`` wraps ``jax.distributed.initialize``: explicit coordinator/process flags (e.g.
 two processes on 127.0.0.1 with gloo CPU collectives), or auto-detection of the cluster
 environment JAX knows (TPU pods, SLURM, Open MPI) when ``auto=True``. Never a home-made cluster.
+
+Flags are checked before JAX sees them (``parse_coordinator``: HOST:PORT, port in 1-65535, the
+host resolved within a few seconds), so a typo is one line, not a stall or a crash in C++.
+
+A lost peer: every process runs a :class:`PeerWatchdog` thread that bumps its own counter in
+the coordination service's key-value store and watches the others'; a peer whose counter has
+not moved for ``peer_timeout_s`` is reported by process id and this process exits with
+``LOST_PEER_EXIT`` (JAX's own heartbeat timeout is set past it, so its C++ abort never comes
+first). The coordinator's own death is reported by JAX itself: the client aborts at once.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import sys
+import threading
+import time
 
 import jax
+
+#: Exit status of a process that lost a peer.
+LOST_PEER_EXIT = 75
+#: Default seconds without a sign of life before a peer counts as lost.
+DEFAULT_PEER_TIMEOUT_S = 60.0
 
 
 def set_cpu_device_count(n: int) -> None:
@@ -19,12 +37,51 @@ def set_cpu_device_count(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", int(n))
 
 
+def parse_coordinator(text: str, *, resolve_timeout_s: float = 5.0) -> tuple[str, int]:
+    """``"HOST:PORT"`` -> (host, port), the host resolved within ``resolve_timeout_s``.
+
+    Raises ValueError naming the bad part: no ``:``, a port outside 1-65535 or not a number, a
+    host that does not resolve (or not in time). IPv6 hosts go in brackets: ``[::1]:1234``.
+    """
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"--coordinator {text!r}: expected HOST:PORT, e.g. 127.0.0.1:1234")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"--coordinator {text!r}: port {port_text!r} is not a number; "
+                         "valid: 1-65535") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--coordinator {text!r}: port {port}; valid: 1-65535")
+    result: dict = {}
+
+    def lookup():
+        try:
+            result["addr"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as e:  # socket.gaierror and friends
+            result["error"] = e
+
+    worker = threading.Thread(target=lookup, daemon=True)  # getaddrinfo has no timeout of its own
+    worker.start()
+    worker.join(resolve_timeout_s)
+    if worker.is_alive():
+        raise ValueError(f"--coordinator {text!r}: host {host!r} did not resolve within "
+                         f"{resolve_timeout_s:g} s")
+    if "error" in result:
+        raise ValueError(f"--coordinator {text!r}: unknown host {host!r} ({result['error']})")
+    return host, port
+
+
 def initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
     *,
     auto: bool = False,
+    peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+    initialization_timeout_s: int = 300,
 ) -> bool:
     """Starts the multi-controller runtime when asked; returns True if it was started.
 
@@ -32,24 +89,107 @@ def initialize(
       coordinator: ``HOST:PORT`` of process 0's coordination service.
       num_processes, process_id: this job's size and this process's index.
       auto: let JAX detect the cluster (TPU pod metadata, SLURM, Open MPI env vars).
+      peer_timeout_s: a peer silent this long is reported and this process exits
+        (``LOST_PEER_EXIT``); see :class:`PeerWatchdog`.
+      initialization_timeout_s: how long to wait for every process to join.
+
+    Raises:
+      ValueError: a bad flag (named, with the valid range), before JAX is touched.
     """
     if coordinator is None and not auto:
+        if num_processes is not None or process_id is not None:
+            raise ValueError("--num-processes / --process-id need --coordinator HOST:PORT")
         return False
-    if coordinator is not None and (num_processes is None or process_id is None):
-        raise ValueError("--coordinator needs --num-processes and --process-id")
-    if coordinator is not None and not 0 <= process_id < num_processes:
-        raise ValueError(f"--process-id {process_id} must be in [0, {num_processes})")
+    if not peer_timeout_s > 0 or peer_timeout_s != peer_timeout_s:
+        raise ValueError(f"--peer-timeout {peer_timeout_s}; valid: seconds > 0")
+    if coordinator is not None:
+        if num_processes is None or process_id is None:
+            raise ValueError("--coordinator needs --num-processes and --process-id")
+        if num_processes < 1:
+            raise ValueError(f"--num-processes {num_processes}; valid: >= 1")
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"--process-id {process_id}; valid: 0..{num_processes - 1}")
+        parse_coordinator(coordinator)
     if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
         # Cross-process collectives on CPU (no-op where the default already is gloo).
         try:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         except Exception:  # noqa: BLE001 - option absent on builds without CPU collectives
             pass
+    # JAX aborts (C++ trace) when its heartbeat times out: keep that past our own report.
+    timeouts = dict(heartbeat_timeout_seconds=int(peer_timeout_s * 2 + 30),
+                    initialization_timeout=int(initialization_timeout_s))
     if coordinator is not None:
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        jax.distributed.initialize(coordinator, num_processes=num_processes,
+                                   process_id=process_id, **timeouts)
     else:
-        jax.distributed.initialize()
+        jax.distributed.initialize(**timeouts)
+    global _WATCHDOG
+    if jax.process_count() > 1:
+        _WATCHDOG = PeerWatchdog(peer_timeout_s)
+        _WATCHDOG.start()
     return True
+
+
+_WATCHDOG: "PeerWatchdog | None" = None
+
+
+def await_lost_peer() -> None:
+    """After a collective failed: gives the watchdog time to name a lost peer (it exits the
+    process when it does); returns if every peer is still alive (the failure is something else)."""
+    if _WATCHDOG is not None and _WATCHDOG.is_alive():
+        _WATCHDOG.join(_WATCHDOG.timeout_s * 1.5 + 1.0)
+
+
+class PeerWatchdog(threading.Thread):
+    """Reports a lost peer by process id and exits this process (``LOST_PEER_EXIT``).
+
+    Each process increments ``jaxflow/alive/<id>`` in the coordination service every
+    ``timeout_s / 6`` seconds and reads every peer's; a counter unchanged for ``timeout_s`` (by
+    this process's own clock, so clocks need not agree) means that process is gone or hung.
+    """
+
+    def __init__(self, timeout_s: float, *, exit_fn=os._exit, stream=None):
+        super().__init__(name="jaxflow-peer-watchdog", daemon=True)
+        from jax._src import distributed as _jd  # the live coordination-service client
+
+        self.client = _jd.global_state.client
+        self.timeout_s = float(timeout_s)
+        self.me, self.n = jax.process_index(), jax.process_count()
+        self._exit, self._stream = exit_fn, stream
+        self.lost: int | None = None
+
+    def run(self) -> None:
+        period = max(self.timeout_s / 6, 0.05)
+        seen: dict[int, tuple[str, float]] = {}
+        beat, start = 0, time.monotonic()
+        while True:
+            beat += 1
+            now = time.monotonic()
+            try:
+                self.client.key_value_set(f"jaxflow/alive/{self.me}", str(beat), allow_overwrite=True)
+                values = dict(self.client.key_value_dir_get("jaxflow/alive/"))
+            except Exception:  # noqa: BLE001 - the service is going away (shutdown or abort)
+                return
+            for peer in range(self.n):
+                if peer == self.me:
+                    continue
+                value = values.get(f"jaxflow/alive/{peer}")
+                last = seen.get(peer)
+                if last is None or value != last[0]:
+                    seen[peer] = (value, now)
+                elif now - last[1] >= self.timeout_s and now - start >= self.timeout_s:
+                    self.lost = peer
+                    self._report(peer, now - last[1])
+                    return
+            time.sleep(period)
+
+    def _report(self, peer: int, silent_s: float) -> None:
+        stream = self._stream or sys.stderr
+        print(f"[jaxflow] process {self.me}: lost process {peer} (no sign of life for "
+              f"{silent_s:.0f} s, --peer-timeout {self.timeout_s:g}); exiting", file=stream,
+              flush=True)
+        self._exit(LOST_PEER_EXIT)
 
 
 def is_primary() -> bool:

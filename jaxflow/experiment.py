@@ -14,12 +14,41 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import sys
 import time
+import urllib.parse
 from typing import Any, Callable, Mapping
 
 import numpy as np
+from etils import epath
+
+
+def run_path(location: "str | os.PathLike") -> epath.Path:
+    """A run directory as an ``etils.epath.Path``: a local path, a ``file://`` URI (made local),
+    or a remote URI epath knows (``gs://bucket/dir``, ``s3://...``; those need their fsspec
+    package, e.g. gcsfs). Local paths behave exactly as ``pathlib.Path`` ones."""
+    if isinstance(location, epath.Path):
+        return location
+    text = os.fspath(location)
+    if text.startswith("file://"):
+        parsed = urllib.parse.urlparse(text)
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"{text!r}: a file:// URI names a local path (file:///abs/dir); "
+                             f"host {parsed.netloc!r} is not supported")
+        text = urllib.parse.unquote(parsed.path)
+    return epath.Path(text)
+
+
+def is_local(path: epath.Path) -> bool:
+    """True when ``path`` is on the local filesystem (no URI scheme)."""
+    return "://" not in str(path)
+
+
+class MissingExtraError(RuntimeError):
+    """An optional dependency (a ``pyproject.toml`` extra) is not installed; the message holds
+    the install command. The runner turns it into exit code 2 and that one line."""
 
 
 def to_jsonable(value: Any) -> Any:
@@ -30,7 +59,7 @@ def to_jsonable(value: Any) -> Any:
         return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_jsonable(v) for v in value]
-    if isinstance(value, pathlib.Path):
+    if isinstance(value, (pathlib.PurePath, epath.Path)):
         return str(value)
     if isinstance(value, (bool, str, type(None))):
         return value
@@ -100,7 +129,8 @@ class RunContext:
 
     Attributes:
       name, variant: the experiment and variant being run.
-      out_dir: the run directory (exists on every process; only process 0 writes to it).
+      out_dir: the run directory, an ``etils.epath.Path`` (a local path or a URI such as
+        ``gs://bucket/run``); exists on every process; only process 0 writes to it.
       is_primary: True on process 0.
       resume: True when the user asked to continue the run in ``out_dir``.
       seed: the run's base seed (the config's ``seed`` field if present, else 0).
@@ -108,20 +138,21 @@ class RunContext:
 
     name: str
     variant: str
-    out_dir: pathlib.Path
+    out_dir: epath.Path
     is_primary: bool = True
     resume: bool = False
     seed: int = 0
     _progress: _Progress | None = None
     _metrics_file: Any = None
+    _pending: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        self.out_dir = pathlib.Path(self.out_dir)
+        self.out_dir = run_path(self.out_dir)
         if self._progress is None:
             self._progress = _Progress(enabled=self.is_primary)
 
     @property
-    def checkpoint_dir(self) -> pathlib.Path:
+    def checkpoint_dir(self) -> epath.Path:
         """Where checkpoints go (``out_dir/checkpoints``); shared by all processes."""
         return self.out_dir / "checkpoints"
 
@@ -135,9 +166,10 @@ class RunContext:
         self._progress.update(int(step), row)
         if not self.is_primary:
             return
+        self.flush_pending()
         if self._metrics_file is None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._metrics_file = (self.out_dir / "metrics.jsonl").open("a", encoding="utf-8")
         self._metrics_file.write(json.dumps(row) + "\n")
         self._metrics_file.flush()
 
@@ -160,8 +192,17 @@ class RunContext:
         if not self.is_primary:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.out_dir / filename, "w", encoding="utf-8") as f:
-            json.dump(to_jsonable(obj), f, indent=2)
+        (self.out_dir / filename).write_text(json.dumps(to_jsonable(obj), indent=2), encoding="utf-8")
+
+    def write_json_later(self, filename: str, obj: Any) -> None:
+        """Writes ``obj`` at the first metrics row (or :meth:`flush_pending`): a resumed run
+        touches nothing before it has really restarted."""
+        self._pending[filename] = obj
+
+    def flush_pending(self) -> None:
+        while self._pending:
+            filename, obj = self._pending.popitem()
+            self.write_json(filename, obj)
 
     def info(self, message: str) -> None:
         """Prints a log line on process 0."""
@@ -182,5 +223,5 @@ def standalone_context(name: str, variant: str = "quick", out_dir: str | None = 
     """A RunContext for notebooks and tests (a temporary directory unless ``out_dir`` is given)."""
     import tempfile
 
-    path = pathlib.Path(out_dir) if out_dir else pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    path = run_path(out_dir) if out_dir else run_path(tempfile.mkdtemp(prefix=f"{name}-"))
     return RunContext(name=name, variant=variant, out_dir=path)

@@ -3,30 +3,38 @@
   --list                       every experiment, its description and variants
   --exp NAME --variant V       run configs/NAME.py's get_config(V)
   --set a.b=value              override a config field (repeatable), parsed as its type
-  --out DIR [--resume]         run directory (default runs/NAME/<timestamp>); --resume continues
-                               the killed run in DIR from its latest checkpoint
+  --out DIR|URI [--resume]     run directory, a path or a URI (file:///abs/dir, gs://bucket/dir;
+                               default runs/NAME/<timestamp>); --resume continues the stopped run
+                               in DIR from its latest checkpoint
   --devices N                  N fake CPU devices (per process) on a CPU-only machine
   --coordinator HOST:PORT --num-processes N --process-id I
                                JAX multi-controller runtime (or --distributed-auto on TPU/SLURM)
+  --peer-timeout S             a process whose peer is silent S seconds exits (default 60)
 
-User errors (unknown names, unparsable values, meshes the devices cannot form) exit with code 2
-and one line naming the bad value and the valid choices.
+User errors (unknown names, unparsable or out-of-range values, a bad --out or --coordinator, a run
+that cannot be resumed, meshes the devices cannot form, a missing optional extra) exit with code
+2 and one line naming the bad value and the valid choices; nothing is written to the run
+directory before the run is known to start (a fresh run that fails that way leaves none).
+SIGINT / SIGTERM: the step in flight finishes, a checkpoint is written where the experiment
+keeps them, one line gives the resume command; exit 130 / 143. A lost peer: exit 75, one line.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
-import pathlib
+import signal
 import subprocess
 import sys
 import time
 from typing import Sequence
 
+from etils import epath
+
 from jaxflow.config import ConfigError, apply_overrides, experiments, get_experiment
+from jaxflow.experiment import MissingExtraError, is_local, run_path
 
 PROG = "python -m jaxflow.run"
 
@@ -44,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Run a jaxflow experiment.")
     p.add_argument("--list", action="store_true", help="list experiments and exit")
     p.add_argument("--exp", help="experiment name (see --list)")
-    p.add_argument("--variant", default="default", help="quick | default | full")
+    p.add_argument("--variant", default=None, help="quick | default | full (default: default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--out", help="run directory (default runs/NAME/<timestamp>)")
+    p.add_argument("--out", help="run directory or URI (default runs/NAME/<timestamp>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--devices", type=int, help="number of fake CPU devices per process")
     p.add_argument("--coordinator", help="HOST:PORT of the jax.distributed coordinator")
@@ -54,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--process-id", type=int)
     p.add_argument("--distributed-auto", action="store_true",
                    help="jax.distributed.initialize() from the cluster environment (TPU pod, SLURM)")
+    p.add_argument("--peer-timeout", type=float, default=None, metavar="SECONDS",
+                   help="exit when a peer process is silent this long (default 60)")
     return p
 
 
@@ -66,39 +76,146 @@ def list_experiments() -> str:
 
 def _git_commit() -> str:
     try:
-        root = pathlib.Path(__file__).resolve().parent.parent
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
         return out.stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001
         return "unknown"
 
 
-def _resolve_run(args) -> tuple[str, str, list[str]]:
-    """(experiment, variant, overrides), reading the saved ones (and --devices) on --resume."""
+def _fresh_hint(out) -> str:
+    return f"start fresh with another --out (without --resume), or remove {str(out)!r}"
+
+
+def _read_saved_run(out: epath.Path) -> dict:
+    """config.json of the run in ``out``, checked field by field (UsageError otherwise)."""
+    saved = out / "config.json"
+    if not saved.exists():
+        raise UsageError(f"--resume: {saved} does not exist; is {str(out)!r} a jaxflow run directory?")
+    try:
+        meta = json.loads(saved.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        reason = " ".join(str(e).split())[:120]
+        raise UsageError(f"--resume: {saved} is not readable JSON ({reason}); {_fresh_hint(out)}") from None
+    missing = [k for k in ("experiment", "variant", "overrides")
+               if not isinstance(meta, dict) or k not in meta]
+    if missing or not isinstance(meta.get("overrides"), list):
+        raise UsageError(f"--resume: {saved} lacks {', '.join(missing) or 'a list of overrides'}; "
+                         f"{_fresh_hint(out)}")
+    return meta
+
+
+def _has_progress(out: epath.Path) -> bool:
+    """A complete checkpoint under ``out/checkpoints`` or an experiment's own progress record
+    (a ``*.jsonl`` other than metrics.jsonl, e.g. finished study cells)."""
+    from jaxflow.checkpoint import finalized_steps
+
+    if finalized_steps(out / "checkpoints"):
+        return True
+    return any(p.name.endswith(".jsonl") and p.name != "metrics.jsonl" for p in out.iterdir())
+
+
+def _resolve_run(args, out: epath.Path | None) -> tuple[str, str, list[str]]:
+    """(experiment, variant, overrides); on --resume read from the run, which must match the
+    flags given and hold something to resume from."""
     if not args.resume:
         if not args.exp:
             raise UsageError("--exp NAME is required (or --list to see the experiments)")
-        return args.exp, args.variant, list(args.overrides)
-    if not args.out:
+        return args.exp, args.variant or "default", list(args.overrides)
+    if out is None:
         raise UsageError("--resume needs --out DIR (the run directory to continue)")
-    saved = pathlib.Path(args.out) / "config.json"
-    if not saved.exists():
-        raise UsageError(f"--resume: {saved} does not exist; is {args.out!r} a jaxflow run directory?")
-    meta = json.loads(saved.read_text())
+    meta = _read_saved_run(out)
     if args.exp and args.exp != meta["experiment"]:
-        raise UsageError(f"--exp {args.exp!r} does not match the run in {args.out!r} ({meta['experiment']!r})")
+        raise UsageError(f"--exp {args.exp!r} does not match the run in {str(out)!r} "
+                         f"({meta['experiment']!r}); drop --exp to resume it, or {_fresh_hint(out)}")
+    if args.variant and args.variant != meta["variant"]:
+        raise UsageError(f"--variant {args.variant!r} does not match the run in {str(out)!r} "
+                         f"({meta['variant']!r}); drop --variant to resume it, or {_fresh_hint(out)}")
+    if not _has_progress(out):
+        raise UsageError(f"--resume: {out / 'checkpoints'} holds no complete checkpoint, so the run "
+                         f"would restart at step 0; {_fresh_hint(out)}")
     if args.devices is None:
         args.devices = meta.get("devices")
     return meta["experiment"], meta["variant"], list(meta["overrides"]) + list(args.overrides)
 
 
+def _check_fresh_out(out: epath.Path) -> None:
+    """--out for a new run: not a file, not a run already, and writable (before anything is
+    written)."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {str(out)!r} is a file; valid: a directory (new or empty)")
+    if (out / "config.json").exists():
+        raise UsageError(f"--out {str(out)!r} already holds a run; add --resume to continue it "
+                         "or pick another directory")
+    if not is_local(out):
+        return
+    probe = os.path.abspath(os.fspath(out))
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"--out {str(out)!r}: {probe!r} is a file, so the directory cannot be "
+                         "created; valid: a path under a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {str(out)!r}: cannot write under {probe!r} (permission denied); "
+                         "valid: a writable location")
+
+
+def _check_flags(args) -> None:
+    from jaxflow import distributed
+
+    if args.devices is not None and args.devices < 1:
+        raise UsageError(f"--devices {args.devices}; valid: an integer >= 1")
+    if args.peer_timeout is not None and not 0 < args.peer_timeout < float("inf"):
+        raise UsageError(f"--peer-timeout {args.peer_timeout}; valid: seconds > 0")
+    if args.coordinator is None and args.distributed_auto is False:
+        if args.num_processes is not None or args.process_id is not None:
+            raise UsageError("--num-processes / --process-id need --coordinator HOST:PORT")
+    if args.coordinator is not None:
+        if args.num_processes is None or args.process_id is None:
+            raise UsageError("--coordinator needs --num-processes and --process-id")
+        if args.num_processes < 1:
+            raise UsageError(f"--num-processes {args.num_processes}; valid: an integer >= 1")
+        if not 0 <= args.process_id < args.num_processes:
+            raise UsageError(f"--process-id {args.process_id}; valid: 0..{args.num_processes - 1}")
+        try:
+            distributed.parse_coordinator(args.coordinator)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if (worker := _supervised_worker(argv)) is not None:
+            return worker()
         return _main(argv)
-    except (UsageError, ConfigError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+    except (UsageError, ConfigError, MissingExtraError) as e:
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted (SIGINT) before the run started; nothing was written",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _supervised_worker(argv: list[str]):
+    """For a process other than the coordinator of a multi-process run (flags already valid):
+    a function running this command as a supervised child (see ``jaxflow.supervise``)."""
+    from jaxflow import supervise
+
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError:
+        return None  # _main reports it
+    if (args.list or args.coordinator is None or args.process_id in (None, 0)
+            or os.environ.get(supervise.SUPERVISED_ENV) == "1"):
+        return None
+    _check_flags(args)
+    from jaxflow.distributed import parse_coordinator
+
+    host, port = parse_coordinator(args.coordinator)
+    command = [sys.executable, "-m", "jaxflow.run", *argv]
+    return lambda: supervise.supervise(command, host=host, port=port, process_id=args.process_id)
 
 
 def default_devices(args: argparse.Namespace, config) -> int | None:
@@ -112,31 +229,39 @@ def default_devices(args: argparse.Namespace, config) -> int | None:
 
 
 def _main(argv: list[str]) -> int:
+    from jaxflow.checkpoint import CheckpointError
     from jaxflow.mesh import MeshError
 
     args = build_parser().parse_args(argv)
     if args.list:
         print(list_experiments())
         return 0
-    name, variant, overrides = _resolve_run(args)
+    _check_flags(args)
+    try:
+        out = run_path(args.out) if args.out else None
+        if out is not None and not is_local(out):
+            out.exists()  # the filesystem package for the URI's scheme must be installed
+    except ValueError as e:
+        raise UsageError(f"--out: {e}") from None
+    except ImportError as e:
+        raise UsageError(f"--out {args.out!r} needs a filesystem package: {e} (for gs://: "
+                         "pip install gcsfs)") from None
+    name, variant, overrides = _resolve_run(args, out)
     spec = get_experiment(name)
     config = apply_overrides(spec.get_config(variant), overrides)
-
-    if args.out and not args.resume and (pathlib.Path(args.out) / "config.json").exists():
-        raise UsageError(f"--out {args.out!r} already holds a run; add --resume to continue it or pick another directory")
+    if out is not None and not args.resume:
+        _check_fresh_out(out)
 
     # Devices and the multi-controller runtime must be set before JAX touches a backend.
     from jaxflow import distributed
 
     args.devices = default_devices(args, config)
     if args.devices is not None:
-        if args.devices < 1:
-            raise UsageError(f"--devices {args.devices}: need at least 1")
         distributed.set_cpu_device_count(args.devices)
+    peer_timeout = args.peer_timeout or distributed.DEFAULT_PEER_TIMEOUT_S
     try:
-        started = distributed.initialize(
-            args.coordinator, args.num_processes, args.process_id, auto=args.distributed_auto
-        )
+        started = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                         auto=args.distributed_auto, peer_timeout_s=peer_timeout)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -149,24 +274,51 @@ def _main(argv: list[str]) -> int:
         except MeshError as e:
             raise UsageError(f"{e} (set --devices or --set mesh.shape=...)") from None
 
-    out_dir = _out_dir(args, name, started)
+    out_dir = _out_dir(out, name, started)
+    if out is None:
+        _check_fresh_out(out_dir)
     primary = jax.process_index() == 0
+    from jaxflow import signals
     from jaxflow.experiment import RunContext, to_jsonable
 
     seed = int(getattr(config, "seed", 0))
     run = RunContext(name=name, variant=variant, out_dir=out_dir, is_primary=primary,
                      resume=args.resume, seed=seed)
-    run.write_json("config.json", {"experiment": name, "variant": variant, "overrides": overrides,
-                                   "devices": args.devices, "config": config})
+    saved_config = {"experiment": name, "variant": variant, "overrides": overrides,
+                    "devices": args.devices, "config": config}
+    existed = set(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else None
+    if args.resume:
+        run.write_json_later("config.json", saved_config)  # at the first new metrics row
+    else:
+        run.write_json("config.json", saved_config)
     run.info(f"{name} [{variant}] -> {out_dir} ({jax.device_count()} {jax.default_backend()} devices, "
              f"{jax.process_count()} process(es))")
+    # With several processes JAX's preemption service owns SIGTERM (orbax reads it per step).
+    restore_signals = signals.install(multi_process=jax.process_count() > 1)
     start = time.time()
     try:
         result = dict(spec.entry_fn()(config, run) or {})
-    except (ConfigError, MeshError) as e:
-        raise UsageError(str(e)) from None
-    finally:
+    except (ConfigError, MeshError, MissingExtraError, CheckpointError) as e:
         run.close()
+        if not args.resume and primary:
+            _roll_back(out_dir, existed)
+        raise UsageError(str(e)) from None
+    except signals.RunStopped as stop:
+        run.close()
+        how = (f"checkpoint at step {stop.step} saved; resume: {PROG} --resume --out {out_dir}"
+               if stop.step is not None else
+               f"abandoned, no checkpoint to resume from (partial output stays in {out_dir}); "
+               "run it again with another --out")
+        print(f"[jaxflow] {stop}: {how}", file=sys.stderr, flush=True)
+        return stop.exit_code
+    except Exception:
+        if started:
+            distributed.await_lost_peer()  # exits with one line naming a lost peer, if one is
+        raise
+    finally:
+        restore_signals()
+        run.close()
+    run.flush_pending()
     summary = {
         "experiment": name,
         "variant": variant,
@@ -183,18 +335,30 @@ def _main(argv: list[str]) -> int:
     }
     run.write_json("summary.json", summary)
     if primary:
-        from jaxflow.plots import plot_metrics
-
-        plot_metrics(out_dir)
         headline = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if is_local(out_dir):
+            from jaxflow.plots import plot_metrics
+
+            plot_metrics(out_dir)
         run.info("summary: " + json.dumps(to_jsonable(headline)))
         run.info(f"wrote {out_dir}/summary.json")
     return 0
 
 
-def _out_dir(args, name: str, multi_process: bool) -> pathlib.Path:
-    if args.out:
-        return pathlib.Path(args.out)
+def _roll_back(out_dir: epath.Path, existed: set[str] | None) -> None:
+    """A fresh run that stopped on a user error leaves no trace: what it created goes."""
+    if existed is None:
+        if out_dir.exists():
+            out_dir.rmtree()
+        return
+    for child in out_dir.iterdir():
+        if child.name not in existed:
+            child.rmtree() if child.is_dir() else child.unlink()
+
+
+def _out_dir(out: epath.Path | None, name: str, multi_process: bool) -> epath.Path:
+    if out is not None:
+        return out
     stamp = int(time.time() * 1000)
     if multi_process:  # every process must agree on the directory
         import numpy as np
@@ -202,7 +366,7 @@ def _out_dir(args, name: str, multi_process: bool) -> pathlib.Path:
 
         stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
     when = datetime.datetime.fromtimestamp(stamp / 1000).strftime("%Y%m%d-%H%M%S")
-    return pathlib.Path("runs") / name / when
+    return run_path(os.path.join("runs", name, when))
 
 
 if __name__ == "__main__":

@@ -9,30 +9,47 @@ Given hidden states h [N, d], the LM head W [d, V] and a temperature T, the logi
   own_topk_idx  [N, K'] their vocabulary indices (int32; ties: lower index first)
 
 ``fused_logprobs_reference`` below materialises the logits and defines the semantics.
-``fused_logprobs`` is the Pallas kernel: a grid over row blocks, and inside each program a
-loop over vocab tiles of W with an online logsumexp, the gathers and a running top-K merge
-(selection by max/where only, no sort). Its backward (``fused_logprobs_bwd.py``) recomputes
-the logits tile by tile: dz = (scatter(g) - (sum g) * softmax(z)) / T.
 
-The in-kernel vocab loop (rather than a vocab grid axis) follows the GPU Pallas attention
-kernel: it keeps each output block owned by one program, so no cross-program accumulation.
-On CPU the kernel only runs with ``interpret=True``; the CPU default path is the XLA one in
-``jaxflow.rl.logprobs``.
+``fused_logprobs`` is the Pallas kernel. The target and the given top-K ids travel as one
+lane-dense id matrix [N, L] (column 0 the target, then the K given ids, then -1 padding;
+L = K + 1 rounded up to 128 on TPU, to a power of two on GPU), and the kernel returns the
+log-probs at those columns, [N, L], plus the row logsumexp (kept for the backward pass).
+
+* TPU (Mosaic): grid (row blocks, vocab tiles), the vocab axis last and sequential
+  ("arbitrary"). The online logsumexp (running max and sum) lives in VMEM scratch and the
+  gathered logits in the resident output block, initialised at the first vocab tile and
+  finished (minus the logsumexp) at the last.
+* GPU (Triton, chosen over Mosaic GPU because the kernel is a plain blocked matmul with
+  reductions that Triton lowers directly, while Mosaic GPU needs warpgroup/TMA-level code
+  and has no lowering for the iota/compare gathers used here): Triton programs are
+  independent, so each program owns a row block and loops over vocab tiles in the kernel,
+  accumulating each logit tile over ``block_d`` chunks of the hidden dim (a 16-row bf16
+  block of h at d = 8192 is already 256 KiB, more than a block's shared memory).
+
+The distribution's own top-K' is computed outside the kernel, by a second XLA pass over
+vocab tiles that uses the kernel's logsumexp (a running ``lax.top_k`` merge; an in-kernel
+top-k would need K' rounds of max selection per tile). The backward kernels are in
+``fused_logprobs_bwd.py``. On CPU the kernel only runs with ``interpret=True``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import fused_logprobs_bwd
+from pallas_kernels import dispatch, fused_logprobs_bwd
+from pallas_kernels.fused_logprobs_bwd import chunked_logits, mask_logits
 
 _NEG_INF = float("-inf")
+_PLATFORMS = ("tpu", "gpu")
+TPU_BLOCK_BUDGET = 16 * 2**20  # in + out + scratch blocks, x2 (double buffering)
 
 
 class FusedLogprobsOutput(NamedTuple):
@@ -44,16 +61,107 @@ class FusedLogprobsOutput(NamedTuple):
     own_topk_indices: jax.Array | None  # [N, K'] int32
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedLogprobsBlockSizes:
-    """Rows per program (block_n) and vocab columns per inner-loop tile (block_v)."""
+    """Block sizes of the fused log-prob kernels.
 
-    block_n: int = 64
+    platform: kernel layout, "tpu" (Mosaic grid with a sequential vocab axis) or "gpu"
+      (Triton programs with in-kernel loops).
+    block_n, block_v: rows and vocab columns per step of the forward and dh kernels.
+    block_n_dw, block_v_dw: rows per step and vocab columns per program of the dW kernel.
+    block_d: GPU only, hidden columns per in-kernel chunk.
+    num_warps, num_stages: GPU only, Triton compiler parameters.
+    """
+
+    platform: str = "tpu"
+    block_n: int = 128
     block_v: int = 512
+    block_n_dw: int = 256
+    block_v_dw: int = 128
+    block_d: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    vmem_limit_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.platform not in _PLATFORMS:
+            raise ValueError(f"platform {self.platform!r}; valid: {', '.join(_PLATFORMS)}")
+        for name in ("block_n", "block_v", "block_n_dw", "block_v_dw", "block_d"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 8 or v & (v - 1):
+                raise ValueError(f"{name}={v!r}; must be a power of two >= 8")
+        if self.platform == "tpu" and min(self.block_v, self.block_v_dw) < 128:
+            raise ValueError(f"TPU vocab blocks must be >= 128 lanes, got block_v={self.block_v}, "
+                             f"block_v_dw={self.block_v_dw}")
+
+    @property
+    def stat_lanes(self) -> int:
+        """Width of the per-row logsumexp output: lane-dense 128 on TPU, 1 on GPU."""
+        return 128 if self.platform == "tpu" else 1
+
+    def id_lanes(self, num_ids: int) -> int:
+        """Width L of the id / log-prob columns for ``num_ids`` ids."""
+        if self.platform == "tpu":
+            return 128 * math.ceil(num_ids / 128)
+        return max(16, _next_pow2(num_ids))
 
     @classmethod
-    def get_default(cls) -> "FusedLogprobsBlockSizes":
-        return cls()
+    def get_default(cls, platform: str | None = None, *, d: int = 4096,
+                    dtype=jnp.bfloat16, num_ids: int = 1) -> FusedLogprobsBlockSizes:
+        """Per-platform defaults; on TPU the largest blocks whose footprint fits 16 MiB
+        (bf16 fits up to d = 8,192; f32 up to d = 4,096: at 8,192 the dW blocks need
+        17 MiB and ``auto`` falls back to XLA).
+
+        platform: "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU layout,
+        which is what interpret mode runs)."""
+        if platform is None:
+            platform = "gpu" if dispatch.backend_platform() == "gpu" else "tpu"
+        s = jnp.dtype(dtype).itemsize
+        if platform == "gpu":
+            # 32-row blocks while the id columns and h are narrow; 16 rows and 32-wide hidden
+            # chunks otherwise (K = 128 or f32), which keeps every program under 227 KiB.
+            wide = cls(platform="gpu").id_lanes(num_ids) > 128 or s > 2
+            bn, bd = (16, 32) if wide else (32, 64)
+            return cls(platform="gpu", block_n=bn, block_v=128, block_n_dw=bn, block_v_dw=64,
+                       block_d=bd, num_warps=4, num_stages=2)
+        lanes = cls().id_lanes(num_ids)
+        fwd = [(256, 512), (128, 512), (128, 256), (64, 256), (64, 128), (32, 128), (16, 128)]
+        dw = [(512, 256), (256, 256), (256, 128), (128, 128), (64, 128), (32, 128), (16, 128)]
+        pick = next(((bn, bv) for bn, bv in fwd
+                     if max(tpu_forward_bytes(bn, bv, d, s, lanes),
+                            tpu_dh_bytes(bn, bv, d, s, lanes)) <= TPU_BLOCK_BUDGET), fwd[-1])
+        pick_dw = next(((bn, bv) for bn, bv in dw
+                        if tpu_dw_bytes(bn, bv, d, s, lanes) <= TPU_BLOCK_BUDGET), dw[-1])
+        return cls(platform="tpu", block_n=pick[0], block_v=pick[1], block_n_dw=pick_dw[0],
+                   block_v_dw=pick_dw[1])
+
+    def clamp(self, rows: int, vocab: int) -> FusedLogprobsBlockSizes:
+        """Blocks no larger than the (power-of-two rounded) problem needs."""
+        lo_v = 128 if self.platform == "tpu" else 16
+        rows2, vocab2 = max(16, _next_pow2(rows)), max(lo_v, _next_pow2(vocab))
+        return dataclasses.replace(
+            self, block_n=min(self.block_n, rows2), block_n_dw=min(self.block_n_dw, rows2),
+            block_v=min(self.block_v, vocab2), block_v_dw=min(self.block_v_dw, vocab2))
+
+
+def tpu_forward_bytes(bn, bv, d, s, lanes, stat=128):
+    """TPU forward blocks: h, W, ids in; lse, log-probs out; max/sum scratch; all x2."""
+    return 2 * (bn * d * s + d * bv * s + bn * lanes * 4 + bn * stat * 4 + bn * lanes * 4
+                + 2 * bn * stat * 4)
+
+
+def tpu_dh_bytes(bn, bv, d, s, lanes, stat=128):
+    """TPU dh blocks: h, W, ids, lse, g in; f32 dh out (the accumulator); all x2."""
+    return 2 * (bn * d * s + d * bv * s + 2 * bn * lanes * 4 + bn * stat * 4 + bn * d * 4)
+
+
+def tpu_dw_bytes(bn, bv, d, s, lanes, stat=128):
+    """TPU dW blocks: h, W, ids, lse, g in; f32 dW out (the accumulator); all x2."""
+    return 2 * (bn * d * s + d * bv * s + 2 * bn * lanes * 4 + bn * stat * 4 + d * bv * 4)
 
 
 def validate_inputs(
@@ -123,91 +231,132 @@ def fused_logprobs_reference(
     return FusedLogprobsOutput(target_logp, topk_logp, own_vals, own_idx)
 
 
-# ----------------------------------------------------------------------------- kernel helpers
+
+# ------------------------------------------------------------------------------- kernels
 
 
-tile_logits = fused_logprobs_bwd.tile_logits
+def gather_ids(z, cols, id_of, num_ids, lanes, *, unroll):
+    """[bn, lanes] f32: z[n, ids[n, k]] in column k for ids inside this tile, else 0.
+
+    ``id_of(k)`` returns id column k as [bn, 1]; ``unroll`` (TPU, where it is a static value
+    slice) unrolls the loop over ids, else (GPU, a ref load at a dynamic lane) a fori_loop."""
+    kpos = jax.lax.broadcasted_iota(jnp.int32, (z.shape[0], lanes), 1)
+
+    def one(k, acc):
+        val = jnp.sum(jnp.where(cols == id_of(k), z, 0.0), axis=1, keepdims=True)
+        return jnp.where(kpos == k, val, acc)
+
+    acc = jnp.zeros((z.shape[0], lanes), jnp.float32)
+    if unroll:
+        for k in range(num_ids):
+            acc = one(k, acc)
+        return acc
+    return jax.lax.fori_loop(0, num_ids, one, acc)
 
 
-def _select_max(vals, ids, big):
-    """Row max of vals and the smallest id attaining it; that entry is removed (-inf)."""
-    best = jnp.max(vals, axis=1)
-    hit = vals == best[:, None]
-    best_id = jnp.min(jnp.where(hit, ids, big), axis=1)
-    removed = jnp.where(hit & (ids == best_id[:, None]), _NEG_INF, vals)
-    return best, best_id, removed
+def _fwd_kernel_tpu(h_ref, w_ref, ids_ref, lse_ref, logp_ref, m_ref, s_ref, *,
+                    vocab, block_v, temperature, num_ids):
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _():
+        m_ref[...] = jnp.full(m_ref.shape, _NEG_INF, jnp.float32)
+        s_ref[...] = jnp.zeros(s_ref.shape, jnp.float32)
+        logp_ref[...] = jnp.zeros(logp_ref.shape, jnp.float32)
+
+    z = jax.lax.dot_general(h_ref[...], w_ref[...], (((1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    z, cols = mask_logits(z, j * block_v, vocab, temperature)
+    m_prev = m_ref[...]  # [bn, 128], every lane holds the row's value
+    m_new = jnp.maximum(m_prev, jnp.max(z, axis=1, keepdims=True))
+    s_ref[...] = (s_ref[...] * jnp.exp(m_prev - m_new)
+                  + jnp.sum(jnp.exp(z - m_new[:, 0:1]), axis=1, keepdims=True))
+    m_ref[...] = m_new
+    ids = ids_ref[...]
+    logp_ref[...] += gather_ids(z, cols, lambda k: ids[:, k:k + 1], num_ids, ids.shape[1],
+                              unroll=True)
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _():
+        lse = m_ref[...] + jnp.log(s_ref[...])
+        lse_ref[...] = lse
+        logp_ref[...] = logp_ref[...] - lse[:, 0:1]
 
 
-def merge_topk(carry_v, carry_i, z, cols, k):
-    """Top-k of (carry, tile) by k rounds of max selection. Ties: lower vocab index first."""
-    big = jnp.iinfo(jnp.int32).max
-    kpos = jax.lax.broadcasted_iota(jnp.int32, carry_v.shape, 1)
-    new_v = jnp.full_like(carry_v, _NEG_INF)
-    new_i = jnp.zeros_like(carry_i)
-    for j in range(k):
-        a, a_id, a_rest = _select_max(carry_v, carry_i, big)
-        b, b_id, b_rest = _select_max(z, cols, big)
-        # The carry holds lower vocab indices than this tile, so it wins ties.
-        take_a = (a > b) | ((a == b) & (a_id < b_id))
-        carry_v = jnp.where(take_a[:, None], a_rest, carry_v)
-        z = jnp.where(take_a[:, None], z, b_rest)
-        new_v = jnp.where(kpos == j, jnp.where(take_a, a, b)[:, None], new_v)
-        new_i = jnp.where(kpos == j, jnp.where(take_a, a_id, b_id)[:, None], new_i)
-    return new_v, new_i
+def _fwd_kernel_gpu(h_ref, w_ref, ids_ref, lse_ref, logp_ref, *, vocab, block_v, block_d,
+                    num_tiles, num_chunks, temperature, num_ids):
+    bn, lanes = logp_ref.shape
+    rs = pl.ds(pl.program_id(0) * bn, bn)  # h and W are whole arrays (pl.ANY pointers)
 
+    def tile(j, carry):
+        m, s, acc = carry
+        col0 = j * block_v
+        z = chunked_logits(lambda c: h_ref[rs, pl.ds(c * block_d, block_d)],
+                           lambda c: w_ref[pl.ds(c * block_d, block_d), pl.ds(col0, block_v)],
+                           num_chunks, block_d)
+        z, cols = mask_logits(z, col0, vocab, temperature)
+        m_new = jnp.maximum(m, jnp.max(z, axis=1, keepdims=True))
+        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new), axis=1, keepdims=True)
+        acc = acc + gather_ids(z, cols, lambda k: ids_ref[:, pl.ds(k, 1)], num_ids, lanes,
+                                   unroll=False)
+        return m_new, s, acc
 
-def gather_columns(z, cols, idx):
-    """z[n, idx[n, k]] for idx inside this tile, else 0: [bn, K]."""
-    out = []
-    for j in range(idx.shape[1]):
-        out.append(jnp.sum(jnp.where(cols == idx[:, j : j + 1], z, 0.0), axis=1))
-    return jnp.stack(out, axis=1)
-
-
-def _fwd_kernel(
-    h_ref, w_ref, t_ref, k_ref,  # inputs
-    lse_ref, tz_ref, kz_ref, ov_ref, oi_ref,  # outputs
-    *, vocab, block_v, num_tiles, temperature, num_given, own_topk,
-):
-    h = h_ref[...]
-    t = t_ref[...]
-    kidx = k_ref[...]
-    bn = h.shape[0]
-
-    def body(i, carry):
-        m, s, tz, kz, ov, oi = carry
-        col0 = i * block_v
-        w = w_ref[:, pl.ds(pl.multiple_of(col0, block_v), block_v)]
-        z, cols = tile_logits(h, w, col0, vocab, temperature)
-        m_new = jnp.maximum(m, jnp.max(z, axis=1))
-        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
-        tz = tz + jnp.sum(jnp.where(cols == t[:, None], z, 0.0), axis=1)
-        if num_given:
-            kz = kz + gather_columns(z, cols, kidx)
-        if own_topk:
-            ov, oi = merge_topk(ov, oi, z, cols, own_topk)
-        return m_new, s, tz, kz, ov, oi
-
-    init = (
-        jnp.full((bn,), _NEG_INF, jnp.float32),
-        jnp.zeros((bn,), jnp.float32),
-        jnp.zeros((bn,), jnp.float32),
-        jnp.zeros((bn, max(num_given, 1)), jnp.float32),
-        jnp.full((bn, max(own_topk, 1)), _NEG_INF, jnp.float32),
-        jnp.zeros((bn, max(own_topk, 1)), jnp.int32),
-    )
-    m, s, tz, kz, ov, oi = jax.lax.fori_loop(0, num_tiles, body, init)
+    init = (jnp.full((bn, 1), _NEG_INF, jnp.float32), jnp.zeros((bn, 1), jnp.float32),
+            jnp.zeros((bn, lanes), jnp.float32))
+    m, s, acc = jax.lax.fori_loop(0, num_tiles, tile, init)
     lse = m + jnp.log(s)
     lse_ref[...] = lse
-    tz_ref[...] = tz - lse
-    kz_ref[...] = kz - lse[:, None]
-    ov_ref[...] = ov - lse[:, None]
-    oi_ref[...] = oi
+    logp_ref[...] = acc - lse
 
 
-def _pad_to(x, axis, multiple, value=0):
-    size = x.shape[axis]
-    pad = (-size) % multiple
+def _forward_call(hp, wp, ids, *, vocab, temperature, num_ids, blocks, interpret):
+    """lse [Np, S] and log-probs at the id columns [Np, L] on padded operands."""
+    np_, dp = hp.shape
+    vp = wp.shape[1]
+    lanes, stat = ids.shape[1], blocks.stat_lanes
+    bn, bv = blocks.block_n, blocks.block_v
+    out_shape = (jax.ShapeDtypeStruct((np_, stat), jnp.float32),
+                 jax.ShapeDtypeStruct((np_, lanes), jnp.float32))
+    if blocks.platform == "tpu":
+        return pl.pallas_call(
+            functools.partial(_fwd_kernel_tpu, vocab=vocab, block_v=bv, temperature=temperature,
+                              num_ids=num_ids),
+            grid=(np_ // bn, vp // bv),
+            in_specs=[pl.BlockSpec((bn, dp), lambda i, j: (i, 0)),
+                      pl.BlockSpec((dp, bv), lambda i, j: (0, j)),
+                      pl.BlockSpec((bn, lanes), lambda i, j: (i, 0))],
+            out_specs=[pl.BlockSpec((bn, stat), lambda i, j: (i, 0)),
+                       pl.BlockSpec((bn, lanes), lambda i, j: (i, 0))],
+            out_shape=out_shape,
+            scratch_shapes=[pltpu.VMEM((bn, stat), jnp.float32),
+                            pltpu.VMEM((bn, stat), jnp.float32)],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                                 vmem_limit_bytes=blocks.vmem_limit_bytes),
+            interpret=interpret,
+            name="fused_logprobs_fwd",
+        )(hp, wp, ids)
+    from jax.experimental.pallas import triton as pltriton
+
+    bd = blocks.block_d
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel_gpu, vocab=vocab, block_v=bv, block_d=bd,
+                          num_tiles=vp // bv, num_chunks=dp // bd, temperature=temperature,
+                          num_ids=num_ids),
+        grid=(np_ // bn,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY),
+                  pl.BlockSpec((bn, lanes), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((bn, stat), lambda i: (i, 0)),
+                   pl.BlockSpec((bn, lanes), lambda i: (i, 0))],
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps,
+                                                num_stages=blocks.num_stages),
+        interpret=interpret,
+        name="fused_logprobs_fwd",
+    )(hp, wp, ids)
+
+
+def _pad_axis(x, axis, multiple, value=0):
+    pad = (-x.shape[axis]) % multiple
     if pad == 0:
         return x
     widths = [(0, 0)] * x.ndim
@@ -215,79 +364,71 @@ def _pad_to(x, axis, multiple, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _fwd_call(h, w, t, kidx, own_topk, temperature, blocks, interpret):
-    """Runs the forward kernel on padded operands. Returns lse and the log-prob outputs."""
-    n, d = h.shape
-    vocab = w.shape[1]
-    bn, bv = blocks.block_n, min(blocks.block_v, pl.next_power_of_2(vocab))
-    num_given = 0 if kidx is None else kidx.shape[1]
-    kg, ko = max(num_given, 1), max(own_topk, 1)
-    hp = _pad_to(h, 0, bn)
-    wp = _pad_to(w, 1, bv)
-    tp = _pad_to(t.astype(jnp.int32), 0, bn)
-    kp = jnp.zeros((hp.shape[0], 1), jnp.int32) if kidx is None else _pad_to(kidx.astype(jnp.int32), 0, bn)
-    np_ = hp.shape[0]
-    kernel = functools.partial(
-        _fwd_kernel, vocab=vocab, block_v=bv, num_tiles=wp.shape[1] // bv,
-        temperature=float(temperature), num_given=num_given, own_topk=own_topk,
-    )
-    row = lambda i: (i,)  # noqa: E731
-    row2 = lambda i: (i, 0)  # noqa: E731
-    out_shape = (
-        jax.ShapeDtypeStruct((np_,), jnp.float32),
-        jax.ShapeDtypeStruct((np_,), jnp.float32),
-        jax.ShapeDtypeStruct((np_, kg), jnp.float32),
-        jax.ShapeDtypeStruct((np_, ko), jnp.float32),
-        jax.ShapeDtypeStruct((np_, ko), jnp.int32),
-    )
-    lse, tlp, klp, ov, oi = pl.pallas_call(
-        kernel,
-        grid=(np_ // bn,),
-        in_specs=[
-            pl.BlockSpec((bn, d), row2),
-            pl.BlockSpec((d, wp.shape[1]), lambda i: (0, 0)),
-            pl.BlockSpec((bn,), row),
-            pl.BlockSpec((bn, kp.shape[1]), row2),
-        ],
-        out_specs=[
-            pl.BlockSpec((bn,), row),
-            pl.BlockSpec((bn,), row),
-            pl.BlockSpec((bn, kg), row2),
-            pl.BlockSpec((bn, ko), row2),
-            pl.BlockSpec((bn, ko), row2),
-        ],
-        out_shape=out_shape,
-        interpret=interpret,
-        name="fused_logprobs_fwd",
-    )(hp, wp, tp, kp)
-    return lse[:n], tlp[:n], klp[:n, :num_given], ov[:n, :own_topk], oi[:n, :own_topk]
+def _own_topk(h, w, lse, k, temperature, tile=2048):
+    """The K' largest log-probs per row and their ids: an XLA pass over vocab tiles of W
+    with a running ``lax.top_k`` merge (ties: lower index first), minus the kernel's lse."""
+    n, vocab = h.shape[0], w.shape[1]
+    tile = min(tile, vocab)
+    wp = _pad_axis(w, 1, tile)
+    num = wp.shape[1] // tile
+
+    def body(carry, j):
+        vals, idx = carry
+        col0 = j * tile
+        z = jnp.dot(h, jax.lax.dynamic_slice_in_dim(wp, col0, tile, axis=1),
+                    preferred_element_type=jnp.float32) / temperature
+        cols = col0 + jnp.arange(tile, dtype=jnp.int32)
+        z = jnp.where(cols < vocab, z, _NEG_INF)
+        v, i = jax.lax.top_k(z, min(k, tile))
+        cat_v = jnp.concatenate([vals, v], axis=1)
+        cat_i = jnp.concatenate([idx, i.astype(jnp.int32) + col0], axis=1)
+        vals, pos = jax.lax.top_k(cat_v, k)
+        return (vals, jnp.take_along_axis(cat_i, pos, axis=1)), None
+
+    init = (jnp.full((n, k), _NEG_INF, jnp.float32), jnp.zeros((n, k), jnp.int32))
+    (vals, idx), _ = jax.lax.scan(body, init, jnp.arange(num, dtype=jnp.int32))
+    return vals - lse[:, None], idx
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _fused_logprobs_2d(h, w, t, kidx, own_topk, temperature, blocks, interpret):
-    out, _ = _fused_fwd(h, w, t, kidx, own_topk, temperature, blocks, interpret)
-    return out
+def _prepare(h, w, ids, blocks):
+    """Pads rows, vocab, id columns and (GPU) the hidden dim to the kernels' blocks."""
+    num_rows = max(blocks.block_n, blocks.block_n_dw)
+    num_cols = max(blocks.block_v, blocks.block_v_dw)
+    hp = _pad_axis(h, 0, num_rows)
+    wp = _pad_axis(w, 1, num_cols)
+    if blocks.platform == "gpu":
+        hp, wp = _pad_axis(hp, 1, blocks.block_d), _pad_axis(wp, 0, blocks.block_d)
+    lanes = blocks.id_lanes(ids.shape[1])
+    ids = _pad_axis(_pad_axis(ids, 1, lanes, -1), 0, num_rows, -1)
+    return hp, wp, ids
 
 
-def _fused_fwd(h, w, t, kidx, own_topk, temperature, blocks, interpret):
-    lse, tlp, klp, ov, oi = _fwd_call(h, w, t, kidx, own_topk, temperature, blocks, interpret)
-    return (tlp, klp, ov, oi), (h, w, t, kidx, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused_ids(h, w, ids, temperature, blocks, interpret):
+    return _fused_ids_fwd(h, w, ids, temperature, blocks, interpret)[0]
 
 
-def _fused_bwd(own_topk, temperature, blocks, interpret, res, cts):
-    h, w, t, kidx, lse = res
-    g_t, g_k, _, _ = cts  # own top-K outputs carry no gradient by contract
+def _fused_ids_fwd(h, w, ids, temperature, blocks, interpret):
+    n, num_ids = ids.shape
+    hp, wp, idp = _prepare(h, w, ids, blocks)
+    lse, logp = _forward_call(hp, wp, idp, vocab=w.shape[1], temperature=temperature,
+                              num_ids=num_ids, blocks=blocks, interpret=interpret)
+    return (logp[:n, :num_ids], lse[:n, 0]), (hp, wp, idp, lse, h.shape, w.shape)
+
+
+def _fused_ids_bwd(temperature, blocks, interpret, res, cts):
+    hp, wp, idp, lse, h_shape, w_shape = res
+    g, _ = cts  # the logsumexp output is internal (own top-K is stop-gradient)
+    n, num_ids = g.shape
+    gp = jnp.zeros(idp.shape, jnp.float32).at[:n, :num_ids].set(g.astype(jnp.float32))
     dh, dw = fused_logprobs_bwd.fused_logprobs_backward(
-        h, w, t, kidx, lse, g_t, g_k if kidx is not None else None,
-        temperature=temperature, block_n=blocks.block_n, block_v=blocks.block_v,
-        interpret=interpret,
-    )
-    zero_t = jnp.zeros(t.shape, jax.dtypes.float0)
-    zero_k = None if kidx is None else jnp.zeros(kidx.shape, jax.dtypes.float0)
-    return dh, dw, zero_t, zero_k
+        hp, wp, idp, lse, gp, vocab=w_shape[1], temperature=temperature, num_ids=num_ids,
+        blocks=blocks, interpret=interpret)
+    zero_ids = jnp.zeros((n, num_ids), jax.dtypes.float0)
+    return dh[:h_shape[0], :h_shape[1]], dw[:w_shape[0], :w_shape[1]], zero_ids
 
 
-_fused_logprobs_2d.defvjp(_fused_fwd, _fused_bwd)
+_fused_ids.defvjp(_fused_ids_fwd, _fused_ids_bwd)
 
 
 @functools.partial(
@@ -308,18 +449,30 @@ def fused_logprobs(
     topk_indices [..., K] int or None; outputs shaped [...] / [..., K] (see module docstring).
 
     Differentiable in hidden and head (target_logp and topk_logp); own top-K is stop-gradient.
+    ``block_sizes`` picks the kernel layout too (its ``platform``); default
+    ``FusedLogprobsBlockSizes.get_default()`` for this backend, d and dtype.
     """
     validate_inputs(hidden, head, targets, topk_indices, own_topk, temperature)
-    blocks = block_sizes or FusedLogprobsBlockSizes.get_default()
     lead = hidden.shape[:-1]
     h = hidden.reshape(-1, hidden.shape[-1])
-    t = targets.reshape(-1).astype(jnp.int32)
-    kidx = None if topk_indices is None else topk_indices.reshape(h.shape[0], -1).astype(jnp.int32)
-    tlp, klp, ov, oi = _fused_logprobs_2d(h, head, t, kidx, own_topk, float(temperature), blocks, interpret)
-    ov, oi = jax.lax.stop_gradient(ov), jax.lax.stop_gradient(oi)
+    n, d = h.shape
+    cols = [targets.reshape(n, 1).astype(jnp.int32)]
+    num_given = 0
+    if topk_indices is not None:
+        num_given = topk_indices.shape[-1]
+        cols.append(topk_indices.reshape(n, num_given).astype(jnp.int32))
+    ids = jnp.concatenate(cols, axis=1)
+    blocks = block_sizes or FusedLogprobsBlockSizes.get_default(
+        d=d, dtype=hidden.dtype, num_ids=ids.shape[1])
+    blocks = blocks.clamp(n, head.shape[1])
+    logp, lse = _fused_ids(h, head, ids, float(temperature), blocks, interpret)
+    own_v = own_i = None
+    if own_topk:
+        own_v, own_i = _own_topk(jax.lax.stop_gradient(h), jax.lax.stop_gradient(head),
+                                 jax.lax.stop_gradient(lse), own_topk, float(temperature))
+        own_v, own_i = own_v.reshape(lead + (own_topk,)), own_i.reshape(lead + (own_topk,))
     return FusedLogprobsOutput(
-        tlp.reshape(lead),
-        None if kidx is None else klp.reshape(lead + (kidx.shape[1],)),
-        ov.reshape(lead + (own_topk,)) if own_topk else None,
-        oi.reshape(lead + (own_topk,)) if own_topk else None,
+        logp[:, 0].reshape(lead),
+        logp[:, 1:].reshape(lead + (num_given,)) if topk_indices is not None else None,
+        own_v, own_i,
     )

@@ -1,14 +1,27 @@
 """Bit-compare + count + compaction of changed bf16 elements (SparseRL-Sync encode hot loop).
 
 Given the bit patterns of a snapshot and of a fresh bf16 cast (uint16[n] each), returns how
-many differ and, compacted into a static power-of-two ``capacity``, their flat positions and
-old/new bit patterns. Static shapes keep recompiles bounded: a caller counts first, then picks
-the capacity (next power of two of the count).
+many differ and, compacted into a static ``capacity``, their flat positions and old/new bit
+patterns (ascending positions). Static shapes keep recompiles bounded: a caller counts
+first, then picks the capacity (next power of two of the count).
 
-The kernel compacts each block of ``block`` elements with a rank one-hot (``block x block``
-compare + reduce: no dynamic stores, so it maps onto TPU/GPU vector units); a small XLA gather
-then concatenates the per-block results. ``diff_compact_reference`` defines the semantics.
-There is no custom_vjp: the op is on integer bit patterns and has no gradient.
+The kernel walks the arrays as [rows, 128] in (block_rows, 128) tiles (block_rows a multiple
+of 16: uint16 packs two rows per 32-bit sublane on TPU) and returns, per element, its rank
+among the changed elements of its tile (-1 if unchanged) and each tile's count. Ranks need a
+prefix sum, and neither Mosaic GPU nor (efficiently) Triton has ``cumsum``, so the kernel
+computes them with 0/1 matmuls, exact in bf16 x bf16 -> f32 (every partial sum < 2**24):
+
+  in-row inclusive prefix  P = C @ U        (U[l', l] = l' <= l, 128 x 128)
+  row totals on every lane T = C @ 1        (128 x 128 ones)
+  earlier rows' total      E = L_strict @ T (L_strict[r, r'] = r' < r, block_rows^2)
+  rank = E + P - 1 where changed.
+
+XLA then adds each tile's exclusive prefix of counts and scatters the changed elements'
+positions and bit patterns to their slots (slots >= capacity are dropped).
+``diff_compact_reference`` defines the semantics. TPU: Mosaic, tiles "parallel". GPU:
+Triton (explicit ``num_warps`` / ``num_stages``): Mosaic GPU has no lowering for this
+kernel's iota compares without layout casts and would need warpgroup matmuls; Triton lowers
+the small dots directly. There is no custom_vjp: integer bit patterns have no gradient.
 """
 
 from __future__ import annotations
@@ -19,15 +32,39 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import dispatch
+
+LANES = 128
+_PLATFORMS = ("tpu", "gpu")
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    block: int = 256
+    """Rows of 128 lanes per tile (a multiple of 16) and the kernel layout."""
+
+    block_rows: int = 256
+    platform: str = "tpu"
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        if self.platform not in _PLATFORMS:
+            raise ValueError(f"platform {self.platform!r}; valid: {', '.join(_PLATFORMS)}")
+        r = self.block_rows
+        if not isinstance(r, int) or r < 16 or r % 16 or (self.platform == "gpu" and r & (r - 1)):
+            raise ValueError(f"block_rows={r!r}; must be a multiple of 16 (a power of two on GPU)")
 
     @classmethod
-    def get_default(cls) -> "BlockSizes":
-        return cls()
+    def get_default(cls, platform: str | None = None) -> BlockSizes:
+        """platform "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU
+        layout, which interpret mode runs)."""
+        if platform is None:
+            platform = "gpu" if dispatch.backend_platform() == "gpu" else "tpu"
+        if platform == "gpu":
+            return cls(block_rows=32, platform="gpu", num_warps=4, num_stages=1)
+        return cls(block_rows=256, platform="tpu")
 
 
 def diff_compact_reference(old_bits: jax.Array, new_bits: jax.Array, *, capacity: int):
@@ -52,23 +89,64 @@ def diff_compact_reference(old_bits: jax.Array, new_bits: jax.Array, *, capacity
     return count, positions, old, new
 
 
-def _compact_block_kernel(old_ref, new_ref, count_ref, pos_ref, old_out_ref, new_out_ref, *,
-                          block: int):
-    base = pl.program_id(0) * block
-    old = old_ref[...].astype(jnp.int32)  # (1, block)
-    new = new_ref[...].astype(jnp.int32)
-    changed = (old != new).astype(jnp.int32)
-    count = jnp.sum(changed)
-    rank = jnp.cumsum(changed, axis=1) - 1  # output slot of each changed element
-    slots = jax.lax.broadcasted_iota(jnp.int32, (block, block), 0)
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (block, block), 1)
-    select = ((rank == slots) & (changed == 1)).astype(jnp.int32)  # [slot, lane]
-    valid = jax.lax.broadcasted_iota(jnp.int32, (1, block), 1) < count
-    pos = jnp.sum(select * lanes, axis=1)[None, :] + base
-    pos_ref[...] = jnp.where(valid, pos, -1)
-    old_out_ref[...] = jnp.sum(select * old, axis=1)[None, :].astype(jnp.uint16)
-    new_out_ref[...] = jnp.sum(select * new, axis=1)[None, :].astype(jnp.uint16)
-    count_ref[...] = jnp.full((1, 1), count, jnp.int32)
+def _dot(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def tile_ranks(changed_f32: jax.Array) -> jax.Array:
+    """Rank of each changed element among its tile's changed elements (row-major), else -1.
+
+    changed_f32: [rows, 128] 0/1 floats. Matmuls only (see the module docstring)."""
+    rows = changed_f32.shape[0]
+    c = changed_f32.astype(jnp.bfloat16)
+    li = jax.lax.broadcasted_iota(jnp.int32, (LANES, LANES), 0)
+    lj = jax.lax.broadcasted_iota(jnp.int32, (LANES, LANES), 1)
+    upper = (li <= lj).astype(jnp.bfloat16)
+    ones = jnp.ones((LANES, LANES), jnp.bfloat16)
+    ri = jax.lax.broadcasted_iota(jnp.int32, (rows, rows), 0)
+    rj = jax.lax.broadcasted_iota(jnp.int32, (rows, rows), 1)
+    lower = (rj < ri).astype(jnp.bfloat16)
+    prefix = _dot(c, upper)
+    totals = _dot(c, ones).astype(jnp.bfloat16)  # <= 128: exact in bf16
+    earlier = _dot(lower, totals)
+    rank = (earlier + prefix).astype(jnp.int32) - 1
+    return jnp.where(changed_f32 > 0, rank, -1)
+
+
+def _rank_kernel(old_ref, new_ref, rank_ref, count_ref):
+    changed = (old_ref[...].astype(jnp.int32) != new_ref[...].astype(jnp.int32))
+    changed = changed.astype(jnp.float32)
+    rank_ref[...] = tile_ranks(changed)
+    count_ref[...] = jnp.full(count_ref.shape, jnp.sum(changed), jnp.float32).astype(jnp.int32)
+
+
+def tile_ranks_call(old2: jax.Array, new2: jax.Array, bs: BlockSizes, interpret: bool):
+    """ranks int32[rows, 128] and counts int32[tiles, 8, 128] (every entry the count)."""
+    rows = old2.shape[0]
+    tiles = rows // bs.block_rows
+    tile = pl.BlockSpec((bs.block_rows, LANES), lambda t: (t, 0))
+    if bs.platform == "tpu":
+        count_spec = pl.BlockSpec((None, 8, LANES), lambda t: (t, 0, 0))
+        count_shape = (tiles, 8, LANES)
+        params = pltpu.CompilerParams(dimension_semantics=("parallel",))
+    else:
+        from jax.experimental.pallas import triton as pltriton
+
+        count_spec = pl.BlockSpec((None, 1, LANES), lambda t: (t, 0, 0))
+        count_shape = (tiles, 1, LANES)
+        params = pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    return pl.pallas_call(
+        _rank_kernel,
+        grid=(tiles,),
+        in_specs=[tile, tile],
+        out_specs=[tile, count_spec],
+        out_shape=[jax.ShapeDtypeStruct((rows, LANES), jnp.int32),
+                   jax.ShapeDtypeStruct(count_shape, jnp.int32)],
+        compiler_params=params,
+        interpret=interpret,
+        name="sync_diff_compact",
+    )(old2, new2)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "block_sizes", "interpret"))
@@ -81,36 +159,23 @@ def diff_compact(old_bits: jax.Array, new_bits: jax.Array, *, capacity: int,
         raise ValueError(f"need uint16 bit patterns, got {old_bits.dtype} and {new_bits.dtype}")
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
-    block = (block_sizes or BlockSizes.get_default()).block
+    bs = block_sizes or BlockSizes.get_default()
     n = old_bits.shape[0]
-    n_blocks = max(1, -(-n // block))
-    pad = n_blocks * block - n
-    old2 = jnp.pad(old_bits, (0, pad)).reshape(n_blocks, block)
-    new2 = jnp.pad(new_bits, (0, pad)).reshape(n_blocks, block)
-    row = pl.BlockSpec((1, block), lambda b: (b, 0))
-    counts, pos, old, new = pl.pallas_call(
-        functools.partial(_compact_block_kernel, block=block),
-        grid=(n_blocks,),
-        in_specs=[row, row],
-        out_specs=[pl.BlockSpec((1, 1), lambda b: (b, 0)), row, row, row],
-        out_shape=[jax.ShapeDtypeStruct((n_blocks, 1), jnp.int32),
-                   jax.ShapeDtypeStruct((n_blocks, block), jnp.int32),
-                   jax.ShapeDtypeStruct((n_blocks, block), jnp.uint16),
-                   jax.ShapeDtypeStruct((n_blocks, block), jnp.uint16)],
-        interpret=interpret,
-        name="sync_diff_compact",
-    )(old2, new2)
-    # Concatenate the per-block prefixes: output slot s comes from block b with
-    # ends[b-1] <= s < ends[b], lane s - starts[b].
-    counts = counts[:, 0]
-    ends = jnp.cumsum(counts)
-    starts = ends - counts
-    total = ends[-1]
-    slot = jnp.arange(capacity, dtype=jnp.int32)
-    src_block = jnp.minimum(jnp.searchsorted(ends, slot, side="right"), n_blocks - 1)
-    lane = jnp.clip(slot - starts[src_block], 0, block - 1)
-    valid = slot < total
-    positions = jnp.where(valid, pos[src_block, lane], -1)
-    old_out = jnp.where(valid, old[src_block, lane], 0).astype(jnp.uint16)
-    new_out = jnp.where(valid, new[src_block, lane], 0).astype(jnp.uint16)
+    per_tile = bs.block_rows * LANES
+    tiles = max(1, -(-n // per_tile))
+    pad = tiles * per_tile - n
+    old2 = jnp.pad(old_bits, (0, pad)).reshape(-1, LANES)
+    new2 = jnp.pad(new_bits, (0, pad)).reshape(-1, LANES)
+    ranks, counts = tile_ranks_call(old2, new2, bs, interpret)
+    counts = counts[:, 0, 0]
+    starts = jnp.cumsum(counts) - counts  # over tiles only (tiles << n)
+    total = jnp.sum(counts)
+    ranks = ranks.reshape(tiles, per_tile)
+    slot = jnp.where(ranks >= 0, starts[:, None] + ranks, capacity).reshape(-1)
+    flat = jnp.arange(tiles * per_tile, dtype=jnp.int32)
+    scatter = lambda fill, vals: jnp.full((capacity,), fill, vals.dtype).at[slot].set(
+        vals, mode="drop")
+    positions = scatter(-1, flat)
+    old_out = scatter(0, old2.reshape(-1))
+    new_out = scatter(0, new2.reshape(-1))
     return total, positions, old_out, new_out

@@ -1,4 +1,4 @@
-"""Generation / Q2I / SA-GCPO losses against numpy; IGR keeps exactly m."""
+"""Generation / Q2I / the RL stage's SA-GCPO losses against numpy; IGR keeps exactly m."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,6 @@ import numpy as np
 
 from jaxflow.genrec import igr
 from jaxflow.genrec.losses import generation_loss, q2i_loss
-from jaxflow.genrec.sa_gcpo import sa_gcpo_advantages, sa_gcpo_loss
 
 
 def _log_softmax(x):
@@ -47,29 +46,38 @@ def test_q2i_loss_matches_numpy():
     np.testing.assert_allclose(float(got), want, rtol=1e-5)
 
 
-def test_sa_gcpo_matches_numpy_and_is_policy_gradient_on_policy():
+def test_rl_stage_loss_is_sa_gcpo_against_numpy():
+    """The RL stage's loss (the project's policy_loss, algo="sa_gcpo") and advantages against
+    the OxygenREC formulas in numpy; on policy its gradient is the plain policy gradient."""
+    from jaxflow.genrec.rl import RLConfig, _policy_loss
+    from jaxflow.rl.advantages import sa_gcpo_advantages
+
     rng = np.random.default_rng(2)
     r = rng.random((3, 4)).astype(np.float32)
     target = np.asarray([0.5, 0.0, 0.9], np.float32)
     adv = (r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-6)
     adv = np.where((adv > 0) & (r < target[:, None]), 0.0, adv)
-    got_adv = sa_gcpo_advantages(jnp.asarray(r), jnp.asarray(target))
-    np.testing.assert_allclose(np.asarray(got_adv), adv, rtol=1e-5, atol=1e-6)
+    got_adv = sa_gcpo_advantages(jnp.asarray(r.reshape(-1)),
+                                 jnp.asarray(np.repeat(target, 4)), 4)
+    np.testing.assert_allclose(np.asarray(got_adv), adv.reshape(-1), rtol=1e-5, atol=1e-6)
     logp = rng.normal(-1, 0.3, (12, 3)).astype(np.float32)
     old = logp + rng.normal(0, 0.2, (12, 3)).astype(np.float32)
     mask = rng.random((12, 3)) > 0.2
+    mask[5] = False  # a sequence with no token (an empty beam) does not count
     a = adv.reshape(-1)
     rho = np.exp(logp - old)
     tau = np.where(a > 0, 2.0, 5.0)[:, None]
     f = 4.0 / tau / (1.0 + np.exp(-tau * (rho - 1.0)))
-    per = (f * mask).sum(1) / np.maximum(mask.sum(1), 1)
-    want = -np.mean(per * a)
-    loss, _ = sa_gcpo_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(a), jnp.asarray(mask))
+    rows = mask.any(1)
+    per = (f * mask).sum(1)[rows] / mask.sum(1)[rows]
+    want = -np.mean(per * a[rows])
+    cfg = RLConfig()
+    loss, _ = _policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(a),
+                           jnp.asarray(mask), cfg)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-    # on policy (rho = 1) the gradient is the plain policy gradient -A / |tokens| per token
-    g = jax.grad(lambda lp: sa_gcpo_loss(lp, jnp.asarray(logp), jnp.asarray(a),
-                                         jnp.asarray(mask))[0])(jnp.asarray(logp))
-    want_g = -(a[:, None] * mask / np.maximum(mask.sum(1, keepdims=True), 1)) / len(a)
+    g = jax.grad(lambda lp: _policy_loss(lp, jnp.asarray(logp), jnp.asarray(a),
+                                         jnp.asarray(mask), cfg)[0])(jnp.asarray(logp))
+    want_g = -(a[:, None] * mask / np.maximum(mask.sum(1, keepdims=True), 1)) / rows.sum()
     np.testing.assert_allclose(np.asarray(g), want_g, rtol=1e-5, atol=1e-7)
 
 

@@ -37,7 +37,10 @@ def test_compacted_decode_equals_padded_decode_and_saves_steps():
     assert padded.row_steps == padded.padded_row_steps == len(texts) * (n_new - 1)
     assert stats.row_steps < padded.row_steps  # compaction skipped finished rows
     assert stats.useful_row_steps == padded.useful_row_steps == int((want.mask[:, 1:]).sum())
-    # a row's sample does not depend on its batch: row 5 alone == row 5 in the batch
-    alone, _ = eng.sample(params, prompts[5:6], lengths[5:6], keys[5:6])
-    np.testing.assert_array_equal(alone.tokens[0], want.tokens[5])
-    np.testing.assert_array_equal(alone.logprobs[0], want.logprobs[5])
+    # a row's sample does not depend on its place in the batch or on its companions: the same
+    # rows in reverse order (same compiled shapes) give every row bit for bit. (A batch of one
+    # is a different XLA program -- a matrix-vector product -- whose rounding may differ.)
+    order = np.arange(len(texts))[::-1]
+    shuffled, _ = eng.sample(params, prompts[order], lengths[order], keys[order])
+    for g, w in zip(shuffled, want):
+        np.testing.assert_array_equal(g, w[order])

@@ -113,7 +113,7 @@ def test_strict_pipeline_reaches_the_analytic_overlap(train):
 def test_bounded_staleness_is_never_slower_than_strict():
     cfg = _small_config()
     agents = cfg.agents
-    costs, _ = calibrate(agents, MeasuredRun(), cfg.hardware)
+    costs, _ = calibrate(agents, MeasuredRun.builtin(), cfg.hardware)
     lengths = sample_lengths(agents, versions=3, inputs=16, group_size=4, seed=0)
     strict = simulate(agents, costs, lengths, devices=16, slots=8, schedule=FLEXMARL)
     eta1 = simulate(agents, costs, lengths, devices=16, slots=8,
@@ -198,3 +198,16 @@ def test_cli_quick_run_writes_summary(tmp_path, capsys):
     assert summary["paper_speedup"] == 7.3 and summary["paper_utilisation_ratio"] == 5.6
     assert 0 < summary["utilisation"]["2"]["overall"] <= 1
     assert (out / "plots" / "flexmarl_scale.png").stat().st_size > 1000
+
+
+def test_builtin_measurement_is_a_data_file_with_provenance(tmp_path):
+    from jaxflow.marl.simulate import BUILTIN_MEASUREMENT
+
+    record = json.loads(BUILTIN_MEASUREMENT.read_text())
+    assert {"command", "run", "date", "commit"} <= set(record["provenance"])
+    assert MeasuredRun.builtin() == MeasuredRun(**record["values"])
+    bad = tmp_path / "m.json"
+    bad.write_text(json.dumps({"values": {k: v for k, v in record["values"].items()
+                                          if k != "busy_rollout"}}))
+    with pytest.raises(ValueError, match="busy_rollout"):
+        MeasuredRun.from_file(bad)

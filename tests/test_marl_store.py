@@ -50,7 +50,8 @@ def test_interrupted_consumer_resumes_and_consumes_every_row_exactly_once(tmp_pa
         _consume(store, "solver", micro=3, crash_after=2)
     assert store.count("solver", "consumed") == 6 and store.count("solver", "leased") == 3
 
-    reopened = ExperienceStore.open(str(tmp_path))  # the consumer process restarts
+    store.close()  # the consumer process stops (a crash releases the lock the same way)
+    reopened = ExperienceStore.open(str(tmp_path))  # ... and restarts
     assert reopened.count("solver", "leased") == 0
     assert reopened.count("solver", "ready") == 7   # the 3 leased rows are back
     total, seen = _consume(reopened, "solver", micro=3)

@@ -1,5 +1,6 @@
 """Sampler: greedy == argmax of full forwards, logprobs == full-forward distribution
-(plain, temperature, top-k, top-p), eos/mask/pad behaviour, functional form, validation."""
+(plain, temperature, top-k, top-p), eos/mask/pad behaviour, functional form, validation,
+per-row keys and a stateful logits hook."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,7 @@ from jaxflow.models import (
     make_sampler,
     sample,
 )
-from jaxflow.models.sampler import sampling_log_probs
+from jaxflow.models.sampler import LogitsHook, sampling_log_probs
 
 TINY = PRESETS["tiny"]
 F32_TOL = 1e-5
@@ -182,3 +183,67 @@ def test_logit_noise_logprobs_are_those_of_the_noisy_distribution(split_model, p
     assert not np.allclose(plain.logprobs, out.logprobs)  # the noise really changes the distribution
     with pytest.raises(ValueError, match="logit_noise_std"):
         make_sampler(graphdef, SamplingConfig(max_new_tokens=N, temperature=0.0), 0.5)
+
+
+def test_per_row_keys_make_a_rows_sample_independent_of_its_batch(split_model, prompts):
+    graphdef, state = split_model
+    config = SamplingConfig(max_new_tokens=N, temperature=1.0)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(9), jnp.arange(B))
+    sampler = make_sampler(graphdef, config, per_row_keys=True)
+    batch = sampler(state, prompts, LENGTHS, keys)
+    perm = jnp.array([2, 0, 3, 1])  # other batch neighbours, same compiled shape
+    moved = sampler(state, prompts[perm], LENGTHS[perm], keys[perm])
+    np.testing.assert_array_equal(moved.tokens, batch.tokens[perm])
+    np.testing.assert_allclose(moved.logprobs, batch.logprobs[perm], atol=F32_TOL)
+    # step t of row b draws with fold_in(keys[b], t): the log-probs are the full forward's
+    logits = _logits_at_generated(split_model, prompts, batch.tokens)
+    want = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), batch.tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(batch.logprobs, want, atol=F32_TOL)
+    other = sampler(state, prompts, LENGTHS, keys.at[1].set(jax.random.key(10)))
+    changed = np.any(np.asarray(other.tokens) != np.asarray(batch.tokens), axis=1)
+    assert changed.tolist() == [False, True, False, False]  # only the re-keyed row moves
+
+
+BANNED = 7
+
+
+def _ban_seen(logits, seen, step, args):
+    return jnp.where(seen, -jnp.inf, logits / args[step])
+
+
+def _seen_init(prompts, valid, vocab, args):
+    return jnp.zeros((prompts.shape[0], vocab), bool).at[:, BANNED].set(True)
+
+
+def _seen_update(seen, token, args):
+    return seen.at[jnp.arange(seen.shape[0]), token].set(True)
+
+
+NO_REPEAT = LogitsHook(apply=_ban_seen, init=_seen_init, update=_seen_update)
+
+
+def test_stateful_logits_hook_is_applied_before_sampling(split_model, prompts):
+    graphdef, state = split_model
+    config = SamplingConfig(max_new_tokens=N, temperature=1.0)
+    temps = jnp.linspace(2.0, 0.5, N)
+    out = make_sampler(graphdef, config, logits_hook=NO_REPEAT)(
+        state, prompts, LENGTHS, jax.random.key(2), temps)
+    tokens = np.asarray(out.tokens)
+    for b in range(B):  # the hook's state: no token twice, never the banned one
+        assert len(set(tokens[b].tolist())) == N and BANNED not in tokens[b]
+    # log-probs are those of the hooked distribution (seen tokens out, step temperature)
+    logits = _logits_at_generated(split_model, prompts, out.tokens)
+    for t in range(N):
+        seen = np.zeros(logits.shape[::2], bool)
+        seen[:, BANNED] = True
+        for s in range(t):
+            seen[np.arange(B), tokens[:, s]] = True
+        hooked = jnp.where(seen, -jnp.inf, logits[:, t] / temps[t])
+        want = jnp.take_along_axis(jax.nn.log_softmax(hooked, -1), out.tokens[:, t, None], -1)
+        np.testing.assert_allclose(out.logprobs[:, t], want[:, 0], atol=F32_TOL)
+    # new hook args do not recompile: the same jitted sampler serves another schedule
+    sampler = make_sampler(graphdef, config, logits_hook=NO_REPEAT)
+    sampler(state, prompts, LENGTHS, jax.random.key(2), temps * 2)
+    assert sampler._cache_size() == 1
+    with pytest.raises(TypeError, match="logits_hook"):
+        make_sampler(graphdef, config, logits_hook=_ban_seen)

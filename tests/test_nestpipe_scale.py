@@ -141,3 +141,17 @@ def test_cli_quick_writes_summary_keys(tmp_path, capsys):
                         "--set", "jitter_cv=-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "jitter_cv=-1" in err, err
+
+
+def test_measured_and_paper_figures_come_from_data_files_with_provenance():
+    import pathlib
+
+    import jaxflow.nestpipe.simulate as sim
+
+    data = pathlib.Path(sim.__file__).parent / "data"
+    measured = json.loads((data / "measured_stage_ms.json").read_text())
+    assert {"command", "run", "date", "commit"} <= set(measured["provenance"])
+    assert measured["values"] == MEASURED_STAGE_MS
+    paper = json.loads((data / "paper_nestpipe.json").read_text())
+    assert "2604.06956" in paper["provenance"]["source"]
+    assert paper["values"]["baseline_efficiency"] == PAPER_BASELINE_EFFICIENCY

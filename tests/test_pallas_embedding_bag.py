@@ -1,4 +1,8 @@
-"""Pallas embedding bag == its reference in interpret mode (forward and table gradient)."""
+"""Pallas embedding bag == its reference in interpret mode (forward and table gradient).
+
+Both kernel layouts run: "tpu" (HBM table, SMEM ids, double-buffered row DMAs, in-place
+gradient row updates) and "gpu" (Triton row loads, atomic_add gradient scatter).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -6,39 +10,47 @@ import numpy as np
 import pytest
 
 from jaxflow.embeddings.pooling import pool_bags
-from pallas_kernels.embedding_bag import (EmbeddingBagBlockSizes, embedding_bag,
-                                          embedding_bag_reference)
+from pallas_kernels.embedding_bag import (
+    EmbeddingBagBlockSizes,
+    embedding_bag,
+    embedding_bag_reference,
+)
 
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
-SMALL = EmbeddingBagBlockSizes(block_b=4, block_d=8)  # grids of a few steps, with ragged edges
+# 10 bags in blocks of 8 and 136 columns in blocks of 128: 2 x 2 programs, both ragged.
+LAYOUTS = {"tpu": EmbeddingBagBlockSizes(block_b=8, block_d=128),
+           "gpu": EmbeddingBagBlockSizes(platform="gpu", block_b=8, block_d=128)}
+SMALL = LAYOUTS["tpu"]
+DIM = 136
 
 
-def inputs(dtype, n_bags=10, bag_len=3, vocab=23, dim=12):
+def inputs(dtype, n_bags=10, bag_len=3, vocab=23, dim=DIM):
     table = jax.random.normal(jax.random.key(0), (vocab, dim), jnp.float32).astype(dtype)
     ids = jax.random.randint(jax.random.key(1), (n_bags, bag_len), -1, vocab)
     ids = ids.at[2].set(-1)  # an empty bag
+    ids = ids.at[3].set(jnp.array([5, 5, 7]))  # a repeated id inside one bag
     return table, ids
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_forward_matches_reference(dtype, mode):
+@pytest.mark.parametrize("layout", ["tpu", "gpu"])
+@pytest.mark.parametrize("dtype,mode", [(jnp.float32, "sum"), (jnp.bfloat16, "mean")])
+def test_forward_matches_reference(dtype, mode, layout):
     table, ids = inputs(dtype)
-    got = embedding_bag(table, ids, mode=mode, block_sizes=SMALL, interpret=True)
+    got = embedding_bag(table, ids, mode=mode, block_sizes=LAYOUTS[layout], interpret=True)
     want = embedding_bag_reference(table, ids, mode)
-    assert got.dtype == dtype and got.shape == (10, 12)
+    assert got.dtype == dtype and got.shape == (10, DIM)
     tol = TOL[dtype]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=tol, atol=tol)
     np.testing.assert_array_equal(np.asarray(got[2], np.float32), 0)
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_gradient_matches_reference(mode):
+@pytest.mark.parametrize("layout,mode", [("tpu", "mean"), ("gpu", "sum")])
+def test_gradient_matches_reference(layout, mode):
     table, ids = inputs(jnp.float32)
-    w = jax.random.normal(jax.random.key(2), (10, 12))
+    w = jax.random.normal(jax.random.key(2), (10, DIM))
     loss = lambda f: (lambda t: jnp.sum(f(t) * w))
-    got = jax.grad(loss(lambda t: embedding_bag(t, ids, mode=mode, block_sizes=SMALL,
+    got = jax.grad(loss(lambda t: embedding_bag(t, ids, mode=mode, block_sizes=LAYOUTS[layout],
                                                 interpret=True)))(table)
     want = jax.grad(loss(lambda t: embedding_bag_reference(t, ids, mode)))(table)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -53,6 +65,15 @@ def test_validation_messages():
         embedding_bag(table, ids, mode="max", interpret=True)
 
 
+def test_block_sizes_validate_and_default_per_platform():
+    assert EmbeddingBagBlockSizes.get_default("gpu").platform == "gpu"
+    assert EmbeddingBagBlockSizes.get_default("tpu").platform == "tpu"
+    with pytest.raises(ValueError, match="platform 'npu'"):
+        EmbeddingBagBlockSizes(platform="npu")
+    with pytest.raises(ValueError, match="block_b=12"):
+        EmbeddingBagBlockSizes(block_b=12)
+
+
 def test_pooling_backend_pallas_matches_xla():
     table, ids = inputs(jnp.float32, n_bags=4, dim=8)
     got = pool_bags(table, ids, "mean", backend="pallas_forced")
@@ -61,7 +82,8 @@ def test_pooling_backend_pallas_matches_xla():
 
 def test_sharded_lookup_with_pallas_pooling():
     """The kernel inside the shard_map lookup (interpret mode) == the XLA pooling path."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxflow.embeddings import ShardedEmbeddings, TableSpec, make_sparse_optimizer
     from jaxflow.mesh import make_mesh

@@ -1,10 +1,16 @@
-"""sync_diff_compact kernel == reference (interpret mode, small grids)."""
+"""sync_diff_compact kernel == reference (interpret mode, small grids, both layouts).
+
+5,000 elements in tiles of 16 x 128 = 2,048: three tiles, the last one ragged."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sync_diff_compact import BlockSizes, diff_compact, diff_compact_reference
+from pallas_kernels.sync_diff_compact import (
+    BlockSizes,
+    diff_compact,
+    diff_compact_reference,
+)
 
 
 def _bits(n, changes, seed=0):
@@ -18,16 +24,21 @@ def _bits(n, changes, seed=0):
     return jnp.asarray(old), jnp.asarray(new), np.sort(where)
 
 
-# One shape (300 elements: a ragged last block; capacity 64) so the cases share a compile.
+LAYOUTS = {"tpu": BlockSizes(16), "gpu": BlockSizes(16, platform="gpu")}
+
+
+# One shape (ragged last tile; capacity 256) so the cases share a compile per layout.
+@pytest.mark.parametrize("layout", ["tpu", "gpu"])
 @pytest.mark.parametrize("n,changes,capacity", [
-    (300, 37, 64),   # some changed
-    (300, 0, 64),    # nothing changed
-    (300, 300, 64),  # everything changed; capacity below the count: first 64, count 300
-    (300, 64, 64),   # exactly full
+    (5000, 137, 256),   # some changed, in every tile
+    (5000, 0, 256),     # nothing changed
+    (5000, 5000, 256),  # everything changed; capacity below the count: first 256, count 5000
+    (5000, 256, 256),   # exactly full
 ])
-def test_kernel_matches_reference(n, changes, capacity):
+def test_kernel_matches_reference(n, changes, capacity, layout):
     old, new, where = _bits(n, changes)
-    got = diff_compact(old, new, capacity=capacity, block_sizes=BlockSizes(128), interpret=True)
+    got = diff_compact(old, new, capacity=capacity, block_sizes=LAYOUTS[layout],
+                       interpret=True)
     want = diff_compact_reference(old, new, capacity=capacity)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
@@ -35,6 +46,16 @@ def test_kernel_matches_reference(n, changes, capacity):
     k = min(changes, capacity)
     np.testing.assert_array_equal(np.asarray(got[1])[:k], where[:k])
     np.testing.assert_array_equal(np.asarray(got[3])[:k], np.asarray(new)[where[:k]])
+
+
+def test_tile_ranks_without_cumsum():
+    from pallas_kernels.sync_diff_compact import tile_ranks
+
+    changed = (np.random.default_rng(3).random((32, 128)) < 0.3).astype(np.float32)
+    want = np.where(changed > 0, np.cumsum(changed.reshape(-1)).reshape(32, 128) - 1, -1)
+    np.testing.assert_array_equal(np.asarray(tile_ranks(jnp.asarray(changed))), want)
+    with pytest.raises(ValueError, match="block_rows=24"):
+        BlockSizes(24, platform="gpu")
 
 
 def test_rejects_bad_inputs():

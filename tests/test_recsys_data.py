@@ -69,5 +69,8 @@ def test_auc_and_logloss():
     assert abs(roc_auc(y, s) - brute) < 1e-12
     assert roc_auc([0, 1], [0.1, 0.9]) == 1.0
     assert abs(log_loss([1, 0], [0.5, 0.5]) - np.log(2)) < 1e-12
+    # saturated probabilities are clipped to [eps, 1 - eps] (not sklearn's 2.2e-16)
+    assert abs(log_loss([1, 0], [0.0, 1.0]) + np.log(1e-7)) < 1e-9
+    assert abs(log_loss([1], [0.25]) + np.log(0.25)) < 1e-12  # one class is fine
     with pytest.raises(ValueError, match="both classes"):
         roc_auc([1, 1], [0.2, 0.3])

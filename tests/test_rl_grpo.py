@@ -14,6 +14,7 @@ from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.mesh import role_meshes
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer
+from jaxflow.rl.policy_loss import PolicyLossConfig
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.checkpoint import params_checksum
 from jaxflow.train.lm_state import OptimConfig, init_params
@@ -61,7 +62,8 @@ def _params(trainer, seed=0):
 
 def test_first_minibatch_is_exactly_on_policy_and_later_ones_are_not(meshes):
     # entropy bonus: gradients are non-zero even when every reward (hence advantage) is 0
-    trainer = _trainer(meshes, correction="sis", lag=4, entropy_coef=0.05, kl_coef=0.1)
+    trainer = _trainer(meshes, loss=PolicyLossConfig(correction="sis"), lag=4, entropy_coef=0.05,
+                       kl_coef=0.1)
     state = trainer.init_state(_params(trainer))
     for _ in range(2):
         batch = trainer.generate(state)
@@ -122,7 +124,8 @@ def test_two_step_run_learns_a_trivial_task(meshes):
 
 
 def test_resume_from_checkpoint_is_bit_identical(meshes, tmp_path):
-    kw = dict(correction="sis+tis", lag=2, staleness=1, kl_coef=0.1, entropy_coef=0.05)
+    kw = dict(loss=PolicyLossConfig(correction="sis+tis"), lag=2, staleness=1, kl_coef=0.1,
+              entropy_coef=0.05)
     trainer = _trainer(meshes, **kw)
     params = _params(trainer)
 

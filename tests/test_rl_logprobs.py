@@ -137,16 +137,6 @@ def test_errors_name_the_bad_value():
         lp.fused_logprobs(h, w, t, backend="cuda")
 
 
-def test_try_pallas_warns_on_fallback_and_raises_when_forced():
-    def broken():
-        raise NotImplementedError("no lowering")
-
-    with pytest.warns(RuntimeWarning, match="falling back to the XLA path"):
-        assert lp._try_pallas(broken, forced=False) is None
-    with pytest.raises(NotImplementedError):
-        lp._try_pallas(broken, forced=True)
-
-
 def test_auto_backend_on_cpu_is_xla_without_warning():
     h, w, t, ki = _inputs()
     with warnings.catch_warnings():

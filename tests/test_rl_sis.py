@@ -108,9 +108,12 @@ def test_accepted_tokens_get_on_policy_gradient_far_outside_clip(algo):
     np.testing.assert_allclose(grad, on_policy, rtol=1e-6)
     # The base algorithm clips (or truncates) these tokens: its gradient differs.
     _, base_metrics, base_grad = loss_and_grad(b, PolicyLossConfig(algo=algo), key)
-    assert base_metrics["clip_fraction"] > 0
+    if algo != "sa_gcpo":  # SA-GCPO's soft gate has no hard clip to count
+        assert base_metrics["clip_fraction"] > 0
     assert np.abs(np.asarray(base_grad) - on_policy).max() > 0.1 / n
-    if algo != "cispo":  # ratio value is exactly 1: loss = mean(-A)
+    if algo == "sa_gcpo":  # ratio value exactly 1: gate value 2 / tau, tau = 2 (A > 0) / 5
+        np.testing.assert_allclose(loss, np.mean([-1.0 * 2 / 2, 1.0 * 2 / 5]), rtol=1e-6)
+    elif algo != "cispo":  # ratio value is exactly 1: loss = mean(-A)
         np.testing.assert_allclose(loss, 0.0, atol=1e-7)
 
 

@@ -141,7 +141,7 @@ def test_version_check_catches_a_replica_that_fell_behind(meshes, on_mismatch):
 def test_staleness_with_sync_is_rejected_naming_the_values(meshes):
     with pytest.raises(ValueError, match="sync.codec='entropy' with staleness=2"):
         _trainer(meshes, SyncConfig(codec="entropy"), staleness=2)
-    _trainer(meshes, SyncConfig(codec="none"), staleness=2)  # sync off: the dense queue
+    _trainer(meshes, None, staleness=2)  # sync off: the dense queue
 
 
 def test_cli_overrides_set_the_sync_sub_config(capsys):
@@ -151,7 +151,9 @@ def test_cli_overrides_set_the_sync_sub_config(capsys):
     cfg = apply_overrides(sis_offpolicy.get_config("quick"),
                           ["sync.codec=entropy", "sync.every=4"])
     assert cfg.sync == SyncConfig(codec="entropy", every=4)
-    assert sis_offpolicy.get_config("quick").sync.codec == "none"  # default: dense publish
+    assert sis_offpolicy.get_config("quick").sync is None  # default: dense publish
+    cfg = apply_overrides(cfg, ["sync=none"])  # and back off
+    assert cfg.sync is None
     cfg = apply_overrides(sparse_sync.get_config("quick"), ["sync.codec=gap", "sync.every=4"])
     assert cfg.sync.codec == "gap" and cfg.sweep == (4,)
     assert sparse_sync.get_config("quick").sweep == (1, 4, 16)
@@ -159,8 +161,10 @@ def test_cli_overrides_set_the_sync_sub_config(capsys):
         apply_overrides(sis_offpolicy.get_config("quick"), ["sync.codec=zip"])
     with pytest.raises(ConfigError, match="stalenesses"):
         apply_overrides(sis_offpolicy.get_config("full"), ["sync.codec=entropy"])
-    with pytest.raises(ConfigError, match="sync.codec='none'"):
+    with pytest.raises(ConfigError, match="sync.codec='none'.*set sync=none"):
         apply_overrides(sparse_sync.get_config("quick"), ["sync.codec=none"])
+    with pytest.raises(ConfigError, match="--set sync: is a group; set one of bound, codec"):
+        apply_overrides(sparse_sync.get_config("quick"), ["sync=none"])  # not optional there
     assert main(["--exp=sis_offpolicy", "--variant=quick", "--set", "sync.codec=zip"]) == 2
     err = capsys.readouterr().err
     assert "sync.codec='zip'" in err and all(c in err for c in CODECS), err

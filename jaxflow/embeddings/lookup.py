@@ -28,8 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxflow.embeddings.optimizers import SparseOptimizer, sparse_apply, sum_duplicate_rows
 from jaxflow.embeddings.pooling import PoolingBackend, pool_bags
-from jaxflow.embeddings.routing import SENTINEL, Routing, route_ids
-from jaxflow.embeddings.spec import EmbeddingPlan, TableSpec, plan_tables
+from jaxflow.embeddings.routing import SENTINEL, Routing, check_ids_host, route_ids
+from jaxflow.embeddings.spec import EmbeddingPlan, IdPolicy, TableSpec, plan_tables
 
 
 class GroupContext(NamedTuple):
@@ -37,6 +37,59 @@ class GroupContext(NamedTuple):
 
     routing: Routing
     recv_ids: jax.Array  # int32[P, Cb] rows other devices asked of this shard (-1 = none)
+
+
+# ---- id validation: integer dtypes only, wide ids policed before any cast ----------------------
+
+def check_id_dtype(name: str, ids) -> None:
+    """TypeError unless ``ids`` has an integer dtype (bool and floats would read wrong rows)."""
+    dtype = np.dtype(ids.dtype)
+    if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"table {name!r}: ids have dtype {dtype}; valid: an integer dtype "
+                        "(int32, int64, uint32, ...; -1 is padding)")
+
+
+def _is_wide(dtype) -> bool:
+    """Integer dtypes whose values may not fit int32 (int64, uint32, uint64)."""
+    dtype = np.dtype(dtype)
+    return dtype.itemsize > 4 or (dtype.itemsize == 4 and dtype.kind == "u")
+
+
+def narrow_ids_host(name: str, ids, vocab_size: int, policy: str) -> np.ndarray:
+    """Host ids of any integer dtype -> int32[...] with the id policy applied in the ids' own
+    dtype first (so 2**32 + 5 is never row 5): "hash_modulo" maps ids >= 0 to ``id % vocab``
+    (the same value the device path computes), "error" raises ValueError naming the first id
+    outside [0, vocab); ids < -1 raise under either policy. -1 stays padding."""
+    x = np.asarray(ids)
+    check_id_dtype(name, x)
+    if x.dtype.kind == "u":
+        if policy == IdPolicy.ERROR.value and x.size and int(x.max()) >= vocab_size:
+            bad = x[x >= vocab_size]
+            raise ValueError(f"table {name!r}: id {int(bad.flat[0])} outside [0, {vocab_size}) "
+                             f"({bad.size} bad ids) under id_policy={policy!r}; -1 is padding, "
+                             "or use hash_modulo")
+        return (x % np.uint64(vocab_size)).astype(np.int32)
+    check_ids_host(name, x, vocab_size, policy)
+    if policy == IdPolicy.HASH_MODULO.value:
+        x = np.where(x >= 0, x % vocab_size, -1)
+    return x.astype(np.int32)
+
+
+def narrow_ids(ids: jax.Array, vocab_size: int, policy: str) -> jax.Array:
+    """Traced twin of :func:`narrow_ids_host` for wide (64-bit, uint32) device ids: the policy
+    in the wide dtype, then int32; ids that break it become -2, which the routing counts as bad
+    (the lookup raises). int32 and narrower ids pass unchanged."""
+    if not _is_wide(ids.dtype):
+        return ids
+    if jnp.issubdtype(ids.dtype, jnp.unsignedinteger):
+        if policy == IdPolicy.HASH_MODULO.value:
+            return (ids % vocab_size).astype(jnp.int32)
+        ok = ids < vocab_size
+        return jnp.where(ok, jnp.where(ok, ids, 0).astype(jnp.int32), -2)
+    pad = jnp.where(ids == -1, -1, -2)
+    if policy == IdPolicy.HASH_MODULO.value:
+        return jnp.where(ids >= 0, ids % vocab_size, pad).astype(jnp.int32)
+    return jnp.where((ids >= 0) & (ids < vocab_size), ids, pad).astype(jnp.int32)
 
 
 # ---- stages (per device, inside shard_map) ----------------------------------------------------
@@ -95,8 +148,15 @@ def replicated_update(optimizer: SparseOptimizer, table: jax.Array, opt_state: d
 
 def group_forward(plan: EmbeddingPlan, group: str, table: jax.Array, ids: dict[str, jax.Array],
                   capacity: int, bucket_capacity: int | None = None):
-    """Stages 1-5 for one group on one device: (unique_emb [C, D], GroupContext)."""
-    routing = route_ids(plan, group, ids, capacity, bucket_capacity)
+    """Stages 1-5 for one group on one device: (unique_emb [C, D], GroupContext).
+
+    Raises TypeError (at trace time) for ids without an integer dtype."""
+    narrowed = dict(ids)
+    for layout in plan.group_tables(group):
+        name = layout.spec.name
+        check_id_dtype(name, ids[name])
+        narrowed[name] = narrow_ids(ids[name], layout.spec.vocab_size, layout.spec.id_policy)
+    routing = route_ids(plan, group, narrowed, capacity, bucket_capacity)
     if plan.group(group).replicated:
         ok = routing.unique_keys != SENTINEL
         emb = jnp.where(ok[:, None], table[jnp.where(ok, routing.unique_keys, 0)], 0)
@@ -279,10 +339,25 @@ class ShardedEmbeddings:
         return jax.jit(jax.shard_map(local, mesh=self.mesh, in_specs=(specs, self.ids_spec()),
                                      out_specs=(self.ids_spec(), P()), check_vma=False))
 
+    def prepare_ids(self, ids: dict) -> dict:
+        """Checks every table's ids: an integer dtype (TypeError), and host (numpy) ids of a
+        wide dtype narrowed to int32 by :func:`narrow_ids_host` (ValueError naming a bad id
+        under "error"); device arrays are narrowed inside the lookup."""
+        out = {}
+        for spec in self.plan.specs:
+            x = ids[spec.name]
+            check_id_dtype(spec.name, x)
+            if not isinstance(x, jax.Array) and _is_wide(x.dtype):
+                x = narrow_ids_host(spec.name, x, spec.vocab_size, spec.id_policy)
+            out[spec.name] = x
+        return out
+
     def lookup(self, state: dict, ids: dict[str, jax.Array]) -> dict:
-        """Pooled / unpooled embeddings; raises on overflow or bad ids (a host sync)."""
+        """Pooled / unpooled embeddings; raises on overflow or bad ids (a host sync), TypeError
+        for ids without an integer dtype."""
         if self._lookup is None:
             self._lookup = self.lookup_fn()
-        out, stats = self._lookup(state["tables"], ids)
+        ids = {n: (v if hasattr(v, "dtype") else np.asarray(v)) for n, v in ids.items()}
+        out, stats = self._lookup(state["tables"], self.prepare_ids(ids))
         check_stats(stats, self.capacity)
         return out

@@ -2,51 +2,66 @@
 
 After dedup a device holds one row per distinct key (``unique_emb [C, D]``) and each id's slot
 (``inverse``, -1 = padding). Pooling a bag is then an embedding bag over the unique rows:
-gather + segment-sum, the Pallas kernel's op. The XLA reference is the default; the Pallas
-kernel is opt-in (``PoolingBackend.PALLAS``) and falls back to XLA with a warning when it
-cannot run, unless forced (levanter's attention backend pattern).
+gather + segment-sum, the Pallas kernel's op. The XLA reference is the default. ``AUTO`` uses
+the kernel on GPU/TPU only where its forward and gradient build for these shapes (compiled
+alone first, verdict cached per shape, ``pallas_kernels.dispatch``), else XLA with one
+warning; ``PALLAS`` is the same off CPU and interpret mode on CPU; ``PALLAS_FORCED`` raises
+``KernelUnavailable`` where the kernel does not build (levanter's attention backend pattern).
 """
 
 from __future__ import annotations
 
 import enum
-import warnings
 
 import jax
 import jax.numpy as jnp
 
 from jaxflow.embeddings.spec import Pooling
+from pallas_kernels import dispatch
 from pallas_kernels.embedding_bag import embedding_bag, embedding_bag_reference
 
 
 class PoolingBackend(str, enum.Enum):
     XLA = "xla"
-    PALLAS = "pallas"  # interpret mode off GPU/TPU
-    PALLAS_FORCED = "pallas_forced"  # no fallback: errors propagate
+    AUTO = "auto"  # the kernel on GPU/TPU where it builds for these shapes, else XLA
+    PALLAS = "pallas"  # interpret mode on CPU; off CPU like auto
+    PALLAS_FORCED = "pallas_forced"  # no fallback: KernelUnavailable where it does not build
 
 
-def _try_pallas(unique_emb, inverse, mode, forced: bool):
-    interpret = jax.default_backend() == "cpu"
-    try:
-        return embedding_bag(unique_emb, inverse, mode=mode, interpret=interpret)
-    except Exception as e:  # noqa: BLE001 - fall back to XLA unless the user forced the kernel
-        if forced:
-            raise
-        warnings.warn(f"Pallas embedding_bag failed ({type(e).__name__}: {e}); using XLA reference")
-        return embedding_bag_reference(unique_emb, inverse, mode)
+def _kernel_builds(unique_emb, inverse, mode: str, dispatch_mode: str) -> bool:
+    """The dispatch verdict for the kernel's forward and table gradient at these shapes."""
+    def fwd_and_grad(table, ids):
+        return jax.grad(lambda t: jnp.sum(embedding_bag(t, ids, mode=mode)))(table)
+
+    return dispatch.choose_kernel("embedding_bag", dispatch_mode, fwd_and_grad,
+                                  (unique_emb, inverse), options=(mode,))
+
+
+def _pool_kernel_or_xla(unique_emb, inverse, mode, backend: PoolingBackend):
+    if backend is not PoolingBackend.AUTO and dispatch.backend_platform() == "cpu":
+        return embedding_bag(unique_emb, inverse, mode=mode, interpret=True)
+    dispatch_mode = "pallas" if backend is PoolingBackend.PALLAS_FORCED else "auto"
+    if _kernel_builds(unique_emb, inverse, mode, dispatch_mode):
+        return embedding_bag(unique_emb, inverse, mode=mode)
+    return embedding_bag_reference(unique_emb, inverse, mode)
 
 
 def pool_bags(unique_emb: jax.Array, inverse: jax.Array, pooling: str,
               backend: str = PoolingBackend.XLA.value) -> jax.Array:
     """unique_emb [C, D], inverse int32[b, L] -> [b, D] (sum / mean) or [b, L, D] (none).
 
-    Padding (-1) contributes zeros; a mean over an empty bag is zero.
+    Padding (-1) contributes zeros; a mean over an empty bag is zero. ``backend``: a
+    PoolingBackend value ("xla" default, "auto", "pallas", "pallas_forced").
     """
     if pooling == Pooling.NONE.value:
         valid = inverse >= 0
         rows = jnp.take(unique_emb, jnp.where(valid, inverse, 0), axis=0)
         return jnp.where(valid[..., None], rows, 0).astype(unique_emb.dtype)
-    backend = PoolingBackend(backend)
+    try:
+        backend = PoolingBackend(backend)
+    except ValueError:
+        raise ValueError(f"pooling backend {backend!r}; valid: "
+                         f"{', '.join(b.value for b in PoolingBackend)}") from None
     if backend == PoolingBackend.XLA:
         return embedding_bag_reference(unique_emb, inverse, pooling)
-    return _try_pallas(unique_emb, inverse, pooling, backend == PoolingBackend.PALLAS_FORCED)
+    return _pool_kernel_or_xla(unique_emb, inverse, pooling, backend)

@@ -8,7 +8,8 @@ monolithic model (buffer = encoder output) and the decoupled backbone (buffer = 
 
 Attention backend: ``AttentionBackend.XLA`` is the masked-einsum reference
 (``jaxflow.models.attention``) and the CPU default; ``PALLAS_GPU`` uses the upstream
-segment-id flash attention ``jax.experimental.pallas.ops.gpu.attention.mha``.
+segment-id flash attention ``jax.experimental.pallas.ops.gpu.attention.mha``; ``AUTO`` uses
+it on a GPU where it builds for the step's shapes (``pallas_kernels.dispatch``), else XLA.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +30,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules, shardings_from_logical
 from jaxflow.models.transformer import Transformer, logical_axes
 from jaxflow.train.lm_state import token_nll
+from pallas_kernels import dispatch
 
 ROW_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "embed_index")
 
 
 class AttentionBackend(enum.Enum):
+    AUTO = "auto"
     XLA = "xla"
     PALLAS_GPU = "pallas_gpu"
 
@@ -61,19 +65,43 @@ def segment_attention_pallas(q, k, v, segment_ids, *, interpret: bool = False):
 
 
 def resolve_backend(requested: str) -> AttentionBackend:
-    """"auto" -> PALLAS_GPU on a GPU, else the XLA reference; forcing pallas_gpu off a GPU
-    raises (the kernel is tested on CPU in interpret mode only)."""
-    if requested == "auto":
-        return AttentionBackend.PALLAS_GPU if jax.default_backend() == "gpu" else AttentionBackend.XLA
+    """"auto" -> AUTO (decided per shape in ``backbone_hidden``); forcing pallas_gpu off a
+    GPU raises (the kernel is tested on CPU in interpret mode only)."""
     try:
         backend = AttentionBackend(requested)
     except ValueError:
-        raise ValueError(f"attention backend {requested!r}; valid: auto, "
+        raise ValueError(f"attention backend {requested!r}; valid: "
                          f"{', '.join(b.value for b in AttentionBackend)}") from None
-    if backend is AttentionBackend.PALLAS_GPU and jax.default_backend() != "gpu":
+    platform = dispatch.backend_platform()
+    if backend is AttentionBackend.PALLAS_GPU and platform != "gpu":
         raise ValueError(f"attention backend 'pallas_gpu' was forced but the JAX backend is "
-                         f"{jax.default_backend()!r}; use 'xla' or 'auto'")
+                         f"{platform!r}; use 'xla' or 'auto'")
     return backend
+
+
+def attention_uses_kernel(lm: Transformer, x: jax.Array, segment_ids: jax.Array,
+                          backend: AttentionBackend) -> bool:
+    """Whether the segment flash kernel runs for activations x [B, T, d]: AUTO asks the
+    dispatch verdict on a GPU (forward and gradient built for these q/k/v shapes; XLA with
+    one warning where it does not build), PALLAS_GPU forces it (KernelUnavailable)."""
+    if backend is AttentionBackend.XLA:
+        return False
+    if backend is AttentionBackend.AUTO and dispatch.backend_platform() != "gpu":
+        return False
+    cfg = lm.config
+    b, t = x.shape[:2]
+    hd = cfg.d_model // cfg.n_heads
+    dtype = jnp.dtype(cfg.compute_dtype)
+    q = jax.ShapeDtypeStruct((b, t, cfg.n_heads, hd), dtype)
+    kv = jax.ShapeDtypeStruct((b, t, cfg.n_kv_heads, hd), dtype)
+
+    def fwd_and_grad(q, k, v, seg):
+        return jax.grad(lambda q, k, v: jnp.sum(segment_attention_pallas(q, k, v, seg)),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    mode = "auto" if backend is AttentionBackend.AUTO else "pallas"
+    return dispatch.choose_kernel("segment_attention_mha", mode, fwd_and_grad,
+                                  (q, kv, kv, jax.ShapeDtypeStruct(segment_ids.shape, jnp.int32)))
 
 
 def backbone_hidden(lm: Transformer, x: jax.Array, positions: jax.Array,
@@ -82,9 +110,14 @@ def backbone_hidden(lm: Transformer, x: jax.Array, positions: jax.Array,
     """The LM's blocks + final norm on input EMBEDDINGS x [B, T, d] -> [B, T, d].
 
     The XLA backend is ``Transformer.hidden_states(inputs_embeds=x)`` itself; the Pallas
-    backend runs the same blocks with the segment flash kernel in place of masked attention.
+    backend runs the same blocks with the segment flash kernel in place of masked attention
+    (``interpret=True`` runs it on any platform without the build check); AUTO picks one
+    per shape (``attention_uses_kernel``).
     """
-    if backend is AttentionBackend.XLA:
+    use_kernel = interpret and backend is AttentionBackend.PALLAS_GPU
+    if not use_kernel:
+        use_kernel = attention_uses_kernel(lm, x, segment_ids, backend)
+    if not use_kernel:
         return lm.hidden_states(inputs_embeds=x, positions=positions, segment_ids=segment_ids)
     x = x.astype(lm.config.compute_dtype)
     for block in lm.layers:

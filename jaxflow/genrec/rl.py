@@ -17,8 +17,10 @@ reward of an instruction-following miss ((match + novelty) / total = 0.29) and b
 so only hits get positive advantages, while samples that ignore the instruction are pushed
 down hardest.
 
-The policy loss is :func:`jaxflow.genrec.sa_gcpo.sa_gcpo_loss`, called from one place
-(``_policy_loss``) with ``policy_loss``'s argument layout.
+Advantages and loss are the project's SA-GCPO: :func:`jaxflow.rl.advantages.sa_gcpo_advantages`
+(group-normalised, positives zeroed below the target reward) and
+:func:`jaxflow.rl.policy_loss.policy_loss` with ``algo="sa_gcpo"`` (the SAPO soft gate, mean
+over sequences of the token mean).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from flax import nnx
 
 from jaxflow.genrec import beam as beam_lib
 from jaxflow.genrec.data.requests import RecData, Requests
-from jaxflow.genrec.sa_gcpo import sa_gcpo_advantages, sa_gcpo_loss
 from jaxflow.genrec.train import ENCODER_KEYS, data_mesh, model_inputs, replicate, shard_batch
 from jaxflow.genrec.trie import Trie
+from jaxflow.rl.advantages import sa_gcpo_advantages
+from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +95,9 @@ def unified_reward(items, requests: Requests, data: RecData, config: RLConfig) -
 
 
 def _policy_loss(logp, old_logp, advantages, mask, config: RLConfig):
-    # The one call site of the SA-GCPO loss (``policy_loss``'s argument layout).
-    return sa_gcpo_loss(logp, old_logp, advantages, mask, tau_pos=config.tau_pos,
-                        tau_neg=config.tau_neg)
+    loss_config = PolicyLossConfig(algo="sa_gcpo", gate_tau_pos=config.tau_pos,
+                                   gate_tau_neg=config.tau_neg)
+    return policy_loss(logp, old_logp, advantages, mask, config=loss_config)
 
 
 def make_rl_fns(graphdef, tx, config: RLConfig):
@@ -157,7 +160,9 @@ def rl_stage(graphdef, params, trie: Trie, data: RecData, codes: np.ndarray, con
         key, sub = jax.random.split(key)
         items, sampled, old_logp = sample(params, trie, sub, *(batch[k] for k in ENCODER_KEYS))
         rewards = unified_reward(np.asarray(items), reqs, data, config)
-        adv = sa_gcpo_advantages(jnp.asarray(rewards), jnp.full((len(idx),), target))
+        flat = jnp.asarray(rewards.reshape(-1))
+        adv = sa_gcpo_advantages(flat, jnp.full(flat.shape, target, flat.dtype),
+                                 config.group_size).reshape(rewards.shape)
         valid = np.asarray(items) >= 0  # fewer items than the group: empty beams do not count
         batch = {**batch, **shard_batch({"codes": np.asarray(sampled),
                                          "old_logp": np.asarray(old_logp),

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow.experiment import RunContext
+from jaxflow.experiment import MissingExtraError, RunContext
 from jaxflow.prune.masks import parse_sparsity
 from jaxflow.prune.sparsegpt import hessian_from_inputs, reconstruction_error, sparsegpt_prune
 
@@ -36,8 +36,8 @@ INSTALL_HINT = ("bench_sparsegpt compares against llmcompressor's SparseGPT, an 
                 "pip install -e '.[bench]'  (torch==2.13.0, llmcompressor==0.14.*)")
 
 
-class ReferenceUnavailable(RuntimeError):
-    pass
+class ReferenceUnavailable(MissingExtraError):
+    """The optional ``bench`` extra is missing (the message has the install command)."""
 
 
 def load_reference():

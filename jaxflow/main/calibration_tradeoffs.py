@@ -9,6 +9,7 @@ capability's retention (the paper: +0.71 General, -0.53 Math, -0.59 Code).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -60,8 +61,15 @@ def _split_rows(batch: dict, rows: int) -> list[dict]:
 
 def main(config, run: RunContext) -> dict:
     mesh = config.mesh.make()
+    hf = None
+    if config.model.hf_path:  # --set model.hf_path=DIR: prune a local HF checkpoint instead
+        from jaxflow.models.pretrained import load_policy
+
+        hf = load_policy(config.model.hf_path, mesh)
+        config = dataclasses.replace(config, model=hf[0])
+        run.info(f"dense model from {config.model.hf_path}: {hf[0].architecture}")
     fns = lm_functions(config.model, mesh)
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer() if hf is None else hf[2]
     if config.model.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size={config.model.vocab_size} < tokenizer's {tokenizer.vocab_size}")
     world = make_world(config.world_seed, math_digits=config.math_digits)
@@ -75,7 +83,11 @@ def main(config, run: RunContext) -> dict:
                            log=lambda step, row: run.log(step, {"phase": "dense", **row}))
 
     t0 = time.time()
-    dense_params, cache = load_or_train_dense(fns, recipe, config.cache_root, train=train, info=run.info)
+    if hf is None:
+        dense_params, cache = load_or_train_dense(fns, recipe, config.cache_root, train=train,
+                                                  info=run.info)
+    else:
+        dense_params, cache = hf[1], hf[0].hf_path
     evaluator = CapabilityEvaluator(fns, tokenizer, world, n=config.eval_examples)
     dense_scores = evaluator(dense_params)
     run.info(f"dense scores {dense_scores} ({time.time() - t0:.0f}s incl. training/loading)")

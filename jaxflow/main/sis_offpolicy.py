@@ -89,9 +89,10 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
              initial_accuracy: tuple[float, float], kill_at: int) -> dict:
     """One RL run; returns its record for cells.jsonl."""
     sched = config.train
-    rl = dataclasses.replace(config.rl, algo=cell.algo, correction=cell.correction,
-                             mismatch=cell.mismatch, lag=cell.lag, staleness=cell.staleness)
-    trainer = GRPOTrainer(config.pretrain.model, rl, config.optim, _task(config), CharTokenizer(),
+    loss = dataclasses.replace(config.rl.loss, algo=cell.algo, correction=cell.correction)
+    rl = dataclasses.replace(config.rl, loss=loss, mismatch=cell.mismatch, lag=cell.lag,
+                             staleness=cell.staleness)
+    trainer = GRPOTrainer(config.pretrain.model, rl, config.optim, _task(config), _tokenizer(config),
                           meshes, seed=config.seed * 1000 + cell.seed,
                           total_rollouts=sched.rollouts, sync=config.sync)
     state = trainer.init_state(warm_params)
@@ -129,6 +130,7 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
         if ckpt.save(done, state, force=done == sched.rollouts) and base + done == kill_at:
             ckpt.wait()
             os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.stop_if_requested(done, state)  # SIGINT / SIGTERM: checkpoint this rollout, stop
     ckpt.close()
 
     def mean_of(key, rows):
@@ -245,10 +247,19 @@ def _task(config) -> AdditionRLTask:
                           heldout_mod=config.pretrain.data.heldout_mod)
 
 
+def _tokenizer(config):
+    """The checkpoint's tokenizer.json with ``model.hf_path``, else the character tokenizer."""
+    if config.model.hf_path:
+        from jaxflow.models.tokenizer_hf import HFTokenizer
+
+        return HFTokenizer.from_pretrained(config.model.hf_path)
+    return CharTokenizer()
+
+
 def warm_start_accuracy(config, meshes, params) -> tuple[float, float]:
     """(sampled pass@1, greedy) held-out accuracy of ``params``: the curves' point 0."""
     worker = RolloutWorker(config.pretrain.model, meshes["rollout"], config.rl.rollout_spec,
-                           _task(config), CharTokenizer())
+                           _task(config), _tokenizer(config))
     params = publish_weights(params, worker.param_shardings)
     n = config.train.eval_examples
     return (worker.heldout_accuracy(params, n, samples=config.train.eval_samples),
@@ -258,9 +269,18 @@ def warm_start_accuracy(config, meshes, params) -> tuple[float, float]:
 def main(config, run: RunContext) -> dict:
     meshes, roles = trainer_rollout_meshes(config.roles)
     run.info(f"roles: {roles}")
-    fns = lm_functions(config.pretrain.model, meshes["trainer"])
-    warm_params, pre_summary = load_pretrained_params(config.pretrain, config.cache_root, fns,
-                                                      log=run.info)
+    if config.model.hf_path:  # a local HF checkpoint replaces the lm_pretrain warm start
+        from jaxflow.models.pretrained import load_policy
+
+        model_cfg, warm_params, _ = load_policy(config.model.hf_path, meshes["trainer"])
+        config = dataclasses.replace(config, pretrain=dataclasses.replace(config.pretrain,
+                                                                          model=model_cfg))
+        pre_summary = {"hf_path": config.model.hf_path}
+        run.info(f"policy from {config.model.hf_path}: {model_cfg.architecture}")
+    else:
+        fns = lm_functions(config.pretrain.model, meshes["trainer"])
+        warm_params, pre_summary = load_pretrained_params(config.pretrain, config.cache_root,
+                                                          fns, log=run.info)
     cells = grid_cells(config.grid)
     done = _load_done(run)
     kill_at = int(os.environ.get(FAULT_ENV, "-1"))

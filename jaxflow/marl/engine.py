@@ -1,8 +1,7 @@
 """Rollout engine: per-row-keyed KV-cache sampling that stops decoding finished sequences.
 
 The foundation sampler (:func:`jaxflow.models.make_sampler`) decodes every row for all
-``max_new_tokens`` steps and draws a whole batch from one key per step, so a row's sample
-depends on the batch it sits in. This engine instead
+``max_new_tokens`` steps in one scan. This engine
 
 * gives every row its own key (``fold_in(row_key, t)`` at step t; the draw is a per-row
   ``categorical``), so a row's sample is a function of (params, prompt, row key) only;
@@ -15,7 +14,8 @@ depends on the batch it sits in. This engine instead
 the reference the compacted decode is tested against (same tokens, log-probs and mask for the
 same keys) and the count :attr:`EngineStats.padded_row_steps` is measured against.
 
-Prefill is the same as the foundation sampler's (one ``decode`` over the right-padded prompt).
+Prefill and decode steps are the foundation sampler's (:func:`jaxflow.models.sampler.make_decoder`
+with ``per_row_keys``); this engine adds the chunking, compaction and host bookkeeping.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.tokenizer import CharTokenizer
-from jaxflow.models.sampler import SamplingConfig, mask_finished, sampling_log_probs
+from jaxflow.models.sampler import SamplingConfig, make_decoder
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.rollout import RolloutBatch, batch_sharding
 from jaxflow.rl.tasks import Task, encode_prompts, score_completions
@@ -78,57 +78,22 @@ def row_keys(key: jax.Array, n: int) -> jax.Array:
     return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(n, dtype=jnp.uint32))
 
 
-def _draw(logits, keys, t, config: SamplingConfig):
-    """Per-row draw at step t: (token [B] int32, logprob [B] f32)."""
-    logp = sampling_log_probs(logits, config)
-    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
-    token = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(step_keys, logp)
-    token = token.astype(jnp.int32)
-    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-
-
-def _emit(logits, done, keys, t, config: SamplingConfig):
-    token, logprob = _draw(logits, keys, t, config)
-    return mask_finished(token, logprob, done, config)
-
-
 @functools.lru_cache(maxsize=32)
 def _functions(graphdef, config: SamplingConfig):
-    from flax import nnx
-
-    n_new = config.max_new_tokens
+    """Jitted prefill / chunked decode (the foundation sampler's, per-row keys) and a row
+    gather for compaction."""
+    dec = make_decoder(graphdef, config, per_row_keys=True)
 
     def prefill(state, prompts, lengths, keys):
-        model = nnx.merge(graphdef, state)
-        b, p = prompts.shape
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        cache = model.init_cache(b, p + n_new)
-        logits, cache = model.decode(prompts, cache, positions=positions,
-                                     valid=positions < lengths[:, None])
-        last = jnp.clip(lengths - 1, 0, p - 1)
-        last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-        token, logprob, live, done = _emit(last_logits, jnp.zeros((b,), bool), keys, 0, config)
-        return cache, token, logprob, live, done
+        return dec.prefill(state, prompts, lengths, keys)
 
-    def decode(state, cache, token, live, done, lengths, keys, t0, n_steps):
-        model = nnx.merge(graphdef, state)
-
-        def step(carry, t):
-            cache, token, live, done = carry
-            logits, cache = model.decode(token[:, None], cache,
-                                         positions=(lengths + t - 1)[:, None],
-                                         valid=live[:, None])
-            token, logprob, live, done = _emit(logits[:, 0], done, keys, t, config)
-            return (cache, token, live, done), (token, logprob, live)
-
-        carry, out = jax.lax.scan(step, (cache, token, live, done),
-                                  t0 + jnp.arange(n_steps, dtype=jnp.int32))
-        return carry, out
+    def decode(state, carry, lengths, keys, t0, n_steps):
+        return dec.decode(state, carry, lengths, keys, None, t0, n_steps)
 
     def gather(tree, idx):
         return jax.tree.map(lambda x: x[idx], tree)
 
-    return (jax.jit(prefill), jax.jit(decode, static_argnums=8), jax.jit(gather))
+    return jax.jit(prefill), jax.jit(decode, static_argnums=5), jax.jit(gather)
 
 
 class RolloutEngine:
@@ -185,14 +150,15 @@ class RolloutEngine:
         state = self._state(params)
         lengths = self._put(np.asarray(lengths, np.int32))
         keys = jax.device_put(keys, NamedSharding(self.mesh, PartitionSpec()))
-        cache, token, logp, live, done = self._prefill(state, self._put(prompts), lengths, keys)
+        carry, (token, logp, live) = self._prefill(state, self._put(prompts), lengths, keys)
         tokens = np.full((b, n), cfg.pad_id, np.int32)
         logps = np.zeros((b, n), np.float32)
         mask = np.zeros((b, n), np.float32)
-        tokens[:, 0], logps[:, 0], mask[:, 0], done_h = jax.device_get((token, logp, live, done))
+        tokens[:, 0], logps[:, 0], mask[:, 0], done_h = jax.device_get(
+            (token, logp, live, carry.done))
         stats = EngineStats(padded_row_steps=b * (n - 1), calls=1)
         slots = np.arange(b)  # original row of each batch slot; -1: padding
-        carry, t = (cache, token, live, done), 1
+        t = 1
         while t < n:
             if compact:  # done_h: the done flags fetched with the last outputs (one sync)
                 active = np.nonzero(~done_h & (slots >= 0))[0]
@@ -202,14 +168,13 @@ class RolloutEngine:
                 if size < len(slots):
                     idx = np.concatenate([active, np.full(size - active.size, active[0])])
                     pad = np.arange(size) >= active.size
-                    cache, token, live, done = self._gather(carry, self._put(idx))
-                    done = done | self._put(pad)  # padding slots never emit
-                    carry = (cache, token, live, done)
+                    carry = self._gather(carry, self._put(idx))
+                    carry = carry._replace(done=carry.done | self._put(pad))  # padding never emits
                     lengths, keys = self._gather((lengths, keys), self._put(idx))
                     slots = np.where(pad, -1, slots[idx])
             steps = min(chunk, n - t)
-            carry, out = self._decode(state, *carry, lengths, keys, jnp.int32(t), steps)
-            (tok, lp, lv), done_h = jax.device_get((out, carry[3]))  # [steps, slots]
+            carry, out = self._decode(state, carry, lengths, keys, jnp.int32(t), steps)
+            (tok, lp, lv), done_h = jax.device_get((out, carry.done))  # [steps, slots]
             real = slots >= 0
             rows = slots[real]
             tokens[rows, t:t + steps] = tok[:, real].T
@@ -232,15 +197,15 @@ class RolloutEngine:
         keys = jax.device_put(row_keys(jax.random.key(0), batch),
                               NamedSharding(self.mesh, PartitionSpec()))
         state = self._state(params)
-        cache, token, logp, live, done = self._prefill(state, self._put(prompts), lengths, keys)
+        carry, _ = self._prefill(state, self._put(prompts), lengths, keys)
         sizes = sorted({bucket(m, batch) for m in range(1, batch + 1)})
         for size in sizes:
             idx = self._put(np.arange(size) % batch)
-            carry = self._gather((cache, token, live, done), idx)
-            carry = carry[:3] + (carry[3] | self._put(np.zeros(size, bool)),)
+            part = self._gather(carry, idx)
+            part = part._replace(done=part.done | self._put(np.zeros(size, bool)))
             lk = self._gather((lengths, keys), idx)
             for k in steps:
-                jax.block_until_ready(self._decode(state, *carry, *lk, jnp.int32(1), k))
+                jax.block_until_ready(self._decode(state, part, *lk, jnp.int32(1), k))
         return len(sizes)
 
     def generate(self, params: Any, prompt_texts: Sequence[str], keys: jax.Array | Sequence,

@@ -11,19 +11,42 @@ file per row when the store is on disk). Life of a row::
 the consumer's own state (e.g. its gradient accumulator), so a consumer stopped between
 ``take`` and ``commit`` re-takes the same rows after :meth:`ExperienceStore.open`, and a row is
 never counted twice. Thread-safe; :meth:`wait_ready` blocks (with a timeout) for producers.
+
+On disk (``path``): ``rows/<agent>.<key>.npz`` per row (written to a temporary name, then
+renamed), consumer states ``consumer.<agent>.<n>.npz`` (the previous one removed once the new
+one is committed), and ``log.jsonl``, an append-only index: a header line, then one line per
+``put`` and per ``commit`` (fsynced), so a put writes O(1) bytes however many rows the store
+holds, and a crash mid-append loses only that unfinished line. One writer per store: the
+``store.lock`` file is locked (``flock``) while a store object is open; a second open fails
+with :class:`StoreLockedError` naming the holder. :meth:`open` rejects unknown records and
+statuses, names damaged files; a damaged row file is reported (``damaged``) and its row left
+out, so the producer can put it again, while the rest stays usable.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import threading
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
 
 STATUSES = ("ready", "leased", "consumed")
+#: Statuses a log record may carry ("leased" is never persisted: a reopen makes it "ready").
+LOGGED_STATUSES = {"put": "ready", "commit": "consumed"}
+FORMAT = "jaxflow.experience/1"
+
+
+class StoreError(RuntimeError):
+    """The store on disk is damaged or not a store; the message names the file."""
+
+
+class StoreLockedError(StoreError):
+    """Another writer holds the store's lock."""
 
 
 class SampleId(NamedTuple):
@@ -51,7 +74,8 @@ class ExperienceStore:
       path: directory for durability (None: in memory only).
     """
 
-    def __init__(self, agents: tuple[str, ...] | list[str], path: str | None = None):
+    def __init__(self, agents: tuple[str, ...] | list[str], path: str | None = None, *,
+                 _reopen: bool = False):
         self.agents = tuple(agents)
         self.path = path
         self._tables: dict[str, dict[SampleId, Row]] = {a: {} for a in self.agents}
@@ -59,8 +83,35 @@ class ExperienceStore:
         self._commit_seq = 0
         self._state_files: dict[str, str] = {}
         self._cond = threading.Condition()
+        self._lock_fd: int | None = None
+        self._log = None
+        #: (agent, sample id) -> why its row file could not be read (found by :meth:`open`).
+        self.damaged: dict[tuple[str, SampleId], str] = {}
         if path is not None:
+            if not _reopen and (os.path.exists(self._log_path())
+                                or os.path.exists(os.path.join(path, "meta.json"))):
+                raise StoreError(f"{path} already holds an experience store; reopen it with "
+                                 "ExperienceStore.open(path) or pick another directory")
             os.makedirs(os.path.join(path, "rows"), exist_ok=True)
+            self._acquire_lock()
+            if not _reopen:
+                self._append({"format": FORMAT, "agents": list(self.agents)})
+
+    def close(self) -> None:
+        """Closes the index and releases the writer lock (also on ``with`` exit)."""
+        with self._cond:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
+
+    def __enter__(self) -> "ExperienceStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- producer ------------------------------------------------------------------------
 
@@ -74,9 +125,12 @@ class ExperienceStore:
             if sample_id in table:
                 raise ValueError(f"agent {agent!r}: sample {sample_id} already stored")
             if self.path is not None:
-                np.savez(self._row_file(agent, sample_id), **payload)
+                self._check_open()
+                _save_npz(self._row_file(agent, sample_id), payload)
+                self._append({"op": "put", "agent": agent, "key": sample_id.key(),
+                              "version": int(version), "status": "ready"})
+            self.damaged.pop((agent, sample_id), None)
             table[sample_id] = Row(sample_id, int(version), "ready", payload)
-            self._persist()
             self._cond.notify_all()
 
     # -- consumer ------------------------------------------------------------------------
@@ -126,12 +180,14 @@ class ExperienceStore:
                 if row is None or row.status != "leased":
                     raise ValueError(f"agent {agent!r}: cannot commit {s}: status "
                                      f"{None if row is None else row.status!r}, need 'leased'")
+            state = None if consumer_state is None else {k: np.asarray(v)
+                                                           for k, v in consumer_state.items()}
+            if self.path is not None:
+                self._persist_commit(agent, [SampleId(*s) for s in sample_ids], state)
             for s in sample_ids:
                 table[SampleId(*s)].status = "consumed"
-            if consumer_state is not None:
-                self._consumer_state[agent] = {k: np.asarray(v)
-                                               for k, v in consumer_state.items()}
-            self._persist(state_agent=agent if consumer_state is not None else None)
+            if state is not None:
+                self._consumer_state[agent] = state
             self._cond.notify_all()
 
     def release(self, agent: str, sample_ids: list[SampleId]) -> None:
@@ -166,24 +222,98 @@ class ExperienceStore:
 
     @classmethod
     def open(cls, path: str) -> "ExperienceStore":
-        """Reopens a persisted store; rows leased by a stopped consumer are "ready" again."""
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-        store = cls(meta["agents"], path)
-        store._commit_seq = meta["commit_seq"]
-        for agent, rows in meta["tables"].items():
-            for key, version, status in rows:
-                sid = SampleId(*map(int, key.split("-")))
-                with np.load(store._row_file(agent, sid)) as z:
-                    payload = {k: z[k] for k in z.files}
-                store._tables[agent][sid] = Row(sid, version,
-                                                "ready" if status == "leased" else status,
-                                                payload)
-        store._state_files = dict(meta["consumer_state"])
-        for agent, name in meta["consumer_state"].items():
-            with np.load(os.path.join(path, name)) as z:
-                store._consumer_state[agent] = {k: z[k] for k in z.files}
+        """Reopens a persisted store; rows leased by a stopped consumer are "ready" again.
+
+        Raises:
+          StoreLockedError: another store object (this process or another) has it open.
+          StoreError: no index, an unknown record or status, a damaged consumer-state file
+            (each named). A damaged row file is not an error: see ``damaged``.
+        """
+        log_path = os.path.join(path, "log.jsonl")
+        if not os.path.exists(log_path) and os.path.exists(os.path.join(path, "meta.json")):
+            raise StoreError(f"{path} holds a store in the older meta.json format, which this "
+                             f"version does not read; valid: a store with {log_path}")
+        if not os.path.exists(log_path):
+            raise StoreError(f"{log_path} does not exist: {path!r} is not an experience store "
+                             "(create one with ExperienceStore(agents, path))")
+        with open(log_path, "rb") as f:
+            data = f.read()
+        lines = data.split(b"\n")
+        torn = lines.pop()  # after the last newline: b"" unless a crash cut an append short
+        records = []
+        for number, raw in enumerate(lines, 1):
+            try:
+                records.append(json.loads(raw))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise StoreError(f"{log_path} line {number} is damaged ({e}); the store cannot "
+                                 "be reopened safely") from None
+        if not records or not isinstance(records[0], dict) or records[0].get("format") != FORMAT:
+            raise StoreError(f"{log_path}: the first line is not a {FORMAT} header")
+        store = cls(records[0]["agents"], path, _reopen=True)
+        try:
+            store._replay(records[1:], log_path)
+        except BaseException:
+            store.close()
+            raise
+        store._remove_stray_files()
+        if torn:  # the unfinished append of a stopped writer: it never took effect
+            warnings.warn(f"{log_path}: dropped an incomplete last record ({len(torn)} bytes)")
+            with open(log_path, "r+b") as f:
+                f.truncate(len(data) - len(torn))
+        for (agent, sid), reason in store.damaged.items():
+            warnings.warn(f"experience store {path}: row file {store._row_file(agent, sid)} is "
+                          f"damaged ({reason}); row {agent}/{sid.key()} left out, put it again")
         return store
+
+    def _replay(self, records: list, log_path: str) -> None:
+        last_state: dict[str, str] = {}
+        for number, rec in enumerate(records, 2):
+            op = rec.get("op") if isinstance(rec, dict) else None
+            if op not in LOGGED_STATUSES:
+                raise StoreError(f"{log_path} line {number}: unknown record {rec!r}; valid ops: "
+                                 f"{', '.join(LOGGED_STATUSES)}")
+            status = rec.get("status")
+            if status != LOGGED_STATUSES[op]:
+                raise StoreError(f"{log_path} line {number}: unknown status {status!r} for "
+                                 f"{op!r}; valid: {LOGGED_STATUSES[op]!r} (statuses: "
+                                 f"{', '.join(STATUSES)})")
+            agent = rec.get("agent")
+            if agent not in self._tables:
+                raise StoreError(f"{log_path} line {number}: unknown agent {agent!r}; tables: "
+                                 f"{', '.join(self.agents)}")
+            table = self._tables[agent]
+            if op == "put":
+                sid = _parse_key(rec["key"], log_path, number)
+                table[sid] = Row(sid, int(rec["version"]), "ready", None)
+                continue
+            for key in rec["keys"]:
+                sid = _parse_key(key, log_path, number)
+                if sid not in table:
+                    raise StoreError(f"{log_path} line {number}: commit of {agent}/{key}, "
+                                     "which was never put")
+                table[sid].status = "consumed"
+            if rec.get("state") is not None:
+                last_state[agent] = rec["state"]
+            self._commit_seq = max(self._commit_seq, int(rec.get("seq", 0)))
+        for agent, table in self._tables.items():
+            for sid, row in list(table.items()):
+                try:
+                    row.payload = _load_npz(self._row_file(agent, sid))
+                except (OSError, ValueError, EOFError) as e:  # missing, truncated, not a zip
+                    self.damaged[(agent, sid)] = f"{type(e).__name__}: {e}"
+                    if row.status == "consumed":
+                        row.payload = {}  # its experience is in the committed consumer state
+                    else:
+                        del table[sid]
+        self._state_files = dict(last_state)
+        for agent, name in last_state.items():
+            file = os.path.join(self.path, name)
+            try:
+                self._consumer_state[agent] = _load_npz(file)
+            except (OSError, ValueError, EOFError) as e:
+                raise StoreError(f"consumer state {file} of agent {agent!r} is unreadable "
+                                 f"({type(e).__name__}: {e}); the rows it covers are committed, "
+                                 "so this consumer cannot resume exactly once") from None
 
     def _table(self, agent: str) -> dict[SampleId, Row]:
         if agent not in self._tables:
@@ -193,22 +323,88 @@ class ExperienceStore:
     def _row_file(self, agent: str, sample_id: SampleId) -> str:
         return os.path.join(self.path, "rows", f"{agent}.{sample_id.key()}.npz")
 
-    def _persist(self, state_agent: str | None = None) -> None:
-        """meta.json written to a temp file then renamed (atomic); a new consumer state goes to
-        a fresh file first, so meta.json only ever names complete files."""
-        if self.path is None:
-            return
+    def _remove_stray_files(self) -> None:
+        """Consumer states no commit line names (superseded, or written by a commit that never
+        reached the log) and temporary files of interrupted writes."""
+        keep = set(self._state_files.values())
+        for folder in (self.path, os.path.join(self.path, "rows")):
+            for name in os.listdir(folder):
+                stray_state = folder == self.path and name.startswith("consumer.") and name not in keep
+                if stray_state or name.endswith(".tmp.npz"):
+                    os.remove(os.path.join(folder, name))
+
+    def _log_path(self) -> str:
+        return os.path.join(self.path, "log.jsonl")
+
+    def _acquire_lock(self) -> None:
+        lock = os.path.join(self.path, "store.lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreLockedError(f"experience store {self.path} is open by another writer "
+                                   f"(pid {holder}); close that store first (one writer per "
+                                   "store)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    def _check_open(self) -> None:
+        if self._lock_fd is None:
+            raise StoreError(f"experience store {self.path} is closed")
+
+    def _append(self, record: dict) -> None:
+        """One index line, flushed and fsynced before the caller's change is visible."""
+        if self._log is None:
+            self._log = open(self._log_path(), "ab")
+        self._log.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+        self._log.flush()
+        os.fsync(self._log.fileno())
+
+    def _persist_commit(self, agent: str, sample_ids: list[SampleId],
+                        state: dict[str, np.ndarray] | None) -> None:
+        """A new consumer state goes to a fresh file first, then the commit line names it (the
+        commit point), then the previous state file is removed."""
+        self._check_open()
         self._commit_seq += 1
-        if state_agent is not None:
-            name = f"consumer.{state_agent}.{self._commit_seq}.npz"
-            np.savez(os.path.join(self.path, name), **self._consumer_state[state_agent])
-            self._state_files[state_agent] = name
-        files = self._state_files
-        meta = {"agents": list(self.agents), "commit_seq": self._commit_seq,
-                "tables": {a: [[r.sample_id.key(), r.version, r.status] for r in t.values()]
-                           for a, t in self._tables.items()},
-                "consumer_state": {a: files[a] for a in files}}
-        tmp = os.path.join(self.path, "meta.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f)
-        os.replace(tmp, os.path.join(self.path, "meta.json"))
+        name = None
+        if state is not None:
+            name = f"consumer.{agent}.{self._commit_seq}.npz"
+            _save_npz(os.path.join(self.path, name), state)
+        self._append({"op": "commit", "agent": agent, "keys": [s.key() for s in sample_ids],
+                      "status": "consumed", "state": name, "seq": self._commit_seq})
+        if name is not None:
+            old = self._state_files.get(agent)
+            self._state_files[agent] = name
+            if old is not None and old != name:
+                try:
+                    os.remove(os.path.join(self.path, old))
+                except FileNotFoundError:
+                    pass
+
+
+def _parse_key(key: str, log_path: str, number: int) -> SampleId:
+    try:
+        return SampleId(*map(int, key.split("-")))
+    except (TypeError, ValueError, AttributeError):
+        raise StoreError(f"{log_path} line {number}: bad sample key {key!r}; valid: "
+                         "'input-turn-trajectory'") from None
+
+
+def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Written under a temporary name, then renamed: a reader never sees half a file."""
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def _load_npz(path: str) -> dict[str, np.ndarray]:
+    import zipfile
+
+    try:
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+    except zipfile.BadZipFile as e:
+        raise ValueError(f"not a valid .npz ({e})") from None

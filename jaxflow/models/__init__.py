@@ -1,5 +1,10 @@
-"""Decoder-only LM (flax nnx) and its jitted KV-cache sampler."""
+"""Decoder-only LM (flax nnx), its jitted KV-cache sampler, and Hugging Face checkpoints in
+and out (Llama-3, Qwen3, Qwen3-MoE)."""
+from jaxflow.models.architectures import CheckpointError, config_from_hf, hf_config_from
+from jaxflow.models.hf_checkpoint import from_pretrained, load_hf_params, save_pretrained
 from jaxflow.models.kv_cache import KVCache
+from jaxflow.models.rope import RopeScaling
+from jaxflow.models.tokenizer_hf import HFTokenizer
 from jaxflow.models.sampler import SampleOutput, SamplingConfig, make_sampler, sample
 from jaxflow.models.transformer import (
     PRESETS,
@@ -10,6 +15,14 @@ from jaxflow.models.transformer import (
 )
 
 __all__ = [
+    "CheckpointError",
+    "HFTokenizer",
+    "RopeScaling",
+    "config_from_hf",
+    "from_pretrained",
+    "hf_config_from",
+    "load_hf_params",
+    "save_pretrained",
     "KVCache",
     "PRESETS",
     "SampleOutput",

@@ -13,20 +13,25 @@ import jax.numpy as jnp
 _MASK_VALUE = -1e30
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float,
+               inv_freq: jax.Array | None = None) -> jax.Array:
     """Rotates feature pairs (rotate-half convention) by position-dependent angles.
 
     Args:
       x: [B, T, H, D] queries or keys, D even.
       positions: [B, T] integer positions.
       theta: RoPE base frequency.
+      inv_freq: optional [D/2] inverse frequencies overriding ``theta`` (e.g. Llama-3's
+        scaled ones, :func:`jaxflow.models.rope.rope_inv_freq`).
 
     Returns:
       [B, T, H, D] in x.dtype; the rotation itself is computed in float32.
     """
     head_dim = x.shape[-1]
     half = head_dim // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     sin = jnp.sin(angles)[:, :, None, :]
     cos = jnp.cos(angles)[:, :, None, :]

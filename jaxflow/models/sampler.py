@@ -3,13 +3,17 @@
 Functional form first: ``make_sampler(graphdef, config)`` returns a jitted
 ``fn(params_state, prompts, prompt_lengths, key) -> SampleOutput`` so that a trainer can
 call it with a parameter pytree published from another sub-mesh; ``sample`` is the
-notebook convenience wrapper around a live model.
+notebook convenience wrapper around a live model. Options: per-row PRNG keys (a row's sample
+is a function of its own key only) and a :class:`LogitsHook` applied to the logits before
+sampling (a temperature schedule, a repetition penalty). ``make_decoder`` exposes the prefill
+and the chunked decode separately for callers that compact rows between chunks (the MARL
+rollout engine).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -100,19 +104,88 @@ def sampling_log_probs(logits: jax.Array, config: SamplingConfig) -> jax.Array:
     return jax.nn.log_softmax(logits, axis=-1)
 
 
-def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig, logit_noise_std: float = 0.0):
+@dataclasses.dataclass(frozen=True)
+class LogitsHook:
+    """A function applied to each step's logits before sampling, with an optional state
+    carried through the decode (e.g. a repetition penalty's seen-token set, a temperature
+    schedule indexed by the step).
+
+    Attributes:
+      apply: ``(logits [B, V], state, step int32 [], args) -> logits [B, V]``; ``step`` is the
+        index of the token being drawn (0 .. max_new_tokens - 1); ``args`` is the pytree passed
+        to the sampler call (traced, so new values do not recompile).
+      init: ``(prompts [B, P] int32, prompt_valid [B, P] bool, vocab_size, args) -> state``;
+        None: the state is None.
+      update: ``(state, token [B] int32, args) -> state`` after every drawn token (pad_id for
+        finished rows); None: the state is unchanged.
+    """
+
+    apply: Callable
+    init: Callable | None = None
+    update: Callable | None = None
+
+
+class DecodeCarry(NamedTuple):
+    """What one decode step hands the next: the KV cache, each row's last token [B] int32,
+    whether that token is real (live [B] bool), whether the row has finished (done [B] bool)
+    and the logits hook's state."""
+
+    cache: Any
+    token: jax.Array
+    live: jax.Array
+    done: jax.Array
+    hook_state: Any
+
+
+class Decoder(NamedTuple):
+    """The sampler's two halves (plain functions; callers jit them):
+
+    prefill(params_state, prompts [B, P], prompt_lengths [B], key, hook_args)
+        -> (DecodeCarry, (token [B], logprob [B], live [B]))   draws token 0.
+    decode(params_state, carry, prompt_lengths [B], key, hook_args, t0, n_steps)
+        -> (DecodeCarry, (tokens [n, B], logprobs [n, B], live [n, B]))   draws tokens
+        t0 .. t0 + n_steps - 1 (``n_steps`` static).
+
+    ``key``: one PRNG key (step t uses ``split(key, max_new_tokens)[t]`` for the whole batch)
+    or, with ``per_row_keys``, keys [B] (row b's step t uses ``fold_in(key[b], t)``, so a row's
+    sample does not depend on the batch it is in, and rows may be gathered between calls).
+    """
+
+    prefill: Callable
+    decode: Callable
+
+
+def _step_key(key: jax.Array, t, n_new: int, per_row: bool) -> jax.Array:
+    if per_row:
+        return jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, t)
+    return jax.random.split(key, n_new)[t]
+
+
+def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig, logit_noise_std: float,
+          per_row: bool, hook: LogitsHook | None, hook_state, t, hook_args):
     """Returns (token [B] int32, logprob [B] float32) for one step.
 
     With ``logit_noise_std > 0`` N(0, std^2) noise is added to the raw logits first (the
-    train/inference-mismatch knob); the log-prob is then that of the noisy distribution.
+    train/inference-mismatch knob); then the logits hook; the log-prob is that of the
+    resulting distribution.
     """
     if logit_noise_std > 0.0:
-        noise_key, key = jax.random.split(key)
-        logits = logits.astype(jnp.float32) + logit_noise_std * jax.random.normal(
-            noise_key, logits.shape, jnp.float32)
+        if per_row:
+            keys = jax.vmap(jax.random.split)(key)
+            noise_key, key = keys[:, 0], keys[:, 1]
+            noise = jax.vmap(lambda k: jax.random.normal(k, logits.shape[1:], jnp.float32))(
+                noise_key)
+        else:
+            noise_key, key = jax.random.split(key)
+            noise = jax.random.normal(noise_key, logits.shape, jnp.float32)
+        logits = logits.astype(jnp.float32) + logit_noise_std * noise
+    if hook is not None:
+        logits = hook.apply(logits, hook_state, t, hook_args)
     logp = sampling_log_probs(logits, config)
     if config.temperature == 0.0:
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    elif per_row:
+        token = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(key, logp).astype(jnp.int32)
     else:
         token = jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
@@ -134,29 +207,34 @@ def mask_finished(token: jax.Array, logprob: jax.Array, done: jax.Array,
     return token, logprob, live, done
 
 
-@functools.lru_cache(maxsize=32)
-def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std: float = 0.0) -> Callable:
-    """Builds a jitted sampler for one model structure and sampling config.
-
-    ``logit_noise_std > 0`` adds fresh N(0, std^2) noise to the raw logits of every sampled
-    step (needs temperature > 0); the returned log-probs are those of the noisy distribution.
-
-    Returns:
-      fn(params_state, prompts, prompt_lengths, key) -> SampleOutput where
-        params_state: the state half of nnx.split(model) (or any state that merges with
-          graphdef);
-        prompts: [B, P] int32, right-padded with pad_id;
-        prompt_lengths: [B] int32 in [1, P]; row b continues after its own prompt, at RoPE
-          position prompt_lengths[b] + t;
-        key: PRNG key (split per step, unused when greedy).
-      The KV cache has P + max_new_tokens slots, which must be <= the model's max_seq_len.
-    """
+def _check_options(config: SamplingConfig, logit_noise_std: float,
+                   logits_hook: LogitsHook | None) -> None:
     if logit_noise_std < 0 or (logit_noise_std > 0 and config.temperature == 0.0):
         raise ValueError(f"logit_noise_std={logit_noise_std!r}: must be >= 0, and > 0 needs "
                          "temperature > 0 (greedy has no distribution)")
+    if logits_hook is not None and not isinstance(logits_hook, LogitsHook):
+        raise TypeError(f"logits_hook={logits_hook!r}: must be a LogitsHook or None")
+
+
+@functools.lru_cache(maxsize=32)
+def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std: float = 0.0,
+                 *, per_row_keys: bool = False, logits_hook: LogitsHook | None = None
+                 ) -> Decoder:
+    """The prefill and chunked decode of :func:`make_sampler` as separate functions (see
+    :class:`Decoder`), for callers that compact or reorder rows between decode chunks."""
+    _check_options(config, logit_noise_std, logits_hook)
     n_new = config.max_new_tokens
 
-    def run(params_state, prompts, prompt_lengths, key) -> SampleOutput:
+    def emit(logits, done, key, t, hook_state, hook_args):
+        token, logprob = _draw(logits, _step_key(key, t, n_new, per_row_keys), config,
+                               logit_noise_std, per_row_keys, logits_hook, hook_state, t,
+                               hook_args)
+        token, logprob, live, done = mask_finished(token, logprob, done, config)
+        if logits_hook is not None and logits_hook.update is not None:
+            hook_state = logits_hook.update(hook_state, token, hook_args)
+        return token, logprob, live, done, hook_state
+
+    def prefill(params_state, prompts, prompt_lengths, key, hook_args=None):
         model: Transformer = nnx.merge(graphdef, params_state)
         b, p = prompts.shape
         if p + n_new > model.config.max_seq_len:
@@ -170,24 +248,62 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
         logits, cache = model.decode(prompts, cache, positions=positions, valid=prompt_valid)
         last = jnp.clip(prompt_lengths - 1, 0, p - 1)
         last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-        step_keys = jax.random.split(key, n_new)
+        hook_state = None
+        if logits_hook is not None and logits_hook.init is not None:
+            hook_state = logits_hook.init(prompts, prompt_valid, last_logits.shape[-1], hook_args)
+        token, logprob, live, done, hook_state = emit(
+            last_logits, jnp.zeros((b,), bool), key, jnp.int32(0), hook_state, hook_args)
+        return DecodeCarry(cache, token, live, done, hook_state), (token, logprob, live)
 
-        def emit(logits, done, step_key):
-            token, logprob = _draw(logits, step_key, config, logit_noise_std)
-            return mask_finished(token, logprob, done, config)
+    def decode(params_state, carry, prompt_lengths, key, hook_args, t0, n_steps):
+        model: Transformer = nnx.merge(graphdef, params_state)
+        prompt_lengths = prompt_lengths.astype(jnp.int32)
 
-        def step(carry, step_key):
-            cache, token, live, done, t = carry
-            positions = (prompt_lengths + t - 1)[:, None]
-            logits, cache = model.decode(token[:, None], cache, positions=positions,
-                                         valid=live[:, None])
-            token, logprob, live, done = emit(logits[:, 0], done, step_key)
-            return (cache, token, live, done, t + 1), (token, logprob, live)
+        def step(carry, t):
+            logits, cache = model.decode(carry.token[:, None], carry.cache,
+                                         positions=(prompt_lengths + t - 1)[:, None],
+                                         valid=carry.live[:, None])
+            token, logprob, live, done, hook_state = emit(logits[:, 0], carry.done, key, t,
+                                                          carry.hook_state, hook_args)
+            return DecodeCarry(cache, token, live, done, hook_state), (token, logprob, live)
 
-        done0 = jnp.zeros((b,), bool)
-        token0, logprob0, live0, done = emit(last_logits, done0, step_keys[0])
-        carry = (cache, token0, live0, done, jnp.int32(1))
-        _, (tokens, logprobs, live) = jax.lax.scan(step, carry, step_keys[1:])
+        return jax.lax.scan(step, carry, t0 + jnp.arange(n_steps, dtype=jnp.int32))
+
+    return Decoder(prefill, decode)
+
+
+@functools.lru_cache(maxsize=32)
+def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std: float = 0.0,
+                 *, per_row_keys: bool = False, logits_hook: LogitsHook | None = None
+                 ) -> Callable:
+    """Builds a jitted sampler for one model structure and sampling config.
+
+    ``logit_noise_std > 0`` adds fresh N(0, std^2) noise to the raw logits of every sampled
+    step (needs temperature > 0); the returned log-probs are those of the noisy distribution.
+    ``logits_hook`` (a :class:`LogitsHook`) is applied to every step's logits (after the
+    noise) before sampling; log-probs are those of the hooked distribution.
+
+    Returns:
+      fn(params_state, prompts, prompt_lengths, key, hook_args=None) -> SampleOutput where
+        params_state: the state half of nnx.split(model) (or any state that merges with
+          graphdef);
+        prompts: [B, P] int32, right-padded with pad_id;
+        prompt_lengths: [B] int32 in [1, P]; row b continues after its own prompt, at RoPE
+          position prompt_lengths[b] + t;
+        key: PRNG key (split per step, unused when greedy), or with ``per_row_keys`` keys [B]
+          (row b's step t draws with ``fold_in(key[b], t)``);
+        hook_args: any pytree handed to the logits hook (traced).
+      The KV cache has P + max_new_tokens slots, which must be <= the model's max_seq_len.
+    """
+    dec = make_decoder(graphdef, config, logit_noise_std, per_row_keys=per_row_keys,
+                       logits_hook=logits_hook)
+
+    def run(params_state, prompts, prompt_lengths, key, hook_args=None) -> SampleOutput:
+        carry, (token0, logprob0, live0) = dec.prefill(params_state, prompts, prompt_lengths,
+                                                       key, hook_args)
+        _, (tokens, logprobs, live) = dec.decode(params_state, carry, prompt_lengths, key,
+                                                 hook_args, jnp.int32(1),
+                                                 config.max_new_tokens - 1)
         tokens = jnp.concatenate([token0[:, None], tokens.T], axis=1)
         logprobs = jnp.concatenate([logprob0[:, None], logprobs.T], axis=1)
         mask = jnp.concatenate([live0[:, None], live.T], axis=1).astype(jnp.float32)
@@ -198,7 +314,9 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
 
 
 def sample(model: Transformer, prompts: jax.Array, prompt_lengths: jax.Array, *,
-           key: jax.Array, config: SamplingConfig) -> SampleOutput:
-    """Samples continuations from a live model (see make_sampler for shapes)."""
+           key: jax.Array, config: SamplingConfig, per_row_keys: bool = False,
+           logits_hook: LogitsHook | None = None, hook_args: Any = None) -> SampleOutput:
+    """Samples continuations from a live model (see make_sampler for shapes and options)."""
     graphdef, state = nnx.split(model)
-    return make_sampler(graphdef, config)(state, prompts, prompt_lengths, key)
+    fn = make_sampler(graphdef, config, per_row_keys=per_row_keys, logits_hook=logits_hook)
+    return fn(state, prompts, prompt_lengths, key, hook_args)

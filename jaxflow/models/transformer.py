@@ -2,6 +2,12 @@
 
 Public API: TransformerConfig, Transformer, PRESETS, param_count, logical_axes.
 
+The config also expresses the Llama-3 (Meta, 2024) and Qwen3 / Qwen3-MoE (Qwen team, 2025)
+decoders: an explicit ``head_dim_override``, Qwen3's per-head q/k RMSNorm (``qk_norm``), the
+checkpoint's RoPE theta and Llama-3 frequency scaling (``rope_scaling``), tied or untied
+embeddings, and top-k routed experts (``n_experts`` > 0, see :mod:`jaxflow.models.moe`).
+``jaxflow.models.architectures`` maps Hugging Face config.json files onto these fields.
+
 Every parameter carries logical axis names (nnx metadata ``out_sharding``, with
 ``eager_sharding=False`` so a model can be built without a mesh); ``logical_axes`` reads
 them back so the mesh code can map logical names -> mesh axes. Logical names used:
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +35,12 @@ from jaxflow.models.attention import (
     segment_causal_mask,
 )
 from jaxflow.models.kv_cache import KVCache, empty_cache, write_rows
+from jaxflow.models.moe import MOE_IMPLS, MoE, MoEStats
+from jaxflow.models.rope import RopeScaling, rope_inv_freq
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-LOGICAL_AXIS_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
+LOGICAL_AXIS_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm",
+                      "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +59,26 @@ class TransformerConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     tie_embeddings: bool = False
+    head_dim_override: int | None = None  # None: d_model // n_heads (Qwen3 sets its own)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys before RoPE
+    rope_scaling: RopeScaling | None = None  # Llama-3.1+ long-context frequency scaling
+    remat: bool = False  # rematerialise each block's activations in the backward pass
+    # Mixture of experts (Qwen3-MoE); n_experts == 0 means every layer is dense SwiGLU.
+    n_experts: int = 0
+    n_experts_per_token: int = 2
+    d_ff_expert: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    moe_every: int = 1  # layer i is MoE when (i + 1) % moe_every == 0 ...
+    dense_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    moe_impl: str = "dense"  # "dense" reference | "dispatch" (capacity, expert parallel)
+    capacity_factor: float = 1.25
+    expert_axis: str = "expert"
+    architecture: str = "jaxflow"  # checkpoint family written by save_pretrained
+    hf_extra: tuple[tuple[str, str], ...] = ()  # other config.json keys (JSON values) kept
+    # Experiments only (``--set model.hf_path=DIR``): load this local Hugging Face checkpoint's
+    # architecture, weights and tokenizer instead (jaxflow.models.pretrained). The model
+    # itself never reads it.
+    hf_path: str = ""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -60,14 +90,32 @@ class TransformerConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"TransformerConfig.{name}={value!r}: must be > 0")
-        if self.d_model % self.n_heads:
+        if self.head_dim_override is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"TransformerConfig.d_model={self.d_model} must be divisible by "
-                f"n_heads={self.n_heads}")
-        if (self.d_model // self.n_heads) % 2:
+                f"n_heads={self.n_heads} (or set head_dim_override)")
+        if self.head_dim_override is not None and (
+                not isinstance(self.head_dim_override, int) or self.head_dim_override <= 0):
+            raise ValueError(f"TransformerConfig.head_dim_override={self.head_dim_override!r}: "
+                             "must be None or a positive int")
+        if self.head_dim % 2:
             raise ValueError(
-                f"TransformerConfig.d_model/n_heads={self.d_model // self.n_heads} (head_dim) "
-                "must be even for RoPE")
+                f"TransformerConfig head_dim={self.head_dim} must be even for RoPE")
+        if self.hf_path and not os.path.isfile(os.path.join(self.hf_path, "config.json")):
+            raise ValueError(f"model.hf_path={self.hf_path!r}: not a checkpoint directory "
+                             "(no config.json there)")
+        if self.n_experts:
+            if not 1 <= self.n_experts_per_token <= self.n_experts or self.d_ff_expert <= 0:
+                raise ValueError(
+                    f"TransformerConfig MoE: n_experts_per_token={self.n_experts_per_token} "
+                    f"must be in [1, n_experts={self.n_experts}] and d_ff_expert="
+                    f"{self.d_ff_expert} > 0")
+            if self.moe_impl not in MOE_IMPLS:
+                raise ValueError(f"TransformerConfig.moe_impl={self.moe_impl!r}; valid: "
+                                 f"{MOE_IMPLS}")
+            if not self.capacity_factor > 0 or self.moe_every < 1:
+                raise ValueError(f"TransformerConfig.capacity_factor={self.capacity_factor!r} "
+                                 f"must be > 0 and moe_every={self.moe_every!r} >= 1")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"TransformerConfig.n_kv_heads={self.n_kv_heads} must divide "
@@ -80,7 +128,12 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_dim_override or self.d_model // self.n_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has routed experts instead of SwiGLU."""
+        return (self.n_experts > 0 and layer not in self.dense_layers
+                and (layer + 1) % self.moe_every == 0)
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -111,12 +164,13 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: tuple[str, 
 
 
 class RMSNorm(nnx.Module):
-    """x * rsqrt(mean(x^2) + eps) * scale, statistics in float32."""
+    """x * rsqrt(mean(x^2) + eps) * scale over the last axis (size ``size``, default d_model),
+    statistics in float32."""
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, size: int | None = None):
         self.eps = config.norm_eps
         self.dtype = config.compute_dtype
-        self.scale = nnx.Param(jnp.ones((config.d_model,), config.params_dtype),
+        self.scale = nnx.Param(jnp.ones((size or config.d_model,), config.params_dtype),
                                out_sharding=("norm",), eager_sharding=False)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -136,7 +190,14 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (d, k, hd), d**-0.5, ("embed", "kv_heads", "head_dim"), pdt)
         self.wv = _param(rngs, (d, k, hd), d**-0.5, ("embed", "kv_heads", "head_dim"), pdt)
         self.wo = _param(rngs, (h, hd, d), out_std, ("heads", "head_dim", "embed"), pdt)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config, hd)
+            self.k_norm = RMSNorm(config, hd)
+        self.qk_norm = config.qk_norm
         self.rope_theta = config.rope_theta
+        # A hashable host tuple (module attributes are static); rope_inv_freq is exact f32.
+        self.rope_inv_freq = tuple(float(f) for f in rope_inv_freq(hd, config.rope_theta,
+                                                                   config.rope_scaling))
         self.dtype = config.compute_dtype
 
     def project_qkv(self, x: jax.Array, positions: jax.Array):
@@ -149,8 +210,11 @@ class Attention(nnx.Module):
         q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
-        q = apply_rope(q, positions, theta=self.rope_theta)
-        k = apply_rope(k, positions, theta=self.rope_theta)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = np.asarray(self.rope_inv_freq, np.float32)
+        q = apply_rope(q, positions, theta=self.rope_theta, inv_freq=inv_freq)
+        k = apply_rope(k, positions, theta=self.rope_theta, inv_freq=inv_freq)
         return q, k, v
 
     def project_out(self, attn: jax.Array) -> jax.Array:
@@ -189,17 +253,26 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)); x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)); x + mlp(norm(x)). ``mlp`` is SwiGLU or,
+    on MoE layers, :class:`jaxflow.models.moe.MoE`."""
 
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
         self.attn_norm = RMSNorm(config)
         self.attn = Attention(config, rngs=rngs)
         self.mlp_norm = RMSNorm(config)
-        self.mlp = SwiGLU(config, rngs=rngs)
+        self.is_moe = config.is_moe_layer(layer)
+        self.mlp = MoE(config, rngs=rngs) if self.is_moe else SwiGLU(config, rngs=rngs)
+
+    def forward(self, x, positions, mask) -> tuple[jax.Array, MoEStats | None]:
+        """(x [B, T, d], MoEStats on MoE layers else None)."""
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        if self.is_moe:
+            y, stats = self.mlp.apply(self.mlp_norm(x))
+            return x + y, stats
+        return x + self.mlp(self.mlp_norm(x)), None
 
     def __call__(self, x, positions, mask):
-        x = x + self.attn(self.attn_norm(x), positions, mask)
-        return x + self.mlp(self.mlp_norm(x))
+        return self.forward(x, positions, mask)[0]
 
     def decode(self, x, positions, k_cache, v_cache, index, slots, key_valid):
         attn, k_cache, v_cache = self.attn.decode(
@@ -221,7 +294,8 @@ class Transformer(nnx.Module):
         pdt = config.params_dtype
         self.embedding = _param(rngs, (config.vocab_size, config.d_model), 0.02,
                                 ("vocab", "embed"), pdt)
-        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
+        self.layers = nnx.List([Block(config, rngs=rngs, layer=i)
+                                for i in range(config.n_layers)])
         self.final_norm = RMSNorm(config)
         if not config.tie_embeddings:
             self.lm_head = _param(rngs, (config.d_model, config.vocab_size),
@@ -246,7 +320,16 @@ class Transformer(nnx.Module):
                       positions: jax.Array | None = None,
                       segment_ids: jax.Array | None = None,
                       inputs_embeds: jax.Array | None = None) -> jax.Array:
-        """Final-RMSNorm output that the LM head sees.
+        """Final-RMSNorm output that the LM head sees (see :meth:`hidden_states_with_aux`)."""
+        return self.hidden_states_with_aux(tokens, positions=positions, segment_ids=segment_ids,
+                                           inputs_embeds=inputs_embeds)[0]
+
+    def hidden_states_with_aux(self, tokens: jax.Array | None = None, *,
+                               positions: jax.Array | None = None,
+                               segment_ids: jax.Array | None = None,
+                               inputs_embeds: jax.Array | None = None
+                               ) -> tuple[jax.Array, tuple[MoEStats, ...]]:
+        """Final-RMSNorm output that the LM head sees, and each MoE layer's MoEStats.
 
         Args:
           tokens: [B, T] int32; or None when ``inputs_embeds`` is given.
@@ -258,7 +341,8 @@ class Transformer(nnx.Module):
             Exactly one of ``tokens`` / ``inputs_embeds``.
 
         Returns:
-          [B, T, d_model] in the compute dtype. Padding rows are finite but meaningless.
+          ([B, T, d_model] in the compute dtype, one MoEStats per MoE layer in layer order;
+          empty for dense models). Padding rows are finite but meaningless.
         """
         if (tokens is None) == (inputs_embeds is None):
             raise ValueError("hidden_states takes exactly one of tokens / inputs_embeds, got "
@@ -280,15 +364,30 @@ class Transformer(nnx.Module):
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
         mask = segment_causal_mask(segment_ids)
+        stats = []
         for block in self.layers:
-            x = block(x, positions, mask)
-        return self.final_norm(x)
+            if self.config.remat:
+                x, s = nnx.remat(lambda blk, h: blk.forward(h, positions, mask))(block, x)
+            else:
+                x, s = block.forward(x, positions, mask)
+            if s is not None:
+                stats.append(s)
+        return self.final_norm(x), tuple(stats)
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """Logits. tokens [B, T] int32 -> [B, T, vocab_size] float32 (see hidden_states)."""
         return self._logits(
             self.hidden_states(tokens, positions=positions, segment_ids=segment_ids))
+
+    def forward_with_aux(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                         segment_ids: jax.Array | None = None
+                         ) -> tuple[jax.Array, tuple[MoEStats, ...]]:
+        """(logits [B, T, V] f32, per-MoE-layer MoEStats) - router logits feed
+        :func:`jaxflow.models.moe.load_balancing_loss`; dropped fractions are reported."""
+        hidden, stats = self.hidden_states_with_aux(tokens, positions=positions,
+                                                    segment_ids=segment_ids)
+        return self._logits(hidden), stats
 
     # -- incremental decoding --------------------------------------------------------
 

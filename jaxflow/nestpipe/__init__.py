@@ -4,7 +4,7 @@
 (key routing + All2All, row exchange, compute, buffer patch) in ``shard_map``; ``host_io.py``
 per-shard retrieval / write-back threads; ``buffers.py`` the dual-buffer intersection patch;
 ``clustering.py`` key-centric sample clustering; ``pipelines.py`` the schedules (sync, dbp,
-semi_sync, fwp, dbp+fwp); ``simulate.py`` the cluster-scale simulator. The ``nestpipe`` and
+semi_sync, fwp, dbp+fwp); ``simulate`` the cluster-scale simulator (a package). The ``nestpipe`` and
 ``nestpipe_scale`` experiments live in ``jaxflow/main/``.
 """
 

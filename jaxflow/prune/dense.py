@@ -9,18 +9,16 @@ repeated experiment runs reuse it.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import shutil
 from typing import Any, Callable
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxflow.cache import build_once, cache_entry, config_hash
 from jaxflow.checkpoint import Checkpointer
 from jaxflow.prune.capabilities import World, make_tokenizer, mixture_batch
-from jaxflow.rl.warm_start import config_hash
 from jaxflow.distributed import global_batch
 from jaxflow.train.lm_state import LMFunctions, init_train_state, make_optimizer, make_train_step
 
@@ -29,7 +27,7 @@ MIXTURE = {"math": 0.3, "code": 0.25, "general": 0.2, "commonsense": 0.15, "text
 
 
 def dense_cache_dir(cache_root: str | pathlib.Path, recipe: Any) -> pathlib.Path:
-    return pathlib.Path(cache_root) / f"calibration_dense-{config_hash(recipe)}"
+    return cache_entry(cache_root, "calibration_dense", recipe)
 
 
 def train_dense(fns: LMFunctions, model_cfg, optim_cfg, train_cfg, world: World, *, seed: int,
@@ -58,30 +56,20 @@ def load_or_train_dense(fns: LMFunctions, recipe: Any, cache_root: str | pathlib
                         train: Callable[[], Any], info: Callable[[str], None] = print) -> tuple[Any, pathlib.Path]:
     """(params, cache entry): restored from the cache, or ``train()``-ed and saved there."""
     target = dense_cache_dir(cache_root, recipe)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            _pure(fns.abstract_state), fns.param_shardings)
-    if (target / "summary.json").exists():
+    trained = {}
+
+    def build(tmp: pathlib.Path) -> None:
+        info(f"dense model: training into {target} (cached for later runs)")
+        trained["params"] = train()
+        ckpt = Checkpointer(tmp / "checkpoints", async_save=False)
+        ckpt.save(1, trained["params"], force=True)
+        ckpt.close()
+        (tmp / "summary.json").write_text(json.dumps({"recipe_hash": config_hash(recipe)}))
+
+    if not build_once(target, build):
         info(f"dense model: reusing cache {target}")
         ckpt = Checkpointer(target / "checkpoints", async_save=False)
-        params = ckpt.restore(ckpt.latest_step(), abstract)
+        params = ckpt.restore(ckpt.latest_step(), fns.abstract_params())
         ckpt.close()
         return params, target
-    info(f"dense model: training into {target} (cached for later runs)")
-    params = train()
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    ckpt = Checkpointer(tmp / "checkpoints", async_save=False)
-    ckpt.save(1, params, force=True)
-    ckpt.close()
-    (tmp / "summary.json").write_text(json.dumps({"recipe_hash": config_hash(recipe)}))
-    try:
-        tmp.rename(target)
-    except OSError:  # another process finished the same entry first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return params, target
-
-
-def _pure(state):
-    from flax import nnx
-
-    return nnx.to_pure_dict(state)
+    return trained["params"], target

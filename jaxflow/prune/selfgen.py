@@ -1,9 +1,8 @@
-"""Model-generated text for self-calibration: a KV-cache sampling loop with a per-step
-temperature schedule and a repetition penalty, and per-document perplexity scoring.
+"""Model-generated text for self-calibration, and per-document perplexity scoring.
 
-``jaxflow.models.make_sampler`` has one fixed temperature and no repetition penalty; Self-Cal
-needs a temperature schedule and SGS a CTRL-style repetition penalty, so this loop reuses the
-model's ``init_cache``/``decode`` and the sampler's ``sampling_log_probs`` (top-k / top-p).
+Self-Cal needs a per-step temperature schedule and SGS a CTRL-style repetition penalty; both
+are a logits hook (:class:`jaxflow.models.sampler.LogitsHook`) on the foundation sampler, whose
+top-k / top-p filtering applies after them.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow.models.sampler import SamplingConfig, sampling_log_probs
+from jaxflow.models.sampler import LogitsHook, SamplingConfig, make_sampler
 
 
 _JITTED: dict[tuple[int, str], tuple] = {}
@@ -28,38 +27,25 @@ def _jit_for(fns, fn, **jit_kwargs):
     return _JITTED[key][1]
 
 
-def _generate(fns, params, prompts, lengths, temperatures, penalty, key, *, max_new, top_k,
-              top_p, eos_id):
-    model = fns.model(params)
-    b, p = prompts.shape
-    vocab = model.config.vocab_size
-    filt = SamplingConfig(max_new_tokens=1, temperature=1.0, top_k=top_k, top_p=top_p)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    valid = positions < lengths[:, None]
-    cache = model.init_cache(b, p + max_new)
-    logits, cache = model.decode(prompts, cache, positions=positions, valid=valid)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    seen = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], prompts].set(valid)
+def _seen_prompt_tokens(prompts, prompt_valid, vocab_size, args):
+    b = prompts.shape[0]
+    return jnp.zeros((b, vocab_size), bool).at[jnp.arange(b)[:, None], prompts].set(prompt_valid)
 
-    def step(carry, inputs):
-        cache, logits, seen, done = carry
-        t, temperature, k = inputs
-        logits = jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
-        logp = sampling_log_probs(logits / temperature, filt)
-        token = jax.random.categorical(k, logp, axis=-1).astype(jnp.int32)
-        token = jnp.where(done, 0, token)
-        live = ~done
-        done = done | (token == eos_id)
-        seen = seen.at[jnp.arange(b), token].set(True)
-        new_logits, cache = model.decode(token[:, None], cache, positions=(lengths + t)[:, None],
-                                         valid=live[:, None])
-        return (cache, new_logits[:, 0], seen, done), (token, live)
 
-    steps = jnp.arange(max_new, dtype=jnp.int32)
-    keys = jax.random.split(key, max_new)
-    _, (tokens, live) = jax.lax.scan(step, (cache, last, seen, jnp.zeros((b,), bool)),
-                                     (steps, temperatures, keys))
-    return tokens.T, live.T
+def _penalised_scheduled_logits(logits, seen, step, args):
+    """CTRL repetition penalty on the seen tokens, then the step's temperature."""
+    penalty, temperatures = args
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return logits / temperatures[step]
+
+
+def _mark_seen(seen, token, args):
+    return seen.at[jnp.arange(seen.shape[0]), token].set(True)
+
+
+#: The sampler's logits hook for self-generation; its call args are (penalty, temperatures).
+SELF_GENERATION_HOOK = LogitsHook(apply=_penalised_scheduled_logits, init=_seen_prompt_tokens,
+                                  update=_mark_seen)
 
 
 def generate(fns, params, prompts: list[list[int]], *, key: jax.Array, max_new: int,
@@ -68,7 +54,10 @@ def generate(fns, params, prompts: list[list[int]], *, key: jax.Array, max_new: 
     """Samples a continuation of every prompt (token lists starting with BOS).
 
     ``temperatures``: a float or [max_new] per-step schedule. Returns prompt + continuation
-    token lists, each ending at (and including) its first EOS when one was drawn.
+    token lists, each ending at (and including) its first EOS when one was drawn. The decode
+    is :func:`jaxflow.models.make_sampler` (one key per step for the batch) with
+    :data:`SELF_GENERATION_HOOK`; the schedule and the penalty are traced call arguments, so
+    new values do not recompile.
     """
     # Prompt length rounded up to a multiple of 16: one compilation serves many prompt sets.
     width = -(-max(len(p) for p in prompts) // 16) * 16
@@ -79,11 +68,12 @@ def generate(fns, params, prompts: list[list[int]], *, key: jax.Array, max_new: 
     temps = np.broadcast_to(np.asarray(temperatures, np.float32), (max_new,))
     if np.any(temps <= 0):
         raise ValueError(f"temperatures must be > 0, got min {temps.min()}")
-    run = _jit_for(fns, _generate, static_argnames=("max_new", "top_k", "top_p", "eos_id"))
-    new, live = run(params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(temps),
-                          jnp.float32(repetition_penalty), key, max_new=max_new, top_k=top_k,
-                          top_p=top_p, eos_id=eos_id)
-    new, live = np.asarray(new), np.asarray(live)
+    config = SamplingConfig(max_new_tokens=max_new, temperature=1.0, top_k=top_k, top_p=top_p,
+                            eos_id=eos_id, pad_id=0)
+    sampler = make_sampler(fns.graphdef, config, logits_hook=SELF_GENERATION_HOOK)
+    out = sampler(fns.nnx_state(params), jnp.asarray(tokens), jnp.asarray(lengths), key,
+                  (jnp.float32(repetition_penalty), jnp.asarray(temps)))
+    new, live = np.asarray(out.tokens), np.asarray(out.mask) > 0
     return [list(p) + new[i][live[i]].tolist() for i, p in enumerate(prompts)]
 
 

@@ -1,10 +1,11 @@
-"""RL policy losses: GRPO / DAPO / GSPO / CISPO with SIS, TIS and MIS plug-in corrections.
+"""RL policy losses: GRPO / DAPO / GSPO / CISPO / SA-GCPO with SIS, TIS and MIS plug-in corrections.
 
 Modules (one idea each):
   policy_loss   PolicyLossConfig and policy_loss (base algorithms, aggregation, metrics)
   sis           Selective Importance Sampling: envelope, acceptance test, ratio rewrite
   corrections   behaviour-policy weights: TIS (truncated) and MIS (masked)
-  advantages    GRPO group normalisation (with / without std) and RLOO
+  advantages    GRPO group normalisation (with / without std), RLOO, SA-GCPO's target gate
+  reward_mapping  unified reward: several business rewards -> one scalar, per-scenario weights
   logprobs      fused log-probs from hidden states + LM head, never holding [B, T, V] logits
   exact_gradient  exact moments of the gradient estimators on an enumerable toy policy
   tasks         verifiable tasks (prompt source + score): addition, countdown
@@ -24,11 +25,13 @@ Usage::
                                 old_topk_logp=old_k, new_topk_logp=new_k)
 """
 
-from jaxflow.rl.advantages import grpo_advantages, rloo_advantages
+from jaxflow.rl.advantages import (grpo_advantages, rloo_advantages, sa_gcpo_advantages,
+                                   zero_positive_below_target)
+from jaxflow.rl.reward_mapping import unified_reward
 from jaxflow.rl.corrections import mis_weights, tis_weights
 from jaxflow.rl.logprobs import FusedLogprobsOutput, LogprobBackend, fused_logprobs
 from jaxflow.rl.policy_loss import (AGGS, ALGOS, CORRECTIONS, DEFAULT_CLIP_EPS,
-                                    PolicyLossConfig, policy_loss)
+                                    PolicyLossConfig, policy_loss, sapo_gate)
 from jaxflow.rl.sis import sis_accept, sis_log_envelope, sis_log_ratio, sis_uniforms
 from jaxflow.rl.tasks import (TASKS, AdditionRLTask, CountdownTask, Task, encode_prompts,
                               evaluate_expression, make_task, score_completions)
@@ -41,10 +44,11 @@ from jaxflow.rl.warm_start import load_pretrained_params
 
 __all__ = [
     "AGGS", "ALGOS", "CORRECTIONS", "DEFAULT_CLIP_EPS",
-    "PolicyLossConfig", "policy_loss",
+    "PolicyLossConfig", "policy_loss", "sapo_gate",
     "sis_accept", "sis_log_envelope", "sis_log_ratio", "sis_uniforms",
     "tis_weights", "mis_weights",
-    "grpo_advantages", "rloo_advantages",
+    "grpo_advantages", "rloo_advantages", "sa_gcpo_advantages", "zero_positive_below_target",
+    "unified_reward",
     "fused_logprobs", "FusedLogprobsOutput", "LogprobBackend",
     "TASKS", "AdditionRLTask", "CountdownTask", "Task", "encode_prompts", "evaluate_expression",
     "make_task", "score_completions",

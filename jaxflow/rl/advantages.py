@@ -44,3 +44,37 @@ def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
     total = jnp.sum(groups, axis=1, keepdims=True)
     leave_one_out_mean = (total - groups) / (group_size - 1)
     return (groups - leave_one_out_mean).reshape(-1)
+
+
+def zero_positive_below_target(advantages: jax.Array, rewards: jax.Array,
+                               target_reward: jax.Array) -> jax.Array:
+    """SA-GCPO's target gate: positive advantages of rows whose reward is below the row's target
+    reward become 0 (a response better than its group but not good enough for its request
+    gets no push up); negative and zero advantages are unchanged.
+
+    Args:
+      advantages: [B] or [B, T].
+      rewards, target_reward: [B] each (per request row).
+
+    Returns:
+      advantages' shape and dtype.
+    """
+    for name, x in (("rewards", rewards), ("target_reward", target_reward)):
+        if not hasattr(x, "shape") or x.shape != advantages.shape[:1]:
+            raise ValueError(f"{name} shape {getattr(x, 'shape', None)} must be [B] = "
+                             f"{advantages.shape[:1]} to match advantages shape "
+                             f"{advantages.shape}")
+    below = rewards < target_reward
+    if advantages.ndim == 2:
+        below = below[:, None]
+    return jnp.where(jnp.logical_and(below, advantages > 0),
+                     jnp.zeros((), advantages.dtype), advantages)
+
+
+def sa_gcpo_advantages(rewards: jax.Array, target_reward: jax.Array, group_size: int, *,
+                       eps: float = 1e-6) -> jax.Array:
+    """SA-GCPO (OxygenREC, arXiv 2512.22386): group-normalised advantages
+    ``(r - mean) / (std + eps)`` per request group, then positive ones zeroed where the reward
+    is below the row's ``target_reward`` [B]. Returns [B]."""
+    adv = grpo_advantages(rewards, group_size, eps=eps)
+    return zero_positive_below_target(adv, rewards, target_reward)

@@ -24,7 +24,11 @@ Design
   - algo grpo / dapo / gspo / cispo, correction none: the library's clipped surrogates (grpo
     0.2/0.2, dapo 0.2/0.28, gspo sequence ratio with 3e-4/4e-4, cispo truncation at 1.28).
     Clipping / truncation adds bias and removes variance.
-  - the same four plus token_is with correction ``sis``: old = mu, the SIS envelope over mu's
+  - algo sa_gcpo (correction none / sis): OxygenREC's soft gate
+    ``sigmoid(tau (r - 1)) * 4 / tau`` (tau 2 / 5 for A > 0 / < 0) in place of the clip, with
+    this study's aggregation (seq-mean-token-sum, so its target is g; its default token mean
+    would target g / L) and no target-reward gate (no per-request targets here).
+  - the same five plus token_is with correction ``sis``: old = mu, the SIS envelope over mu's
     top-K (K = vocab: exact). An accepted token contributes ``A grad log pi`` (weight 1), a
     rejected one the base estimator's term. Note: even for the token's own choice this is not
     unbiased -- in expectation over the accept coin the token term is
@@ -62,7 +66,7 @@ from jaxflow.rl import sis
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
 
 INF = float("inf")
-BASE_ALGOS = ("token_is", "grpo", "dapo", "gspo", "cispo")
+BASE_ALGOS = ("token_is", "grpo", "dapo", "gspo", "cispo", "sa_gcpo")
 
 
 def context_ids(tokens: jax.Array, vocab: int) -> jax.Array:

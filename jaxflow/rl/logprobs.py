@@ -12,20 +12,26 @@ Backends (``LogprobBackend``):
              recomputing softmax per tile. The CPU default. Peak extra memory ~ N * tile.
   pallas     ``pallas_kernels.fused_logprobs`` (GPU/TPU; on CPU only with interpret=True).
   reference  ``fused_logprobs_reference``: materialises the logits (the naive baseline).
-The default (backend=None) picks pallas on GPU/TPU, falling back to xla with a warning if
-the kernel cannot be built; asking for ``"pallas"`` explicitly makes such a failure an error.
+  auto       (the default, also backend=None) pallas on GPU/TPU where the kernel's forward
+             and gradient build for these shapes (compiled alone first, verdict cached per
+             shape: ``pallas_kernels.dispatch``), else xla with one warning naming kernel,
+             platform, shapes and reason. A forced ``"pallas"`` raises that message instead.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import warnings
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import dispatch
 from pallas_kernels import fused_logprobs as pallas_fused
+from pallas_kernels.dispatch import KernelUnavailable
 from pallas_kernels.fused_logprobs import (
     FusedLogprobsBlockSizes,
     FusedLogprobsOutput,
@@ -35,6 +41,7 @@ from pallas_kernels.fused_logprobs import (
 
 __all__ = [
     "FusedLogprobsOutput",
+    "KernelUnavailable",
     "LogprobBackend",
     "fused_logprobs",
     "fused_logprobs_reference",
@@ -45,6 +52,7 @@ DEFAULT_VOCAB_TILE = 2048
 
 
 class LogprobBackend(enum.Enum):
+    AUTO = "auto"
     XLA = "xla"
     PALLAS = "pallas"
     REFERENCE = "reference"
@@ -223,8 +231,10 @@ def fused_logprobs_xla(
 # ------------------------------------------------------------------------------- dispatch
 
 
-def _parse_backend(backend: LogprobBackend | str | None) -> LogprobBackend | None:
-    if backend is None or isinstance(backend, LogprobBackend):
+def _parse_backend(backend: LogprobBackend | str | None) -> LogprobBackend:
+    if backend is None:
+        return LogprobBackend.AUTO
+    if isinstance(backend, LogprobBackend):
         return backend
     try:
         return LogprobBackend(backend)
@@ -233,24 +243,70 @@ def _parse_backend(backend: LogprobBackend | str | None) -> LogprobBackend | Non
         raise ValueError(f"unknown log-prob backend {backend!r}; valid: {valid} or None") from None
 
 
-def _try_pallas(call, *, forced: bool) -> FusedLogprobsOutput | None:
-    """Runs the Pallas kernel; on failure raises if forced, else warns and returns None.
+def _kernel_call(block_sizes, interpret, own_topk, temperature):
+    """The Pallas call as this trace will run it: under a mesh context (``jax.set_mesh``),
+    wrapped in a shard_map that splits the rows over every mesh axis (the head replicated;
+    its gradient summed by shard_map's transpose), so no kernel is left for the automatic
+    partitioner (which Mosaic TPU refuses)."""
+    kw = dict(own_topk=own_topk, temperature=float(temperature), block_sizes=block_sizes,
+              interpret=interpret)
+    context, mesh = dispatch.partition_context()
 
-    Catches failures at trace time (missing backend support, unsupported shapes); a failure
-    while the enclosing jit compiles surfaces from that compilation instead.
-    """
-    try:
-        return call()
-    except Exception as err:  # noqa: BLE001 - any kernel failure falls back unless forced
-        if forced:
-            raise
-        warnings.warn(
-            f"Pallas fused_logprobs unavailable ({type(err).__name__}: {err}); "
-            "falling back to the XLA path",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
+    def local(h, w, t, k):
+        return pallas_fused.fused_logprobs(h, w, t, k, **kw)
+
+    if context != "mesh":
+        return local
+    rows = P(tuple(mesh.axis_names))
+
+    def sharded(h, w, t, k):
+        n, lead = math.prod(t.shape), t.shape
+        pad = (-n) % mesh.size
+        h2 = jnp.pad(h.reshape(n, h.shape[-1]), ((0, pad), (0, 0)))
+        t2 = jnp.pad(t.reshape(n), (0, pad))
+        k2 = None if k is None else jnp.pad(k.reshape(n, k.shape[-1]), ((0, pad), (0, 0)))
+        explicit = any(a == AxisType.Explicit for a in mesh.axis_types)
+        if explicit:  # shard_map wants explicitly sharded inputs laid out as its in_specs
+            h2, t2, w = jax.reshard(h2, rows), jax.reshard(t2, rows), jax.reshard(w, P())
+            k2 = None if k2 is None else jax.reshard(k2, rows)
+        out = jax.shard_map(local, in_specs=(rows, P(), rows, None if k is None else rows),
+                            out_specs=FusedLogprobsOutput(
+                                rows, None if k is None else rows,
+                                rows if own_topk else None, rows if own_topk else None),
+                            check_vma=False)(h2, w, t2, k2)
+        if explicit:  # the padded rows are cut below; explicit row shards cannot be sliced
+            out = jax.tree.map(lambda x: jax.reshard(x, P()), out)
+        return jax.tree.map(lambda x: x[:n].reshape(lead + x.shape[1:]), out)
+
+    return sharded
+
+
+def use_pallas(hidden, head, targets, topk_indices, *, own_topk: int, temperature: float,
+               mode: str, block_sizes: FusedLogprobsBlockSizes | None = None) -> bool:
+    """Whether ``fused_logprobs`` runs the Pallas kernel (forward and backward) here.
+
+    The verdict (``pallas_kernels.dispatch``) builds the kernel's forward and gradient for
+    these shapes on this platform, as this trace would call it (``_kernel_call``); mode
+    "auto" falls back to XLA with one warning, "pallas" raises ``KernelUnavailable``."""
+    blocks = block_sizes or FusedLogprobsBlockSizes.get_default(
+        d=head.shape[0], dtype=head.dtype,
+        num_ids=1 + (0 if topk_indices is None else topk_indices.shape[-1]))
+    call = _kernel_call(blocks, False, own_topk, temperature)
+
+    def fwd_and_grad(h, w, t, *k):
+        k = k[0] if k else None
+
+        def loss(h, w):
+            out = call(h, w, t, k)
+            total = jnp.sum(out.target_logp)
+            return total if k is None else total + jnp.sum(out.topk_logp)
+
+        return jax.grad(loss, argnums=(0, 1))(h, w)
+
+    args = (hidden, head, targets) + (() if topk_indices is None else (topk_indices,))
+    return dispatch.choose_kernel(
+        "fused_logprobs", mode, fwd_and_grad, args, options=(own_topk, float(temperature), blocks),
+        blocked=dispatch.auto_partition_problem(dispatch.backend_platform()))
 
 
 def fused_logprobs(
@@ -275,7 +331,10 @@ def fused_logprobs(
       topk_indices: optional [B, T, K] int indices (e.g. pi_old's top-K for SIS).
       own_topk: K' > 0 also returns the distribution's own top-K' (stop-gradient).
       temperature: logits are divided by it (> 0).
-      backend: None (auto), "xla", "pallas" (forced: errors raise) or "reference".
+      backend: "auto" / None (the Pallas kernel on GPU/TPU where it builds for these
+        shapes, else XLA with one warning), "xla", "pallas" (forced: raises
+        ``KernelUnavailable`` where it does not build; with ``interpret=True`` it runs in
+        interpret mode anywhere) or "reference".
       vocab_tile: vocab columns per step of the XLA path.
       block_sizes, interpret: Pallas kernel options.
 
@@ -289,16 +348,11 @@ def fused_logprobs(
     kwargs = dict(own_topk=own_topk, temperature=temperature)
     if choice is LogprobBackend.REFERENCE:
         return fused_logprobs_reference(hidden, head, targets, topk_indices, **kwargs)
-    if choice is LogprobBackend.PALLAS or (
-        choice is None and jax.default_backend() in ("gpu", "tpu")
-    ):
-        out = _try_pallas(
-            lambda: pallas_fused.fused_logprobs(
-                hidden, head, targets, topk_indices, block_sizes=block_sizes,
-                interpret=interpret, **kwargs,
-            ),
-            forced=choice is LogprobBackend.PALLAS,
-        )
-        if out is not None:
-            return out
+    run_kernel = choice is LogprobBackend.PALLAS and interpret
+    if not run_kernel and choice is not LogprobBackend.XLA:
+        run_kernel = use_pallas(hidden, head, targets, topk_indices, mode=choice.value,
+                                block_sizes=block_sizes, **kwargs)
+    if run_kernel:
+        return _kernel_call(block_sizes, interpret, own_topk, temperature)(
+            hidden, head, targets, topk_indices)
     return fused_logprobs_xla(hidden, head, targets, topk_indices, vocab_tile=vocab_tile, **kwargs)

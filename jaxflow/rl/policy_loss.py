@@ -1,4 +1,4 @@
-"""The policy loss: GRPO / DAPO / GSPO / CISPO with SIS, TIS and MIS as plug-in corrections.
+"""The policy loss: GRPO / DAPO / GSPO / CISPO / SA-GCPO with SIS, TIS and MIS as plug-in corrections.
 
 Everything is a pure function of arrays; ``config`` is a frozen, hashable dataclass, so
 ``jax.jit(policy_loss, static_argnames="config")`` works, as does closing over it.
@@ -12,6 +12,16 @@ Per token (``log_w = clip(logp - old_logp, -20, 20)``, ``r = exp(log_w)``, A the
   length-normalised sequence ratio ``exp(mean_t log_w_t)``, then the PPO clip with GSPO's
   tiny eps (3e-4 / 4e-4). Under ``seq-mean-token-mean`` its gradient is GSPO's sequence one.
 * ``cispo``: ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp`` (gradient always flows).
+* ``sa_gcpo``: OxygenREC's SA-GCPO (arXiv 2512.22386): the hard clip is replaced by the SAPO
+  soft gate ``-A * f(r)``, ``f(r) = sigmoid(tau * (r - 1)) * 4 / tau`` with ``tau =
+  gate_tau_pos`` (2) for A > 0 and ``gate_tau_neg`` (5) for A < 0; ``f'(1) = 1``, so at
+  ``r = 1`` the gradient is the on-policy one, and it decays smoothly (never to exactly 0) as
+  ``r`` leaves 1. Advantages are the caller's group-normalised ones
+  (:func:`jaxflow.rl.advantages.grpo_advantages`); given ``rewards`` and ``target_reward`` (per
+  row), positive advantages of rows whose reward is below the row's target are set to 0
+  (:func:`jaxflow.rl.advantages.zero_positive_below_target`). Default aggregation
+  ``seq-mean-token-mean`` (mean over sequences of the token mean, as the paper). No hard clip:
+  its ``clip_fraction`` is 0.
 
 SIS (``correction`` contains ``sis``) replaces ``log_w`` by ``log_w - sg(accept * log_w)``
 (see :mod:`jaxflow.rl.sis`): an accepted token has ratio value exactly 1, is never clipped
@@ -29,21 +39,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxflow.rl import advantages as advantages_lib
 from jaxflow.rl import corrections
 from jaxflow.rl import sis
 
-ALGOS = ("grpo", "dapo", "gspo", "cispo")
+ALGOS = ("grpo", "dapo", "gspo", "cispo", "sa_gcpo")
 CORRECTIONS = ("none", "sis", "tis", "mis", "sis+tis", "sis+mis")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 # (eps_low, eps_high) per algorithm; the clip range of the ratio is [1 - low, 1 + high].
-# CISPO has no lower truncation by default (1 - 1.0 = 0), as in MiniMax-M1.
+# CISPO has no lower truncation by default (1 - 1.0 = 0), as in MiniMax-M1. SA-GCPO has no clip
+# (a soft gate instead), so its range is unbounded.
 DEFAULT_CLIP_EPS = {
     "grpo": (0.2, 0.2),
     "dapo": (0.2, 0.28),
     "gspo": (3e-4, 4e-4),
     "cispo": (1.0, 0.28),
+    "sa_gcpo": (float("inf"), float("inf")),
 }
+
+# Aggregation when ``PolicyLossConfig.agg`` is None.
+DEFAULT_AGG = {"sa_gcpo": "seq-mean-token-mean"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +67,13 @@ class PolicyLossConfig:
     """What :func:`policy_loss` computes. Frozen and hashable (a valid static jit argument).
 
     Attributes:
-      algo: one of ``ALGOS`` ("grpo", "dapo", "gspo", "cispo"). Default "grpo".
+      algo: one of ``ALGOS`` ("grpo", "dapo", "gspo", "cispo", "sa_gcpo"). Default "grpo".
       correction: one of ``CORRECTIONS``. Default "none". "sis" needs ``key`` and both top-K
         arrays; "tis" / "mis" need ``behaviour_logp``.
-      agg: one of ``AGGS``. Default "token-mean" (mean over all unmasked tokens);
+      agg: one of ``AGGS``, or None (the default) for the algorithm's default: "token-mean"
+        (mean over all unmasked tokens), except "seq-mean-token-mean" for sa_gcpo. None stays
+        None, so ``dataclasses.replace(cfg, algo=...)`` picks the new algorithm's default;
+        :attr:`aggregation` is the resolved name.
         "seq-mean-token-mean" / "seq-mean-token-sum" average, over sequences with at least one
         unmasked token, the per-sequence token mean / sum.
       clip_eps_low, clip_eps_high: clip range [1 - low, 1 + high]; None takes the algorithm's
@@ -66,11 +85,13 @@ class PolicyLossConfig:
       tis_cap: TIS weight ``min(pi_old / mu, tis_cap)``. Default 2.0.
       mis_low, mis_high: MIS keeps ``pi_old / mu`` inside [low, high], zero outside.
         Defaults 0.5 and 2.0.
+      gate_tau_pos, gate_tau_neg: sa_gcpo's soft-gate temperatures for positive / negative
+        advantages. Defaults 2.0 and 5.0 (OxygenREC, after SAPO).
     """
 
     algo: str = "grpo"
     correction: str = "none"
-    agg: str = "token-mean"
+    agg: str | None = None
     clip_eps_low: float | None = None
     clip_eps_high: float | None = None
     dual_clip_c: float | None = None
@@ -78,11 +99,13 @@ class PolicyLossConfig:
     tis_cap: float = 2.0
     mis_low: float = 0.5
     mis_high: float = 2.0
+    gate_tau_pos: float = 2.0
+    gate_tau_neg: float = 5.0
 
     def __post_init__(self):
         for field, choices in (("algo", ALGOS), ("correction", CORRECTIONS), ("agg", AGGS)):
             value = getattr(self, field)
-            if value not in choices:
+            if value not in choices and not (field == "agg" and value is None):
                 raise ValueError(f"unknown {field} {value!r}; valid choices: {choices}")
         for field in ("clip_eps_low", "clip_eps_high"):
             value = getattr(self, field)
@@ -98,10 +121,19 @@ class PolicyLossConfig:
             raise ValueError(f"log_ratio_clip must be > 0, got {self.log_ratio_clip!r}")
         if not self.tis_cap > 0:
             raise ValueError(f"tis_cap must be > 0, got {self.tis_cap!r}")
+        for field in ("gate_tau_pos", "gate_tau_neg"):
+            value = getattr(self, field)
+            if not value > 0:
+                raise ValueError(f"{field} must be > 0, got {value!r}")
         if not 0 <= self.mis_low < self.mis_high:
             raise ValueError(
                 f"need 0 <= mis_low < mis_high, got mis_low={self.mis_low!r}, "
                 f"mis_high={self.mis_high!r}")
+
+    @property
+    def aggregation(self) -> str:
+        """``agg``, or the algorithm's default aggregation when ``agg`` is None."""
+        return self.agg if self.agg is not None else DEFAULT_AGG.get(self.algo, "token-mean")
 
     @property
     def eps(self) -> tuple[float, float]:
@@ -136,8 +168,16 @@ def _check_like(name: str, x: Any, ref: jax.Array, ndim_extra: int = 0) -> None:
         raise ValueError(f"{name} dtype {x.dtype} does not match logp dtype {ref.dtype}")
 
 
+def _check_rows(name: str, x: Any, logp: jax.Array) -> None:
+    if not hasattr(x, "shape") or x.shape != logp.shape[:1]:
+        raise ValueError(f"{name} shape {getattr(x, 'shape', None)} must be [B] = "
+                         f"{logp.shape[:1]} (one per row of logp shape {logp.shape})")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
+
+
 def _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_topk_logp,
-              behaviour_logp, uniforms=None) -> None:
+              behaviour_logp, uniforms=None, rewards=None, target_reward=None) -> None:
     if not isinstance(config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
     if not hasattr(logp, "ndim") or logp.ndim != 2:
@@ -155,6 +195,16 @@ def _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_
                          f"{logp.shape[:1]} or [B, T] = {logp.shape}")
     if not jnp.issubdtype(advantages.dtype, jnp.floating):
         raise ValueError(f"advantages must be floating point, got dtype {advantages.dtype}")
+    if rewards is not None or target_reward is not None:
+        if config.algo != "sa_gcpo":
+            raise ValueError(f"rewards / target_reward apply to algo 'sa_gcpo', not "
+                             f"{config.algo!r}")
+        if rewards is None or target_reward is None:
+            missing = "rewards" if rewards is None else "target_reward"
+            raise ValueError(f"sa_gcpo's target gate needs both rewards= and target_reward= "
+                             f"[B]; {missing} is None")
+        _check_rows("rewards", rewards, logp)
+        _check_rows("target_reward", target_reward, logp)
     if config.uses_sis:
         if key is None and uniforms is None:
             raise ValueError(f"correction {config.correction!r} needs key= (a PRNG key for the "
@@ -207,6 +257,21 @@ def _gspo_token_log_ratio(log_w, sis_log_w, accept, mask):
     seq = seq / jnp.maximum(count, 1).astype(log_w.dtype)
     rejected_log_ratio = jax.lax.stop_gradient(seq) + (log_w - jax.lax.stop_gradient(log_w))
     return jnp.where(accept, sis_log_w, rejected_log_ratio)
+
+
+def sapo_gate(ratio: jax.Array, tau: jax.Array | float) -> jax.Array:
+    """The SAPO / SA-GCPO soft gate ``sigmoid(tau * (ratio - 1)) * 4 / tau`` (elementwise).
+
+    Its derivative in ``ratio`` is ``4 s (1 - s)`` with ``s`` the sigmoid: exactly 1 at
+    ``ratio = 1`` and positive everywhere, decaying as ``ratio`` leaves 1 (faster for larger
+    ``tau``) where a hard clip would be flat.
+    """
+    return jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+
+
+def _sa_gcpo(ratio, adv, tau_pos, tau_neg):
+    tau = jnp.where(adv > 0, tau_pos, tau_neg).astype(ratio.dtype)
+    return -adv * sapo_gate(ratio, tau), jnp.zeros(ratio.shape, bool)
 
 
 def _cispo(ratio, logp, adv, accept, eps):
@@ -286,6 +351,8 @@ def policy_loss(
     new_topk_logp: jax.Array | None = None,
     behaviour_logp: jax.Array | None = None,
     uniforms: jax.Array | None = None,
+    rewards: jax.Array | None = None,
+    target_reward: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The policy-gradient loss (to minimise) and its diagnostics.
 
@@ -304,6 +371,8 @@ def policy_loss(
       uniforms: optional [B, T] SIS uniforms in [0, 1] used instead of drawing them from
         ``key`` (an extension beyond the SIS paper for replays and for exact expectations over the
         accept coin: 0 forces acceptance, 1 forces rejection unless log_w == 0).
+      rewards, target_reward: optional [B] each, sa_gcpo only (both or neither): positive
+        advantages of rows with ``rewards < target_reward`` are set to 0 before the gate.
 
     Returns:
       ``(loss, metrics)``: a scalar in f32 (or wider, matching logp) and a dict of scalars:
@@ -321,7 +390,7 @@ def policy_loss(
         correction needs is missing.
     """
     _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_topk_logp,
-              behaviour_logp, uniforms)
+              behaviour_logp, uniforms, rewards, target_reward)
     dtype = jnp.promote_types(logp.dtype, jnp.float32)
     keep = mask.astype(bool)
 
@@ -330,6 +399,9 @@ def policy_loss(
 
     logp_c = clean(logp)
     old_c = jax.lax.stop_gradient(clean(old_logp))
+    if target_reward is not None:
+        advantages = advantages_lib.zero_positive_below_target(advantages, rewards,
+                                                               target_reward)
     adv = advantages if advantages.ndim == 2 else advantages[:, None]
     adv = jax.lax.stop_gradient(clean(jnp.broadcast_to(adv, logp.shape)))
     log_w = sis.clipped_log_ratio(logp_c, old_c, config.log_ratio_clip)
@@ -352,6 +424,9 @@ def policy_loss(
     elif config.algo == "gspo":
         ratio = jnp.exp(_gspo_token_log_ratio(log_w, sis_log_w, accept, keep))
         token_loss, clip_active = _ppo_clip(ratio, adv, accept, eps, None)
+    elif config.algo == "sa_gcpo":
+        ratio = jnp.exp(sis_log_w)
+        token_loss, clip_active = _sa_gcpo(ratio, adv, config.gate_tau_pos, config.gate_tau_neg)
     else:  # cispo
         ratio = jnp.exp(sis_log_w)
         token_loss, clip_active = _cispo(ratio, logp_c, adv, accept, eps)
@@ -367,6 +442,6 @@ def policy_loss(
         token_loss = token_loss * weights
 
     token_loss = jnp.where(keep, token_loss, jnp.zeros((), dtype))
-    loss = aggregate(token_loss, keep, config.agg)
+    loss = aggregate(token_loss, keep, config.aggregation)
     metrics = _metrics(log_w, accept, clip_active, jax.lax.stop_gradient(ratio) * weights, keep)
     return loss, metrics

@@ -5,13 +5,16 @@ shardings (a cross-mesh transfer when the roles are disjoint, a no-op copy when 
 devices); values are equal. With ``sync`` (a :class:`jaxflow.sync.weight_sync.WeightSync`):
 the trainer's params are cast to bf16, the changed bit patterns since the last sync are
 encoded and applied to the bf16 replicas on the rollout mesh, and the first replica's params
-are returned (bit-identical to the trainer's bf16 cast). :class:`jaxflow.rl.grpo.GRPOTrainer`
-passes its own WeightSync here when its ``sync.codec`` is not "none".
+are returned (bit-identical to the trainer's bf16 cast).
+
+A trainer publishes through a :class:`Publisher`: :class:`DensePublisher` (the f32 copy, with a
+queue for async staleness k) or :class:`SyncPublisher` (SparseRL-Sync replicas), both keeping
+the same state layout.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -47,3 +50,123 @@ def publish_weights(params: Any, rollout_shardings: Any, *, sync: Any = None,
 def published_bytes(params: Any) -> int:
     """Bytes a dense publish moves (the sum of the parameters' sizes)."""
     return int(sum(np.dtype(x.dtype).itemsize * x.size for x in jax.tree.leaves(params)))
+
+
+# ----------------------------------------------------------------------------- publishers
+#
+# The trainer's state holds what the rollouts sample with in one layout, whichever publisher:
+#   state["published"]:          a tuple of n parameter trees on the rollout mesh, oldest first
+#   state["published_version"]:  int32[n], the trainer version (optimizer step) of each entry
+# A rollout samples with entry 0. The dense publisher keeps n = k + 1 (async staleness k); the
+# SparseRL-Sync publisher keeps n = 1, the serving bf16 replica's params.
+
+
+class Publisher(Protocol):
+    """How a trainer hands its weights to the rollout mesh (see the layout above)."""
+
+    def init(self, params: Any) -> tuple[tuple, jax.Array]:
+        """(published, published_version) at version 0 from the trainer's initial params."""
+
+    def rollout_params(self, published: tuple, versions: jax.Array) -> Any:
+        """The params a rollout samples with (rollout mesh, f32)."""
+
+    def publish(self, published: tuple, versions: jax.Array, params: Any, step: jax.Array, *,
+                rollout: int) -> tuple[tuple, jax.Array]:
+        """The new (published, published_version) after rollout ``rollout``'s updates, which
+        left the trainer at optimizer step ``step`` with ``params``."""
+
+
+class DensePublisher:
+    """Dense f32 copies into the rollout mesh's shardings, a queue of ``staleness + 1``: rollout r
+    samples the weights published after rollout ``r - 1 - staleness`` (version 0 before that)."""
+
+    def __init__(self, rollout_shardings: Any, *, staleness: int = 0):
+        if not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness={staleness!r}: need an int >= 0")
+        self.rollout_shardings, self.staleness = rollout_shardings, staleness
+
+    def init(self, params):
+        n = self.staleness + 1
+        published = tuple(publish_weights(params, self.rollout_shardings) for _ in range(n))
+        return published, _versions(jax.numpy.zeros((n,), jax.numpy.int32), params)
+
+    def rollout_params(self, published, versions):
+        return published[0]
+
+    def publish(self, published, versions, params, step, *, rollout):
+        new = publish_weights(params, self.rollout_shardings)
+        return (tuple(published[1:]) + (new,),
+                jax.numpy.concatenate([versions[1:], step[None]]))
+
+
+class SyncPublisher:
+    """SparseRL-Sync: the trainer's bf16 cast is synced into replicas on the rollout mesh every
+    ``config.every`` rollouts; the state holds the serving replica's bf16 params.
+
+    The :class:`jaxflow.sync.weight_sync.WeightSync` lives here, outside the state. A state
+    whose published version is not the replica's (a restored checkpoint, a fresh publisher) is
+    served after a dense resync of fresh replicas from the state's own bf16 params, so resuming
+    is bit-exact. States at the replica's version are the replica's own: every state is a pure
+    function of (seed, version), so equal versions of one run hold equal params.
+
+    Args:
+      rollout_shardings: the rollout mesh's parameter shardings.
+      config: a :class:`jaxflow.sync.weight_sync.SyncConfig`.
+      links: extra links (e.g. TCP replica processes) that receive every sync too.
+    """
+
+    def __init__(self, rollout_shardings: Any, config: Any, *, links: Sequence[Any] = ()):
+        self.rollout_shardings, self.config, self.links = rollout_shardings, config, tuple(links)
+        self.weight_sync = None  # jaxflow.sync.weight_sync.WeightSync, once init / served
+
+    def init(self, params):
+        from jaxflow.sync.weight_sync import WeightSync
+
+        self.weight_sync = WeightSync(params, self.rollout_shardings, self.config, version=0,
+                                      links=self.links)
+        if self.links:  # extra links (replica processes) start fresh
+            self.weight_sync.catch_up()
+        bf16 = self.weight_sync.rollout_params()
+        return (bf16,), _versions(jax.numpy.zeros((1,), jax.numpy.int32), params)
+
+    def serving(self, published, versions):
+        """The WeightSync at the state's published version (resynced when it is not)."""
+        from jaxflow.sync.weight_sync import WeightSync
+
+        version = int(versions[0])
+        ws = self.weight_sync
+        if ws is None or ws.version != version:
+            self.weight_sync = ws = WeightSync.resume(
+                published[0], self.rollout_shardings, self.config, version=version,
+                links=self.links)
+        return ws
+
+    def rollout_params(self, published, versions):
+        from jaxflow.sync.replica import VersionMismatch
+
+        ws = self.serving(published, versions)
+        bf16 = ws.rollout_params()  # the per-rollout version check (catch-up or error)
+        expected = int(versions[0])
+        if ws.replicas[0].version != expected:
+            raise VersionMismatch(f"rollout replica is at version {ws.replicas[0].version}, "
+                                  f"the state's published version is {expected}")
+        return jax.tree.map(
+            lambda x: x.astype(jax.numpy.float32) if jax.numpy.issubdtype(
+                x.dtype, jax.numpy.floating) else x, bf16)
+
+    def publish(self, published, versions, params, step, *, rollout):
+        ws = self.serving(published, versions)
+        if not ws.due(rollout + 1):  # ``every`` counts rollouts
+            return published, versions
+        bf16 = publish_weights(params, self.rollout_shardings, sync=ws, version=int(step))
+        return (bf16,), step[None]
+
+
+def _versions(zeros: jax.Array, like: Any) -> jax.Array:
+    """``zeros`` replicated on the devices of ``like``'s first leaf."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = getattr(jax.tree.leaves(like)[0], "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        return jax.device_put(zeros, NamedSharding(sharding.mesh, PartitionSpec()))
+    return zeros

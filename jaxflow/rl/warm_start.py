@@ -9,30 +9,21 @@ a killed build never leaves a half-written cache entry.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import pathlib
-import shutil
 from typing import Any
 
 import jax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxflow.cache import build_once, cache_entry, config_hash  # noqa: F401  (config_hash: API)
 from jaxflow.checkpoint import Checkpointer
-from jaxflow.experiment import RunContext, to_jsonable
+from jaxflow.experiment import RunContext
 from jaxflow.train.lm_state import LMFunctions, make_optimizer
 
 
-def config_hash(config: Any) -> str:
-    """12 hex digits of sha256 over the config's canonical JSON."""
-    text = json.dumps(to_jsonable(config), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
 def cache_dir(pretrain_config: Any, cache_root: str | pathlib.Path) -> pathlib.Path:
-    return pathlib.Path(cache_root) / f"lm_pretrain-{config_hash(pretrain_config)}"
+    return cache_entry(cache_root, "lm_pretrain", pretrain_config)
 
 
 def build_pretrain_cache(pretrain_config: Any, cache_root: str | pathlib.Path,
@@ -42,23 +33,19 @@ def build_pretrain_cache(pretrain_config: Any, cache_root: str | pathlib.Path,
     from jaxflow.train.pretrain import pretrain
 
     target = cache_dir(pretrain_config, cache_root)
-    if (target / "summary.json").exists():
-        return target
-    log(f"warm start: training lm_pretrain into {target} (cached for later runs)")
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    ctx = RunContext(name="lm_pretrain", variant="warm_start", out_dir=tmp)
-    try:
-        ctx.write_json("config.json", {"experiment": "lm_pretrain", "variant": "warm_start",
-                                       "config": pretrain_config})
-        summary = pretrain(pretrain_config, ctx)
-    finally:
-        ctx.close()
-    ctx.write_json("summary.json", summary)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process finished the same entry first
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def build(tmp: pathlib.Path) -> None:
+        log(f"warm start: training lm_pretrain into {target} (cached for later runs)")
+        ctx = RunContext(name="lm_pretrain", variant="warm_start", out_dir=tmp)
+        try:
+            ctx.write_json("config.json", {"experiment": "lm_pretrain", "variant": "warm_start",
+                                           "config": pretrain_config})
+            summary = pretrain(pretrain_config, ctx)
+        finally:
+            ctx.close()
+        ctx.write_json("summary.json", summary)
+
+    build_once(target, build)
     return target
 
 
@@ -74,8 +61,7 @@ def load_pretrained_params(pretrain_config: Any, cache_root: str | pathlib.Path,
         raise FileNotFoundError(f"warm-start cache {entry} has no checkpoint; delete it to rebuild")
     mesh = jax.tree.leaves(fns.param_shardings)[0].mesh
     replicated = NamedSharding(mesh, PartitionSpec())
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          nnx.to_pure_dict(fns.abstract_state), fns.param_shardings)
+    params = fns.abstract_params()
     tx = make_optimizer(pretrain_config.optim, pretrain_config.train.steps)
     opt = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                        jax.eval_shape(tx.init, params))

@@ -4,19 +4,25 @@
     wire = payload.to_bytes()
     params = sync.apply(sync.Payload.from_bytes(wire), params, version=3)   # now version 4
 
-Modules: bits (bit views), diff (tree diff), tracker (in-mesh change tracking), codecs and
-entropy (section formats), payload (wire format), encoder / receiver (encode / apply),
-bound (entropy bound), baseline (PULSE-style codec), replica (sender / replicas, catch-up) and transport/ (in-process, TCP, storage).
+A delta payload carries the on-device digest of the tree it was encoded against and applies
+only to that tree at its base version; a malformed or inapplicable payload raises
+PayloadError before anything is written. Wire format (version 2): docs/sync_payload_format.md.
+
+Modules: bits (bit views), diff (tree diff), digest (on-device base-tree digest), tracker
+(in-mesh change tracking), codecs and entropy (section formats), payload (wire format),
+encoder / receiver (encode / apply), bound (entropy bound), baseline (PULSE-style codec),
+replica (sender / replicas, catch-up) and transport/ (in-process, TCP, storage).
 """
 
 from jaxflow.sync.encoder import CODECS, encode, encode_diffs
 from jaxflow.sync.receiver import apply
+from jaxflow.sync.digest import device_digest
 from jaxflow.sync.payload import Payload, PayloadError
 from jaxflow.sync.tracker import ChangeTracker, CompactBackend
 from jaxflow.sync.replica import (FRESH, PublishStats, Replica, SyncSender, VersionMismatch,
                                   to_bf16, tree_digest)
-from jaxflow.sync.weight_sync import OFF, SYNC_CODECS, SyncConfig, WeightSync
+from jaxflow.sync.weight_sync import SYNC_CODECS, SyncConfig, WeightSync
 
-__all__ = ["CODECS", "FRESH", "OFF", "SYNC_CODECS", "ChangeTracker", "CompactBackend", "Payload", "PayloadError",
-           "PublishStats", "Replica", "SyncConfig", "SyncSender", "VersionMismatch", "apply", "encode",
+__all__ = ["CODECS", "FRESH", "SYNC_CODECS", "ChangeTracker", "CompactBackend", "Payload", "PayloadError",
+           "PublishStats", "Replica", "SyncConfig", "SyncSender", "VersionMismatch", "apply", "device_digest", "encode",
            "WeightSync", "encode_diffs", "to_bf16", "tree_digest"]

@@ -21,13 +21,14 @@ def is_bf16(dtype) -> bool:
 
 
 def host_array(x) -> np.ndarray:
-    """A C-contiguous numpy view (or copy) of a numpy/jax array or Python scalar."""
-    return np.ascontiguousarray(np.asarray(x))
+    """A C-contiguous numpy view (or copy) of a numpy/jax array or Python scalar, same shape
+    (``np.ascontiguousarray`` would turn a 0-d array into shape (1,))."""
+    return np.asarray(x, order="C")
 
 
 def as_bits(x: np.ndarray) -> np.ndarray:
     """The unsigned-integer view of ``x`` with the same itemsize, flattened: uint16 for bf16."""
-    x = np.ascontiguousarray(x)
+    x = np.asarray(x, order="C")
     udtype = np.dtype(f"u{x.dtype.itemsize}") if x.dtype.itemsize in (1, 2, 4, 8) else None
     if udtype is None:
         raise ValueError(f"unsupported itemsize {x.dtype.itemsize} for dtype {x.dtype}")

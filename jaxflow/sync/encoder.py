@@ -7,6 +7,8 @@ Codecs (the names of ``sync.encode(..., codec=)`` and of the benchmark's maps):
   entropy  Rice-coded gaps + sign/magnitude-coded ulp differences (entropy.py).
   auto     per leaf: entropy-coded sparse, or when a leaf is heavily changed a bitmask section,
            or raw dense when that is smaller still.
+Every payload but a full one (``dense``) carries ``device_digest`` of the tree it was encoded
+against, which ``apply`` checks on the receiver.
 Sparse leaves are merged into buckets of up to ``bucket_elems`` elements (one position space,
 one set of streams) so many small tensors cost a few messages, not one each. Non-bf16 leaves
 are carried whole, bit-exact, when any bit changed (always, for ``dense``).
@@ -14,13 +16,15 @@ are carried whole, bit-exact, when any bit changed (always, for ``dense``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxflow.sync import bits, codecs, entropy
 from jaxflow.sync.diff import LeafDiff, diff_tree
-from jaxflow.sync.payload import LeafSpec, Payload, Section
+from jaxflow.sync.digest import device_digest
+from jaxflow.sync.payload import CODECS, LeafSpec, Payload, PayloadError, Section
 
-CODECS = ("dense", "coo", "gap", "entropy", "auto")
 DEFAULT_BUCKET_ELEMS = 1 << 26
 # auto: above this changed fraction a leaf is sent as bitmask + values instead of positions.
 MASK_DENSITY = 0.25
@@ -32,19 +36,40 @@ def encode(old_params, new_params, *, base_version: int, version: int, codec: st
     """Encodes the bit-pattern changes from ``old_params`` (the receiver's snapshot at
     ``base_version``) to ``new_params`` (the trainer's bf16 cast, ``version``).
 
-    Both trees must have the same structure, shapes and dtypes. Returns a Payload whose
-    ``apply`` reproduces ``new_params`` bit for bit.
+    Both trees must have the same structure, shapes and dtypes, and ``version`` must exceed
+    ``base_version``. Returns a Payload whose ``apply`` reproduces ``new_params`` bit for bit;
+    unless it is full (``codec="dense"``) it carries ``device_digest(old_params)``, computed
+    where the old leaves live.
     """
+    _check_versions(base_version, version)
     treedef, specs, diffs = diff_tree(old_params, new_params)
+    base_digest = None if codec == "dense" else device_digest(old_params)
     return encode_diffs(treedef, specs, diffs, base_version=base_version, version=version,
-                        codec=codec, bucket_elems=bucket_elems, zstd_level=zstd_level)
+                        codec=codec, bucket_elems=bucket_elems, zstd_level=zstd_level,
+                        base_digest=base_digest)
+
+
+def _check_versions(base_version, version) -> None:
+    for name, v in (("base_version", base_version), ("version", version)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise ValueError(f"{name} must be an int, got {v!r}")
+    if int(base_version) < -1 or int(version) <= int(base_version):
+        raise ValueError(f"version {version} must exceed base_version {base_version} "
+                         "(and base_version must be >= -1, FRESH)")
 
 
 def encode_diffs(treedef: str, specs: tuple[LeafSpec, ...], diffs: list[LeafDiff], *,
                  base_version: int, version: int, codec: str = "auto",
                  bucket_elems: int = DEFAULT_BUCKET_ELEMS,
-                 zstd_level: int = entropy.DEFAULT_ZSTD_LEVEL) -> Payload:
-    """Encodes precomputed per-leaf diffs (from ``diff_tree`` or a ``ChangeTracker``)."""
+                 zstd_level: int = entropy.DEFAULT_ZSTD_LEVEL,
+                 base_digest: str | None = None) -> Payload:
+    """Encodes precomputed per-leaf diffs (from ``diff_tree`` or a ``ChangeTracker``).
+
+    ``base_digest``: ``device_digest`` of the tree the diffs were taken against; delta
+    payloads should carry it (``apply`` then refuses any other base). Dropped for full
+    payloads, which do not depend on the base.
+    """
+    _check_versions(base_version, version)
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; valid: {CODECS}")
     if len(specs) != len(diffs):
@@ -66,8 +91,14 @@ def encode_diffs(treedef: str, specs: tuple[LeafSpec, ...], diffs: list[LeafDiff
             sparse.append(i)
     for bucket in _buckets(sparse, specs, bucket_elems):
         sections.append(_bucket_section(codec, bucket, specs, diffs, zstd_level))
-    return Payload(base_version=int(base_version), version=int(version), codec=codec,
-                   treedef=treedef, leaves=tuple(specs), sections=tuple(sections))
+    payload = Payload(base_version=int(base_version), version=int(version), codec=codec,
+                      treedef=treedef, leaves=tuple(specs), sections=tuple(sections))
+    if base_digest is not None and not payload.is_full:
+        payload = dataclasses.replace(payload, base_digest=base_digest)
+    try:
+        return payload.validate()
+    except PayloadError as e:
+        raise ValueError(f"encode produced an invalid payload: {e}") from None
 
 
 def _full(spec: LeafSpec, diff: LeafDiff) -> np.ndarray:

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxflow.sync import bits, codecs, entropy
 from jaxflow.sync.diff import tree_layout
+from jaxflow.sync.digest import device_digest
 from jaxflow.sync.payload import Payload, PayloadError
 
 _BUCKET_KINDS = ("coo", "gap", "entropy")
@@ -25,24 +26,27 @@ _CHUNK = 1 << 18
 
 
 def apply(payload: Payload, params, *, version: int, inplace: bool = False,
-          on_device: bool | None = None):
+          on_device: bool | None = None, rollback: bool = False):
     """Returns ``params`` advanced from ``version`` to ``payload.version``.
 
     Args:
       payload: a Payload (e.g. from ``Payload.from_bytes``).
       params: the receiver's tree at ``version``; numpy or jax leaves. Unchanged leaves are
-        returned as the same objects; changed jax leaves keep their sharding.
-      version: the receiver's current version; must equal ``payload.base_version``.
+        returned as the same objects; changed jax leaves keep their sharding. Shapes (0-d and
+        empty included), dtypes and the tree structure come back exactly.
+      version: the receiver's current version. A delta payload needs
+        ``version == payload.base_version`` and ``params`` whose on-device digest equals the
+        payload's ``base_digest`` (so a wrong ``version=`` cannot apply a delta twice); a full
+        payload applies from any version up to its own.
       inplace: write changed numpy leaves in place (only after all validation passed).
       on_device: update jax leaves with an integer scatter on their own devices (keeping
         their sharding, no host round trip of the leaf) instead of on the host. Default: on
         for leaves living on an accelerator, off on CPU where host numpy is faster.
+      rollback: allow a full payload older than ``version`` (an explicit rollback).
     Raises:
       PayloadError: the payload does not apply; ``params`` are unchanged.
     """
-    if payload.base_version != version:
-        raise PayloadError(f"payload applies to version {payload.base_version}, "
-                           f"receiver is at version {version}")
+    check_applicable(payload, version, rollback=rollback)
     treedef_str, leaves, specs = tree_layout(params)
     if treedef_str != payload.treedef:
         raise PayloadError(f"tree structure mismatch: payload has {payload.treedef}, "
@@ -54,6 +58,14 @@ def apply(payload: Payload, params, *, version: int, inplace: bool = False,
             raise PayloadError(f"leaf mismatch: payload {theirs.name} {theirs.dtype}"
                                f"{list(theirs.shape)}, receiver {mine.name} {mine.dtype}"
                                f"{list(mine.shape)}")
+    if payload.base_digest is not None and not payload.is_full:
+        mine = device_digest(params)
+        if mine != payload.base_digest:
+            raise PayloadError(
+                f"base digest mismatch: the payload was encoded against a tree with digest "
+                f"{payload.base_digest} (version {payload.base_version}), the receiver's tree "
+                f"at version {version} has digest {mine}; applying would corrupt it (applied "
+                "twice, or a wrong version=?)")
     updates = decode_updates(payload, leaves)
     out = list(leaves)
     for i, update in updates.items():
@@ -62,6 +74,28 @@ def apply(payload: Payload, params, *, version: int, inplace: bool = False,
             on_device if on_device is not None else next(iter(leaf.sharding.device_set)).platform != "cpu")
         out[i] = _write_on_device(leaf, update) if device else _write(leaf, update, inplace)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), out)
+
+
+def check_applicable(payload: Payload, version: int, *, rollback: bool = False,
+                     who: str = "receiver") -> None:
+    """The version rules of ``apply`` (envelope validated first); PayloadError naming both
+    versions when ``payload`` cannot take a ``who`` at ``version`` forward."""
+    if not isinstance(payload, Payload):
+        raise PayloadError(f"expected a Payload, got {type(payload).__name__}")
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+        raise PayloadError(f"version must be an int, got {version!r}")
+    version = int(version)
+    payload.validate()
+    if payload.is_full:
+        if payload.version < version and not rollback:
+            raise PayloadError(f"payload is version {payload.version}, older than the {who}'s "
+                               f"version {version}: refused (pass rollback=True to roll back)")
+    elif payload.base_version != version:
+        older = " (an older payload; only a full payload can roll back)" if (
+            payload.version <= version) else ""
+        raise PayloadError(f"payload applies to version {payload.base_version}, {who} is at "
+                           f"{version} (payload: {payload.base_version} -> {payload.version})"
+                           f"{older}")
 
 
 def decode_updates(payload: Payload, leaves: list) -> dict[int, tuple]:
@@ -141,6 +175,9 @@ def _write_on_device(leaf: jax.Array, update):
         host = np.asarray(update[1]).view(np.dtype(leaf.dtype)).reshape(leaf.shape)
         return jax.device_put(host, leaf.sharding)
     kind, pos, values = update
+    if leaf.ndim == 0:  # unravel_index has no 0-d form: scatter into a (1,) view
+        out = _write_on_device(leaf.reshape(1), update).reshape(())
+        return out if out.sharding == leaf.sharding else jax.device_put(out, leaf.sharding)
     # n-d indices: a flat view of a sharded leaf would need a reshape across shards.
     index = tuple(jnp.asarray(i, jnp.int32) for i in np.unravel_index(pos, leaf.shape))
     gathered = kept = None

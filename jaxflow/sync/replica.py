@@ -28,14 +28,12 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from jaxflow.sync import bits
+from jaxflow.sync import bits, digest
 from jaxflow.sync.bound import entropy_bound_bytes
 from jaxflow.sync.diff import diff_tree, tree_layout
 from jaxflow.sync.encoder import CODECS, encode, encode_diffs
-from jaxflow.sync.payload import Payload, PayloadError
-from jaxflow.sync.receiver import apply
-
-FRESH = -1  # version of a replica that holds only a template (any dense payload fixes it)
+from jaxflow.sync.payload import FRESH, Payload, PayloadError
+from jaxflow.sync.receiver import apply, check_applicable
 
 
 class VersionMismatch(RuntimeError):
@@ -64,8 +62,7 @@ def tree_digest(params: Any) -> str:
 def is_full(payload: Payload) -> bool:
     """True when every leaf is carried whole (dense / exact sections): such a payload does not
     depend on the receiver's old values and may be applied from any version (a resync)."""
-    covered = {i for s in payload.sections if s.kind in ("dense", "exact") for i in s.leaves}
-    return len(covered) == len(payload.leaves)
+    return payload.is_full
 
 
 class Replica:
@@ -80,6 +77,9 @@ class Replica:
     """
 
     def __init__(self, params: Any, *, version: int = 0, shardings: Any = None):
+        if (isinstance(version, bool) or not isinstance(version, (int, np.integer))
+                or version < FRESH):
+            raise ValueError(f"version={version!r}: need an int >= {FRESH} (FRESH)")
         if shardings is not None:
             params = jax.device_put(params, shardings)
         self._params, self._version = params, int(version)
@@ -96,22 +96,21 @@ class Replica:
     def digest(self) -> str:
         return tree_digest(self._params)
 
-    def receive(self, data: bytes | bytearray | memoryview | Payload) -> int:
+    def receive(self, data: bytes | bytearray | memoryview | Payload, *,
+                rollback: bool = False) -> int:
         """Verifies and applies one payload; returns the new version.
 
-        A full (dense) payload is accepted from any version; any other must name this
-        replica's version as its base. Raises PayloadError with params and version unchanged.
+        A full (dense) payload is accepted from any version up to its own, and from a newer
+        one only with ``rollback=True``; a delta payload must name this replica's version as
+        its base and carry the digest of this replica's tree (checked on its devices). Raises
+        PayloadError naming both versions, with params and version unchanged.
         """
         payload = data if isinstance(data, Payload) else Payload.from_bytes(data)
-        if payload.base_version != self._version:
-            if not is_full(payload):
-                raise PayloadError(f"payload applies to version {payload.base_version}, "
-                                   f"replica is at {self._version} (and it is not a full resync)")
-            payload = dataclasses.replace(payload, base_version=self._version)
+        check_applicable(payload, self._version, rollback=rollback, who="replica")
         # on_device passed explicitly: receiver.apply's default probes ``leaf.devices().pop()``,
         # which empties the sharding's cached device set (shared by every same-sharded array).
         self._params = apply(payload, self._params, version=self._version,
-                             on_device=_on_accelerator(self._params))
+                             on_device=_on_accelerator(self._params), rollback=rollback)
         self._version = payload.version  # only after apply succeeded
         if not isinstance(data, Payload):
             self.bytes_received += len(data)
@@ -178,9 +177,14 @@ class SyncSender:
             raise ValueError(f"unknown codec {codec!r}; valid: {CODECS}")
         if history < 0:
             raise ValueError(f"history={history}: need >= 0")
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+            raise ValueError(f"version={version!r}: need an int >= 0")
         self.codec, self.history = codec, history
         self._snapshot = to_bf16(params)
         self._version = int(version)
+        # Per-leaf digest lanes of the snapshot (jaxflow.sync.digest), computed once and then
+        # advanced from each publish's diff in O(changes): the base digest costs no pass.
+        self._lanes: np.ndarray | None = None
         self._steps: dict[int, tuple[int, bytes]] = {}  # base version -> (version, bytes)
         self._dense: bytes | None = None
         self._digest: str | None = None
@@ -209,8 +213,13 @@ class SyncSender:
         new = to_bf16(params)
         t0 = time.perf_counter()
         treedef, specs, diffs = diff_tree(self._snapshot, new)
+        base_digest = None
+        if self.codec != "dense":
+            if self._lanes is None:
+                self._lanes = digest.tree_lanes(self._snapshot)
+            base_digest = digest.combine(treedef, specs, self._lanes)
         payload = encode_diffs(treedef, specs, diffs, base_version=self._version,
-                               version=version, codec=self.codec)
+                               version=version, codec=self.codec, base_digest=base_digest)
         data = payload.to_bytes()
         encode_s = time.perf_counter() - t0
         bf16_ids = [i for i, s in enumerate(specs) if s.dtype == bits.BF16.name]
@@ -224,11 +233,31 @@ class SyncSender:
         self._steps[self._version] = (version, data)
         for base in sorted(self._steps)[: max(0, len(self._steps) - self.history)]:
             del self._steps[base]
+        if self._lanes is not None:
+            self._advance_lanes(specs, diffs, jax.tree_util.tree_leaves(new))
         self._snapshot, self._version, self._digest = new, version, None
         return stats
 
+    def _advance_lanes(self, specs, diffs, new_leaves) -> None:
+        for i, (spec, diff) in enumerate(zip(specs, diffs)):
+            if not diff.count:
+                continue
+            if spec.dtype == bits.BF16.name:  # one word per element: update the changes only
+                self._lanes[i] += digest.lanes_delta(diff.positions, diff.old_bits,
+                                                     diff.new_bits)
+            else:
+                self._lanes[i] = digest.host_lanes(np.asarray(new_leaves[i]))
+
+    def base_digest(self) -> str:
+        """``device_digest`` of the snapshot (what the next step payload names as its base)."""
+        if self._lanes is None:
+            self._lanes = digest.tree_lanes(self._snapshot)
+        treedef, _, specs = tree_layout(self._snapshot)
+        return digest.combine(treedef, specs, self._lanes)
+
     def _dense_of(self, params: Any, version: int) -> bytes:
-        self._dense = encode(params, params, base_version=version, version=version,
+        # base FRESH: a full payload applies from any version (Payload.is_full)
+        self._dense = encode(params, params, base_version=FRESH, version=version,
                              codec="dense").to_bytes()
         return self._dense
 

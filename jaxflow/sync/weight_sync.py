@@ -5,8 +5,8 @@
 uses it when given one (``sync=``); ``SyncConfig`` is the ``sync`` sub-config of an RL
 experiment (``--set sync.codec=entropy --set sync.every=4``), and
 :class:`jaxflow.rl.grpo.GRPOTrainer` builds and drives its own WeightSync from it (see there).
-``sync.codec="none"`` switches weight sync off: the trainer then publishes its f32 params with a
-plain dense copy (the behaviour before weight sync existed).
+An RL config's ``sync=None`` (``--set sync=none``) switches weight sync off: the trainer then
+publishes its f32 params with a plain dense copy.
 
     ws = WeightSync(params, rollout_shardings, SyncConfig(codec="auto", every=4))
     for rollout in range(1, rollouts + 1):
@@ -31,15 +31,14 @@ from jaxflow.sync.replica import (FRESH, Link, PublishStats, Replica, SyncSender
 from jaxflow.sync.transport.inprocess import InProcessLink
 
 ON_MISMATCH = ("resync", "error")
-OFF = "none"  # sync.codec value that switches weight sync off (plain dense f32 publish)
-SYNC_CODECS = (OFF, *CODECS)
+SYNC_CODECS = CODECS
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
     """Attributes:
-      codec: a ``jaxflow.sync.CODECS`` name, or "none": no weight sync (the RL trainer's plain
-        dense f32 publish; a WeightSync refuses it).
+      codec: a ``jaxflow.sync.CODECS`` name. (No weight sync at all is ``sync=None`` in the
+        RL configs, not a codec.)
       every: sync every this many trainer publishes. In :class:`jaxflow.rl.grpo.GRPOTrainer` a
         publish ends every rollout, so ``every`` counts ROLLOUTS (RL steps): with policy lag N
         the trainer syncs every ``every * N`` optimizer steps, and the rollouts in between
@@ -61,8 +60,8 @@ class SyncConfig:
 
     def __post_init__(self):
         if self.codec not in SYNC_CODECS:
-            raise ValueError(f"sync.codec={self.codec!r}; valid: {SYNC_CODECS} "
-                             f"({OFF!r} switches weight sync off)")
+            hint = " (no weight sync: set sync=none)" if self.codec == "none" else ""
+            raise ValueError(f"sync.codec={self.codec!r}; valid: {SYNC_CODECS}{hint}")
         for name in ("every", "replicas"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"sync.{name}={getattr(self, name)!r}: need an int >= 1")
@@ -70,10 +69,6 @@ class SyncConfig:
             raise ValueError(f"sync.history={self.history}: need >= 0")
         if self.on_mismatch not in ON_MISMATCH:
             raise ValueError(f"sync.on_mismatch={self.on_mismatch!r}; valid: {ON_MISMATCH}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.codec != OFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +96,6 @@ class WeightSync:
 
     def __init__(self, params: Any, rollout_shardings: Any, config: SyncConfig = SyncConfig(),
                  *, version: int = 0, links: Sequence[Link] = (), fresh: bool = False):
-        if not config.enabled:
-            raise ValueError(f"sync.codec={config.codec!r} means no weight sync; a WeightSync "
-                             f"needs one of {CODECS}")
         self.config = config
         self.sender = SyncSender(params, version=version, codec=config.codec,
                                  history=config.history)
@@ -171,5 +163,5 @@ class WeightSync:
         return rep.params
 
 
-__all__ = ["OFF", "ON_MISMATCH", "SYNC_CODECS", "SyncConfig", "SyncRecord", "VersionMismatch",
+__all__ = ["ON_MISMATCH", "SYNC_CODECS", "SyncConfig", "SyncRecord", "VersionMismatch",
            "WeightSync"]

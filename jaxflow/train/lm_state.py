@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxflow.config import require_finite, require_positive, require_range
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules, shardings_from_logical
 from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
 
@@ -32,6 +33,15 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.98
     grad_clip: float = 1.0
+
+    def __post_init__(self):
+        require_finite(self, "lr", "grad_clip", positive=True)
+        require_positive(self, "warmup_steps", allow_zero=True)
+        require_range(self, "final_lr_fraction", 0.0, 1.0)
+        require_finite(self, "weight_decay")
+        require_range(self, "weight_decay", 0.0, float("inf"))
+        require_range(self, "b1", 0.0, 1.0, high_open=True)
+        require_range(self, "b2", 0.0, 1.0, high_open=True)
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
@@ -63,6 +73,12 @@ class LMFunctions:
     def model(self, params: Any) -> Transformer:
         """The nnx model for a pure-dict ``params`` (inside or outside jit)."""
         return nnx.merge(self.graphdef, self.nnx_state(params))
+
+    def abstract_params(self) -> Any:
+        """Pure-dict ``jax.ShapeDtypeStruct`` leaves with their trainer shardings (what
+        ``Checkpointer.restore`` or ``jax.jit(..., out_shardings=)`` take); no allocation."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            nnx.to_pure_dict(self.abstract_state), self.param_shardings)
 
 
 def lm_functions(model_cfg: TransformerConfig, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> LMFunctions:

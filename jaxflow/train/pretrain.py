@@ -82,6 +82,7 @@ def pretrain(config, run: RunContext) -> dict:
         if ckpt.save(done, state, force=done == tc.steps) and done == kill_at:
             ckpt.wait()
             os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.stop_if_requested(done, state)  # SIGINT / SIGTERM: checkpoint this step and stop
     ckpt.close()
     if accuracy is None:  # resumed at the very end: nothing left to train
         accuracy = evaluate(state["params"])

@@ -1,0 +1,48 @@
+"""Micro-batch pipeline: train on rollouts as they finish, step when version v is complete.
+
+Per agent and version v the trainer consumes micro-batches (``micro_inputs`` inputs' G
+trajectories, rows taken from the :class:`~jaxflow.marl.store.ExperienceStore` in input order)
+as soon as the rollout engine stores them, accumulates ``grad(loss_mb) * weight_mb`` (weight =
+the micro-batch's share of the loss normaliser: unmasked tokens for ``token-mean``, rows for the
+``seq-mean-*`` aggs) in one jitted call per micro-batch, and applies one optimizer step with
+``sum(grads) / sum(weights)`` once all of v's rows are consumed; then it publishes version v+1.
+
+Modes (:func:`~jaxflow.marl.pipeline.threads.run_pipeline`):
+
+  strict    rollouts of batch v use exactly version v's weights (they start after the publish):
+            the synchronous algorithm (:func:`run_sync`: roll out everything, then one
+            full-batch GRPO step per agent) on the same samples, up to the summation order of
+            the gradient. pi_old == the current params throughout v.
+  bounded   staleness ``eta``: rollouts of batch v may start as soon as *some* complete version
+            w >= v - eta is published and use the newest one; the trainer of step v consumes
+            batch v's rows, whose version lag v - w <= eta is checked, and the run reports the
+            observed lag (``RunResult.staleness``). pi_old is the trainer's current params, the
+            sampler's log-probs are the behaviour policy (GRPOConfig's importance correction).
+            ``eta = 0`` is strict.
+
+Micro-batches are consumed in input order, so a run is deterministic whatever order the rollout
+workers finish in (strict runs with and without state swapping, or resumed from a checkpoint,
+are bit-identical). Samples are a pure function of (seed, batch v, input, turn, row).
+
+Durability: with ``persist_state`` every micro-batch commit also stores the trainer's state
+(version, micro-batches done, gradient accumulator, weight sum, params + optimizer state)
+atomically with the consumed rows, and ``resume=True`` restarts every trainer from it (the
+rollouts regenerate only rows that are missing).
+
+Modules: ``accumulate`` (pure gradient accumulation and the trainer's committed state),
+``versions`` (the board of published weights), ``runtime`` (one agent's compiled functions and
+engine, row keys, rollouts of a batch of inputs), ``sync`` (the barrier baseline and the run
+result), ``threads`` (the rollout / trainer threads and :func:`run_pipeline`).
+"""
+
+from jaxflow.marl.pipeline.accumulate import (PAYLOAD_FIELDS, Accumulator, accumulate,
+                                              apply_accumulated, flatten_accumulator,
+                                              group_rows, loss_weight, relative_param_diff,
+                                              stack_rows, unflatten_accumulator, weighted_grad)
+from jaxflow.marl.pipeline.runtime import (AgentRuntime, agent_loads, input_prompts, loss_key,
+                                           request_row_keys, rollout_input, rollout_inputs,
+                                           sample_key, split_batch)
+from jaxflow.marl.pipeline.sync import RunResult, run_sync
+from jaxflow.marl.pipeline.threads import (Interrupted, PipelineRun, run_bounded, run_pipeline,
+                                           run_strict)
+from jaxflow.marl.pipeline.versions import VersionBoard

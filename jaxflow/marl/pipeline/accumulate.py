@@ -1,0 +1,120 @@
+"""Gradient accumulation over micro-batches, as pure functions.
+
+A trainer consumes one version's rows in micro-batches and accumulates
+``grad(loss_mb) * weight_mb``, where the weight is the micro-batch's share of the loss
+normaliser (unmasked tokens for ``token-mean``, rows for the ``seq-mean-*`` aggregations). One
+optimizer step with ``sum(grads) / sum(weights)`` then equals the full-batch GRPO step up to the
+summation order of the gradient.
+
+The accumulator (version, micro-batches done, gradient sum, weight sum, policy) flattens to a
+dict of host arrays (:func:`flatten_accumulator`) so the experience store can commit it
+atomically with the consumed rows, and restores with :func:`unflatten_accumulator`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxflow.rl.advantages import grpo_advantages
+from jaxflow.rl.grpo import GRPOConfig, MiniBatch, grpo_loss, old_stats
+from jaxflow.rl.rollout import RolloutBatch
+
+PAYLOAD_FIELDS = MiniBatch._fields  # prompts, prompt_lengths, tokens, mask, behaviour_logp, advantages
+
+
+def loss_weight(mb: MiniBatch, agg: str) -> jax.Array:
+    """The micro-batch's share of the loss normaliser (see module doc); a f32 scalar."""
+    if agg == "token-mean":
+        return jnp.sum(mb.mask)
+    return jnp.asarray(mb.mask.shape[0], jnp.float32)
+
+
+def weighted_grad(params: Any, mb: MiniBatch, old: Any, *, fns, config: GRPOConfig,
+                  key: jax.Array) -> tuple[Any, jax.Array]:
+    """``(grad(loss_mb) * weight_mb, weight_mb)`` for gradient accumulation."""
+    grads, _ = jax.grad(grpo_loss, has_aux=True)(params, mb, old, fns=fns, config=config, key=key)
+    w = loss_weight(mb, config.loss.aggregation)
+    return jax.tree.map(lambda g: g * w, grads), w
+
+
+def apply_accumulated(policy: dict, grad_sum: Any, weight_sum: jax.Array, *,
+                      tx: optax.GradientTransformation) -> dict:
+    """One optimizer step with the accumulated mean gradient ``grad_sum / weight_sum``."""
+    grads = jax.tree.map(lambda g: g / weight_sum, grad_sum)
+    updates, opt_state = tx.update(grads, policy["opt_state"], policy["params"])
+    return {"params": optax.apply_updates(policy["params"], updates), "opt_state": opt_state,
+            "step": policy["step"] + 1}
+
+
+def accumulate(grad_sum: Any, weight_sum: jax.Array, params: Any, mb: MiniBatch, *, fns,
+               config: GRPOConfig, key: jax.Array) -> tuple[Any, jax.Array]:
+    """One micro-batch into the accumulator: pi_old stats, weighted gradient and the sums, in
+    one program (one dispatch per micro-batch instead of one per op and leaf)."""
+    old = old_stats(fns, params, None, mb, config=config)
+    g, w = weighted_grad(params, mb, old, fns=fns, config=config, key=key)
+    return jax.tree.map(jnp.add, grad_sum, g), weight_sum + w
+
+
+def group_rows(batch: RolloutBatch, group_size: int, normalize_std: bool = True
+               ) -> list[dict[str, np.ndarray]]:
+    """One input's G trajectories -> G row payloads with group-normalised advantages."""
+    adv = np.asarray(grpo_advantages(jnp.asarray(batch.rewards), group_size,
+                                     normalize_std=normalize_std), np.float32)
+    arrays = (batch.prompts, batch.prompt_lengths, batch.tokens, batch.mask,
+              batch.behaviour_logp, adv)
+    return [{f: a[t] for f, a in zip(PAYLOAD_FIELDS, arrays)} | {"reward": batch.rewards[t]}
+            for t in range(group_size)]
+
+
+def stack_rows(payloads: list[dict[str, np.ndarray]]) -> MiniBatch:
+    """Row payloads -> a host MiniBatch (rows in the given order)."""
+    return MiniBatch(*(np.stack([p[f] for p in payloads]) for f in PAYLOAD_FIELDS))
+
+
+def relative_param_diff(a: Any, b: Any) -> float:
+    """Max over leaves of ``||a - b||_2 / ||b||_2`` (host or device pytrees of equal structure)."""
+    def leaf(x, y):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+    return max(jax.tree.leaves(jax.tree.map(leaf, a, b)))
+
+
+class Accumulator(NamedTuple):
+    """A trainer part-way through a version: ``micro`` micro-batches of ``version`` are in
+    ``grad_sum`` / ``weight_sum`` (None before the first), ``policy`` is its train state."""
+
+    version: int
+    micro: int
+    grad_sum: Any
+    weight_sum: Any
+    policy: dict
+
+
+def flatten_accumulator(acc: Accumulator) -> dict[str, np.ndarray]:
+    """Host arrays ``version``, ``micro``, ``weight_sum``, ``g<i>`` (gradient leaves) and
+    ``p<i>`` (policy leaves), for :meth:`ExperienceStore.commit`."""
+    out = {"version": np.asarray(acc.version), "micro": np.asarray(acc.micro),
+           "weight_sum": np.asarray(jax.device_get(acc.weight_sum))}
+    for i, x in enumerate(jax.tree.leaves(jax.device_get(acc.grad_sum))):
+        out[f"g{i}"] = np.asarray(x)
+    for i, x in enumerate(jax.tree.leaves(jax.device_get(acc.policy))):
+        out[f"p{i}"] = np.asarray(x)
+    return out
+
+
+def unflatten_accumulator(state: dict, like_policy: dict, shardings: dict) -> Accumulator:
+    """Inverse of :func:`flatten_accumulator`: the policy has ``like_policy``'s structure and
+    is placed with ``shardings`` (the trainer's ``{"params", "opt_state", "step"}``)."""
+    pdef = jax.tree.structure(like_policy)
+    gdef = jax.tree.structure(like_policy["params"])
+    policy = jax.tree.unflatten(pdef, [state[f"p{i}"] for i in range(pdef.num_leaves)])
+    grads = jax.tree.unflatten(gdef, [state[f"g{i}"] for i in range(gdef.num_leaves)])
+    policy = jax.tree.map(jax.device_put, policy, shardings)
+    grads = jax.tree.map(jax.device_put, grads, shardings["params"])
+    return Accumulator(int(state["version"]), int(state["micro"]), grads,
+                       jnp.asarray(state["weight_sum"]), policy)

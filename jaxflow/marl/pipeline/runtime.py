@@ -1,0 +1,161 @@
+"""One agent's runtime (compiled GRPO functions, optimizer, rollout engine) and the pure
+functions that key and batch rollouts.
+
+Samples are a pure function of (seed, version v, input, turn, row): input i's G rows of agent
+``name`` at version v are keyed ``fold_in(sample_key(seed, v, i, turn), t)``, so they do not
+depend on which inputs share an engine call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.marl.engine import RolloutEngine, row_keys
+from jaxflow.marl.pipeline.accumulate import accumulate, apply_accumulated, weighted_grad
+from jaxflow.marl.workflow import AgentSpec, Workflow
+from jaxflow.rl.grpo import GRPOConfig, MiniBatch, compiled_functions
+from jaxflow.rl.publish import publish_weights
+from jaxflow.rl.rollout import RolloutBatch, batch_sharding
+from jaxflow.rl.tasks import completion_text
+from jaxflow.train.lm_state import OptimConfig
+
+
+class AgentRuntime:
+    """One agent's compiled functions, optimizer and rollout engine (shared GRPO code)."""
+
+    def __init__(self, spec: AgentSpec, workflow: Workflow, meshes: dict[str, Mesh],
+                 optim: OptimConfig, *, n_inputs: int, total_steps: int, engine_chunk: int = 2,
+                 engine_compact: bool = True, **grpo_overrides):
+        self.spec = spec
+        self.config = GRPOConfig(prompts_per_rollout=n_inputs, group_size=spec.group_size,
+                                 max_new_tokens=spec.max_new_tokens, lag=1,
+                                 **{"sis_topk": 4} | grpo_overrides)
+        self.mesh = meshes["trainer"]
+        (self.fns, self.tx, self.shardings, self.old_stats,
+         self.update) = compiled_functions(spec.model, self.mesh, self.config, optim, total_steps)
+        self.tokenizer = CharTokenizer()
+        self.task = workflow.task(spec.name)
+        self.engine = RolloutEngine(spec.model, meshes["rollout"],
+                                    max_new_tokens=spec.max_new_tokens,
+                                    temperature=self.config.temperature, task=self.task,
+                                    tokenizer=self.tokenizer, chunk=engine_chunk,
+                                    compact=engine_compact)
+        self.weighted_grad = jax.jit(functools.partial(weighted_grad, fns=self.fns,
+                                                       config=self.config))
+        self.apply = jax.jit(functools.partial(apply_accumulated, tx=self.tx),
+                             out_shardings=self.shardings)
+        self._opt_init = jax.jit(self.tx.init, out_shardings=self.shardings["opt_state"])
+        self.accumulate = jax.jit(functools.partial(accumulate, fns=self.fns, config=self.config),
+                                  donate_argnums=0)
+        self.zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
+                             out_shardings=self.shardings["params"])
+
+    def init_policy(self, params: Any) -> dict:
+        params = jax.device_put(params, self.fns.param_shardings)
+        opt_state = self._opt_init(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, PartitionSpec()))
+        return {"params": jax.tree.map(jnp.copy, params), "opt_state": opt_state, "step": step}
+
+    def place(self, mb: MiniBatch) -> MiniBatch:
+        sharding = batch_sharding(self.mesh, mb.tokens.shape[0])
+        return MiniBatch(*(jax.device_put(x, sharding) for x in mb))
+
+    def publish(self, policy: dict) -> Any:
+        return publish_weights(policy["params"], self.engine.param_shardings)
+
+
+def agent_loads(workflow: Workflow, runtimes: dict[str, AgentRuntime]) -> dict[str, float]:
+    """Estimated rollout load per agent: G * max_new_tokens * parameter count."""
+    out = {}
+    for n in workflow.order():
+        rt = runtimes[n]
+        n_params = sum(int(np.prod(x.shape))
+                       for x in jax.tree.leaves(rt.fns.abstract_params()))
+        out[n] = float(rt.spec.group_size * rt.spec.max_new_tokens * n_params)
+    return out
+
+
+def input_prompts(workflow: Workflow, seed: int, version: int, n_inputs: int) -> list[str]:
+    """The turn-0 prompts of version ``version``: a pure function of (seed, version)."""
+    first = workflow.order()[0]
+    return workflow.task(first).prompts(np.random.default_rng([seed, version, 0x3A71]), n_inputs)
+
+
+def sample_key(seed: int, version: int, input_id: int, turn: int) -> jax.Array:
+    """The key of input ``input_id``'s group at (version, turn)."""
+    key = jax.random.fold_in(jax.random.key(seed), version)
+    return jax.random.fold_in(jax.random.fold_in(key, input_id), turn)
+
+
+def loss_key(seed: int, version: int, agent_index: int) -> jax.Array:
+    """The GRPO loss key of agent ``agent_index``'s step at ``version``."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed + 1), version), agent_index)
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _request_row_keys(seed, version, input_ids, turn, group_size):
+    def one(i):
+        return row_keys(sample_key(seed, version, i, turn), group_size)
+    return jax.vmap(one)(input_ids).reshape(-1)
+
+
+def request_row_keys(seed: int, version: int, input_ids: list[int], turn: int,
+                     group_size: int) -> jax.Array:
+    """Row keys [len(input_ids) * G]: row t of input i is ``fold_in(sample_key(seed, version,
+    i, turn), t)`` (one jitted call instead of per-key eager ops)."""
+    return _request_row_keys(np.uint32(seed), np.uint32(version),
+                             np.asarray(input_ids, np.uint32), np.uint32(turn), group_size)
+
+
+def rollout_inputs(workflow: Workflow, runtimes: dict[str, AgentRuntime], published: dict,
+                   prompts: list[str], *, seed: int, version: int, input_ids: list[int]
+                   ) -> dict[str, RolloutBatch]:
+    """Runs every agent on a batch of inputs in turn order (one engine call per agent; rows
+    ``k*G .. k*G+G-1`` belong to ``input_ids[k]``); a target's prompt comes from its source.
+    Samples do not depend on how inputs are batched (per-row keys, see ``engine``)."""
+    out: dict[str, RolloutBatch] = {}
+    texts: dict[str, list[str]] = {}
+    for name in workflow.order():
+        rt, edge = runtimes[name], workflow.upstream(name)
+        if edge is None:
+            texts[name] = list(prompts)
+        else:
+            src = runtimes[edge.source]
+            g = src.spec.group_size
+            texts[name] = [rt.task.from_upstream(
+                texts[edge.source][k],
+                completion_text(src.tokenizer, out[edge.source].tokens[k * g + edge.trajectory]))
+                for k in range(len(prompts))]
+        keys = request_row_keys(seed, version, input_ids, workflow.turn(name), rt.spec.group_size)
+        out[name] = rt.engine.generate_rows(published[name], texts[name], keys,
+                                            rt.spec.group_size)
+    return out
+
+
+def rollout_input(workflow: Workflow, runtimes: dict[str, AgentRuntime], published: dict,
+                  prompt: str, *, seed: int, version: int, input_id: int
+                  ) -> dict[str, RolloutBatch]:
+    """:func:`rollout_inputs` on one input."""
+    return rollout_inputs(workflow, runtimes, published, [prompt], seed=seed, version=version,
+                          input_ids=[input_id])
+
+
+def chunks(items: list, size: int) -> list[list]:
+    """``items`` in consecutive pieces of ``size`` (the last may be shorter)."""
+    if size < 1:
+        raise ValueError(f"rollout_batch={size}: need >= 1")
+    return [items[k:k + size] for k in range(0, len(items), size)]
+
+
+def split_batch(batch: RolloutBatch, group_size: int) -> list[RolloutBatch]:
+    """A multi-input rollout -> one RolloutBatch per input (its G rows)."""
+    n = batch.tokens.shape[0] // group_size
+    return [RolloutBatch(*(x[k * group_size:(k + 1) * group_size] for x in batch))
+            for k in range(n)]

@@ -1,0 +1,93 @@
+"""The run result and the synchronous barrier baseline (MARTI-style lockstep)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxflow.marl.engine import EngineStats
+from jaxflow.marl.pipeline.accumulate import group_rows, stack_rows
+from jaxflow.marl.pipeline.runtime import (AgentRuntime, chunks, input_prompts, loss_key,
+                                           rollout_inputs, split_batch)
+from jaxflow.marl.workflow import Workflow
+
+
+@dataclasses.dataclass
+class RunResult:
+    """Per-step host params per agent, reward means, per-role busy seconds and run facts.
+
+    ``params[v]`` / ``rewards[v]`` are empty dicts for versions a resumed run did not train.
+    ``staleness``: max / mean version lag (step - policy version) of the consumed rows.
+    ``engine``: decode row-steps executed vs a padded batch decode (see
+    :class:`~jaxflow.marl.engine.EngineStats`). ``workers``: rollout workers per agent.
+    """
+
+    params: list[dict[str, Any]]
+    rewards: list[dict[str, float]]
+    busy_s: dict[str, float]
+    wall_s: float
+    samples: int
+    staleness: dict[str, float] = dataclasses.field(default_factory=dict)
+    engine: dict[str, float] = dataclasses.field(default_factory=dict)
+    workers: dict[str, int] = dataclasses.field(default_factory=dict)
+    swap: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def engine_snapshot(runtimes: dict[str, AgentRuntime]) -> dict[str, EngineStats]:
+    """A copy of every agent's engine counters (to subtract later)."""
+    return {n: dataclasses.replace(rt.engine.stats) for n, rt in runtimes.items()}
+
+
+def engine_stats_since(runtimes: dict[str, AgentRuntime], before: dict[str, EngineStats]
+                       ) -> dict[str, float]:
+    """Decode work of all engines since the snapshot ``before``, plus ``saved_fraction``."""
+    total = EngineStats()
+    for n, rt in runtimes.items():
+        s = dataclasses.replace(rt.engine.stats)
+        for f in dataclasses.fields(s):
+            setattr(s, f.name, getattr(s, f.name) - getattr(before[n], f.name))
+        total.add(s)
+    return dataclasses.asdict(total) | {"saved_fraction": total.saved_fraction}
+
+
+def run_sync(workflow: Workflow, runtimes: dict[str, AgentRuntime], policies: dict[str, dict],
+             *, steps: int, n_inputs: int, seed: int, rollout_batch: int = 1) -> RunResult:
+    """Barrier baseline: roll out all inputs for every agent (``rollout_batch`` inputs per
+    engine call), then one full-batch step per agent, agents one after another."""
+    names = workflow.order()
+    busy = {"rollout": 0.0} | {f"train/{n}": 0.0 for n in names}
+    stats0 = engine_snapshot(runtimes)
+    out_params, out_rewards, start = [], [], time.perf_counter()
+    for v in range(steps):
+        t0 = time.perf_counter()
+        published = {n: runtimes[n].publish(policies[n]) for n in names}
+        rows: dict[str, list] = {n: [] for n in names}
+        prompts = input_prompts(workflow, seed, v, n_inputs)
+        for chunk in chunks(list(range(n_inputs)), rollout_batch):
+            out = rollout_inputs(workflow, runtimes, published, [prompts[i] for i in chunk],
+                                 seed=seed, version=v,
+                                 input_ids=[v * n_inputs + i for i in chunk])
+            for n in names:
+                g = runtimes[n].spec.group_size
+                for part in split_batch(out[n], g):
+                    rows[n] += group_rows(part, g)
+        busy["rollout"] += time.perf_counter() - t0
+        for a, n in enumerate(names):
+            t0 = time.perf_counter()
+            rt = runtimes[n]
+            mb = rt.place(stack_rows(rows[n]))
+            old = rt.old_stats(policies[n]["params"], None, mb)
+            policies[n], _ = rt.update(policies[n], mb, old, key=loss_key(seed, v, a))
+            jax.block_until_ready(policies[n]["params"])
+            busy[f"train/{n}"] += time.perf_counter() - t0
+        out_params.append({n: jax.device_get(policies[n]["params"]) for n in names})
+        out_rewards.append({n: float(np.mean([r["reward"] for r in rows[n]])) for n in names})
+    wall = time.perf_counter() - start
+    samples = steps * n_inputs * sum(runtimes[n].spec.group_size for n in names)
+    return RunResult(out_params, out_rewards, busy, wall, samples,
+                     staleness={"max": 0.0, "mean": 0.0},
+                     engine=engine_stats_since(runtimes, stats0), workers={"all": 1})

@@ -1,0 +1,53 @@
+"""The version board: published weights per (version, agent), shared by the pipeline's threads.
+
+Trainers put agent ``name``'s weights of version v as they step; a version is *complete* when
+every agent has published it. Rollouts ask for the newest complete version >= a minimum
+(``v - eta`` under bounded staleness, ``v`` when strict) and block until one exists. Versions
+older than the newest complete one are dropped. ``halt`` wakes every waiter and makes it raise,
+so one failing thread stops the others.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+
+class VersionBoard:
+    """Published weights per (version, agent); thread-safe (see module doc)."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names, self.by_version, self.cond = tuple(names), {}, threading.Condition()
+        self.stop = False
+
+    def _complete(self) -> list[int]:
+        return [v for v, d in self.by_version.items() if len(d) == len(self.names)]
+
+    def put(self, version: int, name: str, params: Any) -> None:
+        """Agent ``name`` publishes ``params`` as ``version``."""
+        with self.cond:
+            self.by_version.setdefault(version, {})[name] = params
+            done = self._complete()
+            if done:
+                for v in [v for v in self.by_version if v < max(done)]:
+                    del self.by_version[v]
+            self.cond.notify_all()
+
+    def get_at_least(self, version: int, timeout: float) -> tuple[int, dict[str, Any]]:
+        """``(w, {agent: params})`` of the newest complete version w >= ``version``; waits up
+        to ``timeout`` seconds, then (or after :meth:`halt`) raises RuntimeError."""
+        with self.cond:
+            ok = self.cond.wait_for(lambda: self.stop or any(v >= version
+                                                             for v in self._complete()),
+                                    timeout)
+            if self.stop or not ok:
+                raise RuntimeError(f"weights of version >= {version} not published in "
+                                   f"{timeout} s (or the run stopped)")
+            newest = max(self._complete())
+            return newest, dict(self.by_version[newest])
+
+    def halt(self) -> None:
+        """Stops the run: every waiter (now or later) raises, ``stop`` turns True."""
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()

@@ -1,0 +1,458 @@
+"""Hugging Face checkpoints in and out: ``from_pretrained(dir)`` / ``save_pretrained(model, dir)``.
+
+A checkpoint directory holds ``config.json`` and one or more ``*.safetensors`` files (with a
+``model.safetensors.index.json`` weight map when there are several). Loading never builds a
+randomly initialised model: the parameter tree comes from ``nnx.eval_shape``, each parameter's
+NamedSharding from its logical axes and the sharding rules, and each device's shard is read
+straight from the file with safetensors' ``get_slice`` inside
+``jax.make_array_from_callback`` - so on a multi-process mesh every process reads only the
+slices its own devices hold, and no host ever holds a whole sharded tensor. Each file is
+opened (memory-mapped) for one parameter at a time and closed after it, so resident memory
+grows by the loaded parameters plus one tensor's pages.
+
+Everything is validated before any tensor data is read: the architecture, every expected
+tensor present, no unexpected one, every shape as config.json implies. Paths only, no network.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxflow.mesh import LogicalRules, shardings_from_logical
+from jaxflow.models.architectures import (
+    IGNORED_SUFFIXES,
+    CheckpointError,
+    TensorSource,
+    config_from_hf,
+    hf_config_from,
+    hf_shape,
+    tensor_map,
+)
+from jaxflow.models.sharding import FSDP_TP_RULES
+from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """What a load read: bytes of tensor data taken from the files (stored dtype), number of
+    ``get_slice`` reads, and wall seconds."""
+
+    bytes_read: int = 0
+    reads: int = 0
+    seconds: float = 0.0
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """Parsed ``path/config.json``; CheckpointError naming the file when absent or bad."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file} does not exist; a checkpoint directory needs config.json "
+                              "and *.safetensors files")
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+
+
+def _weight_map(path: str) -> dict[str, str]:
+    """{tensor name -> safetensors file path} from the index, or by listing every file."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            mapping = json.load(f).get("weight_map")
+        if not isinstance(mapping, dict):
+            raise CheckpointError(f"{index} has no 'weight_map' object")
+        out = {}
+        for name, file in mapping.items():
+            full = os.path.join(path, file)
+            if not os.path.isfile(full):
+                raise CheckpointError(f"{index} maps tensor {name!r} to {file!r}, which does "
+                                      "not exist")
+            out[name] = full
+        return out
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors file")
+    out = {}
+    for file in files:
+        full = os.path.join(path, file)
+        with safe_open(full, framework="np") as f:
+            for name in f.keys():
+                if name in out:
+                    raise CheckpointError(f"tensor {name!r} is in both {out[name]} and {full}")
+                out[name] = full
+    return out
+
+
+def _checkpoint_shapes(weight_map: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes = {}
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="np") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"the index maps tensor {name!r} to {file}, which "
+                                          "does not contain it")
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _validate(config: TransformerConfig, sources: dict, abstract: dict,
+              shapes: dict[str, tuple[int, ...]]) -> None:
+    """Missing / extra tensors and shape mismatches -> one CheckpointError naming the tensor."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for path, src in sources.items():
+        block = tuple(abstract[path].shape[1:] if src.stacked else abstract[path].shape)
+        for name in src.hf_names:
+            expected[name] = hf_shape(src, block)
+    missing = [n for n in expected if n not in shapes]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint lacks tensor {missing[0]!r}{more}, which the "
+                              f"{config.architecture} architecture in config.json needs")
+    allowed_extra = {"lm_head.weight"} if config.tie_embeddings else set()
+    extra = [n for n in shapes if n not in expected and n not in allowed_extra
+             and not n.endswith(IGNORED_SUFFIXES)]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(f"checkpoint has unexpected tensor {extra[0]!r}{more}, not used "
+                              f"by the {config.architecture} architecture in config.json")
+    if "lm_head.weight" in shapes and config.tie_embeddings:
+        expected["lm_head.weight"] = (config.vocab_size, config.d_model)
+    for name, want in expected.items():
+        if name in shapes and shapes[name] != want:
+            raise CheckpointError(f"tensor {name!r} has shape {shapes[name]} in the checkpoint; "
+                                  f"config.json implies {want}")
+
+
+def _group_range(slices: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """Flat [start, stop) covering a block sliced on its first dim (the rest are re-sliced
+    after reading), and the first dim's slice length."""
+    inner = math.prod(shape[1:])
+    start, stop, _ = slices[0].indices(shape[0])
+    return start * inner, stop * inner, stop - start
+
+
+class _Reader:
+    """Reads blocks of checkpoint tensors, counting the bytes read.
+
+    Small reads share one memory-mapped handle per file (closed after each parameter).
+    Reads over ``chunk_bytes`` go in row chunks, each through its own short-lived handle, and
+    are written (converted, transposed) straight into the output, so a big tensor costs its
+    output plus one chunk of resident memory, not its mapped pages plus copies."""
+
+    chunk_bytes = 32 * 2**20
+
+    def __init__(self, weight_map: dict[str, str], stats: LoadStats, dtype: np.dtype):
+        self.weight_map, self.stats, self.dtype = weight_map, stats, dtype
+        self._files: dict[str, Any] = {}
+        self._stack = contextlib.ExitStack()
+
+    def close(self):
+        self._stack.close()
+        self._files.clear()
+
+    def _slice(self, name: str):
+        from safetensors import safe_open
+
+        file = self.weight_map[name]
+        if file not in self._files:
+            self._files[file] = self._stack.enter_context(safe_open(file, framework="np"))
+        return self._files[file].get_slice(name)
+
+    def _count(self, arr: np.ndarray) -> np.ndarray:
+        self.stats.bytes_read += arr.nbytes
+        self.stats.reads += 1
+        return arr
+
+    def _read(self, name: str, index: tuple[slice, ...], transpose: bool = False) -> np.ndarray:
+        """tensor[index] in the load dtype, transposed (2-D only) when asked."""
+        sl = self._slice(name)
+        shape = [s.indices(d) for s, d in zip(index, sl.get_shape())]
+        lengths = [stop - start for start, stop, _ in shape]
+        itemsize = np.dtype(self.dtype).itemsize
+        if len(index) != 2 or math.prod(lengths) * itemsize <= self.chunk_bytes:
+            arr = self._count(sl[index]).astype(self.dtype, copy=False)
+            return np.ascontiguousarray(arr.T) if transpose else arr
+        from safetensors import safe_open
+
+        (r0, r1, _), (c0, c1, _) = shape
+        rows_per_chunk = max(1, self.chunk_bytes // max(1, lengths[1] * itemsize))
+        out = np.empty(lengths[::-1] if transpose else lengths, self.dtype)
+        for a in range(r0, r1, rows_per_chunk):
+            b = min(a + rows_per_chunk, r1)
+            with safe_open(self.weight_map[name], framework="np") as f:
+                chunk = self._count(f.get_slice(name)[a:b, c0:c1]).astype(self.dtype,
+                                                                          copy=False)
+            if transpose:
+                out[:, a - r0:b - r0] = chunk.T
+            else:
+                out[a - r0:b - r0] = chunk
+            del chunk
+        return out
+
+    def block(self, name: str, src: TensorSource, shape: tuple[int, ...],
+              index: tuple[slice, ...]) -> np.ndarray:
+        """jaxflow block ``[index]`` (block shape ``shape``) from checkpoint tensor ``name``."""
+        if not src.transpose:
+            return self._read(name, index)
+        inner, outer = shape[:src.split], shape[src.split:]
+        i_idx, o_idx = index[:src.split], index[src.split:]
+        r0, r1, n_out = _group_range(o_idx, outer)
+        c0, c1, n_in = _group_range(i_idx, inner)
+        arr = self._read(name, (slice(r0, r1), slice(c0, c1)), transpose=True)
+        arr = arr.reshape((n_in,) + inner[1:] + (n_out,) + outer[1:])  # splits: a view
+        arr = arr[(slice(None),) + tuple(i_idx[1:]) + (slice(None),) + tuple(o_idx[1:])]
+        return np.ascontiguousarray(arr)  # no copy unless head_dim itself is sliced
+
+    def param(self, src: TensorSource, shape: tuple[int, ...], index: tuple) -> np.ndarray:
+        index = tuple(slice(*s.indices(d)) for s, d in zip(index, shape))
+        if not src.stacked:
+            return self.block(src.hf_names[0], src, shape, index)
+        experts = range(*index[0].indices(shape[0]))
+        return np.stack([self.block(src.hf_names[e], src, shape[1:], index[1:])
+                         for e in experts])
+
+
+def _abstract_model(config: TransformerConfig):
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    return abstract, graphdef, state
+
+
+def _flat(tree: dict, prefix=()) -> dict[tuple[str, ...], Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, prefix + (str(k),)))
+        else:
+            out[prefix + (str(k),)] = v
+    return out
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for k in path[:-1]:
+        tree = tree[int(k) if int(k) in tree else k] if k.isdigit() else tree[k]
+    last = path[-1]
+    tree[int(last) if last.isdigit() and int(last) in tree else last] = value
+
+
+def load_hf_params(path: str, config: TransformerConfig, *, mesh: Mesh | None = None,
+                   rules: LogicalRules = FSDP_TP_RULES) -> tuple[dict, LoadStats]:
+    """The checkpoint's parameters as jaxflow's pure dict, placed in their shardings.
+
+    Args:
+      path: checkpoint directory.
+      config: its TransformerConfig (``config_from_hf(read_config(path))``, possibly with
+        runtime fields such as ``moe_impl`` or ``remat`` replaced).
+      mesh: place each parameter by its logical axes and ``rules`` on this mesh (each
+        process reads only its addressable shards); None: uncommitted arrays on the default
+        device.
+
+    Returns:
+      (params pure dict as ``nnx.to_pure_dict(nnx.state(model))``, LoadStats).
+    """
+    t0 = time.perf_counter()
+    abstract, _, state = _abstract_model(config)
+    pure = nnx.to_pure_dict(state)
+    flat_abstract = _flat(pure)
+    sources = tensor_map(config)
+    if set(sources) != set(flat_abstract):
+        raise AssertionError(f"tensor_map and the model disagree: "
+                             f"{sorted(set(sources) ^ set(flat_abstract))}")
+    weight_map = _weight_map(path)
+    _validate(config, sources, flat_abstract, _checkpoint_shapes(weight_map))
+    shardings = {}
+    if mesh is not None:
+        axes = nnx.to_pure_dict(logical_axes(nnx.state(abstract, nnx.Param)))
+        shardings = _flat(shardings_from_logical(pure, axes, mesh, rules))
+    stats = LoadStats()
+    dtype = np.dtype(config.params_dtype)
+    for p, aval in flat_abstract.items():
+        reader = _Reader(weight_map, stats, dtype)
+        memo: dict[tuple, np.ndarray] = {}
+        src, shape = sources[p], tuple(aval.shape)
+
+        def callback(index, src=src, shape=shape, reader=reader, memo=memo):
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in memo:  # replicated shards on several local devices: read once
+                memo[key] = reader.param(src, shape, index)
+            return memo[key]
+
+        try:
+            if mesh is None:  # uncommitted on the default device, free to move later
+                value = jax.device_put(callback(tuple(slice(None) for _ in shape)))
+            else:
+                value = jax.make_array_from_callback(shape, shardings[p], callback)
+            _set(pure, p, value)
+        finally:
+            reader.close()
+            memo.clear()
+    stats.seconds = time.perf_counter() - t0
+    return pure, stats
+
+
+def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = None,
+                    rules: LogicalRules = FSDP_TP_RULES, **overrides) -> Transformer:
+    """A Transformer holding a local Hugging Face checkpoint (Llama, Qwen3, Qwen3-MoE).
+
+    Args:
+      path: directory with config.json and *.safetensors (an index when sharded).
+      mesh: shard parameters over this mesh by the logical-axis ``rules`` (FSDP over "fsdp",
+        tensor parallel over "model", experts over "expert"; axes the mesh lacks are
+        replicated). None: one device.
+      dtype: "float32" | "bfloat16" for parameters and compute; None: the checkpoint's dtype
+        when it is one of those, else float32.
+      overrides: TransformerConfig fields to replace (``remat=True``, ``moe_impl="dispatch"``,
+        ``max_seq_len=...``).
+
+    Returns:
+      The model; ``model(tokens [B, T] int32) -> logits [B, T, vocab_size] float32`` with
+      positions 0..T-1.
+
+    Raises:
+      CheckpointError: unknown architecture, missing / unexpected tensors, shape mismatch.
+    """
+    config = config_from_hf(read_config(path), dtype=dtype)
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
+    params, _ = load_hf_params(path, config, mesh=mesh, rules=rules)
+    _, graphdef, state = _abstract_model(config)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def hf_tensors(model_or_params: Any, config: TransformerConfig | None = None):
+    """Yields (checkpoint tensor name, host numpy array) for a model or a params pure dict."""
+    if isinstance(model_or_params, nnx.Module):
+        config = model_or_params.config
+        params = nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
+    else:
+        params = model_or_params
+    if config is None:
+        raise ValueError("hf_tensors(params) needs config= when given a pure dict")
+    flat = _flat(params)
+    for p, src in tensor_map(config).items():
+        value = _host(flat[p])
+        blocks = list(value) if src.stacked else [value]
+        for name, block in zip(src.hf_names, blocks):
+            if src.transpose:
+                inner = math.prod(block.shape[:src.split])
+                block = block.reshape(inner, -1).T
+            yield name, np.ascontiguousarray(block)
+
+
+def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 5 * 2**30,
+                    params: Any = None) -> None:
+    """Writes ``model`` as a Hugging Face checkpoint directory (config.json + safetensors).
+
+    Tensors are written in the parameter dtype, in files of at most ``max_shard_bytes``
+    (several files get a ``model.safetensors.index.json``). ``params`` (a pure dict) replaces
+    the model's own parameters, e.g. a trainer's. On several processes every process must call
+    it (sharded parameters are gathered); process 0 writes.
+    """
+    from safetensors.numpy import save_file
+
+    config = model.config
+    hf_config = hf_config_from(config)
+    tensors = hf_tensors(model if params is None else params, None if params is None else config)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in tensors:
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    if jax.process_index() != 0:
+        return
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+        for name, arr in shard.items():
+            weight_map[name] = file
+            total += arr.nbytes
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def write_random_checkpoint(config: TransformerConfig, path: str, *, seed: int = 0,
+                            std: float = 0.02, max_shard_bytes: int = 2**30) -> int:
+    """Writes a random checkpoint of ``config`` (host numpy, one file's tensors in memory at a
+    time): N(0, std^2) weights, norm scales 1 + N(0, std^2). For tests and benchmarks.
+
+    Returns the total tensor bytes written.
+    """
+    from safetensors.numpy import save_file
+
+    hf_config = hf_config_from(config)
+    abstract = _flat(nnx.to_pure_dict(_abstract_model(config)[2]))
+    dtype = np.dtype(config.params_dtype)
+    rng = np.random.default_rng(seed)
+    plan: list[list[tuple[str, tuple[int, ...], bool]]] = [[]]
+    size = 0
+    for p, src in tensor_map(config).items():
+        shape = tuple(abstract[p].shape)
+        block = shape[1:] if src.stacked else shape
+        for name in src.hf_names:
+            t_shape = hf_shape(src, block)
+            nbytes = math.prod(t_shape) * dtype.itemsize
+            if plan[-1] and size + nbytes > max_shard_bytes:
+                plan.append([])
+                size = 0
+            plan[-1].append((name, t_shape, p[-1] == "scale"))
+            size += nbytes
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    weight_map, total = {}, 0
+    for i, entries in enumerate(plan):
+        file = ("model.safetensors" if len(plan) == 1
+                else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors")
+        tensors = {}
+        for name, shape, is_scale in entries:
+            x = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+            tensors[name] = (x + 1 if is_scale else x).astype(dtype)
+            weight_map[name] = file
+            total += tensors[name].nbytes
+        save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+        del tensors
+    if len(plan) > 1:
+        with open(os.path.join(path, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return total

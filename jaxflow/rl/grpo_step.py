@@ -1,0 +1,252 @@
+"""The pure half of GRPO: config, mini-batches, pi_old statistics, the loss and one update.
+
+Everything here is a function of arrays and pytrees (``(policy, mini-batch, old stats, key) ->
+(policy, metrics)``); :class:`jaxflow.rl.grpo.GRPOTrainer` composes it with rollouts and
+publishing, and the multi-agent pipeline (``jaxflow.marl``) reuses it per agent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxflow.models.transformer import TransformerConfig
+from jaxflow.rl.logprobs import fused_logprobs
+from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
+from jaxflow.rl.rollout import RolloutBatch, RolloutSpec
+from jaxflow.train.lm_state import LMFunctions, OptimConfig, lm_functions, make_optimizer
+
+KL_ESTIMATORS = ("k1", "k3")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """One RL run's algorithm and off-policy knobs.
+
+    Attributes:
+      loss: the :class:`jaxflow.rl.PolicyLossConfig` (algorithm, correction, aggregation, clip
+        ranges, dual clip, TIS / MIS bounds): every knob settable as ``--set rl.loss.X=...``.
+      prompts_per_rollout, group_size: a rollout has ``prompts_per_rollout * group_size`` rows.
+      temperature: used by the sampler AND the trainer's log-probs (must be the same).
+      max_new_tokens: response length cap.
+      mismatch: sampler numerics, "none" | "bf16" | "noise<std>" (see jaxflow.rl.rollout).
+      lag: N, mini-batches (= optimizer steps) per rollout; must divide the rollout size.
+      staleness: k, rollouts sample with the weights published k rollouts earlier.
+      kl_coef, kl_estimator: KL(pi_theta || pi_ref) to the frozen initial policy, "k1" or "k3"
+        per-token estimator on the sampled tokens; 0 turns it off (no reference kept).
+      entropy_coef: bonus on the exact per-token entropy (materialises [B, T, V]; the vocab
+        here is tiny).
+      sis_topk: K of pi_old's top-K kept for the SIS envelope (vocab size = exact envelope).
+      normalize_std: GRPO advantages divided by the group std (False: Dr. GRPO).
+      logprob_backend: :func:`jaxflow.rl.logprobs.fused_logprobs` backend.
+    """
+
+    loss: PolicyLossConfig = PolicyLossConfig()
+    prompts_per_rollout: int = 8
+    group_size: int = 8
+    temperature: float = 1.0
+    max_new_tokens: int = 4
+    mismatch: str = "none"
+    lag: int = 1
+    staleness: int = 0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    sis_topk: int = 8
+    normalize_std: bool = True
+    logprob_backend: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.loss, PolicyLossConfig):
+            raise ValueError(f"loss={self.loss!r}: need a PolicyLossConfig")
+        self.rollout_spec  # validates group_size / temperature / mismatch
+        for name in ("prompts_per_rollout", "lag", "sis_topk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: need an int >= 1")
+        if not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ValueError(f"staleness={self.staleness!r}: need an int >= 0")
+        if self.rollout_size % self.lag:
+            raise ValueError(f"lag={self.lag} must divide the rollout size prompts_per_rollout * "
+                             f"group_size = {self.rollout_size}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator={self.kl_estimator!r}; valid: {KL_ESTIMATORS}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"kl_coef={self.kl_coef!r} and entropy_coef={self.entropy_coef!r} "
+                             "must be >= 0")
+
+    @property
+    def rollout_spec(self) -> RolloutSpec:
+        return RolloutSpec(group_size=self.group_size, temperature=self.temperature,
+                           max_new_tokens=self.max_new_tokens, mismatch=self.mismatch)
+
+    @property
+    def rollout_size(self) -> int:
+        return self.prompts_per_rollout * self.group_size
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.rollout_size // self.lag
+
+
+def make_rl_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """Constant-lr AdamW with clipping when ``cfg.warmup_steps == 0``; otherwise the
+    pretraining warm-up + cosine schedule of :func:`jaxflow.train.lm_state.make_optimizer`."""
+    if cfg.warmup_steps > 0:
+        return make_optimizer(cfg, total_steps)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(cfg.lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+class MiniBatch(NamedTuple):
+    """Trainer-side rows: prompts [b, P], prompt_lengths [b], tokens / mask / behaviour_logp
+    [b, N], advantages [b]."""
+
+    prompts: jax.Array
+    prompt_lengths: jax.Array
+    tokens: jax.Array
+    mask: jax.Array
+    behaviour_logp: jax.Array
+    advantages: jax.Array
+
+
+class OldStats(NamedTuple):
+    """pi_old at the start of a rollout's updates: sampled-token log-probs [b, N], top-K
+    log-probs and indices [b, N, K], and the reference policy's log-probs [b, N] (zeros when
+    KL is off)."""
+
+    logp: jax.Array
+    topk_logp: jax.Array
+    topk_indices: jax.Array
+    ref_logp: jax.Array
+
+
+def response_hidden(fns: LMFunctions, params: Any, prompts: jax.Array,
+                    prompt_lengths: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Final hidden states that predict each response token, and the LM head.
+
+    Row b is ``prompt[:len_b] ++ tokens`` (positions 0.., as the sampler saw it); the hidden
+    state at position ``len_b + t - 1`` predicts response token t.
+
+    Returns:
+      (hidden [B, N, d], head [d, V]) in the model's compute dtype.
+    """
+    model = fns.model(params)
+    b, p = prompts.shape
+    n = tokens.shape[1]
+    rows = jnp.arange(b)[:, None]
+    slot = prompt_lengths[:, None].astype(jnp.int32) + jnp.arange(n, dtype=jnp.int32)[None]
+    seq = jnp.pad(prompts, ((0, 0), (0, n))).at[rows, slot].set(tokens)
+    hidden = model.hidden_states(seq[:, :-1])
+    hidden = jnp.take_along_axis(hidden, (slot - 1)[..., None], axis=1)
+    return hidden, model.head_weight().astype(hidden.dtype)
+
+
+def old_stats(fns: LMFunctions, params: Any, ref_params: Any | None, mb: MiniBatch, *,
+              config: GRPOConfig) -> OldStats:
+    """pi_old's (and the reference's) log-probs for one mini-batch; no gradient."""
+    hidden, head = response_hidden(fns, params, mb.prompts, mb.prompt_lengths, mb.tokens)
+    out = fused_logprobs(hidden, head, mb.tokens, own_topk=min(config.sis_topk, head.shape[1]),
+                         temperature=config.temperature, backend=config.logprob_backend)
+    ref = jnp.zeros_like(out.target_logp)
+    if ref_params is not None:
+        rh, rw = response_hidden(fns, ref_params, mb.prompts, mb.prompt_lengths, mb.tokens)
+        ref = fused_logprobs(rh, rw, mb.tokens, temperature=config.temperature,
+                             backend=config.logprob_backend).target_logp
+    return OldStats(out.target_logp, out.own_topk_logp, out.own_topk_indices, ref)
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(mask > 0, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def grpo_loss(params: Any, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
+              config: GRPOConfig, key: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Policy loss (+ KL to the reference, - entropy bonus) of one mini-batch, and metrics."""
+    hidden, head = response_hidden(fns, params, mb.prompts, mb.prompt_lengths, mb.tokens)
+    loss_cfg = config.loss
+    out = fused_logprobs(hidden, head, mb.tokens,
+                         old.topk_indices if loss_cfg.uses_sis else None,
+                         temperature=config.temperature, backend=config.logprob_backend)
+    logp = out.target_logp
+    loss, metrics = policy_loss(
+        logp, old.logp, mb.advantages, mb.mask, config=loss_cfg, key=key,
+        old_topk_logp=old.topk_logp if loss_cfg.uses_sis else None,
+        new_topk_logp=out.topk_logp, behaviour_logp=mb.behaviour_logp)
+    metrics = dict(metrics)
+    metrics["policy_loss"] = loss
+    delta = jax.lax.stop_gradient(logp - old.logp)
+    metrics["max_abs_log_ratio"] = jnp.max(jnp.where(mb.mask > 0, jnp.abs(delta), 0.0))
+    metrics["behaviour_gap"] = _masked_mean(jnp.abs(old.logp - mb.behaviour_logp), mb.mask)
+    if config.kl_coef > 0:
+        log_r = old.ref_logp - logp  # log pi_ref / pi_theta on tokens sampled ~ pi
+        per_token = -log_r if config.kl_estimator == "k1" else jnp.exp(log_r) - log_r - 1.0
+        kl = _masked_mean(per_token, mb.mask)
+        loss = loss + config.kl_coef * kl
+        metrics["kl"] = kl
+    if config.entropy_coef > 0:
+        logits = jnp.einsum("bnd,dv->bnv", hidden, head,
+                            preferred_element_type=jnp.float32) / config.temperature
+        logq = jax.nn.log_softmax(logits, axis=-1)
+        entropy = _masked_mean(-jnp.sum(jnp.exp(logq) * logq, axis=-1), mb.mask)
+        loss = loss - config.entropy_coef * entropy
+        metrics["entropy"] = entropy
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def update_step(policy: dict, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
+                config: GRPOConfig, tx: optax.GradientTransformation,
+                key: jax.Array) -> tuple[dict, dict[str, jax.Array]]:
+    """One optimizer step: ``(policy, mini-batch, old stats, key) -> (policy, metrics)``."""
+    grads, metrics = jax.grad(grpo_loss, has_aux=True)(policy["params"], mb, old, fns=fns,
+                                                        config=config, key=key)
+    updates, opt_state = tx.update(grads, policy["opt_state"], policy["params"])
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return {"params": optax.apply_updates(policy["params"], updates), "opt_state": opt_state,
+            "step": policy["step"] + 1}, metrics
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_functions(model_cfg: TransformerConfig, mesh: Mesh, config: GRPOConfig, optim: OptimConfig,
+              total_steps: int):
+    """(fns, tx, policy shardings, jitted old_stats, jitted update) shared by equal configs,
+    so the cells of a sweep reuse compilations."""
+    fns = lm_functions(model_cfg, mesh)
+    tx = make_rl_optimizer(optim, total_steps)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(tx.init, jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), fns.abstract_params()))
+    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, fns.param_shardings,
+                                          transform_non_params=lambda _: replicated)
+    shardings = {"params": fns.param_shardings, "opt_state": opt_shardings, "step": replicated}
+    old_fn = jax.jit(functools.partial(old_stats, fns, config=config))
+    update = jax.jit(functools.partial(update_step, fns=fns, config=config, tx=tx),
+                     out_shardings=(shardings, None), donate_argnums=(0,))
+    return fns, tx, shardings, old_fn, update
+
+
+def summarize(history: list[dict], batch: RolloutBatch, sampler_version: int,
+              trainer_version: int) -> dict[str, float]:
+    """Host floats: reward, lengths, per-step loss metrics averaged over mini-batches, and the
+    first mini-batch's accept rate / max |log ratio| separately (it must be on-policy)."""
+    rows = jax.device_get(history)
+    out = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+    out["accept_rate_first"] = float(rows[0]["accept_rate"])
+    out["max_abs_log_ratio_first"] = float(rows[0]["max_abs_log_ratio"])
+    if len(rows) > 1:
+        out["accept_rate_later"] = float(np.mean([r["accept_rate"] for r in rows[1:]]))
+    out["reward_mean"] = float(batch.rewards.mean())
+    out["response_length"] = float(batch.mask.sum(axis=1).mean())
+    out["sampler_version"] = sampler_version
+    out["trainer_version"] = trainer_version
+    return out

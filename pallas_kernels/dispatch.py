@@ -1,0 +1,168 @@
+"""Kernel-or-XLA decisions that are made where a failure can still be caught.
+
+A Pallas kernel that traces fine can still fail when the enclosing program compiles (Mosaic
+tiling and VMEM checks, Triton shared memory, a missing lowering), which is too late to fall
+back. ``kernel_verdict`` therefore builds the kernel alone for the concrete shapes first:
+
+* on a platform this process has devices for: ``jax.jit(fn).lower(*shapes).compile()``;
+* otherwise (a host preparing a program for another platform, e.g. the lowering gate with
+  ``backend_platform`` patched): ``jax.export`` lowering for that platform plus the block
+  footprint checks of ``pallas_kernels.lowering`` (TPU blocks x2 <= 16 MiB, Triton loads and
+  accumulators <= 227 KiB).
+
+Verdicts are cached per (kernel, platform, shapes, options). A caller that traces its kernel
+where an enclosing jit may split it over several devices (no mesh context, not inside
+``shard_map``) passes ``auto_partition_problem(platform)`` as ``blocked``: Mosaic TPU refuses
+automatic partitioning, an error that would otherwise surface only when the program lowers.
+``choose_kernel`` turns the requested mode into a decision: ``"auto"`` uses the kernel only
+on GPU/TPU and only where the verdict is good, otherwise warns once (naming kernel,
+platform, shapes and reason) and returns False (use XLA); a forced kernel raises
+``KernelUnavailable`` with that message.
+(levanter's attention backend selection follows the same warn-or-raise pattern.)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from pallas_kernels import lowering
+
+ACCELERATORS = ("gpu", "tpu")
+_VERDICTS: dict[tuple, str | None] = {}
+
+
+class KernelUnavailable(RuntimeError):
+    """A forced Pallas kernel cannot be built for this platform and these shapes."""
+
+
+def backend_platform() -> str:
+    """The platform programs are being built for: "cpu", "gpu" or "tpu".
+
+    The lowering gate patches this to build the programs another platform would run."""
+    return jax.default_backend()
+
+
+def _local_platforms() -> set[str]:
+    return {d.platform for d in jax.devices()}
+
+
+def abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """Shape and dtype only (tracers and arrays alike; shardings are dropped)."""
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def describe(args) -> str:
+    """'bfloat16[8192,4096], int32[8192]' for a pytree of arrays / ShapeDtypeStructs."""
+    leaves = jax.tree.leaves(args)
+    return ", ".join(f"{x.dtype}[{','.join(map(str, np.shape(x)))}]" for x in leaves)
+
+
+def _check_footprints(fn, args, platform: str) -> str | None:
+    for fp in lowering.pallas_footprints(fn, *args):
+        if platform == "tpu" and fp.tpu_bytes > lowering.TPU_VMEM_BUDGET:
+            return (f"{fp.name} needs {fp.tpu_bytes / 2**20:.1f} MiB of double-buffered VMEM "
+                    f"blocks (budget {lowering.TPU_VMEM_BUDGET / 2**20:.0f} MiB)")
+        if platform == "gpu" and fp.triton_bytes > lowering.GPU_SMEM_BUDGET:
+            return (f"{fp.name} holds {fp.triton_bytes / 2**10:.0f} KiB per program (budget "
+                    f"{lowering.GPU_SMEM_BUDGET / 2**10:.0f} KiB)")
+    return None
+
+
+def auto_partition_problem(platform: str) -> str | None:
+    """The reason a kernel traced right here cannot run on ``platform``, if the enclosing jit
+    may partition it automatically and the platform's kernels refuse that (Mosaic TPU)."""
+    if platform == "tpu" and partition_context()[0] == "auto":
+        return (f"Mosaic TPU kernels cannot be partitioned automatically over "
+                f"{jax.device_count()} devices; call under jax.set_mesh(mesh) or inside "
+                "jax.shard_map")
+    return None
+
+
+def _build(fn: Callable, args, platform: str) -> str | None:
+    try:
+        too_big = _check_footprints(fn, args, platform)  # a trace: cheaper than a lowering
+        if too_big:
+            return too_big
+        if platform in _local_platforms():
+            jax.jit(fn).lower(*args).compile()
+        else:
+            lowering.export_for(fn, *args, platform="cuda" if platform == "gpu" else platform)
+        return None
+    except Exception as err:  # noqa: BLE001 - any build failure is the verdict
+        text = str(err).strip().splitlines()
+        return f"{type(err).__name__}: {text[0] if text else ''}"[:400]
+
+
+def kernel_verdict(kernel: str, fn: Callable, args, *, options: tuple = (),
+                   platform: str | None = None) -> str | None:
+    """None when ``fn(*args)`` builds and fits on ``platform``, else the reason (cached).
+
+    fn: the kernel call alone, closed over its static options (also listed in ``options``
+    for the cache key); args: arrays, tracers or ShapeDtypeStructs (only shapes are used)."""
+    platform = platform or backend_platform()
+    shapes = tuple(abstract(a) for a in args)
+    key = (kernel, platform, tuple((s.shape, str(s.dtype)) for s in shapes), options)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _build(fn, shapes, platform)
+    return _VERDICTS[key]
+
+
+def unavailable_message(kernel: str, platform: str, args, reason: str) -> str:
+    return (f"Pallas kernel {kernel} unavailable on {platform} for shapes ({describe(args)}): "
+            f"{reason}")
+
+
+_WARNED: set[tuple] = set()
+
+
+def choose_kernel(kernel: str, mode: str, fn: Callable, args, *, options: tuple = (),
+                  blocked: str | None = None) -> bool:
+    """True to run the Pallas kernel, False for the XLA path.
+
+    mode: "auto" (kernel on GPU/TPU where it builds, else XLA; one warning per kernel,
+    platform and shapes when it does not), "pallas" (forced: raises KernelUnavailable when it
+    does not build) or "xla". ``blocked``: a reason known without building (the verdict)."""
+    if mode == "xla":
+        return False
+    platform = backend_platform()
+    if mode == "auto" and platform not in ACCELERATORS:
+        return False
+    reason = blocked or kernel_verdict(kernel, fn, args, options=options, platform=platform)
+    if reason is None:
+        return True
+    message = unavailable_message(kernel, platform, args, reason)
+    if mode != "auto":
+        raise KernelUnavailable(message)
+    key = (kernel, platform, describe(args), options)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message + "; using XLA", RuntimeWarning, stacklevel=3)
+    return False
+
+
+def partition_context():
+    """How a kernel traced here will be partitioned: ("manual", None) inside a shard_map over
+    every mesh axis (the kernel sees local shards), ("mesh", abstract_mesh) under
+    ``jax.set_mesh`` (a caller can wrap the kernel in its own shard_map), ("single", None) in
+    a one-device process, else ("auto", None): an enclosing jit may split the kernel's
+    operands over several devices, which Mosaic TPU kernels refuse to lower ("cannot be
+    automatically partitioned") and Triton kernels lower replicated."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.are_all_axes_manual:
+        return "manual", None
+    if not mesh.empty:
+        return "mesh", mesh
+    if jax.device_count() == 1:
+        return "single", None
+    return "auto", None
+
+
+def clear_cache() -> None:
+    """Forgets verdicts and warnings (tests)."""
+    _VERDICTS.clear()
+    _WARNED.clear()

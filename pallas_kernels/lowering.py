@@ -1,0 +1,184 @@
+"""Lowering and per-program footprints of Pallas kernels for TPU and GPU, checked on any host.
+
+``export_for(fn, *args, platform="tpu" | "cuda")`` lowers ``jax.jit(fn)`` with ``jax.export``
+(Mosaic TPU for tpu; Triton or Mosaic GPU for cuda, whichever the kernel's compiler_params
+ask for). On a host without a TPU, Mosaic's checks that query the chip (rank-1 blocks) need a
+declared device kind: the export runs under an abstract mesh whose device is
+``TPU_DEVICE_KIND``.
+
+``pallas_footprints(fn, *args)`` traces ``fn`` and returns, for every ``pallas_call`` in it
+(custom_vjp, jit and shard_map bodies included), its grid, block shapes and bytes:
+
+* ``tpu_bytes``: in + out + scratch blocks, each x2 (double buffering; scratch counted twice
+  as a conservative bound), refs with ``memory_space=pl.ANY`` excluded (they stay in HBM).
+  Budget ``TPU_VMEM_BUDGET`` (16 MiB: fits every TPU generation's VMEM).
+* ``triton_bytes``: what a Triton program holds: its in and out blocks (``pl.ANY`` refs, plain
+  pointers, excluded) plus every value loaded from a ref, every loop carry and every dot
+  result in the kernel body (each counted once; blocks and their loads both: an
+  over-estimate). Budget ``GPU_SMEM_BUDGET`` (227 KiB per block on H100/H200).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+from jax._src.mesh import AbstractDevice, AbstractMesh
+
+TPU_DEVICE_KIND = "TPU v5p"
+TPU_VMEM_BUDGET = 16 * 2**20
+GPU_SMEM_BUDGET = 227 * 2**10
+PLATFORMS = ("tpu", "cuda")
+_TRITON_CALL = "__gpu$xla.gpu.triton"
+_MOSAIC_GPU_CALL = "mosaic_gpu_v2"
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(math.prod(shape)) * jnp.dtype(dtype).itemsize
+
+
+@contextlib.contextmanager
+def declared_tpu(args: Any = ()):
+    """An abstract mesh whose device kind is a real TPU, so Mosaic's chip queries answer.
+
+    Its axes are those of the current abstract mesh (inside a shard_map body or under
+    ``jax.set_mesh``), else of the first NamedSharding among ``args``, else one device."""
+    device = AbstractDevice(TPU_DEVICE_KIND, 1, "tpu")
+    current = jax.sharding.get_abstract_mesh()
+    meshes = [getattr(getattr(a, "sharding", None), "mesh", None) for a in jax.tree.leaves(args)]
+    meshes = [m for m in meshes if m is not None]
+    if current is not None and not current.empty:
+        mesh = current.update(abstract_device=device)
+    elif meshes:
+        mesh = meshes[0].abstract_mesh.update(abstract_device=device)
+    else:
+        mesh = AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+def export_for(fn: Callable, *args: Any, platform: str, declare_device: bool = True):
+    """``jax.export`` of ``jax.jit(fn)(*args)`` for ``platform`` ("tpu" or "cuda").
+
+    ``args`` may be ``jax.ShapeDtypeStruct``s (with shardings for sharded programs). Raises
+    whatever the lowering raises. ``declare_device=False`` skips the abstract TPU mesh (for
+    programs whose arguments carry a concrete mesh of their own).
+    """
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform {platform!r}; valid: {', '.join(PLATFORMS)}")
+    checks = [jax.export.DisabledSafetyCheck.custom_call(_TRITON_CALL),
+              jax.export.DisabledSafetyCheck.custom_call(_MOSAIC_GPU_CALL)]
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    ctx = declared_tpu(args) if platform == "tpu" and declare_device else contextlib.nullcontext()
+    with ctx:
+        return jax.export.export(jitted, platforms=[platform], disabled_checks=checks)(*args)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelFootprint:
+    """One pallas_call's grid and block bytes (see the module docstring)."""
+
+    name: str
+    grid: tuple[int, ...]
+    blocks: tuple[tuple[str, tuple[int, ...], str, bool], ...]  # (role, shape, dtype, in_hbm)
+    tpu_bytes: int
+    triton_bytes: int
+
+    def blocks_text(self) -> str:
+        parts = []
+        for role, shape, dtype, in_hbm in self.blocks:
+            where = " HBM" if in_hbm else ""
+            parts.append(f"{role} {dtype}{list(shape)}{where}")
+        return "; ".join(parts)
+
+
+def _is_any(aval) -> bool:
+    space = getattr(aval, "memory_space", None)
+    return space is not None and "any" in str(space).lower()
+
+
+def _sub_jaxprs(params):
+    for v in params.values():
+        items = v if isinstance(v, (tuple, list)) else (v,)
+        for x in items:
+            if isinstance(x, jax.extend.core.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jax.extend.core.Jaxpr):
+                yield x
+
+
+def _body_values(jaxpr, seen: set) -> int:
+    """Bytes of loads, loop carries and dot results in a kernel body (each value once)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        outs = []
+        if prim in ("get", "load", "dot_general") or prim in ("while", "scan"):
+            outs = eqn.outvars
+        for v in outs:
+            aval = v.aval
+            if id(v) not in seen and hasattr(aval, "shape"):
+                seen.add(id(v))
+                total += _nbytes(aval.shape, aval.dtype)
+        for sub in _sub_jaxprs(eqn.params):
+            total += _body_values(sub, seen)
+    return total
+
+
+def _footprint(eqn) -> KernelFootprint:
+    gm = eqn.params["grid_mapping"]
+    blocks, tpu = [], 0
+    n_in, n_out = gm.num_inputs, gm.num_outputs
+    for k, bm in enumerate(gm.block_mappings):
+        role = "in" if k < n_in else "out"
+        aval = bm.block_aval
+        shape = tuple(int(s) for s in bm.block_aval.shape)
+        in_hbm = _is_any(bm.block_aval) or _is_any(getattr(bm, "ref_aval", None))
+        blocks.append((role, shape, str(aval.dtype), in_hbm))
+        if not in_hbm:
+            tpu += 2 * _nbytes(shape, aval.dtype)
+    assert len(blocks) == n_in + n_out
+    for aval in gm.scratch_avals:
+        inner = getattr(aval, "inner_aval", aval)
+        shape = tuple(getattr(inner, "shape", ()))
+        dtype = getattr(inner, "dtype", None)
+        try:
+            jnp.dtype(dtype)
+        except TypeError:  # semaphores: no VMEM bytes
+            continue
+        in_hbm = _is_any(aval)
+        blocks.append(("scratch", shape, str(dtype), in_hbm))
+        if not in_hbm and hasattr(inner, "shape"):
+            tpu += 2 * _nbytes(shape, dtype)
+    kernel = eqn.params["jaxpr"]
+    kernel = getattr(kernel, "jaxpr", kernel)
+    triton = _body_values(kernel, set()) + sum(
+        _nbytes(shape, dtype) for role, shape, dtype, in_hbm in blocks
+        if not in_hbm and role != "scratch")
+    name = eqn.params.get("name") or getattr(eqn.params.get("metadata"), "name", "")
+    return KernelFootprint(str(name or "pallas_call"), tuple(int(g) for g in gm.grid),
+                           tuple(blocks), tpu, triton)
+
+
+def _walk(jaxpr, out: list) -> None:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append(_footprint(eqn))
+            continue
+        for sub in _sub_jaxprs(eqn.params):
+            _walk(sub, out)
+        # custom_vjp / custom_jvp keep their callables in params; the fwd jaxpr is enough.
+
+
+def pallas_footprints(fn: Callable, *args: Any) -> list[KernelFootprint]:
+    """Footprints of every pallas_call traced by ``fn(*args)`` (args may be abstract)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    out: list[KernelFootprint] = []
+    _walk(closed.jaxpr, out)
+    return out
