@@ -1,0 +1,105 @@
+"""SASRec-style next-item baseline (Kang & McAuley, 2018) on the project's decoder-only LM.
+
+Tokens: 0 = padding, 1 = BOS, item i = i + 2. A request's sequence is ``[BOS, h_0 .. h_{n-1}]``
+(its latest ``max_len - 1`` history items) and position t is trained to predict h_t (the
+request's target after the last item): full softmax cross-entropy over the item vocabulary.
+Ranking: the item logits at the last real position, top-K over all items. No instructions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxflow.genrec.data.requests import Requests
+from jaxflow.genrec.train import data_mesh, replicate, shard_batch
+from jaxflow.models.transformer import Transformer, TransformerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SASRecConfig:
+    max_len: int = 33  # BOS + 32 history items
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 128
+    steps: int = 300
+    batch_size: int = 64
+    lr: float = 3e-3
+
+
+def sequences(requests: Requests, max_len: int) -> dict:
+    """tokens / labels / segment_ids int32[R, max_len] and last int32[R] (last real position)."""
+    r = len(requests)
+    tokens = np.zeros((r, max_len), np.int32)
+    labels = np.zeros((r, max_len), np.int32)
+    n = np.minimum((requests.history >= 0).sum(1), max_len - 1)
+    for i in range(r):
+        h = requests.history[i][requests.history[i] >= 0][-(max_len - 1):] if n[i] else []
+        seq = [1] + [int(x) + 2 for x in h]
+        tokens[i, :len(seq)] = seq
+        labels[i, :len(seq)] = [int(x) + 2 for x in h] + [int(requests.target[i]) + 2]
+    segment = (np.arange(max_len)[None, :] <= n[:, None]).astype(np.int32)
+    return {"tokens": tokens, "labels": labels, "segment_ids": segment, "last": n.astype(np.int32)}
+
+
+def _model_config(c: SASRecConfig, n_items: int) -> TransformerConfig:
+    return TransformerConfig(vocab_size=n_items + 2, d_model=c.d_model, n_layers=c.n_layers,
+                             n_heads=c.n_heads, n_kv_heads=c.n_heads, d_ff=c.d_ff,
+                             max_seq_len=c.max_len)
+
+
+def fit_sasrec(requests: Requests, n_items: int, config: SASRecConfig, *, seed: int, mesh=None):
+    """Trains the baseline; returns (graphdef, params, losses)."""
+    mesh = data_mesh() if mesh is None else mesh
+    graphdef, params = nnx.split(Transformer(_model_config(config, n_items), rngs=nnx.Rngs(seed)))
+    params = replicate(params, mesh)
+    tx = optax.adam(config.lr)
+    opt_state = replicate(tx.init(params), mesh)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            logits = nnx.merge(graphdef, p)(batch["tokens"], segment_ids=batch["segment_ids"])
+            logits = logits.at[..., :2].set(-1e9)  # never predict padding / BOS
+            nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+            m = batch["segment_ids"].astype(jnp.float32)
+            return jnp.sum(nll * m) / jnp.maximum(m.sum(), 1.0)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    seqs = sequences(requests, config.max_len)
+    rng = np.random.default_rng([seed, 2])
+    losses = []
+    for _ in range(config.steps):
+        idx = rng.integers(0, len(requests), config.batch_size)
+        batch = shard_batch({k: v[idx] for k, v in seqs.items() if k != "last"}, mesh)
+        params, opt_state, loss = step(params, opt_state, batch)
+        losses.append(loss)
+    return graphdef, params, [float(x) for x in jax.device_get(losses)]
+
+
+def recommend_sasrec(graphdef, params, requests: Requests, config: SASRecConfig, *, k: int,
+                     batch_size: int = 256) -> np.ndarray:
+    """Top-k item ids int32[R, k] from the last real position's logits."""
+
+    @jax.jit
+    def run(params, tokens, segment_ids, last):
+        logits = nnx.merge(graphdef, params)(tokens, segment_ids=segment_ids)
+        at_last = jnp.take_along_axis(logits, last[:, None, None], 1)[:, 0, 2:]
+        return jax.lax.top_k(at_last, k)[1]
+
+    seqs = sequences(requests, config.max_len)
+    r, out = len(requests), []
+    for start in range(0, r, batch_size):
+        idx = np.arange(start, start + batch_size) % r
+        top = run(params, seqs["tokens"][idx], seqs["segment_ids"][idx], seqs["last"][idx])
+        out.append(np.asarray(top)[: min(batch_size, r - start)])
+    return np.concatenate(out).astype(np.int32)
