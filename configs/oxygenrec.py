@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflow.config import Variants
 from jaxflow.genrec.data.synthetic import SyntheticGenRecConfig
 from jaxflow.genrec.rl import RLConfig
 from jaxflow.genrec.sasrec import SASRecConfig
@@ -28,7 +29,6 @@ from jaxflow.genrec.train import SFTConfig
 
 DESCRIPTION = "OxygenREC instruction-following generative recommendation vs TIGER / SASRec / popularity"
 ENTRY = "jaxflow.main.oxygenrec:main"
-VARIANTS = ("quick", "default")
 SYSTEMS = ("oxygenrec", "oxygenrec_no_rl", "oxygenrec_no_igr", "oxygenrec_no_q2i",
            "oxygenrec_per_scenario", "tiger", "sasrec", "popularity")
 
@@ -83,14 +83,14 @@ class Config:
             raise ValueError(f"seeds={self.seeds}: need >= 1")
 
 
-def get_config(variant: str) -> Config:
-    if variant == "quick":
-        return Config()
-    if variant == "default":
-        return Config(seeds=3, systems=SYSTEMS,
-                      data=DataConfig(synthetic=SyntheticGenRecConfig(n_users=1500,
-                                                                      test_users=400)),
-                      sft=SFTConfig(steps=1500, batch_size=64),
-                      rl=RLConfig(steps=150),
-                      sasrec=SASRecConfig(steps=1500, max_len=51))
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+def _default() -> Config:
+    return Config(seeds=3, systems=SYSTEMS,
+                  data=DataConfig(synthetic=SyntheticGenRecConfig(n_users=1500,
+                                                                  test_users=400)),
+                  sft=SFTConfig(steps=1500, batch_size=64),
+                  rl=RLConfig(steps=150),
+                  sasrec=SASRecConfig(steps=1500, max_len=51))
+
+
+get_config = Variants(quick=Config, default=_default)
+VARIANTS = get_config.variants
