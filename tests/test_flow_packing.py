@@ -10,7 +10,8 @@ import pytest
 from jaxflow.flow.allocator import ParallelConfig, allocate, candidates
 from jaxflow.flow.batching import PackingConfig, layout_rows, pooled_image_base
 from jaxflow.flow.digits_data import DigitsConfig, step_samples
-from jaxflow.flow.packing import ALGORITHMS, CostModel, OverBudgetError, pack, split_over_budget
+from jaxflow.flow.packing import (ALGORITHMS, CostModel, OverBudgetError, pack, refine_lengths,
+                                  split_over_budget)
 from jaxflow.flow.pool import EmbeddingPool
 
 
@@ -32,6 +33,32 @@ def test_every_sample_once_budget_respected_and_balanced_beats_first_fit(seed):
     assert out["lpt"].imbalance <= out["first_fit"].imbalance
     assert out["karmarkar_karp"].imbalance <= out["first_fit"].imbalance
     assert out["lpt"].imbalance < 1.1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("algorithm", ["lpt", "karmarkar_karp"])
+def test_length_refinement_keeps_items_budget_bins_and_cost_cap(seed, algorithm):
+    lengths = _long_tailed(120, seed)
+    costs = CostModel.for_width(64)(lengths)
+    plain = pack(lengths, costs, 512, algorithm=algorithm, bin_multiple=8)
+    refined = pack(lengths, costs, 512, algorithm=algorithm, bin_multiple=8, refine=True,
+                   max_imbalance=1.05)
+    assert sorted(i for b in refined.bins for i in b) == list(range(len(lengths)))
+    assert len(refined.bins) == len(plain.bins)
+    assert refined.bin_lengths.max() <= 512
+    assert refined.bin_lengths.max() <= plain.bin_lengths.max()  # never longer rows
+    assert refined.imbalance <= max(1.05, plain.imbalance) + 1e-9
+
+
+def test_length_refinement_moves_and_respects_the_cost_cap_by_hand():
+    # bins {6, 6} and {2}: moving a 6 across gives rows of 6 and 8 (max 12 -> 8) when costs allow
+    got = refine_lengths([[0, 1], [2]], [1.0, 1.0, 1.0], [6, 6, 2], budget=16)
+    assert sorted(map(sorted, got)) == [[0, 2], [1]] or sorted(map(sorted, got)) == [[0], [1, 2]]
+    assert max(sum([6, 6, 2][i] for i in b) for b in got) == 8
+    # the 2-token item is costly: every shortening move or swap would push a bin's cost over
+    # max(1.05, 10 / 6) * mean = 10, so nothing changes
+    got = refine_lengths([[0, 1], [2]], [1.0, 1.0, 10.0], [6, 6, 2], budget=16)
+    assert [sorted(b) for b in got] == [[0, 1], [2]]
 
 
 def test_over_budget_sample_is_an_error_naming_it_or_split_explicitly():

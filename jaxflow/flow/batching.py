@@ -30,10 +30,14 @@ class PackingConfig:
     rows_per_device: int = 1  # usual micro-batch rows per data-parallel device (more if needed)
     over_budget: str = "error"  # error | split
     encoder_cost_per_patch: float = 0.0
+    refine_lengths: bool = True  # even out row lengths after the cost packing (less padding)
+    max_imbalance: float = 1.05  # the cost max / mean the length refinement may reach
 
     def __post_init__(self):
         if self.over_budget not in ("error", "split"):
             raise ValueError(f"packing.over_budget={self.over_budget!r}; valid: error, split")
+        if not self.max_imbalance >= 1.0:
+            raise ValueError(f"packing.max_imbalance={self.max_imbalance!r}; valid: >= 1.0")
 
 
 @dataclasses.dataclass
@@ -86,7 +90,8 @@ def layout_rows(samples: Sequence, layout: str, image_base: Callable[[int, int],
     costs = cost([p.length for p in pieces], n_patch)
     packed = pack([p.length for p in pieces], costs, packing.token_budget,
                   algorithm=packing.algorithm, bin_multiple=row_multiple,
-                  min_bins=row_multiple * packing.rows_per_device)
+                  min_bins=row_multiple * packing.rows_per_device,
+                  refine=packing.refine_lengths, max_imbalance=packing.max_imbalance)
     bins = [[pieces[j] for j in b] for b in packed.bins]
     row_len = bucket(int(packed.bin_lengths.max()), packing.row_granularity)
     return RowsLayout(build_rows(bins, samples, row_len, len(bins), image_base), pieces,

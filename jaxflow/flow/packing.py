@@ -10,7 +10,8 @@ Algorithms (all pure functions on lists of ints/floats; a bin = one micro-batch 
   first_fit       arrival order, first bin with room (grain's FirstFit); the comparison
   lpt             longest-processing-time: costliest first into the cheapest bin with room
   karmarkar_karp  multi-way largest differencing (verl), then a budget check
-``pack`` tries the smallest bin count (a multiple of the data-parallel degree) that fits.
+``pack`` tries the smallest bin count (a multiple of the data-parallel degree) that fits, and
+with ``refine`` evens out the bins' token counts by local search within a cost-imbalance cap.
 A sample longer than the budget raises ``OverBudgetError``, or with the explicit
 ``over_budget="split"`` policy becomes budget-sized pieces (later pieces do not attend to
 earlier ones: an approximation the caller opts into).
@@ -126,6 +127,86 @@ def karmarkar_karp(costs: Sequence[float], lengths: Sequence[int], n_bins: int,
     return bins
 
 
+def refine_lengths(bins: Sequence[Sequence[int]], costs: Sequence[float],
+                   lengths: Sequence[int], budget: int, *,
+                   max_imbalance: float = 1.05) -> list[list[int]]:
+    """Local search that shortens the longest bins while keeping cost balance.
+
+    Every row of a packed batch is computed at the longest row's length, so after a cost-balanced
+    packing (LPT / KK) the tokens a row lacks are padding. Each iteration takes the best single
+    move (one item from a longest bin to a shorter one) or swap (an item of a longest bin for a
+    shorter item of another bin) that lowers ``(max bin length, bins at that length)``, subject
+    to every bin staying within ``budget`` tokens and every bin's cost within
+    ``max(max_imbalance, starting imbalance) * mean cost``; it stops when none does. The item
+    multiset of each bin changes, never the set of items or the bin count.
+
+    Args:
+      bins: item indices per bin (a packing's ``bins``; empty bins allowed).
+      costs, lengths: per item (``[n_items]``).
+      budget: max tokens per bin.
+      max_imbalance: the cost max / mean a move may reach (never below where it started).
+    Returns:
+      new bins, same count, item order within a bin unspecified.
+    """
+    bins = [list(b) for b in bins]
+    n = len(bins)
+    lengths_a = np.asarray(lengths, np.int64)
+    costs_a = np.asarray(costs, np.float64)
+    L = np.array([lengths_a[b].sum() if b else 0 for b in bins], np.int64)
+    C = np.array([costs_a[b].sum() if b else 0.0 for b in bins])
+    mean_c = C.mean() if n else 0.0
+    if n < 2 or mean_c <= 0:
+        return bins
+    cap = max(max_imbalance, C.max() / mean_c) * mean_c * (1 + 1e-12)
+
+    def ranks(others_max: int, others_count: int, la: np.ndarray, lb: np.ndarray) -> np.ndarray:
+        """(max bin length, bins at it) as one sortable key, for every candidate at once."""
+        m = np.maximum(others_max, np.maximum(la, lb))
+        count = (others_max == m) * others_count + (la == m) + (lb == m)
+        return m * (n + 1) + count
+
+    while True:
+        top = int(L.max())
+        current = top * (n + 1) + int((L == top).sum())
+        best = None  # (key, a, b, item of a, item of b or None)
+        for a in np.flatnonzero(L == top):
+            ia = np.asarray(bins[a], np.int64)
+            for b in np.flatnonzero(L < L[a]):
+                rest = np.delete(L, [a, b])
+                o_max = int(rest.max()) if rest.size else 0
+                o_cnt = int((rest == o_max).sum()) if rest.size else 0
+                # moves: item x of a -> b
+                d = lengths_a[ia]
+                ok = (L[b] + d <= budget) & (C[b] + costs_a[ia] <= cap)
+                if ok.any():
+                    keys = np.where(ok, ranks(o_max, o_cnt, L[a] - d, L[b] + d), np.iinfo(np.int64).max)
+                    x = int(np.argmin(keys))
+                    if keys[x] < current and (best is None or keys[x] < best[0]):
+                        best = (int(keys[x]), a, b, int(ia[x]), None)
+                ib = np.asarray(bins[b], np.int64)
+                if ib.size == 0:
+                    continue
+                # swaps: item x of a <-> shorter item y of b
+                d = lengths_a[ia][:, None] - lengths_a[ib][None, :]
+                dc = costs_a[ia][:, None] - costs_a[ib][None, :]
+                ok = (d > 0) & (L[b] + d <= budget) & (C[b] + dc <= cap) & (C[a] - dc <= cap)
+                if ok.any():
+                    keys = np.where(ok, ranks(o_max, o_cnt, L[a] - d, L[b] + d), np.iinfo(np.int64).max)
+                    x, y = np.unravel_index(int(np.argmin(keys)), keys.shape)
+                    if keys[x, y] < current and (best is None or keys[x, y] < best[0]):
+                        best = (int(keys[x, y]), a, b, int(ia[x]), int(ib[y]))
+        if best is None:
+            return bins
+        _, a, b, i, j = best
+        for item, src, dst in ((i, a, b),) + (((j, b, a),) if j is not None else ()):
+            bins[src].remove(item)
+            bins[dst].append(item)
+            L[src] -= lengths_a[item]
+            L[dst] += lengths_a[item]
+            C[src] -= costs_a[item]
+            C[dst] += costs_a[item]
+
+
 @dataclasses.dataclass
 class Packing:
     bins: list[list[int]]  # item indices per bin; len(bins) is a multiple of bin_multiple
@@ -146,13 +227,16 @@ class Packing:
 
 
 def pack(lengths: Sequence[int], costs: Sequence[float], budget: int, *,
-         algorithm: str = "lpt", bin_multiple: int = 1, min_bins: int = 1) -> Packing:
+         algorithm: str = "lpt", bin_multiple: int = 1, min_bins: int = 1,
+         refine: bool = False, max_imbalance: float = 1.05) -> Packing:
     """Bins of item indices, each within ``budget`` tokens, count a multiple of bin_multiple.
 
     Every item lands in exactly one bin. LPT / KK start from the fewest bins the total length
     allows and add ``bin_multiple`` bins until the budget is met; first-fit opens bins as
     needed and the count is then padded with empty bins. ``min_bins`` (rounded up to a
     multiple) fixes the usual bin count so row shapes, hence compilations, stay few.
+    ``refine`` then shortens the longest bins (:func:`refine_lengths`, cost imbalance kept
+    within ``max_imbalance``), which is what padding waste depends on.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"packing algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
@@ -170,6 +254,8 @@ def pack(lengths: Sequence[int], costs: Sequence[float], budget: int, *,
             n += m
     bins = [b for b in bins if b]
     bins += [[] for _ in range((-len(bins)) % m or (m if not bins else 0))]
+    if refine:
+        bins = refine_lengths(bins, costs, lengths, budget, max_imbalance=max_imbalance)
     c = np.asarray(costs)
     ln = np.asarray(lengths)
     return Packing(bins=bins, algorithm=algorithm,

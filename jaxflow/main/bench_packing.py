@@ -1,7 +1,8 @@
 """The ``bench_packing`` experiment: pure host-side comparison of packing algorithms.
 
-For each distribution and batch size, every algorithm packs the same batches. Reported per
-algorithm: padding waste (rows bucketed to ``row_granularity``), cost imbalance (max / mean
+For each distribution and batch size, every algorithm packs the same batches ("+refine": then
+the length refinement of ``jaxflow.flow.packing.refine_lengths``). Reported per algorithm:
+padding waste (rows bucketed to ``row_granularity``), cost imbalance (max / mean
 micro-batch cost, a*len + b*len^2), bins used, and packing time per batch.
 """
 
@@ -43,8 +44,9 @@ def evaluate(lengths: np.ndarray, budget: int, algorithm: str, cost: CostModel, 
         per_row[:len(lengths)] = costs
         return {"waste": waste, "imbalance": per_row.max() / per_row.mean(), "bins": rows,
                 "ms": seconds * 1e3}
+    base, refine = algorithm.removesuffix("+refine"), algorithm.endswith("+refine")
     t0 = time.perf_counter()
-    p = pack(lengths, costs, budget, algorithm=algorithm, bin_multiple=dp, min_bins=dp)
+    p = pack(lengths, costs, budget, algorithm=base, bin_multiple=dp, min_bins=dp, refine=refine)
     seconds = time.perf_counter() - t0
     row_len = bucket(int(p.bin_lengths.max()), granularity)
     return {"waste": p.padding_waste(row_len), "imbalance": p.imbalance, "bins": len(p.bins),
@@ -54,7 +56,7 @@ def evaluate(lengths: np.ndarray, budget: int, algorithm: str, cost: CostModel, 
 def main(config, run: RunContext) -> dict:
     cost = CostModel.for_width(config.d_model)
     rng = np.random.default_rng(config.seed)
-    algos = ("padded",) + ALGORITHMS
+    algos = ("padded",) + ALGORITHMS + ("lpt+refine", "karmarkar_karp+refine")
     table: dict = {}
     step = 0
     for dist, budget in (("digits", config.digits_budget),
