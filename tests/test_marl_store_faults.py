@@ -21,12 +21,16 @@ def filled(path, n=10, agent="solver"):
     return store
 
 
-def consume_all(store, agent="solver", micro=3):
-    seen = []
+def consume_all(store, agent="solver", micro=3, seen=None):
+    """Takes and commits until nothing is ready; each commit's consumer state holds every value
+    seen so far (``seen``, kept across calls when given). Returns the values of this call."""
+    seen = [] if seen is None else seen
+    got = []
     while rows := store.take(agent, micro):
+        got += [int(r.payload["value"]) for r in rows]
         seen += [int(r.payload["value"]) for r in rows]
         store.commit(agent, [r.sample_id for r in rows], {"seen": np.asarray(seen)})
-    return seen
+    return got
 
 
 def test_second_open_in_this_process_is_refused(tmp_path):
@@ -66,10 +70,11 @@ def test_producer_and_consumer_threads_lose_and_double_nothing(tmp_path):
 
     producer = threading.Thread(target=produce)
     producer.start()
+    state = []  # one consumer: its committed state accumulates over the loop's calls
     while producer.is_alive() or store.count("solver", "ready"):
-        seen += consume_all(store, micro=2)
+        seen += consume_all(store, micro=2, seen=state)
     producer.join()
-    seen += consume_all(store)
+    seen += consume_all(store, seen=state)
     store.close()
     assert sorted(seen) == list(range(20))
     with ExperienceStore.open(str(tmp_path)) as again:

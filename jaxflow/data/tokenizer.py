@@ -13,6 +13,21 @@ _SPECIALS = 3
 ARITHMETIC_ALPHABET = "0123456789+-*/()=,: "
 
 
+def pad_token_lists(seqs: Sequence[Sequence[int]], pad_id: int,
+                    length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads token lists with ``pad_id``: (tokens [B, L] int32, lengths [B] int32), L the
+    longest list unless ``length`` is given (a longer list is a ValueError). Every tokenizer's
+    ``pad_batch``."""
+    lengths = np.array([len(s) for s in seqs], dtype=np.int32)
+    length = int(lengths.max(initial=0)) if length is None else length
+    if lengths.size and lengths.max() > length:
+        raise ValueError(f"a sequence of length {lengths.max()} does not fit length {length}")
+    out = np.full((len(seqs), length), pad_id, dtype=np.int32)
+    for row, s in enumerate(seqs):
+        out[row, : len(s)] = s
+    return out, lengths
+
+
 class CharTokenizer:
     """Maps each character of ``alphabet`` to an id; 0/1/2 are PAD/BOS/EOS.
 
@@ -54,11 +69,4 @@ class CharTokenizer:
 
     def pad_batch(self, seqs: Sequence[Sequence[int]], length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Right-pads token lists: returns (tokens [B, L] int32, lengths [B] int32)."""
-        lengths = np.array([len(s) for s in seqs], dtype=np.int32)
-        length = int(lengths.max(initial=0)) if length is None else length
-        if lengths.size and lengths.max() > length:
-            raise ValueError(f"a sequence of length {lengths.max()} does not fit length {length}")
-        out = np.full((len(seqs), length), self.pad_id, dtype=np.int32)
-        for row, s in enumerate(seqs):
-            out[row, : len(s)] = s
-        return out, lengths
+        return pad_token_lists(seqs, self.pad_id, length)

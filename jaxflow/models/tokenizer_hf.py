@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from jaxflow.data.tokenizer import pad_token_lists
 from jaxflow.models.architectures import CheckpointError
 
 
@@ -97,11 +98,4 @@ class HFTokenizer:
     def pad_batch(self, seqs: Sequence[Sequence[int]],
                   length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Right-pads token lists with ``pad_id``: (tokens [B, L] int32, lengths [B] int32)."""
-        lengths = np.array([len(s) for s in seqs], dtype=np.int32)
-        length = int(lengths.max(initial=0)) if length is None else length
-        if lengths.size and lengths.max() > length:
-            raise ValueError(f"a sequence of length {lengths.max()} does not fit length {length}")
-        out = np.full((len(seqs), length), self.pad_id, dtype=np.int32)
-        for row, s in enumerate(seqs):
-            out[row, :len(s)] = s
-        return out, lengths
+        return pad_token_lists(seqs, self.pad_id, length)
