@@ -318,3 +318,14 @@ def test_out_as_file_uri_and_local_path_give_the_same_run_path(tmp_path):
     assert str(run_path("gs://bucket/run")) == "gs://bucket/run"  # not the local dir gs:/bucket
     assert str(run_path("gs://bucket/run") / "config.json") == "gs://bucket/run/config.json"
     assert str(run_path("runs/x")) == "runs/x"  # relative paths stay relative
+
+
+def test_sync_cost_model_without_a_measurement_is_one_line(capsys, tmp_path):
+    out = tmp_path / "run"
+    err = one_line_error(capsys, ["--exp=sync_cost_model", "--variant=quick", f"--out={out}",
+                                  "--set", f"runs_root={tmp_path / 'empty'}"])
+    assert "no sparse_sync run under" in err and "--exp=sparse_sync --variant=quick" in err
+    err = one_line_error(capsys, ["--exp=sync_cost_model", "--variant=quick", f"--out={out}",
+                                  "--set", f"source={tmp_path / 'missing'}"])
+    assert "no sparse_sync summary.json there" in err
+    assert not out.exists()  # nothing left behind: the corrected rerun is not refused

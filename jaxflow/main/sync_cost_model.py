@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+from jaxflow.config import ConfigError
 from jaxflow.experiment import RunContext
 
 # SparseRL-Sync (arXiv 2605.07330): measured broadcast seconds, full -> sparse.
@@ -30,14 +31,15 @@ def find_source(source: str, runs_root: str) -> pathlib.Path:
         path = pathlib.Path(source)
         path = path / "summary.json" if path.is_dir() else path
         if not path.exists():
-            raise FileNotFoundError(f"source={source!r}: no sparse_sync summary.json there")
+            raise ConfigError(f"source={source!r}: no sparse_sync summary.json there; valid: a "
+                              "sparse_sync run directory or its summary.json")
         return path
     found = sorted(pathlib.Path(runs_root).glob("sparse_sync/*/summary.json"),
                    key=lambda p: p.stat().st_mtime)
     if not found:
-        raise FileNotFoundError(f"no sparse_sync run under {runs_root}/sparse_sync; run "
-                                "`python -m jaxflow.run --exp=sparse_sync --variant=quick` first "
-                                "or pass --set source=PATH")
+        raise ConfigError(f"no sparse_sync run under {runs_root}/sparse_sync; run "
+                          "`python -m jaxflow.run --exp=sparse_sync --variant=quick` first "
+                          "or pass --set source=PATH")
     return found[-1]
 
 
