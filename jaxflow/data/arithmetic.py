@@ -102,7 +102,8 @@ def packed_batch(
 ) -> PackedBatch:
     """Training batch ``step``: problems packed greedily into rows of ``seq_len`` tokens.
 
-    Each problem is ``[BOS] a+b= c [EOS]``; inputs/targets are the sequence shifted by one.
+    Each problem is ``[BOS] a+b= c [EOS]`` (``c`` = ``task.demonstration(a, b)`` when the task
+    has one, e.g. worked addition, else ``task.answer(a, b)``); inputs/targets are the sequence shifted by one.
     ``loss_on="answer"`` scores only the answer digits and EOS, ``"all"`` every target.
     """
     if loss_on not in ("answer", "all"):
@@ -122,7 +123,8 @@ def packed_batch(
         while k < len(a_all):
             a, b = a_all[k], b_all[k]
             prompt = tokenizer.encode(task.prompt(a, b), bos=True)
-            seq = prompt + tokenizer.encode(task.answer(a, b), eos=True)
+            target = task.demonstration(a, b) if hasattr(task, "demonstration") else task.answer(a, b)
+            seq = prompt + tokenizer.encode(target, eos=True)
             n = len(seq) - 1
             if col + n > seq_len:
                 break

@@ -10,6 +10,9 @@ only deals with text. Built in:
              a warm start).
   countdown  ``"3,5,7:22="`` -> any expression over a sub-multiset of the numbers with
              ``+ - * / ( )`` that evaluates to the target, e.g. ``"3*5+7"``.
+  worked_addition  ``"374+258="`` -> ``"4+8=12,7+5+1=13,3+2+1=6:632"``: the column working
+             and the sum (:class:`jaxflow.data.worked_addition.WorkedAdditionTask`, 25-31
+             characters at 3 digits); reward 1 only when every column and the sum are right.
 
 Example::
 
@@ -29,6 +32,7 @@ import numpy as np
 
 from jaxflow.data.arithmetic import AdditionTask
 from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.data.worked_addition import WorkedAdditionTask
 
 
 @runtime_checkable
@@ -237,7 +241,7 @@ class CountdownTask:
         return float(value == int(target))
 
 
-TASKS = ("addition", "countdown")
+TASKS = ("addition", "countdown", "worked_addition")
 
 
 def make_task(name: str, **kwargs) -> Task:
@@ -246,6 +250,8 @@ def make_task(name: str, **kwargs) -> Task:
         return AdditionRLTask(**kwargs)
     if name == "countdown":
         return CountdownTask(**kwargs)
+    if name == "worked_addition":
+        return WorkedAdditionTask(**kwargs)
     raise ValueError(f"unknown task {name!r}; valid: {TASKS}")
 
 

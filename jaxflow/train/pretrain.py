@@ -35,7 +35,9 @@ def build(config):
     tokenizer = CharTokenizer()
     if config.model.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size={config.model.vocab_size} < tokenizer's {tokenizer.vocab_size}")
-    task = AdditionTask(max_digits=config.data.max_digits, heldout_mod=config.data.heldout_mod)
+    # A data config may build its own corpus (e.g. worked addition for the RL testbed).
+    task = (config.data.make_corpus() if hasattr(config.data, "make_corpus") else
+            AdditionTask(max_digits=config.data.max_digits, heldout_mod=config.data.heldout_mod))
     mesh = config.mesh.make()
     fns = lm_functions(config.model, mesh)
     tx = make_optimizer(config.optim, config.train.steps)

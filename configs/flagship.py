@@ -1,0 +1,130 @@
+"""flagship: GRPO with SIS on worked addition, trainer and rollout on disjoint sub-meshes,
+weights published through SparseRL-Sync.
+
+The learning testbed is 3-digit addition with the column working written out (25-29
+character responses, :mod:`jaxflow.data.worked_addition`). Warm start: a short ``lm_pretrain``
+run on that corpus (cached under ``cache_root``), which samples the working correctly only
+part of the time at temperature 1. RL: GRPO with SIS at policy lag N (N mini-batch updates per
+rollout, so mini-batches 2..N are off-policy and SIS accepts or rejects their tokens), the
+trainer on one sub-mesh of fake CPU devices and the sampler on the other; after every rollout
+the trainer's weights reach the sampler's bf16 replica as a sparse SparseRL-Sync payload.
+
+    python -m jaxflow.run --exp=flagship --variant=quick      # ~2 min on 2 cores (+ warm start once)
+    python -m jaxflow.run --exp=flagship --variant=default    # longer run, more held-out prompts
+    python -m jaxflow.run --exp=flagship --set rl.loss.correction=none --set sync=none
+
+pass@1 (every summary): the mean reward over ``eval.prompts`` fixed held-out prompts x
+``eval.samples`` samples each at the RL temperature (``rl.temperature``), fixed sampling key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from configs.lm_pretrain import Config as PretrainConfig
+from configs.lm_pretrain import TrainConfig
+from jaxflow.config import Variants, require_positive
+from jaxflow.data.worked_addition import WorkedAdditionTask
+from jaxflow.models.transformer import TransformerConfig
+from jaxflow.rl.grpo import GRPOConfig
+from jaxflow.rl.policy_loss import PolicyLossConfig
+from jaxflow.sync.weight_sync import SyncConfig
+from jaxflow.train.lm_state import OptimConfig
+
+DESCRIPTION = ("GRPO + SIS on worked addition: disjoint trainer / rollout sub-meshes, "
+               "SparseRL-Sync publishes, held-out pass@1")
+ENTRY = "jaxflow.main.flagship:main"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkedDataConfig:
+    """The pretraining corpus: ``digits``-digit addition with the working written out."""
+
+    digits: int = 3
+    heldout_mod: int = 20
+    sloppy_rate: float = 0.7  # demonstrations that drop every carry
+    loss_on: str = "answer"  # working + sum + EOS
+
+    def __post_init__(self):
+        self.make_corpus()  # validates
+        if self.loss_on not in ("answer", "all"):
+            raise ValueError(f"data.loss_on={self.loss_on!r}; valid: answer, all")
+
+    def make_corpus(self) -> WorkedAdditionTask:
+        return WorkedAdditionTask(digits=self.digits, heldout_mod=self.heldout_mod,
+                                  sloppy_rate=self.sloppy_rate)
+
+
+#: Warm start: ~85k-parameter decoder, 3-digit worked addition.
+WARM_START = PretrainConfig(
+    seed=0,
+    model=TransformerConfig(vocab_size=23, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
+                            d_ff=128, max_seq_len=80),
+    data=WorkedDataConfig(),
+    train=TrainConfig(steps=300, batch_size=32, seq_len=80, log_every=50, eval_every=300,
+                      eval_examples=256, checkpoint_every=300, keep_checkpoints=1),
+    optim=OptimConfig(lr=3e-3, warmup_steps=20),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out pass@1: ``prompts`` fixed held-out prompts x ``samples`` samples each at the
+    RL temperature, every ``every`` rollouts."""
+
+    prompts: int = 128
+    samples: int = 4
+    every: int = 5
+
+    def __post_init__(self):
+        require_positive(self, "prompts", "samples", "every")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolesConfig:
+    """Devices per role; the trainer gets the rest (``jaxflow.mesh.trainer_rollout_meshes``)."""
+
+    rollout_devices: int = 1
+    colocate: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    devices: int = 2  # fake CPU devices on a CPU-only machine: 1 trainer + 1 rollout
+    cache_root: str = "runs/_cache"
+    pretrain: PretrainConfig = WARM_START
+    rl: GRPOConfig = GRPOConfig(
+        loss=PolicyLossConfig(algo="grpo", correction="sis"), prompts_per_rollout=8,
+        group_size=8, temperature=1.0, max_new_tokens=30, lag=2, sis_topk=8)
+    optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0)
+    rollouts: int = 30
+    eval: EvalConfig = EvalConfig()
+    roles: RolesConfig = RolesConfig()
+    sync: SyncConfig | None = SyncConfig(codec="auto", every=1)
+
+    def __post_init__(self):
+        require_positive(self, "rollouts", "devices")
+        task = self.task
+        if self.rl.max_new_tokens < task.max_completion_len + 1:
+            raise ValueError(f"rl.max_new_tokens={self.rl.max_new_tokens} cannot hold the "
+                             f"{task.max_completion_len}-character answer and EOS; valid: >= "
+                             f"{task.max_completion_len + 1}")
+
+    @property
+    def task(self) -> WorkedAdditionTask:
+        return self.pretrain.data.make_corpus()
+
+
+def _quick() -> Config:
+    return Config()
+
+
+def _full() -> Config:
+    return dataclasses.replace(Config(), rollouts=200, eval=EvalConfig(prompts=1024, samples=8,
+                                                                       every=10))
+
+
+get_config = Variants(quick=_quick, default=lambda: dataclasses.replace(
+    Config(), rollouts=100, eval=EvalConfig(prompts=512, samples=4, every=10)), full=_full)
+VARIANTS = get_config.variants
