@@ -95,10 +95,10 @@ class Config:
     cache_root: str = "runs/_cache"
     pretrain: PretrainConfig = WARM_START
     rl: GRPOConfig = GRPOConfig(
-        loss=PolicyLossConfig(algo="grpo", correction="sis"), prompts_per_rollout=8,
-        group_size=8, temperature=1.0, max_new_tokens=30, lag=2, sis_topk=8)
-    optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0)
-    rollouts: int = 30
+        loss=PolicyLossConfig(algo="grpo", correction="sis"), prompts_per_rollout=16,
+        group_size=16, temperature=1.0, max_new_tokens=30, lag=2, sis_topk=8)
+    optim: OptimConfig = OptimConfig(lr=1e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0)
+    rollouts: int = 20
     eval: EvalConfig = EvalConfig()
     roles: RolesConfig = RolesConfig()
     sync: SyncConfig | None = SyncConfig(codec="auto", every=1)
