@@ -242,9 +242,21 @@ def plot_curves(run: RunContext, records: list[dict]) -> None:
         plt.close(fig)
 
 
-def _task(config) -> AdditionRLTask:
+def _task(config):
+    """The RL task of the warm start's corpus: worked addition when the pretraining data
+    config builds its own corpus (``configs.flagship.WorkedDataConfig``), else addition."""
+    if hasattr(config.pretrain.data, "make_corpus"):
+        return config.pretrain.data.make_corpus()
     return AdditionRLTask(max_digits=config.pretrain.data.max_digits,
                           heldout_mod=config.pretrain.data.heldout_mod)
+
+
+def pass_at_1_definition(config) -> dict:
+    """How the headline accuracy (``acc``) is measured; written into the summary."""
+    return {"temperature": config.rl.temperature, "samples_per_prompt": config.train.eval_samples,
+            "heldout_prompts": config.train.eval_examples,
+            "sampling_key": "fixed (jax.random.key(0)), the same for every cell and rollout",
+            "greedy": "heldout_greedy_accuracy / greedy_acc: temperature 0, same prompts"}
 
 
 def _tokenizer(config):
@@ -310,6 +322,7 @@ def main(config, run: RunContext) -> dict:
     rewards = [r["reward_first"] for r in records if r.get("reward_first") is not None]
     return {
         "results": rows,
+        "pass_at_1": pass_at_1_definition(config),
         "cells_run": [r["label"] for r in records],
         "roles": roles,
         "warm_start": {"cache": cache_dir(config.pretrain, config.cache_root).name,
