@@ -4,7 +4,7 @@ A small warm start (2-digit worked addition, 70% of the demonstrations drop ever
 pretrained into a temporary cache, then a short on-policy GRPO run (trainer and sampler on
 disjoint 1-device sub-meshes) must raise held-out pass@1 (temperature 1, ``EVAL_SAMPLES``
 samples of each of ``EVAL_PROMPTS`` held-out prompts, fixed key) by at least ``MARGIN``.
-Fixed seeds; the measured gain at commit time is in the assertion message.
+Fixed seeds; measured 0.691 -> 0.848 (+0.157) on 2026-12-01 (experiments/README.md, flagship).
 """
 
 import dataclasses

@@ -101,8 +101,9 @@ def main(config, run: RunContext) -> dict:
     plot_flagship(run, rows, evals)
     ratio, dense, sent = sync_ratio_vs_dense(trainer.weight_sync)
     final = evals[-1][1]
-    run.info(f"held-out pass@1 {initial:.3f} -> {final:.3f}; sync ratio vs dense bf16 "
-             f"{ratio:.2f}x ({dense} / {sent} bytes)")
+    synced = trainer.weight_sync is not None
+    run.info(f"held-out pass@1 {initial:.3f} -> {final:.3f}" + (
+        f"; sync ratio vs dense bf16 {ratio:.2f}x ({dense} / {sent} bytes)" if synced else ""))
     later = [r["accept_rate_later"] for r in rows if "accept_rate_later" in r]
     return {
         "heldout_pass_at_1_initial": initial,
@@ -110,7 +111,7 @@ def main(config, run: RunContext) -> dict:
         "heldout_pass_at_1_curve": evals,
         "pass_at_1": pass_at_1_definition(config),
         "heldout_greedy_accuracy_final": trainer.heldout_accuracy(state, config.eval.prompts),
-        "sync_ratio_vs_dense": ratio,
+        "sync_ratio_vs_dense": ratio if synced else None,  # None: sync=none (dense f32)
         "sync_dense_bytes": dense,
         "sync_sent_bytes": sent,
         "sync_publishes": len(trainer.weight_sync.records) if trainer.weight_sync else 0,
