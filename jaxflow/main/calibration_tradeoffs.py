@@ -70,7 +70,7 @@ def _check_encodable(tokenizer, task_sets, documents) -> None:
 
 
 def _study(config, model_cfg, mesh, run: RunContext, *, hf, task_sets, documents, size: str,
-           progress: list[int]) -> dict:
+           progress: list[int], total: int) -> dict:
     """The whole grid on one dense model; returns that size's summary."""
     fns = lm_functions(model_cfg, mesh)
     tokenizer = make_tokenizer() if hf is None else hf[2]
@@ -84,7 +84,7 @@ def _study(config, model_cfg, mesh, run: RunContext, *, hf, task_sets, documents
               "math_digits": config.math_digits}
 
     def train():
-        run.info(f"[{size}] training the dense model ({config.train.steps} steps)")
+        run.set_total_steps(config.train.steps, f"dense model ({size})")
         return train_dense(fns, model_cfg, config.optim, config.train, make_world(
             config.world_seed, math_digits=config.math_digits), seed=config.seed,
             log=lambda step, row: run.log(step, {"phase": "dense", "size": size, **row}))
@@ -95,6 +95,7 @@ def _study(config, model_cfg, mesh, run: RunContext, *, hf, task_sets, documents
                                                   info=run.info)
     else:
         dense_params, cache = hf[1], hf[0].hf_path
+    run.set_total_steps(total, "prune+eval")
     evaluator = CapabilityEvaluator(fns, tokenizer, world, n=config.eval_examples, sets=task_sets)
     capabilities = evaluator.capabilities
     dense_scores = evaluator(dense_params)
@@ -181,12 +182,12 @@ def main(config, run: RunContext) -> dict:
         models = [("hf", hf[0])]
         run.info(f"dense model from {config.model.hf_path}: {hf[0].architecture}")
     total = len(models) * len(config.sources) * config.draws * len(config.sparsities)
-    run.set_total_steps(total, "prune+eval")
     progress = [0]
     sizes = {}
     for name, model_cfg in models:
         sizes[name] = _study(config, model_cfg, mesh, run, hf=hf, task_sets=task_sets,
-                             documents=documents, size=name, progress=progress)
+                             documents=documents, size=name, progress=progress,
+                             total=total)
     run.write_json("per_draw.json", [r for s in sizes.values() for r in s.pop("per_draw")])
     capabilities = next(iter(sizes.values()))["capabilities"]
     stability = {}
