@@ -291,9 +291,13 @@ def _vlm_backbone_step():
 
 SYSTEMS = {"grpo": _grpo_steps, "embeddings": _embedding_step, "sync": _tracker_compaction,
            "vlm": _vlm_backbone_step}
-# Where `auto` must pick the kernel (the VLM attention has a GPU kernel only).
+# Where `auto` must pick the kernel (the VLM step runs without a mesh context on 8 devices,
+# where splash cannot be partitioned: XLA on TPU, one warning).
 EXPECT_KERNEL = {("grpo", "tpu"), ("grpo", "cuda"), ("embeddings", "tpu"),
                  ("embeddings", "cuda"), ("sync", "tpu"), ("sync", "cuda"), ("vlm", "cuda")}
+# ... and the attention kernel inside (f32 models: flash, not cuDNN, on cuda).
+EXPECT_ATTENTION = {("grpo", "tpu"): "splash_mha_fwd", ("grpo", "cuda"): "mha_forward",
+                    ("vlm", "cuda"): "mha_forward"}
 
 
 def test_grpo_without_mesh_context_falls_back_on_tpu(monkeypatch):
@@ -320,3 +324,5 @@ def test_system_steps_lower_with_auto_backends(system, platform, monkeypatch):
             text = exported.mlir_module()
             has_kernel = KERNEL_CALL[platform] in text
             assert has_kernel == ((system, platform) in EXPECT_KERNEL), (name, has_kernel)
+            if (system, platform) in EXPECT_ATTENTION:
+                assert EXPECT_ATTENTION[system, platform] in text, name

@@ -27,7 +27,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules, shardings_from_logical
-from jaxflow.models.attention_backends import AttentionBackend, resolve_attention_backend
+from jaxflow.models.attention_backends import (
+    AttentionBackend,
+    resolve_attention_backend,
+)
 from jaxflow.models.transformer import Transformer, logical_axes
 from jaxflow.train.lm_state import token_nll
 from pallas_kernels import dispatch

@@ -170,7 +170,7 @@ def splash_attention(q, k, v, segment_ids, *, interpret: bool = False) -> jax.Ar
     the kernel, which applies no scale of its own."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
-    b, t, h, d = q.shape
+    t, h, d = q.shape[1:]
     tp = -(-t // SPLASH_LANES) * SPLASH_LANES
     block = next(s for s in SPLASH_BLOCKS if tp % s == 0)
     pad = tp - t
@@ -306,8 +306,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, 
       v: [B, T, K, D] values.
       segment_ids: [B, T] int; token t attends to s <= t with the same id; 0 = padding.
       backend: one of ``ATTENTION_BACKENDS``.
-      interpret: run the Pallas kernels (splash, flash) in interpret mode, on any platform
-        and without a build verdict.
+      interpret: with backend "splash" or "flash", run that Pallas kernel in interpret mode,
+        on any platform and without a build verdict (other backends ignore it).
 
     Returns:
       [B, T, H, D] in q.dtype. Rows of padding queries are finite but meaningless.

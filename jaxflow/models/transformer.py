@@ -33,7 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow.models.attention import apply_rope, cache_causal_mask, dot_product_attention
+from jaxflow.models.attention import (
+    apply_rope,
+    cache_causal_mask,
+    dot_product_attention,
+)
 from jaxflow.models.attention_backends import ATTENTION_BACKENDS
 from jaxflow.models.attention_backends import attention as segment_attention
 from jaxflow.models.kv_cache import KVCache, empty_cache, write_rows
