@@ -1,14 +1,19 @@
-"""The ``bench_embedding`` experiment: sharded lookup + sparse update vs dense ``jnp.take``.
+"""The ``bench_embedding`` experiment: sharded lookup + sparse update vs ``jnp.take`` baselines
+(dense gradient and optimizer; sparse: gathered-row gradient + segment_sum + touched rows only).
 
 A (jaxflow): ``make_train_step`` on ``ShardedEmbeddings`` (row-wise tables over every device,
 dedup + All2All ids + gather + All2All rows + sum pooling, then row grads All2All to the owners
 and row-wise Adagrad on the touched rows).
-B (baseline, what a competent JAX user writes without this layer): the same tables row-sharded
-with ``NamedSharding``, ``jnp.take`` + the same pooling under ``jit`` (XLA SPMD partitions the
-gather), ``jax.grad`` to a dense [V, D] gradient per table and dense row-wise Adagrad on the
-full table. Same ids, loss, optimizer formula, mesh and batch; A and B alternate step by step
-after a compiled warm-up; both train the same tables, so their final states must agree
-(``max_abs_diff_vs_dense``).
+B (dense baseline, the naive JAX program): the same tables row-sharded with ``NamedSharding``,
+``jnp.take`` + the same pooling under ``jit`` (XLA SPMD partitions the gather), ``jax.grad`` to a
+dense [V, D] gradient per table and dense row-wise Adagrad on the full table.
+C (sparse baseline, what a competent JAX user writes without this layer): the same sharded
+tables, ``jnp.take`` of the batch's ids, the gradient of the gathered rows only,
+``segment_sum`` of it over the batch's unique ids (fixed size: ``jnp.unique(size=B x bag)``,
+cannot overflow) and row-wise Adagrad on those rows only (gather, update, scatter back).
+Same ids, loss, optimizer formula, mesh and batch; A, B and C run in a random order within each
+round after a compiled warm-up; all three train the same tables, so their final states must
+agree (``max_abs_diff_vs_dense``, ``max_abs_diff_vs_sparse``).
 Also the Pallas embedding-bag kernel vs its XLA reference (interpret mode off GPU/TPU, where the
 number measures the interpreter, not the kernel).
 """
@@ -75,6 +80,44 @@ def dense_baseline_step(specs, mesh, learning_rate: float, eps: float = 1e-8):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+def sparse_baseline_step(specs, learning_rate: float, eps: float = 1e-8):
+    """C: jnp.take + gradient of the gathered rows + segment_sum over the unique ids + row-wise
+    Adagrad on those rows only. ``(tables, accum, ids, weights) -> (tables, accum)``; tables
+    ``{name: [V, D]}``, accum ``{name: [V]}``, ids ``{name: [B, bag]}`` (-1 = padding)."""
+
+    def step(tables, accum, ids, weights):
+        batch = ids[specs[0].name].shape[0]
+        flat, uniq, inv = {}, {}, {}
+        for s in specs:
+            i = ids[s.name]
+            # padding and out-of-range ids -> V: gathered as 0, dropped by the scatter
+            i = jnp.where((i >= 0) & (i < s.vocab_size), i, s.vocab_size).astype(jnp.int32)
+            flat[s.name] = i
+            uniq[s.name], inv[s.name] = jnp.unique(i.reshape(-1), size=i.size,
+                                                   fill_value=s.vocab_size, return_inverse=True)
+
+        def loss(rows):
+            out = {n: r.sum(axis=1) for n, r in rows.items()}  # sum pooling over the bag
+            return regression_loss(out, weights) / batch
+
+        rows = {s.name: jnp.take(tables[s.name], flat[s.name], axis=0, mode="fill", fill_value=0)
+                for s in specs}
+        g_rows = jax.grad(loss)(rows)
+        new_t, new_a = {}, {}
+        for s in specs:
+            n, u = s.name, uniq[s.name]
+            g = jax.ops.segment_sum(g_rows[n].reshape(-1, s.dim), inv[n].reshape(-1),
+                                    num_segments=u.shape[0])
+            acc = jnp.take(accum[n], u, mode="fill", fill_value=0) + jnp.mean(jnp.square(g), -1)
+            old = jnp.take(tables[n], u, axis=0, mode="fill", fill_value=0)
+            new = old - learning_rate * g / (jnp.sqrt(acc)[:, None] + eps)
+            new_t[n] = tables[n].at[u].set(new, mode="drop")
+            new_a[n] = accum[n].at[u].set(acc, mode="drop")
+        return new_t, new_a
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
 def bench_kernel(config, run: RunContext) -> dict:
     interpret = jax.default_backend() not in ("gpu", "tpu")
     k = jax.random.key(config.seed)
@@ -131,35 +174,56 @@ def main(config, run: RunContext) -> dict:
     tables_b = jax.device_put(tables0, table_sharding)
     accum_b = jax.device_put({n: np.zeros(config.vocab_size, np.float32) for n in names}, table_sharding)
     step_b = dense_baseline_step(specs, mesh, config.learning_rate)
+    tables_c = jax.device_put(tables0, table_sharding)
+    accum_c = jax.device_put({n: np.zeros(config.vocab_size, np.float32) for n in names},
+                             table_sharding)
+    step_c = sparse_baseline_step(specs, config.learning_rate)
     placed = [jax.device_put(b, row_sharding) for b in batches]
     ids_per_step = [sum(int((v >= 0).sum()) for v in ids.values()) for ids, _ in batches]
     run.info(f"{config.num_tables} tables x {config.vocab_size:,} rows x {config.dim} on {n_dev} devices; "
              f"batch {config.batch_size} x bag <= {config.bag}; capacity {capacity}, per owner {bucket}")
 
-    t_a, t_b, n_ids, stats = [], [], [], None
+    t_a, t_b, t_c, n_ids, stats = [], [], [], [], None
+    order_rng = np.random.default_rng([config.seed, 0x0DE5])
     for i in range(config.warmup + config.pairs):
         ids, w = placed[i % len(placed)]
-        (state_a, stats), ta = _timed(step_a, state_a, ids, w)
-        (tables_b, accum_b), tb = _timed(step_b, tables_b, accum_b, ids, w)
+        took = {}
+        for path in order_rng.permutation(3):  # random order within each round
+            if path == 0:
+                (state_a, stats), took["a"] = _timed(step_a, state_a, ids, w)
+            elif path == 1:
+                (tables_b, accum_b), took["b"] = _timed(step_b, tables_b, accum_b, ids, w)
+            else:
+                (tables_c, accum_c), took["c"] = _timed(step_c, tables_c, accum_c, ids, w)
         if i >= config.warmup:
-            t_a.append(ta)
-            t_b.append(tb)
+            t_a.append(took["a"])
+            t_b.append(took["b"])
+            t_c.append(took["c"])
             n_ids.append(ids_per_step[i % len(placed)])
-            run.log(i - config.warmup, {"sharded_seconds": ta, "dense_seconds": tb, "ratio": tb / ta})
+            run.log(i - config.warmup, {"sharded_seconds": took["a"], "dense_seconds": took["b"],
+                                        "sparse_seconds": took["c"], "ratio": took["b"] / took["a"],
+                                        "ratio_vs_sparse": took["c"] / took["a"]})
     check_stats(stats, capacity)
     got, _ = emb.to_dense(state_a["emb"])
     diff = max(float(np.max(np.abs(got[n] - np.asarray(tables_b[n])))) for n in names)
+    diff_c = max(float(np.max(np.abs(got[n] - np.asarray(tables_c[n])))) for n in names)
     s = _ratio_summary(t_b, t_a)
+    sc = _ratio_summary(t_c, t_a)
     rows_per_second = float(np.median(np.asarray(n_ids) / np.asarray(t_a)))
-    run.info(f"speedup vs dense take: {s['median']:.3g} [min {s['min']:.3g}, max {s['max']:.3g}] "
-             f"over {s['pairs']} pairs; {rows_per_second:,.0f} ids looked up + updated / s; "
-             f"max |sharded - dense| {diff:.2g}")
+    run.info(f"speedup vs dense take: {s['median']:.3g} [min {s['min']:.3g}, max {s['max']:.3g}]; "
+             f"vs sparse take + segment_sum: {sc['median']:.3g} [min {sc['min']:.3g}, max "
+             f"{sc['max']:.3g}] over {s['pairs']} rounds; {rows_per_second:,.0f} ids looked up + "
+             f"updated / s; max |sharded - dense| {diff:.2g}, |sharded - sparse| {diff_c:.2g}")
     out = {"speedup_vs_dense_take": s["median"], "speedup_spread": [s["min"], s["max"]],
+           "speedup_vs_sparse_take": sc["median"], "speedup_vs_sparse_spread": [sc["min"], sc["max"]],
            "pairs": s["pairs"], "rows_per_second": rows_per_second,
            "dense_rows_per_second": float(np.median(np.asarray(n_ids) / np.asarray(t_b))),
+           "sparse_rows_per_second": float(np.median(np.asarray(n_ids) / np.asarray(t_c))),
            "sharded_step_seconds_median": float(np.median(t_a)),
            "dense_step_seconds_median": float(np.median(t_b)),
-           "max_abs_diff_vs_dense": diff, "max_unique_per_device": int(stats["max_unique"]),
+           "sparse_step_seconds_median": float(np.median(t_c)),
+           "max_abs_diff_vs_dense": diff, "max_abs_diff_vs_sparse": diff_c,
+           "max_unique_per_device": int(stats["max_unique"]),
            "table_bytes": config.num_tables * config.vocab_size * config.dim * 4}
     if config.kernel_pairs:
         out.update(bench_kernel(config, run))
