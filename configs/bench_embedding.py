@@ -12,7 +12,9 @@ creates ``devices`` (8) fake CPU devices unless ``--devices`` says otherwise; on
 on 1 (no All2All traffic).
 Summary keys: ``speedup_vs_dense_take`` (dense step time / sharded step time, median of the
 rounds; ``speedup_spread`` = [min, max]), ``speedup_vs_sparse_take`` (the same against the
-sparse baseline; ``speedup_vs_sparse_spread``) and ``rows_per_second`` (non-padding ids looked up and
+sparse baseline on the same mesh; ``speedup_vs_sparse_spread``), ``speedup_vs_best_sparse_take``
+(against the faster of the sparse baseline's placements, ``best_sparse_take``), ``ratios`` (every
+baseline: median, min, max) and ``rows_per_second`` (non-padding ids looked up and
 updated per second by the sharded path).
 """
 
@@ -42,6 +44,7 @@ class Config:
     num_batches: int = 4  # distinct batches cycled through
     warmup: int = 2  # per path, includes compilation
     pairs: int = 10
+    sparse_one_device: bool = True  # also time the sparse baseline with the tables on one device
     kernel_vocab: int = 512
     kernel_bags: int = 64
     kernel_pairs: int = 10
