@@ -47,6 +47,15 @@ def git_dirty_paths(paths: Sequence[str], root: pathlib.Path = REPO_ROOT) -> lis
     return sorted(line[3:] for line in out.stdout.splitlines() if line.strip())
 
 
+def display_path(path: "str | os.PathLike") -> str:
+    """``path`` relative to the repository root when it lies inside it (else as given)."""
+    p = pathlib.Path(path)
+    try:
+        return str(p.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def current_command(argv: Sequence[str] | None = None) -> str:
     """The command line of this process, as ``python -m jaxflow.run ...`` when it is the runner."""
     argv = list(sys.argv if argv is None else argv)

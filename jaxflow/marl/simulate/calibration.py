@@ -177,7 +177,8 @@ def load_measurement(calibration: str | pathlib.Path = "") -> Calibration:
     record = json.loads(path.read_text())
     if "values" in record and "provenance" in record:
         return Calibration(MeasuredRun.from_values(record["values"], str(path)),
-                           dict(record["provenance"]), str(path), dict(record.get("context", {})))
+                           dict(record["provenance"]), provenance.display_path(path),
+                           dict(record.get("context", {})))
     try:
         m = measured_from_summary(record)
     except (KeyError, ValueError) as e:
@@ -187,7 +188,7 @@ def load_measurement(calibration: str | pathlib.Path = "") -> Calibration:
             "git_commit": record.get("git_commit"),
             "command": " ".join(argv) if isinstance(argv, list) else None,
             "devices": record.get("device_count"), "measured_paths": list(MEASURED_PATHS)}
-    return Calibration(m, prov, str(path))
+    return Calibration(m, prov, provenance.display_path(path))
 
 
 def calibration_summary(cal: Calibration, root: pathlib.Path = provenance.REPO_ROOT) -> dict:

@@ -140,7 +140,8 @@ def load_calibration(calibration: str | pathlib.Path = "") -> Calibration:
         if missing:
             raise ValueError(f"calibration={str(path)!r}: values lack {missing}")
         return Calibration({k: float(record["values"][k]) for k in STAGE_KEYS},
-                           dict(record["provenance"]), str(path), dict(record.get("context", {})))
+                           dict(record["provenance"]), provenance.display_path(path),
+                           dict(record.get("context", {})))
     try:
         ms, context = calibration_from_summary(record)
     except ValueError as e:
@@ -150,7 +151,7 @@ def load_calibration(calibration: str | pathlib.Path = "") -> Calibration:
             "git_commit": record.get("git_commit"),
             "command": " ".join(argv) if isinstance(argv, list) else None,
             "devices": record.get("device_count"), "measured_paths": list(MEASURED_PATHS)}
-    return Calibration(ms, prov, str(path), context)
+    return Calibration(ms, prov, provenance.display_path(path), context)
 
 
 def calibration_summary(cal: Calibration, root: pathlib.Path = provenance.REPO_ROOT) -> dict:
