@@ -121,7 +121,8 @@ def test_sync_counts_from_a_run():
     rt = lambda n: types.SimpleNamespace(  # noqa: E731
         spec=spec, engine=types.SimpleNamespace(prompt_width=5),
         fns=types.SimpleNamespace(abstract_params=lambda: {"w": np.zeros((n, 3)), "b": np.zeros(n)}))
-    run = types.SimpleNamespace(engine={"calls": 32, "row_steps": 370, "useful_row_steps": 367},
+    run = types.SimpleNamespace(engine={"calls": 32, "row_steps": 370, "useful_row_steps": 367,
+                                        "padded_row_steps": 384},
                                 samples=128)
     c = marl_sim.sync_counts([run], {"solver": rt(10), "verifier": rt(2)}, ["solver", "verifier"])
     assert c["decode_steps"] == 32 + 370 / 4 and c["solver_sample_tokens"] == 11
