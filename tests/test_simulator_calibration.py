@@ -3,6 +3,7 @@ reported in the simulators' summaries, warned about when the measured code chang
 recorded commit; per-input sensitivities; bench_embedding's sparse baseline is row-wise Adagrad."""
 
 import json
+import pathlib
 import subprocess
 import types
 
@@ -203,3 +204,15 @@ def test_sparse_baseline_is_rowwise_adagrad_on_touched_rows():
         untouched = np.setdiff1d(np.arange(v), ids[s.name][ids[s.name] >= 0])
         assert np.array_equal(np.asarray(got_t[s.name])[untouched], tables[s.name][untouched])
         assert np.array_equal(np.asarray(got_a[s.name])[untouched], accum[s.name][untouched])
+
+
+def test_a_run_records_its_own_provenance(tmp_path):
+    # what `nestpipe --set calibration_out=...` calls at the end of its main
+    path = np_sim.write_calibration_from_run(str(tmp_path / "c.json"), NESTPIPE_SUMMARY,
+                                             experiment="nestpipe", variant="quick", devices=8)
+    p = json.loads(pathlib.Path(path).read_text())["provenance"]
+    assert p["git_commit"] == provenance.git_commit() and p["devices"] == 8
+    assert p["measured_paths"] == list(np_sim.MEASURED_PATHS) and p["date"].endswith("UTC")
+    assert p["machine"]["cpu_count"] >= 1 and p["command"].startswith("python")
+    assert provenance.current_command(["/x/jaxflow/run.py", "--exp=nestpipe", "--set", "a=b c"]) \
+        == "python -m jaxflow.run --exp=nestpipe --set 'a=b c'"
