@@ -50,22 +50,28 @@ def paper_checks(eff: dict, steps: dict, exposed_ms: dict, fwp16_exposed_fractio
     implied_128 = (torchrec["scaling_efficiency"] * torchrec["step_ms"]) / (
         nest["scaling_efficiency"] * nest["step_ms"])
     lookup_sync = exposed_ms["sync"]["lookup"]
-    rows = {
-        f"nestpipe_speedup_at_{n1}": (nest["speedup"], steps["sync"][n1] / steps["dbp+fwp"][n1]),
-        f"nestpipe_efficiency_at_{n1}": (nest["scaling_efficiency"], eff["dbp+fwp"][n1]),
+    rows = {  # name -> (paper, prediction); a row whose pipeline was not simulated is left out
+        f"nestpipe_speedup_at_{n1}": (nest["speedup"],
+                                      lambda: steps["sync"][n1] / steps["dbp+fwp"][n1]),
+        f"nestpipe_efficiency_at_{n1}": (nest["scaling_efficiency"], lambda: eff["dbp+fwp"][n1]),
         f"nestpipe_speedup_at_{n0}_implied_by_the_table": (
-            implied_128, steps["sync"][n0] / steps["dbp+fwp"][n0]),
+            implied_128, lambda: steps["sync"][n0] / steps["dbp+fwp"][n0]),
         f"nestpipe_exposed_lookup_ms_at_{n1}": (PAPER_NESTPIPE_EXPOSED_MS["lookup"][1],
-                                                exposed_ms["dbp+fwp"]["lookup"]),
+                                                lambda: exposed_ms["dbp+fwp"]["lookup"]),
         f"nestpipe_exposed_all2all_ms_at_{n1}": (PAPER_NESTPIPE_EXPOSED_MS["all2all"][1],
-                                                 exposed_ms["dbp+fwp"]["all2all"]),
+                                                 lambda: exposed_ms["dbp+fwp"]["all2all"]),
         "dbp_lookup_removed_fraction": (PAPER_ABLATIONS["dbp_lookup_removed_fraction"],
-                                        1.0 - exposed_ms["dbp"]["lookup"] / lookup_sync),
+                                        lambda: 1.0 - exposed_ms["dbp"]["lookup"] / lookup_sync),
         "fwp16_unclustered_exposed_comm_fraction": (
-            PAPER_ABLATIONS["fwp16_unclustered_exposed_comm_fraction"], fwp16_exposed_fraction),
+            PAPER_ABLATIONS["fwp16_unclustered_exposed_comm_fraction"],
+            lambda: fwp16_exposed_fraction),
     }
     out = {}
-    for name, (paper, predicted) in rows.items():
+    for name, (paper, predict) in rows.items():
+        try:
+            predicted = predict()
+        except KeyError:
+            continue
         err = predicted / paper - 1.0
         out[name] = {"paper": paper, "predicted": predicted, "relative_error": err,
                      "passed": bool(abs(err) <= rel_tol)}
