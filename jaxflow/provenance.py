@@ -89,7 +89,10 @@ def run_provenance(*, experiment: str, variant: str, devices: int, measured_path
 
     out = {"experiment": experiment, "variant": variant, "git_commit": git_commit(root),
            "git_dirty_paths": git_dirty_paths(measured_paths, root),
-           "command": command or current_command(), "devices": int(devices),
+           "command": command or current_command(),
+           # a count <= 0 (e.g. "every device") is resolved to the devices this process has
+           "devices": int(devices) if devices and int(devices) > 0 else jax.device_count(),
+           "process_device_count": jax.device_count(),
            "backend": jax.default_backend(), "jax_version": jax.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": machine(), "measured_paths": list(measured_paths)}
