@@ -1,0 +1,406 @@
+"""The ``bench_kernels`` experiment: each Pallas kernel / attention backend vs its XLA reference.
+
+Every case is a pair of functions on the same device arrays, ``kernel`` and ``reference``, each
+returning its outputs and gradients. Each side is compiled alone (``jit(...).lower().compile()``,
+temporary bytes from its ``memory_analysis()``) and run once; a side that fails to build or to
+run (no lowering on this platform, out of memory) gets ``status = "unavailable: <reason>"`` and
+the other side still runs. With both up: the max error (``max |a - b| / max(1, max |b|)`` over
+all outputs; exact kernels count mismatching elements) against the case's tolerance, then
+``pairs`` alternated (kernel, reference) timings after ``warmup`` more untimed calls each
+(CONVENTIONS: median of per-pair ratios, side by side). Throughput: bytes read + written / time
+for the memory-bound kernels, FLOP/s for the matmul ones, each from the model in the row's
+``throughput_model``.
+
+Tolerances (per dtype): fused log-probs f32 1e-5 / bf16 1e-2 (the kernel reorders the vocab
+sums), embedding bag f32 1e-6 / bf16 1e-2, attention f32 1e-5 / bf16 2e-2 (online softmax in
+blocks vs one softmax), sync kernels exact (0 mismatches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflow.experiment import RunContext
+from pallas_kernels import catalog
+
+TOLERANCE = {
+    "fused_logprobs": {"float32": 1e-5, "bfloat16": 1e-2},
+    "embedding_bag": {"float32": 1e-6, "bfloat16": 1e-2},
+    "attention": {"float32": 1e-5, "bfloat16": 2e-2},
+    "sync_diff_compact": {"uint16": 0.0},
+    "sync_scatter_apply": {"uint16": 0.0},
+}
+#: the attention backends' names when ``jaxflow.models.attention_backends`` is absent
+FALLBACK_ATTENTION_BACKENDS = ("auto", "xla", "splash", "flash", "cudnn")
+
+
+@dataclasses.dataclass
+class Case:
+    """One kernel-vs-reference comparison: both sides take ``args`` (device arrays)."""
+
+    kernel: str  # family, a TOLERANCE key
+    name: str  # row name, e.g. "attention[flash,T=8192]"
+    shape: str
+    dtype: str
+    kernel_fn: Callable | None
+    reference_fn: Callable | None
+    args: tuple
+    exact: bool = False
+    bytes_moved: int | None = None  # per call, the bandwidth model
+    flops: float | None = None  # per call, the FLOP model
+    throughput_model: str = ""
+    unavailable: str | None = None  # kernel side known missing before building
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text}"[:limit]
+
+
+def _block(tree) -> None:
+    for x in jax.tree.leaves(tree):
+        if hasattr(x, "block_until_ready"):
+            x.block_until_ready()
+
+
+def _build(fn: Callable, args: tuple) -> dict:
+    """{"compiled", "temp_bytes", "out"} or {"status": "unavailable: ..."}; never raises."""
+    try:
+        compiled = jax.jit(fn).lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 - any build failure is a recorded verdict
+        return {"status": f"unavailable: build failed: {_one_line(e)}"}
+    temp = None
+    try:
+        mem = compiled.memory_analysis()
+        temp = None if mem is None else int(mem.temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        pass
+    try:
+        out = compiled(*args)
+        _block(out)
+    except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED at run time
+        return {"status": f"unavailable: run failed: {_one_line(e)}", "temp_bytes": temp}
+    return {"status": "ok", "compiled": compiled, "temp_bytes": temp, "out": out}
+
+
+def max_error(got, want, *, exact: bool) -> float:
+    """Mismatching elements (``exact``) or max |a - b| / max(1, max |b|) over all leaves."""
+    g, w = jax.tree.leaves(got), jax.tree.leaves(want)
+    if len(g) != len(w):
+        raise ValueError(f"kernel returned {len(g)} outputs, reference {len(w)}")
+    if exact:
+        return float(sum(int(jnp.sum(jnp.asarray(a) != jnp.asarray(b))) for a, b in zip(g, w)))
+    err = 0.0
+    for a, b in zip(g, w):
+        a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+        if a32.shape != b32.shape:
+            raise ValueError(f"output shapes differ: {a32.shape} vs {b32.shape}")
+        if a32.size == 0:
+            continue
+        scale = max(1.0, float(jnp.max(jnp.abs(b32))))
+        err = max(err, float(jnp.max(jnp.abs(a32 - b32))) / scale)
+    return err
+
+
+def _time(fn, args) -> float:
+    t0 = time.perf_counter()
+    _block(fn(*args))
+    return time.perf_counter() - t0
+
+
+def alternate(kernel, reference, args, pairs: int, warmup: int) -> dict:
+    """Median seconds of each side over ``pairs`` alternated pairs (order flips every pair) and
+    the median per-pair ratio reference / kernel; either side may be None (timed alone)."""
+    sides = {k: f for k, f in (("kernel", kernel), ("reference", reference)) if f is not None}
+    for _ in range(warmup):
+        for f in sides.values():
+            _block(f(*args))
+    times = {k: [] for k in sides}
+    for i in range(pairs):
+        order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+        for k in order:
+            times[k].append(_time(sides[k], args))
+    out = {f"{k}_s": float(np.median(v)) for k, v in times.items()}
+    if len(sides) == 2:
+        r = np.asarray(times["reference"]) / np.asarray(times["kernel"])
+        out["speedup_vs_reference"] = float(np.median(r))
+        out["speedup_spread"] = [float(r.min()), float(r.max())]
+    out["pairs"] = pairs
+    return out
+
+
+def run_case(case: Case, pairs: int, warmup: int) -> dict:
+    """The row of one case (never raises)."""
+    tol = TOLERANCE[case.kernel][case.dtype]
+    row: dict[str, Any] = {"kernel": case.kernel, "name": case.name, "shape": case.shape,
+                           "dtype": case.dtype, "tolerance": tol,
+                           "throughput_model": case.throughput_model,
+                           "bytes_moved": case.bytes_moved, "flops": case.flops, **case.extra}
+    if case.unavailable is not None or case.kernel_fn is None:
+        k = {"status": case.unavailable or "unavailable"}
+    else:
+        k = _build(case.kernel_fn, case.args)
+    if case.reference_fn is None:
+        r = {"status": case.unavailable or "unavailable"}
+    else:
+        r = _build(case.reference_fn, case.args)
+    row.update(status=k["status"], reference_status=r["status"],
+               kernel_temp_bytes=k.get("temp_bytes"), reference_temp_bytes=r.get("temp_bytes"))
+    row["max_error"] = row["within_tolerance"] = None
+    if k["status"] == "ok" and r["status"] == "ok":
+        try:
+            err = max_error(k["out"], r["out"], exact=case.exact)
+            row["max_error"], row["within_tolerance"] = err, bool(err <= tol)
+        except Exception as e:  # noqa: BLE001 - a mismatch in structure is a failed check
+            row["status"] = f"error check failed: {_one_line(e)}"
+            row["within_tolerance"] = False
+    k.pop("out", None), r.pop("out", None)
+    if "compiled" in k or "compiled" in r:
+        try:
+            row.update(alternate(k.get("compiled"), r.get("compiled"), case.args, pairs, warmup))
+        except Exception as e:  # noqa: BLE001
+            row["timing_status"] = f"timing failed: {_one_line(e)}"
+    for side in ("kernel", "reference"):
+        secs = row.get(f"{side}_s")
+        if secs:
+            if case.bytes_moved:
+                row[f"{side}_GBps"] = case.bytes_moved / secs / 1e9
+            if case.flops:
+                row[f"{side}_TFLOPps"] = case.flops / secs / 1e12
+    return row
+
+
+# ------------------------------------------------------------------------------- cases
+
+
+def _fused_cases(p: dict, interpret: bool, key) -> list[Case]:
+    from jaxflow.rl.logprobs import fused_logprobs_xla
+    from pallas_kernels.fused_logprobs import fused_logprobs
+
+    n, d, v, kk, dtype = p["n"], p["d"], p["vocab"], p["k"], p["dtype"]
+    ks = jax.random.split(key, 6)
+    h = jax.random.normal(ks[0], (n, d), jnp.float32).astype(dtype)
+    w = (jax.random.normal(ks[1], (d, v), jnp.float32) / np.sqrt(d)).astype(dtype)
+    t = jax.random.randint(ks[2], (n,), 0, v, jnp.int32)
+    topk = jax.random.randint(ks[3], (n, kk), 0, v, jnp.int32)
+    gt = jax.random.normal(ks[4], (n,), jnp.float32)
+    gk = jax.random.normal(ks[5], (n, kk), jnp.float32)
+
+    def step(impl):
+        def f(h, w, t, topk, gt, gk):
+            def loss(h, w):
+                out = impl(h, w, t, topk)
+                return jnp.sum(gt * out.target_logp) + jnp.sum(gk * out.topk_logp), out
+            (_, out), (dh, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
+            return out.target_logp, out.topk_logp, dh, dw
+        return f
+
+    name = jnp.dtype(dtype).name
+    return [Case("fused_logprobs", "fused_logprobs_fwd_bwd", f"N={n} d={d} V={v} K={kk}", name,
+                 step(lambda *a: fused_logprobs(*a, interpret=interpret)),
+                 step(lambda *a: fused_logprobs_xla(*a)), (h, w, t, topk, gt, gk),
+                 flops=6.0 * n * d * v,
+                 throughput_model="6 N d V (logits 2NdV forward, dh and dW 4NdV backward)",
+                 extra={"naive_logits_bytes": 4 * n * v,
+                        "reference_is": "chunked XLA path (jaxflow.rl.logprobs)"})]
+
+
+def _bag_cases(p: dict, interpret: bool, key) -> list[Case]:
+    from pallas_kernels.embedding_bag import embedding_bag, embedding_bag_reference
+
+    vocab, dim, bags, bag_len = p["vocab"], p["dim"], p["bags"], p["bag_len"]
+    ks = jax.random.split(key, 4)
+    table = jax.random.normal(ks[0], (vocab, dim), jnp.float32)
+    ids = jax.random.randint(ks[1], (bags, bag_len), 0, vocab, jnp.int32)
+    ids = jnp.where(jax.random.bernoulli(ks[2], 0.1, ids.shape), -1, ids)  # ~10% padding
+    g = jax.random.normal(ks[3], (bags, dim), jnp.float32)
+
+    def step(impl):
+        def f(table, ids, g):
+            out, vjp = jax.vjp(lambda tb: impl(tb, ids), table)
+            return out, vjp(g)[0]
+        return f
+
+    rows = bags * bag_len * dim * 4
+    moved = 4 * bags * bag_len + rows + 4 * bags * dim + 4 * bags * dim + 4 * vocab * dim + 2 * rows
+    return [Case("embedding_bag", "embedding_bag_fwd_bwd",
+                 f"V={vocab} D={dim} bags={bags}x{bag_len} mean", "float32",
+                 step(lambda tb, i: embedding_bag(tb, i, mode="mean", interpret=interpret)),
+                 step(lambda tb, i: embedding_bag_reference(tb, i, "mean")), (table, ids, g),
+                 bytes_moved=moved,
+                 throughput_model="ids + gathered rows + bags out, then g in + the dense [V, D] "
+                                  "gradient written + gathered rows scattered (read and write)",
+                 extra={"reference_is": "jnp.take + masked sum over the bag; its gradient a "
+                                        "scatter-add into a dense [V, D] table gradient"})]
+
+
+def _sync_inputs(p: dict, change_fraction: float, key):
+    n = p["n"]
+    ks = jax.random.split(key, 3)
+    old = jax.random.randint(ks[0], (n,), 0, 2**16, jnp.int32).astype(jnp.uint16)
+    flip = jax.random.randint(ks[1], (n,), 1, 2**16, jnp.int32).astype(jnp.uint16)
+    changed = jax.random.bernoulli(ks[2], change_fraction, (n,))
+    new = jnp.where(changed, old ^ flip, old)
+    return old, new
+
+
+def _diff_cases(p: dict, interpret: bool, key, change_fraction: float) -> list[Case]:
+    from pallas_kernels.sync_diff_compact import diff_compact, diff_compact_reference
+
+    n, cap = p["n"], p["capacity"]
+    old, new = _sync_inputs(p, change_fraction, key)
+    changed = int(jnp.sum(old != new))
+    return [Case("sync_diff_compact", "sync_diff_compact", f"n={n} capacity={cap}", "uint16",
+                 lambda a, b: diff_compact(a, b, capacity=cap, interpret=interpret),
+                 lambda a, b: diff_compact_reference(a, b, capacity=cap), (old, new), exact=True,
+                 bytes_moved=2 * 2 * n + cap * (4 + 2 + 2),
+                 throughput_model="both uint16 versions read + capacity x (int32 position + "
+                                  "2 uint16 values) written",
+                 extra={"changed": changed, "change_fraction": changed / n,
+                        "overflow": changed > cap})]
+
+
+def _scatter_cases(p: dict, interpret: bool, key, change_fraction: float) -> list[Case]:
+    from pallas_kernels.sync_diff_compact import diff_compact_reference
+    from pallas_kernels.sync_scatter_apply import scatter_apply, scatter_apply_reference
+
+    n, cap = p["n"], p["capacity"]
+    old, new = _sync_inputs(p, change_fraction, key)
+    count, positions, _, values = jax.jit(diff_compact_reference,
+                                          static_argnames="capacity")(old, new, capacity=cap)
+    exact_apply = int(count) <= cap
+    return [Case("sync_scatter_apply", "sync_scatter_apply", f"n={n} updates={cap}", "uint16",
+                 lambda d, pos, val: scatter_apply(d, pos, val, interpret=interpret),
+                 scatter_apply_reference, (old, positions, values), exact=True,
+                 bytes_moved=2 * 2 * n + cap * (4 + 2),
+                 throughput_model="uint16 destination read and written + capacity x (int32 "
+                                  "position + uint16 value) read",
+                 extra={"updates": int(min(int(count), cap)),
+                        "reconstructs_new_version": exact_apply})]
+
+
+def _attention_module():
+    import importlib
+
+    name = "jaxflow.models.attention_backends"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name:
+            return None  # another branch brings it; the rows say so
+        raise
+
+
+def _attention_cases(a, interpret: bool, key) -> list[Case]:
+    module = _attention_module()
+    dtype = jnp.dtype(a.dtype)
+    out = []
+    for tokens in a.tokens:
+        shape = (f"B={a.batch} T={tokens} H={a.heads} K={a.kv_heads} D={a.head_dim} "
+                 f"segments={a.segments}")
+        # causal attention: 4 B H T^2 D / 2 forward; backward 2.5x forward (FlashAttention's count)
+        flops = 3.5 * 4.0 * a.batch * a.heads * tokens * tokens * a.head_dim / 2 / a.segments
+        model = "3.5 x causal forward 2 B H T^2 D / segments (backward = 2.5 x forward)"
+        if module is None:
+            for b in a.backends:
+                out.append(Case("attention", f"attention[{b},T={tokens}]", shape, dtype.name,
+                                None, None, (), flops=flops, throughput_model=model,
+                                unavailable="unavailable: module missing "
+                                            "(jaxflow.models.attention_backends)",
+                                extra={"backend": b, "tokens": tokens}))
+            continue
+        ks = jax.random.split(jax.random.fold_in(key, tokens), 4)
+        q = jax.random.normal(ks[0], (a.batch, tokens, a.heads, a.head_dim), dtype)
+        k = jax.random.normal(ks[1], (a.batch, tokens, a.kv_heads, a.head_dim), dtype)
+        v = jax.random.normal(ks[2], (a.batch, tokens, a.kv_heads, a.head_dim), dtype)
+        g = jax.random.normal(ks[3], (a.batch, tokens, a.heads, a.head_dim), dtype)
+        seg = (1 + jnp.arange(tokens) * a.segments // tokens).astype(jnp.int32)
+        seg = jnp.broadcast_to(seg, (a.batch, tokens))
+
+        def step(backend):
+            def f(q, k, v, seg, g):
+                o, vjp = jax.vjp(lambda q, k, v: module.attention(
+                    q, k, v, seg, backend=backend, interpret=interpret), q, k, v)
+                return (o, *vjp(g))
+            return f
+
+        for b in a.backends:
+            known = getattr(module, "ATTENTION_BACKENDS", FALLBACK_ATTENTION_BACKENDS)
+            out.append(Case("attention", f"attention[{b},T={tokens}]", shape, dtype.name,
+                            step(b), step("xla"), (q, k, v, seg, g), flops=flops,
+                            throughput_model=model,
+                            unavailable=None if b in known else
+                            f"unavailable: {b!r} not in ATTENTION_BACKENDS {tuple(known)}",
+                            extra={"backend": b, "tokens": tokens,
+                                   "reference_is": "attention(backend='xla')"}))
+    return out
+
+
+def iter_cases(config, interpret: bool):
+    """Every case the config asks for, one kernel family at a time (its arrays allocated on the
+    default device only while it is benchmarked). A family whose inputs cannot be made here
+    (e.g. out of memory) yields one unavailable row."""
+    key = jax.random.key(config.seed)
+    sizes = {fam: catalog.SIZES[fam][config.size] for fam in catalog.SIZES}
+    makers = {
+        "fused_logprobs": lambda k: _fused_cases(sizes["fused_logprobs"], interpret, k),
+        "embedding_bag": lambda k: _bag_cases(sizes["embedding_bag"], interpret, k),
+        "sync_diff_compact": lambda k: _diff_cases(sizes["sync"], interpret, k,
+                                                   config.change_fraction),
+        "sync_scatter_apply": lambda k: _scatter_cases(sizes["sync"], interpret, k,
+                                                       config.change_fraction),
+        "attention": lambda k: _attention_cases(config.attention, interpret, k),
+    }
+    for i, fam in enumerate(config.kernels):
+        try:
+            cases = makers[fam](jax.random.fold_in(key, i))
+        except Exception as e:  # noqa: BLE001 - e.g. inputs that do not fit this device
+            dtype = next(iter(TOLERANCE[fam]))
+            cases = [Case(fam, fam, "", dtype, None, None, (),
+                          unavailable=f"unavailable: inputs: {_one_line(e)}")]
+        while cases:
+            yield cases.pop(0)
+
+
+def _reference_only(row: dict) -> bool:
+    return row["status"] != "ok" or row["reference_status"] != "ok"
+
+
+def main(config, run: RunContext) -> dict:
+    platform = jax.default_backend()
+    interpret = platform not in ("gpu", "tpu") if config.interpret is None else config.interpret
+    run.info(f"{platform} ({jax.devices()[0].device_kind}); interpret={interpret}"
+             + ("; times measure the Pallas interpreter, not the kernels" if interpret else ""))
+    rows = []
+    for case in iter_cases(config, interpret):
+        row = run_case(case, config.pairs, config.warmup)
+        rows.append(row)
+        del case
+        msg = f"{row['name']} [{row['shape']}]: kernel {row['status']}"
+        if row.get("max_error") is not None:
+            msg += f", max error {row['max_error']:.2e} (tol {row['tolerance']:.0e})"
+        if row.get("speedup_vs_reference") is not None:
+            msg += (f", {row['kernel_s'] * 1e3:.2f} ms vs {row['reference_s'] * 1e3:.2f} ms "
+                    f"({row['speedup_vs_reference']:.2f}x)")
+        if _reference_only(row):
+            msg += f"; reference {row['reference_status']}"
+        run.info(msg)
+    checked = [r for r in rows if r["within_tolerance"] is not None]
+    return {
+        "platform": platform,
+        "device_kind": jax.devices()[0].device_kind,
+        "interpret": interpret,
+        "times_meaningful": not interpret,
+        "size": config.size,
+        "rows": rows,
+        "rows_ok": sum(r["status"] == "ok" for r in rows),
+        "rows_unavailable": sum(r["status"].startswith("unavailable") for r in rows),
+        "all_within_tolerance": bool(checked) and all(r["within_tolerance"] for r in checked),
+    }
