@@ -36,6 +36,7 @@ TOLERANCE = {
     "sync_diff_compact": {"uint16": 0.0},
     "sync_scatter_apply": {"uint16": 0.0},
 }
+KERNEL_FAMILIES = tuple(TOLERANCE)
 #: the attention backends' names when ``jaxflow.models.attention_backends`` is absent
 FALLBACK_ATTENTION_BACKENDS = ("auto", "xla", "splash", "flash", "cudnn")
 
@@ -90,23 +91,37 @@ def _build(fn: Callable, args: tuple) -> dict:
     return {"status": "ok", "compiled": compiled, "temp_bytes": temp, "out": out}
 
 
+@jax.jit
+def _device_error(a, b):
+    a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.max(jnp.abs(a32 - b32)), jnp.max(jnp.abs(b32))
+
+
+def _leaf_error(a, b, exact: bool) -> float:
+    if a.shape != b.shape:
+        raise ValueError(f"output shapes differ: {a.shape} vs {b.shape}")
+    if a.size == 0:
+        return 0.0
+    if exact:
+        if a.size < 2**24:
+            return float(np.sum(np.asarray(a) != np.asarray(b)))
+        return float(jax.jit(lambda x, y: jnp.sum(x != y))(a, b))
+    if a.size < 2**24:  # small: on the host, no per-shape compilation
+        a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        diff, scale = float(np.max(np.abs(a32 - b32))), float(np.max(np.abs(b32)))
+    else:
+        diff, scale = map(float, _device_error(a, b))
+    return diff / max(1.0, scale)
+
+
 def max_error(got, want, *, exact: bool) -> float:
-    """Mismatching elements (``exact``) or max |a - b| / max(1, max |b|) over all leaves."""
+    """Mismatching elements (``exact``) or max |a - b| / max(1, max |b|), over all leaves
+    (the sum of mismatches, the max of errors)."""
     g, w = jax.tree.leaves(got), jax.tree.leaves(want)
     if len(g) != len(w):
         raise ValueError(f"kernel returned {len(g)} outputs, reference {len(w)}")
-    if exact:
-        return float(sum(int(jnp.sum(jnp.asarray(a) != jnp.asarray(b))) for a, b in zip(g, w)))
-    err = 0.0
-    for a, b in zip(g, w):
-        a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-        if a32.shape != b32.shape:
-            raise ValueError(f"output shapes differ: {a32.shape} vs {b32.shape}")
-        if a32.size == 0:
-            continue
-        scale = max(1.0, float(jnp.max(jnp.abs(b32))))
-        err = max(err, float(jnp.max(jnp.abs(a32 - b32))) / scale)
-    return err
+    errs = [_leaf_error(a, b, exact) for a, b in zip(g, w)]
+    return float(sum(errs)) if exact else max(errs, default=0.0)
 
 
 def _time(fn, args) -> float:
@@ -185,13 +200,16 @@ def _fused_cases(p: dict, interpret: bool, key) -> list[Case]:
     from pallas_kernels.fused_logprobs import fused_logprobs
 
     n, d, v, kk, dtype = p["n"], p["d"], p["vocab"], p["k"], p["dtype"]
-    ks = jax.random.split(key, 6)
-    h = jax.random.normal(ks[0], (n, d), jnp.float32).astype(dtype)
-    w = (jax.random.normal(ks[1], (d, v), jnp.float32) / np.sqrt(d)).astype(dtype)
-    t = jax.random.randint(ks[2], (n,), 0, v, jnp.int32)
-    topk = jax.random.randint(ks[3], (n, kk), 0, v, jnp.int32)
-    gt = jax.random.normal(ks[4], (n,), jnp.float32)
-    gk = jax.random.normal(ks[5], (n, kk), jnp.float32)
+    def make(key):  # one compiled program, not one per eager op
+        ks = jax.random.split(key, 6)
+        return (jax.random.normal(ks[0], (n, d), jnp.float32).astype(dtype),
+                (jax.random.normal(ks[1], (d, v), jnp.float32) / np.sqrt(d)).astype(dtype),
+                jax.random.randint(ks[2], (n,), 0, v, jnp.int32),
+                jax.random.randint(ks[3], (n, kk), 0, v, jnp.int32),
+                jax.random.normal(ks[4], (n,), jnp.float32),
+                jax.random.normal(ks[5], (n, kk), jnp.float32))
+
+    h, w, t, topk, gt, gk = jax.jit(make)(key)
 
     def step(impl):
         def f(h, w, t, topk, gt, gk):
@@ -216,11 +234,14 @@ def _bag_cases(p: dict, interpret: bool, key) -> list[Case]:
     from pallas_kernels.embedding_bag import embedding_bag, embedding_bag_reference
 
     vocab, dim, bags, bag_len = p["vocab"], p["dim"], p["bags"], p["bag_len"]
-    ks = jax.random.split(key, 4)
-    table = jax.random.normal(ks[0], (vocab, dim), jnp.float32)
-    ids = jax.random.randint(ks[1], (bags, bag_len), 0, vocab, jnp.int32)
-    ids = jnp.where(jax.random.bernoulli(ks[2], 0.1, ids.shape), -1, ids)  # ~10% padding
-    g = jax.random.normal(ks[3], (bags, dim), jnp.float32)
+    def make(key):
+        ks = jax.random.split(key, 4)
+        ids = jax.random.randint(ks[1], (bags, bag_len), 0, vocab, jnp.int32)
+        ids = jnp.where(jax.random.bernoulli(ks[2], 0.1, ids.shape), -1, ids)  # ~10% padding
+        return (jax.random.normal(ks[0], (vocab, dim), jnp.float32), ids,
+                jax.random.normal(ks[3], (bags, dim), jnp.float32))
+
+    table, ids, g = jax.jit(make)(key)
 
     def step(impl):
         def f(table, ids, g):
@@ -243,20 +264,23 @@ def _bag_cases(p: dict, interpret: bool, key) -> list[Case]:
 
 def _sync_inputs(p: dict, change_fraction: float, key):
     n = p["n"]
-    ks = jax.random.split(key, 3)
-    old = jax.random.randint(ks[0], (n,), 0, 2**16, jnp.int32).astype(jnp.uint16)
-    flip = jax.random.randint(ks[1], (n,), 1, 2**16, jnp.int32).astype(jnp.uint16)
-    changed = jax.random.bernoulli(ks[2], change_fraction, (n,))
-    new = jnp.where(changed, old ^ flip, old)
-    return old, new
+    def make(key):
+        ks = jax.random.split(key, 3)
+        old = jax.random.randint(ks[0], (n,), 0, 2**16, jnp.int32).astype(jnp.uint16)
+        flip = jax.random.randint(ks[1], (n,), 1, 2**16, jnp.int32).astype(jnp.uint16)
+        changed = jax.random.bernoulli(ks[2], change_fraction, (n,))
+        new = jnp.where(changed, old ^ flip, old)
+        return old, new, jnp.sum(changed, dtype=jnp.int32)
+
+    return jax.jit(make)(key)
 
 
 def _diff_cases(p: dict, interpret: bool, key, change_fraction: float) -> list[Case]:
     from pallas_kernels.sync_diff_compact import diff_compact, diff_compact_reference
 
     n, cap = p["n"], p["capacity"]
-    old, new = _sync_inputs(p, change_fraction, key)
-    changed = int(jnp.sum(old != new))
+    old, new, changed = _sync_inputs(p, change_fraction, key)
+    changed = int(changed)
     return [Case("sync_diff_compact", "sync_diff_compact", f"n={n} capacity={cap}", "uint16",
                  lambda a, b: diff_compact(a, b, capacity=cap, interpret=interpret),
                  lambda a, b: diff_compact_reference(a, b, capacity=cap), (old, new), exact=True,
@@ -272,7 +296,7 @@ def _scatter_cases(p: dict, interpret: bool, key, change_fraction: float) -> lis
     from pallas_kernels.sync_scatter_apply import scatter_apply, scatter_apply_reference
 
     n, cap = p["n"], p["capacity"]
-    old, new = _sync_inputs(p, change_fraction, key)
+    old, new, _ = _sync_inputs(p, change_fraction, key)
     count, positions, _, values = jax.jit(diff_compact_reference,
                                           static_argnames="capacity")(old, new, capacity=cap)
     exact_apply = int(count) <= cap
@@ -316,13 +340,16 @@ def _attention_cases(a, interpret: bool, key) -> list[Case]:
                                             "(jaxflow.models.attention_backends)",
                                 extra={"backend": b, "tokens": tokens}))
             continue
-        ks = jax.random.split(jax.random.fold_in(key, tokens), 4)
-        q = jax.random.normal(ks[0], (a.batch, tokens, a.heads, a.head_dim), dtype)
-        k = jax.random.normal(ks[1], (a.batch, tokens, a.kv_heads, a.head_dim), dtype)
-        v = jax.random.normal(ks[2], (a.batch, tokens, a.kv_heads, a.head_dim), dtype)
-        g = jax.random.normal(ks[3], (a.batch, tokens, a.heads, a.head_dim), dtype)
-        seg = (1 + jnp.arange(tokens) * a.segments // tokens).astype(jnp.int32)
-        seg = jnp.broadcast_to(seg, (a.batch, tokens))
+        def make(key, tokens=tokens):
+            ks = jax.random.split(key, 4)
+            qs, kvs = (a.batch, tokens, a.heads, a.head_dim), (a.batch, tokens, a.kv_heads,
+                                                               a.head_dim)
+            seg = (1 + jnp.arange(tokens) * a.segments // tokens).astype(jnp.int32)
+            return (jax.random.normal(ks[0], qs, dtype), jax.random.normal(ks[1], kvs, dtype),
+                    jax.random.normal(ks[2], kvs, dtype), jax.random.normal(ks[3], qs, dtype),
+                    jnp.broadcast_to(seg, (a.batch, tokens)))
+
+        q, k, v, g, seg = jax.jit(make)(jax.random.fold_in(key, tokens))
 
         def step(backend):
             def f(q, k, v, seg, g):
@@ -348,19 +375,21 @@ def iter_cases(config, interpret: bool):
     default device only while it is benchmarked). A family whose inputs cannot be made here
     (e.g. out of memory) yields one unavailable row."""
     key = jax.random.key(config.seed)
+    sync_key = jax.random.fold_in(key, len(KERNEL_FAMILIES))
     sizes = {fam: catalog.SIZES[fam][config.size] for fam in catalog.SIZES}
     makers = {
         "fused_logprobs": lambda k: _fused_cases(sizes["fused_logprobs"], interpret, k),
         "embedding_bag": lambda k: _bag_cases(sizes["embedding_bag"], interpret, k),
-        "sync_diff_compact": lambda k: _diff_cases(sizes["sync"], interpret, k,
+        # both sync kernels see the same pair of versions: scatter applies diff's output
+        "sync_diff_compact": lambda k: _diff_cases(sizes["sync"], interpret, sync_key,
                                                    config.change_fraction),
-        "sync_scatter_apply": lambda k: _scatter_cases(sizes["sync"], interpret, k,
+        "sync_scatter_apply": lambda k: _scatter_cases(sizes["sync"], interpret, sync_key,
                                                        config.change_fraction),
         "attention": lambda k: _attention_cases(config.attention, interpret, k),
     }
-    for i, fam in enumerate(config.kernels):
+    for fam in config.kernels:
         try:
-            cases = makers[fam](jax.random.fold_in(key, i))
+            cases = makers[fam](jax.random.fold_in(key, KERNEL_FAMILIES.index(fam)))
         except Exception as e:  # noqa: BLE001 - e.g. inputs that do not fit this device
             dtype = next(iter(TOLERANCE[fam]))
             cases = [Case(fam, fam, "", dtype, None, None, (),
