@@ -1,6 +1,8 @@
 """The experiment runner: ``python -m jaxflow.run --exp=NAME [--variant=quick] [--set k=v ...]``.
 
   --list                       every experiment, its description and variants
+  --dry-run                    resolve the config (overrides applied) and its meshes on the
+                               devices present, print them as one JSON line, run nothing
   --exp NAME --variant V       run configs/NAME.py's get_config(V)
   --set a.b=value              override a config field (repeatable), parsed as its type
   --out DIR|URI [--resume]     run directory, a path or a URI (file:///abs/dir, gs://bucket/dir;
@@ -53,6 +55,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Run a jaxflow experiment.")
     p.add_argument("--list", action="store_true", help="list experiments and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="resolve the config and its meshes, print them, run nothing")
     p.add_argument("--exp", help="experiment name (see --list)")
     p.add_argument("--variant", default=None, help="quick | default | full (default: default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -309,9 +313,17 @@ def _main(argv: list[str]) -> int:
     import jax
 
     try:
-        resolve_meshes(spec, config, jax.devices())
+        meshes = resolve_meshes(spec, config, jax.devices())
     except (MeshError, ValueError) as e:
         raise UsageError(f"{e} (set --devices, --set devices=N or --set mesh.shape=...)") from None
+    if args.dry_run:
+        from jaxflow.experiment import to_jsonable
+
+        print(json.dumps({"experiment": name, "variant": variant, "overrides": overrides,
+                          "backend": jax.default_backend(), "device_count": jax.device_count(),
+                          "meshes": {k: dict(m.shape) for k, m in meshes.items()},
+                          "config": to_jsonable(config)}))
+        return 0
 
     out_dir = _out_dir(out, name, started)
     if out is None:
