@@ -72,10 +72,13 @@ step() {
   "$PY" - "$name" "$rc" "$(( $(date +%s) - t0 ))" "$limit" "$out" "$log" "$RESULTS/$name.json" "$@" <<'EOF'
 import json, os, sys
 name, rc, secs, limit, out, log, dest, *argv = sys.argv[1:]
-summary = os.path.join(out, "summary.json")
+summary, partial = os.path.join(out, "summary.json"), os.path.join(out, "rows.json")
 record = {"step": name, "rc": int(rc), "timed_out": rc in ("124", "137"), "seconds": int(secs),
           "timeout_s": int(limit), "command": ["python", "-m", "jaxflow.run", *argv],
           "summary": json.load(open(summary)) if os.path.exists(summary) else None,
+          # rows written as they finish (bench_kernels), for a step stopped by its timeout
+          "partial": (json.load(open(partial)) if os.path.exists(partial)
+                      and not os.path.exists(summary) else None),
           "log_tail": open(log, errors="replace").read()[-4000:] if os.path.exists(log) else ""}
 json.dump(record, open(dest, "w"), indent=1, default=str)
 print(f"== {name}: rc {rc} in {secs}s -> {dest}")

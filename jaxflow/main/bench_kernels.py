@@ -58,6 +58,7 @@ class Case:
     throughput_model: str = ""
     unavailable: str | None = None  # kernel side known missing before building
     extra: dict = dataclasses.field(default_factory=dict)
+    reference_key: Any = None  # cases with the same key share one reference build
 
 
 def _one_line(e: BaseException, limit: int = 300) -> str:
@@ -151,8 +152,9 @@ def alternate(kernel, reference, args, pairs: int, warmup: int) -> dict:
     return out
 
 
-def run_case(case: Case, pairs: int, warmup: int) -> dict:
-    """The row of one case (never raises)."""
+def run_case(case: Case, pairs: int, warmup: int, references: dict | None = None) -> dict:
+    """The row of one case (never raises). ``references`` caches reference builds by
+    ``case.reference_key`` (e.g. XLA attention, compared with every backend)."""
     tol = TOLERANCE[case.kernel][case.dtype]
     row: dict[str, Any] = {"kernel": case.kernel, "name": case.name, "shape": case.shape,
                            "dtype": case.dtype, "tolerance": tol,
@@ -164,6 +166,10 @@ def run_case(case: Case, pairs: int, warmup: int) -> dict:
         k = _build(case.kernel_fn, case.args)
     if case.reference_fn is None:
         r = {"status": case.unavailable or "unavailable"}
+    elif references is not None and case.reference_key is not None:
+        if case.reference_key not in references:
+            references[case.reference_key] = _build(case.reference_fn, case.args)
+        r = dict(references[case.reference_key])
     else:
         r = _build(case.reference_fn, case.args)
     row.update(status=k["status"], reference_status=r["status"],
@@ -366,7 +372,8 @@ def _attention_cases(a, interpret: bool, key) -> list[Case]:
                             unavailable=None if b in known else
                             f"unavailable: {b!r} not in ATTENTION_BACKENDS {tuple(known)}",
                             extra={"backend": b, "tokens": tokens,
-                                   "reference_is": "attention(backend='xla')"}))
+                                   "reference_is": "attention(backend='xla')"},
+                            reference_key=("attention", "xla", tokens)))
     return out
 
 
@@ -407,11 +414,14 @@ def main(config, run: RunContext) -> dict:
     interpret = platform not in ("gpu", "tpu") if config.interpret is None else config.interpret
     run.info(f"{platform} ({jax.devices()[0].device_kind}); interpret={interpret}"
              + ("; times measure the Pallas interpreter, not the kernels" if interpret else ""))
-    rows = []
+    rows, references, family = [], {}, None
     for case in iter_cases(config, interpret):
-        row = run_case(case, config.pairs, config.warmup)
+        if case.kernel != family:  # a family's reference builds die with its arrays
+            references, family = {}, case.kernel
+        row = run_case(case, config.pairs, config.warmup, references)
         rows.append(row)
         del case
+        run.write_json("rows.json", {"rows": rows, "interpret": interpret})  # survives a kill
         msg = f"{row['name']} [{row['shape']}]: kernel {row['status']}"
         if row.get("max_error") is not None:
             msg += f", max error {row['max_error']:.2e} (tol {row['tolerance']:.0e})"
@@ -421,6 +431,7 @@ def main(config, run: RunContext) -> dict:
         if _reference_only(row):
             msg += f"; reference {row['reference_status']}"
         run.info(msg)
+    references.clear()
     checked = [r for r in rows if r["within_tolerance"] is not None]
     return {
         "platform": platform,
