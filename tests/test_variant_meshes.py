@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import jax
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from jaxflow.config import apply_overrides, experiments
 from jaxflow.mesh import CPU_FAKE_DEVICES, MeshError
 from jaxflow.run import default_devices, resolve_meshes
+from jaxflow.run import main as runner_main
 
 #: experiments whose drivers build device meshes (a mesh, roles or a devices field)
 MULTI_DEVICE = {"nestpipe", "flowtrain", "flexmarl"}
@@ -82,3 +84,15 @@ def test_nestpipe_capacities_apply_only_on_the_count_they_were_measured_on():
     config = experiments()["nestpipe"].get_config("quick")
     assert capacities(config, 8)["capacity"] == config.capacity > 0
     assert set(capacities(config, 1).values()) == {0}  # worst-case sizes, cannot overflow
+
+
+def test_dry_run_prints_the_meshes_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert runner_main(["--exp=flowtrain", "--variant=quick", f"--out={out}", "--dry-run"]) == 0
+    resolved = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert resolved["meshes"]["monolithic"] == {"data": 8} and resolved["device_count"] == 8
+    assert not out.exists()
+    assert runner_main(["--exp=nestpipe", "--variant=quick", "--set", "batch_size=2052",
+                        "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "batch_size=2052 is not divisible by 8 devices" in err[0]
