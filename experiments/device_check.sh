@@ -53,7 +53,8 @@ remaining() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
 step() {
   local name="$1" limit="$2"; shift 2
   if [ "$MODE" = "--dry-run" ]; then
-    "$PY" -m jaxflow.run "$@" --dry-run >/dev/null || { echo "dry-run failed: $name" >&2; FAILED=1; }
+    "$PY" -m jaxflow.run "$@" --dry-run >/dev/null ||
+      { echo "dry-run failed: $name" >&2; FAILED=1; }
     return
   fi
   local left; left=$(remaining)
@@ -69,7 +70,8 @@ step() {
     rc=$?
     tail -n 40 "$log" >>"$RESULTS/device_check.log"
   fi
-  "$PY" - "$name" "$rc" "$(( $(date +%s) - t0 ))" "$limit" "$out" "$log" "$RESULTS/$name.json" "$@" <<'EOF'
+  "$PY" - "$name" "$rc" "$(( $(date +%s) - t0 ))" "$limit" "$out" "$log" \
+    "$RESULTS/$name.json" "$@" <<'EOF'
 import json, os, sys
 name, rc, secs, limit, out, log, dest, *argv = sys.argv[1:]
 summary, partial = os.path.join(out, "summary.json"), os.path.join(out, "rows.json")

@@ -51,7 +51,8 @@ def test_every_step_parses_with_the_runner(name, args):
     assert rc == 0, f"{name}: {args}"
     resolved = json.loads(out.getvalue().strip().splitlines()[-1])
     assert resolved["experiment"] == name
-    assert resolved["variant"] == next(a.split("=", 1)[1] for a in args if a.startswith("--variant"))
+    variant = next(a.split("=", 1)[1] for a in args if a.startswith("--variant"))
+    assert resolved["variant"] == variant
 
 
 def test_carried_wheels_are_project_dependencies():
