@@ -9,8 +9,9 @@ Per kernel: max error vs the reference (max |a - b| / max(1, max |b|) over every
 gradient; sync kernels count mismatching elements, which must be 0), within the kernel's
 tolerance; median time of each side over ``pairs`` alternated (kernel, reference) pairs after a
 compiled warm-up, and the median per-pair ratio; temporary bytes from
-``compiled.memory_analysis()``; achieved bandwidth (a stated bytes-read + written model) or
-FLOP/s (a stated FLOP model). Kernels: fused log-probs fwd+bwd (vs the chunked XLA path),
+``compiled.memory_analysis()``; achieved bandwidth (a stated bytes-read + written model, also as
+a fraction of the bandwidth of an elementwise pass over ``copy_bytes`` measured in the same
+run) or FLOP/s (a stated FLOP model). Kernels: fused log-probs fwd+bwd (vs the chunked XLA path),
 embedding bag fwd+bwd (vs take + masked sum and its scatter-add gradient), sync diff/compact and
 scatter/apply (vs their jnp references), and each attention backend fwd+bwd vs ``xla``.
 
@@ -67,6 +68,7 @@ class Config:
     change_fraction: float = 0.006  # sync kernels: elements that differ between versions
     pairs: int = 10  # alternated (kernel, reference) timing pairs
     warmup: int = 1  # untimed calls of each side after the compiling one
+    copy_bytes: int = 2**30  # the bandwidth yardstick: an elementwise pass over this many bytes
     attention: AttentionConfig = AttentionConfig()
 
     def __post_init__(self):
@@ -76,7 +78,7 @@ class Config:
                              f"{', '.join(KERNELS)}")
         if self.size not in SIZES:
             raise ValueError(f"size={self.size!r}; valid: {', '.join(SIZES)}")
-        require_positive(self, "pairs")
+        require_positive(self, "pairs", "copy_bytes")
         require_positive(self, "warmup", allow_zero=True)
         require_finite(self, "change_fraction", positive=True)
         if self.change_fraction > 1:
@@ -84,13 +86,13 @@ class Config:
 
 
 def _quick() -> Config:
-    return Config(size="test", pairs=10, warmup=0, change_fraction=0.04,
+    return Config(size="test", pairs=10, warmup=0, change_fraction=0.04, copy_bytes=2**22,
                   attention=AttentionConfig(tokens=(256,), heads=2, kv_heads=1, head_dim=64,
                                             dtype="float32", segments=2))
 
 
 def _default() -> Config:  # test shapes, more pairs, attention at 1k tokens (a laptop)
-    return Config(size="test", pairs=20, change_fraction=0.05,
+    return Config(size="test", pairs=20, change_fraction=0.05, copy_bytes=2**24,
                   attention=AttentionConfig(tokens=(1024,), heads=4, kv_heads=2, head_dim=64,
                                             dtype="float32", segments=2))
 

@@ -44,11 +44,17 @@ def test_quick_rows_schema_and_tolerances(quick_summary):
             assert r["speedup_spread"][0] <= r["speedup_vs_reference"] <= r["speedup_spread"][1]
             assert r["kernel_temp_bytes"] is None or r["kernel_temp_bytes"] >= 0
             assert (r.get("kernel_GBps") or r.get("kernel_TFLOPps")) > 0
+            if r.get("kernel_GBps"):
+                assert r["kernel_fraction_of_copy_bandwidth"] == pytest.approx(
+                    r["kernel_GBps"] / s["copy_GBps"])
     # every Pallas kernel family runs here (interpret mode); attention needs its module
     for fam in ("fused_logprobs", "embedding_bag", "sync_diff_compact", "sync_scatter_apply"):
         (row,) = [r for r in rows if r["kernel"] == fam]
         assert row["status"] == "ok" and row["within_tolerance"], row
-    assert s["all_within_tolerance"] is True
+    assert s["all_within_tolerance"] is True and s["copy_GBps"] > 0
+    fused = next(r for r in rows if r["kernel"] == "fused_logprobs")
+    assert fused["kernel_temp_over_naive_logits"] == pytest.approx(
+        fused["kernel_temp_bytes"] / fused["naive_logits_bytes"])
     diff = next(r for r in rows if r["kernel"] == "sync_diff_compact")
     assert not diff["overflow"] and diff["changed"] > 0
     scatter = next(r for r in rows if r["kernel"] == "sync_scatter_apply")
@@ -96,6 +102,21 @@ def test_attention_rows_light_up_with_the_module_and_record_what_cannot_build(mo
     assert by["broken"]["status"].startswith("unavailable: build failed: NotImplementedError")
     assert by["broken"]["reference_status"] == "ok" and by["broken"]["reference_s"] > 0
     assert by["splash"]["status"].startswith("unavailable: 'splash' not in ATTENTION_BACKENDS")
+
+
+def test_accelerator_inputs_match_the_host_inputs_in_shape_and_dtype(monkeypatch):
+    """On a GPU / TPU the inputs are drawn by one jitted program; that path, traced here, gives
+    the same arguments (shapes, dtypes) as the numpy path the CPU uses."""
+    config = dataclasses.replace(cfg.get_config("quick"),
+                                 kernels=("fused_logprobs", "embedding_bag", "sync_diff_compact"))
+
+    def signature():
+        return [(c.name, [(a.shape, a.dtype) for a in c.args])
+                for c in bk.iter_cases(config, True)]
+
+    host = signature()
+    monkeypatch.setattr(bk, "_on_accelerator", lambda: True)
+    assert signature() == host
 
 
 def test_a_wrong_kernel_fails_its_tolerance():

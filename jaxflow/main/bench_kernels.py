@@ -8,8 +8,9 @@ the other side still runs. With both up: the max error (``max |a - b| / max(1, m
 all outputs; exact kernels count mismatching elements) against the case's tolerance, then
 ``pairs`` alternated (kernel, reference) timings after ``warmup`` more untimed calls each
 (CONVENTIONS: median of per-pair ratios, side by side). Throughput: bytes read + written / time
-for the memory-bound kernels, FLOP/s for the matmul ones, each from the model in the row's
-``throughput_model``.
+for the memory-bound kernels (and as a fraction of ``copy_GBps``, an elementwise read + write
+pass over ``copy_bytes`` timed in the same run), FLOP/s for the matmul ones, each from the model
+in the row's ``throughput_model``; fused log-prob rows add ``kernel_temp_over_naive_logits``.
 
 Tolerances (per dtype): fused log-probs f32 1e-5 / bf16 1e-2 (the kernel reorders the vocab
 sums), embedding bag f32 1e-6 / bf16 1e-2, attention f32 1e-5 / bf16 2e-2 (online softmax in
@@ -201,21 +202,69 @@ def run_case(case: Case, pairs: int, warmup: int, references: dict | None = None
 # ------------------------------------------------------------------------------- cases
 
 
+class _DeviceRandom:
+    """Random arrays traced inside one jitted program (accelerators: made where they live)."""
+
+    xp = jnp
+
+    def __init__(self, key):
+        self.key, self.i = key, 0
+
+    def _next(self):
+        self.i += 1
+        return jax.random.fold_in(self.key, self.i)
+
+    def normal(self, shape, dtype=jnp.float32):
+        return jax.random.normal(self._next(), shape, jnp.float32).astype(dtype)
+
+    def randint(self, shape, low, high):
+        return jax.random.randint(self._next(), shape, low, high, jnp.int32)
+
+    def bernoulli(self, p, shape):
+        return jax.random.bernoulli(self._next(), p, shape)
+
+
+class _HostRandom:
+    """The same draws' kinds from numpy (the CPU: no compilation for a handful of arrays)."""
+
+    xp = np
+
+    def __init__(self, key):
+        self.rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
+
+    def normal(self, shape, dtype=jnp.float32):
+        return self.rng.standard_normal(shape, np.float32).astype(dtype)
+
+    def randint(self, shape, low, high):
+        return self.rng.integers(low, high, shape, dtype=np.int32)
+
+    def bernoulli(self, p, shape):
+        return self.rng.random(shape) < p
+
+
+def _on_accelerator() -> bool:
+    return jax.default_backend() in ("gpu", "tpu")
+
+
+def _make(make: Callable, key) -> tuple:
+    """``make(random)`` -> a tuple of arrays on the default device: drawn by one jitted program
+    on a GPU / TPU, by numpy (then placed) on the CPU."""
+    if _on_accelerator():
+        return jax.jit(lambda k: make(_DeviceRandom(k)))(key)
+    return tuple(jnp.asarray(x) for x in make(_HostRandom(key)))
+
+
 def _fused_cases(p: dict, interpret: bool, key) -> list[Case]:
     from jaxflow.rl.logprobs import fused_logprobs_xla
     from pallas_kernels.fused_logprobs import fused_logprobs
 
     n, d, v, kk, dtype = p["n"], p["d"], p["vocab"], p["k"], p["dtype"]
-    def make(key):  # one compiled program, not one per eager op
-        ks = jax.random.split(key, 6)
-        return (jax.random.normal(ks[0], (n, d), jnp.float32).astype(dtype),
-                (jax.random.normal(ks[1], (d, v), jnp.float32) / np.sqrt(d)).astype(dtype),
-                jax.random.randint(ks[2], (n,), 0, v, jnp.int32),
-                jax.random.randint(ks[3], (n, kk), 0, v, jnp.int32),
-                jax.random.normal(ks[4], (n,), jnp.float32),
-                jax.random.normal(ks[5], (n, kk), jnp.float32))
+    def make(r):
+        return (r.normal((n, d), dtype), (r.normal((d, v)) / np.sqrt(d)).astype(dtype),
+                r.randint((n,), 0, v), r.randint((n, kk), 0, v), r.normal((n,)),
+                r.normal((n, kk)))
 
-    h, w, t, topk, gt, gk = jax.jit(make)(key)
+    h, w, t, topk, gt, gk = _make(make, key)
 
     def step(impl):
         def f(h, w, t, topk, gt, gk):
@@ -240,14 +289,12 @@ def _bag_cases(p: dict, interpret: bool, key) -> list[Case]:
     from pallas_kernels.embedding_bag import embedding_bag, embedding_bag_reference
 
     vocab, dim, bags, bag_len = p["vocab"], p["dim"], p["bags"], p["bag_len"]
-    def make(key):
-        ks = jax.random.split(key, 4)
-        ids = jax.random.randint(ks[1], (bags, bag_len), 0, vocab, jnp.int32)
-        ids = jnp.where(jax.random.bernoulli(ks[2], 0.1, ids.shape), -1, ids)  # ~10% padding
-        return (jax.random.normal(ks[0], (vocab, dim), jnp.float32), ids,
-                jax.random.normal(ks[3], (bags, dim), jnp.float32))
+    def make(r):
+        ids = r.randint((bags, bag_len), 0, vocab)
+        ids = r.xp.where(r.bernoulli(0.1, ids.shape), -1, ids)  # ~10% padding
+        return r.normal((vocab, dim)), ids, r.normal((bags, dim))
 
-    table, ids, g = jax.jit(make)(key)
+    table, ids, g = _make(make, key)
 
     def step(impl):
         def f(table, ids, g):
@@ -270,15 +317,13 @@ def _bag_cases(p: dict, interpret: bool, key) -> list[Case]:
 
 def _sync_inputs(p: dict, change_fraction: float, key):
     n = p["n"]
-    def make(key):
-        ks = jax.random.split(key, 3)
-        old = jax.random.randint(ks[0], (n,), 0, 2**16, jnp.int32).astype(jnp.uint16)
-        flip = jax.random.randint(ks[1], (n,), 1, 2**16, jnp.int32).astype(jnp.uint16)
-        changed = jax.random.bernoulli(ks[2], change_fraction, (n,))
-        new = jnp.where(changed, old ^ flip, old)
-        return old, new, jnp.sum(changed, dtype=jnp.int32)
+    def make(r):
+        old = r.randint((n,), 0, 2**16).astype(np.uint16)
+        flip = r.randint((n,), 1, 2**16).astype(np.uint16)
+        changed = r.bernoulli(change_fraction, (n,))
+        return old, r.xp.where(changed, old ^ flip, old), r.xp.sum(changed, dtype=np.int32)
 
-    return jax.jit(make)(key)
+    return _make(make, key)
 
 
 def _diff_cases(p: dict, interpret: bool, key, change_fraction: float) -> list[Case]:
@@ -346,16 +391,14 @@ def _attention_cases(a, interpret: bool, key) -> list[Case]:
                                             "(jaxflow.models.attention_backends)",
                                 extra={"backend": b, "tokens": tokens}))
             continue
-        def make(key, tokens=tokens):
-            ks = jax.random.split(key, 4)
+        def make(r, tokens=tokens):
             qs, kvs = (a.batch, tokens, a.heads, a.head_dim), (a.batch, tokens, a.kv_heads,
                                                                a.head_dim)
-            seg = (1 + jnp.arange(tokens) * a.segments // tokens).astype(jnp.int32)
-            return (jax.random.normal(ks[0], qs, dtype), jax.random.normal(ks[1], kvs, dtype),
-                    jax.random.normal(ks[2], kvs, dtype), jax.random.normal(ks[3], qs, dtype),
-                    jnp.broadcast_to(seg, (a.batch, tokens)))
+            seg = (1 + r.xp.arange(tokens) * a.segments // tokens).astype(np.int32)
+            return (r.normal(qs, dtype), r.normal(kvs, dtype), r.normal(kvs, dtype),
+                    r.normal(qs, dtype), r.xp.broadcast_to(seg, (a.batch, tokens)))
 
-        q, k, v, g, seg = jax.jit(make)(jax.random.fold_in(key, tokens))
+        q, k, v, g, seg = _make(make, jax.random.fold_in(key, tokens))
 
         def step(backend):
             def f(q, k, v, seg, g):
@@ -405,6 +448,18 @@ def iter_cases(config, interpret: bool):
             yield cases.pop(0)
 
 
+def copy_bandwidth(nbytes: int, repeats: int = 10) -> float:
+    """Bytes/s of a jitted elementwise pass (read + write) over ``nbytes`` of f32 on the default
+    device, median of ``repeats``: the memory-bandwidth yardstick of the throughput rows."""
+    n = max(1, nbytes // 4)
+    x = (jax.jit(lambda: jnp.ones((n,), jnp.float32))() if _on_accelerator()
+         else jnp.asarray(np.ones((n,), np.float32)))
+    f = jax.jit(lambda x: x * 2.0).lower(x).compile()
+    _block(f(x))
+    times = [_time(f, (x,)) for _ in range(repeats)]
+    return 2.0 * x.size * 4 / float(np.median(times))
+
+
 def _reference_only(row: dict) -> bool:
     return row["status"] != "ok" or row["reference_status"] != "ok"
 
@@ -414,11 +469,20 @@ def main(config, run: RunContext) -> dict:
     interpret = platform not in ("gpu", "tpu") if config.interpret is None else config.interpret
     run.info(f"{platform} ({jax.devices()[0].device_kind}); interpret={interpret}"
              + ("; times measure the Pallas interpreter, not the kernels" if interpret else ""))
+    copy_bps = copy_bandwidth(config.copy_bytes)
+    run.info(f"elementwise pass over {config.copy_bytes / 2**20:.0f} MiB: "
+             f"{copy_bps / 1e9:.1f} GB/s (the bandwidth yardstick)")
     rows, references, family = [], {}, None
     for case in iter_cases(config, interpret):
         if case.kernel != family:  # a family's reference builds die with its arrays
             references, family = {}, case.kernel
         row = run_case(case, config.pairs, config.warmup, references)
+        for side in ("kernel", "reference"):
+            if row.get(f"{side}_GBps"):
+                row[f"{side}_fraction_of_copy_bandwidth"] = row[f"{side}_GBps"] * 1e9 / copy_bps
+        if row.get("naive_logits_bytes") and row.get("kernel_temp_bytes") is not None:
+            row["kernel_temp_over_naive_logits"] = (row["kernel_temp_bytes"]
+                                                    / row["naive_logits_bytes"])
         rows.append(row)
         del case
         run.write_json("rows.json", {"rows": rows, "interpret": interpret})  # survives a kill
@@ -439,6 +503,8 @@ def main(config, run: RunContext) -> dict:
         "interpret": interpret,
         "times_meaningful": not interpret,
         "size": config.size,
+        "copy_GBps": copy_bps / 1e9,
+        "copy_bytes": config.copy_bytes,
         "rows": rows,
         "rows_ok": sum(r["status"] == "ok" for r in rows),
         "rows_unavailable": sum(r["status"].startswith("unavailable") for r in rows),
