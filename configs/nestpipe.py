@@ -5,6 +5,8 @@ the ideal bound (sum of stages / slowest), AUC / logloss, clustering's transfer 
     python -m jaxflow.run --exp=nestpipe --variant=quick
     python -m jaxflow.run --exp=nestpipe --variant=default
     python -m jaxflow.run --exp=nestpipe --variant=quick --set micro_batches=8
+    python -m jaxflow.run --exp=nestpipe --variant=quick \
+        --set calibration_out=jaxflow/nestpipe/simulate/data/nestpipe_quick.json
 
 Data-parallel DLRM on a mesh of every device present (``devices=N`` takes the first N); on a
 CPU-only machine the runner creates 8 fake CPU devices (``--devices=N`` for another count). Each
@@ -57,6 +59,8 @@ class Config:
     warmup: int = 3
     timing_steps: int = 8
     pairs: int = 10
+    # write the simulator's calibration file here (nestpipe_scale reads it; see its config)
+    calibration_out: str = ""
 
     def __post_init__(self):
         bad = [p for p in self.pipelines if p not in PIPELINE_NAMES]
