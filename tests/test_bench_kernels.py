@@ -63,6 +63,12 @@ def test_quick_rows_schema_and_tolerances(quick_summary):
     assert [r["backend"] for r in attention] == list(cfg.get_config("quick").attention.backends)
     if bk._attention_module() is None:
         assert all(r["status"].startswith("unavailable: module missing") for r in attention)
+    else:  # splash and flash run in interpret mode on the CPU; cuDNN needs a GPU
+        by = {r["backend"]: r for r in attention}
+        for b in ("auto", "splash", "flash"):
+            assert by[b]["status"] == "ok" and by[b]["within_tolerance"], by[b]
+        assert by["cudnn"]["status"].startswith("unavailable: build failed")
+        assert by["cudnn"]["reference_status"] == "ok"
 
 
 def _fake_attention_module():
