@@ -15,6 +15,7 @@ from jaxflow.mesh import role_meshes
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer
 from jaxflow.rl.policy_loss import PolicyLossConfig
+from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.sync.replica import tree_digest
 from jaxflow.train.lm_state import OptimConfig, init_params
@@ -154,6 +155,50 @@ def test_resume_from_checkpoint_is_bit_identical(meshes, tmp_path):
     assert resumed == straight[2:]
 
 
+@dataclasses.dataclass(frozen=True)
+class HalfSolvedTask(StopTask):
+    """Prompts "a+b=": a < 5 scores 0 whatever the completion (an all-equal group, no signal);
+    otherwise 1 for an even-length completion (mixed groups)."""
+
+    name: str = "half"
+
+    def score(self, prompt, completion):
+        return 0.0 if int(prompt[0]) < 5 else float(len(completion) % 2 == 0)
+
+
+def test_dynamic_sampling_refills_the_rollout_with_groups_that_have_signal(meshes):
+    task = HalfSolvedTask()
+    trainer = _trainer(meshes, task=task, filter_groups=True, max_num_gen_batches=0)
+    state = trainer.init_state(_params(trainer))
+    batch, stats = trainer.generate_with_stats(state)
+    cfg = trainer.config
+    assert batch.rewards.shape == (cfg.rollout_size,) and len(batch.tokens) == cfg.rollout_size
+    groups = batch.rewards.reshape(cfg.prompts_per_rollout, cfg.group_size)
+    assert np.all(groups.std(axis=1) > 0)  # every kept group has signal
+    # about half the prompts are all-zero groups, so more than one generation batch was needed
+    assert stats["num_gen_batches"] > 1 and stats["kept_group_fraction"] < 1
+    first = [p for p in trainer.rollout_prompts(0) for _ in range(cfg.group_size)]
+    unfiltered = trainer.worker.generate(trainer.rollout_params(state), first,
+                                         trainer._keys(state, 0)[0])
+    assert np.any(unfiltered.rewards.reshape(-1, cfg.group_size).std(axis=1) == 0)
+    state, metrics = trainer.step(state)
+    assert metrics["num_gen_batches"] >= 1 and int(state["policy"]["step"]) == cfg.lag
+
+
+def test_overlong_shaping_adds_the_length_penalty_to_the_score(meshes):
+    plain = _trainer(meshes, task=StopTask())
+    shaped = _trainer(meshes, task=StopTask(), overlong_buffer=OverlongBufferConfig(len=2))
+    params = _params(plain)
+    a = plain.generate(plain.init_state(params))
+    b, stats = shaped.generate_with_stats(shaped.init_state(params))
+    np.testing.assert_array_equal(a.tokens, b.tokens)  # same samples: shaping is reward-side
+    # max_new_tokens 3, buffer 2: length 1 -> 0, 2 -> -0.5, 3 -> -1
+    lengths = b.mask.sum(axis=1)
+    np.testing.assert_allclose(b.rewards - a.rewards, np.select(
+        [lengths == 1, lengths == 2, lengths == 3], [0.0, -0.5, -1.0], np.nan))
+    assert len(set(lengths.tolist())) > 1 and stats["score_mean"] == pytest.approx(a.rewards.mean())
+
+
 def test_config_errors_name_the_bad_value():
     with pytest.raises(ValueError, match="lag=3 must divide"):
         dataclasses.replace(BASE, lag=3)
@@ -161,3 +206,9 @@ def test_config_errors_name_the_bad_value():
         dataclasses.replace(BASE, mismatch="fp8")
     with pytest.raises(ValueError, match="kl_estimator"):
         dataclasses.replace(BASE, kl_estimator="k2")
+    with pytest.raises(ValueError, match=r"overlong_buffer.len=4 exceeds max_new_tokens=3"):
+        dataclasses.replace(BASE, overlong_buffer=OverlongBufferConfig(len=4))
+    with pytest.raises(ValueError, match=r"gen_batch_size=8 applies with filter_groups=True"):
+        dataclasses.replace(BASE, gen_batch_size=8)
+    with pytest.raises(ValueError, match=r"filter_groups_metric='score'; valid"):
+        dataclasses.replace(BASE, filter_groups_metric="score")
