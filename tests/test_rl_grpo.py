@@ -4,8 +4,10 @@ Trainer and rollout sampler run on disjoint sub-meshes of the 8 fake CPU devices
 """
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from jaxflow.checkpoint import Checkpointer, abstract_like
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.mesh import role_meshes
 from jaxflow.models.transformer import TransformerConfig
-from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer
+from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer, grpo_loss
 from jaxflow.rl.policy_loss import PolicyLossConfig
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.tasks import AdditionRLTask
@@ -197,6 +199,32 @@ def test_overlong_shaping_adds_the_length_penalty_to_the_score(meshes):
     np.testing.assert_allclose(b.rewards - a.rewards, np.select(
         [lengths == 1, lengths == 2, lengths == 3], [0.0, -0.5, -1.0], np.nan))
     assert len(set(lengths.tolist())) > 1 and stats["score_mean"] == pytest.approx(a.rewards.mean())
+
+
+def test_rs_rejection_equals_removing_the_tokens_from_the_mask(meshes):
+    # RS rejects every token of rows 0 and 3 (pi_old / mu = e^-5 < 0.5): the policy loss, the
+    # KL and the entropy terms must equal those of the same loss (RS finding nothing to reject,
+    # mu = pi_old) on a mask without those rows
+    trainer = _trainer(meshes, kl_coef=0.1, entropy_coef=0.05,
+                       loss=PolicyLossConfig(correction="rs"))
+    state = trainer.init_state(_params(trainer))
+    mb = trainer.minibatches(trainer.generate(state))[0]
+    params, ref = state["policy"]["params"], _params(trainer, seed=3)
+    old = trainer._old_stats(params, ref, mb)
+    reject = np.zeros(mb.mask.shape[0], bool)
+    reject[[0, 3]] = True
+    loss_fn = jax.jit(functools.partial(grpo_loss, fns=trainer.fns, config=trainer.config))
+    rejected = jax.device_get(loss_fn(params, mb._replace(
+        behaviour_logp=jnp.where(reject[:, None], old.logp + 5.0, old.logp)), old,
+        key=jax.random.key(0)))[1]
+    masked = jax.device_get(loss_fn(params, mb._replace(
+        behaviour_logp=old.logp, mask=mb.mask * (~reject[:, None])), old,
+        key=jax.random.key(0)))[1]
+    assert rejected["rs_masked_fraction"] == pytest.approx(
+        float(mb.mask[reject].sum() / mb.mask.sum())) and masked["rs_masked_fraction"] == 0
+    for k in ("loss", "policy_loss", "kl", "entropy"):
+        np.testing.assert_allclose(rejected[k], masked[k], rtol=1e-6, err_msg=k)
+    assert rejected["kl"] > 0
 
 
 def test_config_errors_name_the_bad_value():

@@ -151,7 +151,7 @@ def test_behaviour_weights_multiply_every_token(correction):
 
 
 @pytest.mark.parametrize("algo", ALGOS)
-@pytest.mark.parametrize("correction", ["none", "sis+tis", "sis+mis"])
+@pytest.mark.parametrize("correction", ["none", "sis+tis", "sis+mis", "sis+rs"])
 def test_masked_tokens_get_no_gradient_and_do_not_matter(algo, correction):
     b = make_batch(5, B=3, T=6, scale=1.0)
     mask = jnp.array([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]], bool)
