@@ -179,12 +179,16 @@ def test_dynamic_sampling_refills_the_rollout_with_groups_that_have_signal(meshe
     assert np.all(groups.std(axis=1) > 0)  # every kept group has signal
     # about half the prompts are all-zero groups, so more than one generation batch was needed
     assert stats["num_gen_batches"] > 1 and stats["kept_group_fraction"] < 1
-    first = [p for p in trainer.rollout_prompts(0) for _ in range(cfg.group_size)]
-    unfiltered = trainer.worker.generate(trainer.rollout_params(state), first,
-                                         trainer._keys(state, 0)[0])
+    unfiltered = trainer.worker.generate(trainer.rollout_params(state),
+                                         trainer.rollout_prompts(0), trainer._keys(state, 0)[0])
+    assert unfiltered.rewards.shape == (cfg.rollout_size,)
     assert np.any(unfiltered.rewards.reshape(-1, cfg.group_size).std(axis=1) == 0)
-    state, metrics = trainer.step(state)
-    assert metrics["num_gen_batches"] >= 1 and int(state["policy"]["step"]) == cfg.lag
+    # generation batch 0 is the unfiltered rollout: its groups with signal lead the batch
+    kept = np.flatnonzero(unfiltered.rewards.reshape(-1, cfg.group_size).std(axis=1) > 0)
+    np.testing.assert_array_equal(batch.tokens[:len(kept) * cfg.group_size],
+                                  unfiltered.tokens.reshape(-1, cfg.group_size,
+                                                            cfg.max_new_tokens)[kept]
+                                  .reshape(-1, cfg.max_new_tokens))
 
 
 def test_overlong_shaping_adds_the_length_penalty_to_the_score(meshes):
