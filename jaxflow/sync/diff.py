@@ -10,6 +10,7 @@ which are carried whole and exactly whenever any bit changed.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import numpy as np
@@ -25,19 +26,39 @@ class LeafDiff:
     Attributes:
       positions: int64[k] sorted flat positions (in the logical, unsharded leaf) whose bits
         differ; for non-bf16 leaves, the positions of differing elements.
-      old_bits, new_bits: uint16[k] bf16 bit patterns at ``positions`` (empty for non-bf16).
+      old_bits, new_bits: uint16[k] bf16 bit patterns at ``positions`` (empty for non-bf16);
+        either may be None when the producer (the on-device sender) sent only what the
+        codec needs.
       full_new: the whole new leaf as a flat host array (any dtype), or None when the producer
         (e.g. ChangeTracker) did not gather it.
+      deltas: uint16[k] new - old (mod 2**16), when the producer sent those instead of bits.
+      load_full: fetches ``full_new`` on demand (the on-device sender's dense fallback).
     """
 
     positions: np.ndarray
-    old_bits: np.ndarray
-    new_bits: np.ndarray
+    old_bits: np.ndarray | None
+    new_bits: np.ndarray | None
     full_new: np.ndarray | None
+    deltas: np.ndarray | None = None
+    load_full: Callable[[], np.ndarray] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def count(self) -> int:
         return int(self.positions.size)
+
+    def value_deltas(self) -> np.ndarray:
+        """uint16[k]: new - old bit patterns (mod 2**16) at ``positions`` (what the entropy
+        and mask sections code), given or computed from ``old_bits`` / ``new_bits``."""
+        if self.deltas is not None:
+            return self.deltas
+        return (self.new_bits.astype(np.uint16) - self.old_bits.astype(np.uint16)
+                ).astype(np.uint16)
+
+    def full(self) -> np.ndarray | None:
+        """The whole new leaf (flat), fetched by ``load_full`` when not carried."""
+        if self.full_new is None and self.load_full is not None:
+            return self.load_full()
+        return self.full_new
 
 
 def leaf_name(path) -> str:
