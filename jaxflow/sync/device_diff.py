@@ -10,7 +10,7 @@ parameter) to numpy first. Here the trainer's leaves stay on their devices:
      GPU/TPU where ``pallas_kernels.dispatch`` says it builds, its XLA reference elsewhere)
      writes the changed flat positions (int32) and ONE uint16 value stream -- the new bit
      patterns for the coo / gap codecs, the differences new - old (mod 2**16) for entropy /
-     auto -- into a static capacity (the count rounded up to 1/8 of its power of two), plus
+     auto -- into a static capacity (the count rounded up to 1/16 of its power of two), plus
      the two digest lanes' change (``jaxflow.sync.digest.lanes_delta`` on the device);
   3. only those arrays and the counts cross to the host (6 bytes per change, + 12.5% at most
      for the capacity), where ``encoder.encode_diffs`` makes the same payload bytes the host
@@ -22,8 +22,10 @@ parameter) to numpy first. Here the trainer's leaves stay on their devices:
     payload = encode_diffs(diff.treedef, diff.specs, diff.diffs, ...)
     snapshot = diff.new                                # the next publish's base
 
-Leaves spread over several devices are compacted by XLA under jit (it partitions the compare
-and gathers the compacted arrays); the kernel runs on single-device leaves.
+A leaf spread over several devices (a NamedSharding) is compacted shard by shard inside
+``jax.shard_map`` (``ChangeTracker``'s in-mesh functions: each device compacts its own shard
+into the same capacity, positions in the logical leaf), so no leaf is gathered; the host
+merges the shards' sorted runs.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow.sync import bits, digest
+from jax.sharding import NamedSharding
+
+from jaxflow.sync import bits, digest, tracker
 from jaxflow.sync.diff import LeafDiff, check_same_layout, tree_layout
 from jaxflow.sync.payload import LeafSpec
 from pallas_kernels import dispatch
@@ -56,10 +60,10 @@ def values_for_codec(codec: str, with_bound: bool = False) -> str:
 
 
 def capacity_for(count: int, minimum: int = 128) -> int:
-    """Static compaction length for ``count`` changes: rounded up to a multiple of 1/8 of
-    its power of two (<= 12.5% slack, 8 compiled sizes per doubling), at least ``minimum``."""
+    """Static compaction length for ``count`` changes: rounded up to a multiple of 1/16 of
+    its power of two (< 12.5% slack, 8 compiled sizes per doubling), at least ``minimum``."""
     count = max(int(count), 1)
-    step = max(1, (1 << (count - 1).bit_length()) // 8)
+    step = max(1, (1 << (count - 1).bit_length()) // 16)
     return max(minimum, -(-count // step) * step)
 
 
@@ -151,12 +155,41 @@ class DeviceDiff:
         return self._fetched[0]
 
 
-def _use_kernel(backend: str, leaf, capacity: int, interpret: bool) -> bool:
-    if backend == "xla" or len(leaf.sharding.device_set) != 1:
+@functools.partial(jax.jit, static_argnames=("values",))
+def _finish_shards(pos, old, new, *, values: str):
+    """Value stream and lanes change of the in-mesh compaction's (pos, old, new) slots."""
+    lanes = _lanes_delta(pos, old, new)
+    if values == "new":
+        return pos, (new,), lanes
+    if values == "deltas":
+        return pos, ((new - old).astype(jnp.uint16),), lanes
+    return pos, (old, new), lanes
+
+
+def _in_mesh(leaf) -> bool:
+    return isinstance(leaf.sharding, NamedSharding) and len(leaf.sharding.device_set) > 1
+
+
+def _compact_sharded(old, new, *, values, backend, interpret, min_capacity):
+    sharding = new.sharding
+    old = jax.device_put(old, sharding)  # a no-op when the snapshot is laid out alike
+    args = (sharding.mesh, sharding.spec, tuple(new.shape))
+    per_shard = np.asarray(jax.device_get(tracker._count_fn(*args)(old, new)))
+    capacity = capacity_for(int(per_shard.max()), min_capacity)
+    local = int(np.prod(sharding.shard_shape(tuple(new.shape))))
+    kernel = _use_kernel(backend, local, capacity, interpret, single_device=True)
+    pos, o, n = tracker._compact_fn(*args, capacity, "pallas" if kernel else "xla",
+                                    interpret and kernel)(old, new)
+    return _finish_shards(pos, o, n, values=values), int(per_shard.nbytes)
+
+
+def _use_kernel(backend: str, size: int, capacity: int, interpret: bool, *,
+                single_device: bool) -> bool:
+    if backend == "xla" or not single_device:
         return False
     if backend == "pallas" and interpret:
         return True
-    shape = jax.ShapeDtypeStruct((leaf.size,), jnp.uint16)
+    shape = jax.ShapeDtypeStruct((size,), jnp.uint16)
     return dispatch.choose_kernel(
         "sync_diff_compact", backend, functools.partial(diff_compact, capacity=capacity),
         (shape, shape), options=(capacity,))
@@ -192,7 +225,7 @@ def device_diff(snapshot: Any, params: Any, *, values: str = "deltas", backend: 
     check_same_layout(old_specs, specs, old_def, str(treedef))
     counts = np.asarray(jax.device_get(counts))
     host_bytes = counts.nbytes
-    pending, fetch_whole = {}, {}
+    pending, fetch_whole, sharded = {}, {}, set()
     for i, (spec, old, new, count) in enumerate(zip(specs, old_leaves, new_leaves, counts)):
         if not count:
             continue
@@ -202,8 +235,15 @@ def device_diff(snapshot: Any, params: Any, *, values: str = "deltas", backend: 
         if spec.size >= _MAX_POSITIONS:
             raise ValueError(f"leaf {spec.name} has {spec.size} elements; the on-device diff "
                              "uses int32 positions (< 2**31): use the host path")
+        if _in_mesh(new) and new.ndim:
+            pending[i], extra = _compact_sharded(old, new, values=values, backend=backend,
+                                                 interpret=interpret, min_capacity=min_capacity)
+            host_bytes += extra
+            sharded.add(i)
+            continue
         capacity = capacity_for(int(count), min_capacity)
-        kernel = _use_kernel(backend, new, capacity, interpret)
+        kernel = _use_kernel(backend, new.size, capacity, interpret,
+                             single_device=len(new.sharding.device_set) == 1)
         pending[i] = _compact_leaf(old, new, capacity=capacity, values=values, kernel=kernel,
                                    interpret=interpret)
     fetched = jax.device_get((pending, fetch_whole))  # one batched device -> host transfer
@@ -223,6 +263,13 @@ def device_diff(snapshot: Any, params: Any, *, values: str = "deltas", backend: 
         else:
             pos, vals, lane = fetched[0][i]
             k = int(counts[i])
+            if i in sharded:  # per-shard sorted runs with -1 padding: merge
+                keep = np.flatnonzero(pos >= 0)
+                keep = keep[np.argsort(pos[keep], kind="stable")]
+                pos, vals = pos[keep], tuple(v[keep] for v in vals)
+                if pos.size != k:
+                    raise AssertionError(f"leaf {spec.name}: shards found {pos.size} changes, "
+                                         f"the count pass {k}")
             positions = pos[:k].astype(np.int64)
             lanes[i] = lane
             if values == "new":
