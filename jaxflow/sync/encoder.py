@@ -33,18 +33,24 @@ MASK_DENSITY = 0.25
 
 def encode(old_params, new_params, *, base_version: int, version: int, codec: str = "auto",
            bucket_elems: int = DEFAULT_BUCKET_ELEMS,
-           zstd_level: int = entropy.DEFAULT_ZSTD_LEVEL) -> Payload:
+           zstd_level: int = entropy.DEFAULT_ZSTD_LEVEL,
+           base_digest: str | None = None) -> Payload:
     """Encodes the bit-pattern changes from ``old_params`` (the receiver's snapshot at
     ``base_version``) to ``new_params`` (the trainer's bf16 cast, ``version``).
 
     Both trees must have the same structure, shapes and dtypes, and ``version`` must exceed
     ``base_version``. Returns a Payload whose ``apply`` reproduces ``new_params`` bit for bit;
     unless it is full (``codec="dense"``) it carries ``device_digest(old_params)``, computed
-    where the old leaves live.
+    where the old leaves live -- or ``base_digest`` when the caller already knows it (a
+    sender carries it from publish to publish, ``SyncSender.base_digest``; a wrong one makes
+    every receiver refuse the payload).
     """
     _check_versions(base_version, version)
     treedef, specs, diffs = diff_tree(old_params, new_params)
-    base_digest = None if codec == "dense" else device_digest(old_params)
+    if codec == "dense":
+        base_digest = None
+    elif base_digest is None:
+        base_digest = device_digest(old_params)
     return encode_diffs(treedef, specs, diffs, base_version=base_version, version=version,
                         codec=codec, bucket_elems=bucket_elems, zstd_level=zstd_level,
                         base_digest=base_digest)

@@ -40,9 +40,13 @@ class VersionMismatch(RuntimeError):
     """A rollout found its replica at another version than the trainer published."""
 
 
-def to_bf16(params: Any) -> Any:
-    """Host numpy copy of ``params`` with every floating leaf cast to bf16 (what rollout runs)."""
+def to_bf16(params: Any, *, copy: bool = True) -> Any:
+    """Host numpy copy of ``params`` with every floating leaf cast to bf16 (what rollout runs).
+    ``copy=False``: numpy leaves that need no cast are returned as they are."""
     def cast(x):
+        if not copy and isinstance(x, np.ndarray) and (
+                x.dtype == bits.BF16 or not np.issubdtype(x.dtype, np.floating)):
+            return x
         x = np.asarray(jax.device_get(x))
         return x.astype(bits.BF16) if np.issubdtype(x.dtype, np.floating) else x.copy()
     return jax.tree.map(cast, params)
@@ -271,9 +275,12 @@ class SyncSender:
         return self._digest
 
     def publish(self, params: Any, *, version: int | None = None,
-                with_bound: bool = False) -> PublishStats:
+                with_bound: bool = False, copy: bool = True) -> PublishStats:
         """Encodes the change from the snapshot to ``params`` (cast to bf16) as the next
-        version (default: current + 1) and makes it the snapshot. Sends nothing."""
+        version (default: current + 1) and makes it the snapshot. Sends nothing.
+
+        ``copy=False`` (host path): bf16 numpy leaves of ``params`` become the snapshot
+        without a copy; the caller must not modify them afterwards."""
         version = self._version + 1 if version is None else int(version)
         if version <= self._version:
             raise ValueError(f"version {version} must exceed the current {self._version}")
@@ -287,7 +294,7 @@ class SyncSender:
         else:
             host_bytes = sum(x.nbytes for x in jax.tree.leaves(params)
                              if isinstance(x, jax.Array))
-            new = to_bf16(params)
+            new = to_bf16(params, copy=copy)
             treedef, specs, diffs = diff_tree(self._snapshot, new)
         base_digest = None
         if self.codec != "dense":
@@ -312,7 +319,7 @@ class SyncSender:
         stats = PublishStats(
             base_version=self._version, version=version, codec=self.codec,
             payload_bytes=len(data),
-            dense_bytes=encoder.dense_payload_size(treedef, specs, version=version),
+            dense_bytes=self._dense_size(treedef, specs, version),
             changed=sum(diffs[i].count for i in bf16_ids),
             elements=sum(specs[i].size for i in bf16_ids),
             bound_bytes=entropy_bound_bytes(specs, diffs) if with_bound else float("nan"),
@@ -324,14 +331,24 @@ class SyncSender:
         return stats
 
     def _advance_lanes(self, specs, diffs, new_leaves) -> None:
+        bf16 = [i for i, spec in enumerate(specs)
+                if spec.dtype == bits.BF16.name and diffs[i].count]
+        # one word per bf16 element: update the changes only, all leaves in one pass
+        self._lanes[bf16] += digest.lanes_deltas([diffs[i].positions for i in bf16],
+                                                 [diffs[i].old_bits for i in bf16],
+                                                 [diffs[i].new_bits for i in bf16])
         for i, (spec, diff) in enumerate(zip(specs, diffs)):
-            if not diff.count:
-                continue
-            if spec.dtype == bits.BF16.name:  # one word per element: update the changes only
-                self._lanes[i] += digest.lanes_delta(diff.positions, diff.old_bits,
-                                                     diff.new_bits)
-            else:
+            if diff.count and spec.dtype != bits.BF16.name:
                 self._lanes[i] = digest.host_lanes(np.asarray(new_leaves[i]))
+
+    def _dense_size(self, treedef: str, specs, version: int) -> int:
+        # The full payload's header differs between versions only in the digits of
+        # "version" (base FRESH, no digest): measured once per layout.
+        key = (treedef, specs)
+        if getattr(self, "_dense_key", None) != key:
+            self._dense_key = key
+            self._dense_size0 = encoder.dense_payload_size(treedef, specs, version=0)
+        return self._dense_size0 + len(str(int(version))) - 1
 
     def base_digest(self) -> str:
         """``device_digest`` of the snapshot (what the next step payload names as its base)."""
