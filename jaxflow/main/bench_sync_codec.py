@@ -102,24 +102,25 @@ def _bit_equal(a: dict, b: dict) -> bool:
 SENDERS = {"auto_sender": "host", "auto_device": "device"}
 
 
-def _sender_ready(old, path):
-    """A SyncSender at version 0 holding ``old``, its base digest already carried (what a
-    sender holds after its previous publish); built outside the timed region."""
-    sender = SyncSender(old, codec="auto", path=path)
-    sender.base_digest()
-    return sender
-
-
 def _measure(old, new, codecs, rounds, config, memcpy_times=None):
-    """Alternates every codec (and the memcpy) round by round; returns per-codec results."""
+    """Alternates every codec (and the memcpy) round by round; returns per-codec results.
+
+    Even rounds encode old -> new, odd rounds new -> old (the same changes reversed), so the
+    senders -- one each, kept across rounds as a trainer keeps it, its base digest carried
+    from publish to publish -- publish a real next version every round."""
     nbytes = sum(v.nbytes for v in new.values())
-    old_bits = [bits.as_bits(old[k]) for k in sorted(old)]
-    new_bits = [bits.as_bits(new[k]) for k in sorted(new)]
-    old_dev, new_dev = (jax.tree.map(jnp.asarray, t) for t in (old, new))
+    trees = {"host": (old, new), "device": tuple(jax.tree.map(jnp.asarray, t)
+                                                 for t in (old, new))}
+    flat = [[bits.as_bits(t[k]) for k in sorted(t)] for t in (old, new)]
+    senders = {c: SyncSender(trees[path][0], codec="auto", path=path, copy=False)
+               for c, path in SENDERS.items() if c in codecs}  # copy=False: PULSE's arrays
+    for sender in senders.values():
+        sender.base_digest()  # carried from the previous publish in a trainer
     scratch = {k: np.empty_like(v) for k, v in new.items()} if memcpy_times is not None else None
     times = {c: {"encode": [], "apply": []} for c in codecs}
     wire, exact, host_bytes = {}, {}, {}
     for r in range(rounds + 1):  # round 0 is the warm-up
+        a, b = (0, 1) if r % 2 == 0 else (1, 0)
         if scratch is not None:
             t0 = time.perf_counter()
             for k, v in new.items():
@@ -128,34 +129,33 @@ def _measure(old, new, codecs, rounds, config, memcpy_times=None):
                 memcpy_times.append(time.perf_counter() - t0)
         for codec in codecs:
             path = SENDERS.get(codec)
-            if path:
-                sender = _sender_ready(old_dev if path == "device" else old, path)
+            base, target = (trees[path or "host"][a], trees[path or "host"][b])
             t0 = time.perf_counter()
             if codec == "pulse":
-                blob = baseline.pulse_encode(old_bits, new_bits)
-            elif path == "host":
-                stats = sender.publish(new, version=1, copy=False)
-            elif path == "device":
-                stats = sender.publish(new_dev, version=1)
+                blob = baseline.pulse_encode(flat[a], flat[b])
+            elif path:
+                stats = senders[codec].publish(target, copy=False)
             else:
-                blob = encode(old, new, base_version=0, version=1, codec=codec,
+                blob = encode(base, target, base_version=0, version=1, codec=codec,
                               bucket_elems=config.bucket_elems,
                               zstd_level=config.zstd_level).to_bytes()
             t1 = time.perf_counter()
             if path:
-                blob = sender.chain_from(0)[0]
+                version = senders[codec].version
+                blob = senders[codec].chain_from(version - 1)[0]
                 # the host path pulls every leaf whole when the params live on a device (the
                 # bench hands it host arrays: counted as that pull, in the tree's dtype)
                 host_bytes[codec] = stats.host_bytes if path == "device" else nbytes
-                del sender
             t1b = time.perf_counter()
             if codec == "pulse":
-                out_bits = baseline.pulse_apply(blob, old_bits)
+                out_bits = baseline.pulse_apply(blob, flat[a])
             elif path == "device":  # the replica scatters on its devices
-                out = apply(Payload.from_bytes(blob), old_dev, version=0, on_device=True)
+                out = apply(Payload.from_bytes(blob), base, version=version - 1,
+                            on_device=True)
                 jax.block_until_ready(out)
             else:
-                out = apply(Payload.from_bytes(blob), old, version=0)
+                out = apply(Payload.from_bytes(blob), base,
+                            version=version - 1 if path else 0)
             t2 = time.perf_counter()
             if r:
                 times[codec]["encode"].append(t1 - t0)
@@ -163,10 +163,10 @@ def _measure(old, new, codecs, rounds, config, memcpy_times=None):
             else:
                 wire[codec] = len(blob)
                 if codec == "pulse":
-                    exact[codec] = all(np.array_equal(a, b) for a, b in zip(out_bits, new_bits))
+                    exact[codec] = all(np.array_equal(x, y) for x, y in zip(out_bits, flat[b]))
                 else:
                     exact[codec] = _bit_equal(out, new)
-                if path and "auto" in codecs:  # the senders make the stateless payload bytes
+                if path:  # the senders make the stateless encoder's payload bytes
                     exact[codec] &= blob == encode(old, new, base_version=0, version=1,
                                                    codec="auto").to_bytes()
             del blob

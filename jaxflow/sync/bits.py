@@ -35,14 +35,16 @@ def as_bits(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1).view(udtype)
 
 
-def diff_bits(old_bits: np.ndarray, new_bits: np.ndarray
+def diff_bits(old_bits: np.ndarray, new_bits: np.ndarray, *, scratch: list | None = None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(positions int64, old bits there, new bits there) where two flat bit arrays differ.
 
     Compares 64-bit words (four bf16 elements at once: a quarter of the compare and
     compaction work), in chunks with one reused mask buffer so no tensor-sized temporary is
     allocated; only the few differing words are then split into their elements. The tail
-    that does not fill a word is compared element by element.
+    that does not fill a word is compared element by element. ``scratch``: a caller-owned
+    one-element list that keeps the mask buffer between calls (a fresh buffer of this size
+    is a fresh mapping from the allocator on every call: page faults on every publish).
     """
     if old_bits.shape != new_bits.shape or old_bits.dtype != new_bits.dtype:
         raise ValueError(f"need equal bit arrays, got {old_bits.dtype}{old_bits.shape} "
@@ -55,7 +57,11 @@ def diff_bits(old_bits: np.ndarray, new_bits: np.ndarray
     if whole:
         old_w = old_bits[:whole].view(np.uint64)
         new_w = new_bits[:whole].view(np.uint64)
-        mask = np.empty(min(old_w.size, _CHUNK), bool)
+        if scratch is None:
+            scratch = [None]
+        if scratch[0] is None or scratch[0].size < min(old_w.size, _CHUNK):
+            scratch[0] = np.empty(_CHUNK, bool)
+        mask = scratch[0]
         hits = []
         for start in range(0, old_w.size, _CHUNK):
             m = mask[: min(_CHUNK, old_w.size - start)]

@@ -88,10 +88,10 @@ def check_same_layout(old_specs, new_specs, old_treedef: str, new_treedef: str) 
                              f"new is {n.dtype}{list(n.shape)}")
 
 
-def diff_leaf(old, new) -> LeafDiff:
+def diff_leaf(old, new, *, scratch: list | None = None) -> LeafDiff:
     old_h, new_h = bits.host_array(old), bits.host_array(new)
     old_b, new_b = bits.as_bits(old_h), bits.as_bits(new_h)
-    pos, old_at, new_at = bits.diff_bits(old_b, new_b)
+    pos, old_at, new_at = bits.diff_bits(old_b, new_b, scratch=scratch)
     flat_new = new_h.reshape(-1)
     if bits.is_bf16(new_h.dtype):
         return LeafDiff(pos, old_at, new_at, flat_new)
@@ -99,9 +99,13 @@ def diff_leaf(old, new) -> LeafDiff:
     return LeafDiff(pos, empty, empty, flat_new)
 
 
-def diff_tree(old_tree, new_tree) -> tuple[str, tuple[LeafSpec, ...], list[LeafDiff]]:
-    """Diffs two trees of identical structure, shapes and dtypes (ValueError otherwise)."""
+def diff_tree(old_tree, new_tree, *, scratch: list | None = None
+              ) -> tuple[str, tuple[LeafSpec, ...], list[LeafDiff]]:
+    """Diffs two trees of identical structure, shapes and dtypes (ValueError otherwise).
+    ``scratch``: keeps the compare's mask buffer between calls (``bits.diff_bits``)."""
     old_def, old_leaves, old_specs = tree_layout(old_tree)
     new_def, new_leaves, new_specs = tree_layout(new_tree)
     check_same_layout(old_specs, new_specs, old_def, new_def)
-    return new_def, new_specs, [diff_leaf(o, n) for o, n in zip(old_leaves, new_leaves)]
+    scratch = [None] if scratch is None else scratch
+    return new_def, new_specs, [diff_leaf(o, n, scratch=scratch)
+                                for o, n in zip(old_leaves, new_leaves)]

@@ -233,10 +233,13 @@ class SyncSender:
         or "auto" (device when ``params`` live on an accelerator). Both paths make the same
         payload bytes.
       backend, interpret: the device path's compaction (``device_diff``'s ``backend``).
+      copy: ``False``: leaves of ``params`` that need no cast become the snapshot as they are
+        (the caller must not modify or donate them).
     """
 
     def __init__(self, params: Any, *, version: int = 0, codec: str = "auto", history: int = 64,
-                 path: str = "auto", backend: str = "auto", interpret: bool = False):
+                 path: str = "auto", backend: str = "auto", interpret: bool = False,
+                 copy: bool = True):
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}; valid: {CODECS}")
         if history < 0:
@@ -249,14 +252,19 @@ class SyncSender:
         self.path = resolve_path(path, params)
         self.backend, self.interpret = backend, interpret
         if self.path == "device":
-            self._snapshot = device_diff.cast_tree(_device_tree(params))
+            params = _device_tree(params)
+            self._snapshot = device_diff.cast_tree(params) if copy else jax.tree.map(
+                lambda x: device_diff.cast_tree(x) if jax.numpy.issubdtype(
+                    x.dtype, jax.numpy.floating) and x.dtype != jax.numpy.bfloat16 else x,
+                params)
         else:
-            self._snapshot = to_bf16(params)
+            self._snapshot = to_bf16(params, copy=copy)
         self._version = int(version)
         # Per-leaf digest lanes of the snapshot (jaxflow.sync.digest), computed once and then
         # advanced from each publish's diff in O(changes): the base digest costs no pass.
         self._lanes: np.ndarray | None = None
         self._steps: dict[int, tuple[int, bytes]] = {}  # base version -> (version, bytes)
+        self._scratch: list = [None]  # the host diff's mask buffer, reused across publishes
         self._dense: bytes | None = None
         self._digest: str | None = None
         self.routes: list[str] = []  # "chain" / "dense" / "current" per plan, for reports
@@ -295,7 +303,7 @@ class SyncSender:
             host_bytes = sum(x.nbytes for x in jax.tree.leaves(params)
                              if isinstance(x, jax.Array))
             new = to_bf16(params, copy=copy)
-            treedef, specs, diffs = diff_tree(self._snapshot, new)
+            treedef, specs, diffs = diff_tree(self._snapshot, new, scratch=self._scratch)
         base_digest = None
         if self.codec != "dense":
             if self._lanes is None:
