@@ -180,3 +180,26 @@ def test_sync_imports_and_raw_codecs_work_without_zstandard():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "OK"
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_device_path_programs_lower_with_the_kernels(platform, monkeypatch):
+    """The sender's single-device compaction and the receiver's kernel scatter, exported for
+    TPU and GPU from this CPU host with the Pallas kernels inside."""
+    from jaxflow.sync import receiver
+    from pallas_kernels import lowering
+    from tests.test_lowering_gate import KERNEL_CALL, building_for
+
+    leaf = jax.ShapeDtypeStruct((64, 512), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((256,), jnp.int32)
+    vals = jax.ShapeDtypeStruct((256,), jnp.uint16)
+    with building_for(platform, monkeypatch):
+        programs = [
+            (lambda o, n: device_diff._compact_leaf(o, n, capacity=256, values="deltas",
+                                                    kernel=True, interpret=False), (leaf, leaf)),
+            (lambda x, p, v: receiver._kernel_scatter(x, p, v, delta=True, interpret=False),
+             (leaf, slots, vals)),
+        ]
+        for fn, args in programs:
+            text = lowering.export_for(fn, *args, platform=platform).mlir_module()
+            assert KERNEL_CALL[platform] in text

@@ -103,7 +103,8 @@ SENDERS = {"auto_sender": "host", "auto_device": "device"}
 
 
 def _measure(old, new, codecs, rounds, config, memcpy_times=None):
-    """Alternates every codec (and the memcpy) round by round; returns per-codec results.
+    """Alternates every codec (and the memcpy) round by round, the order rotated each round;
+    returns per-codec results.
 
     Even rounds encode old -> new, odd rounds new -> old (the same changes reversed), so the
     senders -- one each, kept across rounds as a trainer keeps it, its base digest carried
@@ -127,7 +128,8 @@ def _measure(old, new, codecs, rounds, config, memcpy_times=None):
                 np.copyto(scratch[k], v)
             if r:
                 memcpy_times.append(time.perf_counter() - t0)
-        for codec in codecs:
+        # the order rotates round by round, so no codec always follows the same neighbour
+        for codec in codecs[r % len(codecs):] + codecs[: r % len(codecs)]:
             path = SENDERS.get(codec)
             base, target = (trees[path or "host"][a], trees[path or "host"][b])
             t0 = time.perf_counter()
