@@ -103,8 +103,8 @@ SENDERS = {"auto_sender": "host", "auto_device": "device"}
 
 
 def _measure(old, new, codecs, rounds, config, memcpy_times=None):
-    """Alternates every codec (and the memcpy) round by round, the order rotated each round;
-    returns per-codec results.
+    """Alternates every codec (and the memcpy) round by round, the order rotated each round,
+    a round's encodes back to back and then its applies; returns per-codec results.
 
     Even rounds encode old -> new, odd rounds new -> old (the same changes reversed), so the
     senders -- one each, kept across rounds as a trainer keeps it, its base digest carried
@@ -128,10 +128,13 @@ def _measure(old, new, codecs, rounds, config, memcpy_times=None):
                 np.copyto(scratch[k], v)
             if r:
                 memcpy_times.append(time.perf_counter() - t0)
-        # the order rotates round by round, so no codec always follows the same neighbour
-        for codec in codecs[r % len(codecs):] + codecs[: r % len(codecs)]:
+        # the order rotates round by round, so no codec always follows the same neighbour;
+        # all encodes of a round run back to back, then all applies
+        order = codecs[r % len(codecs):] + codecs[: r % len(codecs)]
+        blobs, versions = {}, {}
+        for codec in order:
             path = SENDERS.get(codec)
-            base, target = (trees[path or "host"][a], trees[path or "host"][b])
+            base, target = trees[path or "host"][a], trees[path or "host"][b]
             t0 = time.perf_counter()
             if codec == "pulse":
                 blob = baseline.pulse_encode(flat[a], flat[b])
@@ -143,25 +146,29 @@ def _measure(old, new, codecs, rounds, config, memcpy_times=None):
                               zstd_level=config.zstd_level).to_bytes()
             t1 = time.perf_counter()
             if path:
-                version = senders[codec].version
-                blob = senders[codec].chain_from(version - 1)[0]
+                versions[codec] = senders[codec].version - 1
+                blob = senders[codec].chain_from(versions[codec])[0]
                 # the host path pulls every leaf whole when the params live on a device (the
                 # bench hands it host arrays: counted as that pull, in the tree's dtype)
                 host_bytes[codec] = stats.host_bytes if path == "device" else nbytes
-            t1b = time.perf_counter()
+            blobs[codec] = blob
+            if r:
+                times[codec]["encode"].append(t1 - t0)
+        for codec in order:
+            path = SENDERS.get(codec)
+            base, blob = trees[path or "host"][a], blobs.pop(codec)
+            t1 = time.perf_counter()
             if codec == "pulse":
                 out_bits = baseline.pulse_apply(blob, flat[a])
             elif path == "device":  # the replica scatters on its devices
-                out = apply(Payload.from_bytes(blob), base, version=version - 1,
+                out = apply(Payload.from_bytes(blob), base, version=versions[codec],
                             on_device=True)
                 jax.block_until_ready(out)
             else:
-                out = apply(Payload.from_bytes(blob), base,
-                            version=version - 1 if path else 0)
+                out = apply(Payload.from_bytes(blob), base, version=versions.get(codec, 0))
             t2 = time.perf_counter()
             if r:
-                times[codec]["encode"].append(t1 - t0)
-                times[codec]["apply"].append(t2 - t1b)
+                times[codec]["apply"].append(t2 - t1)
             else:
                 wire[codec] = len(blob)
                 if codec == "pulse":
