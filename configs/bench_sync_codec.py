@@ -24,6 +24,7 @@ class Config:
     codecs: tuple = ("dense", "coo", "gap", "entropy", "auto")
     timing_rounds: int = 10  # at 0.6%: every codec alternated this many times
     timing_rounds_other: int = 3
+    tight_rounds: int = 60  # host sender publish vs PULSE encode alone, back to back (0: off)
     bucket_elems: int = 1 << 26
     zstd_level: int = 3
 

@@ -22,7 +22,7 @@ def test_configs():
 def test_entry_on_tiny_tree():
     config = dataclasses.replace(bench_sync_codec.get_config("quick"), d_model=64, n_layers=1,
                                  vocab=512, densities=(0.006, 0.2), timing_rounds=2,
-                                 timing_rounds_other=1)
+                                 timing_rounds_other=1, tight_rounds=3)
     summary = bench.main(config, standalone_context("bench_sync_codec"))
     codecs = ("dense", "coo", "gap", "entropy", "auto", "auto_sender", "auto_device", "pulse")
     for key in ("encode_gbps", "apply_gbps", "ratio_vs_dense", "bytes_over_entropy_bound"):
@@ -44,3 +44,5 @@ def test_entry_on_tiny_tree():
     for key in ("encode_speedup_auto_vs_pulse", "encode_speedup_auto_device_vs_pulse",
                 "encode_speedup_auto_stateless_vs_pulse"):
         assert summary[key]["pairs"] == 2 and summary[key]["median"] > 0
+    tight = summary["encode_tight_auto_vs_pulse"]
+    assert tight["pairs"] == 3 and 0 < tight["sender_ms_min"] <= tight["sender_ms_median"]
