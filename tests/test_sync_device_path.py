@@ -63,11 +63,12 @@ def test_device_sender_makes_the_host_payload_bytes_f32(codec):
     assert sender.snapshot["w"].dtype == jnp.bfloat16 and isinstance(sender.snapshot["w"], jax.Array)
 
 
-@pytest.mark.parametrize("codec", ["auto", "coo", "dense"])
-def test_device_sender_makes_the_host_payload_bytes_adversarial_bf16(codec):
+def test_device_sender_makes_the_host_payload_bytes_adversarial_bf16():
+    """NaN payloads, +-0, infs, subnormals, empty / 0-d leaves, ints, long gaps (auto: its
+    entropy, mask and dense sections; the other codecs are covered on the f32 trees)."""
     old, new = adversarial_pair(3)
-    host, _ = _publishes(old, [new, old], codec, "host")
-    device, _ = _publishes(old, [new, old], codec, "device")
+    host, _ = _publishes(old, [new, old], "auto", "host")
+    device, _ = _publishes(old, [new, old], "auto", "device")
     assert host == device
 
 
@@ -119,6 +120,8 @@ def test_dense_payload_size_is_computed_from_shapes():
 @pytest.mark.parametrize("codec", ["auto", "coo"])
 def test_device_receiver_with_the_scatter_kernel_matches_the_host_receiver(codec):
     old, new = adversarial_pair(5)
+    for tree in (old, new):  # the 200k-element leaf costs interpret-mode tiles, nothing new
+        del tree["sparse"]
     payload = sync.encode(old, new, base_version=0, version=1, codec=codec)
     want = sync.apply(payload, old, version=0)
     device_old = _jax(old)
