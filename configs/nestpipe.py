@@ -5,6 +5,8 @@ the ideal bound (sum of stages / slowest), AUC / logloss, clustering's transfer 
     python -m jaxflow.run --exp=nestpipe --variant=quick
     python -m jaxflow.run --exp=nestpipe --variant=default
     python -m jaxflow.run --exp=nestpipe --variant=quick --set micro_batches=8
+    python -m jaxflow.run --exp=nestpipe --variant=quick \
+        --set calibration_out=jaxflow/nestpipe/simulate/data/nestpipe_quick.json
 
 Data-parallel DLRM on a mesh of ``devices`` devices (``--devices=8`` gives 8 fake CPU devices);
 each device routes its keys to the owning shard of the host tables and gets rows back by All2All.
@@ -53,6 +55,8 @@ class Config:
     warmup: int = 3
     timing_steps: int = 8
     pairs: int = 10
+    # write the simulator's calibration file here (nestpipe_scale reads it; see its config)
+    calibration_out: str = ""
 
     def __post_init__(self):
         bad = [p for p in self.pipelines if p not in PIPELINE_NAMES]
