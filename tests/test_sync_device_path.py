@@ -77,13 +77,17 @@ def test_device_sender_with_the_pallas_compaction_and_a_sharded_tree():
     host, _ = _publishes(p0, [p1], "auto", "host")
     kernel, _ = _publishes(p0, [p1], "auto", "device", backend="pallas", interpret=True)
     assert kernel == host
-    mesh = jax.make_mesh((8,), ("x",))
-    shard = lambda t: {k: jax.device_put(jnp.asarray(v), NamedSharding(
-        mesh, P("x") if np.ndim(v) and np.shape(v)[0] % 8 == 0 else P())) for k, v in t.items()}
+    # sharded over one axis and replicated over the other, sharded over both, replicated
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    specs = {"w": P("a"), "hot": P("b"), "b": P(("a", "b"))}
+    shard = lambda t: {k: jax.device_put(jnp.asarray(v), NamedSharding(mesh, specs.get(k, P())))
+                       for k, v in t.items()}
     sender = SyncSender(shard(p0), codec="auto", path="device")
-    sender.publish(shard(p1), version=1)
+    stats = sender.publish(shard(p1), version=1)
     assert sender.chain_from(0)[0] == host[1]
     assert sender.snapshot["w"].sharding.is_equivalent_to(shard(p0)["w"].sharding, 2)
+    # replicas of a shard send nothing: at most 6 bytes per change + capacity slack per shard
+    assert stats.host_bytes < 6 * 1.125 * stats.changed + 6 * 16 * 8 * 3 + 200
 
 
 def test_device_sender_moves_only_the_changes_to_the_host():

@@ -170,6 +170,21 @@ def _in_mesh(leaf) -> bool:
     return isinstance(leaf.sharding, NamedSharding) and len(leaf.sharding.device_set) > 1
 
 
+def _owner_blocks(sharding: NamedSharding) -> list[int]:
+    """Flat mesh positions of the devices that report their shard (index 0 on every mesh
+    axis the leaf is not sharded over): the in-mesh compaction's other blocks are padding."""
+    mesh = sharding.mesh
+    used: set[str] = set()
+    for entry in sharding.spec:
+        used.update((entry,) if isinstance(entry, str) else (entry or ()))
+    coords = np.indices(mesh.devices.shape).reshape(len(mesh.axis_names), -1)
+    keep = np.ones(coords.shape[1], bool)
+    for axis, name in enumerate(mesh.axis_names):
+        if name not in used:
+            keep &= coords[axis] == 0
+    return np.flatnonzero(keep).tolist()
+
+
 def _compact_sharded(old, new, *, values, backend, interpret, min_capacity):
     sharding = new.sharding
     old = jax.device_put(old, sharding)  # a no-op when the snapshot is laid out alike
@@ -180,7 +195,16 @@ def _compact_sharded(old, new, *, values, backend, interpret, min_capacity):
     kernel = _use_kernel(backend, local, capacity, interpret, single_device=True)
     pos, o, n = tracker._compact_fn(*args, capacity, "pallas" if kernel else "xla",
                                     interpret and kernel)(old, new)
-    return _finish_shards(pos, o, n, values=values), int(per_shard.nbytes)
+    pos, vals, lanes = _finish_shards(pos, o, n, values=values)
+    # only the reporting devices' blocks cross to the host (replicas hold -1 padding)
+    owners = set(_owner_blocks(sharding))
+    flat_devices = list(sharding.mesh.devices.flat)
+
+    def blocks(x):
+        by_device = {shard.device: shard.data for shard in x.addressable_shards}
+        return [by_device[flat_devices[b]] for b in sorted(owners)]
+
+    return (blocks(pos), [blocks(v) for v in vals], lanes), int(per_shard.nbytes)
 
 
 def _use_kernel(backend: str, size: int, capacity: int, interpret: bool, *,
@@ -196,7 +220,7 @@ def _use_kernel(backend: str, size: int, capacity: int, interpret: bool, *,
 
 
 def device_diff(snapshot: Any, params: Any, *, values: str = "deltas", backend: str = "auto",
-                interpret: bool = False, min_capacity: int = 128) -> DeviceDiff:
+                interpret: bool = False, min_capacity: int = 16) -> DeviceDiff:
     """Casts ``params`` to the wire dtype and diffs it against ``snapshot`` on the devices.
 
     Args:
@@ -235,6 +259,10 @@ def device_diff(snapshot: Any, params: Any, *, values: str = "deltas", backend: 
         if spec.size >= _MAX_POSITIONS:
             raise ValueError(f"leaf {spec.name} has {spec.size} elements; the on-device diff "
                              "uses int32 positions (< 2**31): use the host path")
+        if _in_mesh(new) and new.ndim and new.sharding.is_fully_replicated:
+            # every device holds the whole leaf: compact one device's copy
+            old = jax.device_put(old, new.sharding).addressable_shards[0].data
+            new = new.addressable_shards[0].data
         if _in_mesh(new) and new.ndim:
             pending[i], extra = _compact_sharded(old, new, values=values, backend=backend,
                                                  interpret=interpret, min_capacity=min_capacity)
@@ -264,6 +292,8 @@ def device_diff(snapshot: Any, params: Any, *, values: str = "deltas", backend: 
             pos, vals, lane = fetched[0][i]
             k = int(counts[i])
             if i in sharded:  # per-shard sorted runs with -1 padding: merge
+                pos = np.concatenate(pos)
+                vals = tuple(np.concatenate(v) for v in vals)
                 keep = np.flatnonzero(pos >= 0)
                 keep = keep[np.argsort(pos[keep], kind="stable")]
                 pos, vals = pos[keep], tuple(v[keep] for v in vals)
