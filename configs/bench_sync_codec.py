@@ -34,11 +34,11 @@ def _quick() -> Config:
 
 
 def _default() -> Config:
-    return Config()  # 6 x 12.6M + 33.6M = 109M bf16 elements
+    return Config(tight_rounds=20)  # 6 x 12.6M + 33.6M = 109M bf16 elements
 
 
 def _full() -> Config:
-    return Config(d_model=2048, n_layers=8, vocab=50304, timing_rounds_other=2)
+    return Config(d_model=2048, n_layers=8, vocab=50304, timing_rounds_other=2, tight_rounds=20)
 
 
 get_config = Variants(quick=_quick, default=_default, full=_full)
