@@ -2,8 +2,10 @@
 
 Three modes on the same samples, model, kernels and optimizers, timed side by side in one
 process: monolithic_padded (baseline), monolithic_packed, decoupled (allocator-chosen split,
-encoder and backbone on disjoint sub-meshes joined by the embedding pool). Needs 8 devices;
-on a CPU-only machine the runner creates ``devices`` (8) fake CPU devices by itself:
+encoder and backbone on disjoint sub-meshes joined by the embedding pool). Runs on every device
+present (``devices=N``: the first N); on one device the decoupled sides share it (colocated).
+On a CPU-only machine the runner creates 8 fake CPU devices by itself (``--devices=N`` for
+another count):
 
     python -m jaxflow.run --exp=flowtrain --variant=quick
     python -m jaxflow.run --exp=flowtrain --variant=default
@@ -19,6 +21,7 @@ from jaxflow.flow.batching import PackingConfig
 from jaxflow.flow.digits_data import FLOW_ALPHABET, DigitsConfig
 from jaxflow.flow.vit import ViTConfig
 from jaxflow.mesh import MeshConfig
+from jaxflow.models.attention_backends import ATTENTION_BACKENDS
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
 
@@ -33,11 +36,16 @@ class FlowConfig:
     run_ahead: int = 0  # encoder may run this many steps ahead (0 = strict)
     pool_capacity: int = 256  # samples held in the embedding pool
     encoder_devices: int = 0  # 0: the allocator decides
-    attention: str = "auto"  # auto | xla | pallas_gpu
+    # The backbone's attention (jaxflow.models.attention_backends): auto | xla | splash (TPU)
+    # | flash | cudnn (GPU); auto is xla on CPU.
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.run_ahead < 0:
             raise ValueError(f"flow.run_ahead={self.run_ahead}; must be >= 0")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"flow.attention={self.attention!r}; valid: "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +81,8 @@ class Config:
     allocator: AllocatorConfig = AllocatorConfig()
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=20)
-    mesh: MeshConfig = MeshConfig(axes=("data",), shape=(8,))
-    devices: int = 8  # fake CPU devices the runner creates when --devices is not given
+    mesh: MeshConfig = MeshConfig(axes=("data",), shape=(-1,))  # monolithic: all of ``devices``
+    devices: int | None = None  # None: every device present (8 fake CPU devices on a CPU)
 
     def __post_init__(self):
         if self.flow.run_ahead >= self.train.block_steps:
@@ -82,6 +90,10 @@ class Config:
                 f"flow.run_ahead={self.flow.run_ahead} needs train.block_steps > run_ahead "
                 f"(got {self.train.block_steps}); also set --set train.block_steps="
                 f"{self.flow.run_ahead + 1}")
+        if self.model.attention not in ("auto", self.flow.attention):
+            raise ValueError(f"model.attention={self.model.attention!r} conflicts with "
+                             f"flow.attention={self.flow.attention!r}; the backbone's attention "
+                             "is flow.attention (leave model.attention at 'auto')")
         if self.vit.out_dim != self.model.d_model:
             raise ValueError(f"vit.out_dim={self.vit.out_dim} must equal model.d_model="
                              f"{self.model.d_model}")

@@ -5,9 +5,14 @@ the ideal bound (sum of stages / slowest), AUC / logloss, clustering's transfer 
     python -m jaxflow.run --exp=nestpipe --variant=quick
     python -m jaxflow.run --exp=nestpipe --variant=default
     python -m jaxflow.run --exp=nestpipe --variant=quick --set micro_batches=8
+    python -m jaxflow.run --exp=nestpipe --variant=quick \
+        --set calibration_out=jaxflow/nestpipe/simulate/data/nestpipe_quick.json
 
-Data-parallel DLRM on a mesh of ``devices`` devices (``--devices=8`` gives 8 fake CPU devices);
-each device routes its keys to the owning shard of the host tables and gets rows back by All2All.
+Data-parallel DLRM on a mesh of every device present (``devices=N`` takes the first N); on a
+CPU-only machine the runner creates 8 fake CPU devices (``--devices=N`` for another count). Each
+device routes its keys to the owning shard of the host tables and gets rows back by All2All.
+The quick / default capacities were measured on ``capacity_devices`` (8) devices; on another
+count they fall back to the worst-case sizes (0, cannot overflow).
 
 Summary keys (maps keyed by pipeline): ``speedup_vs_sync``, ``ideal_speedup``,
 ``max_param_diff_vs_sync`` (max over leaves of max |x - x_sync| / max |x_sync|).
@@ -37,7 +42,8 @@ class Config:
     batch_size: int = 2048
     dense_lr: float = 1e-3
     sparse_lr: float = 0.05
-    devices: int = 8  # data-parallel mesh; tables split row-wise over the same shards
+    devices: int | None = None  # data-parallel mesh: None = every device present (8 fake on CPU)
+    capacity_devices: int = 8  # device count the capacities below were measured on
     # fixed shapes of the routing (exceeding one raises CapacityOverflowError; 0 = cannot overflow)
     capacity: int = 0  # distinct keys per device per (micro-)batch, all tables together
     bucket_capacity: int = 0  # keys one device asks of one owner per batch (sync, dbp, semi_sync)
@@ -53,6 +59,8 @@ class Config:
     warmup: int = 3
     timing_steps: int = 8
     pairs: int = 10
+    # write the simulator's calibration file here (nestpipe_scale reads it; see its config)
+    calibration_out: str = ""
 
     def __post_init__(self):
         bad = [p for p in self.pipelines if p not in PIPELINE_NAMES]
@@ -60,9 +68,13 @@ class Config:
             raise ValueError(f"pipelines {bad}; valid: {', '.join(PIPELINE_NAMES)}")
         if self.cluster_method not in ("vote", "greedy"):
             raise ValueError(f"cluster_method={self.cluster_method!r}; valid: vote, greedy")
-        if self.devices < 1 or self.batch_size % (self.devices * self.micro_batches):
+        if self.devices is not None and (self.devices < 1 or
+                                         self.batch_size % (self.devices * self.micro_batches)):
             raise ValueError(f"batch_size={self.batch_size} not divisible by devices={self.devices}"
                              f" x micro_batches={self.micro_batches}")
+        if self.batch_size % self.micro_batches:
+            raise ValueError(f"batch_size={self.batch_size} not divisible by micro_batches="
+                             f"{self.micro_batches}")
 
 
 def _quick() -> Config:  # capacities ~1.5x the maxima seen over the run's batches

@@ -25,10 +25,12 @@ import jax
 import numpy as np
 
 from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.experiment import to_jsonable
 from jaxflow.marl.meshes import agent_centric_meshes
 from jaxflow.marl.engine import RolloutEngine, row_keys
 from jaxflow.marl.pipeline import (AgentRuntime, RunResult, relative_param_diff, run_pipeline,
                                    run_sync)
+from jaxflow.marl.simulate import sync_counts, write_calibration_from_run
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import solver_verifier_workflow
 from jaxflow.rl.tasks import encode_prompts
@@ -93,11 +95,24 @@ def engine_benchmark(config, wf, meshes, params, run) -> dict:
     return out
 
 
+def _workflow(config):
+    return solver_verifier_workflow(config.solver, config.verifier, group_size=config.group_size,
+                                    max_digits=config.max_digits,
+                                    solver_tokens=config.solver_tokens,
+                                    verifier_tokens=config.verifier_tokens)
+
+
+def resolve_meshes(config, devices=None) -> dict:
+    """``{"AGENT/ROLE": mesh}`` (roles ``trainer`` / ``rollout``) on ``devices``, a prefix of
+    ``jax.devices()`` (default: all of them, so the accelerators present), split agent-centrically
+    by :func:`~jaxflow.marl.meshes.agent_centric_meshes`."""
+    n_dev = len(jax.devices() if devices is None else devices)
+    meshes = agent_centric_meshes(_workflow(config), n_dev)
+    return {f"{a}/{role}": m for a, by_role in meshes.items() for role, m in by_role.items()}
+
+
 def main(config, run) -> dict:
-    wf = solver_verifier_workflow(config.solver, config.verifier, group_size=config.group_size,
-                                  max_digits=config.max_digits,
-                                  solver_tokens=config.solver_tokens,
-                                  verifier_tokens=config.verifier_tokens)
+    wf = _workflow(config)
     n_dev = len(jax.devices())
     meshes = agent_centric_meshes(wf, n_dev)
     runtimes = {a.name: AgentRuntime(a, wf, meshes[a.name], config.optim,
@@ -190,4 +205,10 @@ def main(config, run) -> dict:
              f"strict max param diff {max(per_step):.2e}; bounded: "
              + ", ".join(f"{k} {b['speedup_vs_sync']:.2f}x lag<={b['staleness_max']:.0f}"
                          for k, b in bounded.items()))
+    summary["calibration_counts"] = sync_counts(results["sync"], runtimes, wf.order())
+    if config.calibration_out and run.is_primary:
+        summary["calibration_written"] = write_calibration_from_run(
+            config.calibration_out, summary | {"config": to_jsonable(config)},
+            experiment=run.name, variant=run.variant, devices=n_dev)
+        run.info(f"wrote calibration {summary['calibration_written']}")
     return summary
