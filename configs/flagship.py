@@ -9,8 +9,8 @@ rollout, so mini-batches 2..N are off-policy and SIS accepts or rejects their to
 trainer on one sub-mesh of fake CPU devices and the sampler on the other; after every rollout
 the trainer's weights reach the sampler's bf16 replica as a sparse SparseRL-Sync payload.
 
-    python -m jaxflow.run --exp=flagship --variant=quick      # ~2 min on 2 cores (+ warm start once)
-    python -m jaxflow.run --exp=flagship --variant=default    # longer run, more held-out prompts
+    python -m jaxflow.run --exp=flagship --variant=quick      # ~1.5 min on 2 cores, warm start incl.
+    python -m jaxflow.run --exp=flagship --variant=default    # 100 rollouts, 512 held-out prompts
     python -m jaxflow.run --exp=flagship --set rl.loss.correction=none --set sync=none
 
 pass@1 (every summary): the mean reward over ``eval.prompts`` fixed held-out prompts x

@@ -123,7 +123,8 @@ def packed_batch(
         while k < len(a_all):
             a, b = a_all[k], b_all[k]
             prompt = tokenizer.encode(task.prompt(a, b), bos=True)
-            target = task.demonstration(a, b) if hasattr(task, "demonstration") else task.answer(a, b)
+            target = (task.demonstration(a, b) if hasattr(task, "demonstration")
+                      else task.answer(a, b))
             seq = prompt + tokenizer.encode(target, eos=True)
             n = len(seq) - 1
             if col + n > seq_len:

@@ -99,7 +99,8 @@ class WorkedAdditionTask:
     # -- corpus side (pretraining) -----------------------------------------------------------
 
     def _is_heldout(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        h = (a.astype(np.uint64) * np.uint64(1_000_003) + b.astype(np.uint64)) * np.uint64(2654435761)
+        h = ((a.astype(np.uint64) * np.uint64(1_000_003) + b.astype(np.uint64))
+             * np.uint64(2654435761))
         return (h >> np.uint64(11)) % np.uint64(self.heldout_mod) == 0
 
     def sample(self, rng: np.random.Generator, n: int, *,
