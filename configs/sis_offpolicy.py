@@ -72,6 +72,9 @@ class GridConfig:
     stalenesses: tuple[int, ...] = ()
     staleness_algos: tuple[str, ...] = ("grpo",)
     seeds: int = 3
+    #: algos x corrections x extra_lags with their own (usually fewer) ``extra_lag_seeds``
+    extra_lags: tuple[int, ...] = ()
+    extra_lag_seeds: int = 1
 
     def __post_init__(self):  # fail at --set time, not an hour into the sweep
         for field, valid in (("algos", ALGOS), ("mismatch_algos", ALGOS),
@@ -82,14 +85,14 @@ class GridConfig:
                 raise ValueError(f"grid.{field} has unknown {bad}; valid: {valid}")
         for m in self.mismatches:
             parse_mismatch(m)
-        for field in ("lags", "stalenesses"):
-            if any(not isinstance(v, int) or v < (1 if field == "lags" else 0)
+        for field in ("lags", "extra_lags", "stalenesses"):
+            if any(not isinstance(v, int) or v < (0 if field == "stalenesses" else 1)
                    for v in getattr(self, field)):
                 raise ValueError(f"grid.{field}={getattr(self, field)}: need ints "
-                                 f"{'>= 1' if field == 'lags' else '>= 0'}")
-        if self.mismatch_lag < 1 or self.seeds < 1:
-            raise ValueError(f"grid.mismatch_lag={self.mismatch_lag} and grid.seeds="
-                             f"{self.seeds} must be >= 1")
+                                 f"{'>= 0' if field == 'stalenesses' else '>= 1'}")
+        if self.mismatch_lag < 1 or self.seeds < 1 or self.extra_lag_seeds < 1:
+            raise ValueError(f"grid.mismatch_lag={self.mismatch_lag}, grid.seeds={self.seeds} "
+                             f"and grid.extra_lag_seeds={self.extra_lag_seeds} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +143,8 @@ class Config:
                              "sync needs staleness 0; set grid.stalenesses= (empty) or "
                              "sync=none")
         size = self.rl.rollout_size
-        bad = [n for n in (*self.grid.lags, self.grid.mismatch_lag) if size % n]
+        bad = [n for n in (*self.grid.lags, *self.grid.extra_lags, self.grid.mismatch_lag)
+               if size % n]
         if bad:
             raise ValueError(f"lags {bad} do not divide the rollout size rl.prompts_per_rollout"
                              f" * rl.group_size = {size}")

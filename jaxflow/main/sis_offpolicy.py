@@ -30,6 +30,7 @@ from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.rollout import RolloutWorker
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
+from jaxflow.stats import normalized_auc, paired_interval
 from jaxflow.sync.replica import tree_digest
 from jaxflow.train.lm_state import lm_functions
 
@@ -56,18 +57,23 @@ class Cell(NamedTuple):
 
 
 def grid_cells(grid) -> list[Cell]:
-    """Every cell of the grid, seeds innermost, duplicates dropped (in order)."""
+    """Every cell of the grid, seeds innermost, duplicates dropped (in order); the
+    ``extra_lags`` block has ``extra_lag_seeds`` seeds, every other block ``seeds``."""
     keys: list[tuple] = []
     keys += [(a, c, "none", n, 0) for a in grid.algos for c in grid.corrections for n in grid.lags]
     keys += [(a, c, m, grid.mismatch_lag, 0) for m in grid.mismatches
              for a in grid.mismatch_algos for c in grid.mismatch_corrections]
     keys += [(a, c, "none", 1, k) for k in grid.stalenesses
              for a in grid.staleness_algos for c in grid.corrections]
+    n_main = len(keys)
+    keys += [(a, c, "none", n, 0) for a in grid.algos for c in grid.corrections
+             for n in grid.extra_lags]
     seen, cells = set(), []
-    for key in keys:
+    for i, key in enumerate(keys):
         if key not in seen:
             seen.add(key)
-            cells += [Cell(*key, seed=s) for s in range(grid.seeds)]
+            seeds = grid.seeds if i < n_main else grid.extra_lag_seeds
+            cells += [Cell(*key, seed=s) for s in range(seeds)]
     return cells
 
 
@@ -141,6 +147,7 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
         "label": cell.label, **cell._asdict(),
         "final_accuracy": curve[-1][1],
         "final_greedy_accuracy": greedy[-1][1],
+        "auc": normalized_auc(curve),  # mean held-out pass@1 over training (trapezoid)
         "curve": curve,
         "greedy_curve": greedy,
         "accept_rate": mean_of("accept_rate", history),
@@ -182,6 +189,7 @@ def aggregate(records: list[dict]) -> list[dict]:
             "acc_mean": float(accs.mean()),
             "acc_std": float(accs.std(ddof=1)) if len(accs) > 1 else 0.0,
             "acc_per_seed": accs.tolist(),
+            "auc_mean": float(np.mean([normalized_auc(r["curve"]) for r in recs])),
             "greedy_acc_mean": float(greedy.mean()),
             "greedy_acc_std": float(greedy.std(ddof=1)) if len(greedy) > 1 else 0.0,
             # SIS accept rates (None without SIS); "later" = mini-batches 2..N of a rollout
@@ -193,6 +201,51 @@ def aggregate(records: list[dict]) -> list[dict]:
             "reward_last5": avg("reward_last5"),
         })
     return rows
+
+
+def paired_differences(records: list[dict], *, control: str = "none",
+                       level: float = 0.95) -> list[dict]:
+    """Per (algo, mismatch, lag, staleness) and correction != ``control``: the paired
+    correction-minus-control difference over the seeds both ran (same seed = same warm start,
+    prompts and sampling keys), of the final held-out pass@1 (``final``) and of the area under
+    the pass@1 curve divided by its length (``auc``; :func:`jaxflow.stats.normalized_auc`).
+    Each as mean, t-interval half width and bootstrap bounds (:func:`jaxflow.stats.paired_interval`)."""
+    by: dict[tuple, dict[str, dict[int, dict]]] = {}
+    for rec in records:
+        key = (rec["algo"], rec["mismatch"], rec["lag"], rec["staleness"])
+        by.setdefault(key, {}).setdefault(rec["correction"], {})[rec["seed"]] = rec
+    rows = []
+    for (algo, mismatch, lag, k), corrs in by.items():
+        if control not in corrs:
+            continue
+        for corr, recs in corrs.items():
+            seeds = sorted(set(recs) & set(corrs[control]))
+            if corr == control or not seeds:
+                continue
+            row = {"algo": algo, "correction": corr, "control": control, "mismatch": mismatch,
+                   "lag": lag, "staleness": k, "pairs": len(seeds)}
+            for name, value in (("final", lambda r: r["final_accuracy"]),
+                                ("auc", lambda r: normalized_auc(r["curve"]))):
+                iv = paired_interval([value(recs[s]) for s in seeds],
+                                     [value(corrs[control][s]) for s in seeds], level=level)
+                row.update({f"{name}_diff": iv.mean, f"{name}_half_width": iv.half_width,
+                            f"{name}_sd": iv.sd, f"{name}_boot": [iv.boot_low, iv.boot_high]})
+            rows.append(row)
+    return rows
+
+
+def format_paired_table(rows: list[dict]) -> str:
+    """A markdown table of :func:`paired_differences` rows (95% t-intervals, bootstrap)."""
+    head = ("| algo | correction - control | mismatch | lag | k | pairs | final pass@1 diff "
+            "(95% t) | bootstrap | AUC diff (95% t) | bootstrap |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
+    iv = lambda m, h: f"{m:+.3f} +- {h:.3f}"  # noqa: E731
+    bt = lambda b: f"[{b[0]:+.3f}, {b[1]:+.3f}]"  # noqa: E731
+    lines = [f"| {r['algo']} | {r['correction']} - {r['control']} | {r['mismatch']} | "
+             f"{r['lag']} | {r['staleness']} | {r['pairs']} | "
+             f"{iv(r['final_diff'], r['final_half_width'])} | {bt(r['final_boot'])} | "
+             f"{iv(r['auc_diff'], r['auc_half_width'])} | {bt(r['auc_boot'])} |" for r in rows]
+    return "\n".join([head, *lines])
 
 
 def format_table(rows: list[dict]) -> str:
@@ -314,14 +367,17 @@ def main(config, run: RunContext) -> dict:
                  f"{record['reward_first']:.3f}), accept {record['accept_rate']:.3f}")
         records.append(record)
     rows = aggregate(records)
+    paired = paired_differences(records)
     run.write_json("results.json", rows)
     if run.is_primary:
-        (run.out_dir / "results.md").write_text(format_table(rows) + "\n")
-        run.info("results:\n" + format_table(rows))
+        tables = format_table(rows) + "\n\n" + format_paired_table(paired) + "\n"
+        (run.out_dir / "results.md").write_text(tables)
+        run.info("results:\n" + tables)
     plot_curves(run, records)
     rewards = [r["reward_first"] for r in records if r.get("reward_first") is not None]
     return {
         "results": rows,
+        "paired": paired,
         "pass_at_1": pass_at_1_definition(config),
         "cells_run": [r["label"] for r in records],
         "roles": roles,
