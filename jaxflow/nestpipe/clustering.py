@@ -122,3 +122,18 @@ def micro_batch_transfers(sparse: dict[str, np.ndarray], micro_batches: int,
         for part in np.split(x, micro_batches):
             total += np.unique(part[part >= 0]).size
     return total
+
+
+def shard_micro_batch_transfers(sparse: dict[str, np.ndarray], num_shards: int,
+                                micro_batches: int, order: np.ndarray | None = None) -> int:
+    """Rows moved on a mesh of ``num_shards`` devices: device p dedups each micro-batch of its
+    own shard (samples ``p*B/P .. (p+1)*B/P``, after the permutation ``order``, e.g.
+    ``stages.cluster_order``); the sum of ``micro_batch_transfers`` over shards."""
+    b = next(iter(sparse.values())).shape[0]
+    if b % num_shards:
+        raise ValueError(f"batch {b} is not divisible by num_shards={num_shards}")
+    per = b // num_shards
+    idx = np.arange(b) if order is None else np.asarray(order)
+    return sum(micro_batch_transfers({k: np.asarray(v)[idx[p * per:(p + 1) * per]]
+                                      for k, v in sparse.items()}, micro_batches)
+               for p in range(num_shards))
