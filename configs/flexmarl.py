@@ -3,6 +3,7 @@ bounded staleness), on the solver / verifier workflow; same samples in sync and 
 
     python -m jaxflow.run --exp=flexmarl --variant=quick      # ~1-2 min on 2 CPU cores
     python -m jaxflow.run --exp=flexmarl --variant=default    # ~3 min
+    python -m jaxflow.run --exp=flexmarl --variant=quick --set runs=3   # README figures
 
 ``--devices=N`` (fake CPU devices): 2 gives the trainer and rollout roles disjoint halves; >= 3
 also gives each agent its own trainer devices in proportion to its size (agent-centric
@@ -36,7 +37,11 @@ class Config:
     verifier_tokens: int = 2
     n_inputs: int = 8
     steps: int = 20
-    reps: int = 10               # timed (sync, strict, bounded...) rounds; medians reported
+    reps: int = 10               # timed rounds per run (every mode once, random order)
+    runs: int = 1                # timing runs, each with its own warm-up and auto probe
+    auto: bool = True            # probe lockstep vs strict, time the faster as "auto"
+    probe_rounds: int = 5
+    probe_steps: int = 4         # steps per probe call (a pipeline needs steps to overlap)
     micro_inputs: int = 2        # inputs per trainer micro-batch
     rollout_batch: int = 1       # inputs per rollout engine call (sync and pipeline alike)
     rollout_workers: int = 1     # 1, or >= 2: per-agent worker pools (agent-level balancing)
@@ -47,6 +52,11 @@ class Config:
     bench_chunk: int = 4
     entropy_coef: float = 0.01
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=0)
+
+    def __post_init__(self):
+        if self.runs < 1 or self.reps < 1 or self.probe_rounds < 1 or self.probe_steps < 1:
+            raise ValueError(f"runs={self.runs}, reps={self.reps}, probe_rounds="
+                             f"{self.probe_rounds}, probe_steps={self.probe_steps}; each >= 1")
 
 
 def _quick() -> Config:

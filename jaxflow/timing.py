@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-__all__ = ["measure", "paired_rounds", "choose_mode", "median_of_runs"]
+__all__ = ["measure", "paired_rounds", "choose_mode", "median_of_runs", "auto_summary"]
 
 
 def measure(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter) -> float:
@@ -94,3 +94,28 @@ def median_of_runs(per_run: list[Mapping[str, float]]) -> dict[str, dict]:
     modes = list(per_run[0]) if per_run else []
     return {m: {"median": statistics.median(r[m] for r in per_run),
                 "runs": [r[m] for r in per_run]} for m in modes}
+
+
+def auto_summary(per_run: Mapping[str, Mapping], choices: list[Mapping],
+                 candidates: list[str]) -> dict:
+    """Summary keys of a measured ``auto`` mode timed beside fixed ones.
+
+    ``per_run``: ``median_of_runs`` output holding ``"auto"`` and every candidate;
+    ``choices``: each run's ``choose_mode`` result. The best fixed mode is the candidate with
+    the best median over runs; ``auto_within_best_fixed_interval`` says whether auto's median
+    is at least the lowest of that mode's per-run figures (inside its run-to-run interval or
+    above it).
+    """
+    best = max(candidates, key=lambda m: per_run[m]["median"])
+    lo, hi = min(per_run[best]["runs"]), max(per_run[best]["runs"])
+    picked = [c["mode"] for c in choices]
+    return {"auto_mode": max(set(picked), key=lambda m: (picked.count(m), -picked.index(m))),
+            "auto_mode_runs": picked,
+            "auto_speedup_vs_sync": per_run["auto"]["median"],
+            "auto_speedup_runs": per_run["auto"]["runs"],
+            "auto_candidates": list(candidates),
+            "auto_best_fixed_mode": best,
+            "auto_best_fixed_interval": [lo, hi],
+            "auto_within_best_fixed_interval": bool(per_run["auto"]["median"] >= lo),
+            "auto_probe": [{k: c[k] for k in ("median_seconds", "predicted_speedup",
+                                              "probe_seconds") if k in c} for c in choices]}

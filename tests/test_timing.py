@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from jaxflow.timing import choose_mode, median_of_runs, paired_rounds
+from jaxflow.timing import auto_summary, choose_mode, median_of_runs, paired_rounds
 
 
 class FakeClock:
@@ -81,3 +81,18 @@ def test_median_of_runs_keeps_every_run():
                           {"dbp": 1.0, "fwp": 1.2}])
     assert out == {"dbp": {"median": 1.0, "runs": [1.1, 0.9, 1.0]},
                    "fwp": {"median": 1.0, "runs": [0.9, 1.0, 1.2]}}
+
+
+def test_auto_summary_compares_auto_with_the_best_fixed_modes_interval():
+    per_run = median_of_runs([{"sync": 1.0, "dbp": 1.10, "fwp": 0.9, "auto": 1.05},
+                              {"sync": 1.0, "dbp": 1.00, "fwp": 0.8, "auto": 1.02},
+                              {"sync": 1.0, "dbp": 1.20, "fwp": 1.0, "auto": 1.15}])
+    choices = [{"mode": "dbp", "median_seconds": {}, "predicted_speedup": 1.1,
+                "probe_seconds": 0.3}, {"mode": "fwp"}, {"mode": "dbp"}]
+    out = auto_summary(per_run, choices, ["sync", "dbp", "fwp"])
+    assert out["auto_mode"] == "dbp" and out["auto_mode_runs"] == ["dbp", "fwp", "dbp"]
+    assert out["auto_best_fixed_mode"] == "dbp" and out["auto_best_fixed_interval"] == [1.0, 1.2]
+    assert out["auto_speedup_vs_sync"] == 1.05 and out["auto_within_best_fixed_interval"]
+    per_run["auto"] = {"median": 0.97, "runs": [0.97]}
+    assert not auto_summary(per_run, choices, ["sync", "dbp", "fwp"])[
+        "auto_within_best_fixed_interval"]

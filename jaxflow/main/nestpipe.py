@@ -20,8 +20,6 @@ slowest. Clustering: rows moved by per-device, per-micro-batch dedup with the pi
 
 from __future__ import annotations
 
-import statistics
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +37,7 @@ from jaxflow.nestpipe.stages import clone_tables, cluster_order
 from jaxflow.recsys.metrics import log_loss, roc_auc
 from jaxflow.recsys.models import build_model, functional
 from jaxflow.recsys.synthetic import SyntheticConfig, SyntheticCriteo
+from jaxflow.timing import auto_summary as summarize_auto
 from jaxflow.timing import choose_mode, median_of_runs, paired_rounds
 
 #: the pipelines ``auto`` chooses from: the exact ones (semi_sync is one step stale)
@@ -224,23 +223,7 @@ def main(config, run: RunContext) -> dict:
     # the five stages; stage 5 = row All2All back + compute (+ grad All2All) + write back
     five = sync_stages[:4] + [sum(sync_stages[4:])]
     ideal = sum(five) / max(five)
-    if autos:
-        best = max(candidates, key=lambda p: per_run[p]["median"])
-        lo, hi = min(per_run[best]["runs"]), max(per_run[best]["runs"])
-        auto_summary = {
-            "auto_mode": statistics.mode([a["mode"] for a in autos]),
-            "auto_mode_runs": [a["mode"] for a in autos],
-            "auto_speedup_vs_sync": per_run["auto"]["median"],
-            "auto_speedup_runs": per_run["auto"]["runs"],
-            "auto_candidates": candidates,
-            "auto_best_fixed_mode": best,
-            "auto_best_fixed_interval": [lo, hi],
-            # the target: auto no worse than the best fixed mode's run-to-run low (or above)
-            "auto_within_best_fixed_interval": bool(per_run["auto"]["median"] >= lo),
-            "auto_probe": [{k: a[k] for k in ("median_seconds", "predicted_speedup",
-                                              "probe_seconds")} for a in autos]}
-    else:
-        auto_summary = {}
+    auto_summary = summarize_auto(per_run, autos, candidates) if autos else {}
     # 3. clustering as the pipeline does it: each device's shard reordered by the pipeline's
     # own cluster_order, rows moved = distinct keys per device per micro-batch
     plain, clustered = 0, {m: 0 for m in CLUSTER_METHODS}
