@@ -104,10 +104,16 @@ def auto_summary(per_run: Mapping[str, Mapping], choices: list[Mapping],
     ``choices``: each run's ``choose_mode`` result. The best fixed mode is the candidate with
     the best median over runs; ``auto_within_best_fixed_interval`` says whether auto's median
     is at least the lowest of that mode's per-run figures (inside its run-to-run interval or
-    above it).
+    above it); when the best is the baseline itself (interval [1, 1]), whether auto's per-run
+    figures straddle 1.
     """
     best = max(candidates, key=lambda m: per_run[m]["median"])
     lo, hi = min(per_run[best]["runs"]), max(per_run[best]["runs"])
+    auto = per_run["auto"]
+    within = auto["median"] >= lo
+    if lo == hi == 1.0:  # the best is the baseline itself, whose paired ratio is 1 by definition:
+        # auto then matches it when its own runs straddle 1 (baseline-vs-baseline noise)
+        within = within or min(auto["runs"]) <= 1.0 <= max(auto["runs"])
     picked = [c["mode"] for c in choices]
     return {"auto_mode": max(set(picked), key=lambda m: (picked.count(m), -picked.index(m))),
             "auto_mode_runs": picked,
@@ -116,6 +122,6 @@ def auto_summary(per_run: Mapping[str, Mapping], choices: list[Mapping],
             "auto_candidates": list(candidates),
             "auto_best_fixed_mode": best,
             "auto_best_fixed_interval": [lo, hi],
-            "auto_within_best_fixed_interval": bool(per_run["auto"]["median"] >= lo),
+            "auto_within_best_fixed_interval": bool(within),
             "auto_probe": [{k: c[k] for k in ("median_seconds", "predicted_speedup",
                                               "probe_seconds") if k in c} for c in choices]}

@@ -96,3 +96,9 @@ def test_auto_summary_compares_auto_with_the_best_fixed_modes_interval():
     per_run["auto"] = {"median": 0.97, "runs": [0.97]}
     assert not auto_summary(per_run, choices, ["sync", "dbp", "fwp"])[
         "auto_within_best_fixed_interval"]
+    # the baseline is the best fixed mode: auto (= the baseline again) matches it when its
+    # runs straddle 1, not when every run is slower
+    base = median_of_runs([{"sync": 1.0, "strict": 0.8, "auto": a} for a in (0.99, 1.01, 0.98)])
+    assert auto_summary(base, choices, ["sync", "strict"])["auto_within_best_fixed_interval"]
+    base["auto"] = {"median": 0.9, "runs": [0.9, 0.92, 0.85]}
+    assert not auto_summary(base, choices, ["sync", "strict"])["auto_within_best_fixed_interval"]
