@@ -1,5 +1,7 @@
-"""bench_embedding: sharded lookup + sparse update vs jnp.take + dense gradient + dense optimizer
-on the full table (same run, interleaved), and the Pallas embedding-bag kernel vs its reference.
+"""bench_embedding: sharded lookup + sparse update vs two jnp.take baselines (same run, random
+order within each round): dense gradient + dense optimizer on the full table, and sparse
+(gradient of the gathered rows + segment_sum over the unique ids + row-wise Adagrad on those
+rows only); and the Pallas embedding-bag kernel vs its reference.
 
     python -m jaxflow.run --exp=bench_embedding --variant=quick
     python -m jaxflow.run --exp=bench_embedding --variant=default
@@ -9,7 +11,10 @@ The mesh is one "data" axis over every device there is (-1): on a CPU-only machi
 creates ``devices`` (8) fake CPU devices unless ``--devices`` says otherwise; on one GPU it runs
 on 1 (no All2All traffic).
 Summary keys: ``speedup_vs_dense_take`` (dense step time / sharded step time, median of the
-pairs; ``speedup_spread`` = [min, max]) and ``rows_per_second`` (non-padding ids looked up and
+rounds; ``speedup_spread`` = [min, max]), ``speedup_vs_sparse_take`` (the same against the
+sparse baseline on the same mesh; ``speedup_vs_sparse_spread``), ``speedup_vs_best_sparse_take``
+(against the faster of the sparse baseline's placements, ``best_sparse_take``), ``ratios`` (every
+baseline: median, min, max) and ``rows_per_second`` (non-padding ids looked up and
 updated per second by the sharded path).
 """
 
@@ -20,7 +25,7 @@ import dataclasses
 from jaxflow.config import Variants
 from jaxflow.mesh import MeshConfig
 
-DESCRIPTION = "sharded embedding lookup + sparse update vs dense jnp.take baseline; Pallas bag kernel"
+DESCRIPTION = "sharded embedding lookup + sparse update vs dense and sparse jnp.take baselines; Pallas bag kernel"
 ENTRY = "jaxflow.main.bench_embedding:main"
 
 
@@ -39,6 +44,7 @@ class Config:
     num_batches: int = 4  # distinct batches cycled through
     warmup: int = 2  # per path, includes compilation
     pairs: int = 10
+    sparse_one_device: bool = True  # also time the sparse baseline with the tables on one device
     kernel_vocab: int = 512
     kernel_bags: int = 64
     kernel_pairs: int = 10

@@ -7,17 +7,27 @@
 The dense capability model is trained on the fly and cached under ``cache_root``
 (runs/_cache/calibration_dense-<hash>); later runs with the same recipe reuse it.
 quick: small model, 6 sources, sparsity 0.6 only, ONE calibration draw (no spread), 1-digit math.
-default: all 10 sources x {0.5, 0.6, 0.7, 2:4} x 3 draws.
+default: three model sizes (``sizes``: xs, s, default) x all 10 sources x {0.5, 0.6, 0.7, 2:4}
+x 3 draws, Spearman intervals by bootstrap over sources and the sign stability across sizes
+and sparsities.
+
+A user's checkpoint, tasks and corpora (formats in ``jaxflow.prune.task_files``)::
+
+    python -m jaxflow.run --exp=calibration_tradeoffs --variant=quick \
+        --set model.hf_path=DIR --set eval_files=math.jsonl,qa.jsonl \
+        --set calibration_files=web.txt,code.txt --set sources=web,code,mix,random
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
 
 from jaxflow.config import Variants, require_positive
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.transformer import TransformerConfig
-from jaxflow.prune.calibration import SOURCES, CalibrationConfig
+from jaxflow.prune.calibration import SOURCES, CalibrationConfig, FILE_MODE_SOURCES
 from jaxflow.prune.masks import parse_sparsity
 from jaxflow.prune.sequential import METHODS
 from jaxflow.train.lm_state import OptimConfig
@@ -37,13 +47,25 @@ class TrainConfig:
         require_positive(self, "steps", "batch_size", "seq_len", "log_every")
 
 
+_DEFAULT_MODEL = TransformerConfig(
+    vocab_size=60, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=384, max_seq_len=128)
+#: The study's model sizes, smallest to the default one (``sizes`` names them).
+MODEL_SIZES = {
+    "xs": dataclasses.replace(_DEFAULT_MODEL, d_model=64, n_layers=2, d_ff=192),
+    "s": dataclasses.replace(_DEFAULT_MODEL, d_model=96, n_layers=2, d_ff=256),
+    "default": _DEFAULT_MODEL,
+    "l": dataclasses.replace(_DEFAULT_MODEL, d_model=192, n_layers=6, d_ff=512),  # full only
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
     world_seed: int = 0
     math_digits: int = 2
-    model: TransformerConfig = TransformerConfig(
-        vocab_size=60, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=384, max_seq_len=128)
+    model: TransformerConfig = _DEFAULT_MODEL
+    # Model sizes of the study (names in MODEL_SIZES); () studies ``model`` alone.
+    sizes: tuple[str, ...] = ()
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=100)
     mesh: MeshConfig = MeshConfig()
@@ -56,17 +78,44 @@ class Config:
     calib_batch_rows: int = 16
     eval_examples: int = 128
     cache_root: str = "runs/_cache"
+    bootstrap: int = 2000  # bootstrap replicates (over sources) of each Spearman interval
+    # User-given files (jaxflow.prune.task_files): evaluation tasks (JSONL) replacing the
+    # synthetic capabilities, calibration corpora (.txt / .jsonl) whose stems become sources.
+    eval_files: tuple[str, ...] = ()
+    calibration_files: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if self.calibration_files:
+            stems = tuple(pathlib.Path(p).stem for p in self.calibration_files)
+            valid = (*stems, *(s for s in FILE_MODE_SOURCES if s not in stems))
+        else:
+            valid = SOURCES
         for s in self.sources:
-            if s not in SOURCES:
-                raise ValueError(f"sources: {s!r} is not a calibration source; valid: {', '.join(SOURCES)}")
+            if s not in valid:
+                raise ValueError(f"sources: {s!r} is not a calibration source; valid: {', '.join(valid)}")
+        for path in (*self.eval_files, *self.calibration_files):
+            if not os.path.isfile(path):
+                raise ValueError(f"{path!r}: no such file (eval_files / calibration_files)")
+        for name in self.sizes:
+            if name not in MODEL_SIZES:
+                raise ValueError(f"sizes: {name!r}; valid: {', '.join(MODEL_SIZES)}")
+        if self.sizes and self.model.hf_path:
+            raise ValueError(f"sizes={','.join(self.sizes)} with model.hf_path: a checkpoint "
+                             "has one size; set sizes= (empty)")
+        if self.bootstrap < 100:
+            raise ValueError(f"bootstrap={self.bootstrap}: must be >= 100")
         for s in self.sparsities:
             parse_sparsity(s)
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}; valid: {', '.join(METHODS)}")
         if self.draws < 1:
             raise ValueError(f"draws={self.draws}: must be >= 1")
+
+    def size_models(self) -> list[tuple[str, TransformerConfig]]:
+        """[(size name, model config)] smallest first; [("model", model)] without sizes."""
+        if not self.sizes:
+            return [("model", self.model)]
+        return [(name, MODEL_SIZES[name]) for name in self.sizes]
 
 
 def _quick() -> Config:
@@ -85,10 +134,14 @@ def _full() -> Config:
     base = Config()
     return dataclasses.replace(
         base,
-        model=dataclasses.replace(base.model, d_model=192, n_layers=6, d_ff=512),
+        model=MODEL_SIZES["l"], sizes=tuple(MODEL_SIZES),
         train=dataclasses.replace(base.train, steps=4000),
         calibration=CalibrationConfig(rows=64, seq_len=128), draws=5, eval_examples=256)
 
 
-get_config = Variants(quick=_quick, default=Config, full=_full)
+def _default() -> Config:
+    return Config(sizes=("xs", "s", "default"))
+
+
+get_config = Variants(quick=_quick, default=_default, full=_full)
 VARIANTS = get_config.variants

@@ -4,6 +4,8 @@ bounded staleness), on the solver / verifier workflow; same samples in sync and 
     python -m jaxflow.run --exp=flexmarl --variant=quick      # ~1-2 min on 2 CPU cores
     python -m jaxflow.run --exp=flexmarl --variant=default    # ~3 min
     python -m jaxflow.run --exp=flexmarl --variant=quick --set runs=3   # README figures
+    python -m jaxflow.run --exp=flexmarl --variant=quick \
+        --set calibration_out=jaxflow/marl/simulate/data/flexmarl_quick.json
 
 ``--devices=N`` (fake CPU devices): 2 gives the trainer and rollout roles disjoint halves; >= 3
 also gives each agent its own trainer devices in proportion to its size (agent-centric
@@ -52,6 +54,8 @@ class Config:
     bench_chunk: int = 4
     entropy_coef: float = 0.01
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=0)
+    # write the simulator's calibration file here (flexmarl_scale reads it; see its config)
+    calibration_out: str = ""
 
     def __post_init__(self):
         if self.runs < 1 or self.reps < 1 or self.probe_rounds < 1 or self.probe_steps < 1:

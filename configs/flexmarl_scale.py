@@ -4,6 +4,17 @@
 
     python -m jaxflow.run --exp=flexmarl_scale --variant=quick      # seconds
     python -m jaxflow.run --exp=flexmarl_scale --variant=default
+    python -m jaxflow.run --exp=flexmarl_scale --variant=quick --set calibration=runs/flexmarl/<run>
+
+Regenerate the built-in calibration (then rerun this):
+
+    python -m jaxflow.run --exp=flexmarl --variant=quick \
+        --set calibration_out=jaxflow/marl/simulate/data/flexmarl_quick.json
+
+Summary keys besides the per-node maps: ``calibration`` (git_commit, command, devices, path,
+stale, warning), ``paper_checks`` / ``paper_checks_passed`` (the paper's 7.3x / 5.6x, which do
+not enter the fit), ``sensitivity.calibration`` (each measured per-parameter cost x0.5 / x2 ->
+strict speedup and utilisation ratio at the largest node count).
 
 Assumptions (not measured): the agents' sizes and length distributions below, slots per
 accelerator, weak scaling (inputs per version grow with the node count), the accelerator
@@ -16,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
-from jaxflow.marl.simulate import AgentLoad, Hardware, MeasuredRun
+from jaxflow.marl.simulate import AgentLoad, Hardware
 
 DESCRIPTION = "Simulated FlexMARL vs sync baseline at 8-64 nodes (calibrated from flexmarl)"
 ENTRY = "jaxflow.main.flexmarl_scale:main"
@@ -44,8 +55,17 @@ class Config:
     request_policy: str = "work_stealing"  # FlexMARL's request level
     etas: tuple[int, ...] = (1,)  # bounded-staleness rows besides strict
     agents: tuple = (SOLVER, VERIFIER)
-    measured: MeasuredRun = MeasuredRun.builtin()  # data/flexmarl_quick_sync.json
+    # calibration file written by `flexmarl --set calibration_out=...`, or a flexmarl run dir /
+    # summary.json; "" = jaxflow/marl/simulate/data/flexmarl_quick.json
+    calibration: str = ""
     hardware: Hardware = Hardware()
+    sensitivity_factors: tuple[float, ...] = (0.5, 2.0)  # each measured per-param cost x these
+    validation_rel_tol: float = 0.25  # paper_checks: |predicted / paper - 1| <= this passes
+
+    def __post_init__(self):
+        if any(not f > 0 for f in self.sensitivity_factors) or not self.validation_rel_tol > 0:
+            raise ValueError(f"sensitivity_factors={self.sensitivity_factors} / validation_rel_tol="
+                             f"{self.validation_rel_tol}; need > 0")
 
 
 def _quick() -> Config:

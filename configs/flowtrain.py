@@ -19,6 +19,7 @@ from jaxflow.flow.batching import PackingConfig
 from jaxflow.flow.digits_data import FLOW_ALPHABET, DigitsConfig
 from jaxflow.flow.vit import ViTConfig
 from jaxflow.mesh import MeshConfig
+from jaxflow.models.attention_backends import ATTENTION_BACKENDS
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
 
@@ -33,11 +34,16 @@ class FlowConfig:
     run_ahead: int = 0  # encoder may run this many steps ahead (0 = strict)
     pool_capacity: int = 256  # samples held in the embedding pool
     encoder_devices: int = 0  # 0: the allocator decides
-    attention: str = "auto"  # auto | xla | pallas_gpu
+    # The backbone's attention (jaxflow.models.attention_backends): auto | xla | splash (TPU)
+    # | flash | cudnn (GPU); auto is xla on CPU.
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.run_ahead < 0:
             raise ValueError(f"flow.run_ahead={self.run_ahead}; must be >= 0")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"flow.attention={self.attention!r}; valid: "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +88,10 @@ class Config:
                 f"flow.run_ahead={self.flow.run_ahead} needs train.block_steps > run_ahead "
                 f"(got {self.train.block_steps}); also set --set train.block_steps="
                 f"{self.flow.run_ahead + 1}")
+        if self.model.attention not in ("auto", self.flow.attention):
+            raise ValueError(f"model.attention={self.model.attention!r} conflicts with "
+                             f"flow.attention={self.flow.attention!r}; the backbone's attention "
+                             "is flow.attention (leave model.attention at 'auto')")
         if self.vit.out_dim != self.model.d_model:
             raise ValueError(f"vit.out_dim={self.vit.out_dim} must equal model.d_model="
                              f"{self.model.d_model}")

@@ -6,6 +6,8 @@ the ideal bound (sum of stages / slowest), AUC / logloss, clustering's transfer 
     python -m jaxflow.run --exp=nestpipe --variant=default
     python -m jaxflow.run --exp=nestpipe --variant=quick --set micro_batches=8
     python -m jaxflow.run --exp=nestpipe --variant=quick --set runs=3   # README figures
+    python -m jaxflow.run --exp=nestpipe --variant=quick \
+        --set calibration_out=jaxflow/nestpipe/simulate/data/nestpipe_quick.json
 
 Data-parallel DLRM on a mesh of ``devices`` devices (``--devices=8`` gives 8 fake CPU devices);
 each device routes its keys to the owning shard of the host tables and gets rows back by All2All.
@@ -63,6 +65,8 @@ class Config:
     probe_steps: int = 4
     # the frozen window's All2Alls: auto | per_micro_batch | batched (sharded.FROZEN_EXCHANGES)
     frozen_exchange: str = "auto"
+    # write the simulator's calibration file here (nestpipe_scale reads it; see its config)
+    calibration_out: str = ""
 
     def __post_init__(self):
         bad = [p for p in self.pipelines if p not in PIPELINE_NAMES]

@@ -1,15 +1,24 @@
 """nestpipe_scale: a discrete-event simulator of sync / dbp / fwp / dbp+fwp / semi_sync on
-128 -> 1,536 workers. Its synchronous baseline, fed the paper's stage shares, is
-checked against TorchRec's 44.34% scaling efficiency at 1,536; then each pipeline's predicted
-efficiency is reported beside the paper's table. Pure numpy, seconds.
+128 -> 1,536 workers, fitted to the paper's stage shares and split by stage times measured by a
+``nestpipe`` run (a calibration file with its commit, command and device count). Its
+predictions are checked against paper figures that did not enter the fit (``paper_checks``).
+Pure numpy, seconds.
 
     python -m jaxflow.run --exp=nestpipe_scale --variant=quick
     python -m jaxflow.run --exp=nestpipe_scale --variant=quick --set calibration=runs/nestpipe/<run>
     python -m jaxflow.run --exp=nestpipe_scale --variant=default --set jitter_cv=0.1
 
+Regenerate the built-in calibration (then rerun this):
+
+    python -m jaxflow.run --exp=nestpipe --variant=quick \
+        --set calibration_out=jaxflow/nestpipe/simulate/data/nestpipe_quick.json
+
 Summary keys: ``scaling_efficiency`` (pipeline -> E at the largest scale, E = T(128) / T(N)
-under weak scaling), ``baseline_efficiency_error`` (simulated sync minus 0.4434),
-``efficiency_by_workers``, ``speedup_vs_sync``, ``exposed_ms_at_max_workers``, ``sensitivity``.
+under weak scaling), ``baseline_efficiency_error`` (simulated sync minus 0.4434; in-sample,
+``baseline_consistency_passed``), ``paper_checks`` / ``paper_checks_passed`` (out-of-sample),
+``efficiency_by_workers``, ``speedup_vs_sync``, ``exposed_ms_at_max_workers``, ``calibration``
+(git_commit, command, devices, path, stale, warning), ``sensitivity`` (``calibration``: each
+measured stage time x0.5 / x2 -> E and speedup at the largest scale per pipeline).
 The model and its assumptions: jaxflow/nestpipe/simulate/'s docstring.
 """
 
@@ -19,7 +28,7 @@ import dataclasses
 
 from jaxflow.config import Variants
 
-DESCRIPTION = "NestPipe at 128 -> 1,536 workers: discrete-event simulator validated on TorchRec's 44%"
+DESCRIPTION = "NestPipe at 128 -> 1,536 workers: discrete-event simulator calibrated from a nestpipe run"
 ENTRY = "jaxflow.main.nestpipe_scale:main"
 PIPELINE_NAMES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
 
@@ -27,7 +36,9 @@ PIPELINE_NAMES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
-    calibration: str = ""  # nestpipe summary.json or run dir; "" = built-in measured table
+    # calibration file written by `nestpipe --set calibration_out=...`, or a nestpipe run dir /
+    # summary.json; "" = jaxflow/nestpipe/simulate/data/nestpipe_quick.json
+    calibration: str = ""
     workers: tuple[int, ...] = (128, 256, 512, 768, 1024, 1536)  # first = reference, last = target
     pipelines: tuple[str, ...] = PIPELINE_NAMES
     micro_batches: int = 4  # the frozen window's N (the measured nestpipe run used 4)
@@ -48,6 +59,8 @@ class Config:
     sensitivity_peer_latency_us: tuple[float, ...] = (0.0, 10.0, 50.0, 150.0)
     sensitivity_oversubscription: tuple[float, ...] = (1.0, 2.0, 4.0)
     sensitivity_device_copy_speedup: tuple[float, ...] = (1.0, 20.0, 1000.0)
+    sensitivity_factors: tuple[float, ...] = (0.5, 2.0)  # each measured stage time x these
+    validation_rel_tol: float = 0.25  # paper_checks: |predicted / paper - 1| <= this passes
 
     def __post_init__(self):
         bad = [p for p in self.pipelines if p not in PIPELINE_NAMES]
@@ -67,6 +80,9 @@ class Config:
                              "need >= 0")
         if self.peer_latency_us < 0:
             raise ValueError(f"peer_latency_us={self.peer_latency_us}; need >= 0")
+        if any(not f > 0 for f in self.sensitivity_factors) or not self.validation_rel_tol > 0:
+            raise ValueError(f"sensitivity_factors={self.sensitivity_factors} / validation_rel_tol="
+                             f"{self.validation_rel_tol}; need > 0")
         if self.device_copy_speedup <= 0:
             raise ValueError(f"device_copy_speedup={self.device_copy_speedup}; need > 0")
 

@@ -1,17 +1,30 @@
 """Every Pallas kernel of jaxflow at test and production sizes, per platform, as abstract calls.
 
-``kernel_cases()`` lists 6 kernels (fused log-probs forward and backward, embedding bag forward
-and backward, sync diff/compact and scatter/apply) x 2 sizes; ``case.build(platform)`` returns
+``kernel_cases()`` lists 6 Pallas kernels (fused log-probs forward and backward, embedding bag
+forward and backward, sync diff/compact and scatter/apply) x 2 sizes, each on both platforms;
+``attention_cases()`` the attention backends of ``jaxflow.models.attention_backends``, forward
+and forward + gradient, x 2 sizes, each on its platform: splash (tpu), Pallas flash and cuDNN
+(cuda). ``case.build(platform)`` returns
 ``(fn, args)`` with the platform's default block sizes and ``jax.ShapeDtypeStruct`` args, ready
 for ``pallas_kernels.lowering.export_for`` / ``pallas_footprints`` (nothing is allocated).
+``case.platforms`` names the platforms a case is built for; ``case.custom_calls`` the
+custom-call targets of a kernel that is not a Pallas call (cuDNN attention), which its export
+must allow and must contain.
 
 Production sizes: fused log-probs 8,192 tokens, d 4,096, V 151,936 bf16, K 100 given top-K
 ids; embedding bag a 10M x 128 f32 table, 16,384 bags of 32; sync 64M uint16 elements with a
-1M capacity. Test sizes are the interpret-mode test shapes of ``tests/test_pallas_*``.
+1M capacity; attention 1 x 8,192 tokens, 32 query / 8 key-value heads of 128, bf16. Test sizes
+are the interpret-mode test shapes of ``tests/test_pallas_*`` and
+``tests/test_attention_backends.py``.
+
+cuDNN attention on a host without cuDNN (this CPU): jax reads the local cuDNN version when it
+traces the call, for compatibility checks only (the version is not in the lowered module), so
+``declared_cudnn`` declares one there, as ``lowering.declared_tpu`` declares a TPU device kind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -20,6 +33,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import embedding_bag as eb
 from pallas_kernels import fused_logprobs as fl
+from pallas_kernels import lowering
 from pallas_kernels import sync_diff_compact as dc
 from pallas_kernels import sync_scatter_apply as sa
 
@@ -31,7 +45,15 @@ SIZES = {
                       "production": dict(vocab=10_000_000, dim=128, bags=16_384, bag_len=32)},
     "sync": {"test": dict(n=5000, capacity=256),
              "production": dict(n=64 * 2**20, capacity=2**20)},
+    # cuDNN takes bf16 / f16 only: its cases use bf16 at every size.
+    "attention": {"test": dict(batch=2, tokens=128, heads=4, kv_heads=2, head_dim=16,
+                               dtype=jnp.float32),
+                  "production": dict(batch=1, tokens=8192, heads=32, kv_heads=8, head_dim=128,
+                                     dtype=jnp.bfloat16)},
 }
+PLATFORMS = ("tpu", "cuda")
+CUDNN_ATTENTION_CALLS = ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
+DECLARED_CUDNN_VERSION = 90800  # cuDNN 9.8 (any >= 9.0: only jax's checks read it)
 
 
 def block_platform(platform: str) -> str:
@@ -44,6 +66,8 @@ class KernelCase:
     kernel: str  # e.g. "fused_logprobs_bwd"
     size: str  # "test" | "production"
     _build: Callable[[str], tuple[Callable, tuple]]
+    platforms: tuple[str, ...] = PLATFORMS  # export platforms this kernel is built for
+    custom_calls: tuple[str, ...] = ()  # a non-Pallas kernel's custom-call targets
 
     @property
     def name(self) -> str:
@@ -52,6 +76,18 @@ class KernelCase:
     def build(self, platform: str) -> tuple[Callable, tuple]:
         """(fn, abstract args) for export platform "tpu" or "cuda"."""
         return self._build(block_platform(platform))
+
+    def export(self, platform: str):
+        """``jax.export`` of the case for ``platform`` (``lowering.export_for``, plus this
+        kernel's own custom calls allowed)."""
+        if platform not in self.platforms:
+            raise ValueError(f"{self.name} is built for {', '.join(self.platforms)}, not "
+                             f"{platform!r}")
+        fn, args = self.build(platform)
+        if not self.custom_calls:
+            return lowering.export_for(fn, *args, platform=platform)
+        checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in self.custom_calls]
+        return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
 
 
 S = jax.ShapeDtypeStruct
@@ -122,8 +158,58 @@ def _scatter(size: str):
     return build
 
 
+@contextlib.contextmanager
+def declared_cudnn(version: int = DECLARED_CUDNN_VERSION):
+    """Traces cuDNN attention on a host without cuDNN as if ``version`` were installed (a no-op
+    where jax finds cuDNN)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    from jax._src.lib import cuda_versions
+
+    if cuda_versions is not None:
+        yield
+        return
+    original = fa.check_cudnn_version
+    fa.check_cudnn_version = lambda: version
+    try:
+        yield
+    finally:
+        fa.check_cudnn_version = original
+
+
+def _attention(kernel: str, size: str, backward: bool):
+    p = SIZES["attention"][size]
+
+    def build(bp):
+        del bp  # the wrappers pick their own tiles
+        from jaxflow.models import attention_backends as ab
+
+        call = {"splash": ab.splash_attention, "flash": ab.flash_attention,
+                "cudnn": ab.cudnn_attention}[kernel]
+        dtype = jnp.bfloat16 if kernel == "cudnn" else p["dtype"]
+        b, t, d = p["batch"], p["tokens"], p["head_dim"]
+        kv = S((b, t, p["kv_heads"], d), dtype)
+        args = (S((b, t, p["heads"], d), dtype), kv, kv, S((b, t), jnp.int32))
+        context = declared_cudnn if kernel == "cudnn" else contextlib.nullcontext
+
+        def fwd(q, k, v, seg):
+            with context():
+                return call(q, k, v, seg)
+
+        def bwd(q, k, v, seg):
+            with context():
+                return jax.grad(lambda q, k, v: jnp.sum(call(q, k, v, seg).astype(jnp.float32)),
+                                argnums=(0, 1, 2))(q, k, v)
+
+        return (bwd if backward else fwd), args
+
+    return build
+
+
+_ATTENTION_PLATFORM = {"splash": ("tpu",), "flash": ("cuda",), "cudnn": ("cuda",)}
+
+
 def kernel_cases() -> list[KernelCase]:
-    """The 12 (kernel, size) cases; with 2 platforms, 24 lowerings."""
+    """The 12 Pallas (kernel, size) cases; with 2 platforms, 24 lowerings."""
     out = []
     for size in ("test", "production"):
         out += [KernelCase("fused_logprobs_fwd", size, _fused(size, False)),
@@ -132,4 +218,17 @@ def kernel_cases() -> list[KernelCase]:
                 KernelCase("embedding_bag_bwd", size, _bag(size, True)),
                 KernelCase("sync_diff_compact", size, _diff(size)),
                 KernelCase("sync_scatter_apply", size, _scatter(size))]
+    return out
+
+
+def attention_cases() -> list[KernelCase]:
+    """The 12 attention (kernel, size) cases, each on its own platform: 12 lowerings."""
+    out = []
+    for size in ("test", "production"):
+        for kernel, platforms in _ATTENTION_PLATFORM.items():
+            for backward in (False, True):
+                calls = CUDNN_ATTENTION_CALLS[:1 + backward] if kernel == "cudnn" else ()
+                out.append(KernelCase(f"{kernel}_attention_{'bwd' if backward else 'fwd'}",
+                                      size, _attention(kernel, size, backward), platforms,
+                                      calls))
     return out

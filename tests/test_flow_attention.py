@@ -1,4 +1,5 @@
-"""Packed attention == per-sample unpacked attention; the Pallas segment-id kernel == XLA."""
+"""Packed attention == per-sample unpacked attention; the backbone on the Pallas flash kernel ==
+on XLA."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +7,7 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.flow.vit import ViTConfig, ViTEncoder
-from jaxflow.flow.vlm import AttentionBackend, backbone_hidden, segment_attention_pallas
-from jaxflow.models.attention import dot_product_attention, segment_causal_mask
+from jaxflow.flow.vlm import AttentionBackend, backbone_hidden
 from jaxflow.models.transformer import Transformer, TransformerConfig
 
 LM = TransformerConfig(vocab_size=8, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
@@ -76,13 +76,21 @@ def test_packed_vit_equals_one_image_at_a_time():
         c += n
 
 
-def test_pallas_segment_kernel_matches_xla_reference_interpret():
-    b, t, h, k, d = 1, 60, 2, 1, 16  # 60: the wrapper pads to the kernel's 64-token tiles
-    q, kk, v = (jax.random.normal(key, (b, t, n, d)) for key, n in
-                zip(jax.random.split(jax.random.key(3), 3), (h, k, k)))
-    seg = jnp.asarray(np.repeat([1, 2, 3, 0], [20, 26, 10, 4])[None], jnp.int32)
-    ref = dot_product_attention(q, kk, v, segment_causal_mask(seg))
-    out = segment_attention_pallas(q, kk, v, seg, interpret=True)
-    real = np.asarray(seg[0] > 0)  # padding queries differ by design (see the wrapper)
-    np.testing.assert_allclose(out[:, real], ref[:, real], **TOL)
-    assert AttentionBackend("xla") is AttentionBackend.XLA
+def test_backbone_on_flash_kernel_matches_xla_interpret():
+    """The shared attention switch in the VLM backbone: GQA (4 query / 2 K/V heads), three
+    packed samples and padding, T 60 (the kernel wrapper pads to 64-token tiles)."""
+    lm = Transformer(LM, rngs=nnx.Rngs(0))
+    seg = np.repeat([1, 2, 3, 0], [20, 26, 10, 4])[None].astype(np.int32)
+    pos = np.concatenate([np.arange(n) for n in (20, 26, 10, 4)])[None].astype(np.int32)
+    x = jax.random.normal(jax.random.key(3), (1, 60, LM.d_model))
+
+    def hidden(backend, interpret):
+        return jax.jit(lambda x, p, s: backbone_hidden(lm, x, p, s, backend=backend,
+                                                       interpret=interpret))(
+            x, jnp.asarray(pos), jnp.asarray(seg))
+
+    ref = hidden(AttentionBackend.XLA, False)
+    out = hidden(AttentionBackend.FLASH, True)
+    real = seg[0] > 0  # padding rows are meaningless in every backend
+    np.testing.assert_allclose(np.asarray(out)[:, real], np.asarray(ref)[:, real], **TOL)
+    assert AttentionBackend("flash") is AttentionBackend.FLASH

@@ -9,6 +9,7 @@ import pytest
 from jaxflow import run as runner
 from jaxflow.marl import balance
 from jaxflow.marl.simulate import (FLEXMARL, AgentCosts, AgentLoad, MeasuredRun, RolloutPool,
+                                   load_measurement,
                                    Schedule, calibrate, check_agents, run_scale, sample_lengths,
                                    simulate, simulate_flexmarl, simulate_sync, split_devices)
 
@@ -113,7 +114,7 @@ def test_strict_pipeline_reaches_the_analytic_overlap(train):
 def test_bounded_staleness_is_never_slower_than_strict():
     cfg = _small_config()
     agents = cfg.agents
-    costs, _ = calibrate(agents, MeasuredRun.builtin(), cfg.hardware)
+    costs, _ = calibrate(agents, load_measurement().measured, cfg.hardware)
     lengths = sample_lengths(agents, versions=3, inputs=16, group_size=4, seed=0)
     strict = simulate(agents, costs, lengths, devices=16, slots=8, schedule=FLEXMARL)
     eta1 = simulate(agents, costs, lengths, devices=16, slots=8,
@@ -201,13 +202,14 @@ def test_cli_quick_run_writes_summary(tmp_path, capsys):
 
 
 def test_builtin_measurement_is_a_data_file_with_provenance(tmp_path):
-    from jaxflow.marl.simulate import BUILTIN_MEASUREMENT
+    from jaxflow.marl.simulate import DEFAULT_CALIBRATION
 
-    record = json.loads(BUILTIN_MEASUREMENT.read_text())
-    assert {"command", "run", "date", "commit"} <= set(record["provenance"])
-    assert MeasuredRun.builtin() == MeasuredRun(**record["values"])
+    record = json.loads(DEFAULT_CALIBRATION.read_text())
+    assert {"command", "git_commit", "devices", "date", "machine"} <= set(record["provenance"])
+    assert "--exp=flexmarl" in record["provenance"]["command"]
+    assert load_measurement().measured == MeasuredRun(**record["values"])
     bad = tmp_path / "m.json"
-    bad.write_text(json.dumps({"values": {k: v for k, v in record["values"].items()
-                                          if k != "busy_rollout"}}))
+    bad.write_text(json.dumps({"provenance": {}, "values": {
+        k: v for k, v in record["values"].items() if k != "busy_rollout"}}))
     with pytest.raises(ValueError, match="busy_rollout"):
-        MeasuredRun.from_file(bad)
+        load_measurement(bad)

@@ -11,7 +11,7 @@ from jaxflow.models.transformer import TransformerConfig
 from jaxflow.prune.calibration import CalibrationConfig, calibration_set, select_low_redundancy
 from jaxflow.prune.capabilities import (CAPABILITIES, eval_set, make_tokenizer, make_world,
                                         retention)
-from jaxflow.main.calibration_tradeoffs import spearman
+from jaxflow.prune.correlation import spearman
 from jaxflow.train.lm_state import init_params, lm_functions
 
 CFG = CalibrationConfig(rows=4, seq_len=48, doc_tokens=12, igsp_pool_factor=2)

@@ -6,16 +6,15 @@ Image placeholder tokens take their embedding from an image-embedding buffer ``[
 through ``embed_index`` (-1 for text tokens), so the same backbone function serves the
 monolithic model (buffer = encoder output) and the decoupled backbone (buffer = pool contents).
 
-Attention backend: ``AttentionBackend.XLA`` is the masked-einsum reference
-(``jaxflow.models.attention``) and the CPU default; ``PALLAS_GPU`` uses the upstream
-segment-id flash attention ``jax.experimental.pallas.ops.gpu.attention.mha``; ``AUTO`` uses
-it on a GPU where it builds for the step's shapes (``pallas_kernels.dispatch``), else XLA.
+Attention backend: the LM's shared switch (``jaxflow.models.attention_backends``:
+``AttentionBackend`` xla / splash / flash / cudnn / auto), chosen per run (``resolve_backend``)
+and passed to ``backbone_hidden``; "auto" is XLA on CPU and the platform's kernel on GPU / TPU
+where it builds for the step's shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +27,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules, shardings_from_logical
+from jaxflow.models.attention_backends import (
+    AttentionBackend,
+    resolve_attention_backend,
+)
 from jaxflow.models.transformer import Transformer, logical_axes
 from jaxflow.train.lm_state import token_nll
 from pallas_kernels import dispatch
@@ -35,97 +38,22 @@ from pallas_kernels import dispatch
 ROW_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "embed_index")
 
 
-class AttentionBackend(enum.Enum):
-    AUTO = "auto"
-    XLA = "xla"
-    PALLAS_GPU = "pallas_gpu"
-
-
-def segment_attention_pallas(q, k, v, segment_ids, *, interpret: bool = False):
-    """Causal segment attention with the upstream Pallas GPU flash kernel (GQA by repeat).
-
-    Padding queries (segment 0) attend to padding keys here, unlike the reference; their
-    outputs are meaningless either way and never reach the loss.
-    """
-    from jax.experimental.pallas.ops.gpu.attention import BlockSizes, mha
-
-    t = q.shape[1]
-    groups = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    block = 64
-    pad = (-t) % block  # the kernel tiles by `block`; extra slots are padding (segment 0)
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
-    sizes = BlockSizes(block_q=block, block_k=block, block_q_dkv=block, block_kv_dkv=block,
-                       block_q_dq=block, block_kv_dq=block)
-    out = mha(q, k, v, segment_ids, sm_scale=q.shape[-1] ** -0.5, causal=True,
-              block_sizes=sizes, interpret=interpret)
-    return out[:, :t]
-
-
-def resolve_backend(requested: str) -> AttentionBackend:
-    """"auto" -> AUTO (decided per shape in ``backbone_hidden``); forcing pallas_gpu off a
-    GPU raises (the kernel is tested on CPU in interpret mode only)."""
-    try:
-        backend = AttentionBackend(requested)
-    except ValueError:
-        raise ValueError(f"attention backend {requested!r}; valid: "
-                         f"{', '.join(b.value for b in AttentionBackend)}") from None
-    platform = dispatch.backend_platform()
-    if backend is AttentionBackend.PALLAS_GPU and platform != "gpu":
-        raise ValueError(f"attention backend 'pallas_gpu' was forced but the JAX backend is "
-                         f"{platform!r}; use 'xla' or 'auto'")
-    return backend
-
-
-def attention_uses_kernel(lm: Transformer, x: jax.Array, segment_ids: jax.Array,
-                          backend: AttentionBackend) -> bool:
-    """Whether the segment flash kernel runs for activations x [B, T, d]: AUTO asks the
-    dispatch verdict on a GPU (forward and gradient built for these q/k/v shapes; XLA with
-    one warning where it does not build), PALLAS_GPU forces it (KernelUnavailable)."""
-    if backend is AttentionBackend.XLA:
-        return False
-    if backend is AttentionBackend.AUTO and dispatch.backend_platform() != "gpu":
-        return False
-    cfg = lm.config
-    b, t = x.shape[:2]
-    hd = cfg.d_model // cfg.n_heads
-    dtype = jnp.dtype(cfg.compute_dtype)
-    q = jax.ShapeDtypeStruct((b, t, cfg.n_heads, hd), dtype)
-    kv = jax.ShapeDtypeStruct((b, t, cfg.n_kv_heads, hd), dtype)
-
-    def fwd_and_grad(q, k, v, seg):
-        return jax.grad(lambda q, k, v: jnp.sum(segment_attention_pallas(q, k, v, seg)),
-                        argnums=(0, 1, 2))(q, k, v)
-
-    mode = "auto" if backend is AttentionBackend.AUTO else "pallas"
-    return dispatch.choose_kernel("segment_attention_mha", mode, fwd_and_grad,
-                                  (q, kv, kv, jax.ShapeDtypeStruct(segment_ids.shape, jnp.int32)))
+def resolve_backend(requested: str | AttentionBackend) -> AttentionBackend:
+    """The backend a run asks for, checked against this process's platform: ValueError for an
+    unknown name or a kernel forced off its platform (``resolve_attention_backend``)."""
+    resolve_attention_backend(requested, dispatch.backend_platform())
+    return AttentionBackend(requested)
 
 
 def backbone_hidden(lm: Transformer, x: jax.Array, positions: jax.Array,
                     segment_ids: jax.Array, *, backend: AttentionBackend = AttentionBackend.XLA,
                     interpret: bool = False) -> jax.Array:
-    """The LM's blocks + final norm on input EMBEDDINGS x [B, T, d] -> [B, T, d].
-
-    The XLA backend is ``Transformer.hidden_states(inputs_embeds=x)`` itself; the Pallas
-    backend runs the same blocks with the segment flash kernel in place of masked attention
-    (``interpret=True`` runs it on any platform without the build check); AUTO picks one
-    per shape (``attention_uses_kernel``).
-    """
-    use_kernel = interpret and backend is AttentionBackend.PALLAS_GPU
-    if not use_kernel:
-        use_kernel = attention_uses_kernel(lm, x, segment_ids, backend)
-    if not use_kernel:
-        return lm.hidden_states(inputs_embeds=x, positions=positions, segment_ids=segment_ids)
-    x = x.astype(lm.config.compute_dtype)
-    for block in lm.layers:
-        q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
-        x = x + block.attn.project_out(segment_attention_pallas(q, k, v, segment_ids,
-                                                         interpret=interpret))
-        x = x + block.mlp(block.mlp_norm(x))
-    return lm.final_norm(x)
+    """The LM's blocks + final norm on input EMBEDDINGS x [B, T, d] -> [B, T, d]:
+    ``Transformer.hidden_states(inputs_embeds=x)`` with attention on ``backend``
+    (``interpret=True`` runs a Pallas kernel in interpret mode, on any platform)."""
+    name = backend.value if isinstance(backend, AttentionBackend) else backend
+    return lm.hidden_states(inputs_embeds=x, positions=positions, segment_ids=segment_ids,
+                            attention=name, interpret=interpret)
 
 
 def splice(lm: Transformer, tokens: jax.Array, image_embeds: jax.Array,

@@ -1,14 +1,21 @@
-"""The ``bench_embedding`` experiment: sharded lookup + sparse update vs dense ``jnp.take``.
+"""The ``bench_embedding`` experiment: sharded lookup + sparse update vs ``jnp.take`` baselines
+(dense gradient and optimizer; sparse: gathered-row gradient + segment_sum + touched rows only).
 
 A (jaxflow): ``make_train_step`` on ``ShardedEmbeddings`` (row-wise tables over every device,
 dedup + All2All ids + gather + All2All rows + sum pooling, then row grads All2All to the owners
 and row-wise Adagrad on the touched rows).
-B (baseline, what a competent JAX user writes without this layer): the same tables row-sharded
-with ``NamedSharding``, ``jnp.take`` + the same pooling under ``jit`` (XLA SPMD partitions the
-gather), ``jax.grad`` to a dense [V, D] gradient per table and dense row-wise Adagrad on the
-full table. Same ids, loss, optimizer formula, mesh and batch; A and B alternate step by step
-after a compiled warm-up; both train the same tables, so their final states must agree
-(``max_abs_diff_vs_dense``).
+B (dense baseline, the naive JAX program): the same tables row-sharded with ``NamedSharding``,
+``jnp.take`` + the same pooling under ``jit`` (XLA SPMD partitions the gather), ``jax.grad`` to a
+dense [V, D] gradient per table and dense row-wise Adagrad on the full table.
+C (sparse baseline, what a competent JAX user writes without this layer): the same sharded
+tables, ``jnp.take`` of the batch's ids, the gradient of the gathered rows only,
+``segment_sum`` of it over the batch's unique ids (fixed size: ``jnp.unique(size=B x bag)``,
+cannot overflow) and row-wise Adagrad on those rows only (gather, update, scatter back).
+C runs twice: on the same mesh (XLA partitions the gather and the scatter over the row-sharded
+tables) and, with ``sparse_one_device``, with the tables on one device (no partitioning; on
+this CPU all devices share the same cores). Same ids, loss, optimizer formula and batch; all
+paths run in a random order within each round after a compiled warm-up; all train the same
+tables, so their final states must agree (``max_abs_diff_vs``).
 Also the Pallas embedding-bag kernel vs its XLA reference (interpret mode off GPU/TPU, where the
 number measures the interpreter, not the kernel).
 """
@@ -75,6 +82,44 @@ def dense_baseline_step(specs, mesh, learning_rate: float, eps: float = 1e-8):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+def sparse_baseline_step(specs, learning_rate: float, eps: float = 1e-8):
+    """C: jnp.take + gradient of the gathered rows + segment_sum over the unique ids + row-wise
+    Adagrad on those rows only. ``(tables, accum, ids, weights) -> (tables, accum)``; tables
+    ``{name: [V, D]}``, accum ``{name: [V]}``, ids ``{name: [B, bag]}`` (-1 = padding)."""
+
+    def step(tables, accum, ids, weights):
+        batch = ids[specs[0].name].shape[0]
+        flat, uniq, inv = {}, {}, {}
+        for s in specs:
+            i = ids[s.name]
+            # padding and out-of-range ids -> V: gathered as 0, dropped by the scatter
+            i = jnp.where((i >= 0) & (i < s.vocab_size), i, s.vocab_size).astype(jnp.int32)
+            flat[s.name] = i
+            uniq[s.name], inv[s.name] = jnp.unique(i.reshape(-1), size=i.size,
+                                                   fill_value=s.vocab_size, return_inverse=True)
+
+        def loss(rows):
+            out = {n: r.sum(axis=1) for n, r in rows.items()}  # sum pooling over the bag
+            return regression_loss(out, weights) / batch
+
+        rows = {s.name: jnp.take(tables[s.name], flat[s.name], axis=0, mode="fill", fill_value=0)
+                for s in specs}
+        g_rows = jax.grad(loss)(rows)
+        new_t, new_a = {}, {}
+        for s in specs:
+            n, u = s.name, uniq[s.name]
+            g = jax.ops.segment_sum(g_rows[n].reshape(-1, s.dim), inv[n].reshape(-1),
+                                    num_segments=u.shape[0])
+            acc = jnp.take(accum[n], u, mode="fill", fill_value=0) + jnp.mean(jnp.square(g), -1)
+            old = jnp.take(tables[n], u, axis=0, mode="fill", fill_value=0)
+            new = old - learning_rate * g / (jnp.sqrt(acc)[:, None] + eps)
+            new_t[n] = tables[n].at[u].set(new, mode="drop")
+            new_a[n] = accum[n].at[u].set(acc, mode="drop")
+        return new_t, new_a
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
 def bench_kernel(config, run: RunContext) -> dict:
     interpret = jax.default_backend() not in ("gpu", "tpu")
     k = jax.random.key(config.seed)
@@ -131,35 +176,70 @@ def main(config, run: RunContext) -> dict:
     tables_b = jax.device_put(tables0, table_sharding)
     accum_b = jax.device_put({n: np.zeros(config.vocab_size, np.float32) for n in names}, table_sharding)
     step_b = dense_baseline_step(specs, mesh, config.learning_rate)
+    step_c = sparse_baseline_step(specs, config.learning_rate)
     placed = [jax.device_put(b, row_sharding) for b in batches]
+    one = jax.devices()[0]
+    on_one = [jax.device_put(b, one) for b in batches]
     ids_per_step = [sum(int((v >= 0).sum()) for v in ids.values()) for ids, _ in batches]
     run.info(f"{config.num_tables} tables x {config.vocab_size:,} rows x {config.dim} on {n_dev} devices; "
              f"batch {config.batch_size} x bag <= {config.bag}; capacity {capacity}, per owner {bucket}")
 
-    t_a, t_b, n_ids, stats = [], [], [], None
+    # path -> (step, state, batches): jaxflow; dense take; sparse take on the same mesh
+    # (XLA partitions the gather and the scatter); sparse take with the tables on one device
+    zeros = {n: np.zeros(config.vocab_size, np.float32) for n in names}
+    paths = {"jaxflow": (lambda st, i, w: step_a(st, i, w), state_a, placed),
+             "dense": (lambda st, i, w: step_b(*st, i, w),
+                       (tables_b, accum_b), placed),
+             "sparse": (lambda st, i, w: step_c(*st, i, w),
+                        jax.device_put((tables0, zeros), table_sharding), placed)}
+    if config.sparse_one_device:
+        paths["sparse_one_device"] = (lambda st, i, w: step_c(*st, i, w),
+                                      jax.device_put((tables0, zeros), one), on_one)
+    state = {k: v[1] for k, v in paths.items()}
+    times = {k: [] for k in paths}
+    n_ids, stats = [], None
+    order_rng = np.random.default_rng([config.seed, 0x0DE5])
+    names_p = list(paths)
     for i in range(config.warmup + config.pairs):
-        ids, w = placed[i % len(placed)]
-        (state_a, stats), ta = _timed(step_a, state_a, ids, w)
-        (tables_b, accum_b), tb = _timed(step_b, tables_b, accum_b, ids, w)
+        took = {}
+        for k in order_rng.permutation(len(names_p)):  # random order within each round
+            path = names_p[k]
+            step, _, data = paths[path]
+            ids, w = data[i % len(data)]
+            out, took[path] = _timed(step, state[path], ids, w)
+            if path == "jaxflow":
+                state[path], stats = out
+            else:
+                state[path] = out
         if i >= config.warmup:
-            t_a.append(ta)
-            t_b.append(tb)
+            for k, t in took.items():
+                times[k].append(t)
             n_ids.append(ids_per_step[i % len(placed)])
-            run.log(i - config.warmup, {"sharded_seconds": ta, "dense_seconds": tb, "ratio": tb / ta})
+            run.log(i - config.warmup, {f"{k}_seconds": t for k, t in took.items()}
+                    | {f"ratio_vs_{k}": t / took["jaxflow"] for k, t in took.items() if k != "jaxflow"})
     check_stats(stats, capacity)
-    got, _ = emb.to_dense(state_a["emb"])
-    diff = max(float(np.max(np.abs(got[n] - np.asarray(tables_b[n])))) for n in names)
-    s = _ratio_summary(t_b, t_a)
-    rows_per_second = float(np.median(np.asarray(n_ids) / np.asarray(t_a)))
-    run.info(f"speedup vs dense take: {s['median']:.3g} [min {s['min']:.3g}, max {s['max']:.3g}] "
-             f"over {s['pairs']} pairs; {rows_per_second:,.0f} ids looked up + updated / s; "
-             f"max |sharded - dense| {diff:.2g}")
+    got, _ = emb.to_dense(state["jaxflow"]["emb"])
+    diff = {k: max(float(np.max(np.abs(got[n] - np.asarray(state[k][0][n])))) for n in names)
+            for k in paths if k != "jaxflow"}
+    ratio = {k: _ratio_summary(times[k], times["jaxflow"]) for k in paths if k != "jaxflow"}
+    rows_per_second = float(np.median(np.asarray(n_ids) / np.asarray(times["jaxflow"])))
+    run.info("jaxflow step vs " + "; ".join(
+        f"{k}: {r['median']:.3g}x [min {r['min']:.3g}, max {r['max']:.3g}]" for k, r in ratio.items())
+        + f" over {config.pairs} rounds; {rows_per_second:,.0f} ids looked up + updated / s; max "
+        + ", ".join(f"|jaxflow - {k}| {d:.2g}" for k, d in diff.items()))
+    s, sc = ratio["dense"], ratio["sparse"]
+    best = min((k for k in ratio if k != "dense"), key=lambda k: float(np.median(times[k])))
     out = {"speedup_vs_dense_take": s["median"], "speedup_spread": [s["min"], s["max"]],
-           "pairs": s["pairs"], "rows_per_second": rows_per_second,
-           "dense_rows_per_second": float(np.median(np.asarray(n_ids) / np.asarray(t_b))),
-           "sharded_step_seconds_median": float(np.median(t_a)),
-           "dense_step_seconds_median": float(np.median(t_b)),
-           "max_abs_diff_vs_dense": diff, "max_unique_per_device": int(stats["max_unique"]),
+           "speedup_vs_sparse_take": sc["median"], "speedup_vs_sparse_spread": [sc["min"], sc["max"]],
+           "speedup_vs_best_sparse_take": ratio[best]["median"], "best_sparse_take": best,
+           "ratios": ratio, "pairs": s["pairs"], "rows_per_second": rows_per_second,
+           **{f"{k}_rows_per_second": float(np.median(np.asarray(n_ids) / np.asarray(times[k])))
+              for k in paths if k != "jaxflow"},
+           "sharded_step_seconds_median": float(np.median(times["jaxflow"])),
+           **{f"{k}_step_seconds_median": float(np.median(times[k])) for k in paths if k != "jaxflow"},
+           "max_abs_diff_vs_dense": diff["dense"], "max_abs_diff_vs_sparse": diff["sparse"],
+           "max_abs_diff_vs": diff,
+           "max_unique_per_device": int(stats["max_unique"]),
            "table_bytes": config.num_tables * config.vocab_size * config.dim * 4}
     if config.kernel_pairs:
         out.update(bench_kernel(config, run))

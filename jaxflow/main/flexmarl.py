@@ -29,10 +29,12 @@ import jax
 import numpy as np
 
 from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.experiment import to_jsonable
 from jaxflow.marl.meshes import agent_centric_meshes
 from jaxflow.marl.engine import RolloutEngine, row_keys
 from jaxflow.marl.pipeline import (AgentRuntime, RunResult, relative_param_diff, run_pipeline,
                                    run_sync)
+from jaxflow.marl.simulate import sync_counts, write_calibration_from_run
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import solver_verifier_workflow
 from jaxflow.rl.tasks import encode_prompts
@@ -226,4 +228,10 @@ def main(config, run) -> dict:
              f"strict max param diff {max(per_step):.2e}; bounded: "
              + ", ".join(f"{k} {b['speedup_vs_sync']:.2f}x lag<={b['staleness_max']:.0f}"
                          for k, b in bounded.items()))
+    summary["calibration_counts"] = sync_counts(results["sync"], runtimes, wf.order())
+    if config.calibration_out and run.is_primary:
+        summary["calibration_written"] = write_calibration_from_run(
+            config.calibration_out, summary | {"config": to_jsonable(config)},
+            experiment=run.name, variant=run.variant, devices=n_dev)
+        run.info(f"wrote calibration {summary['calibration_written']}")
     return summary

@@ -9,16 +9,55 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from jaxflow.marl.simulate import run_scale
+from jaxflow.marl.simulate import COST_KEYS, calibration_summary, load_measurement, run_scale
 
 PAPER = {"speedup": 7.3, "utilisation_ratio": 5.6,
          "source": "FlexMARL, arXiv 2602.09578: up to 7.3x speedup and 5.6x hardware "
                    "utilisation vs existing frameworks (abstract; setup not given in our notes)"}
 
 
+def paper_checks(speed: dict, ratio: dict, rel_tol: float) -> dict:
+    """The paper's headline figures (neither enters the fit) against the best the model
+    predicts over the node counts ("up to"): ``relative_error`` = predicted / paper - 1,
+    ``passed`` = |relative_error| <= ``rel_tol``."""
+    out = {}
+    for name, paper, predicted in (("speedup_up_to", PAPER["speedup"], max(speed.values())),
+                                   ("utilisation_ratio_up_to", PAPER["utilisation_ratio"],
+                                    max(ratio.values()))):
+        err = predicted / paper - 1.0
+        out[name] = {"paper": paper, "predicted": predicted, "relative_error": err,
+                     "passed": bool(abs(err) <= rel_tol)}
+    return out
+
+
+def sensitivity(config, measured) -> dict:
+    """Each measured per-parameter cost x each of ``config.sensitivity_factors``: the strict
+    speedup vs sync and the utilisation ratio at the largest node count (sync and strict only)."""
+    top = str(config.nodes[-1])
+    out = {}
+    for key in COST_KEYS:
+        out[key] = {}
+        for f in config.sensitivity_factors:
+            res = run_scale(dataclasses.replace(config, nodes=(config.nodes[-1],)), measured,
+                            cost_scale={key: f}, schedules=("sync", "flexmarl"))
+            get = {r["schedule"]: r for r in res["rows"]}
+            b, s = get["sync"], get["flexmarl"]
+            out[key][f"x{f:g}"] = {
+                f"speedup_vs_sync_at_{top}": b["wall_s"] / s["wall_s"],
+                f"utilisation_ratio_at_{top}": s["utilisation"]["overall"]
+                / b["utilisation"]["overall"],
+                f"baseline_samples_per_s_at_{top}": b["samples_per_s"],
+                f"samples_per_s_at_{top}": s["samples_per_s"]}
+    return out
+
+
 def main(config, run) -> dict:
     """The ``flexmarl_scale`` experiment: summary keys per node count (strings)."""
-    out = run_scale(config)
+    cal = load_measurement(config.calibration)
+    calibration = calibration_summary(cal)
+    if calibration["warning"]:
+        run.info(f"WARNING calibration {cal.path}: {calibration['warning']}")
+    out = run_scale(config, cal.measured)
     rows = out["rows"]
     get = {(r["nodes"], r["schedule"]): r for r in rows}
     speed, util, base_util, ratio, ablation = {}, {}, {}, {}, {}
@@ -37,6 +76,10 @@ def main(config, run) -> dict:
         run.info(f"{nodes:3d} nodes: sync {b['samples_per_s']:8.1f} samples/s util "
                  f"{b['utilisation']['overall']:.2f} | flexmarl {f['samples_per_s']:8.1f} "
                  f"util {f['utilisation']['overall']:.2f} | speedup {speed[k]:.2f}x")
+    checks = paper_checks(speed, ratio, config.validation_rel_tol)
+    for name, c in checks.items():
+        run.info(f"paper check {name}: predicted {c['predicted']:.3g} vs {c['paper']:.3g} "
+                 f"({c['relative_error']:+.0%}) {'pass' if c['passed'] else 'FAIL'}")
     summary = {"speedup_vs_sync": speed, "utilisation": util, "baseline_utilisation": base_util,
                "utilisation_ratio": ratio, "ablation_speedup_vs_sync": ablation,
                "samples_per_s": {str(n): get[(n, "flexmarl")]["samples_per_s"]
@@ -46,7 +89,11 @@ def main(config, run) -> dict:
                "paper": PAPER, "paper_speedup": PAPER["speedup"],
                "paper_utilisation_ratio": PAPER["utilisation_ratio"],
                "costs_s": {n: dataclasses.asdict(c) for n, c in out["costs"].items()},
-               "calibration": out["calibration"], "rows": rows,
+               "calibration": calibration, "calibrated_costs": out["calibration"],
+               "paper_checks": checks,
+               "paper_checks_passed": all(c["passed"] for c in checks.values()),
+               "paper_checks_rel_tol": config.validation_rel_tol,
+               "sensitivity": {"calibration": sensitivity(config, cal.measured)}, "rows": rows,
                "simulated": "discrete-event model, not a measurement (jaxflow.marl.simulate)"}
     if run.is_primary:
         plot_scale(summary, config.nodes, run.out_dir / "plots" / "flexmarl_scale.png")

@@ -29,10 +29,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.embeddings import TableSpec, make_sparse_optimizer
 from jaxflow.embeddings.host import HostTable
 from jaxflow.config import ConfigError
-from jaxflow.experiment import RunContext
+from jaxflow.experiment import RunContext, to_jsonable
 from jaxflow.nestpipe.clustering import CLUSTER_METHODS, shard_micro_batch_transfers
 from jaxflow.nestpipe.pipelines import PIPELINES, STAGES, Parts, run_pipeline
 from jaxflow.nestpipe.sharded import AXIS, MeshStages
+from jaxflow.nestpipe.simulate import write_calibration_from_run
 from jaxflow.nestpipe.stages import clone_tables, cluster_order
 from jaxflow.recsys.metrics import log_loss, roc_auc
 from jaxflow.recsys.models import build_model, functional
@@ -268,4 +269,9 @@ def main(config, run: RunContext) -> dict:
     for p in pipelines:
         run.info(f"{p}: speedup {summary['speedup_vs_sync'][p]:.3f} (ideal {ideal:.2f}), "
                  f"max rel diff {diff[p]:.2e}, step {summary['step_seconds'][p] * 1e3:.1f} ms")
+    if config.calibration_out and run.is_primary:
+        summary["calibration_written"] = write_calibration_from_run(
+            config.calibration_out, summary | {"config": to_jsonable(config)},
+            experiment=run.name, variant=run.variant, devices=config.devices)
+        run.info(f"wrote calibration {summary['calibration_written']}")
     return summary

@@ -13,6 +13,11 @@ Every parameter carries logical axis names (nnx metadata ``out_sharding``, with
 them back so the mesh code can map logical names -> mesh axes. Logical names used:
 "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm".
 
+Attention over packed rows runs on the backend ``TransformerConfig.attention`` names
+(:mod:`jaxflow.models.attention_backends`: XLA reference, splash on TPU, Pallas flash or cuDNN
+on GPU, ``auto``); ``remat`` / ``remat_policy`` rematerialise each block under a
+``jax.checkpoint_policies`` policy. KV-cache decoding uses the XLA reference.
+
 Dtypes: parameters are stored in ``param_dtype`` and cast to ``dtype`` for the matmuls;
 the residual stream is carried in ``dtype``; RMSNorm statistics, attention logits/softmax
 and the returned logits are float32.
@@ -32,8 +37,9 @@ from jaxflow.models.attention import (
     apply_rope,
     cache_causal_mask,
     dot_product_attention,
-    segment_causal_mask,
 )
+from jaxflow.models.attention_backends import ATTENTION_BACKENDS
+from jaxflow.models.attention_backends import attention as segment_attention
 from jaxflow.models.kv_cache import KVCache, empty_cache, write_rows
 from jaxflow.models.moe import MOE_IMPLS, MoE, MoEStats
 from jaxflow.models.rope import RopeScaling, rope_inv_freq
@@ -41,6 +47,8 @@ from jaxflow.models.rope import RopeScaling, rope_inv_freq
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 LOGICAL_AXIS_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm",
                       "expert")
+# What a rematerialised block keeps for the backward pass (``jax.checkpoint_policies``).
+REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +71,14 @@ class TransformerConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys before RoPE
     rope_scaling: RopeScaling | None = None  # Llama-3.1+ long-context frequency scaling
     remat: bool = False  # rematerialise each block's activations in the backward pass
+    # ... keeping what this jax.checkpoint_policies policy saves (REMAT_POLICIES; only with
+    # remat=True): "nothing_saveable" recomputes the whole block, "dots_saveable" keeps
+    # every matmul output, "dots_with_no_batch_dims_saveable" the weight matmuls only.
+    remat_policy: str = "nothing_saveable"
+    # Packed causal self-attention backend (jaxflow.models.attention_backends): "auto" is the
+    # XLA reference on CPU and the platform's kernel on GPU / TPU where it builds. KV-cache
+    # decoding always uses the XLA reference.
+    attention: str = "auto"
     # Mixture of experts (Qwen3-MoE); n_experts == 0 means every layer is dense SwiGLU.
     n_experts: int = 0
     n_experts_per_token: int = 2
@@ -125,6 +141,15 @@ class TransformerConfig:
             if value not in _DTYPES:
                 raise ValueError(
                     f"TransformerConfig.{name}={value!r}: valid values are {sorted(_DTYPES)}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"TransformerConfig.attention={self.attention!r}; valid: "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"TransformerConfig.remat_policy={self.remat_policy!r}; valid: "
+                             f"{', '.join(REMAT_POLICIES)}")
+        if self.remat_policy != REMAT_POLICIES[0] and not self.remat:
+            raise ValueError(f"TransformerConfig.remat_policy={self.remat_policy!r} needs "
+                             "remat=True (it says what a rematerialised block keeps)")
 
     @property
     def head_dim(self) -> int:
@@ -199,6 +224,7 @@ class Attention(nnx.Module):
         self.rope_inv_freq = tuple(float(f) for f in rope_inv_freq(hd, config.rope_theta,
                                                                    config.rope_scaling))
         self.dtype = config.compute_dtype
+        self.attention = config.attention
 
     def project_qkv(self, x: jax.Array, positions: jax.Array):
         """Queries, keys, values with RoPE applied: x [B, T, d], positions [B, T] ->
@@ -222,11 +248,23 @@ class Attention(nnx.Module):
         return jnp.einsum("bthk,hkd->btd", attn, self.wo[...].astype(self.dtype))
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        """Attention under an explicit mask [B, T, T] (XLA reference): x [B, T, d] -> [B, T, d]."""
         q, k, v = self.project_qkv(x, positions)
         return self.project_out(dot_product_attention(q, k, v, mask))
 
+    def segments(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, *,
+                 attention: str | None = None, interpret: bool = False) -> jax.Array:
+        """Causal attention within segments (segment_ids [B, T], 0 = padding) by backend
+        (``attention``, default the config's; see jaxflow.models.attention_backends):
+        x [B, T, d] -> [B, T, d]."""
+        q, k, v = self.project_qkv(x, positions)
+        out = segment_attention(q, k, v, segment_ids, backend=attention or self.attention,
+                                interpret=interpret)
+        return self.project_out(out)
+
     def decode(self, x, positions, k_cache, v_cache, index, slots, key_valid):
-        """Writes this step's keys/values at `index` and attends over the cache."""
+        """Writes this step's keys/values at `index` and attends over the cache (always the
+        XLA reference: the queries are a few new tokens against a cache of any fill)."""
         q, k, v = self.project_qkv(x, positions)
         k_cache = write_rows(k_cache, k, index)
         v_cache = write_rows(v_cache, v, index)
@@ -263,16 +301,23 @@ class Block(nnx.Module):
         self.is_moe = config.is_moe_layer(layer)
         self.mlp = MoE(config, rngs=rngs) if self.is_moe else SwiGLU(config, rngs=rngs)
 
-    def forward(self, x, positions, mask) -> tuple[jax.Array, MoEStats | None]:
-        """(x [B, T, d], MoEStats on MoE layers else None)."""
-        x = x + self.attn(self.attn_norm(x), positions, mask)
+    def forward(self, x, positions, segment_ids, *, attention: str | None = None,
+                interpret: bool = False) -> tuple[jax.Array, MoEStats | None]:
+        """Packed rows: segment_ids [B, T] (0 = padding), attention by backend (default the
+        config's). Returns (x [B, T, d], MoEStats on MoE layers else None)."""
+        h = self.attn_norm(x)
+        return self._mlp(x + self.attn.segments(h, positions, segment_ids, attention=attention,
+                                                interpret=interpret))
+
+    def _mlp(self, x) -> tuple[jax.Array, MoEStats | None]:
         if self.is_moe:
             y, stats = self.mlp.apply(self.mlp_norm(x))
             return x + y, stats
         return x + self.mlp(self.mlp_norm(x)), None
 
     def __call__(self, x, positions, mask):
-        return self.forward(x, positions, mask)[0]
+        """Under an explicit mask [B, T, T] (XLA reference): x [B, T, d] -> [B, T, d]."""
+        return self._mlp(x + self.attn(self.attn_norm(x), positions, mask))[0]
 
     def decode(self, x, positions, k_cache, v_cache, index, slots, key_valid):
         attn, k_cache, v_cache = self.attn.decode(
@@ -319,15 +364,18 @@ class Transformer(nnx.Module):
     def hidden_states(self, tokens: jax.Array | None = None, *,
                       positions: jax.Array | None = None,
                       segment_ids: jax.Array | None = None,
-                      inputs_embeds: jax.Array | None = None) -> jax.Array:
+                      inputs_embeds: jax.Array | None = None,
+                      attention: str | None = None, interpret: bool = False) -> jax.Array:
         """Final-RMSNorm output that the LM head sees (see :meth:`hidden_states_with_aux`)."""
         return self.hidden_states_with_aux(tokens, positions=positions, segment_ids=segment_ids,
-                                           inputs_embeds=inputs_embeds)[0]
+                                           inputs_embeds=inputs_embeds, attention=attention,
+                                           interpret=interpret)[0]
 
     def hidden_states_with_aux(self, tokens: jax.Array | None = None, *,
                                positions: jax.Array | None = None,
                                segment_ids: jax.Array | None = None,
-                               inputs_embeds: jax.Array | None = None
+                               inputs_embeds: jax.Array | None = None,
+                               attention: str | None = None, interpret: bool = False
                                ) -> tuple[jax.Array, tuple[MoEStats, ...]]:
         """Final-RMSNorm output that the LM head sees, and each MoE layer's MoEStats.
 
@@ -339,6 +387,9 @@ class Transformer(nnx.Module):
           inputs_embeds: [B, T, d_model] input embeddings used instead of looking ``tokens``
             up (e.g. image embeddings spliced into text); cast to the compute dtype.
             Exactly one of ``tokens`` / ``inputs_embeds``.
+          attention: attention backend for this call (``ATTENTION_BACKENDS``); default the
+            config's ``attention``.
+          interpret: run a Pallas attention kernel (splash / flash) in interpret mode.
 
         Returns:
           ([B, T, d_model] in the compute dtype, one MoEStats per MoE layer in layer order;
@@ -363,13 +414,16 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
-        mask = segment_causal_mask(segment_ids)
+        def forward(blk, h):
+            return blk.forward(h, positions, segment_ids, attention=attention,
+                               interpret=interpret)
+
+        if self.config.remat:
+            policy = getattr(jax.checkpoint_policies, self.config.remat_policy)
+            forward = nnx.remat(forward, policy=policy)
         stats = []
         for block in self.layers:
-            if self.config.remat:
-                x, s = nnx.remat(lambda blk, h: blk.forward(h, positions, mask))(block, x)
-            else:
-                x, s = block.forward(x, positions, mask)
+            x, s = forward(block, x)
             if s is not None:
                 stats.append(s)
         return self.final_norm(x), tuple(stats)

@@ -118,14 +118,21 @@ def _selfcal(fns, params, tok, cfg, key):
     t = np.arange(cfg.doc_tokens, dtype=np.float32)
     frac = np.minimum(t / max(cfg.selfcal_schedule_tokens, 1), 1.0)
     temps = cfg.selfcal_t_init + (cfg.selfcal_t_final - cfg.selfcal_t_init) * frac
-    docs = generate(fns, params, [[tok.bos_id]] * n_docs, key=key, max_new=cfg.doc_tokens,
+    # From BOS alone; a tokenizer without BOS (Qwen3) starts documents after its EOS token.
+    start = tok.bos_id if tok.bos_id is not None else tok.eos_id
+    docs = generate(fns, params, [[start]] * n_docs, key=key, max_new=cfg.doc_tokens,
                     temperatures=temps, eos_id=tok.eos_id)
     return [_frame(d, tok.eos_id) for d in docs]
 
 
-def _sgs(fns, params, tok, cfg, key, rng, world):
+def _sgs(fns, params, tok, cfg, key, rng, world, documents=None):
     n_docs = int(_generated_budget(cfg) / 8 / cfg.sgs_drop_quantile) + 16
-    prompts = [tok.encode(document(rng, world, "text")[:2], bos=True) for _ in range(n_docs)]
+    if documents is None:
+        prefixes = [document(rng, world, "text")[:2] for _ in range(n_docs)]
+    else:  # user corpora: prefixes of their documents, pooled
+        pool = [d for docs in documents.values() for d in docs]
+        prefixes = [pool[int(i)][:2] for i in rng.integers(len(pool), size=n_docs)]
+    prompts = [tok.encode(p, bos=True) for p in prefixes]
     docs = generate(fns, params, prompts, key=key, max_new=cfg.doc_tokens, temperatures=0.6,
                     top_k=50, top_p=0.95, repetition_penalty=1.2, eos_id=tok.eos_id)
     docs = [_frame(d, tok.eos_id) for d in docs]
@@ -172,17 +179,60 @@ def _igsp(fns, params, tok, cfg, key, rng):
     return out
 
 
-def calibration_set(source: str, *, world: World, tokenizer: CharTokenizer, cfg: CalibrationConfig,
-                    draw: int, fns=None, params=None) -> dict[str, np.ndarray]:
+#: Sources that exist beside user-given calibration files (see ``calibration_set``).
+FILE_MODE_SOURCES = ("random", "selfcal", "sgs", "mix")
+
+
+def valid_sources(documents: dict[str, list[str]] | None = None) -> tuple[str, ...]:
+    """The calibration sources available: SOURCES, or with user-given ``documents`` their
+    names plus FILE_MODE_SOURCES (IGSP's cues belong to the synthetic taxonomy)."""
+    if documents is None:
+        return SOURCES
+    return (*documents, *(s for s in FILE_MODE_SOURCES if s not in documents))
+
+
+def _file_docs(rng, docs: list[str], tokenizer, n_tokens: int) -> list[str]:
+    """Documents of a user file in a random order (cycling through the file if it is short)
+    until about ``n_tokens`` tokens."""
+    out, total = [], 0
+    while total < n_tokens:
+        for i in rng.permutation(len(docs)):
+            out.append(docs[i])
+            total += len(tokenizer.encode(docs[i])) + 2
+            if total >= n_tokens:
+                break
+    return out
+
+
+def _source_index(source: str, names: tuple[str, ...]) -> int:
+    return SOURCES.index(source) if source in SOURCES else len(SOURCES) + names.index(source)
+
+
+def calibration_set(source: str, *, world: World | None, tokenizer: CharTokenizer,
+                    cfg: CalibrationConfig, draw: int, fns=None, params=None,
+                    documents: dict[str, list[str]] | None = None) -> dict[str, np.ndarray]:
     """The packed calibration batch of ``source`` for independent draw ``draw``.
 
-    ``fns``/``params`` (the dense model) are needed for the MODEL_SOURCES.
+    ``fns``/``params`` (the dense model) are needed for the MODEL_SOURCES. ``documents``
+    ({source name: [document]}, e.g. ``jaxflow.prune.task_files.load_calibration_files``)
+    replaces the synthetic world's corpora: its names become sources, ``mix`` takes equal
+    token shares of them, SGS takes its 2-character prefixes from them, and ``world`` may be
+    None.
     """
-    if source not in SOURCES:
-        raise ValueError(f"calibration source {source!r}; valid: {', '.join(SOURCES)}")
-    rng = np.random.default_rng([draw, SOURCES.index(source), 0xCA1])
-    key = jax.random.fold_in(jax.random.key(draw), SOURCES.index(source))
+    names = valid_sources(documents)
+    if source not in names:
+        raise ValueError(f"calibration source {source!r}; valid: {', '.join(names)}")
+    rng = np.random.default_rng([draw, _source_index(source, names), 0xCA1])
+    key = jax.random.fold_in(jax.random.key(draw), _source_index(source, names))
     budget = cfg.rows * (cfg.seq_len + 1)
+    if documents is not None and source in documents:
+        return _pack_token_docs(_encode(_file_docs(rng, documents[source], tokenizer, budget * 2),
+                                        tokenizer), cfg)
+    if documents is not None and source == "mix":
+        share = budget * 2 / len(documents)
+        docs = [d for name in documents for d in _file_docs(rng, documents[name], tokenizer, share)]
+        docs = [docs[i] for i in rng.permutation(len(docs))]
+        return _pack_token_docs(_encode(docs, tokenizer), cfg)
     if source == "random":
         tokens = rng.integers(3, tokenizer.vocab_size, size=(cfg.rows, cfg.seq_len + 1)).astype(np.int32)
         ones = np.ones((cfg.rows, cfg.seq_len), np.int32)
@@ -201,7 +251,7 @@ def calibration_set(source: str, *, world: World, tokenizer: CharTokenizer, cfg:
     if source == "selfcal":
         docs = _selfcal(fns, params, tokenizer, cfg, key)
     elif source == "sgs":
-        docs = _sgs(fns, params, tokenizer, cfg, key, rng, world)
+        docs = _sgs(fns, params, tokenizer, cfg, key, rng, world, documents)
     else:
         docs = _igsp(fns, params, tokenizer, cfg, key, rng)
         docs = [docs[i] for i in rng.permutation(len(docs))]

@@ -197,39 +197,50 @@ def eval_set(world: World, capability: str, n: int, *, seed: int) -> list[Exampl
 class CapabilityEvaluator:
     """Scores params of one model structure on fixed per-capability evaluation sets.
 
-    ``fns`` is the model's ``LMFunctions`` (``jaxflow.train.lm_state.lm_functions``).
-    ``__call__(params) -> {capability: accuracy}``.
+    ``fns`` is the model's ``LMFunctions`` (``jaxflow.train.lm_state.lm_functions``). The sets
+    are the synthetic world's (``n`` items per capability of ``CAPABILITIES``) unless ``sets``
+    ({capability: [Example]}, e.g. from ``jaxflow.prune.task_files.load_task_files``) is
+    given. A capability whose items have ``choices`` is scored by log-likelihood, the others
+    by exact match of greedy decoding. ``__call__(params) -> {capability: accuracy}``.
     """
 
-    def __init__(self, fns, tokenizer: CharTokenizer, world: World, *, n: int, seed: int = 1234):
+    def __init__(self, fns, tokenizer: CharTokenizer, world: World | None, *, n: int,
+                 seed: int = 1234, sets: dict[str, list[Example]] | None = None):
         self.fns, self.tokenizer = fns, tokenizer
-        self.sets = {c: eval_set(world, c, n, seed=seed) for c in CAPABILITIES}
-        self._exact = {}
-        for cap in ("math", "code", "general"):
-            exs = self.sets[cap]
-            prompts, lengths = tokenizer.pad_batch([tokenizer.encode(e.prompt, bos=True) for e in exs])
-            max_new = max(len(e.answer) for e in exs) + 1
+        if sets is None:
+            sets = {c: eval_set(world, c, n, seed=seed) for c in CAPABILITIES}
+        self.sets = sets
+        self.capabilities = tuple(sets)
+        self._exact, self._choice = {}, {}
+        for cap, exs in sets.items():
+            if exs[0].choices:
+                self._choice[cap] = self._choice_set(exs)
+                continue
+            prompts, lengths = tokenizer.pad_batch([self._prompt_ids(e) for e in exs])
+            max_new = max(len(tokenizer.encode(e.answer)) for e in exs) + 1
             sampler = make_sampler(fns.graphdef, SamplingConfig(
                 max_new_tokens=max_new, temperature=0.0, eos_id=tokenizer.eos_id,
                 pad_id=tokenizer.pad_id))
             self._exact[cap] = (sampler, jnp.asarray(prompts), jnp.asarray(lengths), exs)
-        exs = self.sets["commonsense"]
+        self._choice_ll = jax.jit(self._choice_loglik)
+
+    def _prompt_ids(self, e: Example) -> list[int]:
+        return self.tokenizer.encode(e.prompt, bos=True)
+
+    def _choice_set(self, exs: list[Example]):
         seqs, starts, ends = [], [], []
         for e in exs:
-            prompt = tokenizer.encode(e.prompt, bos=True)
+            prompt = self._prompt_ids(e)
             for c in e.choices:
-                seqs.append(prompt + tokenizer.encode(c))
+                seqs.append(prompt + self.tokenizer.encode(c))
                 starts.append(len(prompt))
                 ends.append(len(seqs[-1]))
-        tokens, _ = tokenizer.pad_batch(seqs)
+        tokens, _ = self.tokenizer.pad_batch(seqs)
         idx = np.arange(tokens.shape[1])[None, :]
         # score targets t in [start, end): log p(tokens[t] | tokens[:t]) taken at position t-1
-        self._choice_tokens = jnp.asarray(tokens)
-        self._choice_mask = jnp.asarray(((idx >= np.array(starts)[:, None]) &
-                                          (idx < np.array(ends)[:, None]))[:, 1:], jnp.float32)
-        self._labels = np.array([e.label for e in exs])
-        self._n_choices = len(exs[0].choices)
-        self._choice_ll = jax.jit(self._choice_loglik)
+        mask = ((idx >= np.array(starts)[:, None]) & (idx < np.array(ends)[:, None]))[:, 1:]
+        return (jnp.asarray(tokens), jnp.asarray(mask, jnp.float32),
+                np.array([e.label for e in exs]), len(exs[0].choices))
 
     def _decode(self, ids) -> str | None:
         """Generated text up to EOS; None (never a match) if the model emitted an id outside
@@ -237,8 +248,8 @@ class CapabilityEvaluator:
         ids = [int(i) for i in ids]
         if self.tokenizer.eos_id in ids:
             ids = ids[:ids.index(self.tokenizer.eos_id)]
-        if any(i >= self.tokenizer.vocab_size or i in (self.tokenizer.pad_id, self.tokenizer.bos_id)
-               for i in ids):
+        specials = {self.tokenizer.pad_id, self.tokenizer.bos_id} - {None}
+        if any(i >= self.tokenizer.vocab_size or i in specials for i in ids):
             return None
         return self.tokenizer.decode(ids)
 
@@ -255,14 +266,16 @@ class CapabilityEvaluator:
             out = sampler(state, prompts, lengths, jax.random.key(0))
             got = [self._decode(row) for row in np.asarray(out.tokens)]
             scores[cap] = float(np.mean([g == e.answer for g, e in zip(got, exs)]))
-        ll = np.asarray(self._choice_ll(params, self._choice_tokens, self._choice_mask))
-        pred = ll.reshape(-1, self._n_choices).argmax(-1)
-        scores["commonsense"] = float(np.mean(pred == self._labels))
-        return {c: scores[c] for c in CAPABILITIES}
+        for cap, (tokens, mask, labels, n_choices) in self._choice.items():
+            ll = np.asarray(self._choice_ll(params, tokens, mask))
+            scores[cap] = float(np.mean(ll.reshape(-1, n_choices).argmax(-1) == labels))
+        return {c: scores[c] for c in self.capabilities}
 
 
 def retention(pruned: dict[str, float], dense: dict[str, float]) -> dict[str, float]:
-    """Per-capability pruned / dense score, plus ``"total"`` = mean over capabilities."""
-    out = {c: (pruned[c] / dense[c] if dense[c] > 0 else float("nan")) for c in CAPABILITIES}
-    out["total"] = float(np.nanmean([out[c] for c in CAPABILITIES]))
+    """Per-capability pruned / dense score (nan where the dense score is 0), plus ``"total"``
+    = mean over the capabilities of ``dense`` (nan when none is defined)."""
+    out = {c: (pruned[c] / dense[c] if dense[c] > 0 else float("nan")) for c in dense}
+    defined = [v for v in out.values() if v == v]
+    out["total"] = float(np.mean(defined)) if defined else float("nan")
     return out

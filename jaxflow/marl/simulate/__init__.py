@@ -40,7 +40,8 @@ device while it trains; publish and swap time count as idle. Everything is pure 
 deterministic given the seed.
 
 Costs (:func:`calibrate`): the measured ``flexmarl`` quick run's lockstep baseline
-(:meth:`MeasuredRun.builtin`, read from ``data/flexmarl_quick_sync.json``) gives dev-CPU
+(a calibration file written by that run, ``data/flexmarl_quick.json`` by default, with its
+commit, command and device count; :func:`load_measurement`) gives dev-CPU
 seconds per parameter for a trained token, a decode step (split into a per-sequence part =
 trained token / 4 by FLOPs and the rest, the weight part) and a publish; they are scaled to the
 simulated agents by parameter count (FLOPs and bytes both grow with it) and by one speed factor
@@ -53,8 +54,12 @@ Modules: ``workload`` (agents, lengths, costs), ``pool`` (a rollout replica pool
 ``calibration`` (measured run -> costs), ``sweep`` (a config's node sweep).
 """
 
-from jaxflow.marl.simulate.calibration import (BUILTIN_MEASUREMENT, Hardware, MeasuredRun,
-                                               calibrate, measured_from_summary, per_param_costs)
+from jaxflow.marl.simulate.calibration import (COST_KEYS, DEFAULT_CALIBRATION, MEASURED_PATHS,
+                                               Calibration, CalibrationWarning, Hardware,
+                                               MeasuredRun, calibrate, calibration_summary,
+                                               load_measurement, measured_from_summary,
+                                               per_param_costs, sync_counts, write_calibration,
+                                               write_calibration_from_run)
 from jaxflow.marl.simulate.pool import POLICIES, RolloutPool
 from jaxflow.marl.simulate.schedules import (AGENT_SPLITS, FLEXMARL, SYNC, Schedule, SimResult,
                                              expected_loads, plan_split, split_devices)

@@ -1,9 +1,17 @@
 """Costs of the simulated agents from a measured run (see the package doc, "Costs").
 
-The measurement (:class:`MeasuredRun`) is data: the built-in one is read from
-``data/flexmarl_quick_sync.json``, which records the run, command and commit it came from; a
-``flexmarl`` summary.json gives another (:func:`measured_from_summary`). The accelerator
-(:class:`Hardware`) is an assumption that fixes the absolute time scale only.
+The measurement (:class:`MeasuredRun`) is data with provenance: a calibration file written by a
+``flexmarl`` run from its lockstep baseline::
+
+    python -m jaxflow.run --exp=flexmarl --variant=quick \
+        --set calibration_out=jaxflow/marl/simulate/data/flexmarl_quick.json
+
+(``data/flexmarl_quick.json`` is the built-in one; :func:`load_measurement` also reads a
+flexmarl run directory / summary.json). The file's ``provenance`` holds the git commit, the
+command, the device count, the date and the machine's load; :func:`calibration_summary` is what
+the simulator's summary reports under ``calibration`` and warns when the measured code changed
+since that commit. The accelerator (:class:`Hardware`) is an assumption that fixes the absolute
+time scale only.
 """
 
 from __future__ import annotations
@@ -11,23 +19,37 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Sequence
+import warnings
+from typing import Mapping, Sequence
 
+from jaxflow import provenance
 from jaxflow.marl.simulate.workload import AgentCosts, AgentLoad
 
 
 DATA = pathlib.Path(__file__).parent / "data"
-#: The built-in measurement (values and where they come from): a data file, not code.
-BUILTIN_MEASUREMENT = DATA / "flexmarl_quick_sync.json"
+#: The calibration the simulator reads unless told otherwise.
+DEFAULT_CALIBRATION = DATA / "flexmarl_quick.json"
+#: The code a calibration measures (git pathspecs, relative to the repository root).
+MEASURED_PATHS = ("jaxflow/marl", ":(exclude)jaxflow/marl/simulate", "jaxflow/rl", "jaxflow/train",
+                  "jaxflow/models", "jaxflow/data", "jaxflow/main/flexmarl.py",
+                  "configs/flexmarl.py")
+#: The per-parameter costs a measurement gives (:func:`per_param_costs`); the sensitivity
+#: scales each of them.
+COST_KEYS = ("train_token", "seq", "weight", "publish")
+
+
+class CalibrationWarning(UserWarning):
+    """A calibration that may not describe the current code (or cannot be checked)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class MeasuredRun:
-    """Measured costs of a ``flexmarl`` run's sync baseline, and that run's workload constants:
-    throughput, busy fractions per role, steps x inputs x G, agents, decode steps per input (sum
-    of the agents' response lengths), tokens per trained solver sample and the solver's
-    parameter count. :meth:`builtin` is the run recorded in experiments/README.md; its values
-    and provenance are in ``data/flexmarl_quick_sync.json``."""
+    """Measured costs of a ``flexmarl`` run's sync baseline, and that run's workload counts:
+    throughput (samples/s, median over rounds), busy fractions per role (medians), steps x
+    inputs x G, agents, decode steps per input (all agents; each engine call's prefill counts as
+    one step, decode row-steps / G the rest: exact without compaction, an upper bound on
+    occupancy otherwise), tokens per trained solver sample (the padded training row: prompt
+    width + max new tokens) and the solver's parameter count."""
 
     samples_per_s: float
     busy_rollout: float
@@ -37,24 +59,28 @@ class MeasuredRun:
     inputs: int
     group_size: int
     agents: int
-    decode_steps_per_input: int
+    decode_steps_per_input: float
     solver_sample_tokens: int
     solver_params: float
 
     @classmethod
-    def from_file(cls, path: str | pathlib.Path) -> "MeasuredRun":
-        """A measurement file: ``{"provenance": {...}, "values": {field: value}}``."""
-        path = pathlib.Path(path)
-        values = json.loads(path.read_text())["values"]
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(values) != names:
-            raise ValueError(f"{path}: values {sorted(values)} must be exactly {sorted(names)}")
-        return cls(**values)
+    def from_values(cls, values: Mapping, where: str = "values") -> "MeasuredRun":
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise ValueError(f"{where}: lacks {missing} (need {names})")
+        return cls(**{n: values[n] for n in names})
 
-    @classmethod
-    def builtin(cls) -> "MeasuredRun":
-        """The recorded ``flexmarl`` quick run (see ``BUILTIN_MEASUREMENT``)."""
-        return cls.from_file(BUILTIN_MEASUREMENT)
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """A :class:`MeasuredRun`, where it comes from (``provenance``: git_commit, command,
+    devices, date, machine, measured_paths), its path, and what else the run measured."""
+
+    measured: MeasuredRun
+    provenance: dict
+    path: str
+    context: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,21 +95,115 @@ class Hardware:
     swap_bytes_per_param: float = 16.0
 
 
-def measured_from_summary(summary: dict) -> MeasuredRun:
-    """A :class:`MeasuredRun` from a ``flexmarl`` summary.json (its sync baseline numbers)."""
-    cfg, util = summary["config"], summary["baseline_utilisation"]
-    s = cfg["solver"]
-    d, f, v, layers = s["d_model"], s["d_ff"], s["vocab_size"], s["n_layers"]
-    hd = d // s["n_heads"]
-    attn = d * hd * (2 * s["n_heads"] + 2 * s["n_kv_heads"])
-    params = v * d * (1 if s.get("tie_embeddings") else 2) + layers * (attn + 3 * d * f + 2 * d) + d
-    # Agents, decode steps per input and the 4 response tokens are the built-in run's.
-    return dataclasses.replace(
-        MeasuredRun.builtin(), samples_per_s=summary["baseline_samples_per_s"],
-        busy_rollout=util["rollout"], busy_train_solver=util["train/solver"],
-        busy_train_verifier=util["train/verifier"], steps=cfg["steps"], inputs=cfg["n_inputs"],
-        group_size=cfg["group_size"], solver_sample_tokens=2 * cfg["max_digits"] + 3 + 4,
-        solver_params=params)
+def sync_counts(sync_runs: Sequence, runtimes: Mapping, order: Sequence[str]) -> dict:
+    """Workload counts of a ``flexmarl`` run's lockstep baseline: ``sync_runs`` (its
+    RunResults: engine row-steps and calls, samples) and ``runtimes`` (AgentRuntime per agent:
+    group size, prompt width, max new tokens, parameter count)."""
+    import jax
+    import numpy as np
+
+    first = sync_runs[0]
+    solver = runtimes[order[0]]
+    g = solver.spec.group_size
+    calls, row_steps = float(first.engine["calls"]), float(first.engine["row_steps"])
+    params = {n: float(sum(int(np.prod(x.shape)) for x in
+                           jax.tree.leaves(runtimes[n].fns.abstract_params()))) for n in order}
+    return {"agents": len(order), "group_size": g, "engine_calls": calls,
+            "decode_row_steps": row_steps,
+            "useful_decode_row_steps": float(first.engine["useful_row_steps"]),
+            "padded_decode_row_steps": float(first.engine.get("padded_row_steps", 0)),
+            "decode_steps": calls + row_steps / g,
+            "solver_sample_tokens": int(solver.engine.prompt_width + solver.spec.max_new_tokens),
+            "max_new_tokens": {n: int(runtimes[n].spec.max_new_tokens) for n in order},
+            "params": params, "solver_params": params[order[0]],
+            "samples_per_round": int(first.samples)}
+
+
+def measured_from_summary(summary: Mapping) -> MeasuredRun:
+    """A :class:`MeasuredRun` from a ``flexmarl`` summary (its sync baseline: medians of
+    samples/s and busy fractions; ``calibration_counts`` from :func:`sync_counts`)."""
+    if "calibration_counts" not in summary or "baseline_utilisation" not in summary:
+        raise ValueError("the summary has no calibration_counts / baseline_utilisation (is it a "
+                         "flexmarl run of the current code?)")
+    cfg, util, c = summary["config"], summary["baseline_utilisation"], summary["calibration_counts"]
+    order = list(c["params"])
+    steps, inputs = int(cfg["steps"]), int(cfg["n_inputs"])
+    return MeasuredRun(samples_per_s=float(summary["baseline_samples_per_s"]),
+                       busy_rollout=float(util["rollout"]),
+                       busy_train_solver=float(util[f"train/{order[0]}"]),
+                       busy_train_verifier=float(sum(util[f"train/{n}"] for n in order[1:])),
+                       steps=steps, inputs=inputs, group_size=int(c["group_size"]),
+                       agents=int(c["agents"]),
+                       decode_steps_per_input=float(c["decode_steps"]) / (steps * inputs),
+                       solver_sample_tokens=int(c["solver_sample_tokens"]),
+                       solver_params=float(c["solver_params"]))
+
+
+def write_calibration(path: str | pathlib.Path, summary: Mapping, prov: Mapping) -> str:
+    """Writes the calibration file of a ``flexmarl`` summary with provenance ``prov``
+    (:func:`jaxflow.provenance.run_provenance`); returns the path written."""
+    m = measured_from_summary(summary)
+    context = {"counts": dict(summary["calibration_counts"]),
+               "strict_samples_per_s": summary.get("samples_per_s"),
+               "strict_speedup_vs_sync": summary.get("speedup_vs_sync"),
+               "ideal_speedup_bound": summary.get("ideal_speedup_bound"),
+               "reps": summary.get("reps")}
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"what": "sync (lockstep barrier) baseline of a flexmarl run: samples/s and busy "
+                      "fractions per role (medians over rounds) and that run's workload counts",
+              "provenance": dict(prov), "values": dataclasses.asdict(m), "context": context}
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return str(path)
+
+
+def write_calibration_from_run(path: str, summary: Mapping, *, experiment: str, variant: str,
+                               devices: int) -> str:
+    """The ``flexmarl`` driver's ``calibration_out``: provenance of this process now."""
+    prov = provenance.run_provenance(experiment=experiment, variant=variant, devices=devices,
+                                     measured_paths=MEASURED_PATHS)
+    return write_calibration(path, summary, prov)
+
+
+def load_measurement(calibration: str | pathlib.Path = "") -> Calibration:
+    """"" = :data:`DEFAULT_CALIBRATION`; a file written by :func:`write_calibration`; or a
+    flexmarl run directory / summary.json (its provenance: the summary's git_commit, argv,
+    device_count)."""
+    path = pathlib.Path(calibration) if calibration else DEFAULT_CALIBRATION
+    path = path / "summary.json" if path.is_dir() else path
+    if not path.exists():
+        raise FileNotFoundError(f"calibration={str(calibration)!r}: no calibration file or "
+                                "flexmarl summary.json there; use '' for the built-in file or a "
+                                "runs/flexmarl/<run> directory")
+    record = json.loads(path.read_text())
+    if "values" in record and "provenance" in record:
+        return Calibration(MeasuredRun.from_values(record["values"], str(path)),
+                           dict(record["provenance"]), provenance.display_path(path),
+                           dict(record.get("context", {})))
+    try:
+        m = measured_from_summary(record)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"calibration={str(path)!r}: {e}") from None
+    argv = record.get("argv")
+    prov = {"experiment": record.get("experiment"), "variant": record.get("variant"),
+            "git_commit": record.get("git_commit"),
+            "command": " ".join(argv) if isinstance(argv, list) else None,
+            "devices": record.get("device_count"), "measured_paths": list(MEASURED_PATHS)}
+    return Calibration(m, prov, provenance.display_path(path))
+
+
+def calibration_summary(cal: Calibration, root: pathlib.Path = provenance.REPO_ROOT) -> dict:
+    """What the simulator's summary reports under ``calibration``; warns (CalibrationWarning)
+    when the measured code changed since the recorded commit or that cannot be checked."""
+    p = cal.provenance
+    stale, warning = provenance.stale_calibration(p.get("git_commit"),
+                                                  p.get("measured_paths") or MEASURED_PATHS, root)
+    if warning:
+        warnings.warn(f"{cal.path}: {warning}", CalibrationWarning, stacklevel=2)
+    return {"git_commit": p.get("git_commit"), "command": p.get("command"),
+            "devices": p.get("devices"), "path": cal.path, "date": p.get("date"),
+            "machine": p.get("machine"), "git_dirty_paths": p.get("git_dirty_paths"),
+            "stale": stale, "warning": warning, "measured": dataclasses.asdict(cal.measured)}
 
 
 def per_param_costs(m: MeasuredRun) -> dict[str, float]:
@@ -108,13 +228,19 @@ def per_param_costs(m: MeasuredRun) -> dict[str, float]:
              ("publish", publish))}
 
 
-def calibrate(agents: Sequence[AgentLoad], measured: MeasuredRun, hw: Hardware
-              ) -> tuple[dict[str, AgentCosts], dict]:
+def calibrate(agents: Sequence[AgentLoad], measured: MeasuredRun, hw: Hardware,
+              scale: Mapping[str, float] | None = None) -> tuple[dict[str, AgentCosts], dict]:
     """Per-agent costs at the agents' sizes: measured per-parameter costs x params / speed,
     where ``speed`` = dev CPU's train seconds per parameter-token / the accelerator's
     (8 / (peak * mfu)). Only the absolute time scale rests on ``speed``; every ratio (decode vs
-    train vs publish, and the decode occupancy knee weight / seq) is the measured one."""
+    train vs publish, and the decode occupancy knee weight / seq) is the measured one.
+    ``scale``: multiplies named per-parameter costs (:data:`COST_KEYS`) before that (the
+    sensitivity; ``train_token`` x f is the same as every other cost x 1/f)."""
     pp = per_param_costs(measured)
+    bad = sorted(set(scale or {}) - set(COST_KEYS))
+    if bad:
+        raise ValueError(f"scale keys {bad}; valid: {', '.join(COST_KEYS)}")
+    pp = {k: v * float((scale or {}).get(k, 1.0)) for k, v in pp.items()}
     speed = pp["train_token"] / (8.0 / (hw.peak_flops * hw.mfu_train))
     costs = {a.name: AgentCosts(
         weight_s=pp["weight"] * a.params / speed, seq_s=pp["seq"] * a.params / speed,

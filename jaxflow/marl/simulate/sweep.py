@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxflow.marl.simulate.calibration import calibrate
+from jaxflow.marl.simulate.calibration import calibrate, load_measurement
 from jaxflow.marl.simulate.schedules import SYNC, Schedule
 from jaxflow.marl.simulate.simulation import simulate
 from jaxflow.marl.simulate.workload import AgentLoad, check_agents, sample_lengths
@@ -23,8 +23,10 @@ def schedules_from(config) -> dict[str, Schedule]:
     return out
 
 
-def run_scale(config) -> dict:
-    """Every schedule at every node count; plain data (see :func:`main`)."""
+def run_scale(config, measured=None, *, cost_scale=None, schedules=None) -> dict:
+    """Every schedule (or those named in ``schedules``) at every node count; plain data.
+    ``measured``: a :class:`MeasuredRun` (None: the config's ``calibration`` file);
+    ``cost_scale``: per-parameter cost multipliers (:func:`calibrate`)."""
     agents = tuple(AgentLoad(**dict(a)) if not isinstance(a, AgentLoad) else a
                    for a in config.agents)
     if config.sigma_scale < 0:
@@ -40,8 +42,12 @@ def run_scale(config) -> dict:
                          "scaling with inputs_per_node)")
     if not config.nodes or min(config.nodes) < 1:
         raise ValueError(f"nodes={config.nodes}: need node counts >= 1")
-    costs, info = calibrate(agents, config.measured, config.hardware)
+    if measured is None:
+        measured = load_measurement(config.calibration).measured
+    costs, info = calibrate(agents, measured, config.hardware, cost_scale)
     scheds = schedules_from(config)
+    if schedules is not None:
+        scheds = {k: v for k, v in scheds.items() if k in schedules}
     rows = []
     for nodes in config.nodes:
         devices = nodes * config.devices_per_node

@@ -1,38 +1,50 @@
-"""Calibration: the measured stage times and the paper's figures (data files with their
-provenance), and the fit of the scale laws to them.
+"""Calibration: the measured stage times (a data file written by a ``nestpipe`` run, with its
+provenance), the paper's figures, and the fit of the scale laws to them.
 
-``data/measured_stage_ms.json``: median stage times of ``sync`` in a ``nestpipe`` run on the dev
-CPU (a summary.json named by ``calibration`` replaces it, :func:`load_calibration`).
+``data/nestpipe_quick.json``: median stage times of ``sync`` (and dbp's patch) in a ``nestpipe``
+quick run, written by that run itself::
+
+    python -m jaxflow.run --exp=nestpipe --variant=quick \
+        --set calibration_out=jaxflow/nestpipe/simulate/data/nestpipe_quick.json
+
+Its ``provenance`` holds the git commit, the command, the (fake) device count, the date and the
+machine's load; :func:`load_calibration` also reads any file written that way, or a nestpipe run
+directory / summary.json. :func:`calibration_summary` is what a simulator's summary reports under
+``calibration`` and warns when the measured code changed since the recorded commit.
 ``data/paper_nestpipe.json``: NestPipe's (arXiv 2604.06956) profile of TorchRec's synchronous
-step and its 1,536-NPU table.
+step and its 1,536-NPU table (copied from the paper, not measured).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
+import warnings
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from jaxflow import provenance
 from jaxflow.nestpipe.simulate.network import NetworkShape, StageModel, bandwidth_factor
 
 
 DATA = pathlib.Path(__file__).parent / "data"
+#: The calibration the simulator reads unless told otherwise.
+DEFAULT_CALIBRATION = DATA / "nestpipe_quick.json"
 HOST_STAGES = ("data", "h2d", "route", "retrieve", "compute", "write_back")
+#: The measured inputs of :func:`calibrate` (ms per step).
+STAGE_KEYS = HOST_STAGES + ("patch",)
+#: The code a calibration measures (git pathspecs, relative to the repository root).
+MEASURED_PATHS = ("jaxflow/nestpipe", ":(exclude)jaxflow/nestpipe/simulate", "jaxflow/embeddings",
+                  "jaxflow/recsys", "jaxflow/main/nestpipe.py", "configs/nestpipe.py")
 
 
-def _read(name: str) -> dict:
-    return json.loads((DATA / name).read_text())
+class CalibrationWarning(UserWarning):
+    """A calibration that may not describe the current code (or cannot be checked)."""
 
 
-_MEASURED = _read("measured_stage_ms.json")
-_PAPER = _read("paper_nestpipe.json")["values"]
-
-#: Median stage times (ms) of ``sync`` in the nestpipe quick run (see the data file's provenance);
-#: ``patch`` is the intersection patch measured in ``dbp``.
-MEASURED_STAGE_MS: dict[str, float] = dict(_MEASURED["values"])
-MEASURED_SOURCE: str = _MEASURED["provenance"]["source"]
+_PAPER = json.loads((DATA / "paper_nestpipe.json").read_text())["values"]
 
 #: The paper's profile of TorchRec's synchronous step (shares of the step at 128 and 1,536).
 PAPER_WORKERS: tuple[int, int] = tuple(_PAPER["workers"])
@@ -42,24 +54,119 @@ PAPER_BASELINE_EFFICIENCY: float = _PAPER["baseline_efficiency"]
 PAPER_TABLE: dict[str, dict[str, float]] = _PAPER["table"]
 PAPER_NESTPIPE_EXPOSED_MS: dict[str, tuple[float, float]] = {
     k: tuple(v) for k, v in _PAPER["nestpipe_exposed_ms"].items()}
+#: Ablations (fractions): DBP alone removes ~98% of lookup latency; without clustering, a
+#: frozen window of 16 micro-batches leaves 25.2% of the communication exposed.
+PAPER_ABLATIONS: dict[str, float] = _PAPER["ablations"]
 
 
-def load_calibration(calibration: str) -> tuple[dict[str, float], str]:
-    """Measured stage times in ms: the built-in table ("") or a nestpipe summary.json / run dir."""
-    if not calibration:
-        return dict(MEASURED_STAGE_MS), MEASURED_SOURCE
-    path = pathlib.Path(calibration)
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Measured stage times (ms per step, :data:`STAGE_KEYS`), where they come from
+    (``provenance``: git_commit, command, devices, date, machine, measured_paths) and what else
+    the run measured (``context``: step times, rows per step, throughput; not fitted)."""
+
+    stage_ms: dict
+    provenance: dict
+    path: str
+    context: dict = dataclasses.field(default_factory=dict)
+
+    def scaled(self, stage: str, factor: float) -> dict:
+        """``stage_ms`` with one stage multiplied by ``factor`` (for the sensitivity)."""
+        if stage not in self.stage_ms:
+            raise ValueError(f"stage={stage!r}; valid: {', '.join(self.stage_ms)}")
+        return dict(self.stage_ms, **{stage: self.stage_ms[stage] * factor})
+
+
+def calibration_from_summary(summary: Mapping) -> tuple[dict, dict]:
+    """(stage ms, context) from a ``nestpipe`` summary: ``stage_seconds.sync`` medians, the patch
+    from ``stage_seconds.dbp``; step times, distinct rows per owner, patched rows, throughput."""
+    stages = summary.get("stage_seconds", {})
+    if "sync" not in stages:
+        raise ValueError("the summary has no stage_seconds.sync (is it a nestpipe run?)")
+    ms = {k: 1e3 * float(stages["sync"][k]) for k in HOST_STAGES}
+    ms["patch"] = 1e3 * float(stages.get("dbp", {}).get("patch", 0.0))
+    cfg = summary.get("config", {})
+    steps = summary.get("step_seconds", {})
+    owner = summary.get("owner_rows_per_step", {}).get("sync")
+    context = {
+        "exchange_ms": 1e3 * float(stages["sync"].get("exchange", 0.0)),
+        "step_ms": {p: 1e3 * float(s) for p, s in steps.items()},
+        "speedup_vs_sync": dict(summary.get("speedup_vs_sync", {})),
+        "owner_rows_per_step": ([float(x) for x in owner] if owner else None),
+        "patched_rows_per_step": summary.get("patched_rows_per_step", {}).get("dbp"),
+        "batch_size": cfg.get("batch_size"), "multi_hot": cfg.get("multi_hot"),
+        "embed_dim": cfg.get("embed_dim"), "tables": len(cfg.get("vocab_sizes", ())) or None,
+        "micro_batches": summary.get("micro_batches", cfg.get("micro_batches")),
+    }
+    if cfg.get("batch_size") and steps.get("sync"):
+        context["sync_samples_per_s"] = float(cfg["batch_size"]) / float(steps["sync"])
+    return ms, context
+
+
+def write_calibration(path: str | pathlib.Path, summary: Mapping, prov: Mapping) -> str:
+    """Writes the calibration file of a ``nestpipe`` summary with provenance ``prov``
+    (:func:`jaxflow.provenance.run_provenance`); returns the path written."""
+    ms, context = calibration_from_summary(summary)
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"what": "median stage times (ms per step) of the sync pipeline of a nestpipe run; "
+                      "patch = the dual-buffer intersection patch measured in dbp",
+              "provenance": dict(prov), "values": ms, "context": context}
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return str(path)
+
+
+def write_calibration_from_run(path: str, summary: Mapping, *, experiment: str, variant: str,
+                               devices: int) -> str:
+    """The ``nestpipe`` driver's ``calibration_out``: provenance of this process now."""
+    prov = provenance.run_provenance(experiment=experiment, variant=variant, devices=devices,
+                                     measured_paths=MEASURED_PATHS)
+    return write_calibration(path, summary, prov)
+
+
+def load_calibration(calibration: str | pathlib.Path = "") -> Calibration:
+    """A calibration: "" = :data:`DEFAULT_CALIBRATION`; a file written by
+    :func:`write_calibration`; or a nestpipe run directory / summary.json (its provenance is
+    the summary's own git_commit, argv and device_count)."""
+    path = pathlib.Path(calibration) if calibration else DEFAULT_CALIBRATION
     path = path / "summary.json" if path.is_dir() else path
     if not path.exists():
-        raise FileNotFoundError(f"calibration={calibration!r}: no nestpipe summary.json there; "
-                                "use '' for the built-in table or a runs/nestpipe/<run> directory")
-    stages = json.loads(path.read_text()).get("stage_seconds", {})
-    if "sync" not in stages:
-        raise ValueError(f"calibration={calibration!r}: summary.json has no stage_seconds.sync "
-                         "(is it a nestpipe run?)")
-    ms = {k: 1e3 * float(stages["sync"][k]) for k in HOST_STAGES}
-    ms["patch"] = 1e3 * float(stages.get("dbp", {}).get("patch", MEASURED_STAGE_MS["patch"] / 1e3))
-    return ms, str(path)
+        raise FileNotFoundError(f"calibration={str(calibration)!r}: no calibration file or "
+                                "nestpipe summary.json there; use '' for the built-in file or a "
+                                "runs/nestpipe/<run> directory")
+    record = json.loads(path.read_text())
+    if "values" in record and "provenance" in record:
+        missing = [k for k in STAGE_KEYS if k not in record["values"]]
+        if missing:
+            raise ValueError(f"calibration={str(path)!r}: values lack {missing}")
+        return Calibration({k: float(record["values"][k]) for k in STAGE_KEYS},
+                           dict(record["provenance"]), provenance.display_path(path),
+                           dict(record.get("context", {})))
+    try:
+        ms, context = calibration_from_summary(record)
+    except ValueError as e:
+        raise ValueError(f"calibration={str(path)!r}: {e}") from None
+    argv = record.get("argv")
+    prov = {"experiment": record.get("experiment"), "variant": record.get("variant"),
+            "git_commit": record.get("git_commit"),
+            "command": " ".join(argv) if isinstance(argv, list) else None,
+            "devices": record.get("device_count"), "measured_paths": list(MEASURED_PATHS)}
+    return Calibration(ms, prov, provenance.display_path(path), context)
+
+
+def calibration_summary(cal: Calibration, root: pathlib.Path = provenance.REPO_ROOT) -> dict:
+    """What a simulator's summary reports under ``calibration``; warns (CalibrationWarning)
+    when the measured code changed since the recorded commit or that cannot be checked."""
+    p = cal.provenance
+    stale, warning = provenance.stale_calibration(p.get("git_commit"),
+                                           p.get("measured_paths") or MEASURED_PATHS, root)
+    if warning:
+        warnings.warn(f"{cal.path}: {warning}", CalibrationWarning, stacklevel=2)
+    return {"git_commit": p.get("git_commit"), "command": p.get("command"),
+            "devices": p.get("devices"), "path": cal.path, "date": p.get("date"),
+            "machine": p.get("machine"), "git_dirty_paths": p.get("git_dirty_paths"),
+            "stale": stale, "warning": warning,
+            "stage_ms": dict(cal.stage_ms)}
 
 
 def calibrate(measured_ms: Mapping[str, float], *, shares: Mapping[str, Sequence[float]] = PAPER_SHARES,
@@ -85,7 +192,7 @@ def calibrate(measured_ms: Mapping[str, float], *, shares: Mapping[str, Sequence
     if peer_latency_us < 0 or step_ms_at_n1 <= 0:
         raise ValueError(f"peer_latency_us={peer_latency_us} (need >= 0), step_ms_at_n1="
                          f"{step_ms_at_n1} (need > 0)")
-    missing = [k for k in MEASURED_STAGE_MS if k not in measured_ms or measured_ms[k] < 0]
+    missing = [k for k in STAGE_KEYS if k not in measured_ms or measured_ms[k] < 0]
     if missing:
         raise ValueError(f"measured stage times lack or have negative {missing}")
     rest0 = 1.0 - l0 - a0
