@@ -21,7 +21,8 @@ micro-batch dedup, which key-centric clustering makes smaller) and fuses exchang
 into one program: the owner buffer and dense params are frozen for the window, so micro-batch
 i+1's row All2All is issued before micro-batch i's dense compute and depends on nothing it
 produces; i's gradient All2All likewise feeds only the final update. XLA's async collectives
-(GPU/TPU) can overlap them; the CPU backend runs collectives synchronously (no overlap there).
+(GPU/TPU) can overlap them; the CPU backend runs collectives synchronously (no overlap there),
+so there ``frozen_exchange="auto"`` moves the window's rows and gradients in one All2All each.
 """
 
 from __future__ import annotations
