@@ -3,13 +3,15 @@ bounded staleness), on the solver / verifier workflow; same samples in sync and 
 
     python -m jaxflow.run --exp=flexmarl --variant=quick      # ~1-2 min on 2 CPU cores
     python -m jaxflow.run --exp=flexmarl --variant=default    # ~3 min
+    python -m jaxflow.run --exp=flexmarl --variant=full       # bigger agents, 2-digit sums
     python -m jaxflow.run --exp=flexmarl --variant=quick --set runs=3   # README figures
     python -m jaxflow.run --exp=flexmarl --variant=quick \
         --set calibration_out=jaxflow/marl/simulate/data/flexmarl_quick.json
 
 ``--devices=N`` (fake CPU devices): 2 gives the trainer and rollout roles disjoint halves; >= 3
 also gives each agent its own trainer devices in proportion to its size (agent-centric
-allocation, see jaxflow.marl.meshes.agent_centric_meshes); 1 colocates everything.
+allocation, see jaxflow.marl.meshes.agent_centric_meshes); 1 colocates everything. On a GPU /
+TPU the same split runs over the accelerators present.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class Config:
     runs: int = 1                # timing runs, each with its own warm-up and auto probe
     auto: bool = True            # probe lockstep vs strict, time the faster as "auto"
     probe_rounds: int = 5
-    probe_steps: int = 4         # steps per probe call (a pipeline needs steps to overlap)
+    probe_steps: int = 0  # steps per probe call; 0 = steps (short probes favour sync: a
+    # pipeline's fill / drain is a larger share of a short run)
     micro_inputs: int = 2        # inputs per trainer micro-batch
     rollout_batch: int = 1       # inputs per rollout engine call (sync and pipeline alike)
     rollout_workers: int = 1     # 1, or >= 2: per-agent worker pools (agent-level balancing)
@@ -58,14 +61,26 @@ class Config:
     calibration_out: str = ""
 
     def __post_init__(self):
-        if self.runs < 1 or self.reps < 1 or self.probe_rounds < 1 or self.probe_steps < 1:
+        if self.runs < 1 or self.reps < 1 or self.probe_rounds < 1 or self.probe_steps < 0:
             raise ValueError(f"runs={self.runs}, reps={self.reps}, probe_rounds="
-                             f"{self.probe_rounds}, probe_steps={self.probe_steps}; each >= 1")
+                             f"{self.probe_rounds}, probe_steps={self.probe_steps}; need >= 1 "
+                             "(probe_steps >= 0)")
 
 
 def _quick() -> Config:
     return Config(n_inputs=4, steps=4, group_size=4, reps=10, micro_inputs=2)
 
 
-get_config = Variants(quick=_quick, default=Config)
+def _full() -> Config:
+    base = Config()
+    wide = dict(vocab_size=base.solver.vocab_size, max_seq_len=64)
+    return Config(solver=TransformerConfig(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
+                                           d_ff=768, **wide),
+                  verifier=TransformerConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                                             d_ff=384, **wide),
+                  max_digits=2, solver_tokens=8, verifier_tokens=2, n_inputs=16, steps=200,
+                  reps=10, micro_inputs=4, etas=(1, 2, 4), bench_tokens=48, bench_rows=128)
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
 VARIANTS = get_config.variants

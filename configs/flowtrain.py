@@ -2,8 +2,10 @@
 
 Three modes on the same samples, model, kernels and optimizers, timed side by side in one
 process: monolithic_padded (baseline), monolithic_packed, decoupled (allocator-chosen split,
-encoder and backbone on disjoint sub-meshes joined by the embedding pool). Needs 8 devices;
-on a CPU-only machine the runner creates ``devices`` (8) fake CPU devices by itself:
+encoder and backbone on disjoint sub-meshes joined by the embedding pool). Runs on every device
+present (``devices=N``: the first N); on one device the decoupled sides share it (colocated).
+On a CPU-only machine the runner creates 8 fake CPU devices by itself (``--devices=N`` for
+another count):
 
     python -m jaxflow.run --exp=flowtrain --variant=quick
     python -m jaxflow.run --exp=flowtrain --variant=default
@@ -79,8 +81,8 @@ class Config:
     allocator: AllocatorConfig = AllocatorConfig()
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=20)
-    mesh: MeshConfig = MeshConfig(axes=("data",), shape=(8,))
-    devices: int = 8  # fake CPU devices the runner creates when --devices is not given
+    mesh: MeshConfig = MeshConfig(axes=("data",), shape=(-1,))  # monolithic: all of ``devices``
+    devices: int | None = None  # None: every device present (8 fake CPU devices on a CPU)
 
     def __post_init__(self):
         if self.flow.run_ahead >= self.train.block_steps:

@@ -9,8 +9,11 @@ the ideal bound (sum of stages / slowest), AUC / logloss, clustering's transfer 
     python -m jaxflow.run --exp=nestpipe --variant=quick \
         --set calibration_out=jaxflow/nestpipe/simulate/data/nestpipe_quick.json
 
-Data-parallel DLRM on a mesh of ``devices`` devices (``--devices=8`` gives 8 fake CPU devices);
-each device routes its keys to the owning shard of the host tables and gets rows back by All2All.
+Data-parallel DLRM on a mesh of every device present (``devices=N`` takes the first N); on a
+CPU-only machine the runner creates 8 fake CPU devices (``--devices=N`` for another count). Each
+device routes its keys to the owning shard of the host tables and gets rows back by All2All.
+The quick / default capacities were measured on ``capacity_devices`` (8) devices; on another
+count they fall back to the worst-case sizes (0, cannot overflow).
 
 Summary keys (maps keyed by pipeline): ``speedup_vs_sync`` (median over ``runs`` of each run's
 paired median), ``speedup_runs`` (every run's figure), ``speedup_pairs`` (every pair),
@@ -43,7 +46,8 @@ class Config:
     batch_size: int = 2048
     dense_lr: float = 1e-3
     sparse_lr: float = 0.05
-    devices: int = 8  # data-parallel mesh; tables split row-wise over the same shards
+    devices: int | None = None  # data-parallel mesh: None = every device present (8 fake on CPU)
+    capacity_devices: int = 8  # device count the capacities below were measured on
     # fixed shapes of the routing (exceeding one raises CapacityOverflowError; 0 = cannot overflow)
     capacity: int = 0  # distinct keys per device per (micro-)batch, all tables together
     bucket_capacity: int = 0  # keys one device asks of one owner per batch (sync, dbp, semi_sync)
@@ -62,7 +66,8 @@ class Config:
     runs: int = 1  # timing runs, each with a fresh warm-up and auto probe (--set runs=3)
     auto: bool = True  # probe the exact pipelines and time the fastest as "auto"
     probe_rounds: int = 3
-    probe_steps: int = 4
+    probe_steps: int = 0  # steps per probe call; 0 = timing_steps (short probes favour sync: a
+    # pipeline's fill / drain is a larger share of a short run)
     # the frozen window's All2Alls: auto | per_micro_batch | batched (sharded.FROZEN_EXCHANGES)
     frozen_exchange: str = "auto"
     # write the simulator's calibration file here (nestpipe_scale reads it; see its config)
@@ -72,17 +77,22 @@ class Config:
         bad = [p for p in self.pipelines if p not in PIPELINE_NAMES]
         if bad:
             raise ValueError(f"pipelines {bad}; valid: {', '.join(PIPELINE_NAMES)}")
-        if self.runs < 1 or self.pairs < 1 or self.probe_rounds < 1 or self.probe_steps < 1:
+        if self.runs < 1 or self.pairs < 1 or self.probe_rounds < 1 or self.probe_steps < 0:
             raise ValueError(f"runs={self.runs}, pairs={self.pairs}, probe_rounds="
-                             f"{self.probe_rounds}, probe_steps={self.probe_steps}; each >= 1")
+                             f"{self.probe_rounds}, probe_steps={self.probe_steps}; need >= 1 "
+                             "(probe_steps >= 0)")
         if self.frozen_exchange not in ("auto", "per_micro_batch", "batched"):
             raise ValueError(f"frozen_exchange={self.frozen_exchange!r}; valid: auto, "
                              "per_micro_batch, batched")
         if self.cluster_method not in ("vote", "greedy"):
             raise ValueError(f"cluster_method={self.cluster_method!r}; valid: vote, greedy")
-        if self.devices < 1 or self.batch_size % (self.devices * self.micro_batches):
+        if self.devices is not None and (self.devices < 1 or
+                                         self.batch_size % (self.devices * self.micro_batches)):
             raise ValueError(f"batch_size={self.batch_size} not divisible by devices={self.devices}"
                              f" x micro_batches={self.micro_batches}")
+        if self.batch_size % self.micro_batches:
+            raise ValueError(f"batch_size={self.batch_size} not divisible by micro_batches="
+                             f"{self.micro_batches}")
 
 
 def _quick() -> Config:  # capacities ~1.5x the maxima seen over the run's batches

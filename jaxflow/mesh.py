@@ -36,6 +36,43 @@ class MeshError(ValueError):
     """A mesh that cannot be built from the devices at hand, or conflicting sharding rules."""
 
 
+#: Fake CPU devices the runner creates for an experiment whose config declares ``devices=None``
+#: ("every device present"): on a CPU-only machine its multi-device meshes still have 8 devices.
+CPU_FAKE_DEVICES = 8
+
+
+def experiment_devices(wanted: int | None,
+                       devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+    """The devices an experiment's meshes span: every one of ``devices`` (default
+    ``jax.devices()``) when ``wanted`` is None, else the first ``wanted``.
+
+    Raises:
+      MeshError: ``wanted`` is not a positive int or exceeds the devices present.
+    """
+    have = list(jax.devices() if devices is None else devices)
+    if wanted is None:
+        return have
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+        raise MeshError(f"devices={wanted!r}; valid: an integer >= 1, or none (every device)")
+    if wanted > len(have):
+        platform = have[0].platform if have else "no"
+        raise MeshError(f"devices={wanted}, but {len(have)} {platform} device(s) are available; "
+                        f"valid: 1..{len(have)} or devices=none (every device present)")
+    return have[:wanted]
+
+
+def require_divisible(name: str, value: int, n_devices: int, factor: int = 1,
+                      factor_name: str = "") -> None:
+    """Raises MeshError unless ``value`` (a config field such as ``batch_size``) is divisible by
+    ``n_devices * factor``, naming the resolved device count and the valid values."""
+    step = n_devices * factor
+    if value % step:
+        by = f"{n_devices} devices" + (f" x {factor_name}={factor}" if factor_name else "")
+        raise MeshError(f"{name}={value} is not divisible by {by} = {step}; valid: a multiple of "
+                        f"{step} (e.g. --set {name}={max(step, value // step * step)}), or fewer "
+                        "devices (--set devices=N)")
+
+
 def resolve_axis_sizes(axes: Mapping[str, int], n_devices: int) -> dict[str, int]:
     """Fills in at most one ``-1`` axis size so the product equals ``n_devices``.
 
@@ -116,23 +153,26 @@ def role_meshes(
     return out
 
 
-def trainer_rollout_meshes(roles) -> tuple[dict, str]:
+def trainer_rollout_meshes(roles, devices: Sequence[jax.Device] | None = None
+                           ) -> tuple[dict, str]:
     """{"trainer", "rollout"} meshes and a description. Disjoint when there are >= 2 devices
     and ``roles.colocate`` is off; otherwise both roles use every device.
 
     Args:
       roles: any object with ``colocate: bool`` and ``rollout_devices: int`` (the RL configs'
         ``RolesConfig``); the trainer gets the remaining devices.
+      devices: the devices to split (default ``jax.devices()``).
     """
-    n = jax.device_count()
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
     if roles.colocate or n < 2:
-        mesh = make_mesh({"data": -1})
+        mesh = make_mesh({"data": -1}, devices)
         return {"trainer": mesh, "rollout": mesh}, f"colocated on {n} device(s)"
     r = roles.rollout_devices
     if not 1 <= r < n:
         raise ValueError(f"roles.rollout_devices={r} must be in [1, {n - 1}] with {n} devices "
                          "(or set roles.colocate=true)")
-    meshes = role_meshes({"trainer": n - r, "rollout": r})
+    meshes = role_meshes({"trainer": n - r, "rollout": r}, devices=devices)
     return meshes, f"disjoint: trainer {n - r} device(s), rollout {r} device(s)"
 
 

@@ -1,12 +1,16 @@
 """The experiment runner: ``python -m jaxflow.run --exp=NAME [--variant=quick] [--set k=v ...]``.
 
   --list                       every experiment, its description and variants
+  --dry-run                    resolve the config (overrides applied) and its meshes on the
+                               devices present, print them as one JSON line, run nothing
   --exp NAME --variant V       run configs/NAME.py's get_config(V)
   --set a.b=value              override a config field (repeatable), parsed as its type
   --out DIR|URI [--resume]     run directory, a path or a URI (file:///abs/dir, gs://bucket/dir;
                                default runs/NAME/<timestamp>); --resume continues the stopped run
                                in DIR from its latest checkpoint
-  --devices N                  N fake CPU devices (per process) on a CPU-only machine
+  --devices N                  N fake CPU devices (per process) on a CPU-only machine; on a
+                               GPU / TPU the meshes span the accelerators present (a config's
+                               ``devices=N`` field takes the first N)
   --coordinator HOST:PORT --num-processes N --process-id I
                                JAX multi-controller runtime (or --distributed-auto on TPU/SLURM)
   --peer-timeout S             a process whose peer is silent S seconds exits (default 60)
@@ -51,6 +55,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Run a jaxflow experiment.")
     p.add_argument("--list", action="store_true", help="list experiments and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="resolve the config and its meshes, print them, run nothing")
     p.add_argument("--exp", help="experiment name (see --list)")
     p.add_argument("--variant", default=None, help="quick | default | full (default: default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -219,13 +225,52 @@ def _supervised_worker(argv: list[str]):
 
 
 def default_devices(args: argparse.Namespace, config) -> int | None:
-    """``--devices``, else the experiment's own ``devices`` field (e.g. nestpipe's 8-device mesh)
-    for a single-process run, so ``--exp=NAME --variant=quick`` runs as written on a CPU; the
-    count only creates fake CPU devices, an accelerator backend is untouched."""
+    """``--devices``, else the experiment's own ``devices`` field for a single-process run, so
+    ``--exp=NAME --variant=quick`` runs as written on a CPU: an int N > 1 gives N fake CPU
+    devices, ``None`` (a multi-device experiment that spans every device present) gives
+    :data:`jaxflow.mesh.CPU_FAKE_DEVICES`. The count only creates fake CPU devices; on a GPU / TPU
+    backend the meshes span the accelerators present (see :func:`resolve_meshes`)."""
+    from jaxflow.mesh import CPU_FAKE_DEVICES
+
     if args.devices is not None or args.coordinator is not None or args.distributed_auto:
         return args.devices
-    wanted = getattr(config, "devices", None)
+    if not hasattr(config, "devices"):
+        return None
+    wanted = config.devices
+    if wanted is None:
+        return CPU_FAKE_DEVICES
     return wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 1 else None
+
+
+def resolve_meshes(spec, config, devices: Sequence | None = None) -> dict:
+    """Every mesh the experiment ``spec`` would build from ``config`` on ``devices`` (default
+    ``jax.devices()``), built without running anything: the driver's own
+    ``resolve_meshes(config, devices)`` when it has one, else the config's ``mesh``
+    (:class:`~jaxflow.mesh.MeshConfig`) and ``roles`` (trainer / rollout) fields. ``{}`` for an
+    experiment with neither (it runs on one device or on all of them).
+
+    Raises:
+      MeshError / ValueError / ConfigError: the devices cannot form a mesh the config asks for
+        (e.g. a batch size not divisible by the resolved device count), naming the values.
+    """
+    import importlib
+
+    import jax
+    from jaxflow.mesh import trainer_rollout_meshes
+
+    devices = list(jax.devices() if devices is None else devices)
+    driver = importlib.import_module(spec.entry.partition(":")[0])
+    hook = getattr(driver, "resolve_meshes", None)
+    if hook is not None:
+        return dict(hook(config, devices))
+    out = {}
+    mesh_cfg = getattr(config, "mesh", None)
+    if mesh_cfg is not None and hasattr(mesh_cfg, "make"):
+        out["mesh"] = mesh_cfg.make(devices)
+    roles = getattr(config, "roles", None)
+    if roles is not None and hasattr(roles, "colocate"):
+        out.update(trainer_rollout_meshes(roles, devices)[0])
+    return out
 
 
 def _main(argv: list[str]) -> int:
@@ -267,12 +312,18 @@ def _main(argv: list[str]) -> int:
 
     import jax
 
-    mesh_cfg = getattr(config, "mesh", None)
-    if mesh_cfg is not None and hasattr(mesh_cfg, "sizes"):
-        try:
-            mesh_cfg.sizes(jax.device_count())
-        except MeshError as e:
-            raise UsageError(f"{e} (set --devices or --set mesh.shape=...)") from None
+    try:
+        meshes = resolve_meshes(spec, config, jax.devices())
+    except (MeshError, ValueError) as e:
+        raise UsageError(f"{e} (set --devices, --set devices=N or --set mesh.shape=...)") from None
+    if args.dry_run:
+        from jaxflow.experiment import to_jsonable
+
+        print(json.dumps({"experiment": name, "variant": variant, "overrides": overrides,
+                          "backend": jax.default_backend(), "device_count": jax.device_count(),
+                          "meshes": {k: dict(m.shape) for k, m in meshes.items()},
+                          "config": to_jsonable(config)}))
+        return 0
 
     out_dir = _out_dir(out, name, started)
     if out is None:

@@ -12,10 +12,14 @@ declared device kind: the export runs under an abstract mesh whose device is
 * ``tpu_bytes``: in + out + scratch blocks, each x2 (double buffering; scratch counted twice
   as a conservative bound), refs with ``memory_space=pl.ANY`` excluded (they stay in HBM).
   Budget ``TPU_VMEM_BUDGET`` (16 MiB: fits every TPU generation's VMEM).
-* ``triton_bytes``: what a Triton program holds: its in and out blocks (``pl.ANY`` refs, plain
-  pointers, excluded) plus every value loaded from a ref, every loop carry and every dot
-  result in the kernel body (each counted once; blocks and their loads both: an
-  over-estimate). Budget ``GPU_SMEM_BUDGET`` (227 KiB per block on H100/H200).
+* ``triton_bytes``: what a Triton program holds at once. A Triton block is a pointer with
+  offsets, not a copy, so blocks themselves cost nothing; the program holds the values it
+  loads from refs, the values it stores, its loop carries and its dot results, from the
+  equation that makes each until its last use (a liveness scan per scope); while a loop
+  runs, the peak of its body is added. Sibling loops therefore never count together (flash
+  attention's backward runs a dK/dV loop and then a dQ loop). Elementwise temporaries are
+  left out (Triton fuses them into registers). Budget
+  ``GPU_SMEM_BUDGET`` (227 KiB per block on H100/H200).
 """
 
 from __future__ import annotations
@@ -113,22 +117,38 @@ def _sub_jaxprs(params):
                 yield x
 
 
-def _body_values(jaxpr, seen: set) -> int:
-    """Bytes of loads, loop carries and dot results in a kernel body (each value once)."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        prim = eqn.primitive.name
-        outs = []
-        if prim in ("get", "load", "dot_general") or prim in ("while", "scan"):
-            outs = eqn.outvars
-        for v in outs:
-            aval = v.aval
-            if id(v) not in seen and hasattr(aval, "shape"):
-                seen.add(id(v))
-                total += _nbytes(aval.shape, aval.dtype)
-        for sub in _sub_jaxprs(eqn.params):
-            total += _body_values(sub, seen)
-    return total
+_LOADS = ("get", "load", "masked_load")
+_STORES = ("swap", "store", "masked_swap")
+_HELD = (*_LOADS, "dot_general", "while", "scan")
+
+
+def _body_values(jaxpr) -> int:
+    """Peak bytes held by a kernel scope (see the module docstring): a linear liveness scan
+    over its loads, stored values, loop carries and dot results, where an equation with
+    nested scopes (a loop body) adds the largest of them while it runs."""
+    eqns = jaxpr.eqns
+    stored = {eqn.invars[1] for eqn in eqns
+              if eqn.primitive.name in _STORES and len(eqn.invars) > 1}
+    last_use: dict = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if hasattr(v, "aval") and not hasattr(v, "val"):  # a Var, not a Literal
+                last_use[v] = i
+    for v in jaxpr.outvars:
+        if hasattr(v, "aval") and not hasattr(v, "val"):
+            last_use[v] = len(eqns)
+    live: dict = {}
+    peak = 0
+    for i, eqn in enumerate(eqns):
+        held = eqn.primitive.name in _HELD
+        outs = {v: _nbytes(v.aval.shape, v.aval.dtype) for v in eqn.outvars
+                if hasattr(v.aval, "shape") and (held or v in stored)}
+        nested = max((_body_values(sub) for sub in _sub_jaxprs(eqn.params)), default=0)
+        peak = max(peak, sum(live.values()) + nested + sum(outs.values()))
+        live.update(outs)
+        for v in [v for v in live if last_use.get(v, -1) <= i]:
+            del live[v]
+    return peak
 
 
 def _footprint(eqn) -> KernelFootprint:
@@ -158,9 +178,7 @@ def _footprint(eqn) -> KernelFootprint:
             tpu += 2 * _nbytes(shape, dtype)
     kernel = eqn.params["jaxpr"]
     kernel = getattr(kernel, "jaxpr", kernel)
-    triton = _body_values(kernel, set()) + sum(
-        _nbytes(shape, dtype) for role, shape, dtype, in_hbm in blocks
-        if not in_hbm and role != "scratch")
+    triton = _body_values(kernel)
     name = eqn.params.get("name") or getattr(eqn.params.get("metadata"), "name", "")
     return KernelFootprint(str(name or "pallas_call"), tuple(int(g) for g in gm.grid),
                            tuple(blocks), tpu, triton)

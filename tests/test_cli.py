@@ -1,5 +1,6 @@
 """The runner's CLI: --list, overrides, and every user error -> exit 2 with one line."""
 
+import dataclasses
 import json
 
 import pytest
@@ -82,7 +83,10 @@ def test_experiment_devices_field_is_the_default_device_count():
 
     config = nestpipe.get_config("quick")
     parse = runner.build_parser().parse_args
-    assert runner.default_devices(parse(["--exp=nestpipe"]), config) == config.devices == 8
+    assert config.devices is None  # every device present; 8 fake ones on a CPU
+    assert runner.default_devices(parse(["--exp=nestpipe"]), config) == 8
+    pinned = dataclasses.replace(config, devices=4)
+    assert runner.default_devices(parse(["--exp=nestpipe"]), pinned) == 4
     assert runner.default_devices(parse(["--exp=nestpipe", "--devices=2"]), config) == 2
     multi = parse(["--exp=nestpipe", "--coordinator=127.0.0.1:1", "--num-processes=2",
                    "--process-id=0"])

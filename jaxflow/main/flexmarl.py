@@ -101,11 +101,24 @@ def engine_benchmark(config, wf, meshes, params, run) -> dict:
     return out
 
 
+def _workflow(config):
+    return solver_verifier_workflow(config.solver, config.verifier, group_size=config.group_size,
+                                    max_digits=config.max_digits,
+                                    solver_tokens=config.solver_tokens,
+                                    verifier_tokens=config.verifier_tokens)
+
+
+def resolve_meshes(config, devices=None) -> dict:
+    """``{"AGENT/ROLE": mesh}`` (roles ``trainer`` / ``rollout``) on ``devices``, a prefix of
+    ``jax.devices()`` (default: all of them, so the accelerators present), split agent-centrically
+    by :func:`~jaxflow.marl.meshes.agent_centric_meshes`."""
+    n_dev = len(jax.devices() if devices is None else devices)
+    meshes = agent_centric_meshes(_workflow(config), n_dev)
+    return {f"{a}/{role}": m for a, by_role in meshes.items() for role, m in by_role.items()}
+
+
 def main(config, run) -> dict:
-    wf = solver_verifier_workflow(config.solver, config.verifier, group_size=config.group_size,
-                                  max_digits=config.max_digits,
-                                  solver_tokens=config.solver_tokens,
-                                  verifier_tokens=config.verifier_tokens)
+    wf = _workflow(config)
     n_dev = len(jax.devices())
     meshes = agent_centric_meshes(wf, n_dev)
     runtimes = {a.name: AgentRuntime(a, wf, meshes[a.name], config.optim,
@@ -150,7 +163,7 @@ def main(config, run) -> dict:
         for fn in modes.values():
             fn(2)
         seed = config.seed * 1000 + rep
-        auto = (choose_mode({m: timed(m, config.probe_steps, keep=False) for m in candidates},
+        auto = (choose_mode({m: timed(m, config.probe_steps or config.steps, keep=False) for m in candidates},
                             rounds=config.probe_rounds, warmup=0, baseline="sync", seed=seed)
                 if config.auto else None)
         timed_modes = {m: timed(m, config.steps) for m in modes}

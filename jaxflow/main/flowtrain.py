@@ -18,9 +18,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxflow.experiment import RunContext
-from jaxflow.flow.allocator import allocate, candidates, measure_throughput
+from jaxflow.flow.allocator import (Allocation, ParallelConfig, allocate, candidates,
+                                    measure_throughput)
 from jaxflow.flow.batching import (PackingConfig, encoder_image_base, encoder_patches,
                                    layout_rows, pooled_image_base)
 from jaxflow.flow.decoupled import DecoupledTrainer, put_replicated, put_rows
@@ -29,7 +31,7 @@ from jaxflow.flow.monolithic import MonolithicTrainer
 from jaxflow.flow.packing import CostModel
 from jaxflow.flow.steps import Sides, build_sides, eval_correct, make_backbone_step, make_encoder_fns
 from jaxflow.flow.vlm import bucket, resolve_backend
-from jaxflow.mesh import role_meshes
+from jaxflow.mesh import MeshError, experiment_devices, make_mesh, role_meshes
 from jaxflow.models.transformer import param_count
 
 MODES = ("monolithic_padded", "monolithic_packed", "decoupled")
@@ -39,11 +41,52 @@ def _host_copy(state: dict) -> dict:
     return jax.tree.map(np.array, state)
 
 
-def _split_meshes(encoder: int, backbone: int, model: int = 1):
-    """Disjoint sub-meshes: encoder data-parallel; backbone data x model (tensor) parallel."""
+def _split_meshes(encoder: int, backbone: int, model: int = 1, devices=None):
+    """Disjoint sub-meshes: encoder data-parallel; backbone data x model (tensor) parallel.
+    On a single device both sides share it (colocated)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) == 1:
+        mesh = make_mesh({"data": 1}, devices)
+        return {"encoder": mesh, "backbone": mesh}
     return role_meshes({"encoder": encoder, "backbone": backbone},
                        axes={"encoder": {"data": encoder},
-                             "backbone": {"data": backbone // model, "model": model}})
+                             "backbone": {"data": backbone // model, "model": model}},
+                       devices=devices)
+
+
+def split_candidates(config, n_dev: int) -> tuple[list[ParallelConfig], list[ParallelConfig]]:
+    """(encoder, backbone) allocator candidates on ``n_dev`` devices: the configured encoder
+    counts that leave the backbone a device; on one device the single colocated pair.
+
+    Raises:
+      MeshError: no configured encoder count fits ``n_dev`` devices.
+    """
+    if n_dev == 1 and not config.flow.encoder_devices:
+        return [ParallelConfig(1)], [ParallelConfig(1)]
+    if config.flow.encoder_devices:
+        return candidates(n_dev, [config.flow.encoder_devices], (1,))
+    fit = [e for e in config.allocator.encoder_candidates if 1 <= e < n_dev]
+    if not fit:
+        raise MeshError(f"allocator.encoder_candidates={config.allocator.encoder_candidates}: none "
+                        f"leaves the backbone a device of {n_dev}; valid: counts in 1..{n_dev - 1}")
+    return candidates(n_dev, fit, config.allocator.backbone_model_degrees)
+
+
+def resolve_meshes(config, devices=None) -> dict[str, Mesh]:
+    """Every mesh the experiment builds on ``devices`` (default ``jax.devices()``; the first
+    ``config.devices`` when set): ``monolithic`` (``config.mesh``) and, per allocator candidate
+    split ``E+B`` (``B`` = data x model), ``encoder/E+B`` and ``backbone/E+B``."""
+    have = experiment_devices(config.devices, devices)
+    out = {"monolithic": config.mesh.make(have)}
+    enc_c, bb_c = split_candidates(config, len(have))
+    for e in enc_c:
+        for b in bb_c:
+            if len(have) > 1 and b.devices != len(have) - e.devices:
+                continue
+            meshes = _split_meshes(e.devices, b.devices, b.model, have)
+            out[f"encoder/{e}+{b}"] = meshes["encoder"]
+            out[f"backbone/{e}+{b}"] = meshes["backbone"]
+    return out
 
 
 def profile_sides(config, sides: Sides, enc_host: dict, bb_host: dict, samples: list,
@@ -134,13 +177,14 @@ def _persistent_compile_cache(run: RunContext) -> None:
 def main(config, run: RunContext) -> dict[str, Any]:
     _persistent_compile_cache(run)
     tc = config.train
-    n_dev = jax.device_count()
+    devices = experiment_devices(config.devices)
+    n_dev = len(devices)
     backend = resolve_backend(config.flow.attention)
     cost = CostModel.for_width(config.model.d_model, config.packing.encoder_cost_per_patch)
     total_steps = (tc.warmup_rounds + tc.rounds) * tc.block_steps
     steps = [(k, step_samples(config.data, seed=config.seed, step=k, batch_size=tc.batch_size))
              for k in range(total_steps)]
-    full = config.mesh.make()
+    full = config.mesh.make(devices)
     mono_sides = build_sides(config.vit, config.model, full, full, config.optim, total_steps,
                              backend)
     enc0, bb0 = mono_sides.init(jax.random.key(config.seed))
@@ -154,21 +198,17 @@ def main(config, run: RunContext) -> dict[str, Any]:
 
     def sides_for(e: int, b: int, model: int) -> Sides:
         if (e, b, model) not in split_sides:
-            meshes = _split_meshes(e, b, model)
+            meshes = _split_meshes(e, b, model, devices)
             split_sides[(e, b, model)] = build_sides(
                 config.vit, config.model, meshes["encoder"], meshes["backbone"], config.optim,
                 total_steps, backend)
         return split_sides[(e, b, model)]
 
     profile_rows = []
-    if config.flow.encoder_devices:
-        enc_c, bb_c = candidates(n_dev, [config.flow.encoder_devices], (1,))
-    else:
-        enc_c, bb_c = candidates(n_dev, config.allocator.encoder_candidates,
-                                 config.allocator.backbone_model_degrees)
+    enc_c, bb_c = split_candidates(config, n_dev)
     enc_prof, bb_prof = {}, {}
     for e in enc_c:
-        for b in [b for b in bb_c if b.devices == n_dev - e.devices]:
+        for b in [b for b in bb_c if n_dev == 1 or b.devices == n_dev - e.devices]:
             sides = sides_for(e.devices, b.devices, b.model)
             te, tb = profile_sides(config, sides, enc_host, bb_host, steps[0][1], cost)
             enc_prof[e] = max(enc_prof.get(e, 0.0), te)
@@ -176,7 +216,11 @@ def main(config, run: RunContext) -> dict[str, Any]:
             profile_rows.append({"encoder": str(e), "backbone": str(b),
                                  "encoder_samples_per_s": te, "backbone_samples_per_s": tb})
             run.info(f"profile encoder {e} {te:.1f} samples/s | backbone {b} {tb:.1f} samples/s")
-    alloc = allocate(enc_prof, bb_prof, n_dev)
+    if n_dev == 1:  # colocated: nothing to choose
+        (e, te), (b, tb) = next(iter(enc_prof.items())), next(iter(bb_prof.items()))
+        alloc = Allocation(e, b, float(te), float(tb))
+    else:
+        alloc = allocate(enc_prof, bb_prof, n_dev)
     run.info(f"allocator: encoder {alloc.encoder}, backbone {alloc.backbone}, predicted "
              f"{alloc.predicted_samples_per_s:.1f} samples/s (pipelined), "
              f"{alloc.predicted_serial_samples_per_s:.1f} (serial)")
@@ -256,6 +300,7 @@ def main(config, run: RunContext) -> dict[str, Any]:
             "encoder_devices": alloc.encoder.devices,
             "backbone_devices": alloc.backbone.devices,
             "backbone_model_degree": alloc.backbone.model,
+            "colocated": n_dev == 1,
             "predicted_samples_per_s": alloc.predicted_samples_per_s,
             "predicted_serial_samples_per_s": alloc.predicted_serial_samples_per_s,
             "measured_samples_per_s": samples_per_s["decoupled"],

@@ -1,6 +1,7 @@
 """The ``nestpipe`` experiment: every pipeline for K steps from the same host tables and DLRM,
-data-parallel on a mesh of ``config.devices`` devices with the tables split row-wise over the
-same shards (keys routed and rows returned by All2All; ``sharded.py``).
+data-parallel on a mesh of the devices present (or the first ``config.devices``) with the
+tables split row-wise over the same shards (keys routed and rows returned by All2All;
+``sharded.py``).
 
 Exactness: params and tables after K steps vs ``sync`` (max relative difference = max |x - x_sync|
 / max |x_sync| over all dense params and tables together), and for the frozen window the
@@ -28,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.embeddings import TableSpec, make_sparse_optimizer
 from jaxflow.embeddings.host import HostTable
-from jaxflow.config import ConfigError
 from jaxflow.experiment import RunContext, to_jsonable
+from jaxflow.mesh import experiment_devices, require_divisible
 from jaxflow.nestpipe.clustering import CLUSTER_METHODS, shard_micro_batch_transfers
 from jaxflow.nestpipe.pipelines import PIPELINES, STAGES, Parts, run_pipeline
 from jaxflow.nestpipe.sharded import AXIS, MeshStages
@@ -45,13 +46,26 @@ from jaxflow.timing import choose_mode, median_of_runs, paired_rounds
 AUTO_CANDIDATES = ("sync", "dbp", "fwp", "dbp+fwp")
 
 
-def make_mesh(devices: int) -> Mesh:
-    """A 1-D mesh over the first ``devices`` devices (axis ``"data"``)."""
-    have = jax.devices()
-    if devices < 1 or devices > len(have):
-        raise ConfigError(f"devices={devices}, but {len(have)} {jax.default_backend()} device(s) "
-                          "are available; on a CPU-only machine pass --devices=8")
-    return Mesh(np.array(have[:devices]), (AXIS,))
+def resolve_meshes(config, devices=None) -> dict[str, Mesh]:
+    """``{"data": mesh}``: a 1-D mesh (axis ``"data"``) over every device present, or the first
+    ``config.devices``; the batch must split into ``micro_batches`` per device.
+
+    Raises:
+      MeshError: too few devices, or ``batch_size`` not divisible by devices x micro_batches.
+    """
+    have = experiment_devices(config.devices, devices)
+    require_divisible("batch_size", config.batch_size, len(have), config.micro_batches,
+                      "micro_batches")
+    return {"data": Mesh(np.array(have), (AXIS,))}
+
+
+def capacities(config, n_devices: int) -> dict[str, int]:
+    """The routing capacities for ``n_devices``: the config's when they were measured on that
+    count (``capacity_devices``), else 0 each (worst-case sizes; cannot overflow)."""
+    names = ("capacity", "bucket_capacity", "micro_bucket_capacity", "owner_capacity")
+    if n_devices == config.capacity_devices:
+        return {k: getattr(config, k) for k in names}
+    return dict.fromkeys(names, 0)
 
 
 def build(config):
@@ -70,7 +84,8 @@ def build(config):
                         bottom=config.bottom, top=config.top)
     params, apply = functional(model)
     tx = optax.adam(config.dense_lr)
-    mesh = make_mesh(config.devices)
+    mesh = resolve_meshes(config)["data"]
+    caps = capacities(config, mesh.devices.size)
     dense = jax.device_put({"params": params, "opt": tx.init(params), "step": np.int32(0)},
                            NamedSharding(mesh, PartitionSpec()))
     programs = {}
@@ -81,10 +96,10 @@ def build(config):
         if n not in programs:
             programs[n] = MeshStages(specs, mesh, opt, apply, tx, batch_size=config.batch_size,
                                      multi_hot=config.multi_hot, micro_batches=n,
-                                     capacity=config.capacity,
-                                     bucket_capacity=(config.micro_bucket_capacity if n > 1
-                                                      else config.bucket_capacity),
-                                     owner_capacity=config.owner_capacity,
+                                     capacity=caps["capacity"],
+                                     bucket_capacity=(caps["micro_bucket_capacity"] if n > 1
+                                                      else caps["bucket_capacity"]),
+                                     owner_capacity=caps["owner_capacity"],
                                      frozen_exchange=config.frozen_exchange)
         return Parts(gen, specs, tables, programs[n], config.batch_size,
                      cluster=frozen and config.cluster and n > 1,
@@ -167,6 +182,10 @@ def evaluate(config, gen, apply, dense, tables, specs) -> dict:
 
 def main(config, run: RunContext) -> dict:
     gen, specs, tables0, dense0, apply, parts_for = build(config)
+    n_dev = len(resolve_meshes(config)["data"].devices.flat)
+    if capacities(config, n_dev)["capacity"] != config.capacity:
+        run.info(f"{n_dev} devices: the capacities measured on {config.capacity_devices} do not "
+                 "apply; using the worst-case sizes (cannot overflow)")
     pipelines = ("sync",) + tuple(p for p in config.pipelines if p != "sync")
     # 1. exactness and quality: K steps each from the same start
     # ``sync`` first; every other pipeline is compared as soon as it finishes (one snapshot of
@@ -204,7 +223,7 @@ def main(config, run: RunContext) -> dict:
         for p in pipelines:
             train(config, p, tables0, dense0, parts_for, config.warmup)  # compile + warm caches
         seed = config.seed * 1000 + r
-        auto = (choose_mode({p: timed(p, config.probe_steps, keep=False) for p in candidates},
+        auto = (choose_mode({p: timed(p, config.probe_steps or config.timing_steps, keep=False) for p in candidates},
                             rounds=config.probe_rounds, warmup=0, baseline="sync", seed=seed)
                 if config.auto else None)
         modes = {p: timed(p, config.timing_steps) for p in pipelines}
@@ -230,10 +249,10 @@ def main(config, run: RunContext) -> dict:
     plain, clustered = 0, {m: 0 for m in CLUSTER_METHODS}
     for t in range(min(config.steps, 20)):
         sp = gen.batch(t, config.batch_size)["sparse"]
-        plain += shard_micro_batch_transfers(sp, config.devices, config.micro_batches)
+        plain += shard_micro_batch_transfers(sp, n_dev, config.micro_batches)
         for m in CLUSTER_METHODS:
-            order = cluster_order(sp, config.devices, config.micro_batches, m)
-            clustered[m] += shard_micro_batch_transfers(sp, config.devices,
+            order = cluster_order(sp, n_dev, config.micro_batches, m)
+            clustered[m] += shard_micro_batch_transfers(sp, n_dev,
                                                         config.micro_batches, order)
     summary = {
         # median over runs of each run's paired median; every run's figure and every pair kept
@@ -255,10 +274,10 @@ def main(config, run: RunContext) -> dict:
         "sync_step_vs_sum_of_stages": med([s["step_seconds"] for s in timing["sync"]]) / sum(sync_stages),
         "patched_rows_per_step": {p: med([s["patched_rows"] for s in timing[p]]) for p in pipelines},
         "owner_rows_per_step": {p: [med([s["owner_rows"][q] for s in timing[p]])
-                                    for q in range(config.devices)] for p in pipelines},
+                                    for q in range(n_dev)] for p in pipelines},
         "capacities": {n: {"device": m.capacity, "bucket": m.bucket_capacity, "owner": m.owner_capacity}
                        for n, m in ((f"micro_batches={k}", v) for k, v in programs_of(parts_for).items())},
-        "devices": config.devices,
+        "devices": n_dev,
         "duplicate_transfer_reduction": 1.0 - clustered[config.cluster_method] / plain,
         "duplicate_transfer_reduction_by_method": {m: 1.0 - c / plain for m, c in clustered.items()},
         "micro_batch_rows_moved": {"unclustered": plain, **clustered},
@@ -272,6 +291,6 @@ def main(config, run: RunContext) -> dict:
     if config.calibration_out and run.is_primary:
         summary["calibration_written"] = write_calibration_from_run(
             config.calibration_out, summary | {"config": to_jsonable(config)},
-            experiment=run.name, variant=run.variant, devices=config.devices)
+            experiment=run.name, variant=run.variant, devices=n_dev)
         run.info(f"wrote calibration {summary['calibration_written']}")
     return summary
