@@ -24,6 +24,7 @@ class Config:
     codecs: tuple = ("dense", "coo", "gap", "entropy", "auto")
     timing_rounds: int = 10  # at 0.6%: every codec alternated this many times
     timing_rounds_other: int = 3
+    tight_rounds: int = 60  # host sender publish vs PULSE encode alone, back to back (0: off)
     bucket_elems: int = 1 << 26
     zstd_level: int = 3
 
@@ -33,11 +34,11 @@ def _quick() -> Config:
 
 
 def _default() -> Config:
-    return Config()  # 6 x 12.6M + 33.6M = 109M bf16 elements
+    return Config(tight_rounds=20)  # 6 x 12.6M + 33.6M = 109M bf16 elements
 
 
 def _full() -> Config:
-    return Config(d_model=2048, n_layers=8, vocab=50304, timing_rounds_other=2)
+    return Config(d_model=2048, n_layers=8, vocab=50304, timing_rounds_other=2, tight_rounds=20)
 
 
 get_config = Variants(quick=_quick, default=_default, full=_full)

@@ -4,8 +4,10 @@ Trainer and rollout sampler run on disjoint sub-meshes of the 8 fake CPU devices
 """
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,8 +15,9 @@ from jaxflow.checkpoint import Checkpointer, abstract_like
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.mesh import role_meshes
 from jaxflow.models.transformer import TransformerConfig
-from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer
+from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer, grpo_loss
 from jaxflow.rl.policy_loss import PolicyLossConfig
+from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.sync.replica import tree_digest
 from jaxflow.train.lm_state import OptimConfig, init_params
@@ -154,6 +157,80 @@ def test_resume_from_checkpoint_is_bit_identical(meshes, tmp_path):
     assert resumed == straight[2:]
 
 
+@dataclasses.dataclass(frozen=True)
+class HalfSolvedTask(StopTask):
+    """Prompts "a+b=": a < 5 scores 0 whatever the completion (an all-equal group, no signal);
+    otherwise 1 for an even-length completion (mixed groups)."""
+
+    name: str = "half"
+
+    def score(self, prompt, completion):
+        return 0.0 if int(prompt[0]) < 5 else float(len(completion) % 2 == 0)
+
+
+def test_dynamic_sampling_refills_the_rollout_with_groups_that_have_signal(meshes):
+    task = HalfSolvedTask()
+    trainer = _trainer(meshes, task=task, filter_groups=True, max_num_gen_batches=0)
+    state = trainer.init_state(_params(trainer))
+    batch, stats = trainer.generate_with_stats(state)
+    cfg = trainer.config
+    assert batch.rewards.shape == (cfg.rollout_size,) and len(batch.tokens) == cfg.rollout_size
+    groups = batch.rewards.reshape(cfg.prompts_per_rollout, cfg.group_size)
+    assert np.all(groups.std(axis=1) > 0)  # every kept group has signal
+    # about half the prompts are all-zero groups, so more than one generation batch was needed
+    assert stats["num_gen_batches"] > 1 and stats["kept_group_fraction"] < 1
+    unfiltered = trainer.worker.generate(trainer.rollout_params(state),
+                                         trainer.rollout_prompts(0), trainer._keys(state, 0)[0])
+    assert unfiltered.rewards.shape == (cfg.rollout_size,)
+    assert np.any(unfiltered.rewards.reshape(-1, cfg.group_size).std(axis=1) == 0)
+    # generation batch 0 is the unfiltered rollout: its groups with signal lead the batch
+    kept = np.flatnonzero(unfiltered.rewards.reshape(-1, cfg.group_size).std(axis=1) > 0)
+    np.testing.assert_array_equal(batch.tokens[:len(kept) * cfg.group_size],
+                                  unfiltered.tokens.reshape(-1, cfg.group_size,
+                                                            cfg.max_new_tokens)[kept]
+                                  .reshape(-1, cfg.max_new_tokens))
+
+
+def test_overlong_shaping_adds_the_length_penalty_to_the_score(meshes):
+    plain = _trainer(meshes, task=StopTask())
+    shaped = _trainer(meshes, task=StopTask(), overlong_buffer=OverlongBufferConfig(len=2))
+    params = _params(plain)
+    a = plain.generate(plain.init_state(params))
+    b, stats = shaped.generate_with_stats(shaped.init_state(params))
+    np.testing.assert_array_equal(a.tokens, b.tokens)  # same samples: shaping is reward-side
+    # max_new_tokens 3, buffer 2: length 1 -> 0, 2 -> -0.5, 3 -> -1
+    lengths = b.mask.sum(axis=1)
+    np.testing.assert_allclose(b.rewards - a.rewards, np.select(
+        [lengths == 1, lengths == 2, lengths == 3], [0.0, -0.5, -1.0], np.nan))
+    assert len(set(lengths.tolist())) > 1 and stats["score_mean"] == pytest.approx(a.rewards.mean())
+
+
+def test_rs_rejection_equals_removing_the_tokens_from_the_mask(meshes):
+    # RS rejects every token of rows 0 and 3 (pi_old / mu = e^-5 < 0.5): the policy loss, the
+    # KL and the entropy terms must equal those of the same loss (RS finding nothing to reject,
+    # mu = pi_old) on a mask without those rows
+    trainer = _trainer(meshes, kl_coef=0.1, entropy_coef=0.05,
+                       loss=PolicyLossConfig(correction="rs"))
+    state = trainer.init_state(_params(trainer))
+    mb = trainer.minibatches(trainer.generate(state))[0]
+    params, ref = state["policy"]["params"], _params(trainer, seed=3)
+    old = trainer._old_stats(params, ref, mb)
+    reject = np.zeros(mb.mask.shape[0], bool)
+    reject[[0, 3]] = True
+    loss_fn = jax.jit(functools.partial(grpo_loss, fns=trainer.fns, config=trainer.config))
+    rejected = jax.device_get(loss_fn(params, mb._replace(
+        behaviour_logp=jnp.where(reject[:, None], old.logp + 5.0, old.logp)), old,
+        key=jax.random.key(0)))[1]
+    masked = jax.device_get(loss_fn(params, mb._replace(
+        behaviour_logp=old.logp, mask=mb.mask * (~reject[:, None])), old,
+        key=jax.random.key(0)))[1]
+    assert rejected["rs_masked_fraction"] == pytest.approx(
+        float(mb.mask[reject].sum() / mb.mask.sum())) and masked["rs_masked_fraction"] == 0
+    for k in ("loss", "policy_loss", "kl", "entropy"):
+        np.testing.assert_allclose(rejected[k], masked[k], rtol=1e-6, err_msg=k)
+    assert rejected["kl"] > 0
+
+
 def test_config_errors_name_the_bad_value():
     with pytest.raises(ValueError, match="lag=3 must divide"):
         dataclasses.replace(BASE, lag=3)
@@ -161,3 +238,9 @@ def test_config_errors_name_the_bad_value():
         dataclasses.replace(BASE, mismatch="fp8")
     with pytest.raises(ValueError, match="kl_estimator"):
         dataclasses.replace(BASE, kl_estimator="k2")
+    with pytest.raises(ValueError, match=r"overlong_buffer.len=4 exceeds max_new_tokens=3"):
+        dataclasses.replace(BASE, overlong_buffer=OverlongBufferConfig(len=4))
+    with pytest.raises(ValueError, match=r"gen_batch_size=8 applies with filter_groups=True"):
+        dataclasses.replace(BASE, gen_batch_size=8)
+    with pytest.raises(ValueError, match=r"filter_groups_metric='score'; valid"):
+        dataclasses.replace(BASE, filter_groups_metric="score")

@@ -51,18 +51,28 @@ def test_grpo_clip_matches_hand_computation():
     assert 0 < clipped.mean() < 1
 
 
-def test_dapo_clip_higher_and_dual_clip():
+def test_dapo_clip_higher_and_default_dual_clip():
     log_w = jnp.log(jnp.array([[1.25, 1.25, 5.0]]))
     b = dict(logp=log_w - 1.0, old_logp=jnp.full((1, 3), -1.0), mask=jnp.ones((1, 3), bool),
              adv=jnp.array([[1.0, 1.0, -1.0]]), new_topk=None, old_topk=None, behaviour=None)
-    _, _, g_grpo = run(b, PolicyLossConfig(algo="grpo"))
-    _, _, g_dapo = run(b, PolicyLossConfig(algo="dapo"))
+    _, _, g_grpo = run(b, PolicyLossConfig(algo="grpo", dual_clip_c=None))
+    _, _, g_dapo = run(b, PolicyLossConfig(algo="dapo", dual_clip_c=None))
     # ratio 1.25 is clipped by grpo (1.2) but not by dapo (1.28)
     assert g_grpo[0, 0] == 0 and g_dapo[0, 0] == pytest.approx(-1.25 / 3, rel=1e-5)
-    loss, metrics, g_dual = run(b, PolicyLossConfig(algo="grpo", dual_clip_c=3.0))
-    assert g_dual[0, 2] == 0 and g_grpo[0, 2] == pytest.approx(5.0 / 3, rel=1e-5)
-    assert metrics["clip_fraction"] == 1.0  # two clipped, one dual-clipped
-    np.testing.assert_allclose(loss, (-1.2 - 1.2 + 3.0) / 3, rtol=1e-5)
+    # dual clip off: the A < 0 token at ratio 5 keeps its gradient -A r / n = 5 / 3
+    assert g_grpo[0, 2] == pytest.approx(5.0 / 3, rel=1e-5)
+    # the default (c = 3, verl's clip_ratio_c) caps its loss at -A c = 3: no gradient
+    assert PolicyLossConfig().dual_clip_c == 3.0 == PolicyLossConfig(algo="dapo").dual_clip
+    for cfg in (PolicyLossConfig(algo="grpo"), PolicyLossConfig(algo="dapo")):
+        loss, metrics, g_dual = run(b, cfg)
+        assert g_dual[0, 2] == 0
+        assert metrics["dual_clip_fraction"] == pytest.approx(1 / 3)
+        if cfg.algo == "grpo":  # losses -1.2, -1.2 (clipped), 3 (dual-clipped): mean 0.2
+            assert metrics["clip_fraction"] == 1.0
+            np.testing.assert_allclose(loss, (-1.2 - 1.2 + 3.0) / 3, rtol=1e-5)
+        else:  # dapo: -1.25, -1.25 (inside 1.28), 3: mean 1/6
+            assert metrics["clip_fraction"] == pytest.approx(1 / 3)
+            np.testing.assert_allclose(loss, (-1.25 - 1.25 + 3.0) / 3, rtol=1e-5)
 
 
 def test_gspo_token_form_equals_sequence_gspo():
@@ -141,7 +151,7 @@ def test_behaviour_weights_multiply_every_token(correction):
 
 
 @pytest.mark.parametrize("algo", ALGOS)
-@pytest.mark.parametrize("correction", ["none", "sis+tis", "sis+mis"])
+@pytest.mark.parametrize("correction", ["none", "sis+tis", "sis+mis", "sis+rs"])
 def test_masked_tokens_get_no_gradient_and_do_not_matter(algo, correction):
     b = make_batch(5, B=3, T=6, scale=1.0)
     mask = jnp.array([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]], bool)
@@ -212,7 +222,7 @@ def test_jit_with_static_config_matches_eager():
     (dict(algo="ppo"), r"unknown algo 'ppo'.*grpo"),
     (dict(correction="is"), r"unknown correction 'is'.*sis\+tis"),
     (dict(agg="mean"), r"unknown agg 'mean'.*token-mean"),
-    (dict(algo="gspo", dual_clip_c=3.0), r"dual_clip_c applies to"),
+    (dict(algo="gspo", dual_clip_c=5.0), r"dual_clip_c=5.0 applies to .*'gspo' has no dual"),
     (dict(dual_clip_c=0.5), r"dual_clip_c must be > 1"),
     (dict(mis_low=2.0, mis_high=1.0), r"mis_low < mis_high"),
 ])

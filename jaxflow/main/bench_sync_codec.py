@@ -8,12 +8,21 @@ encode (encode + to_bytes) and apply (from_bytes + apply) throughput in bf16 par
 per second, bit-exactness. In the same run: a plain memory copy of the tree and the PULSE-style
 baseline (baseline.py). Timings alternate all codecs round by round after a warm-up and report
 medians.
+
+Both sync paths of the trainer's ``SyncSender`` at codec ``auto`` run in the same rounds:
+``auto_sender`` (host numpy path; the base digest carried from the previous publish, as a
+sender holds it) and ``auto_device`` (the device path: cast, diff and compaction on the
+default device, only the changes cross to the host; its replica applies on the device), with
+the bytes each publish moves device -> host. ``auto`` is the stateless ``encode``, which
+digests the base tree on every call.
 """
 
 from __future__ import annotations
 
 import time
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -23,6 +32,7 @@ from jaxflow.sync.diff import diff_tree
 from jaxflow.sync.encoder import encode
 from jaxflow.sync.payload import Payload
 from jaxflow.sync.receiver import apply
+from jaxflow.sync.replica import SyncSender
 
 HEADLINE_DENSITY = 0.006
 BF16 = ml_dtypes.bfloat16
@@ -87,50 +97,126 @@ def _bit_equal(a: dict, b: dict) -> bool:
                for k in b)
 
 
+# Beside the stateless codecs: the trainer's own sender at codec "auto", on the host numpy
+# path and on the device path (jax arrays on the default device; XLA compaction on the CPU).
+SENDERS = {"auto_sender": "host", "auto_device": "device"}
+
+
 def _measure(old, new, codecs, rounds, config, memcpy_times=None):
-    """Alternates every codec (and the memcpy) round by round; returns per-codec results."""
+    """Alternates every codec (and the memcpy) round by round, the order rotated each round,
+    a round's encodes back to back and then its applies; returns per-codec results.
+
+    Even rounds encode old -> new, odd rounds new -> old (the same changes reversed), so the
+    senders -- one each, kept across rounds as a trainer keeps it, its base digest carried
+    from publish to publish -- publish a real next version every round."""
     nbytes = sum(v.nbytes for v in new.values())
-    old_bits = [bits.as_bits(old[k]) for k in sorted(old)]
-    new_bits = [bits.as_bits(new[k]) for k in sorted(new)]
+    trees = {"host": (old, new), "device": tuple(jax.tree.map(jnp.asarray, t)
+                                                 for t in (old, new))}
+    flat = [[bits.as_bits(t[k]) for k in sorted(t)] for t in (old, new)]
+    senders = {c: SyncSender(trees[path][0], codec="auto", path=path, copy=False)
+               for c, path in SENDERS.items() if c in codecs}  # copy=False: PULSE's arrays
+    for sender in senders.values():
+        sender.base_digest()  # carried from the previous publish in a trainer
     scratch = {k: np.empty_like(v) for k, v in new.items()} if memcpy_times is not None else None
     times = {c: {"encode": [], "apply": []} for c in codecs}
-    wire = {}
-    exact = {}
+    wire, exact, host_bytes = {}, {}, {}
     for r in range(rounds + 1):  # round 0 is the warm-up
+        a, b = (0, 1) if r % 2 == 0 else (1, 0)
         if scratch is not None:
             t0 = time.perf_counter()
             for k, v in new.items():
                 np.copyto(scratch[k], v)
             if r:
                 memcpy_times.append(time.perf_counter() - t0)
-        for codec in codecs:
+        # the order rotates round by round, so no codec always follows the same neighbour;
+        # all encodes of a round run back to back, then all applies
+        order = codecs[r % len(codecs):] + codecs[: r % len(codecs)]
+        blobs, versions = {}, {}
+        for codec in order:
+            path = SENDERS.get(codec)
+            base, target = trees[path or "host"][a], trees[path or "host"][b]
             t0 = time.perf_counter()
             if codec == "pulse":
-                blob = baseline.pulse_encode(old_bits, new_bits)
+                blob = baseline.pulse_encode(flat[a], flat[b])
+            elif path:
+                stats = senders[codec].publish(target, copy=False)
             else:
-                blob = encode(old, new, base_version=0, version=1, codec=codec,
+                blob = encode(base, target, base_version=0, version=1, codec=codec,
                               bucket_elems=config.bucket_elems,
                               zstd_level=config.zstd_level).to_bytes()
             t1 = time.perf_counter()
-            if codec == "pulse":
-                out_bits = baseline.pulse_apply(blob, old_bits)
-            else:
-                out = apply(Payload.from_bytes(blob), old, version=0)
-            t2 = time.perf_counter()
+            if path:
+                versions[codec] = senders[codec].version - 1
+                blob = senders[codec].chain_from(versions[codec])[0]
+                # the host path pulls every leaf whole when the params live on a device (the
+                # bench hands it host arrays: counted as that pull, in the tree's dtype)
+                host_bytes[codec] = stats.host_bytes if path == "device" else nbytes
+            blobs[codec] = blob
             if r:
                 times[codec]["encode"].append(t1 - t0)
+        for codec in order:
+            path = SENDERS.get(codec)
+            base, blob = trees[path or "host"][a], blobs.pop(codec)
+            t1 = time.perf_counter()
+            if codec == "pulse":
+                out_bits = baseline.pulse_apply(blob, flat[a])
+            elif path == "device":  # the replica scatters on its devices
+                out = apply(Payload.from_bytes(blob), base, version=versions[codec],
+                            on_device=True)
+                jax.block_until_ready(out)
+            else:
+                out = apply(Payload.from_bytes(blob), base, version=versions.get(codec, 0))
+            t2 = time.perf_counter()
+            if r:
                 times[codec]["apply"].append(t2 - t1)
             else:
                 wire[codec] = len(blob)
                 if codec == "pulse":
-                    exact[codec] = all(np.array_equal(a, b) for a, b in zip(out_bits, new_bits))
+                    exact[codec] = all(np.array_equal(x, y) for x, y in zip(out_bits, flat[b]))
                 else:
                     exact[codec] = _bit_equal(out, new)
+                if path:  # the senders make the stateless encoder's payload bytes
+                    exact[codec] &= blob == encode(old, new, base_version=0, version=1,
+                                                   codec="auto").to_bytes()
             del blob
-    return {c: {"bytes": wire[c], "bit_exact": exact[c],
+    return {c: {"bytes": wire[c], "bit_exact": exact[c], "host_bytes": host_bytes.get(c),
                 "encode_s": times[c]["encode"], "apply_s": times[c]["apply"],
                 "encode_gbps": nbytes / _median(times[c]["encode"]) / 1e9,
                 "apply_gbps": nbytes / _median(times[c]["apply"]) / 1e9} for c in codecs}
+
+
+def tight_pairs(old, new, rounds: int) -> dict:
+    """The host sender's publish and the PULSE encode alone, back to back (old -> new and
+    new -> old alternately, nothing else in between) for ``rounds`` pairs: min and median
+    milliseconds of each and the paired median of PULSE-time / sender-time."""
+    flat = [[bits.as_bits(t[k]) for k in sorted(t)] for t in (old, new)]
+    sender = SyncSender(old, codec="auto", path="host", copy=False)
+    sender.base_digest()
+    mine, theirs = [], []
+    for r in range(rounds + 1):
+        a, b = (0, 1) if r % 2 == 0 else (1, 0)
+        t0 = time.perf_counter()
+        sender.publish(new if b else old, copy=False)
+        t1 = time.perf_counter()
+        baseline.pulse_encode(flat[a], flat[b])
+        t2 = time.perf_counter()
+        if r:
+            mine.append(t1 - t0)
+            theirs.append(t2 - t1)
+    mine, theirs = np.asarray(mine), np.asarray(theirs)
+    return {"pairs": rounds, "sender_ms_min": 1e3 * mine.min(),
+            "sender_ms_median": 1e3 * float(np.median(mine)),
+            "pulse_ms_min": 1e3 * theirs.min(), "pulse_ms_median": 1e3 * float(np.median(theirs)),
+            "speedup_median": float(np.median(theirs / mine)),
+            "speedup_of_mins": float(theirs.min() / mine.min())}
+
+
+def _paired(headline, slow: str, fast: str = "pulse") -> dict:
+    """Per round (run back to back): ``fast`` time / ``slow`` time, i.e. the speedup of
+    ``slow``'s codec over ``fast``'s (>= 1: ``slow`` is at least as fast)."""
+    ratios = np.asarray(headline[fast]["encode_s"]) / np.asarray(headline[slow]["encode_s"])
+    return {"median": float(np.median(ratios)), "min": float(ratios.min()),
+            "max": float(ratios.max()), "pairs": int(ratios.size)}
 
 
 def main(config, run) -> dict:
@@ -141,7 +227,7 @@ def main(config, run) -> dict:
     n_elems = sum(w.size for w in weights.values())
     dense_bytes = 2 * n_elems
     run.info(f"tree: {len(shapes)} tensors, {n_elems / 1e6:.1f}M bf16 elements")
-    codecs = tuple(config.codecs) + ("pulse",)
+    codecs = tuple(config.codecs) + tuple(SENDERS) + ("pulse",)
     run.set_total_steps(len(config.densities), "densities")
     memcpy_times: list[float] = []
     by_density, headline = [], None
@@ -154,8 +240,10 @@ def main(config, run) -> dict:
         del diffs
         is_headline = abs(density - HEADLINE_DENSITY) < 1e-12
         rounds = config.timing_rounds if is_headline else config.timing_rounds_other
-        results = _measure(old, new, codecs, rounds, config,
-                           memcpy_times if is_headline else None)
+        # the sender paths (and their compiles) only at the headline density
+        results = _measure(old, new, codecs if is_headline else tuple(
+            c for c in codecs if c not in SENDERS), rounds, config,
+            memcpy_times if is_headline else None)
         for codec, res in results.items():
             row = {"density": density, "codec": codec, "changed_fraction": changed,
                    "bytes": res["bytes"], "ratio_vs_dense": dense_bytes / res["bytes"],
@@ -165,6 +253,7 @@ def main(config, run) -> dict:
             by_density.append(row)
         if is_headline:
             headline = results
+            tight = tight_pairs(old, new, config.tight_rounds) if config.tight_rounds else None
             headline_bound, headline_changed = bound, changed
         smallest = min(r["bytes"] for r in results.values())
         run.log(step + 1, {"density": density, "changed_fraction": changed,
@@ -193,11 +282,18 @@ def main(config, run) -> dict:
         "changed_fraction": headline_changed,
         "timing_rounds": config.timing_rounds,
     }
+    # Paired per round: pulse time / auto time. The trainer's sender carries its base digest
+    # from publish to publish; the stateless ``encode`` digests the base tree on every call.
+    summary["encode_speedup_auto_vs_pulse"] = _paired(headline, "auto_sender")
+    summary["encode_speedup_auto_device_vs_pulse"] = _paired(headline, "auto_device")
     if "auto" in headline:
-        # Paired per round (auto and pulse ran back to back): pulse time / auto time.
-        ratios = (np.asarray(headline["pulse"]["encode_s"])
-                  / np.asarray(headline["auto"]["encode_s"]))
-        summary["encode_speedup_auto_vs_pulse"] = {
-            "median": float(np.median(ratios)), "min": float(ratios.min()),
-            "max": float(ratios.max())}
+        summary["encode_speedup_auto_stateless_vs_pulse"] = _paired(headline, "auto")
+    summary["encode_tight_auto_vs_pulse"] = tight
+    summary["paths"] = {
+        path: {"encode_gbps": headline[c]["encode_gbps"], "apply_gbps": headline[c]["apply_gbps"],
+               "encode_ms": 1e3 * _median(headline[c]["encode_s"]),
+               "apply_ms": 1e3 * _median(headline[c]["apply_s"]),
+               "host_bytes_per_publish": headline[c]["host_bytes"],
+               "host_bytes_over_dense_bf16": headline[c]["host_bytes"] / dense_bytes}
+        for c, path in SENDERS.items()}
     return summary

@@ -120,6 +120,7 @@ def run_interval(every: int, config, run: RunContext, *, meshes, warm_params, tc
                          "changed_fraction": s.changed_fraction, "payload_bytes": s.payload_bytes,
                          "dense_bytes": s.dense_bytes, "ratio_vs_dense": s.ratio_vs_dense,
                          "bound_bytes": s.bound_bytes, "encode_s": s.encode_s,
+                         "path": s.path, "host_bytes": s.host_bytes,
                          "deliver_s": rec.deliver_s, "links": len(ws.links),
                          "bit_exact": rec.bit_exact and rollout_exact,
                          "served_exact": rollout_exact,
@@ -148,6 +149,8 @@ def _by_interval(rows: list[dict]) -> list[dict]:
                 "dense_bytes": sel[0]["dense_bytes"],
                 "bytes_over_bound_median": _median(r["bytes_over_bound"] for r in sel),
                 "encode_s_median": _median(r["encode_s"] for r in sel),
+                "path": sel[0]["path"],
+                "host_bytes_median": _median(r["host_bytes"] for r in sel),
                 "deliver_s_median": _median(r["deliver_s"] for r in sel),
                 "bit_exact_all": all(r["bit_exact"] for r in sel),
             })

@@ -1,9 +1,9 @@
-"""RL policy losses: GRPO / DAPO / GSPO / CISPO / SA-GCPO with SIS, TIS and MIS plug-in corrections.
+"""RL policy losses: GRPO / DAPO / GSPO / CISPO / SA-GCPO with SIS, TIS, MIS and RS plug-in corrections.
 
 Modules (one idea each):
   policy_loss   PolicyLossConfig and policy_loss (base algorithms, aggregation, metrics)
   sis           Selective Importance Sampling: envelope, acceptance test, ratio rewrite
-  corrections   behaviour-policy weights: TIS (truncated) and MIS (masked)
+  corrections   behaviour-policy corrections: TIS (truncated), MIS (masked), RS (rejection)
   advantages    GRPO group normalisation (with / without std), RLOO, SA-GCPO's target gate
   reward_mapping  unified reward: several business rewards -> one scalar, per-scenario weights
   logprobs      fused log-probs from hidden states + LM head, never holding [B, T, V] logits
@@ -28,7 +28,7 @@ Usage::
 from jaxflow.rl.advantages import (grpo_advantages, rloo_advantages, sa_gcpo_advantages,
                                    zero_positive_below_target)
 from jaxflow.rl.reward_mapping import unified_reward
-from jaxflow.rl.corrections import mis_weights, tis_weights
+from jaxflow.rl.corrections import mis_weights, rs_keep_mask, tis_weights
 from jaxflow.rl.logprobs import FusedLogprobsOutput, LogprobBackend, fused_logprobs
 from jaxflow.rl.policy_loss import (AGGS, ALGOS, CORRECTIONS, DEFAULT_CLIP_EPS,
                                     PolicyLossConfig, policy_loss, sapo_gate)
@@ -46,7 +46,7 @@ __all__ = [
     "AGGS", "ALGOS", "CORRECTIONS", "DEFAULT_CLIP_EPS",
     "PolicyLossConfig", "policy_loss", "sapo_gate",
     "sis_accept", "sis_log_envelope", "sis_log_ratio", "sis_uniforms",
-    "tis_weights", "mis_weights",
+    "tis_weights", "mis_weights", "rs_keep_mask",
     "grpo_advantages", "rloo_advantages", "sa_gcpo_advantages", "zero_positive_below_target",
     "unified_reward",
     "fused_logprobs", "FusedLogprobsOutput", "LogprobBackend",

@@ -19,10 +19,11 @@ Design
   ``seq-mean-token-sum`` over the draw's ``batch`` responses, so its target is g itself:
   - ``seq_is``: ``mean_i prod_t w_it * A_i * sum_t grad log pi``. Unbiased for g; the reference.
   - ``token_is`` (algo "token_is", correction none): ``sum_t w_t A grad log pi_t``
-    (library grpo with the clip disabled). Per-token unbiased for the token's own choice, but
+    (library grpo with the clip and the dual clip disabled). Per-token unbiased for the token's own choice, but
     the prefix and the future come from mu: biased for g, to first order in the policy gap.
   - algo grpo / dapo / gspo / cispo, correction none: the library's clipped surrogates (grpo
-    0.2/0.2, dapo 0.2/0.28, gspo sequence ratio with 3e-4/4e-4, cispo truncation at 1.28).
+    0.2/0.2, dapo 0.2/0.28, both with the default dual clip c = 3; gspo sequence ratio with
+    3e-4/4e-4, cispo truncation at 1.28).
     Clipping / truncation adds bias and removes variance.
   - algo sa_gcpo (correction none / sis): OxygenREC's soft gate
     ``sigmoid(tau (r - 1)) * 4 / tau`` (tau 2 / 5 for A > 0 / < 0) in place of the clip, with
@@ -109,8 +110,8 @@ def estimator_specs(cfg) -> list[tuple[str, str, PolicyLossConfig | None]]:
                   mis_high=cfg.mis_high)
     specs: list[tuple[str, str, PolicyLossConfig | None]] = [("seq_is", "seq_is", None)]
     for algo in BASE_ALGOS:
-        kw = dict(algo="grpo", clip_eps_low=INF, clip_eps_high=INF) if algo == "token_is" \
-            else dict(algo=algo)
+        unclipped = dict(algo="grpo", clip_eps_low=INF, clip_eps_high=INF, dual_clip_c=None)
+        kw = unclipped if algo == "token_is" else dict(algo=algo)
         for correction in ("none", "sis"):
             specs.append((correction, algo, PolicyLossConfig(correction=correction, **kw,
                                                              **common)))

@@ -7,7 +7,12 @@ One RL step = one rollout then N optimizer steps on it:
 
 1. The rollout sub-mesh samples G responses for each of ``prompts_per_rollout`` prompts with
    the weights published k rollouts ago (staleness k; k = 0 is synchronous) and the task
-   scores them. The sampler's log-probs are the behaviour log-probs mu (TIS / MIS).
+   scores them. The sampler's log-probs are the behaviour log-probs mu (TIS / MIS / RS).
+   DAPO options: ``overlong_buffer`` adds the overlong penalty to each score
+   (:mod:`jaxflow.rl.reward_shaping`); ``filter_groups`` drops groups whose G rewards are all
+   equal and samples further generation batches (prompts and keys a pure function of
+   (seed, rollout, generation batch); batch 0 is exactly the unfiltered rollout) until the
+   rollout is full again (:mod:`jaxflow.rl.dynamic_sampling`).
 2. Group-normalised advantages over the whole rollout batch.
 3. The batch is split into N mini-batches (policy lag N). Before the first update the trainer
    recomputes ``old_logp`` (and pi_old's top-K for SIS, and the frozen reference policy's
@@ -54,11 +59,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.advantages import grpo_advantages
+from jaxflow.rl.dynamic_sampling import fill_groups
 from jaxflow.rl.grpo_step import (KL_ESTIMATORS, GRPOConfig, MiniBatch, OldStats,  # noqa: F401
                                   compiled_functions, grpo_loss, make_rl_optimizer, old_stats,
                                   response_hidden, summarize, update_step)
 from jaxflow.rl.publish import (DensePublisher, Publisher, SyncPublisher, params_origin,
                                 publish_weights)
+from jaxflow.rl.reward_shaping import overlong_penalty
 from jaxflow.rl.rollout import RolloutBatch, RolloutWorker, batch_sharding
 from jaxflow.rl.tasks import Task
 from jaxflow.sync.replica import Link
@@ -142,10 +149,12 @@ class GRPOTrainer:
 
     # -- one RL step ---------------------------------------------------------------------
 
-    def rollout_prompts(self, rollout: int) -> list[str]:
-        """The prompts of rollout ``rollout``: a pure function of (seed, rollout)."""
-        rng = np.random.default_rng([self.seed, rollout, 0x6A7F])
-        return self.task.prompts(rng, self.config.prompts_per_rollout)
+    def rollout_prompts(self, rollout: int, gen_batch: int = 0) -> list[str]:
+        """The prompts of rollout ``rollout`` (its generation batch ``gen_batch`` with
+        dynamic sampling): a pure function of (seed, rollout, gen_batch)."""
+        extra = [gen_batch] if gen_batch else []  # batch 0: the unfiltered rollout's prompts
+        rng = np.random.default_rng([self.seed, rollout, 0x6A7F, *extra])
+        return self.task.prompts(rng, self.config.prompts_per_gen_batch)
 
     def _keys(self, state: dict, rollout: int) -> tuple[jax.Array, jax.Array]:
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), rollout)
@@ -159,12 +168,51 @@ class GRPOTrainer:
         return self.publisher.rollout_params(state["published"], state["published_version"],
                                              state["published_origin"])
 
-    def generate(self, state: dict) -> RolloutBatch:
-        """This step's rollout, sampled with :meth:`rollout_params`."""
+    def _generation_batch(self, params: Any, rollout: int, gen_batch: int,
+                          sample_key: jax.Array) -> tuple[RolloutBatch, np.ndarray]:
+        """One generation batch, rewards shaped; returns it and the task scores [B]."""
+        key = sample_key if gen_batch == 0 else jax.random.fold_in(sample_key, gen_batch)
+        batch = self.worker.generate(params, self.rollout_prompts(rollout, gen_batch), key)
+        scores = batch.rewards
+        buffer = self.config.overlong_buffer
+        if buffer is not None:
+            penalty = np.asarray(overlong_penalty(batch.mask.sum(axis=1),
+                                                  self.config.max_new_tokens, buffer.len,
+                                                  buffer.penalty_factor))
+            batch = batch._replace(rewards=(scores + penalty).astype(np.float32))
+        return batch, scores
+
+    def generate_with_stats(self, state: dict) -> tuple[RolloutBatch, dict[str, float]]:
+        """This step's rollout, sampled with :meth:`rollout_params`, and host statistics:
+        ``score_mean`` (task score before shaping) and, with filter_groups,
+        ``num_gen_batches`` and ``kept_group_fraction`` (groups with signal / generated)."""
         rollout = int(state["rollout"])
         sample_key, _ = self._keys(state, rollout)
-        return self.worker.generate(self.rollout_params(state), self.rollout_prompts(rollout),
-                                    sample_key)
+        params = self.rollout_params(state)
+        cfg = self.config
+        if not cfg.filter_groups:
+            batch, scores = self._generation_batch(params, rollout, 0, sample_key)
+            return batch, {"score_mean": float(np.mean(scores))}
+        scores_of = {}
+
+        def generate(i):
+            batch, scores = self._generation_batch(params, rollout, i, sample_key)
+            scores_of[i] = scores
+            return batch, scores if cfg.filter_groups_metric == "acc" else batch.rewards
+
+        batch, fill = fill_groups(generate, num_groups=cfg.prompts_per_rollout,
+                                  group_size=cfg.group_size,
+                                  max_num_gen_batches=cfg.max_num_gen_batches)
+        all_scores = np.concatenate([scores_of[i] for i in sorted(scores_of)])
+        return batch, {"score_mean": float(np.mean(all_scores)),
+                       "num_gen_batches": float(fill["num_gen_batches"]),
+                       "kept_group_fraction": fill["groups_with_signal"]
+                       / fill["groups_generated"]}
+
+    def generate(self, state: dict) -> RolloutBatch:
+        """This step's rollout, sampled with :meth:`rollout_params` (see
+        :meth:`generate_with_stats`)."""
+        return self.generate_with_stats(state)[0]
 
     def minibatches(self, batch: RolloutBatch) -> list[MiniBatch]:
         """Advantages over the whole rollout, then N contiguous mini-batches on the trainer."""
@@ -205,16 +253,20 @@ class GRPOTrainer:
         return new, history
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
-        """One rollout + N updates + publish; host metrics of the step. With weight sync also
+        """One rollout + N updates + publish; host metrics of the step (``reward_mean`` is of
+        the shaped rewards the advantages use; with overlong shaping or dynamic sampling also
+        the statistics of :meth:`generate_with_stats`). With weight sync also
         ``synced`` (1.0 when this step synced) and, when it did, ``sync_payload_bytes``,
         ``sync_changed_fraction`` and ``sync_bit_exact``."""
         sampler_version = int(state["published_version"][0])
         trainer_version = int(state["policy"]["step"])
-        batch = self.generate(state)
+        batch, generation = self.generate_with_stats(state)
         ws = self.weight_sync  # the sync serving ``state`` (generate resynced it if needed)
         n_records = len(ws.records) if ws is not None else 0
         state, history = self.train_on_rollout(state, batch)
         metrics = summarize(history, batch, sampler_version, trainer_version)
+        if self.config.filter_groups or self.config.overlong_buffer is not None:
+            metrics.update(generation)
         if ws is not None:  # did this step sync, and what did it send
             synced = len(ws.records) > n_records
             metrics["synced"] = float(synced)

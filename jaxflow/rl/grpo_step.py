@@ -19,11 +19,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.logprobs import fused_logprobs
+from jaxflow.rl import corrections
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
+from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.rollout import RolloutBatch, RolloutSpec
 from jaxflow.train.lm_state import LMFunctions, OptimConfig, lm_functions, make_optimizer
 
 KL_ESTIMATORS = ("k1", "k3")
+FILTER_METRICS = ("acc", "seq_reward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,19 @@ class GRPOConfig:
       sis_topk: K of pi_old's top-K kept for the SIS envelope (vocab size = exact envelope).
       normalize_std: GRPO advantages divided by the group std (False: Dr. GRPO).
       logprob_backend: :func:`jaxflow.rl.logprobs.fused_logprobs` backend.
+      filter_groups: DAPO's dynamic sampling (:mod:`jaxflow.rl.dynamic_sampling`, verl's
+        ``algorithm.filter_groups.enable``): groups whose ``filter_groups_metric`` is equal
+        for all G responses are dropped and further generation batches refill the rollout.
+      filter_groups_metric: "acc" (the task score, before overlong shaping; verl's DAPO
+        recipe) or "seq_reward" (the reward the advantages use, after shaping).
+      max_num_gen_batches: generation batches per rollout before dynamic sampling gives up
+        with an error; <= 0 means no limit (verl's default 0; here 10, the DAPO recipe's
+        value, so a task with no signal fails instead of looping forever).
+      gen_batch_size: prompts per generation batch with filter_groups (verl's
+        ``data.gen_batch_size``); None = prompts_per_rollout.
+      overlong_buffer: DAPO's overlong reward shaping (:mod:`jaxflow.rl.reward_shaping`,
+        verl's ``reward_model.overlong_buffer``) against ``max_new_tokens``; None = off.
+        ``--set rl.overlong_buffer.len=2`` switches it on.
     """
 
     loss: PolicyLossConfig = PolicyLossConfig()
@@ -62,6 +78,11 @@ class GRPOConfig:
     sis_topk: int = 8
     normalize_std: bool = True
     logprob_backend: str = "auto"
+    filter_groups: bool = False
+    filter_groups_metric: str = "acc"
+    max_num_gen_batches: int = 10
+    gen_batch_size: int | None = None
+    overlong_buffer: OverlongBufferConfig | None = None
 
     def __post_init__(self):
         if not isinstance(self.loss, PolicyLossConfig):
@@ -80,6 +101,26 @@ class GRPOConfig:
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError(f"kl_coef={self.kl_coef!r} and entropy_coef={self.entropy_coef!r} "
                              "must be >= 0")
+        if self.filter_groups_metric not in FILTER_METRICS:
+            raise ValueError(f"filter_groups_metric={self.filter_groups_metric!r}; valid: "
+                             f"{FILTER_METRICS}")
+        if not isinstance(self.max_num_gen_batches, int):
+            raise ValueError(f"max_num_gen_batches={self.max_num_gen_batches!r}: need an int "
+                             "(<= 0 for no limit)")
+        if self.gen_batch_size is not None:
+            if not self.filter_groups:
+                raise ValueError(f"gen_batch_size={self.gen_batch_size!r} applies with "
+                                 "filter_groups=True (dynamic sampling) only")
+            if not isinstance(self.gen_batch_size, int) or self.gen_batch_size < 1:
+                raise ValueError(f"gen_batch_size={self.gen_batch_size!r}: need an int >= 1 "
+                                 "or None")
+        if self.overlong_buffer is not None:
+            if not isinstance(self.overlong_buffer, OverlongBufferConfig):
+                raise ValueError(f"overlong_buffer={self.overlong_buffer!r}: need an "
+                                 "OverlongBufferConfig or None")
+            if self.overlong_buffer.len > self.max_new_tokens:
+                raise ValueError(f"overlong_buffer.len={self.overlong_buffer.len} exceeds "
+                                 f"max_new_tokens={self.max_new_tokens} (the response cap)")
 
     @property
     def rollout_spec(self) -> RolloutSpec:
@@ -93,6 +134,11 @@ class GRPOConfig:
     @property
     def minibatch_size(self) -> int:
         return self.rollout_size // self.lag
+
+    @property
+    def prompts_per_gen_batch(self) -> int:
+        """Prompts per generation batch (dynamic sampling may draw several per rollout)."""
+        return self.gen_batch_size or self.prompts_per_rollout
 
 
 def make_rl_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
@@ -184,20 +230,26 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
         new_topk_logp=out.topk_logp, behaviour_logp=mb.behaviour_logp)
     metrics = dict(metrics)
     metrics["policy_loss"] = loss
+    mask = mb.mask
+    if loss_cfg.uses_rs:  # RS tokens leave the mask of every term, as verl's response_mask
+        low, high = loss_cfg.rs_bounds
+        mask = mask * corrections.rs_keep_mask(jnp.where(mb.mask > 0, old.logp, 0.0),
+                                               jnp.where(mb.mask > 0, mb.behaviour_logp, 0.0),
+                                               low, high).astype(mask.dtype)
     delta = jax.lax.stop_gradient(logp - old.logp)
     metrics["max_abs_log_ratio"] = jnp.max(jnp.where(mb.mask > 0, jnp.abs(delta), 0.0))
     metrics["behaviour_gap"] = _masked_mean(jnp.abs(old.logp - mb.behaviour_logp), mb.mask)
     if config.kl_coef > 0:
         log_r = old.ref_logp - logp  # log pi_ref / pi_theta on tokens sampled ~ pi
         per_token = -log_r if config.kl_estimator == "k1" else jnp.exp(log_r) - log_r - 1.0
-        kl = _masked_mean(per_token, mb.mask)
+        kl = _masked_mean(per_token, mask)
         loss = loss + config.kl_coef * kl
         metrics["kl"] = kl
     if config.entropy_coef > 0:
         logits = jnp.einsum("bnd,dv->bnv", hidden, head,
                             preferred_element_type=jnp.float32) / config.temperature
         logq = jax.nn.log_softmax(logits, axis=-1)
-        entropy = _masked_mean(-jnp.sum(jnp.exp(logq) * logq, axis=-1), mb.mask)
+        entropy = _masked_mean(-jnp.sum(jnp.exp(logq) * logq, axis=-1), mask)
         loss = loss - config.entropy_coef * entropy
         metrics["entropy"] = entropy
     metrics["loss"] = loss

@@ -1,16 +1,19 @@
-"""The policy loss: GRPO / DAPO / GSPO / CISPO / SA-GCPO with SIS, TIS and MIS as plug-in corrections.
+"""The policy loss: GRPO / DAPO / GSPO / CISPO / SA-GCPO with SIS, TIS, MIS and RS as plug-in corrections.
 
 Everything is a pure function of arrays; ``config`` is a frozen, hashable dataclass, so
 ``jax.jit(policy_loss, static_argnames="config")`` works, as does closing over it.
 
 Per token (``log_w = clip(logp - old_logp, -20, 20)``, ``r = exp(log_w)``, A the advantage):
 
-* ``grpo`` / ``dapo``: ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``; with
-  ``dual_clip_c`` the loss of a negative-advantage token is further capped at ``-A c``.
-  ``dapo`` is the same loss with clip-higher defaults (0.2 / 0.28).
+* ``grpo`` / ``dapo``: ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``; with the dual
+  clip (``dual_clip_c``, default c = 3 as verl's ``clip_ratio_c``; None turns it off; Ye et
+  al. 2020, arXiv 1912.09729) the loss of a negative-advantage token is further capped at
+  ``-A c``. ``dapo`` is the same loss with clip-higher defaults (0.2 / 0.28).
 * ``gspo``: the GSPO-token form: ``r_t = sg(s) * exp(log_w_t - sg(log_w_t))`` with ``s`` the
-  length-normalised sequence ratio ``exp(mean_t log_w_t)``, then the PPO clip with GSPO's
-  tiny eps (3e-4 / 4e-4). Under ``seq-mean-token-mean`` its gradient is GSPO's sequence one.
+  length-normalised sequence ratio ``exp(mean_t log_w_t)``, its log capped at
+  ``seq_log_ratio_cap`` (10, as verl), then the PPO clip with GSPO's tiny eps (3e-4 / 4e-4).
+  Default aggregation ``seq-mean-token-mean`` (GSPO's own, arXiv 2507.18071); under it the
+  gradient is GSPO's sequence one.
 * ``cispo``: ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp`` (gradient always flows).
 * ``sa_gcpo``: OxygenREC's SA-GCPO (arXiv 2512.22386): the hard clip is replaced by the SAPO
   soft gate ``-A * f(r)``, ``f(r) = sigmoid(tau * (r - 1)) * 4 / tau`` with ``tau =
@@ -25,10 +28,19 @@ Per token (``log_w = clip(logp - old_logp, -20, 20)``, ``r = exp(log_w)``, A the
 
 SIS (``correction`` contains ``sis``) replaces ``log_w`` by ``log_w - sg(accept * log_w)``
 (see :mod:`jaxflow.rl.sis`): an accepted token has ratio value exactly 1, is never clipped
-(nor dual-clipped, nor truncated by CISPO) and gets the on-policy gradient ``-A grad logp``.
+(nor dual-clipped, nor truncated by CISPO) and gets the on-policy gradient ``-A grad logp``
+-- also when ``|logp - old_logp|`` exceeds ``log_ratio_clip`` (the clip only guards ``exp``
+of a rejected token's ratio; an accepted token's value is 1, so its gradient is taken through
+the unclipped difference, see :func:`jaxflow.rl.sis.sis_log_ratio`).
 A rejected token goes through the base algorithm unchanged, except that for GSPO the sequence
 ratio is the mean of ``log_w`` over the sequence's *rejected* tokens only (1 when none are).
-TIS / MIS weights (:mod:`jaxflow.rl.corrections`) multiply every unmasked token's loss.
+
+Behaviour-policy corrections (:mod:`jaxflow.rl.corrections`, rho = pi_old / mu):
+TIS / MIS weights multiply every unmasked token's loss (a token MIS zeroes stays in the
+aggregation's denominator); RS (verl's token rejection sampling) removes tokens with rho
+outside ``[rs_threshold_lower, rs_threshold]`` from the mask itself, so they leave the
+denominator (and every metric), before anything else -- SIS, GSPO's sequence ratio, the
+aggregation -- sees the mask.
 """
 
 from __future__ import annotations
@@ -44,7 +56,10 @@ from jaxflow.rl import corrections
 from jaxflow.rl import sis
 
 ALGOS = ("grpo", "dapo", "gspo", "cispo", "sa_gcpo")
-CORRECTIONS = ("none", "sis", "tis", "mis", "sis+tis", "sis+mis")
+CORRECTIONS = ("none", "sis", "tis", "mis", "rs", "tis+rs", "sis+tis", "sis+mis", "sis+rs")
+# Algorithms with a dual clip (``dual_clip_c``); the others have none.
+DUAL_CLIP_ALGOS = ("grpo", "dapo")
+DEFAULT_DUAL_CLIP_C = 3.0  # verl's clip_ratio_c default
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 # (eps_low, eps_high) per algorithm; the clip range of the ratio is [1 - low, 1 + high].
@@ -59,7 +74,7 @@ DEFAULT_CLIP_EPS = {
 }
 
 # Aggregation when ``PolicyLossConfig.agg`` is None.
-DEFAULT_AGG = {"sa_gcpo": "seq-mean-token-mean"}
+DEFAULT_AGG = {"gspo": "seq-mean-token-mean", "sa_gcpo": "seq-mean-token-mean"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,22 +84,34 @@ class PolicyLossConfig:
     Attributes:
       algo: one of ``ALGOS`` ("grpo", "dapo", "gspo", "cispo", "sa_gcpo"). Default "grpo".
       correction: one of ``CORRECTIONS``. Default "none". "sis" needs ``key`` and both top-K
-        arrays; "tis" / "mis" need ``behaviour_logp``.
+        arrays; "tis" / "mis" / "rs" need ``behaviour_logp``. "tis+rs" is verl's token TIS
+        weights on top of its token rejection mask.
       agg: one of ``AGGS``, or None (the default) for the algorithm's default: "token-mean"
-        (mean over all unmasked tokens), except "seq-mean-token-mean" for sa_gcpo. None stays
-        None, so ``dataclasses.replace(cfg, algo=...)`` picks the new algorithm's default;
-        :attr:`aggregation` is the resolved name.
+        (mean over all unmasked tokens), except "seq-mean-token-mean" for gspo and sa_gcpo.
+        None stays None, so ``dataclasses.replace(cfg, algo=...)`` picks the new algorithm's
+        default; :attr:`aggregation` is the resolved name.
         "seq-mean-token-mean" / "seq-mean-token-sum" average, over sequences with at least one
         unmasked token, the per-sequence token mean / sum.
       clip_eps_low, clip_eps_high: clip range [1 - low, 1 + high]; None takes the algorithm's
         default from ``DEFAULT_CLIP_EPS`` (grpo 0.2/0.2, dapo 0.2/0.28, gspo 3e-4/4e-4,
         cispo 1.0/0.28). ``float("inf")`` disables a side.
-      dual_clip_c: grpo/dapo only; caps the loss of negative-advantage tokens at ``-A * c``
-        (c > 1, typically 3.0). Default None (off).
+      dual_clip_c: the dual clip of grpo/dapo: the loss of a negative-advantage token is capped
+        at ``-A * c`` (c > 1). Default 3.0 (verl's ``clip_ratio_c``); None turns it off. The
+        other algorithms have no dual clip: with them only the default (unused) or None is
+        accepted, so ``dataclasses.replace(cfg, algo="gspo")`` works and an explicit other
+        value is an error rather than silently ignored.
       log_ratio_clip: every log ratio is clipped to [-this, this]. Default 20.0.
+      seq_log_ratio_cap: gspo only: the log of its token ratio ``sg(s) * r_t / sg(r_t)`` is
+        capped at this (the value of a capped token is ``exp(cap)`` and its gradient 0), as
+        verl's ``clamp(max=10.0)``. Default 10.0; ``float("inf")`` disables it.
       tis_cap: TIS weight ``min(pi_old / mu, tis_cap)``. Default 2.0.
       mis_low, mis_high: MIS keeps ``pi_old / mu`` inside [low, high], zero outside.
         Defaults 0.5 and 2.0.
+      rs_threshold, rs_threshold_lower: RS keeps a token when ``rs_threshold_lower <= pi_old /
+        mu <= rs_threshold`` and removes it from the mask otherwise (verl's
+        ``rollout_rs="token"`` with ``rollout_rs_threshold`` / ``rollout_rs_threshold_lower``).
+        Defaults 2.0 and None (= 1 / rs_threshold, as verl), so ``rs`` and ``mis`` keep the
+        same tokens by default.
       gate_tau_pos, gate_tau_neg: sa_gcpo's soft-gate temperatures for positive / negative
         advantages. Defaults 2.0 and 5.0 (OxygenREC, after SAPO).
     """
@@ -94,11 +121,14 @@ class PolicyLossConfig:
     agg: str | None = None
     clip_eps_low: float | None = None
     clip_eps_high: float | None = None
-    dual_clip_c: float | None = None
+    dual_clip_c: float | None = DEFAULT_DUAL_CLIP_C
     log_ratio_clip: float = sis.LOG_RATIO_CLIP
+    seq_log_ratio_cap: float = 10.0
     tis_cap: float = 2.0
     mis_low: float = 0.5
     mis_high: float = 2.0
+    rs_threshold: float = 2.0
+    rs_threshold_lower: float | None = None
     gate_tau_pos: float = 2.0
     gate_tau_neg: float = 5.0
 
@@ -112,16 +142,16 @@ class PolicyLossConfig:
             if value is not None and not value >= 0:
                 raise ValueError(f"{field} must be >= 0 (or None for the default), got {value!r}")
         if self.dual_clip_c is not None:
-            if self.algo not in ("grpo", "dapo"):
+            if self.algo not in DUAL_CLIP_ALGOS and self.dual_clip_c != DEFAULT_DUAL_CLIP_C:
                 raise ValueError(
-                    f"dual_clip_c applies to algo 'grpo' or 'dapo', not {self.algo!r}")
+                    f"dual_clip_c={self.dual_clip_c!r} applies to algo 'grpo' or 'dapo'; "
+                    f"{self.algo!r} has no dual clip (leave dual_clip_c at its default "
+                    f"{DEFAULT_DUAL_CLIP_C} or set None)")
             if not self.dual_clip_c > 1:
-                raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c!r}")
-        if not self.log_ratio_clip > 0:
-            raise ValueError(f"log_ratio_clip must be > 0, got {self.log_ratio_clip!r}")
-        if not self.tis_cap > 0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap!r}")
-        for field in ("gate_tau_pos", "gate_tau_neg"):
+                raise ValueError(f"dual_clip_c must be > 1 (or None for off), got "
+                                 f"{self.dual_clip_c!r}")
+        for field in ("log_ratio_clip", "seq_log_ratio_cap", "tis_cap", "rs_threshold",
+                      "gate_tau_pos", "gate_tau_neg"):
             value = getattr(self, field)
             if not value > 0:
                 raise ValueError(f"{field} must be > 0, got {value!r}")
@@ -129,6 +159,12 @@ class PolicyLossConfig:
             raise ValueError(
                 f"need 0 <= mis_low < mis_high, got mis_low={self.mis_low!r}, "
                 f"mis_high={self.mis_high!r}")
+        low, high = self.rs_bounds
+        if not 0 <= low <= high:
+            raise ValueError(
+                f"need 0 <= rs_threshold_lower <= rs_threshold, got rs_threshold_lower="
+                f"{self.rs_threshold_lower!r} (None means 1 / rs_threshold = {1 / high:g}), "
+                f"rs_threshold={high!r}")
 
     @property
     def aggregation(self) -> str:
@@ -143,14 +179,35 @@ class PolicyLossConfig:
                 high if self.clip_eps_high is None else self.clip_eps_high)
 
     @property
+    def dual_clip(self) -> float | None:
+        """The dual-clip c the loss applies: ``dual_clip_c`` for grpo/dapo, else None."""
+        return self.dual_clip_c if self.algo in DUAL_CLIP_ALGOS else None
+
+    @property
+    def rs_bounds(self) -> tuple[float, float]:
+        """The resolved RS keep range (lower, upper) of ``pi_old / mu``."""
+        lower = (1.0 / self.rs_threshold if self.rs_threshold_lower is None
+                 else self.rs_threshold_lower)
+        return lower, self.rs_threshold
+
+    @property
     def uses_sis(self) -> bool:
         return self.correction.startswith("sis")
 
     @property
     def behaviour_correction(self) -> str | None:
-        """"tis", "mis" or None."""
-        tail = self.correction.split("+")[-1]
-        return tail if tail in ("tis", "mis") else None
+        """The behaviour-policy weights: "tis", "mis" or None (RS alone weighs nothing)."""
+        parts = self.correction.split("+")
+        return next((p for p in parts if p in ("tis", "mis")), None)
+
+    @property
+    def uses_rs(self) -> bool:
+        """Whether RS removes tokens from the mask (needs ``behaviour_logp``)."""
+        return "rs" in self.correction.split("+")
+
+    @property
+    def needs_behaviour_logp(self) -> bool:
+        return self.behaviour_correction is not None or self.uses_rs
 
 
 # ----------------------------------------------------------------------------- validation
@@ -220,7 +277,7 @@ def _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_
         if old_topk_logp.shape != new_topk_logp.shape:
             raise ValueError(f"old_topk_logp shape {old_topk_logp.shape} does not match "
                              f"new_topk_logp shape {new_topk_logp.shape}")
-    if config.behaviour_correction is not None:
+    if config.needs_behaviour_logp:
         if behaviour_logp is None:
             raise ValueError(f"correction {config.correction!r} needs behaviour_logp= [B, T] "
                              "(the sampler's log-probs); got None")
@@ -233,29 +290,36 @@ def _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_
 
 
 def _ppo_clip(ratio, adv, accept, eps, dual_clip_c):
-    """PPO clip (+ optional dual clip); accepted tokens take the unclipped branch."""
+    """PPO clip (+ optional dual clip); accepted tokens take the unclipped branch.
+
+    Returns (token loss, clip-or-dual-clip active, dual clip active), the masks excluding
+    accepted tokens."""
     low, high = eps
     unclipped = -adv * ratio
     clipped_loss = -adv * jnp.clip(ratio, 1.0 - low, 1.0 + high)
     clip_active = clipped_loss > unclipped
     loss = jnp.where(clip_active, clipped_loss, unclipped)
+    dual_active = jnp.zeros(ratio.shape, bool)
     if dual_clip_c is not None:
         bound = -adv * dual_clip_c
         dual_active = jnp.logical_and(adv < 0, loss > bound)
         loss = jnp.where(dual_active, bound, loss)
         clip_active = jnp.logical_or(clip_active, dual_active)
     loss = jnp.where(accept, unclipped, loss)
-    return loss, jnp.logical_and(clip_active, ~accept)
+    return loss, jnp.logical_and(clip_active, ~accept), jnp.logical_and(dual_active, ~accept)
 
 
-def _gspo_token_log_ratio(log_w, sis_log_w, accept, mask):
+def _gspo_token_log_ratio(log_w, sis_log_w, accept, mask, cap):
     """Accepted: ``sis_log_w`` (value 0). Rejected: ``sg(seq) + log_w - sg(log_w)`` where
-    ``seq`` is the mean of ``log_w`` over the sequence's rejected unmasked tokens."""
+    ``seq`` is the mean of ``log_w`` over the sequence's rejected unmasked tokens, capped at
+    ``cap`` (above it: value ``cap``, no gradient, as torch's ``clamp(max=cap)``)."""
     rejected = jnp.logical_and(mask, ~accept)
     count = jnp.sum(rejected, axis=-1, keepdims=True)
     seq = jnp.sum(jnp.where(rejected, log_w, 0.0), axis=-1, keepdims=True)
     seq = seq / jnp.maximum(count, 1).astype(log_w.dtype)
     rejected_log_ratio = jax.lax.stop_gradient(seq) + (log_w - jax.lax.stop_gradient(log_w))
+    rejected_log_ratio = jnp.where(rejected_log_ratio > cap,
+                                   jnp.asarray(cap, rejected_log_ratio.dtype), rejected_log_ratio)
     return jnp.where(accept, sis_log_w, rejected_log_ratio)
 
 
@@ -271,7 +335,8 @@ def sapo_gate(ratio: jax.Array, tau: jax.Array | float) -> jax.Array:
 
 def _sa_gcpo(ratio, adv, tau_pos, tau_neg):
     tau = jnp.where(adv > 0, tau_pos, tau_neg).astype(ratio.dtype)
-    return -adv * sapo_gate(ratio, tau), jnp.zeros(ratio.shape, bool)
+    none = jnp.zeros(ratio.shape, bool)
+    return -adv * sapo_gate(ratio, tau), none, none
 
 
 def _cispo(ratio, logp, adv, accept, eps):
@@ -279,7 +344,7 @@ def _cispo(ratio, logp, adv, accept, eps):
     truncated = jnp.clip(ratio, 1.0 - low, 1.0 + high)
     weight = jax.lax.stop_gradient(jnp.where(accept, ratio, truncated))
     clip_active = jnp.logical_and(truncated != ratio, ~accept)
-    return -adv * weight * logp, clip_active
+    return -adv * weight * logp, clip_active, jnp.zeros(ratio.shape, bool)
 
 
 # ----------------------------------------------------------------------------- aggregation, metrics
@@ -315,7 +380,16 @@ def masked_percentile(values: jax.Array, mask: jax.Array, q: float) -> jax.Array
     return jnp.where(n > 0, lo_v + frac * (hi_v - lo_v), 0.0)
 
 
-def _metrics(log_w, accept, clip_active, weights, mask):
+def _per_sequence_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean over sequences with an unmasked token of the sequence's token mean of ``values``."""
+    maskf = mask.astype(values.dtype)
+    count = jnp.sum(maskf, axis=-1)
+    per_seq = jnp.sum(values * maskf, axis=-1) / jnp.maximum(count, 1.0)
+    nonempty = count > 0
+    return jnp.sum(jnp.where(nonempty, per_seq, 0.0)) / jnp.maximum(jnp.sum(nonempty), 1)
+
+
+def _metrics(log_w, accept, clip_active, dual_active, weights, mask):
     log_w = jax.lax.stop_gradient(log_w)
     weights = jax.lax.stop_gradient(weights)
     maskf = mask.astype(log_w.dtype)
@@ -323,13 +397,17 @@ def _metrics(log_w, accept, clip_active, weights, mask):
     denom = jnp.maximum(n, 1.0)
     ratio = jnp.exp(log_w)
     abs_log_w = jnp.abs(log_w) * maskf
+    abs_log_w_sis = jnp.where(accept, 0.0, abs_log_w)
     w = weights * maskf
     ess = jnp.where(n > 0, jnp.sum(w) ** 2 / jnp.maximum(n * jnp.sum(w * w), 1e-30), 0.0)
     return {
         "accept_rate": jnp.sum(jnp.logical_and(accept, mask)) / denom,
         "clip_fraction": jnp.sum(jnp.logical_and(clip_active, mask)) / denom,
+        "dual_clip_fraction": jnp.sum(jnp.logical_and(dual_active, mask)) / denom,
         "d_original": jnp.sum(abs_log_w) / denom,
-        "d_sis": jnp.sum(jnp.where(accept, 0.0, abs_log_w)) / denom,
+        "d_sis": jnp.sum(abs_log_w_sis) / denom,
+        "d_original_seq": _per_sequence_mean(abs_log_w, mask),
+        "d_sis_seq": _per_sequence_mean(abs_log_w_sis, mask),
         "ratio_max": jnp.where(n > 0, jnp.max(jnp.where(mask, ratio, -jnp.inf)), 0.0),
         "ratio_p99": masked_percentile(ratio, mask, 99.0),
         "ess": ess,
@@ -367,7 +445,7 @@ def policy_loss(
         uniforms are ``sis.sis_uniforms(key, logp.shape)``.
       old_topk_logp, new_topk_logp: [B, T, K] pi_old's / the current policy's log-probs at
         pi_old's top-K tokens (needed for SIS). K = |V| gives the exact envelope.
-      behaviour_logp: [B, T] the sampler's log-probs (needed for TIS / MIS).
+      behaviour_logp: [B, T] the sampler's log-probs (needed for TIS / MIS / RS).
       uniforms: optional [B, T] SIS uniforms in [0, 1] used instead of drawing them from
         ``key`` (an extension beyond the SIS paper for replays and for exact expectations over the
         accept coin: 0 forces acceptance, 1 forces rejection unless log_w == 0).
@@ -375,15 +453,19 @@ def policy_loss(
         advantages of rows with ``rewards < target_reward`` are set to 0 before the gate.
 
     Returns:
-      ``(loss, metrics)``: a scalar in f32 (or wider, matching logp) and a dict of scalars:
-      accept_rate (fraction of unmasked tokens SIS accepted; 0 without SIS), clip_fraction
-      (fraction of unmasked tokens whose loss the clip / dual clip / CISPO truncation changed),
-      d_original (mean |log_w| over unmasked tokens, log_w clipped to +-log_ratio_clip), d_sis
-      (the same with accepted tokens counted as 0), ratio_max and ratio_p99 (of exp(log_w), the
-      ratio before SIS), ess ((sum v)^2 / (n sum v^2) over unmasked tokens, v = the ratio value
-      the loss uses after SIS -- the sequence ratio for GSPO, before clipping -- times the
-      TIS/MIS weight; 0 when every token is masked). With every token masked the loss is 0
-      and its gradient is finite (zero).
+      ``(loss, metrics)``: a scalar in f32 (or wider, matching logp) and a dict of scalars,
+      all over the tokens the loss uses (the mask after RS):
+      accept_rate (fraction SIS accepted; 0 without SIS), clip_fraction (fraction whose loss
+      the clip / dual clip / CISPO truncation changed), dual_clip_fraction (the dual clip alone:
+      verl's ``pg_clipfrac_lower``), rs_masked_fraction (fraction of the *given* mask's tokens
+      RS removed; 0 without RS), the cumulative-deviation diagnostics with log_w clipped to
+      +-log_ratio_clip -- d_original (token mean of |log_w|), d_sis (the same with accepted
+      tokens counted as 0), d_original_seq / d_sis_seq (the same two as the mean over
+      sequences of each sequence's token mean, the SIS authors' form) --, ratio_max and
+      ratio_p99 (of exp(log_w), the ratio before SIS), ess ((sum v)^2 / (n sum v^2), v = the
+      ratio value the loss uses after SIS -- the sequence ratio for GSPO, before clipping --
+      times the TIS/MIS weight; 0 when every token is masked). With every token masked the
+      loss is 0 and its gradient is finite (zero).
 
     Raises:
       ValueError: bad shapes / dtypes, an unknown name in the config, or an input the chosen
@@ -392,18 +474,23 @@ def policy_loss(
     _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_topk_logp,
               behaviour_logp, uniforms, rewards, target_reward)
     dtype = jnp.promote_types(logp.dtype, jnp.float32)
-    keep = mask.astype(bool)
+    given = mask.astype(bool)
 
-    def clean(x, m=keep):  # masked entries -> 0 so inf/nan padding can't reach the loss or grad
+    def clean(x, m):  # masked entries -> 0 so inf/nan padding can't reach the loss or grad
         return jnp.where(m, x.astype(dtype), jnp.zeros((), dtype))
 
-    logp_c = clean(logp)
-    old_c = jax.lax.stop_gradient(clean(old_logp))
+    keep = given
+    if config.uses_rs:  # verl's rejection sampling: out-of-range tokens leave the mask
+        low, high = config.rs_bounds
+        keep = jnp.logical_and(given, corrections.rs_keep_mask(
+            clean(old_logp, given), clean(behaviour_logp, given), low, high))
+    logp_c = clean(logp, keep)
+    old_c = jax.lax.stop_gradient(clean(old_logp, keep))
     if target_reward is not None:
         advantages = advantages_lib.zero_positive_below_target(advantages, rewards,
                                                                target_reward)
     adv = advantages if advantages.ndim == 2 else advantages[:, None]
-    adv = jax.lax.stop_gradient(clean(jnp.broadcast_to(adv, logp.shape)))
+    adv = jax.lax.stop_gradient(clean(jnp.broadcast_to(adv, logp.shape), keep))
     log_w = sis.clipped_log_ratio(logp_c, old_c, config.log_ratio_clip)
 
     if config.uses_sis:
@@ -415,25 +502,28 @@ def policy_loss(
         accept = jnp.logical_and(sis.sis_accept(log_w, log_m, uniforms), keep)
     else:
         accept = jnp.zeros(logp.shape, bool)
-    sis_log_w = sis.sis_log_ratio(log_w, accept)
+    sis_log_w = sis.sis_log_ratio(log_w, accept, logp_c - old_c)
 
     eps = config.eps
     if config.algo in ("grpo", "dapo"):
         ratio = jnp.exp(sis_log_w)
-        token_loss, clip_active = _ppo_clip(ratio, adv, accept, eps, config.dual_clip_c)
+        token_loss, clip_active, dual_active = _ppo_clip(ratio, adv, accept, eps,
+                                                         config.dual_clip)
     elif config.algo == "gspo":
-        ratio = jnp.exp(_gspo_token_log_ratio(log_w, sis_log_w, accept, keep))
-        token_loss, clip_active = _ppo_clip(ratio, adv, accept, eps, None)
+        ratio = jnp.exp(_gspo_token_log_ratio(log_w, sis_log_w, accept, keep,
+                                              config.seq_log_ratio_cap))
+        token_loss, clip_active, dual_active = _ppo_clip(ratio, adv, accept, eps, None)
     elif config.algo == "sa_gcpo":
         ratio = jnp.exp(sis_log_w)
-        token_loss, clip_active = _sa_gcpo(ratio, adv, config.gate_tau_pos, config.gate_tau_neg)
+        token_loss, clip_active, dual_active = _sa_gcpo(ratio, adv, config.gate_tau_pos,
+                                                        config.gate_tau_neg)
     else:  # cispo
         ratio = jnp.exp(sis_log_w)
-        token_loss, clip_active = _cispo(ratio, logp_c, adv, accept, eps)
+        token_loss, clip_active, dual_active = _cispo(ratio, logp_c, adv, accept, eps)
 
     weights = jnp.ones(logp.shape, dtype)
     if config.behaviour_correction is not None:
-        behaviour_c = clean(behaviour_logp)
+        behaviour_c = clean(behaviour_logp, keep)
         if config.behaviour_correction == "tis":
             weights = corrections.tis_weights(old_c, behaviour_c, config.tis_cap)
         else:
@@ -443,5 +533,9 @@ def policy_loss(
 
     token_loss = jnp.where(keep, token_loss, jnp.zeros((), dtype))
     loss = aggregate(token_loss, keep, config.aggregation)
-    metrics = _metrics(log_w, accept, clip_active, jax.lax.stop_gradient(ratio) * weights, keep)
+    metrics = _metrics(log_w, accept, clip_active, dual_active,
+                       jax.lax.stop_gradient(ratio) * weights, keep)
+    n_given = jnp.sum(given)
+    metrics["rs_masked_fraction"] = ((n_given - jnp.sum(keep)) / jnp.maximum(n_given, 1)
+                                     ).astype(dtype)
     return loss, metrics

@@ -9,6 +9,10 @@ Reference: arXiv 2607.04728 and ``shared/reference/sis.md``. Per response token 
 
 An accepted token's ratio value is exactly 1 and its gradient is the on-policy
 ``grad log pi_theta(y_t)``; a rejected token keeps its ratio and the base algorithm's handling.
+:func:`jaxflow.rl.policy_loss` takes an accepted token's gradient through the *unclipped*
+log ratio (``raw - sg(raw)``, see :func:`sis_log_ratio`), so the on-policy gradient holds
+even when ``|logp_new - logp_old| > 20``, where the authors' ``log_w - sg(log_w)`` has the
+clip's zero gradient; the values (and every accept decision) are the same.
 
 Envelope when the sampled token is not among the K given tokens: the envelope must satisfy
 ``M >= w`` for the sampled token, otherwise ``w / M > 1`` and the acceptance probability is no
@@ -79,6 +83,25 @@ def sis_accept(log_w: jax.Array, log_envelope: jax.Array, uniforms: jax.Array) -
     return jnp.logical_or(log_u < margin, log_w == 0)
 
 
-def sis_log_ratio(log_w: jax.Array, accept: jax.Array) -> jax.Array:
-    """``log_w - stop_gradient(accept * log_w)``: value 0 and on-policy gradient where accepted."""
-    return log_w - jax.lax.stop_gradient(jnp.where(accept, log_w, jnp.zeros_like(log_w)))
+def sis_log_ratio(log_w: jax.Array, accept: jax.Array,
+                  raw_log_ratio: jax.Array | None = None) -> jax.Array:
+    """Value 0 and the on-policy gradient where accepted; ``log_w`` where rejected.
+
+    Args:
+      log_w: [...] the clipped log ratio ``clip(logp_new - logp_old, -c, c)``.
+      accept: [...] bool, the SIS decisions.
+      raw_log_ratio: optional [...] the unclipped ``logp_new - logp_old``. Given, an accepted
+        token is ``raw - sg(raw)`` (value exactly 0, gradient ``grad logp_new`` even where
+        ``|raw| > c``, where the clip's own gradient is 0); without it (the SIS authors'
+        form) ``log_w - sg(log_w)``, whose gradient vanishes when the clip is active. A
+        non-finite ``raw`` falls back to ``log_w``.
+
+    Returns:
+      [...] ``log_w - stop_gradient(accept * log_w)`` with the accepted branch as above.
+    """
+    if raw_log_ratio is None:
+        on_policy = log_w
+    else:
+        on_policy = jnp.where(jnp.isfinite(raw_log_ratio), raw_log_ratio, log_w)
+    accepted = on_policy - jax.lax.stop_gradient(on_policy)
+    return jnp.where(accept, accepted, log_w)

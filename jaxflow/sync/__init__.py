@@ -9,9 +9,12 @@ only to that tree at its base version; a malformed or inapplicable payload raise
 PayloadError before anything is written. Wire format (version 2): docs/sync_payload_format.md.
 
 Modules: bits (bit views), diff (tree diff), digest (on-device base-tree digest), tracker
-(in-mesh change tracking), codecs and entropy (section formats), payload (wire format),
-encoder / receiver (encode / apply), bound (entropy bound), baseline (PULSE-style codec),
-replica (sender / replicas, catch-up) and transport/ (in-process, TCP, storage).
+(in-mesh change tracking), device_diff (the sender's cast / diff / compaction on the devices),
+codecs and entropy (section formats), payload (wire format), encoder / receiver (encode /
+apply), bound (entropy bound), baseline (PULSE-style codec), replica (sender / replicas,
+catch-up; ``path="host" | "device" | "auto"``) and transport/ (in-process, TCP, storage).
+The zstd-coded sections import ``zstandard`` on first use: without it, ``dense``, ``coo``
+and ``gap`` still work.
 """
 
 from jaxflow.sync.encoder import CODECS, encode, encode_diffs

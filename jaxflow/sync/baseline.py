@@ -10,14 +10,15 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-import zstandard
+
+from jaxflow.sync.entropy import zstandard_module
 
 _HEAD = struct.Struct("<IQB")  # tensor id, change count, gap itemsize
 
 
 def pulse_encode(old_leaves: list[np.ndarray], new_leaves: list[np.ndarray]) -> bytes:
     """Encodes bf16 leaves (uint16 bit views, flat) into one byte string."""
-    compressor = zstandard.ZstdCompressor(level=1)
+    compressor = zstandard_module().ZstdCompressor(level=1)
     parts = []
     for t, (old, new) in enumerate(zip(old_leaves, new_leaves)):
         idx = np.flatnonzero(old != new)
@@ -35,7 +36,7 @@ def pulse_encode(old_leaves: list[np.ndarray], new_leaves: list[np.ndarray]) -> 
 def pulse_apply(data: bytes, leaves: list[np.ndarray]) -> list[np.ndarray]:
     """Applies ``pulse_encode`` output to copies of uint16 leaves."""
     out = list(leaves)
-    decompressor = zstandard.ZstdDecompressor()
+    decompressor = zstandard_module().ZstdDecompressor()
     offset = 0
     while offset < len(data):
         t, count, itemsize = _HEAD.unpack_from(data, offset)

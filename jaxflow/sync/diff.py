@@ -10,6 +10,7 @@ which are carried whole and exactly whenever any bit changed.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import numpy as np
@@ -25,19 +26,39 @@ class LeafDiff:
     Attributes:
       positions: int64[k] sorted flat positions (in the logical, unsharded leaf) whose bits
         differ; for non-bf16 leaves, the positions of differing elements.
-      old_bits, new_bits: uint16[k] bf16 bit patterns at ``positions`` (empty for non-bf16).
+      old_bits, new_bits: uint16[k] bf16 bit patterns at ``positions`` (empty for non-bf16);
+        either may be None when the producer (the on-device sender) sent only what the
+        codec needs.
       full_new: the whole new leaf as a flat host array (any dtype), or None when the producer
         (e.g. ChangeTracker) did not gather it.
+      deltas: uint16[k] new - old (mod 2**16), when the producer sent those instead of bits.
+      load_full: fetches ``full_new`` on demand (the on-device sender's dense fallback).
     """
 
     positions: np.ndarray
-    old_bits: np.ndarray
-    new_bits: np.ndarray
+    old_bits: np.ndarray | None
+    new_bits: np.ndarray | None
     full_new: np.ndarray | None
+    deltas: np.ndarray | None = None
+    load_full: Callable[[], np.ndarray] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def count(self) -> int:
         return int(self.positions.size)
+
+    def value_deltas(self) -> np.ndarray:
+        """uint16[k]: new - old bit patterns (mod 2**16) at ``positions`` (what the entropy
+        and mask sections code), given or computed from ``old_bits`` / ``new_bits``."""
+        if self.deltas is not None:
+            return self.deltas
+        return (self.new_bits.astype(np.uint16) - self.old_bits.astype(np.uint16)
+                ).astype(np.uint16)
+
+    def full(self) -> np.ndarray | None:
+        """The whole new leaf (flat), fetched by ``load_full`` when not carried."""
+        if self.full_new is None and self.load_full is not None:
+            return self.load_full()
+        return self.full_new
 
 
 def leaf_name(path) -> str:
@@ -67,10 +88,10 @@ def check_same_layout(old_specs, new_specs, old_treedef: str, new_treedef: str) 
                              f"new is {n.dtype}{list(n.shape)}")
 
 
-def diff_leaf(old, new) -> LeafDiff:
+def diff_leaf(old, new, *, scratch: list | None = None) -> LeafDiff:
     old_h, new_h = bits.host_array(old), bits.host_array(new)
     old_b, new_b = bits.as_bits(old_h), bits.as_bits(new_h)
-    pos, old_at, new_at = bits.diff_bits(old_b, new_b)
+    pos, old_at, new_at = bits.diff_bits(old_b, new_b, scratch=scratch)
     flat_new = new_h.reshape(-1)
     if bits.is_bf16(new_h.dtype):
         return LeafDiff(pos, old_at, new_at, flat_new)
@@ -78,9 +99,13 @@ def diff_leaf(old, new) -> LeafDiff:
     return LeafDiff(pos, empty, empty, flat_new)
 
 
-def diff_tree(old_tree, new_tree) -> tuple[str, tuple[LeafSpec, ...], list[LeafDiff]]:
-    """Diffs two trees of identical structure, shapes and dtypes (ValueError otherwise)."""
+def diff_tree(old_tree, new_tree, *, scratch: list | None = None
+              ) -> tuple[str, tuple[LeafSpec, ...], list[LeafDiff]]:
+    """Diffs two trees of identical structure, shapes and dtypes (ValueError otherwise).
+    ``scratch``: keeps the compare's mask buffer between calls (``bits.diff_bits``)."""
     old_def, old_leaves, old_specs = tree_layout(old_tree)
     new_def, new_leaves, new_specs = tree_layout(new_tree)
     check_same_layout(old_specs, new_specs, old_def, new_def)
-    return new_def, new_specs, [diff_leaf(o, n) for o, n in zip(old_leaves, new_leaves)]
+    scratch = [None] if scratch is None else scratch
+    return new_def, new_specs, [diff_leaf(o, n, scratch=scratch)
+                                for o, n in zip(old_leaves, new_leaves)]

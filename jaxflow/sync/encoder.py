@@ -23,7 +23,8 @@ import numpy as np
 from jaxflow.sync import bits, codecs, entropy
 from jaxflow.sync.diff import LeafDiff, diff_tree
 from jaxflow.sync.digest import device_digest
-from jaxflow.sync.payload import CODECS, LeafSpec, Payload, PayloadError, Section
+from jaxflow.sync.payload import (CODECS, FRESH, LeafSpec, Payload, PayloadError, Section,
+                                  payload_size)
 
 DEFAULT_BUCKET_ELEMS = 1 << 26
 # auto: above this changed fraction a leaf is sent as bitmask + values instead of positions.
@@ -32,18 +33,24 @@ MASK_DENSITY = 0.25
 
 def encode(old_params, new_params, *, base_version: int, version: int, codec: str = "auto",
            bucket_elems: int = DEFAULT_BUCKET_ELEMS,
-           zstd_level: int = entropy.DEFAULT_ZSTD_LEVEL) -> Payload:
+           zstd_level: int = entropy.DEFAULT_ZSTD_LEVEL,
+           base_digest: str | None = None) -> Payload:
     """Encodes the bit-pattern changes from ``old_params`` (the receiver's snapshot at
     ``base_version``) to ``new_params`` (the trainer's bf16 cast, ``version``).
 
     Both trees must have the same structure, shapes and dtypes, and ``version`` must exceed
     ``base_version``. Returns a Payload whose ``apply`` reproduces ``new_params`` bit for bit;
     unless it is full (``codec="dense"``) it carries ``device_digest(old_params)``, computed
-    where the old leaves live.
+    where the old leaves live -- or ``base_digest`` when the caller already knows it (a
+    sender carries it from publish to publish, ``SyncSender.base_digest``; a wrong one makes
+    every receiver refuse the payload).
     """
     _check_versions(base_version, version)
     treedef, specs, diffs = diff_tree(old_params, new_params)
-    base_digest = None if codec == "dense" else device_digest(old_params)
+    if codec == "dense":
+        base_digest = None
+    elif base_digest is None:
+        base_digest = device_digest(old_params)
     return encode_diffs(treedef, specs, diffs, base_version=base_version, version=version,
                         codec=codec, bucket_elems=bucket_elems, zstd_level=zstd_level,
                         base_digest=base_digest)
@@ -102,19 +109,34 @@ def encode_diffs(treedef: str, specs: tuple[LeafSpec, ...], diffs: list[LeafDiff
 
 
 def _full(spec: LeafSpec, diff: LeafDiff) -> np.ndarray:
-    if diff.full_new is None:
+    full = diff.full()
+    if full is None:
         raise ValueError(f"leaf {spec.name}: this codec needs the full new leaf, "
                          "but the diff does not carry it")
-    return diff.full_new
+    return full
 
 
 def _dense_fallback(i: int, spec: LeafSpec, diff: LeafDiff, level: int) -> Section:
     """Bitmask + values, or the raw leaf when even that is not smaller."""
-    meta, streams = entropy.mask_encode(diff.positions, diff.old_bits, diff.new_bits,
-                                        spec.size, level)
-    if sum(map(len, streams)) >= 2 * spec.size and diff.full_new is not None:
-        return Section("dense", (i,), *codecs.dense_encode(bits.as_bits(diff.full_new)))
+    meta, streams = entropy.mask_encode_deltas(diff.positions, diff.value_deltas(), spec.size,
+                                               level)
+    if sum(map(len, streams)) >= 2 * spec.size:
+        full = diff.full()
+        if full is not None:
+            return Section("dense", (i,), *codecs.dense_encode(bits.as_bits(full)))
     return Section("mask", (i,), meta, streams)
+
+
+def dense_payload_size(treedef: str, specs: tuple[LeafSpec, ...], *, version: int) -> int:
+    """``len()`` of the full (``codec="dense"``, base FRESH) payload of a tree with these
+    leaves, computed from shapes and dtypes alone (no leaf is read or encoded)."""
+    sections = []
+    for i, spec in enumerate(specs):
+        if spec.dtype == bits.BF16.name:
+            sections.append(("dense", (i,), {}, [2 * spec.size]))
+        else:
+            sections.append(("exact", (i,), {}, [np.dtype(spec.dtype).itemsize * spec.size]))
+    return payload_size(FRESH, version, None, "dense", treedef, specs, sections)
 
 
 def _buckets(ids: list[int], specs, bucket_elems: int) -> list[list[int]]:
@@ -137,17 +159,17 @@ def _buckets(ids: list[int], specs, bucket_elems: int) -> list[list[int]]:
 def _bucket_section(codec: str, ids: list[int], specs, diffs, level: int) -> Section:
     offsets = np.cumsum([0] + [specs[i].size for i in ids])
     total = int(offsets[-1])
+    values = (lambda d: d.new_bits) if codec in ("coo", "gap") else LeafDiff.value_deltas
     if len(ids) == 1:  # a big leaf alone: no copies
-        pos, new, old = diffs[ids[0]].positions, diffs[ids[0]].new_bits, diffs[ids[0]].old_bits
+        pos, vals = diffs[ids[0]].positions, values(diffs[ids[0]])
     else:
         pos = np.concatenate([diffs[i].positions + off for i, off in zip(ids, offsets[:-1])])
-        new = np.concatenate([diffs[i].new_bits for i in ids])
-        old = np.concatenate([diffs[i].old_bits for i in ids])
+        vals = np.concatenate([values(diffs[i]) for i in ids])
     if codec == "coo":
-        meta, streams = codecs.coo_encode(pos, new, total)
+        meta, streams = codecs.coo_encode(pos, vals, total)
     elif codec == "gap":
-        meta, streams = codecs.gap_encode(pos, new, total)
-    else:  # entropy, auto
-        meta, streams = entropy.entropy_encode(pos, old, new, total, level)
+        meta, streams = codecs.gap_encode(pos, vals, total)
+    else:  # entropy, auto: values as bit-pattern differences from the old values
+        meta, streams = entropy.entropy_encode_deltas(pos, vals, total, level)
         codec = "entropy"
     return Section(codec, tuple(ids), meta, tuple(streams))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import zstandard
 
 from jaxflow.sync import bits
 from jaxflow.sync.codecs import check_positions, gaps_of, meta_int, positions_of
@@ -31,12 +30,27 @@ DEFAULT_ZSTD_LEVEL = 3
 _MAX_RICE_BITS = 40
 
 
+def zstandard_module():
+    """The ``zstandard`` package, imported on first use (the entropy-coded sections and the
+    PULSE-style baseline need it; the raw codecs and ``import jaxflow.sync`` do not)."""
+    try:
+        import zstandard
+    except ImportError as e:
+        raise ImportError(
+            "the zstd-compressed sync sections (codecs 'entropy' and 'auto', mask sections, "
+            "the PULSE-style baseline) need the 'zstandard' package: pip install zstandard "
+            "(the codecs 'dense', 'coo' and 'gap' work without it)") from e
+    return zstandard
+
+
 def zstd_compress(data: bytes | np.ndarray, level: int) -> bytes:
+    zstandard = zstandard_module()
     return zstandard.ZstdCompressor(level=level).compress(
         data.tobytes() if isinstance(data, np.ndarray) else data)
 
 
 def zstd_decompress(stream: bytes, expected: int, what: str) -> bytes:
+    zstandard = zstandard_module()
     try:
         # Check the frame's declared size first: a corrupt header could ask for gigabytes.
         declared = zstandard.frame_content_size(stream)
@@ -140,7 +154,13 @@ def values_encode(old_bits: np.ndarray, new_bits: np.ndarray, level: int) -> tup
     as ~1 bit each, rare flags far below that), then the byte planes of ``magnitude - 2`` for
     the flagged values. Requires old != new everywhere (true for changed elements).
     """
-    delta = (new_bits.astype(np.uint16) - old_bits.astype(np.uint16)).view(np.int16)
+    return deltas_encode((new_bits.astype(np.uint16) - old_bits.astype(np.uint16)
+                          ).astype(np.uint16), level)
+
+
+def deltas_encode(deltas: np.ndarray, level: int) -> tuple[dict, list]:
+    """``values_encode`` from the uint16 differences new - old (mod 2**16) directly."""
+    delta = np.asarray(deltas, np.uint16).view(np.int16)
     magnitude = np.abs(delta.astype(np.int32))
     if magnitude.size and int(magnitude.min()) == 0:
         raise ValueError("values_encode got unchanged elements")
@@ -182,10 +202,17 @@ def apply_values(old_bits: np.ndarray, deltas: np.ndarray) -> np.ndarray:
 
 def entropy_encode(pos: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, total: int,
                    level: int = DEFAULT_ZSTD_LEVEL) -> tuple[dict, tuple]:
+    return entropy_encode_deltas(pos, (new_bits.astype(np.uint16) - old_bits.astype(np.uint16)
+                                       ).astype(np.uint16), total, level)
+
+
+def entropy_encode_deltas(pos: np.ndarray, deltas: np.ndarray, total: int,
+                          level: int = DEFAULT_ZSTD_LEVEL) -> tuple[dict, tuple]:
+    """An entropy section from positions and uint16 deltas (new - old mod 2**16)."""
     gaps = gaps_of(pos)
     b = rice_parameter(gaps)
     low, unary, n_unary = rice_encode(gaps, b)
-    meta, value_streams = values_encode(old_bits, new_bits, level)
+    meta, value_streams = deltas_encode(deltas, level)
     meta.update(count=int(pos.size), rice_bits=b, unary_bits=n_unary)
     return meta, (low, unary, *value_streams)
 
@@ -204,9 +231,16 @@ def entropy_decode(meta: dict, streams: tuple, total: int) -> tuple[np.ndarray, 
 
 def mask_encode(pos: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, size: int,
                 level: int = DEFAULT_ZSTD_LEVEL) -> tuple[dict, tuple]:
+    return mask_encode_deltas(pos, (new_bits.astype(np.uint16) - old_bits.astype(np.uint16)
+                                    ).astype(np.uint16), size, level)
+
+
+def mask_encode_deltas(pos: np.ndarray, deltas: np.ndarray, size: int,
+                       level: int = DEFAULT_ZSTD_LEVEL) -> tuple[dict, tuple]:
+    """A mask section from positions and uint16 deltas (new - old mod 2**16)."""
     mask = np.zeros(size, np.uint8)
     mask[pos] = 1
-    meta, value_streams = values_encode(old_bits, new_bits, level)
+    meta, value_streams = deltas_encode(deltas, level)
     meta.update(count=int(pos.size))
     return meta, (zstd_compress(np.packbits(mask), level), *value_streams)
 

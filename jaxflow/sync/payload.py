@@ -167,23 +167,10 @@ class Payload:
         return self
 
     def to_bytes(self) -> bytes:
-        header = {
-            "base_version": int(self.base_version),
-            "version": int(self.version),
-            "base_digest": self.base_digest,
-            "codec": self.codec,
-            "treedef": self.treedef,
-            "leaves": [[l.name, l.dtype, list(l.shape)] for l in self.leaves],
-            "sections": [
-                {"kind": s.kind, "leaves": list(s.leaves), "meta": s.meta,
-                 "streams": [len(b) for b in s.streams]}
-                for s in self.sections
-            ],
-        }
-        head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        if len(head) > MAX_HEADER_BYTES:
-            raise ValueError(f"payload header of {len(head)} bytes exceeds MAX_HEADER_BYTES="
-                             f"{MAX_HEADER_BYTES}")
+        head = header_bytes(self.base_version, self.version, self.base_digest, self.codec,
+                            self.treedef, self.leaves,
+                            [(s.kind, s.leaves, s.meta, [len(b) for b in s.streams])
+                             for s in self.sections])
         parts = [MAGIC, _HEADER_LEN.pack(len(head)), head]
         parts += [bytes(b) for s in self.sections for b in s.streams]
         blob = b"".join(parts)
@@ -223,6 +210,37 @@ class Payload:
         except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
             raise PayloadError(f"payload header is not valid JSON: {e}") from None
         return _from_header(header, blob[start + head_len:]).validate()
+
+
+def header_bytes(base_version: int, version: int, base_digest: str | None, codec: str,
+                 treedef: str, leaves, sections) -> bytes:
+    """The JSON header of a payload; ``sections``: (kind, leaf ids, meta, stream lengths)
+    per section. ``Payload.to_bytes`` writes it, ``payload_size`` measures it."""
+    header = {
+        "base_version": int(base_version),
+        "version": int(version),
+        "base_digest": base_digest,
+        "codec": codec,
+        "treedef": treedef,
+        "leaves": [[l.name, l.dtype, list(l.shape)] for l in leaves],
+        "sections": [
+            {"kind": kind, "leaves": list(ids), "meta": meta, "streams": list(lengths)}
+            for kind, ids, meta, lengths in sections
+        ],
+    }
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    if len(head) > MAX_HEADER_BYTES:
+        raise ValueError(f"payload header of {len(head)} bytes exceeds MAX_HEADER_BYTES="
+                         f"{MAX_HEADER_BYTES}")
+    return head
+
+
+def payload_size(base_version: int, version: int, base_digest: str | None, codec: str,
+                 treedef: str, leaves, sections) -> int:
+    """``len(Payload(...).to_bytes())`` from the header fields and stream lengths alone
+    (arguments as for ``header_bytes``): no stream is built or hashed."""
+    head = header_bytes(base_version, version, base_digest, codec, treedef, leaves, sections)
+    return FIXED_BYTES + len(head) + sum(int(n) for *_, lengths in sections for n in lengths)
 
 
 def max_payload_bytes(treedef: str, specs: tuple[LeafSpec, ...]) -> int:

@@ -20,13 +20,19 @@ from jaxflow.sync import bits, codecs, entropy
 from jaxflow.sync.diff import tree_layout
 from jaxflow.sync.digest import device_digest
 from jaxflow.sync.payload import Payload, PayloadError
+from pallas_kernels import dispatch
+from pallas_kernels.sync_scatter_apply import scatter_apply
 
 _BUCKET_KINDS = ("coo", "gap", "entropy")
 _CHUNK = 1 << 18
 
 
+SCATTER_BACKENDS = ("auto", "xla", "pallas")
+
+
 def apply(payload: Payload, params, *, version: int, inplace: bool = False,
-          on_device: bool | None = None, rollback: bool = False):
+          on_device: bool | None = None, rollback: bool = False, scatter: str = "auto",
+          interpret: bool = False):
     """Returns ``params`` advanced from ``version`` to ``payload.version``.
 
     Args:
@@ -43,9 +49,16 @@ def apply(payload: Payload, params, *, version: int, inplace: bool = False,
         their sharding, no host round trip of the leaf) instead of on the host. Default: on
         for leaves living on an accelerator, off on CPU where host numpy is faster.
       rollback: allow a full payload older than ``version`` (an explicit rollback).
+      scatter: the on-device write of sparse updates: "auto" (the Pallas
+        ``sync_scatter_apply`` kernel on GPU/TPU for single-device leaves where
+        ``pallas_kernels.dispatch`` says it builds, else XLA's scatter), "xla", or "pallas"
+        (forced on single-device leaves; ``KernelUnavailable`` where it does not build).
+      interpret: run a forced Pallas kernel in interpret mode (CPU tests).
     Raises:
       PayloadError: the payload does not apply; ``params`` are unchanged.
     """
+    if scatter not in SCATTER_BACKENDS:
+        raise ValueError(f"scatter={scatter!r}; valid: {SCATTER_BACKENDS}")
     check_applicable(payload, version, rollback=rollback)
     treedef_str, leaves, specs = tree_layout(params)
     if treedef_str != payload.treedef:
@@ -72,7 +85,8 @@ def apply(payload: Payload, params, *, version: int, inplace: bool = False,
         leaf = leaves[i]
         device = isinstance(leaf, jax.Array) and leaf.size < 2**31 and (  # int32 positions
             on_device if on_device is not None else next(iter(leaf.sharding.device_set)).platform != "cpu")
-        out[i] = _write_on_device(leaf, update) if device else _write(leaf, update, inplace)
+        out[i] = (_write_on_device(leaf, update, scatter, interpret) if device
+                  else _write(leaf, update, inplace))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), out)
 
 
@@ -170,24 +184,69 @@ def _write(leaf, update, inplace: bool):
     return target.reshape(np.shape(leaf))[()] if target.ndim == 0 else target
 
 
-def _write_on_device(leaf: jax.Array, update):
+def _capacity(k: int) -> int:
+    """Padded update count (a power of two >= 128): bounded recompiles across publishes."""
+    return max(128, 1 << max(0, k - 1).bit_length())
+
+
+def _write_on_device(leaf: jax.Array, update, scatter: str = "xla", interpret: bool = False):
     if update[0] == "full":
         host = np.asarray(update[1]).view(np.dtype(leaf.dtype)).reshape(leaf.shape)
         return jax.device_put(host, leaf.sharding)
     kind, pos, values = update
+    capacity = _capacity(pos.size)
+    if _use_scatter_kernel(scatter, leaf, capacity, interpret):
+        flat_pos = np.full(capacity, -1, np.int32)
+        flat_pos[: pos.size] = pos
+        flat_vals = np.zeros(capacity, np.uint16)
+        flat_vals[: pos.size] = values
+        return _kernel_scatter(leaf, jnp.asarray(flat_pos), jnp.asarray(flat_vals),
+                               delta=kind == "delta", interpret=interpret)
     if leaf.ndim == 0:  # unravel_index has no 0-d form: scatter into a (1,) view
         out = _write_on_device(leaf.reshape(1), update).reshape(())
         return out if out.sharding == leaf.sharding else jax.device_put(out, leaf.sharding)
-    # n-d indices: a flat view of a sharded leaf would need a reshape across shards.
-    index = tuple(jnp.asarray(i, jnp.int32) for i in np.unravel_index(pos, leaf.shape))
+    # n-d indices: a flat view of a sharded leaf would need a reshape across shards. Padded
+    # to ``capacity`` with an out-of-range index (dropped by the scatter).
+    index = []
+    for dim, i in zip(leaf.shape, np.unravel_index(pos, leaf.shape)):
+        padded = np.full(capacity, dim, np.int32)
+        padded[: pos.size] = i
+        index.append(jnp.asarray(padded))
+    padded_values = np.zeros(capacity, np.uint16)
+    padded_values[: pos.size] = values
     gathered = kept = None
     sharding = leaf.sharding
     if isinstance(sharding, NamedSharding) and any(
             t == AxisType.Explicit for t in sharding.mesh.axis_types):
         # Explicit-axis meshes want the gather's and the scatter's output shardings spelled out.
         gathered, kept = NamedSharding(sharding.mesh, PartitionSpec()), sharding
-    out = _device_scatter(leaf, index, jnp.asarray(values), kind == "delta", gathered, kept)
+    out = _device_scatter(leaf, tuple(index), jnp.asarray(padded_values), kind == "delta",
+                          gathered, kept)
     return out if out.sharding == sharding else jax.device_put(out, sharding)
+
+
+def _use_scatter_kernel(scatter: str, leaf: jax.Array, capacity: int, interpret: bool) -> bool:
+    """The Pallas scatter for this leaf (single-device leaves only; ``dispatch`` verdict)."""
+    if scatter == "xla" or len(leaf.sharding.device_set) != 1 or leaf.size >= 2**31:
+        return False
+    if scatter == "pallas" and interpret:
+        return True
+    dst = jax.ShapeDtypeStruct((leaf.size,), jnp.uint16)
+    pos = jax.ShapeDtypeStruct((capacity,), jnp.int32)
+    vals = jax.ShapeDtypeStruct((capacity,), jnp.uint16)
+    return dispatch.choose_kernel("sync_scatter_apply", scatter, scatter_apply,
+                                  (dst, pos, vals), options=(capacity,))
+
+
+@functools.partial(jax.jit, static_argnames=("delta", "interpret"))
+def _kernel_scatter(leaf, positions, values, *, delta: bool, interpret: bool):
+    """``pallas_kernels.sync_scatter_apply`` on a single-device leaf's flat bit patterns
+    (delta updates add to the old bits, gathered first; uint16 arithmetic wraps)."""
+    flat = jax.lax.bitcast_convert_type(leaf, jnp.uint16).reshape(-1)
+    if delta:
+        values = flat[jnp.maximum(positions, 0)] + values
+    out = scatter_apply(flat, positions, values, interpret=interpret)
+    return jax.lax.bitcast_convert_type(out.reshape(leaf.shape), leaf.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("delta", "gathered", "kept"))

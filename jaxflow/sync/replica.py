@@ -28,10 +28,10 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from jaxflow.sync import bits, digest
+from jaxflow.sync import bits, device_diff, digest, encoder
 from jaxflow.sync.bound import entropy_bound_bytes
-from jaxflow.sync.diff import diff_tree, tree_layout
-from jaxflow.sync.encoder import CODECS, encode, encode_diffs
+from jaxflow.sync.diff import LeafDiff, diff_tree, tree_layout
+from jaxflow.sync.encoder import CODECS, encode_diffs
 from jaxflow.sync.payload import FRESH, Payload, PayloadError
 from jaxflow.sync.receiver import apply, check_applicable
 
@@ -40,12 +40,31 @@ class VersionMismatch(RuntimeError):
     """A rollout found its replica at another version than the trainer published."""
 
 
-def to_bf16(params: Any) -> Any:
-    """Host numpy copy of ``params`` with every floating leaf cast to bf16 (what rollout runs)."""
+def to_bf16(params: Any, *, copy: bool = True) -> Any:
+    """Host numpy copy of ``params`` with every floating leaf cast to bf16 (what rollout runs).
+    ``copy=False``: numpy leaves that need no cast are returned as they are."""
     def cast(x):
+        if not copy and isinstance(x, np.ndarray) and (
+                x.dtype == bits.BF16 or not np.issubdtype(x.dtype, np.floating)):
+            return x
         x = np.asarray(jax.device_get(x))
         return x.astype(bits.BF16) if np.issubdtype(x.dtype, np.floating) else x.copy()
     return jax.tree.map(cast, params)
+
+
+def _device_tree(params: Any) -> Any:
+    """``params`` with every leaf a jax Array (host leaves put on the default device; a dtype
+    the device cannot hold, e.g. int64 without x64, is an error: use path="host")."""
+    def put(x):
+        if isinstance(x, jax.Array):
+            return x
+        host = np.asarray(x)
+        out = jax.numpy.asarray(host)
+        if out.dtype != host.dtype:
+            raise ValueError(f"a {host.dtype} leaf becomes {out.dtype} on the device: the "
+                             "device sync path needs device dtypes (use path='host')")
+        return out
+    return jax.tree.map(put, params)
 
 
 def tree_digest(params: Any) -> str:
@@ -81,15 +100,23 @@ class Replica:
       version: the version ``params`` are at.
       shardings: optional same-structure tree of shardings (the rollout sub-mesh): params are
         ``device_put`` there and ``apply`` keeps each leaf's sharding.
+      path: where payloads are written into jax leaves: "device" (integer scatters on the
+        leaves' own devices, no host round trip), "host" (numpy, then ``device_put``) or
+        "auto" (device when the params live on an accelerator).
+      scatter, interpret: the device write's backend (``receiver.apply``'s ``scatter``).
     """
 
-    def __init__(self, params: Any, *, version: int = 0, shardings: Any = None):
+    def __init__(self, params: Any, *, version: int = 0, shardings: Any = None,
+                 path: str = "auto", scatter: str = "auto", interpret: bool = False):
         if (isinstance(version, bool) or not isinstance(version, (int, np.integer))
                 or version < FRESH):
             raise ValueError(f"version={version!r}: need an int >= {FRESH} (FRESH)")
+        if path not in PATHS:
+            raise ValueError(f"path={path!r}; valid: {PATHS}")
         if shardings is not None:
             params = jax.device_put(params, shardings)
         self._params, self._version = params, int(version)
+        self.path, self.scatter, self.interpret = path, scatter, interpret
         self.bytes_received = 0
 
     @property
@@ -116,8 +143,11 @@ class Replica:
         check_applicable(payload, self._version, rollback=rollback, who="replica")
         # on_device passed explicitly: receiver.apply's default probes ``leaf.devices().pop()``,
         # which empties the sharding's cached device set (shared by every same-sharded array).
+        on_device = (_on_accelerator(self._params) if self.path == "auto"
+                     else self.path == "device")
         self._params = apply(payload, self._params, version=self._version,
-                             on_device=_on_accelerator(self._params), rollback=rollback)
+                             on_device=on_device, rollback=rollback, scatter=self.scatter,
+                             interpret=self.interpret)
         self._version = payload.version  # only after apply succeeded
         if not isinstance(data, Payload):
             self.bytes_received += len(data)
@@ -128,6 +158,19 @@ class Replica:
         if self._version != expected:
             raise VersionMismatch(f"replica is at version {self._version}, the trainer "
                                   f"published {expected}")
+
+
+PATHS = ("auto", "host", "device")
+
+
+def resolve_path(path: str, params: Any) -> str:
+    """"host" or "device" for a sender / replica of ``path`` holding ``params``: "auto" is
+    "device" when the leaves live on an accelerator (GPU/TPU), else the host numpy path."""
+    if path not in PATHS:
+        raise ValueError(f"path={path!r}; valid: {PATHS}")
+    if path == "auto":
+        return "device" if _on_accelerator(params) else "host"
+    return path
 
 
 def _on_accelerator(params: Any) -> bool:
@@ -149,7 +192,12 @@ class Link(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class PublishStats:
-    """One publish: sizes in bytes, times in seconds, changed elements of bf16 leaves."""
+    """One publish: sizes in bytes, times in seconds, changed elements of bf16 leaves.
+
+    ``encode_s``: the cast to bf16, diff, encode and ``to_bytes``; ``dense_bytes``: the size
+    of a full payload (computed from shapes and dtypes); ``host_bytes``: what the publish
+    moved device -> host (the host path pulls every jax leaf whole, the device path only
+    the compacted changes); ``path``: "host" or "device"."""
 
     base_version: int
     version: int
@@ -160,6 +208,8 @@ class PublishStats:
     elements: int
     bound_bytes: float
     encode_s: float
+    host_bytes: int = 0
+    path: str = "host"
 
     @property
     def changed_fraction(self) -> float:
@@ -174,25 +224,47 @@ class SyncSender:
     """The trainer side: snapshot, step-payload history, plans and fan-out.
 
     Args:
-      params: the bf16 tree every replica starts from (at ``version``).
+      params: the tree every replica starts from (cast to bf16 here), at ``version``.
       codec: one of ``jaxflow.sync.CODECS``.
       history: step payloads kept for chained catch-up (older replicas get a dense resync).
+      path: "host" (the snapshot is host numpy: every publish pulls the tree and diffs it in
+        numpy), "device" (the snapshot stays on the params' devices: the cast, diff and
+        compaction run there and only the changes reach the host, ``jaxflow.sync.device_diff``)
+        or "auto" (device when ``params`` live on an accelerator). Both paths make the same
+        payload bytes.
+      backend, interpret: the device path's compaction (``device_diff``'s ``backend``).
+      copy: ``False``: leaves of ``params`` that need no cast become the snapshot as they are
+        (the caller must not modify or donate them).
     """
 
-    def __init__(self, params: Any, *, version: int = 0, codec: str = "auto", history: int = 64):
+    def __init__(self, params: Any, *, version: int = 0, codec: str = "auto", history: int = 64,
+                 path: str = "auto", backend: str = "auto", interpret: bool = False,
+                 copy: bool = True):
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}; valid: {CODECS}")
         if history < 0:
             raise ValueError(f"history={history}: need >= 0")
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
             raise ValueError(f"version={version!r}: need an int >= 0")
+        if backend not in device_diff.BACKENDS:
+            raise ValueError(f"backend={backend!r}; valid: {device_diff.BACKENDS}")
         self.codec, self.history = codec, history
-        self._snapshot = to_bf16(params)
+        self.path = resolve_path(path, params)
+        self.backend, self.interpret = backend, interpret
+        if self.path == "device":
+            params = _device_tree(params)
+            self._snapshot = device_diff.cast_tree(params) if copy else jax.tree.map(
+                lambda x: device_diff.cast_tree(x) if jax.numpy.issubdtype(
+                    x.dtype, jax.numpy.floating) and x.dtype != jax.numpy.bfloat16 else x,
+                params)
+        else:
+            self._snapshot = to_bf16(params, copy=copy)
         self._version = int(version)
         # Per-leaf digest lanes of the snapshot (jaxflow.sync.digest), computed once and then
         # advanced from each publish's diff in O(changes): the base digest costs no pass.
         self._lanes: np.ndarray | None = None
         self._steps: dict[int, tuple[int, bytes]] = {}  # base version -> (version, bytes)
+        self._scratch: list = [None]  # the host diff's mask buffer, reused across publishes
         self._dense: bytes | None = None
         self._digest: str | None = None
         self.routes: list[str] = []  # "chain" / "dense" / "current" per plan, for reports
@@ -211,15 +283,27 @@ class SyncSender:
         return self._digest
 
     def publish(self, params: Any, *, version: int | None = None,
-                with_bound: bool = False) -> PublishStats:
+                with_bound: bool = False, copy: bool = True) -> PublishStats:
         """Encodes the change from the snapshot to ``params`` (cast to bf16) as the next
-        version (default: current + 1) and makes it the snapshot. Sends nothing."""
+        version (default: current + 1) and makes it the snapshot. Sends nothing.
+
+        ``copy=False`` (host path): bf16 numpy leaves of ``params`` become the snapshot
+        without a copy; the caller must not modify them afterwards."""
         version = self._version + 1 if version is None else int(version)
         if version <= self._version:
             raise ValueError(f"version {version} must exceed the current {self._version}")
-        new = to_bf16(params)
         t0 = time.perf_counter()
-        treedef, specs, diffs = diff_tree(self._snapshot, new)
+        if self.path == "device":
+            found = device_diff.device_diff(
+                self._snapshot, _device_tree(params),
+                values=device_diff.values_for_codec(self.codec, with_bound),
+                backend=self.backend, interpret=self.interpret)
+            new, treedef, specs, diffs = found.new, found.treedef, found.specs, found.diffs
+        else:
+            host_bytes = sum(x.nbytes for x in jax.tree.leaves(params)
+                             if isinstance(x, jax.Array))
+            new = to_bf16(params, copy=copy)
+            treedef, specs, diffs = diff_tree(self._snapshot, new, scratch=self._scratch)
         base_digest = None
         if self.codec != "dense":
             if self._lanes is None:
@@ -228,32 +312,51 @@ class SyncSender:
         payload = encode_diffs(treedef, specs, diffs, base_version=self._version,
                                version=version, codec=self.codec, base_digest=base_digest)
         data = payload.to_bytes()
+        if self._lanes is not None:
+            if self.path == "device":
+                self._lanes += found.lanes_delta  # computed on the device, O(changes)
+                for i, (spec, diff) in enumerate(zip(specs, diffs)):
+                    if diff.count and spec.dtype != bits.BF16.name:
+                        self._lanes[i] = digest.host_lanes(diff.full_new)
+            else:
+                self._advance_lanes(specs, diffs, jax.tree_util.tree_leaves(new))
         encode_s = time.perf_counter() - t0
+        if self.path == "device":
+            host_bytes = found.host_bytes + found.fetched_bytes()
         bf16_ids = [i for i, s in enumerate(specs) if s.dtype == bits.BF16.name]
         stats = PublishStats(
             base_version=self._version, version=version, codec=self.codec,
-            payload_bytes=len(data), dense_bytes=len(self._dense_of(new, version)),
+            payload_bytes=len(data),
+            dense_bytes=self._dense_size(treedef, specs, version),
             changed=sum(diffs[i].count for i in bf16_ids),
             elements=sum(specs[i].size for i in bf16_ids),
             bound_bytes=entropy_bound_bytes(specs, diffs) if with_bound else float("nan"),
-            encode_s=encode_s)
+            encode_s=encode_s, host_bytes=int(host_bytes), path=self.path)
         self._steps[self._version] = (version, data)
         for base in sorted(self._steps)[: max(0, len(self._steps) - self.history)]:
             del self._steps[base]
-        if self._lanes is not None:
-            self._advance_lanes(specs, diffs, jax.tree_util.tree_leaves(new))
-        self._snapshot, self._version, self._digest = new, version, None
+        self._snapshot, self._version, self._digest, self._dense = new, version, None, None
         return stats
 
     def _advance_lanes(self, specs, diffs, new_leaves) -> None:
+        bf16 = [i for i, spec in enumerate(specs)
+                if spec.dtype == bits.BF16.name and diffs[i].count]
+        # one word per bf16 element: update the changes only, all leaves in one pass
+        self._lanes[bf16] += digest.lanes_deltas([diffs[i].positions for i in bf16],
+                                                 [diffs[i].old_bits for i in bf16],
+                                                 [diffs[i].new_bits for i in bf16])
         for i, (spec, diff) in enumerate(zip(specs, diffs)):
-            if not diff.count:
-                continue
-            if spec.dtype == bits.BF16.name:  # one word per element: update the changes only
-                self._lanes[i] += digest.lanes_delta(diff.positions, diff.old_bits,
-                                                     diff.new_bits)
-            else:
+            if diff.count and spec.dtype != bits.BF16.name:
                 self._lanes[i] = digest.host_lanes(np.asarray(new_leaves[i]))
+
+    def _dense_size(self, treedef: str, specs, version: int) -> int:
+        # The full payload's header differs between versions only in the digits of
+        # "version" (base FRESH, no digest): measured once per layout.
+        key = (treedef, specs)
+        if getattr(self, "_dense_key", None) != key:
+            self._dense_key = key
+            self._dense_size0 = encoder.dense_payload_size(treedef, specs, version=0)
+        return self._dense_size0 + len(str(int(version))) - 1
 
     def base_digest(self) -> str:
         """``device_digest`` of the snapshot (what the next step payload names as its base)."""
@@ -263,9 +366,15 @@ class SyncSender:
         return digest.combine(treedef, specs, self._lanes)
 
     def _dense_of(self, params: Any, version: int) -> bytes:
-        # base FRESH: a full payload applies from any version (Payload.is_full)
-        self._dense = encode(params, params, base_version=FRESH, version=version,
-                             codec="dense").to_bytes()
+        # base FRESH: a full payload applies from any version (Payload.is_full). The leaves
+        # are read whole (from the devices on the device path): this is the resync payload.
+        treedef, leaves, specs = tree_layout(params)
+        fetched = jax.device_get(leaves)
+        empty = np.zeros(0, np.uint16)
+        diffs = [LeafDiff(np.zeros(0, np.int64), empty, empty,
+                          bits.host_array(leaf).reshape(-1)) for leaf in fetched]
+        self._dense = encode_diffs(treedef, specs, diffs, base_version=FRESH, version=version,
+                                   codec="dense").to_bytes()
         return self._dense
 
     def dense_payload(self) -> bytes:

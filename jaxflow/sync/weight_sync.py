@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from jaxflow.sync.encoder import CODECS
-from jaxflow.sync.replica import (FRESH, Link, PublishStats, Replica, SyncSender,
+from jaxflow.sync.replica import (FRESH, PATHS, Link, PublishStats, Replica, SyncSender,
                                   VersionMismatch, tree_digest, to_bf16)
 from jaxflow.sync.transport.inprocess import InProcessLink
 
@@ -49,6 +49,10 @@ class SyncConfig:
         "resync" (catch it up, then sample) or "error" (raise VersionMismatch).
       bound: also compute the entropy bound of every publish (a study measurement, costs about
         one more encode; ``PublishStats.bound_bytes`` is NaN without it).
+      path: where the sender diffs and the replicas apply: "host" (numpy: the tree is pulled
+        to the host every publish), "device" (cast, diff and compaction on the trainer's
+        devices, only the changes cross to the host; replicas scatter on their devices) or
+        "auto" (device on GPU/TPU, host on CPU). Same payload bytes either way.
     """
 
     codec: str = "auto"
@@ -57,6 +61,7 @@ class SyncConfig:
     replicas: int = 1
     on_mismatch: str = "resync"
     bound: bool = False
+    path: str = "auto"
 
     def __post_init__(self):
         if self.codec not in SYNC_CODECS:
@@ -67,6 +72,8 @@ class SyncConfig:
                 raise ValueError(f"sync.{name}={getattr(self, name)!r}: need an int >= 1")
         if self.history < 0:
             raise ValueError(f"sync.history={self.history}: need >= 0")
+        if self.path not in PATHS:
+            raise ValueError(f"sync.path={self.path!r}; valid: {PATHS}")
         if self.on_mismatch not in ON_MISMATCH:
             raise ValueError(f"sync.on_mismatch={self.on_mismatch!r}; valid: {ON_MISMATCH}")
 
@@ -98,10 +105,11 @@ class WeightSync:
                  *, version: int = 0, links: Sequence[Link] = (), fresh: bool = False):
         self.config = config
         self.sender = SyncSender(params, version=version, codec=config.codec,
-                                 history=config.history)
+                                 history=config.history, path=config.path)
         start = jax.tree.map(np.zeros_like, self.sender.snapshot) if fresh else self.sender.snapshot
         self.replicas = [Replica(start, version=FRESH if fresh else version,
-                                 shardings=rollout_shardings) for _ in range(config.replicas)]
+                                 shardings=rollout_shardings, path=config.path)
+                         for _ in range(config.replicas)]
         self.links: list[Link] = [InProcessLink(r) for r in self.replicas] + list(links)
         self.records: list[SyncRecord] = []
 
