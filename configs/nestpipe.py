@@ -1,4 +1,5 @@
-"""nestpipe: sync / dbp / fwp / dbp+fwp / semi_sync pipelines over host-resident tables and a
+"""nestpipe: sync / sparse_dist (TorchRec TrainPipelineSparseDist) / dbp / fwp / dbp+fwp /
+semi_sync pipelines over host-resident tables and a
 DLRM: exactness vs sync, per-stage and exposed time, speedup vs sync in the same run,
 the ideal bound (sum of stages / slowest), AUC / logloss, clustering's transfer reduction.
 
@@ -30,7 +31,7 @@ from jaxflow.config import Variants
 
 DESCRIPTION = "NestPipe dual-buffer / frozen-window pipelines vs sync over host-resident tables"
 ENTRY = "jaxflow.main.nestpipe:main"
-PIPELINE_NAMES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
+PIPELINE_NAMES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "semi_sync")
 
 
 @dataclasses.dataclass(frozen=True)

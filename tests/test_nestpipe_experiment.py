@@ -16,10 +16,10 @@ TINY = Config(vocab_sizes=(60, 40, 25, 9), multi_hot=3, embed_dim=8, bottom=(16,
 def test_summary_keys_and_exactness(tmp_path):
     run = standalone_context("nestpipe", "quick", out_dir=str(tmp_path))
     s = main(TINY, run)
-    names = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
+    names = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "semi_sync")
     for key in ("speedup_vs_sync", "ideal_speedup", "max_param_diff_vs_sync"):
         assert set(s[key]) == set(names), key
-    assert s["max_param_diff_vs_sync"]["dbp"] == 0.0
+    assert s["max_param_diff_vs_sync"]["dbp"] == s["max_param_diff_vs_sync"]["sparse_dist"] == 0.0
     assert s["max_param_diff_vs_sync"]["dbp+fwp"] == s["max_param_diff_vs_sync"]["fwp"] <= 4e-6
     assert s["max_param_diff_vs_sync"]["semi_sync"] > 1e-3
     assert max(s["max_one_step_diff_vs_sync"].values()) <= 1e-6
@@ -36,7 +36,7 @@ def test_summary_keys_and_exactness(tmp_path):
     assert all(len(v) == 2 and all(len(r) == 1 for r in v) for v in s["speedup_pairs"].values())
     assert set(s["speedup_pairs"]) == set(names[1:]) | {"auto"}
     assert all(sorted(o) == sorted(names + ("auto",)) for run in s["timing_order"] for o in run)
-    assert s["auto_mode"] in ("sync", "dbp", "fwp", "dbp+fwp") and len(s["auto_mode_runs"]) == 2
+    assert s["auto_mode"] in ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp") and len(s["auto_mode_runs"]) == 2
     assert s["auto_speedup_vs_sync"] > 0
 
 

@@ -36,7 +36,7 @@ def setup():
 def finals(setup):
     _, _, tables0, dense0, _, parts_for = setup
     out, stats = {}, {}
-    for p in ("sync", "dbp", "semi_sync", "fwp", "dbp+fwp"):
+    for p in ("sync", "dbp", "semi_sync", "fwp", "dbp+fwp", "sparse_dist"):
         dense, tables, stats[p] = train(SMALL, p, tables0, dense0, parts_for, STEPS)
         out[p] = snapshot(dense, tables)
     return out, stats
@@ -78,6 +78,15 @@ def test_fwp_one_step_error_is_within_tolerance_at_every_step(setup):
     _, _, tables0, dense0, _, parts_for = setup
     diffs = one_step_diffs("fwp", tables0, dense0, parts_for, 6)
     assert max(diffs) <= TOL_PER_STEP, diffs
+
+
+def test_torchrec_sparse_dist_baseline_is_bit_identical_to_sync(finals):
+    """TrainPipelineSparseDist-style: batch t+1's input routed during t, rows read after t's
+    write back, so no staleness."""
+    out, stats = finals
+    assert_trees_equal(out["sparse_dist"], out["sync"])
+    assert stats["sparse_dist"]["losses"] == stats["sync"]["losses"]
+    assert stats["sparse_dist"]["patched_rows"] == 0
 
 
 def test_dbp_fwp_is_bit_identical_to_fwp(finals):

@@ -43,7 +43,7 @@ from jaxflow.timing import auto_summary as summarize_auto
 from jaxflow.timing import choose_mode, median_of_runs, paired_rounds
 
 #: the pipelines ``auto`` chooses from: the exact ones (semi_sync is one step stale)
-AUTO_CANDIDATES = ("sync", "dbp", "fwp", "dbp+fwp")
+AUTO_CANDIDATES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp")
 
 
 def resolve_meshes(config, devices=None) -> dict[str, Mesh]:
