@@ -4,6 +4,7 @@ bounded staleness), on the solver / verifier workflow; same samples in sync and 
     python -m jaxflow.run --exp=flexmarl --variant=quick      # ~1-2 min on 2 CPU cores
     python -m jaxflow.run --exp=flexmarl --variant=default    # ~3 min
     python -m jaxflow.run --exp=flexmarl --variant=full       # bigger agents, 2-digit sums
+    python -m jaxflow.run --exp=flexmarl --variant=quick --set runs=3   # README figures
     python -m jaxflow.run --exp=flexmarl --variant=quick \
         --set calibration_out=jaxflow/marl/simulate/data/flexmarl_quick.json
 
@@ -40,7 +41,12 @@ class Config:
     verifier_tokens: int = 2
     n_inputs: int = 8
     steps: int = 20
-    reps: int = 10               # timed (sync, strict, bounded...) rounds; medians reported
+    reps: int = 10               # timed rounds per run (every mode once, random order)
+    runs: int = 1                # timing runs, each with its own warm-up and auto probe
+    auto: bool = True            # probe lockstep vs strict, time the faster as "auto"
+    probe_rounds: int = 5
+    probe_steps: int = 0  # steps per probe call; 0 = steps (short probes favour sync: a
+    # pipeline's fill / drain is a larger share of a short run)
     micro_inputs: int = 2        # inputs per trainer micro-batch
     rollout_batch: int = 1       # inputs per rollout engine call (sync and pipeline alike)
     rollout_workers: int = 1     # 1, or >= 2: per-agent worker pools (agent-level balancing)
@@ -53,6 +59,12 @@ class Config:
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=0)
     # write the simulator's calibration file here (flexmarl_scale reads it; see its config)
     calibration_out: str = ""
+
+    def __post_init__(self):
+        if self.runs < 1 or self.reps < 1 or self.probe_rounds < 1 or self.probe_steps < 0:
+            raise ValueError(f"runs={self.runs}, reps={self.reps}, probe_rounds="
+                             f"{self.probe_rounds}, probe_steps={self.probe_steps}; need >= 1 "
+                             "(probe_steps >= 0)")
 
 
 def _quick() -> Config:

@@ -1,10 +1,12 @@
-"""nestpipe: sync / dbp / fwp / dbp+fwp / semi_sync pipelines over host-resident tables and a
+"""nestpipe: sync / sparse_dist (TorchRec TrainPipelineSparseDist) / dbp / fwp / dbp+fwp /
+semi_sync pipelines over host-resident tables and a
 DLRM: exactness vs sync, per-stage and exposed time, speedup vs sync in the same run,
 the ideal bound (sum of stages / slowest), AUC / logloss, clustering's transfer reduction.
 
     python -m jaxflow.run --exp=nestpipe --variant=quick
     python -m jaxflow.run --exp=nestpipe --variant=default
     python -m jaxflow.run --exp=nestpipe --variant=quick --set micro_batches=8
+    python -m jaxflow.run --exp=nestpipe --variant=quick --set runs=3   # README figures
     python -m jaxflow.run --exp=nestpipe --variant=quick \
         --set calibration_out=jaxflow/nestpipe/simulate/data/nestpipe_quick.json
 
@@ -14,8 +16,11 @@ device routes its keys to the owning shard of the host tables and gets rows back
 The quick / default capacities were measured on ``capacity_devices`` (8) devices; on another
 count they fall back to the worst-case sizes (0, cannot overflow).
 
-Summary keys (maps keyed by pipeline): ``speedup_vs_sync``, ``ideal_speedup``,
-``max_param_diff_vs_sync`` (max over leaves of max |x - x_sync| / max |x_sync|).
+Summary keys (maps keyed by pipeline): ``speedup_vs_sync`` (median over ``runs`` of each run's
+paired median), ``speedup_runs`` (every run's figure), ``speedup_pairs`` (every pair),
+``ideal_speedup``, ``max_param_diff_vs_sync`` (max over leaves of max |x - x_sync| /
+max |x_sync|); ``auto_mode`` / ``auto_speedup_vs_sync`` (the measured choice among the exact
+pipelines).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from jaxflow.config import Variants
 
 DESCRIPTION = "NestPipe dual-buffer / frozen-window pipelines vs sync over host-resident tables"
 ENTRY = "jaxflow.main.nestpipe:main"
-PIPELINE_NAMES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
+PIPELINE_NAMES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "semi_sync")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +63,14 @@ class Config:
     eval_batches: int = 4
     warmup: int = 3
     timing_steps: int = 8
-    pairs: int = 10
+    pairs: int = 10  # timing rounds per run (every pipeline once per round, random order)
+    runs: int = 1  # timing runs, each with a fresh warm-up and auto probe (--set runs=3)
+    auto: bool = True  # probe the exact pipelines and time the fastest as "auto"
+    probe_rounds: int = 3
+    probe_steps: int = 0  # steps per probe call; 0 = timing_steps (short probes favour sync: a
+    # pipeline's fill / drain is a larger share of a short run)
+    # the frozen window's All2Alls: auto | per_micro_batch | batched (sharded.FROZEN_EXCHANGES)
+    frozen_exchange: str = "auto"
     # write the simulator's calibration file here (nestpipe_scale reads it; see its config)
     calibration_out: str = ""
 
@@ -66,6 +78,13 @@ class Config:
         bad = [p for p in self.pipelines if p not in PIPELINE_NAMES]
         if bad:
             raise ValueError(f"pipelines {bad}; valid: {', '.join(PIPELINE_NAMES)}")
+        if self.runs < 1 or self.pairs < 1 or self.probe_rounds < 1 or self.probe_steps < 0:
+            raise ValueError(f"runs={self.runs}, pairs={self.pairs}, probe_rounds="
+                             f"{self.probe_rounds}, probe_steps={self.probe_steps}; need >= 1 "
+                             "(probe_steps >= 0)")
+        if self.frozen_exchange not in ("auto", "per_micro_batch", "batched"):
+            raise ValueError(f"frozen_exchange={self.frozen_exchange!r}; valid: auto, "
+                             "per_micro_batch, batched")
         if self.cluster_method not in ("vote", "greedy"):
             raise ValueError(f"cluster_method={self.cluster_method!r}; valid: vote, greedy")
         if self.devices is not None and (self.devices < 1 or

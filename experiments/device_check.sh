@@ -110,7 +110,7 @@ EOF
 
 steps() {
   step bench_kernels 130 --exp=bench_kernels --variant=full
-  step sis_offpolicy 75 --exp=sis_offpolicy --variant=quick
+  step flagship 75 --exp=flagship --variant=quick
   step bench_policy_loss 40 --exp=bench_policy_loss --variant=full
   step bench_sync_codec 40 --exp=bench_sync_codec --variant=default
   step bench_embedding 40 --exp=bench_embedding --variant=full --set num_tables=8 \

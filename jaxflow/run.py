@@ -224,6 +224,12 @@ def _supervised_worker(argv: list[str]):
     return lambda: supervise.supervise(command, host=host, port=port, process_id=args.process_id)
 
 
+def _backends_initialized() -> bool:
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
 def default_devices(args: argparse.Namespace, config) -> int | None:
     """``--devices``, else the experiment's own ``devices`` field for a single-process run, so
     ``--exp=NAME --variant=quick`` runs as written on a CPU: an int N > 1 gives N fake CPU
@@ -301,7 +307,9 @@ def _main(argv: list[str]) -> int:
     from jaxflow import distributed
 
     args.devices = default_devices(args, config)
-    if args.devices is not None:
+    if args.devices is not None and not (args.dry_run and _backends_initialized()):
+        # (an in-process --dry-run after JAX started, e.g. from a test, resolves the meshes
+        # on the devices already there: the count can no longer change)
         distributed.set_cpu_device_count(args.devices)
     peer_timeout = args.peer_timeout or distributed.DEFAULT_PEER_TIMEOUT_S
     try:

@@ -18,7 +18,7 @@ from jaxflow import run as runner
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "experiments" / "device_check.sh"
-REQUIRED = {"bench_kernels", "sis_offpolicy", "bench_policy_loss", "bench_sync_codec",
+REQUIRED = {"bench_kernels", "flagship", "bench_policy_loss", "bench_sync_codec",
             "bench_embedding"}
 
 

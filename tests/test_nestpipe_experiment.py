@@ -10,16 +10,16 @@ from jaxflow.main.nestpipe import main
 
 TINY = Config(vocab_sizes=(60, 40, 25, 9), multi_hot=3, embed_dim=8, bottom=(16,), top=(16,),
               batch_size=64, micro_batches=2, steps=4, eval_batches=2, warmup=1, timing_steps=2,
-              pairs=1, sparse_lr=0.1, dense_lr=1e-2)
+              pairs=1, runs=2, probe_rounds=1, probe_steps=1, sparse_lr=0.1, dense_lr=1e-2)
 
 
 def test_summary_keys_and_exactness(tmp_path):
     run = standalone_context("nestpipe", "quick", out_dir=str(tmp_path))
     s = main(TINY, run)
-    names = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
+    names = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "semi_sync")
     for key in ("speedup_vs_sync", "ideal_speedup", "max_param_diff_vs_sync"):
         assert set(s[key]) == set(names), key
-    assert s["max_param_diff_vs_sync"]["dbp"] == 0.0
+    assert s["max_param_diff_vs_sync"]["dbp"] == s["max_param_diff_vs_sync"]["sparse_dist"] == 0.0
     assert s["max_param_diff_vs_sync"]["dbp+fwp"] == s["max_param_diff_vs_sync"]["fwp"] <= 4e-6
     assert s["max_param_diff_vs_sync"]["semi_sync"] > 1e-3
     assert max(s["max_one_step_diff_vs_sync"].values()) <= 1e-6
@@ -31,6 +31,13 @@ def test_summary_keys_and_exactness(tmp_path):
         assert k in s["stage_seconds"]["sync"], k
     assert s["stage_seconds"]["sync"]["exchange"] > 0 and s["stage_seconds"]["sync"]["route"] > 0
     assert s["stage_seconds"]["fwp"]["exchange"] == 0.0  # fused into the frozen window's compute
+    # fair timing: 2 runs of 1 round, every pair and run kept, auto chose an exact pipeline
+    assert all(len(v) == 2 for v in s["speedup_runs"].values())
+    assert all(len(v) == 2 and all(len(r) == 1 for r in v) for v in s["speedup_pairs"].values())
+    assert set(s["speedup_pairs"]) == set(names[1:]) | {"auto"}
+    assert all(sorted(o) == sorted(names + ("auto",)) for run in s["timing_order"] for o in run)
+    assert s["auto_mode"] in ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp") and len(s["auto_mode_runs"]) == 2
+    assert s["auto_speedup_vs_sync"] > 0
 
 
 def test_config_validation():
@@ -38,6 +45,10 @@ def test_config_validation():
         dataclasses.replace(get_config("quick"), pipelines=("sync", "async"))
     with pytest.raises(ValueError, match="micro_batches"):
         dataclasses.replace(get_config("quick"), micro_batches=3)
+    with pytest.raises(ValueError, match="runs=0"):
+        dataclasses.replace(get_config("quick"), runs=0)
+    with pytest.raises(ValueError, match="frozen_exchange"):
+        dataclasses.replace(get_config("quick"), frozen_exchange="overlap")
     with pytest.raises(ValueError, match="devices"):
         dataclasses.replace(get_config("quick"), devices=3)
     with pytest.raises(ValueError, match="variant"):

@@ -11,7 +11,8 @@ import pytest
 
 from configs.nestpipe import Config
 from jaxflow.nestpipe import (clone_tables, cluster_order, cluster_samples, intersection_slots,
-                              micro_batch_transfers, patch_intersection_rows, run_pipeline)
+                              micro_batch_transfers, patch_intersection_rows, run_pipeline,
+                              shard_micro_batch_transfers)
 from jaxflow.main.nestpipe import build, max_relative_diff, one_step_diffs, snapshot, train
 from jaxflow.nestpipe.host_io import HostShards
 
@@ -35,7 +36,7 @@ def setup():
 def finals(setup):
     _, _, tables0, dense0, _, parts_for = setup
     out, stats = {}, {}
-    for p in ("sync", "dbp", "semi_sync", "fwp", "dbp+fwp"):
+    for p in ("sync", "dbp", "semi_sync", "fwp", "dbp+fwp", "sparse_dist"):
         dense, tables, stats[p] = train(SMALL, p, tables0, dense0, parts_for, STEPS)
         out[p] = snapshot(dense, tables)
     return out, stats
@@ -79,6 +80,15 @@ def test_fwp_one_step_error_is_within_tolerance_at_every_step(setup):
     assert max(diffs) <= TOL_PER_STEP, diffs
 
 
+def test_torchrec_sparse_dist_baseline_is_bit_identical_to_sync(finals):
+    """TrainPipelineSparseDist-style: batch t+1's input routed during t, rows read after t's
+    write back, so no staleness."""
+    out, stats = finals
+    assert_trees_equal(out["sparse_dist"], out["sync"])
+    assert stats["sparse_dist"]["losses"] == stats["sync"]["losses"]
+    assert stats["sparse_dist"]["patched_rows"] == 0
+
+
 def test_dbp_fwp_is_bit_identical_to_fwp(finals):
     out, stats = finals
     assert_trees_equal(out["dbp+fwp"], out["fwp"])
@@ -114,10 +124,26 @@ def test_clustering_keeps_the_full_batch_update(setup):
         order = cluster_samples(sp, 8, method)
         assert sorted(order.tolist()) == list(range(256))
         assert micro_batch_transfers(sp, 8, order) < micro_batch_transfers(sp, 8), method
-    # on the mesh samples are clustered inside each device's shard only
-    order = cluster_order(sp, 8, 4)
-    assert sorted(order.tolist()) == list(range(256))
-    assert all(set(order[p * 32:(p + 1) * 32] // 32) == {p} for p in range(8))
+    # on the mesh samples are clustered inside each device's shard only, all shards in one
+    # vectorised pass that gives each shard exactly its own cluster_samples permutation
+    for method in ("vote", "greedy"):
+        order = cluster_order(sp, 8, 4, method)
+        assert sorted(order.tolist()) == list(range(256))
+        assert all(set(order[p * 32:(p + 1) * 32] // 32) == {p} for p in range(8))
+        per_shard = np.concatenate([p * 32 + cluster_samples(
+            {k: v[p * 32:(p + 1) * 32] for k, v in sp.items()}, 4, method) for p in range(8)])
+        np.testing.assert_array_equal(order, per_shard)
+        # rows moved as the mesh moves them: per device, per micro-batch dedup
+        moved = shard_micro_batch_transfers(sp, 8, 4, order)
+        assert moved == sum(micro_batch_transfers({k: v[order][p * 32:(p + 1) * 32]
+                                                   for k, v in sp.items()}, 4)
+                            for p in range(8))
+        assert moved < shard_micro_batch_transfers(sp, 8, 4), method
+    padded = {k: np.where(np.arange(v.size).reshape(v.shape) % 5 == 0, -1, v)
+              for k, v in sp.items()}
+    np.testing.assert_array_equal(cluster_order(padded, 8, 4), np.concatenate(
+        [p * 32 + cluster_samples({k: v[p * 32:(p + 1) * 32] for k, v in padded.items()}, 4)
+         for p in range(8)]))
 
 
 def test_patch_copies_exactly_the_shared_rows(setup):
@@ -246,8 +272,20 @@ def test_frozen_window_row_exchange_is_independent_of_compute(setup, finals):
         shards.close()
     args = (dense0, pf.buf.rows, pf.buf.opt, pf.routed.owner_inverse, pf.routed.routing,
             pf.dev.ids, pf.dev.dense, pf.dev.label)
-    flags = _all_to_alls_and_taint(jax.make_jaxpr(st._frozen)(*args).jaxpr)
+    # the accelerator schedule (the CPU default batches the window's All2Alls, see below)
+    overlap = per_micro_batch_parts(setup)("fwp", None).stages
+    assert overlap.frozen_exchange == "per_micro_batch" and st.frozen_exchange == "batched"
+    flags = _all_to_alls_and_taint(jax.make_jaxpr(overlap._frozen)(*args).jaxpr)
     n = SMALL.micro_batches
     assert len(flags) == 2 * n, flags
     assert flags.count(False) == n and flags.count(True) == n, flags  # n row, n grad exchanges
     assert flags[:2] == [False, False]  # rows of micro-batch 1 issued before 0's grads exist
+    # batched (CPU): one row All2All before any compute, one gradient All2All after it; the
+    # same values moved in fewer collectives, so the step is bit-identical
+    assert _all_to_alls_and_taint(jax.make_jaxpr(st._frozen)(*args).jaxpr) == [False, True]
+    assert_trees_equal(overlap._frozen(*args), st._frozen(*args))
+
+
+def per_micro_batch_parts(setup):
+    """A parts factory like ``setup``'s whose frozen window uses one All2All per micro-batch."""
+    return build(dataclasses.replace(SMALL, frozen_exchange="per_micro_batch"))[-1]

@@ -118,14 +118,21 @@ def unique_rows(reply: jax.Array, routing: Routing) -> jax.Array:
     return jnp.where(ok[:, None], flat[jnp.where(ok, routing.slot, 0)], 0).astype(reply.dtype)
 
 
-def exchange_grads(grad_unique: jax.Array, routing: Routing, axis: str) -> jax.Array:
-    """Row gradients [C, D] to their owners along the ids' route: -> [P, Cb, D] aligned with
-    the owner's ``recv_ids``."""
+def grads_to_send(grad_unique: jax.Array, routing: Routing) -> jax.Array:
+    """Row gradients [C, D] laid out along the ids' route: [P, Cb, D], slot ``[p, j]`` holds
+    the gradient of the j-th key asked of owner p (zeros where empty); ``exchange_grads``
+    without the All2All."""
     num_shards, cb = routing.send_ids.shape
     ok = routing.slot >= 0
     send = jnp.zeros((num_shards * cb, grad_unique.shape[-1]), grad_unique.dtype)
     send = send.at[jnp.where(ok, routing.slot, num_shards * cb)].set(grad_unique, mode="drop")
-    return jax.lax.all_to_all(send.reshape(num_shards, cb, -1), axis, 0, 0, tiled=True)
+    return send.reshape(num_shards, cb, -1)
+
+
+def exchange_grads(grad_unique: jax.Array, routing: Routing, axis: str) -> jax.Array:
+    """Row gradients [C, D] to their owners along the ids' route: -> [P, Cb, D] aligned with
+    the owner's ``recv_ids``."""
+    return jax.lax.all_to_all(grads_to_send(grad_unique, routing), axis, 0, 0, tiled=True)
 
 
 def apply_owner_update(optimizer: SparseOptimizer, shard: jax.Array, opt_shard: dict,

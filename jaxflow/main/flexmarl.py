@@ -6,9 +6,13 @@ MARTI-style barrier baseline (roll out every agent on every input, then one full
 agent, in lockstep); ``strict`` is the micro-batch pipeline (same samples, same update up to
 summation order); ``bounded(eta)`` lets rollouts run up to eta versions ahead.
 
-Timing (CONVENTIONS): one untimed warm-up run of each mode (compilation), then ``reps`` rounds
-alternating sync, strict, bounded(eta)...; reported: median per-round ratio sync wall / mode wall
-and its min / max, samples/s medians, busy fraction per role (busy seconds / wall; roles: the
+Timing (CONVENTIONS, ``jaxflow.timing``): per run an untimed warm-up run of each mode, then
+``reps`` rounds each running sync, strict, bounded(eta)... and auto's choice once in a seeded
+random order; ``runs`` such runs. Reported: the median over runs of each run's median paired
+ratio sync wall / mode wall (``speedup_runs``: every run's figure, ``speedup_pairs``: every
+pair) and the min / max over all pairs; ``auto_mode`` / ``auto_speedup_vs_sync``: a probe of
+``probe_rounds`` rounds of ``probe_steps`` steps of lockstep (``sync``) and ``strict`` picks the
+faster, which is then timed beside the others; samples/s medians, busy fraction per role (busy seconds / wall; roles: the
 rollout engine and one trainer per agent) as medians over rounds, per-step reward means of the
 first round, ``strict_max_param_diff`` (max over steps and agents of the per-leaf relative
 difference strict vs sync), the observed staleness of bounded runs, decode row-steps saved by
@@ -34,6 +38,8 @@ from jaxflow.marl.simulate import sync_counts, write_calibration_from_run
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import solver_verifier_workflow
 from jaxflow.rl.tasks import encode_prompts
+from jaxflow.timing import auto_summary as summarize_auto
+from jaxflow.timing import choose_mode, median_of_runs, paired_rounds
 from jaxflow.train.lm_state import init_params
 
 
@@ -138,14 +144,38 @@ def main(config, run) -> dict:
     warm = policies()
     for n, rt in runtimes.items():  # every compacted decode shape, so no timed run compiles
         rt.engine.precompile(rt.publish(warm[n]), config.rollout_batch * rt.spec.group_size)
-    for fn in modes.values():
-        fn(2)
+    # timing (jaxflow.timing): each round runs every mode (and auto's choice) once, in a seeded
+    # random order; paired ratios sync / mode per round; ``runs`` repetitions, each with its
+    # own warm-up and auto probe (lockstep vs strict: the staleness-free modes)
     results: dict[str, list[RunResult]] = {m: [] for m in modes}
-    for rep in range(config.reps):
-        for m, fn in modes.items():
-            results[m].append(fn(config.steps))
-        run.info(f"round {rep}: " + ", ".join(f"{m} {r[-1].wall_s:.2f}s"
-                                              for m, r in results.items()))
+
+    def timed(m, steps, keep=True):
+        def call():
+            r = modes[m](steps)
+            if keep:
+                results[m].append(r)
+            return r.wall_s
+        return call
+
+    candidates = ["sync", "strict"]
+    timings, autos = [], []
+    for rep in range(config.runs):
+        for fn in modes.values():
+            fn(2)
+        seed = config.seed * 1000 + rep
+        auto = (choose_mode({m: timed(m, config.probe_steps or config.steps, keep=False) for m in candidates},
+                            rounds=config.probe_rounds, warmup=0, baseline="sync", seed=seed)
+                if config.auto else None)
+        timed_modes = {m: timed(m, config.steps) for m in modes}
+        if auto is not None:
+            autos.append(auto)
+            timed_modes["auto"] = timed(auto["mode"], config.steps, keep=False)
+        timings.append(paired_rounds(timed_modes, rounds=config.reps, baseline="sync",
+                                     seed=seed))
+        run.info(f"timing run {rep}: " + ", ".join(f"{m} {x:.2f}x" for m, x in
+                                                   timings[-1]["speedup"].items())
+                 + (f" (auto -> {auto['mode']})" if auto else ""))
+    per_run = median_of_runs([t["speedup"] for t in timings])
     sync, strict = results["sync"][0], results["strict"][0]
     for v in range(config.steps):
         run.log(v, {f"reward/{m}/{n}": r[0].rewards[v][n] for m, r in results.items()
@@ -153,9 +183,10 @@ def main(config, run) -> dict:
     per_step = [max(relative_param_diff(strict.params[v][n], sync.params[v][n])
                     for n in wf.order()) for v in range(config.steps)]
 
-    def ratio(m):
-        rs = [s.wall_s / r.wall_s for s, r in zip(results["sync"], results[m])]
-        return {"median": statistics.median(rs), "min": min(rs), "max": max(rs)}
+    def ratio(m):  # median over runs of each run's paired median; min / max over all pairs
+        pairs = [x for t in timings for x in t["ratios"][m]]
+        return {"median": per_run[m]["median"], "min": min(pairs), "max": max(pairs),
+                "runs": per_run[m]["runs"]}
 
     def rate(m):
         return statistics.median(r.samples / r.wall_s for r in results[m])
@@ -176,6 +207,11 @@ def main(config, run) -> dict:
     summary = {
         "speedup_vs_sync": ratio("strict")["median"],
         "speedup_spread": ratio("strict"),
+        "speedup_runs": per_run["strict"]["runs"],
+        "speedup_pairs": {m: [t["ratios"][m] for t in timings] for m in per_run if m != "sync"},
+        "timing_order": [t["order"] for t in timings],
+        "runs": config.runs,
+        **(summarize_auto(per_run, autos, candidates) if autos else {}),
         "samples_per_s": rate("strict"),
         "baseline_samples_per_s": rate("sync"),
         "utilisation": _median_util(results["strict"]),

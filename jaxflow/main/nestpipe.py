@@ -6,12 +6,17 @@ tables split row-wise over the same shards (keys routed and rows returned by All
 Exactness: params and tables after K steps vs ``sync`` (max relative difference = max |x - x_sync|
 / max |x_sync| over all dense params and tables together), and for the frozen window the
 one-step difference from sync's own state at each of the first ``step_check_steps`` steps (the
-per-step reorder error). Speed: each pipeline timed against ``sync`` in the same process,
-alternating (sync, pipeline) rounds of ``timing_steps`` steps from fresh copies after a warm-up;
-median ratio and spread. Per-stage times (``stage_seconds``: data, h2d, route, retrieve,
+per-step reorder error). Speed (``jaxflow.timing``): ``pairs`` rounds, each running every
+pipeline once for ``timing_steps`` steps from fresh copies, in a seeded random order per round,
+after a warm-up; per pipeline the median of the paired ratios sync / pipeline; repeated
+``runs`` times (each with its own warm-up) and reported as the median over runs with every
+run's figure (``speedup_runs``) and every pair (``speedup_pairs``). ``auto``: a short probe
+(``probe_rounds`` rounds of ``probe_steps`` steps of each exact pipeline, random order) picks
+the fastest; its choice is then timed in the same rounds as the rest (``auto_speedup_vs_sync``). Per-stage times (``stage_seconds``: data, h2d, route, retrieve,
 exchange, compute, write_back, patch; mean seconds per step, medians over rounds). Ideal bound:
 sum of the five stage times of ``sync`` (stage 5 = exchange + compute + write_back) / the
-slowest. Clustering: rows moved by per-micro-batch dedup, clustered vs not.
+slowest. Clustering: rows moved by per-device, per-micro-batch dedup with the pipeline's own
+``cluster_order`` (inside each device's shard), clustered vs not.
 """
 
 from __future__ import annotations
@@ -26,14 +31,19 @@ from jaxflow.embeddings import TableSpec, make_sparse_optimizer
 from jaxflow.embeddings.host import HostTable
 from jaxflow.experiment import RunContext, to_jsonable
 from jaxflow.mesh import experiment_devices, require_divisible
-from jaxflow.nestpipe.clustering import CLUSTER_METHODS, cluster_samples, micro_batch_transfers
+from jaxflow.nestpipe.clustering import CLUSTER_METHODS, shard_micro_batch_transfers
 from jaxflow.nestpipe.pipelines import PIPELINES, STAGES, Parts, run_pipeline
 from jaxflow.nestpipe.sharded import AXIS, MeshStages
 from jaxflow.nestpipe.simulate import write_calibration_from_run
-from jaxflow.nestpipe.stages import clone_tables
+from jaxflow.nestpipe.stages import clone_tables, cluster_order
 from jaxflow.recsys.metrics import log_loss, roc_auc
 from jaxflow.recsys.models import build_model, functional
 from jaxflow.recsys.synthetic import SyntheticConfig, SyntheticCriteo
+from jaxflow.timing import auto_summary as summarize_auto
+from jaxflow.timing import choose_mode, median_of_runs, paired_rounds
+
+#: the pipelines ``auto`` chooses from: the exact ones (semi_sync is one step stale)
+AUTO_CANDIDATES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp")
 
 
 def resolve_meshes(config, devices=None) -> dict[str, Mesh]:
@@ -89,7 +99,8 @@ def build(config):
                                      capacity=caps["capacity"],
                                      bucket_capacity=(caps["micro_bucket_capacity"] if n > 1
                                                       else caps["bucket_capacity"]),
-                                     owner_capacity=caps["owner_capacity"])
+                                     owner_capacity=caps["owner_capacity"],
+                                     frozen_exchange=config.frozen_exchange)
         return Parts(gen, specs, tables, programs[n], config.batch_size,
                      cluster=frozen and config.cluster and n > 1,
                      cluster_method=config.cluster_method)
@@ -193,36 +204,66 @@ def main(config, run: RunContext) -> dict:
     check = min(config.steps, config.step_check_steps)
     step_diff = {p: max(one_step_diffs(p, tables0, dense0, parts_for, check))
                  for p in pipelines if p in ("fwp", "dbp+fwp")}
-    # 2. timing: alternate sync and each pipeline, fresh tables each round
-    for p in pipelines:
-        train(config, p, tables0, dense0, parts_for, config.warmup)  # compile + warm caches
+    # 2. timing (jaxflow.timing): each round runs every pipeline, and auto's choice, once from
+    # fresh table copies in a seeded random order; paired ratios sync / pipeline per round.
+    # ``runs`` repetitions, each with its own warm-up and auto probe.
     timing = {p: [] for p in pipelines}
-    ratios = {p: [] for p in pipelines if p != "sync"}
-    for _ in range(config.pairs):
-        _, _, s_sync = train(config, "sync", tables0, dense0, parts_for, config.timing_steps)
-        timing["sync"].append(s_sync)
-        for p in ratios:
-            _, _, s = train(config, p, tables0, dense0, parts_for, config.timing_steps)
-            timing[p].append(s)
-            ratios[p].append(s_sync["step_seconds"] / s["step_seconds"])
+
+    def timed(p, steps, keep=True):
+        def call():
+            s = train(config, p, tables0, dense0, parts_for, steps)[2]
+            if keep:
+                timing[p].append(s)
+            return s["step_seconds"]  # excludes copying the tables
+        return call
+
+    candidates = [p for p in AUTO_CANDIDATES if p in pipelines]
+    runs, autos = [], []
+    for r in range(config.runs):
+        for p in pipelines:
+            train(config, p, tables0, dense0, parts_for, config.warmup)  # compile + warm caches
+        seed = config.seed * 1000 + r
+        auto = (choose_mode({p: timed(p, config.probe_steps or config.timing_steps, keep=False) for p in candidates},
+                            rounds=config.probe_rounds, warmup=0, baseline="sync", seed=seed)
+                if config.auto else None)
+        modes = {p: timed(p, config.timing_steps) for p in pipelines}
+        if auto is not None:
+            autos.append(auto)
+            modes["auto"] = timed(auto["mode"], config.timing_steps, keep=False)
+        runs.append(paired_rounds(modes, rounds=config.pairs, baseline="sync", seed=seed))
+        run.info(f"timing run {r}: " + ", ".join(f"{m} {x:.3f}" for m, x in
+                                                 runs[-1]["speedup"].items())
+                 + (f" (auto -> {auto['mode']})" if auto else ""))
     med = lambda xs: float(np.median(xs))
+    per_run = median_of_runs([t["speedup"] for t in runs])
+    all_pairs = {m: [x for t in runs for x in t["ratios"][m]] for m in per_run}
     stage = {p: {k: med([s["stage_seconds"].get(k, 0.0) for s in timing[p]])
                  for k in STAGES + ("patch",)} for p in pipelines}
     sync_stages = [stage["sync"][k] for k in STAGES]
     # the five stages; stage 5 = row All2All back + compute (+ grad All2All) + write back
     five = sync_stages[:4] + [sum(sync_stages[4:])]
     ideal = sum(five) / max(five)
-    # 3. clustering: rows moved by per-micro-batch dedup
+    auto_summary = summarize_auto(per_run, autos, candidates) if autos else {}
+    # 3. clustering as the pipeline does it: each device's shard reordered by the pipeline's
+    # own cluster_order, rows moved = distinct keys per device per micro-batch
     plain, clustered = 0, {m: 0 for m in CLUSTER_METHODS}
     for t in range(min(config.steps, 20)):
         sp = gen.batch(t, config.batch_size)["sparse"]
-        plain += micro_batch_transfers(sp, config.micro_batches)
+        plain += shard_micro_batch_transfers(sp, n_dev, config.micro_batches)
         for m in CLUSTER_METHODS:
-            clustered[m] += micro_batch_transfers(sp, config.micro_batches,
-                                                  cluster_samples(sp, config.micro_batches, m))
+            order = cluster_order(sp, n_dev, config.micro_batches, m)
+            clustered[m] += shard_micro_batch_transfers(sp, n_dev,
+                                                        config.micro_batches, order)
     summary = {
-        "speedup_vs_sync": {"sync": 1.0, **{p: med(r) for p, r in ratios.items()}},
-        "speedup_spread": {p: [float(min(r)), float(max(r))] for p, r in ratios.items()},
+        # median over runs of each run's paired median; every run's figure and every pair kept
+        "speedup_vs_sync": {p: per_run[p]["median"] for p in pipelines},
+        "speedup_runs": {p: per_run[p]["runs"] for p in pipelines},
+        "speedup_spread": {p: [min(all_pairs[p]), max(all_pairs[p])] for p in pipelines
+                           if p != "sync"},
+        "speedup_pairs": {m: [t["ratios"][m] for t in runs] for m in per_run if m != "sync"},
+        "timing_order": [t["order"] for t in runs],
+        "runs": config.runs, "pairs": config.pairs,
+        **auto_summary,
         "ideal_speedup": {p: (1.0 if p == "sync" else ideal) for p in pipelines},
         "max_param_diff_vs_sync": diff,
         "max_leafwise_diff_vs_sync": leafwise,

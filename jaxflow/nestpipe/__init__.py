@@ -9,7 +9,8 @@ semi_sync, fwp, dbp+fwp); ``simulate`` the cluster-scale simulator (a package). 
 """
 
 from jaxflow.nestpipe.buffers import intersection_slots, patch_intersection_rows
-from jaxflow.nestpipe.clustering import CLUSTER_METHODS, cluster_samples, micro_batch_transfers
+from jaxflow.nestpipe.clustering import (CLUSTER_METHODS, cluster_groups, cluster_samples,
+                                         micro_batch_transfers, shard_micro_batch_transfers)
 from jaxflow.nestpipe.host_io import HostShards
 from jaxflow.nestpipe.pipelines import PIPELINES, Parts, prefetch, run_pipeline
 from jaxflow.nestpipe.sharded import AXIS, MeshStages, OwnerBuffer, Routed

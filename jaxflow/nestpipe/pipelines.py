@@ -9,6 +9,11 @@
                  bit-identical.
   ``semi_sync``  the same overlap without the patch: batch t+1 trains on rows read before batch
                  t's update (one step stale, and t's update of shared rows is overwritten).
+  ``sparse_dist`` TorchRec's ``TrainPipelineSparseDist`` schedule: a host thread runs stages
+                 1-3 of batch t+1 (load, h2d, key routing: TorchRec's input_dist) while batch t
+                 computes; the rows of t+1 are read only after t's write back, so nothing is
+                 stale and the result is bit-identical to ``sync``. The baseline an
+                 experienced TorchRec user would run.
   ``fwp`` / ``dbp+fwp``  ``sync`` / ``dbp`` with the frozen window (N micro-batches, per
                  micro-batch routing, row / gradient All2All of micro-batch i+1 overlappable with
                  dense compute of i, one update) and key-centric clustering of samples.
@@ -36,7 +41,8 @@ from jaxflow.nestpipe.stages import DeviceBatch, cluster_order, load_batch, reor
 
 #: pipeline name -> (schedule, uses the frozen window)
 PIPELINES = {"sync": ("sync", False), "dbp": ("dbp", False), "semi_sync": ("semi_sync", False),
-             "fwp": ("sync", True), "dbp+fwp": ("dbp", True)}
+             "sparse_dist": ("sparse_dist", False), "fwp": ("sync", True),
+             "dbp+fwp": ("dbp", True)}
 HOST_STAGES = ("data", "h2d", "route", "retrieve")
 #: timed stages; ``exchange`` (the row All2All) is fused into ``compute`` in the frozen window
 STAGES = HOST_STAGES + ("compute", "write_back", "exchange")
@@ -74,8 +80,8 @@ def _add(times: dict, key: str, dt: float):
     times[key] = times.get(key, 0.0) + dt
 
 
-def prefetch(parts: Parts, shards: HostShards, step: int, times: dict) -> Prefetched:
-    """Stages 1-4 for batch ``step``, each timed (seconds added into ``times``)."""
+def prefetch_input(parts: Parts, step: int, times: dict) -> tuple[Routed, DeviceBatch]:
+    """Stages 1-3 for batch ``step`` (load, h2d, key routing), each timed into ``times``."""
     st = parts.stages
     t0 = time.perf_counter()
     host = load_batch(parts.gen, step, parts.batch_size)
@@ -87,11 +93,22 @@ def prefetch(parts: Parts, shards: HostShards, step: int, times: dict) -> Prefet
     t2 = time.perf_counter()
     routed = st.route(dev.ids)  # fetches owner ids to the host: synchronous
     t3 = time.perf_counter()
-    buf = _block(shards.retrieve(routed))
-    t4 = time.perf_counter()
-    for k, dt in zip(HOST_STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+    for k, dt in zip(HOST_STAGES[:3], (t1 - t0, t2 - t1, t3 - t2)):
         _add(times, k, dt)
-    return Prefetched(buf, routed, dev)
+    return routed, dev
+
+
+def _retrieve(shards: HostShards, routed: Routed, times: dict) -> OwnerBuffer:
+    t0 = time.perf_counter()
+    buf = _block(shards.retrieve(routed))
+    _add(times, "retrieve", time.perf_counter() - t0)
+    return buf
+
+
+def prefetch(parts: Parts, shards: HostShards, step: int, times: dict) -> Prefetched:
+    """Stages 1-4 for batch ``step``, each timed (seconds added into ``times``)."""
+    routed, dev = prefetch_input(parts, step, times)
+    return Prefetched(_retrieve(shards, routed, times), routed, dev)
 
 
 def _compute(parts: Parts, dense_state, pf: Prefetched, times: dict):
@@ -117,15 +134,16 @@ def _write_back(shards: HostShards, pf: Prefetched, rows, opt, times):
 
 def run_pipeline(schedule: str, parts: Parts, dense_state: dict, steps: int,
                  start: int = 0) -> tuple[dict, dict]:
-    """Trains batches ``start .. start+steps-1``. ``schedule``: sync | dbp | semi_sync.
+    """Trains batches ``start .. start+steps-1``. ``schedule``: sync | dbp | semi_sync |
+    sparse_dist.
 
     Returns (dense_state, stats) with stats = {"losses": [...], "stage_seconds": {stage: mean
     per step}, "exposed_seconds": mean per step the main thread waited for stages 1-4,
     "step_seconds": wall per step, "patched_rows": mean per step, "owner_rows": mean distinct
     rows per owner per step}.
     """
-    if schedule not in ("sync", "dbp", "semi_sync"):
-        raise ValueError(f"schedule={schedule!r}; valid: sync, dbp, semi_sync")
+    if schedule not in ("sync", "dbp", "semi_sync", "sparse_dist"):
+        raise ValueError(f"schedule={schedule!r}; valid: sync, dbp, semi_sync, sparse_dist")
     times, losses, exposed, patched, owner_rows = {}, [], 0.0, 0, 0
     shards = HostShards(parts.stages, parts.tables)
     wall0 = time.perf_counter()
@@ -138,6 +156,24 @@ def run_pipeline(schedule: str, parts: Parts, dense_state: dict, steps: int,
                 losses.append(loss)
                 owner_rows = owner_rows + pf.buf.owner_counts
             exposed = sum(times.get(k, 0.0) for k in HOST_STAGES)
+        elif schedule == "sparse_dist":
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nestpipe-input") as pool:
+                thread_times: dict = {}
+                nxt = pool.submit(prefetch_input, parts, start, thread_times)
+                for t in range(start, start + steps):
+                    w0 = time.perf_counter()
+                    routed, dev = nxt.result()
+                    nxt = (pool.submit(prefetch_input, parts, t + 1, thread_times)
+                           if t + 1 < start + steps else None)
+                    # rows read after t-1's write back: never stale
+                    pf = Prefetched(_retrieve(shards, routed, times), routed, dev)
+                    exposed += time.perf_counter() - w0
+                    dense_state, rows, opt, loss = _compute(parts, dense_state, pf, times)
+                    _write_back(shards, pf, rows, opt, times)
+                    losses.append(loss)
+                    owner_rows = owner_rows + pf.buf.owner_counts
+                for k, v in thread_times.items():
+                    _add(times, k, v)
         else:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nestpipe-prefetch") as pool:
                 thread_times: dict = {}

@@ -21,7 +21,8 @@ micro-batch dedup, which key-centric clustering makes smaller) and fuses exchang
 into one program: the owner buffer and dense params are frozen for the window, so micro-batch
 i+1's row All2All is issued before micro-batch i's dense compute and depends on nothing it
 produces; i's gradient All2All likewise feeds only the final update. XLA's async collectives
-(GPU/TPU) can overlap them; the CPU backend runs collectives synchronously (no overlap there).
+(GPU/TPU) can overlap them; the CPU backend runs collectives synchronously (no overlap there),
+so there ``frozen_exchange="auto"`` moves the window's rows and gradients in one All2All each.
 """
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxflow.embeddings.lookup import (GroupContext, check_stats, exchange_grads, exchange_ids,
-                                       exchange_rows, gather_rows, group_pool, unique_rows)
+                                       exchange_rows, gather_rows, grads_to_send, group_pool,
+                                       unique_rows)
 from jaxflow.embeddings.optimizers import SparseOptimizer
 from jaxflow.embeddings.routing import SENTINEL, Routing, dedup, route_ids
 from jaxflow.embeddings.spec import EmbeddingPlan, Placement, TableSpec, plan_tables
 
 AXIS = "data"
+#: the frozen window's All2All schedule: ``per_micro_batch`` (micro-batch i+1's rows issued
+#: before i's compute, so async collectives can overlap it), ``batched`` (one All2All for the
+#: window's rows and one for its gradients: the same values, bit for bit, with 2 instead of 2N
+#: rendezvous), ``auto`` (batched on the CPU backend, whose collectives are synchronous)
+FROZEN_EXCHANGES = ("auto", "per_micro_batch", "batched")
 
 
 class Routed(NamedTuple):
@@ -70,12 +77,21 @@ class MeshStages:
       capacity: distinct keys per device per (micro-)batch, all tables of the group (C).
       bucket_capacity: keys one device asks of one owner (Cb).
       owner_capacity: distinct rows one owner retrieves per batch (Co).
+    ``frozen_exchange``: the frozen window's All2All schedule (``FROZEN_EXCHANGES``).
     """
 
     def __init__(self, specs: list[TableSpec], mesh: Mesh, optimizer: SparseOptimizer,
                  apply: Callable, dense_tx: optax.GradientTransformation, *, batch_size: int,
                  multi_hot: int, micro_batches: int = 1, capacity: int = 0,
-                 bucket_capacity: int = 0, owner_capacity: int = 0):
+                 bucket_capacity: int = 0, owner_capacity: int = 0,
+                 frozen_exchange: str = "auto"):
+        if frozen_exchange not in FROZEN_EXCHANGES:
+            raise ValueError(f"frozen_exchange={frozen_exchange!r}; valid: "
+                             f"{', '.join(FROZEN_EXCHANGES)}")
+        if frozen_exchange == "auto":  # the CPU runs collectives synchronously: nothing to overlap
+            platform = next(iter(mesh.devices.flat)).platform
+            frozen_exchange = "batched" if platform == "cpu" else "per_micro_batch"
+        self.frozen_exchange = frozen_exchange
         if tuple(mesh.axis_names) != (AXIS,):
             raise ValueError(f"mesh axes {mesh.axis_names}; NestPipe wants one axis {AXIS!r}")
         self.mesh, self.specs, self.optimizer = mesh, list(specs), optimizer
@@ -195,6 +211,8 @@ class MeshStages:
             return update(dense_state, owner_rows, owner_opt, owner_inverse[0], g_params,
                           recv_grads, loss)
 
+        batched = self.frozen_exchange == "batched"
+
         def local_frozen(dense_state, owner_rows, owner_opt, owner_inverse, routing, ids, dense,
                          label):
             params = dense_state["params"]
@@ -202,18 +220,25 @@ class MeshStages:
             rs = [jax.tree.map(lambda x, i=i: x[0, i], routing) for i in range(n)]
             mb_ids = {k: split_mb(v) for k, v in ids.items()}
             mb_dense, mb_label = split_mb(dense), split_mb(label)
-            replies = {0: exchange_rows(req[:, 0], axis)}
-            loss, g_params, recv_grads = 0.0, None, []
+            if batched:  # one All2All for the window's rows: the same values, fewer rendezvous
+                everything = exchange_rows(req, axis)
+                replies = {i: everything[:, i] for i in range(n)}
+            else:
+                replies = {0: exchange_rows(req[:, 0], axis)}
+            loss, g_params, sends = 0.0, None, []
             for i in range(n):
-                if i + 1 < n:  # issued before micro-batch i's compute; independent of it
+                if i + 1 < n and not batched:  # issued before micro-batch i's compute
                     replies[i + 1] = exchange_rows(req[:, i + 1], axis)
                 emb = unique_rows(replies.pop(i), rs[i])
                 l_i, (gp_i, ge_i) = grad_fn(params, emb, rs[i], {k: v[i] for k, v in mb_ids.items()},
                                             mb_dense[i], mb_label[i])
                 loss = loss + l_i
                 g_params = gp_i if g_params is None else jax.tree.map(jnp.add, g_params, gp_i)
-                recv_grads.append(exchange_grads(ge_i, rs[i], axis))  # feeds only the update
-            recv_grads = jnp.stack(recv_grads, axis=1)  # [P, N, Cb, D], owner_inverse's layout
+                send = grads_to_send(ge_i, rs[i])  # [P, Cb, D]; feeds only the update
+                sends.append(send if batched else jax.lax.all_to_all(send, axis, 0, 0, tiled=True))
+            recv_grads = jnp.stack(sends, axis=1)  # [P, N, Cb, D], owner_inverse's layout
+            if batched:
+                recv_grads = jax.lax.all_to_all(recv_grads, axis, 0, 0, tiled=True)
             return update(dense_state, owner_rows, owner_opt, owner_inverse[0], g_params,
                           recv_grads, loss)
 

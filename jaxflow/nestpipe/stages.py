@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from jaxflow.embeddings.host import HostTable
-from jaxflow.nestpipe.clustering import cluster_samples
+from jaxflow.nestpipe.clustering import cluster_groups
 
 __all__ = ["DeviceBatch", "load_batch", "reorder_batch", "cluster_order", "to_device",
            "clone_tables"]
@@ -51,13 +51,8 @@ def reorder_batch(batch: dict, order: np.ndarray) -> dict:
 def cluster_order(sparse: dict[str, np.ndarray], num_shards: int, micro_batches: int,
                   method: str = "vote") -> np.ndarray:
     """Key-centric clustering inside each device's shard of the batch (samples never change
-    device, so data parallelism is untouched): int[B] permutation."""
-    b = next(iter(sparse.values())).shape[0]
-    per = b // num_shards
-    return np.concatenate([
-        p * per + cluster_samples({k: v[p * per:(p + 1) * per] for k, v in sparse.items()},
-                                  micro_batches, method)
-        for p in range(num_shards)])
+    device, so data parallelism is untouched): int[B] permutation, all shards in one pass."""
+    return cluster_groups(sparse, num_shards, micro_batches, method)
 
 
 def to_device(batch: dict, put) -> DeviceBatch:

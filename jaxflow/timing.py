@@ -1,0 +1,127 @@
+"""Fair side-by-side timing: seeded random order within rounds, paired ratios, and a measured
+choice between modes.
+
+Comparing modes A and B on a shared, noisy machine needs both measured under the same load:
+every round runs each mode once, in an order drawn afresh per round from a seeded generator
+(so no mode always runs first, right after a warm cache or a quiet moment), and a mode's
+figure is the median over rounds of the *paired* ratio baseline time / mode time of the same
+round. ``choose_mode`` runs a short probe of that kind and picks the mode with the smallest
+median time (the best predicted step time).
+
+A mode is a callable with no arguments that runs one timed unit (e.g. a few training steps
+from fresh copies) and either returns its own measured seconds (a ``float``, when it must
+exclude set-up such as copying tables) or anything else, in which case the wall time of the
+call is taken; a callable must block on its outputs before returning.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+__all__ = ["measure", "paired_rounds", "choose_mode", "median_of_runs", "auto_summary"]
+
+
+def measure(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of one call: ``fn``'s own figure when it returns a float, else its wall time."""
+    t0 = clock()
+    out = fn()
+    dt = clock() - t0
+    return float(out) if isinstance(out, (float, np.floating)) else dt
+
+
+def paired_rounds(modes: Mapping[str, Callable[[], Any]], *, rounds: int, baseline: str,
+                  seed: int = 0, clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Runs every mode once per round, in a seeded random order per round.
+
+    Returns ``{"order": [[mode, ...] per round], "seconds": {mode: [s per round]},
+    "ratios": {mode: [baseline s / mode s per round]} (the pairs, > 1 = faster than the
+    baseline), "speedup": {mode: median ratio}, "spread": {mode: [min, max]}}``; the baseline's
+    own ratios are all 1.
+    """
+    if baseline not in modes:
+        raise ValueError(f"baseline={baseline!r} is not one of the modes {list(modes)}")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}; need >= 1")
+    rng = np.random.default_rng([seed, 0x7141])
+    names = list(modes)
+    seconds: dict[str, list[float]] = {m: [] for m in names}
+    orders = []
+    for _ in range(rounds):
+        order = [names[i] for i in rng.permutation(len(names))]
+        orders.append(order)
+        for m in order:
+            seconds[m].append(measure(modes[m], clock))
+    ratios = {m: [b / s for b, s in zip(seconds[baseline], seconds[m])] for m in names}
+    return {"order": orders, "seconds": seconds, "ratios": ratios,
+            "speedup": {m: statistics.median(r) for m, r in ratios.items()},
+            "spread": {m: [min(r), max(r)] for m, r in ratios.items()}}
+
+
+def choose_mode(modes: Mapping[str, Callable[[], Any]], *, rounds: int = 3, warmup: int = 1,
+                baseline: str | None = None, seed: int = 0,
+                clock: Callable[[], float] = time.perf_counter) -> dict:
+    """A short measured probe: ``warmup`` untimed calls of each mode, then ``rounds`` rounds
+    in seeded random order; the choice is the mode with the smallest median seconds.
+
+    Returns ``{"mode": choice, "median_seconds": {mode: s}, "seconds": {mode: [...]},
+    "order": [...], "probe_seconds": wall time of the whole probe}`` and, with a
+    ``baseline``, ``"predicted_speedup"``: the paired median baseline / choice over the probe.
+    """
+    if not modes:
+        raise ValueError("choose_mode needs at least one mode")
+    t0 = clock()
+    for _ in range(warmup):
+        for fn in modes.values():
+            fn()
+    ref = baseline if baseline is not None else next(iter(modes))
+    probe = paired_rounds(modes, rounds=rounds, baseline=ref, seed=seed, clock=clock)
+    med = {m: statistics.median(s) for m, s in probe["seconds"].items()}
+    choice = min(med, key=lambda m: (med[m], list(modes).index(m)))
+    out = {"mode": choice, "median_seconds": med, "seconds": probe["seconds"],
+           "order": probe["order"], "probe_seconds": clock() - t0}
+    if baseline is not None:
+        out["predicted_speedup"] = probe["speedup"][choice]
+    return out
+
+
+def median_of_runs(per_run: list[Mapping[str, float]]) -> dict[str, dict]:
+    """Per mode: ``{"median": median over runs, "runs": [each run's figure]}`` from a list of
+    per-run ``{mode: figure}`` maps (the headline of a repeated benchmark)."""
+    modes = list(per_run[0]) if per_run else []
+    return {m: {"median": statistics.median(r[m] for r in per_run),
+                "runs": [r[m] for r in per_run]} for m in modes}
+
+
+def auto_summary(per_run: Mapping[str, Mapping], choices: list[Mapping],
+                 candidates: list[str]) -> dict:
+    """Summary keys of a measured ``auto`` mode timed beside fixed ones.
+
+    ``per_run``: ``median_of_runs`` output holding ``"auto"`` and every candidate;
+    ``choices``: each run's ``choose_mode`` result. The best fixed mode is the candidate with
+    the best median over runs; ``auto_within_best_fixed_interval`` says whether auto's median
+    is at least the lowest of that mode's per-run figures (inside its run-to-run interval or
+    above it); when the best is the baseline itself (interval [1, 1]), whether auto's per-run
+    figures straddle 1.
+    """
+    best = max(candidates, key=lambda m: per_run[m]["median"])
+    lo, hi = min(per_run[best]["runs"]), max(per_run[best]["runs"])
+    auto = per_run["auto"]
+    within = auto["median"] >= lo
+    if lo == hi == 1.0:  # the best is the baseline itself, whose paired ratio is 1 by definition:
+        # auto then matches it when its own runs straddle 1 (baseline-vs-baseline noise)
+        within = within or min(auto["runs"]) <= 1.0 <= max(auto["runs"])
+    picked = [c["mode"] for c in choices]
+    return {"auto_mode": max(set(picked), key=lambda m: (picked.count(m), -picked.index(m))),
+            "auto_mode_runs": picked,
+            "auto_speedup_vs_sync": per_run["auto"]["median"],
+            "auto_speedup_runs": per_run["auto"]["runs"],
+            "auto_candidates": list(candidates),
+            "auto_best_fixed_mode": best,
+            "auto_best_fixed_interval": [lo, hi],
+            "auto_within_best_fixed_interval": bool(within),
+            "auto_probe": [{k: c[k] for k in ("median_seconds", "predicted_speedup",
+                                              "probe_seconds") if k in c} for c in choices]}
