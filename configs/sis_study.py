@@ -17,7 +17,8 @@ pass@1: mean reward over ``train.eval_examples`` fixed held-out prompts x
     python -m jaxflow.run --exp=sis_study --variant=default    # ~2 h: lag 8 x {none, sis} x
                                                                # {grpo, dapo} x 16 seeds + lag 1, 16
     python -m jaxflow.run --exp=sis_study --variant=full       # every algo, mismatch corrections
-    python -m jaxflow.run --exp=sis_study --variant=default --set grid.seeds=6 --set train.rollouts=20
+    python -m jaxflow.run --exp=sis_study --variant=default --set grid.seeds=6 \
+        --set train.rollouts=20
 
 Weight sync is off (``sync=none``: the dense f32 publish); ``--set sync.codec=auto`` turns
 SparseRL-Sync on as in the flagship.

@@ -26,9 +26,9 @@ from jaxflow.experiment import RunContext
 from jaxflow.mesh import trainer_rollout_meshes
 from jaxflow.plots import read_metrics
 from jaxflow.rl.grpo import GRPOTrainer
-from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.rollout import RolloutWorker
+from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
 from jaxflow.stats import normalized_auc, paired_interval
 from jaxflow.sync.replica import tree_digest
@@ -203,13 +203,22 @@ def aggregate(records: list[dict]) -> list[dict]:
     return rows
 
 
+def _final_accuracy(record: dict) -> float:
+    return record["final_accuracy"]
+
+
+def _auc(record: dict) -> float:
+    return normalized_auc(record["curve"])
+
+
 def paired_differences(records: list[dict], *, control: str = "none",
                        level: float = 0.95) -> list[dict]:
     """Per (algo, mismatch, lag, staleness) and correction != ``control``: the paired
     correction-minus-control difference over the seeds both ran (same seed = same warm start,
     prompts and sampling keys), of the final held-out pass@1 (``final``) and of the area under
     the pass@1 curve divided by its length (``auc``; :func:`jaxflow.stats.normalized_auc`).
-    Each as mean, t-interval half width and bootstrap bounds (:func:`jaxflow.stats.paired_interval`)."""
+    Each as mean, t-interval half width and bootstrap bounds
+    (:func:`jaxflow.stats.paired_interval`)."""
     by: dict[tuple, dict[str, dict[int, dict]]] = {}
     for rec in records:
         key = (rec["algo"], rec["mismatch"], rec["lag"], rec["staleness"])
@@ -224,8 +233,7 @@ def paired_differences(records: list[dict], *, control: str = "none",
                 continue
             row = {"algo": algo, "correction": corr, "control": control, "mismatch": mismatch,
                    "lag": lag, "staleness": k, "pairs": len(seeds)}
-            for name, value in (("final", lambda r: r["final_accuracy"]),
-                                ("auc", lambda r: normalized_auc(r["curve"]))):
+            for name, value in (("final", _final_accuracy), ("auc", _auc)):
                 iv = paired_interval([value(recs[s]) for s in seeds],
                                      [value(corrs[control][s]) for s in seeds], level=level)
                 row.update({f"{name}_diff": iv.mean, f"{name}_half_width": iv.half_width,
@@ -239,8 +247,8 @@ def format_paired_table(rows: list[dict]) -> str:
     head = ("| algo | correction - control | mismatch | lag | k | pairs | final pass@1 diff "
             "(95% t) | bootstrap | AUC diff (95% t) | bootstrap |\n"
             "|---|---|---|---|---|---|---|---|---|---|")
-    iv = lambda m, h: f"{m:+.3f} +- {h:.3f}"  # noqa: E731
-    bt = lambda b: f"[{b[0]:+.3f}, {b[1]:+.3f}]"  # noqa: E731
+    iv = lambda m, h: f"{m:+.3f} +- {h:.3f}"
+    bt = lambda b: f"[{b[0]:+.3f}, {b[1]:+.3f}]"
     lines = [f"| {r['algo']} | {r['correction']} - {r['control']} | {r['mismatch']} | "
              f"{r['lag']} | {r['staleness']} | {r['pairs']} | "
              f"{iv(r['final_diff'], r['final_half_width'])} | {bt(r['final_boot'])} | "
