@@ -10,6 +10,7 @@ when they differ, when the commit is unknown here, or when git cannot be asked.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pathlib
 import platform
@@ -97,6 +98,17 @@ def run_provenance(*, experiment: str, variant: str, devices: int, measured_path
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": machine(), "measured_paths": list(measured_paths)}
     return out | dict(extra or {})
+
+
+def write_record(path: "str | os.PathLike", *, what: str, provenance: dict, values,
+                 context: dict) -> str:
+    """Writes a calibration file ``{"what", "provenance", "values", "context"}`` (JSON; parent
+    folders created) and returns the path written. ``provenance``: :func:`run_provenance`."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"what": what, "provenance": dict(provenance), "values": values, "context": context}
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return str(path)
 
 
 def stale_calibration(commit: str | None, paths: Sequence[str],

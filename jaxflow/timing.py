@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -86,6 +86,37 @@ def choose_mode(modes: Mapping[str, Callable[[], Any]], *, rounds: int = 3, warm
     if baseline is not None:
         out["predicted_speedup"] = probe["speedup"][choice]
     return out
+
+
+def repeated_runs(timed: Callable[..., Callable[[], float]], modes: Sequence[str], *, runs: int,
+                  steps: int, rounds: int, baseline: str, seed: int, warm: Callable[[], Any],
+                  candidates: Sequence[str] = (), probe_steps: int = 0, probe_rounds: int = 3,
+                  log: Callable[[int, dict, dict | None], Any] | None = None
+                  ) -> tuple[list[dict], list[dict]]:
+    """``runs`` repetitions of a fair benchmark: per run, ``warm()``, then (with
+    ``candidates``) an auto probe by :func:`choose_mode` of ``probe_steps`` (0: ``steps``)
+    steps per call, then :func:`paired_rounds` over every mode of ``modes`` and, as
+    ``"auto"``, the probe's choice; run r is seeded ``seed * 1000 + r``.
+
+    ``timed(mode, steps, keep=True)`` returns a zero-argument call that runs ``steps`` steps
+    of ``mode`` and returns its seconds (``keep=False``: the driver discards the result).
+    ``log(r, paired_rounds result, choice or None)`` after each run. Returns (one
+    :func:`paired_rounds` result per run, one :func:`choose_mode` result per run or [])."""
+    results, choices = [], []
+    for r in range(runs):
+        warm()
+        run_seed = seed * 1000 + r
+        choice = (choose_mode({m: timed(m, probe_steps or steps, keep=False) for m in candidates},
+                              rounds=probe_rounds, warmup=0, baseline=baseline, seed=run_seed)
+                  if candidates else None)
+        calls = {m: timed(m, steps) for m in modes}
+        if choice is not None:
+            choices.append(choice)
+            calls["auto"] = timed(choice["mode"], steps, keep=False)
+        results.append(paired_rounds(calls, rounds=rounds, baseline=baseline, seed=run_seed))
+        if log is not None:
+            log(r, results[-1], choice)
+    return results, choices
 
 
 def median_of_runs(per_run: list[Mapping[str, float]]) -> dict[str, dict]:

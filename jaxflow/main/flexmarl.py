@@ -39,7 +39,7 @@ from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import solver_verifier_workflow
 from jaxflow.rl.tasks import encode_prompts
 from jaxflow.timing import auto_summary as summarize_auto
-from jaxflow.timing import choose_mode, median_of_runs, paired_rounds
+from jaxflow.timing import median_of_runs, repeated_runs
 from jaxflow.train.lm_state import init_params
 
 
@@ -158,23 +158,21 @@ def main(config, run) -> dict:
         return call
 
     candidates = ["sync", "strict"]
-    timings, autos = [], []
-    for rep in range(config.runs):
+
+    def warm():
         for fn in modes.values():
             fn(2)
-        seed = config.seed * 1000 + rep
-        auto = (choose_mode({m: timed(m, config.probe_steps or config.steps, keep=False) for m in candidates},
-                            rounds=config.probe_rounds, warmup=0, baseline="sync", seed=seed)
-                if config.auto else None)
-        timed_modes = {m: timed(m, config.steps) for m in modes}
-        if auto is not None:
-            autos.append(auto)
-            timed_modes["auto"] = timed(auto["mode"], config.steps, keep=False)
-        timings.append(paired_rounds(timed_modes, rounds=config.reps, baseline="sync",
-                                     seed=seed))
+
+    def log(rep, result, auto):
         run.info(f"timing run {rep}: " + ", ".join(f"{m} {x:.2f}x" for m, x in
-                                                   timings[-1]["speedup"].items())
+                                                   result["speedup"].items())
                  + (f" (auto -> {auto['mode']})" if auto else ""))
+
+    timings, autos = repeated_runs(timed, list(modes), runs=config.runs, steps=config.steps,
+                                   rounds=config.reps, baseline="sync", seed=config.seed,
+                                   warm=warm, candidates=candidates if config.auto else (),
+                                   probe_steps=config.probe_steps,
+                                   probe_rounds=config.probe_rounds, log=log)
     per_run = median_of_runs([t["speedup"] for t in timings])
     sync, strict = results["sync"][0], results["strict"][0]
     for v in range(config.steps):

@@ -40,7 +40,7 @@ from jaxflow.recsys.metrics import log_loss, roc_auc
 from jaxflow.recsys.models import build_model, functional
 from jaxflow.recsys.synthetic import SyntheticConfig, SyntheticCriteo
 from jaxflow.timing import auto_summary as summarize_auto
-from jaxflow.timing import choose_mode, median_of_runs, paired_rounds
+from jaxflow.timing import median_of_runs, repeated_runs
 
 #: the pipelines ``auto`` chooses from: the exact ones (semi_sync is one step stale)
 AUTO_CANDIDATES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp")
@@ -218,22 +218,21 @@ def main(config, run: RunContext) -> dict:
         return call
 
     candidates = [p for p in AUTO_CANDIDATES if p in pipelines]
-    runs, autos = [], []
-    for r in range(config.runs):
+
+    def warm():
         for p in pipelines:
             train(config, p, tables0, dense0, parts_for, config.warmup)  # compile + warm caches
-        seed = config.seed * 1000 + r
-        auto = (choose_mode({p: timed(p, config.probe_steps or config.timing_steps, keep=False) for p in candidates},
-                            rounds=config.probe_rounds, warmup=0, baseline="sync", seed=seed)
-                if config.auto else None)
-        modes = {p: timed(p, config.timing_steps) for p in pipelines}
-        if auto is not None:
-            autos.append(auto)
-            modes["auto"] = timed(auto["mode"], config.timing_steps, keep=False)
-        runs.append(paired_rounds(modes, rounds=config.pairs, baseline="sync", seed=seed))
+
+    def log(r, result, auto):
         run.info(f"timing run {r}: " + ", ".join(f"{m} {x:.3f}" for m, x in
-                                                 runs[-1]["speedup"].items())
+                                                 result["speedup"].items())
                  + (f" (auto -> {auto['mode']})" if auto else ""))
+
+    runs, autos = repeated_runs(timed, pipelines, runs=config.runs, steps=config.timing_steps,
+                                rounds=config.pairs, baseline="sync", seed=config.seed, warm=warm,
+                                candidates=candidates if config.auto else (),
+                                probe_steps=config.probe_steps, probe_rounds=config.probe_rounds,
+                                log=log)
     med = lambda xs: float(np.median(xs))
     per_run = median_of_runs([t["speedup"] for t in runs])
     all_pairs = {m: [x for t in runs for x in t["ratios"][m]] for m in per_run}

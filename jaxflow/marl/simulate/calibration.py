@@ -148,13 +148,10 @@ def write_calibration(path: str | pathlib.Path, summary: Mapping, prov: Mapping)
                "strict_speedup_vs_sync": summary.get("speedup_vs_sync"),
                "ideal_speedup_bound": summary.get("ideal_speedup_bound"),
                "reps": summary.get("reps")}
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"what": "sync (lockstep barrier) baseline of a flexmarl run: samples/s and busy "
-                      "fractions per role (medians over rounds) and that run's workload counts",
-              "provenance": dict(prov), "values": dataclasses.asdict(m), "context": context}
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    return str(path)
+    return provenance.write_record(
+        path, what="sync (lockstep barrier) baseline of a flexmarl run: samples/s and busy "
+                   "fractions per role (medians over rounds) and that run's workload counts",
+        provenance=prov, values=dataclasses.asdict(m), context=context)
 
 
 def write_calibration_from_run(path: str, summary: Mapping, *, experiment: str, variant: str,

@@ -107,13 +107,10 @@ def write_calibration(path: str | pathlib.Path, summary: Mapping, prov: Mapping)
     """Writes the calibration file of a ``nestpipe`` summary with provenance ``prov``
     (:func:`jaxflow.provenance.run_provenance`); returns the path written."""
     ms, context = calibration_from_summary(summary)
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"what": "median stage times (ms per step) of the sync pipeline of a nestpipe run; "
-                      "patch = the dual-buffer intersection patch measured in dbp",
-              "provenance": dict(prov), "values": ms, "context": context}
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    return str(path)
+    return provenance.write_record(
+        path, what="median stage times (ms per step) of the sync pipeline of a nestpipe run; "
+                   "patch = the dual-buffer intersection patch measured in dbp",
+        provenance=prov, values=ms, context=context)
 
 
 def write_calibration_from_run(path: str, summary: Mapping, *, experiment: str, variant: str,
