@@ -15,7 +15,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxflow.sync import bits
+from jaxflow.sync import bits, host_kernels
 from jaxflow.sync.payload import LeafSpec
 
 
@@ -66,13 +66,27 @@ def leaf_name(path) -> str:
 
 
 def tree_layout(tree) -> tuple[str, list, tuple[LeafSpec, ...]]:
-    """(treedef string, leaves, LeafSpecs) of a parameter tree."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    specs = tuple(
-        LeafSpec(leaf_name(path), np.dtype(_dtype(leaf)).name,
-                 tuple(int(d) for d in np.shape(leaf)))
-        for path, leaf in flat)
-    return str(treedef), [leaf for _, leaf in flat], specs
+    """(treedef string, leaves, LeafSpecs) of a parameter tree.
+
+    The names and specs depend only on the structure, shapes and dtypes, so they are kept
+    per layout (a trainer publishes the same layout every step; the key-path walk and the
+    ``keystr`` of every leaf then run once instead of on every publish and apply)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    key = (treedef, tuple((np.shape(leaf), np.dtype(_dtype(leaf)).name) for leaf in leaves))
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+        specs = tuple(LeafSpec(leaf_name(path), dtype, tuple(int(d) for d in shape))
+                      for (path, _), (shape, dtype) in zip(flat, key[1]))
+        hit = (str(treedef), specs)
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[key] = hit
+    return hit[0], leaves, hit[1]
+
+
+_LAYOUTS: dict = {}
+_MAX_LAYOUTS = 64
 
 
 def _dtype(leaf):
@@ -88,24 +102,35 @@ def check_same_layout(old_specs, new_specs, old_treedef: str, new_treedef: str) 
                              f"new is {n.dtype}{list(n.shape)}")
 
 
-def diff_leaf(old, new, *, scratch: list | None = None) -> LeafDiff:
+def diff_leaf(old, new, *, scratch: dict | None = None) -> LeafDiff:
+    """The LeafDiff of one leaf (host arrays or jax Arrays, pulled to the host). bf16 leaves
+    take the compiled one-pass kernel (``host_kernels``) when it is available and at most
+    about 1/16 of the leaf changed, else the numpy path;
+    both give the same positions and bits. ``scratch``: buffers kept between calls."""
+    scratch = {} if scratch is None else scratch
     old_h, new_h = bits.host_array(old), bits.host_array(new)
     old_b, new_b = bits.as_bits(old_h), bits.as_bits(new_h)
-    pos, old_at, new_at = bits.diff_bits(old_b, new_b, scratch=scratch)
     flat_new = new_h.reshape(-1)
     if bits.is_bf16(new_h.dtype):
+        if host_kernels.available():
+            found = host_kernels.diff_bf16(old_b, new_b, scratch=scratch.setdefault("out", [None]))
+            if found is not None:
+                return LeafDiff(*found, flat_new)
+        pos, old_at, new_at = bits.diff_bits(old_b, new_b, scratch=scratch.setdefault("mask", [None]))
         return LeafDiff(pos, old_at, new_at, flat_new)
+    pos, _, _ = bits.diff_bits(old_b, new_b, scratch=scratch.setdefault("mask", [None]))
     empty = np.zeros(0, np.uint16)
     return LeafDiff(pos, empty, empty, flat_new)
 
 
-def diff_tree(old_tree, new_tree, *, scratch: list | None = None
+def diff_tree(old_tree, new_tree, *, scratch: dict | None = None
               ) -> tuple[str, tuple[LeafSpec, ...], list[LeafDiff]]:
     """Diffs two trees of identical structure, shapes and dtypes (ValueError otherwise).
-    ``scratch``: keeps the compare's mask buffer between calls (``bits.diff_bits``)."""
+    ``scratch``: a caller-owned dict keeping the diff's buffers between calls (the numpy
+    compare's mask, the compiled kernel's output buffers)."""
     old_def, old_leaves, old_specs = tree_layout(old_tree)
     new_def, new_leaves, new_specs = tree_layout(new_tree)
     check_same_layout(old_specs, new_specs, old_def, new_def)
-    scratch = [None] if scratch is None else scratch
+    scratch = {} if scratch is None else scratch
     return new_def, new_specs, [diff_leaf(o, n, scratch=scratch)
                                 for o, n in zip(old_leaves, new_leaves)]

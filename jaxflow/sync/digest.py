@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxflow.sync import host_kernels
 from jaxflow.sync.diff import tree_layout
 
 DIGEST_HEX_CHARS = 32  # blake2b-128
@@ -181,6 +182,8 @@ def host_lanes(x: np.ndarray) -> np.ndarray:
     of ``_leaf_lanes`` (bit-identical, tested), chunked and in place: no copy of the leaf, no
     device transfer, no compile."""
     words = host_words(x).reshape(-1)
+    if host_kernels.available() and words.dtype.itemsize <= 4:
+        return host_kernels.full_lanes(words)
     base = np.arange(min(words.size, _HOST_CHUNK), dtype=np.uint32)
     pos, h, t = (np.empty(base.size, np.uint32) for _ in range(3))
     lane_1 = lane_2 = 0
@@ -211,6 +214,12 @@ def lanes_deltas(positions: list[np.ndarray], old_words: list[np.ndarray],
     """uint32[len(positions), 2]: ``lanes_delta`` of many leaves at once (one vectorised pass
     over all their changes, summed per leaf), bit-identical to calling it per leaf."""
     out = np.zeros((len(positions), 2), np.uint32)
+    if host_kernels.available() and all(np.asarray(w).dtype.itemsize <= 4
+                                        for w in (*old_words, *new_words)):
+        for i, (p, o, n) in enumerate(zip(positions, old_words, new_words)):
+            if np.size(p):
+                out[i] = host_kernels.lanes_delta(p, o, n)
+        return out
     sizes = np.array([np.size(p) for p in positions], np.int64)
     live = np.flatnonzero(sizes)
     if live.size == 0:

@@ -19,10 +19,11 @@ bitmask plus the same value planes.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
-from jaxflow.sync import bits
+from jaxflow.sync import bits, host_kernels
 from jaxflow.sync.codecs import check_positions, gaps_of, meta_int, positions_of
 from jaxflow.sync.payload import PayloadError
 
@@ -44,9 +45,18 @@ def zstandard_module():
 
 
 def zstd_compress(data: bytes | np.ndarray, level: int) -> bytes:
-    zstandard = zstandard_module()
-    return zstandard.ZstdCompressor(level=level).compress(
-        data.tobytes() if isinstance(data, np.ndarray) else data)
+    # One compressor per level and thread (a ZstdCompressor must not be shared by threads;
+    # making one per stream cost a context allocation per stream, four per section).
+    compressors = getattr(_LOCAL, "compressors", None)
+    if compressors is None:
+        compressors = _LOCAL.compressors = {}
+    compressor = compressors.get(level)
+    if compressor is None:
+        compressor = compressors[level] = zstandard_module().ZstdCompressor(level=level)
+    return compressor.compress(data.tobytes() if isinstance(data, np.ndarray) else data)
+
+
+_LOCAL = threading.local()
 
 
 def zstd_decompress(stream: bytes, expected: int, what: str) -> bytes:
@@ -72,9 +82,11 @@ def rice_parameter(gaps: np.ndarray) -> int:
         return 0
     mean = float(gaps.mean())
     guess = max(0, int(math.floor(math.log2(mean * math.log(2)))) if mean > 1 else 0)
+    lo, hi = max(0, guess - 1), min(_MAX_RICE_BITS, guess + 2)
+    sums = [int((gaps >> b).sum()) for b in range(lo, hi + 1)]
     best = None
-    for b in range(max(0, guess - 1), min(_MAX_RICE_BITS, guess + 2) + 1):
-        cost = gaps.size * (b + 1) + int((gaps >> b).sum())
+    for b, shifted in zip(range(lo, hi + 1), sums):
+        cost = gaps.size * (b + 1) + shifted
         if best is None or cost < best[0]:
             best = (cost, b)
     return best[1]
@@ -120,7 +132,10 @@ def _unpack_low_bits(low: bytes, count: int, b: int) -> np.ndarray:
 
 
 def rice_encode(gaps: np.ndarray, b: int) -> tuple[bytes, bytes, int]:
-    """Rice-codes non-negative gaps: (low-bit stream, unary stream, unary bit length)."""
+    """Rice-codes non-negative gaps: (low-bit stream, unary stream, unary bit length).
+    The compiled twin (``host_kernels.rice_encode``, same bytes) when it is available."""
+    if host_kernels.available():
+        return host_kernels.rice_encode(gaps, b)
     low = _pack_low_bits(gaps, b) if b else b""
     ones = np.cumsum((gaps.astype(np.int64, copy=False) >> b) + 1)
     ones -= 1
@@ -160,14 +175,18 @@ def values_encode(old_bits: np.ndarray, new_bits: np.ndarray, level: int) -> tup
 
 def deltas_encode(deltas: np.ndarray, level: int) -> tuple[dict, list]:
     """``values_encode`` from the uint16 differences new - old (mod 2**16) directly."""
-    delta = np.asarray(deltas, np.uint16).view(np.int16)
-    magnitude = np.abs(delta.astype(np.int32))
-    if magnitude.size and int(magnitude.min()) == 0:
-        raise ValueError("values_encode got unchanged elements")
-    big = magnitude > 1
-    extra = (magnitude[big] - 2).astype(np.uint16)
+    if host_kernels.available():  # the same three arrays in one compiled pass
+        signs, big, extra = host_kernels.value_bits(deltas)
+    else:
+        delta = np.asarray(deltas, np.uint16).view(np.int16)
+        magnitude = np.abs(delta.astype(np.int32))
+        if magnitude.size and int(magnitude.min()) == 0:
+            raise ValueError("values_encode got unchanged elements")
+        flags = magnitude > 1
+        signs, big = np.packbits(delta < 0), np.packbits(flags)
+        extra = (magnitude[flags] - 2).astype(np.uint16)
     n_planes = bits.bytes_needed(int(extra.max())) if extra.size else 0
-    streams = [zstd_compress(np.packbits(delta < 0), level), zstd_compress(np.packbits(big), level)]
+    streams = [zstd_compress(signs, level), zstd_compress(big, level)]
     streams += [zstd_compress(p, level) for p in bits.byte_planes(extra, n_planes)]
     return {"value_planes": n_planes, "big": int(extra.size)}, streams
 

@@ -264,7 +264,7 @@ class SyncSender:
         # advanced from each publish's diff in O(changes): the base digest costs no pass.
         self._lanes: np.ndarray | None = None
         self._steps: dict[int, tuple[int, bytes]] = {}  # base version -> (version, bytes)
-        self._scratch: list = [None]  # the host diff's mask buffer, reused across publishes
+        self._scratch: dict = {}  # the host diff's buffers, reused across publishes
         self._dense: bytes | None = None
         self._digest: str | None = None
         self.routes: list[str] = []  # "chain" / "dense" / "current" per plan, for reports

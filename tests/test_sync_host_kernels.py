@@ -1,0 +1,84 @@
+"""The compiled host diff (jaxflow.sync.host_kernels) == the numpy diff (bits.diff_bits)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxflow.sync import bits, host_kernels
+from jaxflow.sync.diff import diff_tree
+
+
+
+def test_kernel_in_use():
+    assert host_kernels.available()  # numba is a dependency (pyproject)
+
+
+def _pair(rng, n, density):
+    a = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    b = a.copy()
+    k = int(round(n * density))
+    if k:
+        idx = rng.choice(n, k, replace=False)
+        b[idx] ^= rng.integers(1, 1 << 16, k, dtype=np.uint16)
+    return a, b
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 15, 16, 17, 63, 1000, 65_539])
+@pytest.mark.parametrize("density", [0.0, 0.003, 0.05])
+def test_kernel_matches_numpy(n, density):
+    rng = np.random.default_rng(n * 7 + int(density * 1000))
+    a, b = _pair(rng, n, density)
+    got = host_kernels.diff_bf16(a, b)
+    want = bits.diff_bits(a, b)
+    assert got is not None
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and np.array_equal(g, w)
+
+
+def test_every_element_of_a_word_and_the_tail():
+    # each of the 4 lanes of a word, and the 1-3 elements past the last whole word
+    for n in (8, 9, 10, 11):
+        for i in range(n):
+            a = np.zeros(n, np.uint16)
+            b = a.copy()
+            b[i] = 0x8000  # -0.0 vs +0.0: a bit-pattern change
+            pos, old, new = host_kernels.diff_bf16(a, b)
+            assert pos.tolist() == [i] and old.tolist() == [0] and new.tolist() == [0x8000]
+
+
+def test_dense_change_falls_back_instead_of_overflowing():
+    rng = np.random.default_rng(0)
+    a, b = _pair(rng, 4096, 0.5)
+    assert host_kernels.diff_bf16(a, b) is None  # > 1/16 changed: the caller's numpy path
+    scratch = {}
+    import ml_dtypes
+    old = {"w": a.view(ml_dtypes.bfloat16)}
+    new = {"w": b.view(ml_dtypes.bfloat16)}
+    _, _, diffs = diff_tree(old, new, scratch=scratch)
+    want = bits.diff_bits(a, b)
+    assert np.array_equal(diffs[0].positions, want[0])
+    assert np.array_equal(diffs[0].new_bits, want[2])
+
+
+_PAYLOAD = (
+    "import hashlib, numpy as np, ml_dtypes\n"
+    "from jaxflow.sync import host_kernels, encoder\n"
+    "rng = np.random.default_rng(3)\n"
+    "a = rng.integers(0, 1 << 16, 70_001, dtype=np.uint16)\n"
+    "b = a.copy(); b[rng.choice(a.size, 700, replace=False)] += 1\n"
+    "bf = lambda x: {'w': x.view(ml_dtypes.bfloat16), 'v': x[:999].view(ml_dtypes.bfloat16)}\n"
+    "p = encoder.encode(bf(a), bf(b), base_version=0, version=1)\n"
+    "print(host_kernels.available(), hashlib.sha256(p.to_bytes()).hexdigest())\n")
+
+
+def test_numpy_fallback_makes_the_same_payload():
+    outs = []
+    for mode in ("auto", "numpy"):
+        env = dict(os.environ, JAXFLOW_HOST_KERNELS=mode, JAX_PLATFORMS="cpu")
+        outs.append(subprocess.run([sys.executable, "-c", _PAYLOAD], env=env, text=True,
+                                   capture_output=True, check=True).stdout.split())
+    assert [o[0] for o in outs] == ["True", "False"]
+    assert outs[0][1] == outs[1][1]
