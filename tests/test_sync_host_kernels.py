@@ -82,3 +82,48 @@ def test_numpy_fallback_makes_the_same_payload():
                                    capture_output=True, check=True).stdout.split())
     assert [o[0] for o in outs] == ["True", "False"]
     assert outs[0][1] == outs[1][1]
+
+
+def _numpy_twin(fn, *args):
+    """Runs ``fn`` with the compiled kernels switched off (the numpy path)."""
+    saved = host_kernels._KERNEL
+    host_kernels._KERNEL = None
+    try:
+        return fn(*args)
+    finally:
+        host_kernels._KERNEL = saved
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 5000])
+def test_rice_and_value_streams_match_numpy(n):
+    from jaxflow.sync import entropy
+    rng = np.random.default_rng(n)
+    for b in (0, 1, 5, 8, 9, 16, 17, 25):
+        gaps = rng.integers(0, (1 << b) * 3 + 1, n).astype(np.int64)
+        assert host_kernels.rice_encode(gaps, b) == _numpy_twin(entropy.rice_encode, gaps, b)
+    deltas = rng.integers(1, 1 << 16, n).astype(np.uint16)
+    deltas[: n // 2] = rng.choice(np.array([1, 0xFFFF, 0x8000, 2], np.uint16), n // 2)
+    meta, streams = entropy.deltas_encode(deltas, 3)
+    meta_np, streams_np = _numpy_twin(entropy.deltas_encode, deltas, 3)
+    assert meta == meta_np and streams == streams_np
+    if n:
+        with pytest.raises(ValueError, match="unchanged"):
+            host_kernels.value_bits(np.zeros(n, np.uint16))
+
+
+def test_digest_lanes_match_numpy():
+    import ml_dtypes
+    from jaxflow.sync import digest
+    rng = np.random.default_rng(5)
+    for dtype in (ml_dtypes.bfloat16, np.float32, np.int8, np.bool_, np.float64, ml_dtypes.int4):
+        x = (rng.standard_normal(70_001) * 3).astype(dtype)
+        assert np.array_equal(digest.host_lanes(x), _numpy_twin(digest.host_lanes, x))
+    pos = np.sort(rng.choice(1 << 33, 4000, replace=False)).astype(np.int64)  # wraps mod 2**32
+    old = rng.integers(0, 1 << 16, pos.size).astype(np.uint16)
+    new = (old + 1).astype(np.uint16)
+    assert np.array_equal(host_kernels.lanes_delta(pos, old, new),
+                          _numpy_twin(digest.lanes_delta, pos, old, new))
+    many = digest.lanes_deltas([pos, pos[:0], pos[:9]], [old, old[:0], old[:9]],
+                               [new, new[:0], new[:9]])
+    assert np.array_equal(many, _numpy_twin(digest.lanes_deltas, [pos, pos[:0], pos[:9]],
+                                            [old, old[:0], old[:9]], [new, new[:0], new[:9]]))
