@@ -16,25 +16,14 @@ numpy path: same outputs (the equivalence is the test), only slower.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
+
+from jaxflow.host_jit import numba_or_none
 
 _MASK = 0xFFFFFFFF
 
 
-def _numba():
-    if os.environ.get("JAXFLOW_HOST_KERNELS", "auto") == "numpy" or sys.byteorder != "little":
-        return None
-    try:
-        import numba
-    except ImportError:
-        return None
-    return numba
-
-
-_nb = _numba()
+_nb = numba_or_none()
 
 if _nb is not None:
     _LOW16 = np.uint64(0xFFFF)
