@@ -52,10 +52,10 @@ class Config:
     # fixed shapes of the routing (exceeding one raises CapacityOverflowError; 0 = cannot overflow)
     capacity: int = 0  # distinct keys per device per (micro-)batch, all tables together
     bucket_capacity: int = 0  # keys one device asks of one owner per batch (sync, dbp, semi_sync)
-    micro_bucket_capacity: int = 0  # the same per micro-batch (frozen window)
+    micro_bucket_capacity: int = 0  # the same per micro-batch (frozen window routed per micro-batch)
     owner_capacity: int = 0  # distinct rows one owner retrieves per batch
     micro_batches: int = 4  # the frozen window's N
-    cluster: bool = True  # key-centric clustering of samples into micro-batches
+    cluster: bool = True  # key-centric clustering of samples (per-micro-batch schedules only)
     cluster_method: str = "vote"  # vote (vectorised) | greedy (fewer rows moved, slower)
     pipelines: tuple[str, ...] = PIPELINE_NAMES
     steps: int = 50  # K, for the exactness comparison and AUC
@@ -69,7 +69,8 @@ class Config:
     probe_rounds: int = 3
     probe_steps: int = 0  # steps per probe call; 0 = timing_steps (short probes favour sync: a
     # pipeline's fill / drain is a larger share of a short run)
-    # the frozen window's All2Alls: auto | per_micro_batch | batched (sharded.FROZEN_EXCHANGES)
+    # the frozen window's schedule: auto | per_micro_batch | batched | window
+    # (sharded.FROZEN_EXCHANGES; auto = window on the CPU, per_micro_batch on GPU/TPU)
     frozen_exchange: str = "auto"
     # write the simulator's calibration file here (nestpipe_scale reads it; see its config)
     calibration_out: str = ""
@@ -82,9 +83,9 @@ class Config:
             raise ValueError(f"runs={self.runs}, pairs={self.pairs}, probe_rounds="
                              f"{self.probe_rounds}, probe_steps={self.probe_steps}; need >= 1 "
                              "(probe_steps >= 0)")
-        if self.frozen_exchange not in ("auto", "per_micro_batch", "batched"):
+        if self.frozen_exchange not in ("auto", "per_micro_batch", "batched", "window"):
             raise ValueError(f"frozen_exchange={self.frozen_exchange!r}; valid: auto, "
-                             "per_micro_batch, batched")
+                             "per_micro_batch, batched, window")
         if self.cluster_method not in ("vote", "greedy"):
             raise ValueError(f"cluster_method={self.cluster_method!r}; valid: vote, greedy")
         if self.devices is not None and (self.devices < 1 or

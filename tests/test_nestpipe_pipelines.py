@@ -262,28 +262,78 @@ def _all_to_alls_and_taint(jaxpr):
 def test_frozen_window_row_exchange_is_independent_of_compute(setup, finals):
     """Micro-batch i+1's row All2All must not wait for i's dense compute (so XLA's async
     collectives can overlap them); the gradient All2Alls come after compute."""
-    _, _, tables0, dense0, _, parts_for = setup
+    _, _, tables0, dense0, _, _ = setup
     from jaxflow.nestpipe.pipelines import prefetch
-    parts = parts_for("fwp", clone_tables(tables0))
-    st, shards = parts.stages, HostShards(parts.stages, parts.tables)
+    # the accelerator schedule (the CPU default routes the window whole, see below)
+    parts = per_micro_batch_parts(setup)("fwp", clone_tables(tables0))
+    overlap = parts.stages
+    st = schedule_parts(setup, "batched")("fwp", None).stages
+    assert overlap.frozen_exchange == "per_micro_batch" and st.frozen_exchange == "batched"
+    shards = HostShards(overlap, parts.tables)
     try:
         pf = prefetch(parts, shards, 0, {})
     finally:
         shards.close()
     args = (dense0, pf.buf.rows, pf.buf.opt, pf.routed.owner_inverse, pf.routed.routing,
             pf.dev.ids, pf.dev.dense, pf.dev.label)
-    # the accelerator schedule (the CPU default batches the window's All2Alls, see below)
-    overlap = per_micro_batch_parts(setup)("fwp", None).stages
-    assert overlap.frozen_exchange == "per_micro_batch" and st.frozen_exchange == "batched"
     flags = _all_to_alls_and_taint(jax.make_jaxpr(overlap._frozen)(*args).jaxpr)
     n = SMALL.micro_batches
     assert len(flags) == 2 * n, flags
     assert flags.count(False) == n and flags.count(True) == n, flags  # n row, n grad exchanges
     assert flags[:2] == [False, False]  # rows of micro-batch 1 issued before 0's grads exist
-    # batched (CPU): one row All2All before any compute, one gradient All2All after it; the
+    # batched: one row All2All before any compute, one gradient All2All after it; the
     # same values moved in fewer collectives, so the step is bit-identical
     assert _all_to_alls_and_taint(jax.make_jaxpr(st._frozen)(*args).jaxpr) == [False, True]
     assert_trees_equal(overlap._frozen(*args), st._frozen(*args))
+
+
+def test_whole_window_schedule_is_the_cpu_default(setup):
+    """On the CPU ``auto`` routes the window as a whole: one routing, the row exchange as its
+    own program, one gradient All2All after the N micro-batches' compute; and one step of it
+    equals the per-micro-batch window's up to f32 summation order (same rows, same math)."""
+    _, _, tables0, dense0, _, parts_for = setup
+    from jaxflow.nestpipe.pipelines import prefetch
+    st = parts_for("fwp", None).stages
+    assert st.frozen_exchange == "window" and st.separate_exchange and st.route_units == 1
+    assert not parts_for("fwp", None).cluster  # clustering cannot change a whole-window dedup
+    results = []
+    for make in (parts_for, per_micro_batch_parts(setup)):
+        parts = make("fwp", clone_tables(tables0))
+        shards = HostShards(parts.stages, parts.tables)
+        try:
+            pf = prefetch(parts, shards, 0, {})
+        finally:
+            shards.close()
+        stages = parts.stages
+        if stages.separate_exchange:
+            emb = stages.exchange(pf.buf, pf.routed)
+            jaxpr = jax.make_jaxpr(stages._compute)(dense0, pf.buf.rows, pf.buf.opt,
+                                                    pf.routed.owner_inverse, pf.routed.routing,
+                                                    emb, pf.dev.ids, pf.dev.dense, pf.dev.label)
+            assert _all_to_alls_and_taint(jaxpr.jaxpr) == [True]  # the gradients only
+        else:
+            emb = None
+        dense, rows, opt, loss = stages.compute(dense0, pf.buf, pf.routed, emb, pf.dev.ids,
+                                                pf.dev.dense, pf.dev.label)
+        # the owner buffers hold the same rows in the same order only up to their padding:
+        # compare per row id
+        from jaxflow.embeddings.routing import SENTINEL
+        owner_ids = np.asarray(pf.buf.owner_ids)  # [P, Co] local rows per owner shard
+        flat_rows = np.asarray(rows).reshape(owner_ids.size, -1)
+        per_row = {(p, int(i)): flat_rows[p * owner_ids.shape[1] + j]
+                   for p in range(owner_ids.shape[0]) for j, i in enumerate(owner_ids[p])
+                   if i != SENTINEL}
+        results.append((dense["params"], per_row, float(loss)))
+    (pw, rw, lw), (pm, rm, lm) = results
+    assert abs(lw - lm) <= TOL_PER_STEP * abs(lm)
+    assert max_relative_diff(pw, pm) <= TOL_PER_STEP
+    assert sorted(rw) == sorted(rm)
+    assert max_relative_diff([rw[k] for k in sorted(rw)], [rm[k] for k in sorted(rm)]) <= TOL_PER_STEP
+
+
+def schedule_parts(setup, frozen_exchange):
+    """A parts factory like ``setup``'s with another frozen-window schedule."""
+    return build(dataclasses.replace(SMALL, frozen_exchange=frozen_exchange))[-1]
 
 
 def per_micro_batch_parts(setup):

@@ -33,7 +33,7 @@ from jaxflow.experiment import RunContext, to_jsonable
 from jaxflow.mesh import experiment_devices, require_divisible
 from jaxflow.nestpipe.clustering import CLUSTER_METHODS, shard_micro_batch_transfers
 from jaxflow.nestpipe.pipelines import PIPELINES, STAGES, Parts, run_pipeline
-from jaxflow.nestpipe.sharded import AXIS, MeshStages
+from jaxflow.nestpipe.sharded import AXIS, MeshStages, resolve_frozen_exchange
 from jaxflow.nestpipe.simulate import write_calibration_from_run
 from jaxflow.nestpipe.stages import clone_tables, cluster_order
 from jaxflow.recsys.metrics import log_loss, roc_auc
@@ -89,20 +89,25 @@ def build(config):
     dense = jax.device_put({"params": params, "opt": tx.init(params), "step": np.int32(0)},
                            NamedSharding(mesh, PartitionSpec()))
     programs = {}
+    # "window" routes the whole window at once: the batch-level capacities, and clustering
+    # (which only shrinks per-micro-batch dedup) would change nothing but cost its pass
+    whole_window = resolve_frozen_exchange(config.frozen_exchange, mesh) == "window"
 
     def parts_for(pipeline: str, tables) -> Parts:
         schedule, frozen = PIPELINES[pipeline]
         n = config.micro_batches if frozen else 1
+        per_micro_batch = n > 1 and not whole_window
         if n not in programs:
             programs[n] = MeshStages(specs, mesh, opt, apply, tx, batch_size=config.batch_size,
                                      multi_hot=config.multi_hot, micro_batches=n,
                                      capacity=caps["capacity"],
-                                     bucket_capacity=(caps["micro_bucket_capacity"] if n > 1
+                                     bucket_capacity=(caps["micro_bucket_capacity"]
+                                                      if per_micro_batch
                                                       else caps["bucket_capacity"]),
                                      owner_capacity=caps["owner_capacity"],
                                      frozen_exchange=config.frozen_exchange)
         return Parts(gen, specs, tables, programs[n], config.batch_size,
-                     cluster=frozen and config.cluster and n > 1,
+                     cluster=frozen and config.cluster and per_micro_batch,
                      cluster_method=config.cluster_method)
 
     parts_for.programs = programs
@@ -277,6 +282,9 @@ def main(config, run: RunContext) -> dict:
         "capacities": {n: {"device": m.capacity, "bucket": m.bucket_capacity, "owner": m.owner_capacity}
                        for n, m in ((f"micro_batches={k}", v) for k, v in programs_of(parts_for).items())},
         "devices": n_dev,
+        # the frozen window's schedule as resolved on this platform (sharded.FROZEN_EXCHANGES)
+        "frozen_exchange": next((m.frozen_exchange for k, m in programs_of(parts_for).items()
+                                 if k > 1), None),
         "duplicate_transfer_reduction": 1.0 - clustered[config.cluster_method] / plain,
         "duplicate_transfer_reduction_by_method": {m: 1.0 - c / plain for m, c in clustered.items()},
         "micro_batch_rows_moved": {"unclustered": plain, **clustered},

@@ -14,9 +14,12 @@
                  computes; the rows of t+1 are read only after t's write back, so nothing is
                  stale and the result is bit-identical to ``sync``. The baseline an
                  experienced TorchRec user would run.
-  ``fwp`` / ``dbp+fwp``  ``sync`` / ``dbp`` with the frozen window (N micro-batches, per
-                 micro-batch routing, row / gradient All2All of micro-batch i+1 overlappable with
-                 dense compute of i, one update) and key-centric clustering of samples.
+  ``fwp`` / ``dbp+fwp``  ``sync`` / ``dbp`` with the frozen window (N micro-batches against
+                 the same frozen rows and dense params, one update). Its All2All schedule is
+                 ``MeshStages.frozen_exchange``: on GPU/TPU per micro-batch routing (with
+                 key-centric clustering of samples), row / gradient All2All of micro-batch i+1
+                 overlappable with dense compute of i; on the CPU (synchronous collectives)
+                 the window is routed and exchanged whole (``window``), without clustering.
 
 ``run_pipeline`` returns the dense state (tables are updated in place on the host) and per-stage
 timings. On the CPU backend collectives are synchronous and the 2 cores are shared by all
@@ -113,7 +116,7 @@ def prefetch(parts: Parts, shards: HostShards, step: int, times: dict) -> Prefet
 
 def _compute(parts: Parts, dense_state, pf: Prefetched, times: dict):
     st = parts.stages
-    if st.n == 1:
+    if st.separate_exchange:
         t0 = time.perf_counter()
         emb = _block(st.exchange(pf.buf, pf.routed))
         _add(times, "exchange", time.perf_counter() - t0)

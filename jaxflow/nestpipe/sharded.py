@@ -43,11 +43,27 @@ from jaxflow.embeddings.routing import SENTINEL, Routing, dedup, route_ids
 from jaxflow.embeddings.spec import EmbeddingPlan, Placement, TableSpec, plan_tables
 
 AXIS = "data"
-#: the frozen window's All2All schedule: ``per_micro_batch`` (micro-batch i+1's rows issued
-#: before i's compute, so async collectives can overlap it), ``batched`` (one All2All for the
-#: window's rows and one for its gradients: the same values, bit for bit, with 2 instead of 2N
-#: rendezvous), ``auto`` (batched on the CPU backend, whose collectives are synchronous)
-FROZEN_EXCHANGES = ("auto", "per_micro_batch", "batched")
+#: the frozen window's All2All schedule: ``per_micro_batch`` (every micro-batch routed and
+#: deduped alone, micro-batch i+1's rows issued before i's compute, so async collectives can
+#: overlap it), ``batched`` (the same per-micro-batch routing, one All2All for the window's rows
+#: and one for its gradients: the same values, bit for bit, with 2 instead of 2N rendezvous),
+#: ``window`` (the window routed and deduped once, as a whole: one key All2All, one row
+#: exchange, the N micro-batches' gradients summed per unique row, one gradient All2All --
+#: fewest rows moved and no per-micro-batch routing, but nothing to overlap; key-centric
+#: clustering has no effect on it), ``auto`` (window on the CPU backend, whose collectives are
+#: synchronous so a per-micro-batch schedule only adds work; per_micro_batch elsewhere)
+FROZEN_EXCHANGES = ("auto", "per_micro_batch", "batched", "window")
+
+
+def resolve_frozen_exchange(frozen_exchange: str, mesh: Mesh) -> str:
+    """The concrete schedule of ``frozen_exchange`` on ``mesh`` (``auto`` resolved)."""
+    if frozen_exchange not in FROZEN_EXCHANGES:
+        raise ValueError(f"frozen_exchange={frozen_exchange!r}; valid: "
+                         f"{', '.join(FROZEN_EXCHANGES)}")
+    if frozen_exchange != "auto":
+        return frozen_exchange
+    platform = next(iter(mesh.devices.flat)).platform
+    return "window" if platform == "cpu" else "per_micro_batch"
 
 
 class Routed(NamedTuple):
@@ -85,13 +101,8 @@ class MeshStages:
                  multi_hot: int, micro_batches: int = 1, capacity: int = 0,
                  bucket_capacity: int = 0, owner_capacity: int = 0,
                  frozen_exchange: str = "auto"):
-        if frozen_exchange not in FROZEN_EXCHANGES:
-            raise ValueError(f"frozen_exchange={frozen_exchange!r}; valid: "
-                             f"{', '.join(FROZEN_EXCHANGES)}")
-        if frozen_exchange == "auto":  # the CPU runs collectives synchronously: nothing to overlap
-            platform = next(iter(mesh.devices.flat)).platform
-            frozen_exchange = "batched" if platform == "cpu" else "per_micro_batch"
-        self.frozen_exchange = frozen_exchange
+        # the CPU runs collectives synchronously: nothing to overlap (resolve_frozen_exchange)
+        self.frozen_exchange = frozen_exchange = resolve_frozen_exchange(frozen_exchange, mesh)
         if tuple(mesh.axis_names) != (AXIS,):
             raise ValueError(f"mesh axes {mesh.axis_names}; NestPipe wants one axis {AXIS!r}")
         self.mesh, self.specs, self.optimizer = mesh, list(specs), optimizer
@@ -108,11 +119,13 @@ class MeshStages:
             raise ValueError(f"batch_size={batch_size} not divisible by {p} devices x "
                              f"{micro_batches} micro-batches")
         self.n = micro_batches
-        b_mb = batch_size // p // micro_batches
+        # routed units per window: N micro-batches, or the whole window at once ("window")
+        self.route_units = 1 if frozen_exchange == "window" else micro_batches
+        b_mb = batch_size // p // self.route_units
         ids_per_mb = b_mb * multi_hot * len(specs)
         self.capacity = min(capacity or ids_per_mb, ids_per_mb)
         self.bucket_capacity = min(bucket_capacity or self.capacity, self.capacity)
-        arrivals = micro_batches * p * self.bucket_capacity
+        arrivals = self.route_units * p * self.bucket_capacity
         self.owner_capacity = min(owner_capacity or arrivals, arrivals, self.group.shard_rows)
         self.dim = self.group.dim
         self.global_batch = batch_size
@@ -141,8 +154,10 @@ class MeshStages:
         def split_mb(x):  # [b, ...] -> [N, b/N, ...]
             return x.reshape((n, x.shape[0] // n) + x.shape[1:])
 
+        units = self.route_units
+
         def local_route(ids):
-            if n == 1:
+            if units == 1:
                 routings = [route_ids(plan, g, ids, c, cb)]
             else:
                 parts = {k: split_mb(v) for k, v in ids.items()}
@@ -153,7 +168,7 @@ class MeshStages:
             keys = jnp.where(recv >= 0, recv, SENTINEL).reshape(-1)
             owner_ids, owner_inverse, n_owner = dedup(keys, co)
             stacked = jax.tree.map(lambda *x: jnp.stack(x), *routings)
-            if n == 1:
+            if units == 1:
                 stacked = jax.tree.map(lambda x: x[0], stacked)
             overflow = jnp.maximum(jnp.max(stacked.overflow), (n_owner > co).astype(jnp.int32))
             stats = {"overflow": jax.lax.psum(overflow, axis),
@@ -167,8 +182,8 @@ class MeshStages:
         self._route = jax.jit(jax.shard_map(local_route, mesh=self.mesh, in_specs=(sh,),
                                             out_specs=(sh, sh, sh, sh, rep), check_vma=False))
 
-        def requested_rows(owner_rows, owner_inverse):  # -> [P, N, Cb, D]
-            return gather_rows(owner_rows, owner_inverse).reshape(p_shards, n, cb, d)
+        def requested_rows(owner_rows, owner_inverse):  # -> [P, units, Cb, D]
+            return gather_rows(owner_rows, owner_inverse).reshape(p_shards, units, cb, d)
 
         def local_exchange(owner_rows, owner_inverse, routing):
             req = requested_rows(owner_rows, owner_inverse[0])
@@ -211,6 +226,38 @@ class MeshStages:
             return update(dense_state, owner_rows, owner_opt, owner_inverse[0], g_params,
                           recv_grads, loss)
 
+        def micro_batch_routing(r, ids, i):
+            """Micro-batch i's view of the window's routing ``r``: the same unique keys and
+            slots, ``inverse`` cut to the micro-batch's samples (group_pool reads only it)."""
+            parts, start = [], 0
+            for layout in plan.group_tables(g):
+                shape = ids[layout.spec.name].shape
+                size = int(np.prod(shape))
+                inv = r.inverse[start:start + size].reshape(shape)
+                parts.append(split_mb(inv)[i].reshape(-1))
+                start += size
+            return r._replace(inverse=jnp.concatenate(parts))
+
+        def local_window(dense_state, owner_rows, owner_opt, owner_inverse, routing, unique_emb,
+                         ids, dense, label):
+            """The window routed as a whole: the N micro-batches read the same frozen unique
+            rows and dense params, their gradients are summed (in micro-batch order) per unique
+            row and dense leaf, one gradient All2All, one update."""
+            r, params, emb = jax.tree.map(lambda x: x[0], routing), dense_state["params"], unique_emb[0]
+            mb_ids = {k: split_mb(v) for k, v in ids.items()}
+            mb_dense, mb_label = split_mb(dense), split_mb(label)
+            loss, g_params, g_emb = 0.0, None, None
+            for i in range(n):
+                l_i, (gp_i, ge_i) = grad_fn(params, emb, micro_batch_routing(r, ids, i),
+                                            {k: v[i] for k, v in mb_ids.items()}, mb_dense[i],
+                                            mb_label[i])
+                loss = loss + l_i
+                g_params = gp_i if g_params is None else jax.tree.map(jnp.add, g_params, gp_i)
+                g_emb = ge_i if g_emb is None else g_emb + ge_i
+            recv_grads = exchange_grads(g_emb, r, axis)
+            return update(dense_state, owner_rows, owner_opt, owner_inverse[0], g_params,
+                          recv_grads, loss)
+
         batched = self.frozen_exchange == "batched"
 
         def local_frozen(dense_state, owner_rows, owner_opt, owner_inverse, routing, ids, dense,
@@ -243,8 +290,9 @@ class MeshStages:
                           recv_grads, loss)
 
         out = (rep, sh, sh, rep)
-        if n == 1:
-            self._compute = jax.jit(jax.shard_map(local_compute, mesh=self.mesh,
+        if n == 1 or units == 1:  # one routed unit: the exchange is a program of its own
+            self._compute = jax.jit(jax.shard_map(local_compute if n == 1 else local_window,
+                                                  mesh=self.mesh,
                                                   in_specs=(rep, sh, sh, sh, sh, sh, sh, sh, sh),
                                                   out_specs=out, check_vma=False))
             self._frozen = None
@@ -273,13 +321,19 @@ class MeshStages:
         check_stats(stats, max(self.capacity, self.owner_capacity))
         return Routed(routing, owner_inverse, np.asarray(owner_ids), np.asarray(counts), stats)
 
+    @property
+    def separate_exchange(self) -> bool:
+        """True when the row exchange is a program of its own (``exchange`` before
+        ``compute``): one routed unit per step (no window, or the ``window`` schedule)."""
+        return self.route_units == 1
+
     def exchange(self, buf: OwnerBuffer, routed: Routed) -> jax.Array:
         """Stage 5a (device, All2All of rows back): unique rows per device, [P, C, D]."""
         return self._exchange(buf.rows, routed.owner_inverse, routed.routing)
 
     def compute(self, dense_state, buf: OwnerBuffer, routed: Routed, unique_emb, ids, dense, label):
         """Stage 5b: ``(dense_state, owner rows, owner opt, loss)``."""
-        if self.n == 1:
+        if self.separate_exchange:
             return self._compute(dense_state, buf.rows, buf.opt, routed.owner_inverse,
                                  routed.routing, unique_emb, ids, dense, label)
         return self._frozen(dense_state, buf.rows, buf.opt, routed.owner_inverse, routed.routing,
