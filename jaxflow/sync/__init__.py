@@ -12,7 +12,9 @@ Modules: bits (bit views), diff (tree diff), digest (on-device base-tree digest)
 (in-mesh change tracking), device_diff (the sender's cast / diff / compaction on the devices),
 codecs and entropy (section formats), payload (wire format), encoder / receiver (encode /
 apply), bound (entropy bound), baseline (PULSE-style codec), replica (sender / replicas,
-catch-up; ``path="host" | "device" | "auto"``) and transport/ (in-process, TCP, storage).
+catch-up; ``path="host" | "device" | "auto"``), host_kernels (the host path's compiled diff,
+Rice / value-bit coders and digest lanes; numba, each with a numpy twin giving the same
+bytes) and transport/ (in-process, TCP, storage).
 The zstd-coded sections import ``zstandard`` on first use: without it, ``dense``, ``coo``
 and ``gap`` still work.
 """
