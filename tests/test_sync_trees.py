@@ -80,3 +80,33 @@ def test_adversarial_pair_covers_the_required_cases():
     assert np.array_equal(old["unchanged"].view(np.uint16), new["unchanged"].view(np.uint16))
     assert new["empty"].size == 0 and new["scalar"].shape == ()
     assert new["nested"][0].dtype == np.int32 and new["nested"][1].dtype == np.float32
+
+
+def test_layout_of_a_tree_with_unhashable_node_metadata():
+    """tree_layout caches layouts by structure; a custom node whose auxiliary data cannot be
+    hashed or compared is laid out (and encoded) without the cache."""
+    import jax
+    import ml_dtypes
+    import numpy as np
+
+    from jaxflow.sync import encode
+    from jaxflow.sync.diff import tree_layout
+
+    @jax.tree_util.register_pytree_node_class
+    class Box:
+        def __init__(self, x, meta):
+            self.x, self.meta = x, meta
+
+        def tree_flatten(self):
+            return (self.x,), self.meta
+
+        @classmethod
+        def tree_unflatten(cls, meta, children):
+            return cls(children[0], meta)
+
+    for meta in ({"tags": ["w"]}, np.arange(3)):  # unhashable; ambiguous under ==
+        old = {"a": Box(np.zeros(8, ml_dtypes.bfloat16), meta)}
+        new = {"a": Box(np.ones(8, ml_dtypes.bfloat16), meta)}
+        assert [s.shape for s in tree_layout(old)[2]] == [(8,)]
+        payload = encode(old, new, base_version=0, version=1)
+        assert payload.version == 1 and len(payload.to_bytes()) > 0

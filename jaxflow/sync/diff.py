@@ -73,15 +73,20 @@ def tree_layout(tree) -> tuple[str, list, tuple[LeafSpec, ...]]:
     ``keystr`` of every leaf then run once instead of on every publish and apply)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     key = (treedef, tuple((np.shape(leaf), np.dtype(_dtype(leaf)).name) for leaf in leaves))
-    hit = _LAYOUTS.get(key)
+    try:
+        hit = _LAYOUTS.get(key)
+    except (TypeError, ValueError):  # node metadata that cannot be hashed or compared
+        key, hit = None, None
     if hit is None:
         flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-        specs = tuple(LeafSpec(leaf_name(path), dtype, tuple(int(d) for d in shape))
-                      for (path, _), (shape, dtype) in zip(flat, key[1]))
+        specs = tuple(LeafSpec(leaf_name(path), np.dtype(_dtype(leaf)).name,
+                               tuple(int(d) for d in np.shape(leaf)))
+                      for path, leaf in flat)
         hit = (str(treedef), specs)
-        if len(_LAYOUTS) >= _MAX_LAYOUTS:
-            _LAYOUTS.pop(next(iter(_LAYOUTS)))
-        _LAYOUTS[key] = hit
+        if key is not None:
+            if len(_LAYOUTS) >= _MAX_LAYOUTS:
+                _LAYOUTS.pop(next(iter(_LAYOUTS)))
+            _LAYOUTS[key] = hit
     return hit[0], leaves, hit[1]
 
 
