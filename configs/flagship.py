@@ -24,6 +24,7 @@ import dataclasses
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.lm_pretrain import TrainConfig
 from jaxflow.config import Variants, require_positive
+from jaxflow.mesh import RolesConfig
 from jaxflow.data.worked_addition import WorkedAdditionTask
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig
@@ -78,14 +79,6 @@ class EvalConfig:
 
     def __post_init__(self):
         require_positive(self, "prompts", "samples", "every")
-
-
-@dataclasses.dataclass(frozen=True)
-class RolesConfig:
-    """Devices per role; the trainer gets the rest (``jaxflow.mesh.trainer_rollout_meshes``)."""
-
-    rollout_devices: int = 1
-    colocate: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ import dataclasses
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.lm_pretrain import DataConfig, TrainConfig
 from jaxflow.config import Variants, require_positive
+from jaxflow.mesh import RolesConfig
 from jaxflow.models.pretrained import HFSource
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig
@@ -112,14 +113,6 @@ class ScheduleConfig:
     def __post_init__(self):
         require_positive(self, "rollouts", "eval_every", "eval_examples", "eval_samples",
                          "checkpoint_every")
-
-
-@dataclasses.dataclass(frozen=True)
-class RolesConfig:
-    """Devices per role; ``colocate`` (or a single device) puts both roles on all devices."""
-
-    rollout_devices: int = 1
-    colocate: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

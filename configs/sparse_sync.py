@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from configs.sis_offpolicy import WARM_START, RolesConfig
+from configs.sis_offpolicy import WARM_START
+from jaxflow.mesh import RolesConfig
 from configs.lm_pretrain import Config as PretrainConfig
 from jaxflow.config import Variants
 from jaxflow.rl.grpo import GRPOConfig

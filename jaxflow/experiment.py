@@ -194,6 +194,17 @@ class RunContext:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / filename).write_text(json.dumps(to_jsonable(obj), indent=2), encoding="utf-8")
 
+    def save_figure(self, fig, filename: str) -> None:
+        """Saves a matplotlib figure as ``out_dir/plots/filename`` (process 0 only) and
+        closes it."""
+        import matplotlib.pyplot as plt
+
+        if self.is_primary:
+            out = self.out_dir / "plots"
+            out.mkdir(parents=True, exist_ok=True)
+            fig.savefig(out / filename)
+        plt.close(fig)
+
     def write_json_later(self, filename: str, obj: Any) -> None:
         """Writes ``obj`` at the first metrics row (or :meth:`flush_pending`): a resumed run
         touches nothing before it has really restarted."""

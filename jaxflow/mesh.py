@@ -153,14 +153,24 @@ def role_meshes(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class RolesConfig:
+    """Devices per RL role (the RL experiments' ``roles``): ``rollout_devices`` for the
+    sampler, the rest for the trainer; ``colocate`` (or a single device) puts both roles on
+    every device (:func:`trainer_rollout_meshes`)."""
+
+    rollout_devices: int = 1
+    colocate: bool = False
+
+
 def trainer_rollout_meshes(roles, devices: Sequence[jax.Device] | None = None
                            ) -> tuple[dict, str]:
     """{"trainer", "rollout"} meshes and a description. Disjoint when there are >= 2 devices
     and ``roles.colocate`` is off; otherwise both roles use every device.
 
     Args:
-      roles: any object with ``colocate: bool`` and ``rollout_devices: int`` (the RL configs'
-        ``RolesConfig``); the trainer gets the remaining devices.
+      roles: any object with ``colocate: bool`` and ``rollout_devices: int`` (a
+        :class:`RolesConfig`); the trainer gets the remaining devices.
       devices: the devices to split (default ``jax.devices()``).
     """
     devices = list(jax.devices() if devices is None else devices)

@@ -17,6 +17,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import warnings
 from typing import Sequence
 
 #: The repository root of this checkout (the parent of the ``jaxflow`` package).
@@ -130,3 +131,50 @@ def stale_calibration(commit: str | None, paths: Sequence[str],
                       f"commit {commit[:12]}: regenerate it (the calibration file's command)")
     reason = " ".join(out.stderr.split())[:200] or f"git exit {out.returncode}"
     return None, f"cannot check the calibration against commit {commit[:12]} here: {reason}"
+
+
+class CalibrationWarning(UserWarning):
+    """A calibration that may not describe the current code (or cannot be checked)."""
+
+
+def read_record(calibration: "str | os.PathLike", default: pathlib.Path, experiment: str
+                ) -> tuple[pathlib.Path, dict]:
+    """(path, JSON) of a calibration: "" = ``default``; a file written by :func:`write_record`;
+    or an ``experiment`` run directory / its summary.json. FileNotFoundError names the value."""
+    path = pathlib.Path(calibration) if calibration else default
+    path = path / "summary.json" if path.is_dir() else path
+    if not path.exists():
+        raise FileNotFoundError(f"calibration={str(calibration)!r}: no calibration file or "
+                                f"{experiment} summary.json there; use '' for the built-in file "
+                                f"or a runs/{experiment}/<run> directory")
+    return path, json.loads(path.read_text())
+
+
+def is_record(record: dict) -> bool:
+    """True for a file written by :func:`write_record` (else: a run's summary.json)."""
+    return "values" in record and "provenance" in record
+
+
+def summary_provenance(summary: dict, measured_paths: Sequence[str]) -> dict:
+    """The provenance of a run's summary.json used as a calibration: its own git_commit,
+    argv and device_count."""
+    argv = summary.get("argv")
+    return {"experiment": summary.get("experiment"), "variant": summary.get("variant"),
+            "git_commit": summary.get("git_commit"),
+            "command": " ".join(argv) if isinstance(argv, list) else None,
+            "devices": summary.get("device_count"), "measured_paths": list(measured_paths)}
+
+
+def calibration_report(prov: dict, path: str, measured_paths: Sequence[str],
+                       root: pathlib.Path = REPO_ROOT) -> dict:
+    """What a simulator's summary reports under ``calibration`` (commit, command, devices,
+    path, date, machine, dirty paths, stale, warning); warns (CalibrationWarning) when the
+    measured code changed since the recorded commit or that cannot be checked."""
+    stale, warning = stale_calibration(prov.get("git_commit"),
+                                       prov.get("measured_paths") or measured_paths, root)
+    if warning:
+        warnings.warn(f"{path}: {warning}", CalibrationWarning, stacklevel=3)
+    return {"git_commit": prov.get("git_commit"), "command": prov.get("command"),
+            "devices": prov.get("devices"), "path": path, "date": prov.get("date"),
+            "machine": prov.get("machine"), "git_dirty_paths": prov.get("git_dirty_paths"),
+            "stale": stale, "warning": warning}

@@ -9,3 +9,21 @@ if "xla_force_host_platform_device_count" not in _flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def on_platform(monkeypatch):
+    """``on_platform("gpu")``: the kernel dispatch believes it runs on that platform (caches
+    cleared before and after, so no kernel built for another platform leaks between tests)."""
+    from pallas_kernels import dispatch
+
+    def patch(platform):
+        jax.clear_caches()
+        dispatch.clear_cache()
+        monkeypatch.setattr(dispatch, "backend_platform", lambda: platform)
+
+    yield patch
+    dispatch.clear_cache()
+    jax.clear_caches()

@@ -20,7 +20,7 @@ from flax import nnx
 from jaxflow.models import attention_backends as ab
 from jaxflow.models.attention import dot_product_attention, segment_causal_mask
 from jaxflow.models.transformer import Transformer, TransformerConfig
-from pallas_kernels import dispatch, lowering
+from pallas_kernels import lowering
 from pallas_kernels.dispatch import KernelUnavailable
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # f32
@@ -175,18 +175,6 @@ def test_bad_names_and_forced_kernels_off_their_platform(qkv):
     with pytest.raises(ValueError, match=r"model.attention='xla' conflicts with flow.attention"):
         Config(model=dataclasses.replace(Config().model, attention="xla"),
                flow=FlowConfig(attention="flash"))
-
-
-@pytest.fixture
-def on_platform(monkeypatch):
-    def patch(platform):
-        jax.clear_caches()
-        dispatch.clear_cache()
-        monkeypatch.setattr(dispatch, "backend_platform", lambda: platform)
-
-    yield patch
-    dispatch.clear_cache()
-    jax.clear_caches()
 
 
 def test_auto_on_gpu_falls_through_to_a_kernel_that_builds(on_platform, qkv):

@@ -21,18 +21,6 @@ from pallas_kernels.dispatch import KernelUnavailable
 from pallas_kernels.fused_logprobs import FusedLogprobsBlockSizes
 
 
-@pytest.fixture
-def on_platform(monkeypatch):
-    def patch(platform):
-        jax.clear_caches()
-        dispatch.clear_cache()
-        monkeypatch.setattr(dispatch, "backend_platform", lambda: platform)
-
-    yield patch
-    dispatch.clear_cache()
-    jax.clear_caches()
-
-
 def _wide(d=65536, n=4, vocab=256):
     """A hidden dim whose smallest TPU blocks (16 rows, 128 vocab columns) need > 16 MiB."""
     h = jnp.ones((n, d), jnp.bfloat16) * 0.01

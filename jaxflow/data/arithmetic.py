@@ -16,6 +16,28 @@ import numpy as np
 from jaxflow.data.tokenizer import CharTokenizer
 
 
+def heldout_mask(a: np.ndarray, b: np.ndarray, mod: int, shift: int) -> np.ndarray:
+    """bool [n]: the pairs (a, b) in the held-out split, ``hash(a, b) >> shift`` divisible by
+    ``mod`` (a task picks its own ``shift``, so two tasks' splits are independent)."""
+    h = (a.astype(np.uint64) * np.uint64(1_000_003) + b.astype(np.uint64)) * np.uint64(2654435761)
+    return (h >> np.uint64(shift)) % np.uint64(mod) == 0
+
+
+def sample_split(rng: np.random.Generator, n: int, draw, is_heldout, heldout_mod: int,
+                 heldout: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` operand pairs from one split by rejection: ``draw(rng, m)`` -> (a [m], b [m]),
+    ``is_heldout(a, b)`` -> bool [m]; draws ``heldout_mod`` times more for the held-out split
+    (about 1 / heldout_mod of all pairs)."""
+    out_a, out_b, have = [], [], 0
+    while have < n:
+        m = max(2 * (n - have), 16) * (heldout_mod if heldout else 1)
+        a, b = draw(rng, m)
+        keep = is_heldout(a, b) == heldout
+        out_a.append(a[keep]), out_b.append(b[keep])
+        have += int(keep.sum())
+    return np.concatenate(out_a)[:n], np.concatenate(out_b)[:n]
+
+
 @dataclasses.dataclass(frozen=True)
 class AdditionTask:
     """Multi-digit addition as a verifiable task (prompt source + ``score``)."""
@@ -30,8 +52,7 @@ class AdditionTask:
             raise ValueError(f"heldout_mod={self.heldout_mod!r}; valid: >= 2")
 
     def _is_heldout(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        h = (a.astype(np.uint64) * np.uint64(1_000_003) + b.astype(np.uint64)) * np.uint64(2654435761)
-        return (h >> np.uint64(7)) % np.uint64(self.heldout_mod) == 0
+        return heldout_mask(a, b, self.heldout_mod, 7)
 
     def _operands(self, rng: np.random.Generator, n: int) -> np.ndarray:
         digits = rng.integers(1, self.max_digits + 1, size=n)
@@ -40,14 +61,8 @@ class AdditionTask:
 
     def sample(self, rng: np.random.Generator, n: int, *, heldout: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """``n`` operand pairs (a [n], b [n]) from the training or the held-out split."""
-        out_a, out_b, have = [], [], 0
-        while have < n:
-            m = max(2 * (n - have), 16) * (self.heldout_mod if heldout else 1)
-            a, b = self._operands(rng, m), self._operands(rng, m)
-            keep = self._is_heldout(a, b) == heldout
-            out_a.append(a[keep]), out_b.append(b[keep])
-            have += int(keep.sum())
-        return np.concatenate(out_a)[:n], np.concatenate(out_b)[:n]
+        return sample_split(rng, n, lambda r, m: (self._operands(r, m), self._operands(r, m)),
+                            self._is_heldout, self.heldout_mod, heldout)
 
     @staticmethod
     def prompt(a: int, b: int) -> str:

@@ -29,6 +29,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxflow.data.arithmetic import heldout_mask, sample_split
+
 
 def column_working(a: int, b: int, digits: int) -> str:
     """The worked completion of ``a+b`` for ``digits``-digit operands (see module doc)."""
@@ -99,22 +101,15 @@ class WorkedAdditionTask:
     # -- corpus side (pretraining) -----------------------------------------------------------
 
     def _is_heldout(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        h = ((a.astype(np.uint64) * np.uint64(1_000_003) + b.astype(np.uint64))
-             * np.uint64(2654435761))
-        return (h >> np.uint64(11)) % np.uint64(self.heldout_mod) == 0
+        return heldout_mask(a, b, self.heldout_mod, 11)
 
     def sample(self, rng: np.random.Generator, n: int, *,
                heldout: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """``n`` operand pairs (a [n], b [n]), each ``digits`` digits, from one split."""
         low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
-        out_a, out_b, have = [], [], 0
-        while have < n:
-            m = max(2 * (n - have), 16) * (self.heldout_mod if heldout else 1)
-            a, b = rng.integers(low, 10**self.digits, size=(2, m))
-            keep = self._is_heldout(a, b) == heldout
-            out_a.append(a[keep]), out_b.append(b[keep])
-            have += int(keep.sum())
-        return np.concatenate(out_a)[:n], np.concatenate(out_b)[:n]
+        return sample_split(rng, n, lambda r, m: tuple(r.integers(low, 10**self.digits,
+                                                                    size=(2, m))),
+                            self._is_heldout, self.heldout_mod, heldout)
 
     @staticmethod
     def prompt(a: int, b: int) -> str:

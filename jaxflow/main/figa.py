@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -34,7 +33,7 @@ from jaxflow.mesh import make_mesh
 from jaxflow.rl.grpo import response_hidden
 from jaxflow.rl.logprobs import fused_logprobs
 from jaxflow.rl.rollout import RolloutSpec, RolloutWorker
-from jaxflow.rl.tasks import AdditionRLTask, encode_prompts
+from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
 from jaxflow.train.lm_state import LMFunctions, lm_functions
 
@@ -266,7 +265,4 @@ def plot_curves(run: RunContext, records: list[dict], methods) -> None:
     ax.set_title(f"figa: seed mean ({len(recs)} seeds), band = min..max", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = run.out_dir / "plots"
-    out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "figa_curves.png")
-    plt.close(fig)
+    run.save_figure(fig, "figa_curves.png")

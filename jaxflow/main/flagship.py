@@ -63,10 +63,7 @@ def plot_flagship(run: RunContext, rows: list[dict], evals: list[tuple[int, floa
         ax.set_xlabel("rollout")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    out = run.out_dir / "plots"
-    out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "flagship.png")
-    plt.close(fig)
+    run.save_figure(fig, "flagship.png")
 
 
 def main(config, run: RunContext) -> dict:

@@ -17,9 +17,7 @@ time scale only.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
-import warnings
 from typing import Mapping, Sequence
 
 from jaxflow import provenance
@@ -38,8 +36,7 @@ MEASURED_PATHS = ("jaxflow/marl", ":(exclude)jaxflow/marl/simulate", "jaxflow/rl
 COST_KEYS = ("train_token", "seq", "weight", "publish")
 
 
-class CalibrationWarning(UserWarning):
-    """A calibration that may not describe the current code (or cannot be checked)."""
+CalibrationWarning = provenance.CalibrationWarning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,14 +163,8 @@ def load_measurement(calibration: str | pathlib.Path = "") -> Calibration:
     """"" = :data:`DEFAULT_CALIBRATION`; a file written by :func:`write_calibration`; or a
     flexmarl run directory / summary.json (its provenance: the summary's git_commit, argv,
     device_count)."""
-    path = pathlib.Path(calibration) if calibration else DEFAULT_CALIBRATION
-    path = path / "summary.json" if path.is_dir() else path
-    if not path.exists():
-        raise FileNotFoundError(f"calibration={str(calibration)!r}: no calibration file or "
-                                "flexmarl summary.json there; use '' for the built-in file or a "
-                                "runs/flexmarl/<run> directory")
-    record = json.loads(path.read_text())
-    if "values" in record and "provenance" in record:
+    path, record = provenance.read_record(calibration, DEFAULT_CALIBRATION, "flexmarl")
+    if provenance.is_record(record):
         return Calibration(MeasuredRun.from_values(record["values"], str(path)),
                            dict(record["provenance"]), provenance.display_path(path),
                            dict(record.get("context", {})))
@@ -181,26 +172,17 @@ def load_measurement(calibration: str | pathlib.Path = "") -> Calibration:
         m = measured_from_summary(record)
     except (KeyError, ValueError) as e:
         raise ValueError(f"calibration={str(path)!r}: {e}") from None
-    argv = record.get("argv")
-    prov = {"experiment": record.get("experiment"), "variant": record.get("variant"),
-            "git_commit": record.get("git_commit"),
-            "command": " ".join(argv) if isinstance(argv, list) else None,
-            "devices": record.get("device_count"), "measured_paths": list(MEASURED_PATHS)}
-    return Calibration(m, prov, provenance.display_path(path))
+    return Calibration(m, provenance.summary_provenance(record, MEASURED_PATHS),
+                       provenance.display_path(path))
 
 
 def calibration_summary(cal: Calibration, root: pathlib.Path = provenance.REPO_ROOT) -> dict:
-    """What the simulator's summary reports under ``calibration``; warns (CalibrationWarning)
-    when the measured code changed since the recorded commit or that cannot be checked."""
-    p = cal.provenance
-    stale, warning = provenance.stale_calibration(p.get("git_commit"),
-                                                  p.get("measured_paths") or MEASURED_PATHS, root)
-    if warning:
-        warnings.warn(f"{cal.path}: {warning}", CalibrationWarning, stacklevel=2)
-    return {"git_commit": p.get("git_commit"), "command": p.get("command"),
-            "devices": p.get("devices"), "path": cal.path, "date": p.get("date"),
-            "machine": p.get("machine"), "git_dirty_paths": p.get("git_dirty_paths"),
-            "stale": stale, "warning": warning, "measured": dataclasses.asdict(cal.measured)}
+    """What the simulator's summary reports under ``calibration``
+    (:func:`jaxflow.provenance.calibration_report` and the measured values); warns
+    (CalibrationWarning) when the measured code changed since the recorded commit or that
+    cannot be checked."""
+    return (provenance.calibration_report(cal.provenance, cal.path, MEASURED_PATHS, root)
+            | {"measured": dataclasses.asdict(cal.measured)})
 
 
 def per_param_costs(m: MeasuredRun) -> dict[str, float]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import warnings
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -40,8 +39,7 @@ MEASURED_PATHS = ("jaxflow/nestpipe", ":(exclude)jaxflow/nestpipe/simulate", "ja
                   "jaxflow/recsys", "jaxflow/main/nestpipe.py", "configs/nestpipe.py")
 
 
-class CalibrationWarning(UserWarning):
-    """A calibration that may not describe the current code (or cannot be checked)."""
+CalibrationWarning = provenance.CalibrationWarning
 
 
 _PAPER = json.loads((DATA / "paper_nestpipe.json").read_text())["values"]
@@ -125,14 +123,8 @@ def load_calibration(calibration: str | pathlib.Path = "") -> Calibration:
     """A calibration: "" = :data:`DEFAULT_CALIBRATION`; a file written by
     :func:`write_calibration`; or a nestpipe run directory / summary.json (its provenance is
     the summary's own git_commit, argv and device_count)."""
-    path = pathlib.Path(calibration) if calibration else DEFAULT_CALIBRATION
-    path = path / "summary.json" if path.is_dir() else path
-    if not path.exists():
-        raise FileNotFoundError(f"calibration={str(calibration)!r}: no calibration file or "
-                                "nestpipe summary.json there; use '' for the built-in file or a "
-                                "runs/nestpipe/<run> directory")
-    record = json.loads(path.read_text())
-    if "values" in record and "provenance" in record:
+    path, record = provenance.read_record(calibration, DEFAULT_CALIBRATION, "nestpipe")
+    if provenance.is_record(record):
         missing = [k for k in STAGE_KEYS if k not in record["values"]]
         if missing:
             raise ValueError(f"calibration={str(path)!r}: values lack {missing}")
@@ -143,27 +135,17 @@ def load_calibration(calibration: str | pathlib.Path = "") -> Calibration:
         ms, context = calibration_from_summary(record)
     except ValueError as e:
         raise ValueError(f"calibration={str(path)!r}: {e}") from None
-    argv = record.get("argv")
-    prov = {"experiment": record.get("experiment"), "variant": record.get("variant"),
-            "git_commit": record.get("git_commit"),
-            "command": " ".join(argv) if isinstance(argv, list) else None,
-            "devices": record.get("device_count"), "measured_paths": list(MEASURED_PATHS)}
-    return Calibration(ms, prov, provenance.display_path(path), context)
+    return Calibration(ms, provenance.summary_provenance(record, MEASURED_PATHS),
+                       provenance.display_path(path), context)
 
 
 def calibration_summary(cal: Calibration, root: pathlib.Path = provenance.REPO_ROOT) -> dict:
-    """What a simulator's summary reports under ``calibration``; warns (CalibrationWarning)
-    when the measured code changed since the recorded commit or that cannot be checked."""
-    p = cal.provenance
-    stale, warning = provenance.stale_calibration(p.get("git_commit"),
-                                           p.get("measured_paths") or MEASURED_PATHS, root)
-    if warning:
-        warnings.warn(f"{cal.path}: {warning}", CalibrationWarning, stacklevel=2)
-    return {"git_commit": p.get("git_commit"), "command": p.get("command"),
-            "devices": p.get("devices"), "path": cal.path, "date": p.get("date"),
-            "machine": p.get("machine"), "git_dirty_paths": p.get("git_dirty_paths"),
-            "stale": stale, "warning": warning,
-            "stage_ms": dict(cal.stage_ms)}
+    """What a simulator's summary reports under ``calibration``
+    (:func:`jaxflow.provenance.calibration_report` and the stage times); warns
+    (CalibrationWarning) when the measured code changed since the recorded commit or that
+    cannot be checked."""
+    return (provenance.calibration_report(cal.provenance, cal.path, MEASURED_PATHS, root)
+            | {"stage_ms": dict(cal.stage_ms)})
 
 
 def calibrate(measured_ms: Mapping[str, float], *, shares: Mapping[str, Sequence[float]] = PAPER_SHARES,
