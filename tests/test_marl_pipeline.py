@@ -183,3 +183,47 @@ def test_trainer_stopped_mid_version_resumes_bit_identically(setup, strict_run, 
     for n in wf.order():
         total = STEPS * INPUTS * runtimes[n].spec.group_size
         assert reopened.count(n, "consumed") == total == reopened.count(n)
+
+
+def test_inline_and_thread_drivers_and_unblocked_lockstep_are_bit_identical(setup, strict_run):
+    # auto picks the inline driver here (strict, one rollout worker): the trainers dispatch on
+    # the rollout's thread; the thread driver runs the same programs on blocking threads
+    wf, runtimes, init = setup
+    kw = dict(steps=STEPS, n_inputs=INPUTS, seed=0, timeout_s=300)
+    threads = run_strict(wf, runtimes, _policies(runtimes, init), driver="threads", **kw)
+    assert threads.rewards == strict_run.rewards
+    assert all(_bit_equal(threads.params[v], strict_run.params[v]) for v in range(STEPS))
+    blocked = run_sync(wf, runtimes, _policies(runtimes, init), steps=STEPS, n_inputs=INPUTS,
+                       seed=0)
+    unblocked = run_sync(wf, runtimes, _policies(runtimes, init), steps=STEPS,
+                         n_inputs=INPUTS, seed=0, block_stages=False)
+    assert all(_bit_equal(unblocked.params[v], blocked.params[v]) for v in range(STEPS))
+    for bad, match in [(dict(driver="inline", rollout_workers=3), "rollout_workers=3"),
+                       (dict(driver="fibers"), "'fibers'")]:
+        with pytest.raises(ValueError, match=match):
+            run_strict(wf, runtimes, _policies(runtimes, init), **bad, **kw)
+    with pytest.raises(ValueError, match="mode='bounded'"):
+        run_bounded(wf, runtimes, _policies(runtimes, init), eta=1, driver="inline", **kw)
+
+
+def test_trainer_stopped_after_its_step_resumes_from_stored_upstream_rows(setup, strict_run,
+                                                                         tmp_path):
+    # the solver stops right after version 0's step (its state: version 1, nothing
+    # accumulated) before the verifier rolled out version 0: the resumed rollout regenerates
+    # only the verifier's rows, on prompts read from the stored solver rows (the solver's
+    # version-0 weights are gone)
+    wf, runtimes, init = setup
+    store = ExperienceStore(wf.order(), str(tmp_path))
+    with pytest.raises(Interrupted):
+        run_strict(wf, runtimes, _policies(runtimes, init), steps=STEPS, n_inputs=INPUTS,
+                   seed=0, store=store, interrupt=lambda *at: at == ("solver", 0, INPUTS),
+                   timeout_s=300)
+    store.close()
+    reopened = ExperienceStore.open(str(tmp_path))
+    state = reopened.consumer_state("solver")
+    assert (int(state["version"]), int(state["micro"])) == (1, 0) and "weight_sum" not in state
+    assert reopened.count("verifier") == 0
+    resumed = run_strict(wf, runtimes, _policies(runtimes, init), steps=STEPS,
+                         n_inputs=INPUTS, seed=0, store=reopened, resume=True, timeout_s=300)
+    assert _bit_equal(resumed.params[-1], strict_run.params[-1])
+    assert resumed.params[0]["verifier"] and not resumed.params[0].get("solver")

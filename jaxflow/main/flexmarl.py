@@ -3,20 +3,27 @@
 All runs: the built-in solver / verifier workflow, the same rollout engine (per-row keys,
 finished rows compacted away), batch sizes, GRPO kernels and initial params. ``sync`` is the
 MARTI-style barrier baseline (roll out every agent on every input, then one full-batch step per
-agent, in lockstep); ``strict`` is the micro-batch pipeline (same samples, same update up to
-summation order); ``bounded(eta)`` lets rollouts run up to eta versions ahead.
+agent, in lockstep, each step waited for: its stage times calibrate the simulator);
+``sync_unblocked`` the same barrier without those waits; ``strict`` is the micro-batch pipeline
+(same samples, same update up to summation order) on the inline driver (the trainers dispatch
+their programs between the rollout's engine calls, one host thread), ``strict_threads`` the
+same on blocking trainer threads (bit-identical); ``bounded(eta)`` lets rollouts run up to eta
+versions ahead (threads).
 
 Timing (CONVENTIONS, ``jaxflow.timing``): per run an untimed warm-up run of each mode, then
-``reps`` rounds each running sync, strict, bounded(eta)... and auto's choice once in a seeded
-random order; ``runs`` such runs. Reported: the median over runs of each run's median paired
-ratio sync wall / mode wall (``speedup_runs``: every run's figure, ``speedup_pairs``: every
-pair) and the min / max over all pairs; ``auto_mode`` / ``auto_speedup_vs_sync``: a probe of
-``probe_rounds`` rounds of ``probe_steps`` steps of lockstep (``sync``) and ``strict`` picks the
-faster, which is then timed beside the others; samples/s medians, busy fraction per role (busy seconds / wall; roles: the
-rollout engine and one trainer per agent) as medians over rounds, per-step reward means of the
-first round, ``strict_max_param_diff`` (max over steps and agents of the per-leaf relative
-difference strict vs sync), the observed staleness of bounded runs, decode row-steps saved by
-compaction vs a padded batch decode, and a strict run with agent state swapping (bit-exact).
+``reps`` rounds each running every mode and auto's choice once in a seeded random order;
+``runs`` such runs. Reported: the median over runs of each run's median paired ratio
+sync wall / mode wall (``speedup_runs``: every run's figure, ``speedup_pairs``: every pair) and
+the min / max over all pairs; ``strict_vs_sync_unblocked``: the same statistic with
+``sync_unblocked`` as the baseline; ``auto_mode`` / ``auto_speedup_vs_sync``: a probe of
+``probe_rounds`` rounds of ``probe_steps`` steps of the staleness-free modes (``sync``,
+``sync_unblocked``, ``strict``) picks the fastest, which is then timed beside the others;
+samples/s medians, busy fraction per role (busy seconds / wall; roles: the rollout engine and
+one trainer per agent; the inline driver's trainer seconds are host seconds) as medians over
+rounds, per-step reward means of the first round, ``strict_max_param_diff`` (max over steps
+and agents of the per-leaf relative difference strict vs sync), the observed staleness of
+bounded runs, decode row-steps saved by compaction vs a padded batch decode, and a strict run
+with agent state swapping (bit-exact).
 """
 
 from __future__ import annotations
@@ -135,8 +142,15 @@ def main(config, run) -> dict:
     kw = dict(n_inputs=config.n_inputs, seed=config.seed, rollout_batch=config.rollout_batch)
     pipe = dict(kw, micro_inputs=config.micro_inputs, rollout_workers=config.rollout_workers)
     modes = {"sync": lambda steps: run_sync(wf, runtimes, policies(), steps=steps, **kw),
+             # lockstep without the per-agent waits that time its stages: the faster barrier
+             "sync_unblocked": lambda steps: run_sync(wf, runtimes, policies(), steps=steps,
+                                                      block_stages=False, **kw),
              "strict": lambda steps: run_pipeline(wf, runtimes, policies(), steps=steps,
-                                                  mode="strict", **pipe)}
+                                                  mode="strict", **pipe),
+             # the same strict pipeline on blocking trainer threads (bit-identical results)
+             "strict_threads": lambda steps: run_pipeline(wf, runtimes, policies(), steps=steps,
+                                                          mode="strict", driver="threads",
+                                                          **pipe)}
     for eta in config.etas:
         modes[f"bounded_eta{eta}"] = (lambda steps, eta=eta: run_pipeline(
             wf, runtimes, policies(), steps=steps, mode="bounded", eta=eta, **pipe))
@@ -146,7 +160,7 @@ def main(config, run) -> dict:
         rt.engine.precompile(rt.publish(warm[n]), config.rollout_batch * rt.spec.group_size)
     # timing (jaxflow.timing): each round runs every mode (and auto's choice) once, in a seeded
     # random order; paired ratios sync / mode per round; ``runs`` repetitions, each with its
-    # own warm-up and auto probe (lockstep vs strict: the staleness-free modes)
+    # own warm-up and auto probe (both locksteps and strict: the staleness-free modes)
     results: dict[str, list[RunResult]] = {m: [] for m in modes}
 
     def timed(m, steps, keep=True):
@@ -157,7 +171,7 @@ def main(config, run) -> dict:
             return r.wall_s
         return call
 
-    candidates = ["sync", "strict"]
+    candidates = ["sync", "sync_unblocked", "strict"]  # the staleness-free modes
 
     def warm():
         for fn in modes.values():
@@ -202,8 +216,21 @@ def main(config, run) -> dict:
                                                           sync.params[-1][n])
                                       for n in wf.order()),
         "reward_curve": results[m][0].rewards} for m in modes if m.startswith("bounded")}
+    def paired(num, den):  # median over runs of each run's median of num wall / den wall
+        k = config.reps
+        per = [statistics.median(a.wall_s / b.wall_s for a, b in
+                                 zip(results[num][r * k:(r + 1) * k],
+                                     results[den][r * k:(r + 1) * k]))
+               for r in range(config.runs)]
+        return {"median": statistics.median(per), "runs": per}
+
     summary = {
         "speedup_vs_sync": ratio("strict")["median"],
+        "strict_vs_sync_unblocked": paired("sync_unblocked", "strict"),
+        "strict_threads_speedup_vs_sync": ratio("strict_threads")["median"],
+        "strict_threads_bit_exact": all(_bit_equal(results["strict_threads"][0].params[v],
+                                                   strict.params[v])
+                                        for v in range(config.steps)),
         "speedup_spread": ratio("strict"),
         "speedup_runs": per_run["strict"]["runs"],
         "speedup_pairs": {m: [t["ratios"][m] for t in timings] for m in per_run if m != "sync"},

@@ -39,12 +39,23 @@ def publish_weights(params: Any, rollout_shardings: Any, *, sync: Any = None,
     if sync is not None:
         sync.publish(params, version=sync.version + 1 if version is None else version)
         return sync.rollout_params()
+    same = jax.tree.map(lambda x, s: getattr(x, "sharding", None) == s, params,
+                        rollout_shardings)
+    if all(jax.tree.leaves(same)):  # same devices: still a private copy, one program
+        return _copy_tree(params)
+
     def move(x, sharding):
         if getattr(x, "sharding", None) == sharding:
-            return jax.numpy.array(x, copy=True)  # same devices: still a private copy
+            return jax.numpy.array(x, copy=True)
         return jax.device_put(x, sharding)
 
     return jax.tree.map(move, params, rollout_shardings)
+
+
+@jax.jit
+def _copy_tree(tree: Any) -> Any:
+    """A copy of every leaf in fresh buffers (no donation, so no output aliases an input)."""
+    return jax.tree.map(jax.numpy.copy, tree)
 
 
 def published_bytes(params: Any) -> int:

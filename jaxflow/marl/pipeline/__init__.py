@@ -5,11 +5,13 @@ trajectories, rows taken from the :class:`~jaxflow.marl.store.ExperienceStore` i
 as soon as the rollout engine stores them, accumulates ``grad(loss_mb) * weight_mb`` (weight =
 the micro-batch's share of the loss normaliser: unmasked tokens for ``token-mean``, rows for the
 ``seq-mean-*`` aggs) in one jitted call per micro-batch, and applies one optimizer step with
-``sum(grads) / sum(weights)`` once all of v's rows are consumed; then it publishes version v+1.
+``sum(grads) / sum(weights)`` once all of v's rows are consumed (the last micro-batch's
+accumulate and the step are one program); then it publishes version v+1.
 
 Modes (:func:`~jaxflow.marl.pipeline.threads.run_pipeline`):
 
-  strict    rollouts of batch v use exactly version v's weights (they start after the publish):
+  strict    rollouts of batch v use exactly version v's weights (each agent's start after that
+            agent's publish):
             the synchronous algorithm (:func:`run_sync`: roll out everything, then one
             full-batch GRPO step per agent) on the same samples, up to the summation order of
             the gradient. pi_old == the current params throughout v.
@@ -25,24 +27,37 @@ workers finish in (strict runs with and without state swapping, or resumed from 
 are bit-identical). Samples are a pure function of (seed, batch v, input, turn, row).
 
 Durability: with ``persist_state`` every micro-batch commit also stores the trainer's state
-(version, micro-batches done, gradient accumulator, weight sum, params + optimizer state)
+(version, micro-batches done, gradient accumulator, weight sum, params + optimizer state; after
+a version's last micro-batch, the stepped state at version v+1 with nothing accumulated)
 atomically with the consumed rows, and ``resume=True`` restarts every trainer from it (the
-rollouts regenerate only rows that are missing).
+rollouts regenerate only rows that are missing; a downstream agent's prompts come from the
+stored upstream rows, so an upstream agent that already stepped is not rerun).
+
+Drivers (``run_pipeline(driver=)``): ``threads`` runs the rollouts on a thread of their own and
+each agent's trainer on a blocking thread; ``inline`` (strict with one rollout worker, the
+default there) runs the trainers on the rollout's thread between its engine calls, dispatching
+their programs without waiting, so nothing contends for the interpreter lock and the accumulate
+/ step programs overlap the rollout's host work. Rollouts go agent-major (an agent's rows of
+version v are all stored before the next agent starts), and under strict each agent waits only
+for its own version v, so an agent's last micro-batch and step overlap the later agents'
+rollouts. Both drivers give bit-identical results.
 
 Modules: ``accumulate`` (pure gradient accumulation and the trainer's committed state),
-``versions`` (the board of published weights), ``runtime`` (one agent's compiled functions and
-engine, row keys, rollouts of a batch of inputs), ``sync`` (the barrier baseline and the run
-result), ``threads`` (the rollout / trainer threads and :func:`run_pipeline`).
+``trainer`` (one agent's micro-batch consumer, shared by both drivers), ``versions`` (the board
+of published weights), ``runtime`` (one agent's compiled functions and engine, row keys,
+rollouts of a batch of inputs), ``sync`` (the barrier baseline and the run result),
+``threads`` (the rollouts, both drivers and :func:`run_pipeline`).
 """
 
 from jaxflow.marl.pipeline.accumulate import (PAYLOAD_FIELDS, Accumulator, accumulate,
-                                              apply_accumulated, flatten_accumulator,
+                                              accumulate_apply, apply_accumulated, flatten_accumulator,
                                               group_rows, loss_weight, relative_param_diff,
                                               stack_rows, unflatten_accumulator, weighted_grad)
 from jaxflow.marl.pipeline.runtime import (AgentRuntime, agent_loads, input_prompts, loss_key,
                                            request_row_keys, rollout_input, rollout_inputs,
                                            sample_key, split_batch)
 from jaxflow.marl.pipeline.sync import RunResult, run_sync
-from jaxflow.marl.pipeline.threads import (Interrupted, PipelineRun, run_bounded, run_pipeline,
+from jaxflow.marl.pipeline.threads import (DRIVERS, PipelineRun, run_bounded, run_pipeline,
                                            run_strict)
+from jaxflow.marl.pipeline.trainer import AgentTrainer, Interrupted
 from jaxflow.marl.pipeline.versions import VersionBoard

@@ -54,10 +54,22 @@ def apply_accumulated(policy: dict, grad_sum: Any, weight_sum: jax.Array, *,
 def accumulate(grad_sum: Any, weight_sum: jax.Array, params: Any, mb: MiniBatch, *, fns,
                config: GRPOConfig, key: jax.Array) -> tuple[Any, jax.Array]:
     """One micro-batch into the accumulator: pi_old stats, weighted gradient and the sums, in
-    one program (one dispatch per micro-batch instead of one per op and leaf)."""
+    one program (one dispatch per micro-batch instead of one per op and leaf). ``grad_sum`` /
+    ``weight_sum`` None (a version's first micro-batch): the sums start at this one's."""
     old = old_stats(fns, params, None, mb, config=config)
     g, w = weighted_grad(params, mb, old, fns=fns, config=config, key=key)
+    if grad_sum is None:
+        return g, w
     return jax.tree.map(jnp.add, grad_sum, g), weight_sum + w
+
+
+def accumulate_apply(policy: dict, grad_sum: Any, weight_sum: jax.Array | None, mb: MiniBatch,
+                     *, fns, config: GRPOConfig, tx: optax.GradientTransformation,
+                     key: jax.Array) -> dict:
+    """A version's last micro-batch into the accumulator and the optimizer step, one program:
+    :func:`apply_accumulated` of :func:`accumulate`."""
+    g, w = accumulate(grad_sum, weight_sum, policy["params"], mb, fns=fns, config=config, key=key)
+    return apply_accumulated(policy, g, w, tx=tx)
 
 
 def group_rows(batch: RolloutBatch, group_size: int, normalize_std: bool = True
@@ -97,9 +109,11 @@ class Accumulator(NamedTuple):
 
 def flatten_accumulator(acc: Accumulator) -> dict[str, np.ndarray]:
     """Host arrays ``version``, ``micro``, ``weight_sum``, ``g<i>`` (gradient leaves) and
-    ``p<i>`` (policy leaves), for :meth:`ExperienceStore.commit`."""
-    out = {"version": np.asarray(acc.version), "micro": np.asarray(acc.micro),
-           "weight_sum": np.asarray(jax.device_get(acc.weight_sum))}
+    ``p<i>`` (policy leaves), for :meth:`ExperienceStore.commit`. An accumulator with no
+    micro-batch in (``micro`` 0, sums None) has no ``weight_sum`` and no ``g<i>``."""
+    out = {"version": np.asarray(acc.version), "micro": np.asarray(acc.micro)}
+    if acc.grad_sum is not None:
+        out["weight_sum"] = np.asarray(jax.device_get(acc.weight_sum))
     for i, x in enumerate(jax.tree.leaves(jax.device_get(acc.grad_sum))):
         out[f"g{i}"] = np.asarray(x)
     for i, x in enumerate(jax.tree.leaves(jax.device_get(acc.policy))):
@@ -113,8 +127,10 @@ def unflatten_accumulator(state: dict, like_policy: dict, shardings: dict) -> Ac
     pdef = jax.tree.structure(like_policy)
     gdef = jax.tree.structure(like_policy["params"])
     policy = jax.tree.unflatten(pdef, [state[f"p{i}"] for i in range(pdef.num_leaves)])
-    grads = jax.tree.unflatten(gdef, [state[f"g{i}"] for i in range(gdef.num_leaves)])
     policy = jax.tree.map(jax.device_put, policy, shardings)
+    if "weight_sum" not in state:  # no micro-batch of this version in yet
+        return Accumulator(int(state["version"]), int(state["micro"]), None, None, policy)
+    grads = jax.tree.unflatten(gdef, [state[f"g{i}"] for i in range(gdef.num_leaves)])
     grads = jax.tree.map(jax.device_put, grads, shardings["params"])
     return Accumulator(int(state["version"]), int(state["micro"]), grads,
                        jnp.asarray(state["weight_sum"]), policy)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.marl.engine import RolloutEngine, row_keys
-from jaxflow.marl.pipeline.accumulate import accumulate, apply_accumulated, weighted_grad
+from jaxflow.marl.pipeline.accumulate import accumulate, accumulate_apply, weighted_grad
 from jaxflow.marl.workflow import AgentSpec, Workflow
 from jaxflow.rl.grpo import GRPOConfig, MiniBatch, compiled_functions
 from jaxflow.rl.publish import publish_weights
@@ -49,13 +49,12 @@ class AgentRuntime:
                                     compact=engine_compact)
         self.weighted_grad = jax.jit(functools.partial(weighted_grad, fns=self.fns,
                                                        config=self.config))
-        self.apply = jax.jit(functools.partial(apply_accumulated, tx=self.tx),
-                             out_shardings=self.shardings)
         self._opt_init = jax.jit(self.tx.init, out_shardings=self.shardings["opt_state"])
         self.accumulate = jax.jit(functools.partial(accumulate, fns=self.fns, config=self.config),
                                   donate_argnums=0)
-        self.zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
-                             out_shardings=self.shardings["params"])
+        self.accumulate_apply = jax.jit(
+            functools.partial(accumulate_apply, fns=self.fns, config=self.config, tx=self.tx),
+            out_shardings=self.shardings, donate_argnums=1)
 
     def init_policy(self, params: Any) -> dict:
         params = jax.device_put(params, self.fns.param_shardings)
@@ -65,7 +64,7 @@ class AgentRuntime:
 
     def place(self, mb: MiniBatch) -> MiniBatch:
         sharding = batch_sharding(self.mesh, mb.tokens.shape[0])
-        return MiniBatch(*(jax.device_put(x, sharding) for x in mb))
+        return MiniBatch(*jax.device_put(tuple(mb), sharding))  # one batched transfer
 
     def publish(self, policy: dict) -> Any:
         return publish_weights(policy["params"], self.engine.param_shardings)

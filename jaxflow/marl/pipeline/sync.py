@@ -55,9 +55,16 @@ def engine_stats_since(runtimes: dict[str, AgentRuntime], before: dict[str, Engi
 
 
 def run_sync(workflow: Workflow, runtimes: dict[str, AgentRuntime], policies: dict[str, dict],
-             *, steps: int, n_inputs: int, seed: int, rollout_batch: int = 1) -> RunResult:
+             *, steps: int, n_inputs: int, seed: int, rollout_batch: int = 1,
+             block_stages: bool = True) -> RunResult:
     """Barrier baseline: roll out all inputs for every agent (``rollout_batch`` inputs per
-    engine call), then one full-batch step per agent, agents one after another."""
+    engine call), then one full-batch step per agent, agents one after another.
+
+    ``block_stages``: wait for each agent's step before the next agent's (MARTI-style: a
+    worker group's step returns when done), so ``busy_s`` holds each role's device seconds
+    (the FlexMARL simulator's calibration reads them). False: the steps are only dispatched
+    and the host copy of the params at the end of the version is the one wait, so a training
+    role's busy seconds are host seconds; the same result, bit for bit."""
     names = workflow.order()
     busy = {"rollout": 0.0} | {f"train/{n}": 0.0 for n in names}
     stats0 = engine_snapshot(runtimes)
@@ -82,7 +89,8 @@ def run_sync(workflow: Workflow, runtimes: dict[str, AgentRuntime], policies: di
             mb = rt.place(stack_rows(rows[n]))
             old = rt.old_stats(policies[n]["params"], None, mb)
             policies[n], _ = rt.update(policies[n], mb, old, key=loss_key(seed, v, a))
-            jax.block_until_ready(policies[n]["params"])
+            if block_stages:
+                jax.block_until_ready(policies[n]["params"])
             busy[f"train/{n}"] += time.perf_counter() - t0
         out_params.append({n: jax.device_get(policies[n]["params"]) for n in names})
         out_rewards.append({n: float(np.mean([r["reward"] for r in rows[n]])) for n in names})

@@ -1,13 +1,16 @@
-"""The FlexMARL pipeline's threads: one rollout thread (or per-agent worker pools) and one
-trainer thread per agent, sharing a :class:`PipelineRun` (see the package doc for the modes).
+"""The FlexMARL pipeline's drivers over a shared :class:`PipelineRun` (see the package doc
+for the modes).
 
-* :func:`rollout_thread` walks the versions: it waits on the
-  :class:`~jaxflow.marl.pipeline.versions.VersionBoard` for weights of version >= v - eta,
-  rolls out batch v's missing inputs (:func:`rollout_serial`, or :func:`rollout_parallel` with
+* :func:`rollout_thread` walks the versions: per version it takes the weights the mode allows
+  (:class:`Weights`: strict, each agent's own version v; bounded, the newest complete version
+  >= v - eta from the :class:`~jaxflow.marl.pipeline.versions.VersionBoard`), rolls out batch
+  v's missing inputs (:func:`rollout_serial`, agent-major, or :func:`rollout_parallel` with
   per-agent worker pools running :func:`rollout_worker`) and puts the rows into the
   :class:`~jaxflow.marl.store.ExperienceStore`.
-* :func:`trainer_thread` takes its agent's micro-batches in input order, accumulates them
-  (:mod:`jaxflow.marl.pipeline.accumulate`), steps and publishes version v+1 to the board.
+* Each agent's :class:`~jaxflow.marl.pipeline.trainer.AgentTrainer` takes its micro-batches in
+  input order, accumulates them, steps and publishes version v+1 to the board: on a blocking
+  thread of its own (:func:`run_threads`), or on the rollout's thread between its engine calls,
+  dispatching without waiting (:func:`run_inline`, strict with one rollout worker).
 """
 
 from __future__ import annotations
@@ -17,17 +20,14 @@ import threading
 import time
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxflow.marl.balance import allocate_workers
-from jaxflow.marl.pipeline.accumulate import (Accumulator, flatten_accumulator, group_rows,
-                                              stack_rows, unflatten_accumulator)
+from jaxflow.marl.pipeline.accumulate import Accumulator, group_rows, unflatten_accumulator
 from jaxflow.marl.pipeline.runtime import (AgentRuntime, agent_loads, chunks, input_prompts,
-                                           loss_key, request_row_keys, rollout_inputs,
-                                           split_batch)
+                                           request_row_keys, split_batch)
 from jaxflow.marl.pipeline.sync import RunResult, engine_snapshot, engine_stats_since
+from jaxflow.marl.pipeline.trainer import AgentTrainer
 from jaxflow.marl.pipeline.versions import VersionBoard
 from jaxflow.marl.store import ExperienceStore, SampleId
 from jaxflow.marl.swap import AgentStateSwapper
@@ -36,10 +36,7 @@ from jaxflow.rl.rollout import RolloutBatch
 from jaxflow.rl.tasks import completion_text
 
 MODES = ("strict", "bounded")
-
-
-class Interrupted(Exception):
-    """Raised by a trainer when the ``interrupt`` hook of :func:`run_pipeline` fires."""
+DRIVERS = ("auto", "inline", "threads")
 
 
 @dataclasses.dataclass
@@ -73,17 +70,22 @@ class PipelineRun:
     out_params: list[dict] = dataclasses.field(default_factory=list)
     out_rewards: list[dict] = dataclasses.field(default_factory=list)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    after_request: Callable[[str], None] | None = None  # inline driver: a trainer's turn
+
+    def __post_init__(self):
+        self._names = tuple(self.workflow.order())  # per-row lookups below: computed once
+        self._turns = {n: self.workflow.turn(n) for n in self._names}
 
     @property
-    def names(self) -> list[str]:
-        return self.workflow.order()
+    def names(self) -> tuple[str, ...]:
+        return self._names
 
     def add_busy(self, role: str, seconds: float) -> None:
         with self.lock:
             self.busy[role] += seconds
 
     def sample_id(self, name: str, version: int, i: int, t: int) -> SampleId:
-        return SampleId(version * self.n_inputs + i, self.workflow.turn(name), t)
+        return SampleId(version * self.n_inputs + i, self._turns[name], t)
 
     def put_rows(self, name: str, version: int, weights_version: int, i: int,
                  batch: RolloutBatch) -> None:
@@ -92,12 +94,6 @@ class PipelineRun:
             sid = self.sample_id(name, version, i, t)
             if not self.store.has(name, sid):
                 self.store.put(name, sid, weights_version, row)
-
-    def missing(self, version: int, i: int) -> list[str]:
-        """Agents that lack some of input i's rows of ``version``."""
-        return [n for n in self.names if not all(
-            self.store.has(n, self.sample_id(n, version, i, t))
-            for t in range(self.runtimes[n].spec.group_size))]
 
     def guarded(self, fn: Callable) -> Callable:
         """``fn`` that records its exception (re-raised after join) and halts the board."""
@@ -113,18 +109,91 @@ class PipelineRun:
 # ----------------------------------------------------------------------------- rollouts
 
 
-def rollout_serial(run: PipelineRun, version: int, weights_version: int, weights: dict,
-                   todo: list[int], prompts: list[str]) -> None:
-    """Every agent in turn order, ``rollout_batch`` inputs per engine call, on this thread."""
-    for chunk in chunks(todo, run.rollout_batch):
-        t0 = time.perf_counter()
-        out = rollout_inputs(run.workflow, run.runtimes, weights, [prompts[i] for i in chunk],
-                             seed=run.seed, version=version,
-                             input_ids=[version * run.n_inputs + i for i in chunk])
-        run.add_busy("rollout", time.perf_counter() - t0)
-        for n in run.names:
-            for i, part in zip(chunk, split_batch(out[n], run.runtimes[n].spec.group_size)):
+class Weights:
+    """The weights one version's rollouts use: ``weights(agent)``. Strict (``published`` None):
+    agent n's weights of exactly ``version``, waited for on the board when n's first rollout
+    needs them, so the upstream agent of batch v+1 starts while the downstream trainer is
+    still stepping v. Bounded: every agent's weights of one complete version (``published``)."""
+
+    def __init__(self, board: VersionBoard, version: int, timeout_s: float,
+                 published: dict | None = None):
+        self.board, self.version, self.timeout_s = board, version, timeout_s
+        self.published = published
+
+    def __call__(self, name: str):
+        if self.published is not None:
+            return self.published[name]
+        return self.board.get_agent(self.version, name, self.timeout_s)
+
+
+def _regenerate(run: PipelineRun, version: int, todo: list[int]) -> dict[str, list[int]]:
+    """Per agent, the inputs of ``todo`` it rolls out: those it lacks rows of, and those a
+    downstream agent rolls out whose upstream trajectory row is not in the store (a resumed
+    run keeps every stored row and reads a downstream prompt from it)."""
+    wf, need = run.workflow, {}
+    for n in reversed(run.names):
+        g = run.runtimes[n].spec.group_size
+        need[n] = [i for i in todo if not all(run.store.has(n, run.sample_id(n, version, i, t))
+                                              for t in range(g))]
+        for m in run.names:
+            e = wf.upstream(m)
+            if e is not None and e.source == n:
+                for i in need[m]:
+                    sid = run.sample_id(n, version, i, e.trajectory)
+                    if i not in need[n] and (not run.store.has(n, sid)
+                                             or "tokens" not in run.store.get(n, sid).payload):
+                        need[n].append(i)
+        need[n].sort()
+    return need
+
+
+def rollout_serial(run: PipelineRun, version: int, weights_version: int, weights: Weights,
+                   todo: list[int], prompts: list[str],
+                   need: dict[str, list[int]] | None = None) -> None:
+    """Agent-major on this thread: each agent in turn order rolls out its inputs of ``todo``
+    (``rollout_batch`` per engine call; see :func:`_regenerate`), a downstream agent on the
+    prompts its upstream outputs give. An agent's rows of the version are all stored before
+    the next agent starts, so its trainer's last micro-batch and step overlap the later agents'
+    rollouts, and under strict an agent waits only for its own weights (:class:`Weights`).
+    Samples are those of an input-major order (per-row keys, see ``runtime``).
+    ``need``: :func:`_regenerate` of ``todo`` when the caller has it.
+    ``run.after_request(agent)`` (the inline driver's trainer of that agent) runs after each of
+    the agent's requests is stored."""
+    wf, tokens = run.workflow, {}
+    need = _regenerate(run, version, todo) if need is None else need
+    texts = {n: {i: prompts[i] for i in todo} for n in run.names if wf.upstream(n) is None}
+    for n in run.names:
+        rt, edge = run.runtimes[n], wf.upstream(n)
+        g, tokens[n] = rt.spec.group_size, {}
+        if edge is not None:
+            src = run.runtimes[edge.source]
+
+            def upstream_tokens(i, edge=edge):  # generated now, else stored (None: neither)
+                if i in tokens[edge.source]:
+                    return tokens[edge.source][i][edge.trajectory]
+                sid = run.sample_id(edge.source, version, i, edge.trajectory)
+                if not run.store.has(edge.source, sid):
+                    return None
+                return run.store.get(edge.source, sid).payload.get("tokens")
+            up = {i: upstream_tokens(i) for i in todo if i in texts[edge.source]}
+            texts[n] = {i: rt.task.from_upstream(texts[edge.source][i],
+                                                 completion_text(src.tokenizer, x))
+                        for i, x in up.items() if x is not None}
+        if not need[n]:
+            continue
+        params = weights(n)
+        for chunk in chunks(need[n], run.rollout_batch):
+            t0 = time.perf_counter()
+            ids = [version * run.n_inputs + i for i in chunk]
+            batch = rt.engine.generate_rows(
+                params, [texts[n][i] for i in chunk],
+                request_row_keys(run.seed, version, ids, wf.turn(n), g), g)
+            run.add_busy("rollout", time.perf_counter() - t0)
+            for i, part in zip(chunk, split_batch(batch, g)):
+                tokens[n][i] = part.tokens
                 run.put_rows(n, version, weights_version, i, part)
+            if run.after_request is not None:
+                run.after_request(n)
 
 
 class RequestQueues:
@@ -163,11 +232,11 @@ class RequestQueues:
 
 
 def rollout_worker(run: PipelineRun, rq: RequestQueues, name: str, version: int,
-                   weights_version: int, weights: dict) -> None:
+                   weights_version: int, weights: Weights) -> None:
     """Pulls agent ``name``'s requests until none is left; a downstream request waits for its
     upstream output, and each output extends the downstream agents' prompts."""
     rt, edge = run.runtimes[name], run.workflow.upstream(name)
-    g = rt.spec.group_size
+    g, params = rt.spec.group_size, weights(name)
     while not run.board.stop:
         r = rq.next_request(name)
         if r is None:
@@ -180,7 +249,7 @@ def rollout_worker(run: PipelineRun, rq: RequestQueues, name: str, version: int,
         t0 = time.perf_counter()
         ids = [version * run.n_inputs + i for i in chunk]
         batch = rt.engine.generate_rows(
-            weights[name], [rq.text[name, i] for i in chunk],
+            params, [rq.text[name, i] for i in chunk],
             request_row_keys(run.seed, version, ids, run.workflow.turn(name), g), g)
         dt = time.perf_counter() - t0
         with run.lock:
@@ -198,7 +267,7 @@ def rollout_worker(run: PipelineRun, rq: RequestQueues, name: str, version: int,
         rq.ready[name, r].set()
 
 
-def rollout_parallel(run: PipelineRun, version: int, weights_version: int, weights: dict,
+def rollout_parallel(run: PipelineRun, version: int, weights_version: int, weights: Weights,
                      todo: list[int], prompts: list[str]) -> None:
     """Per-agent worker pools (``run.allocation``) over the version's requests; afterwards the
     next version's split follows the measured per-agent rollout time (agent level)."""
@@ -218,91 +287,89 @@ def rollout_parallel(run: PipelineRun, version: int, weights_version: int, weigh
 def rollout_thread(run: PipelineRun) -> None:
     """Rolls out every version's missing inputs with the newest weights the mode allows."""
     for v in range(run.first, run.steps):
-        todo = [i for i in range(run.n_inputs) if run.missing(v, i)]
+        need = _regenerate(run, v, list(range(run.n_inputs)))
+        todo = sorted(set().union(*need.values()))  # inputs some agent lacks rows of
         if not todo:
             continue
-        wver, weights = run.board.get_at_least(v - run.eta, run.timeout_s)
-        if run.mode == "strict" and wver != v:
-            raise RuntimeError(f"strict: batch {v} would use weights of version {wver}")
+        if run.mode == "strict":  # each agent's own version v, when it needs it
+            wver, weights = v, Weights(run.board, v, run.timeout_s)
+        else:  # the newest complete version the staleness bound allows, for every agent
+            wver, published = run.board.get_at_least(v - run.eta, run.timeout_s)
+            weights = Weights(run.board, wver, run.timeout_s, published)
         prompts = input_prompts(run.workflow, run.seed, v, run.n_inputs)
-        rollout = rollout_parallel if run.rollout_workers > 1 else rollout_serial
-        rollout(run, v, wver, weights, todo, prompts)
+        if run.rollout_workers > 1:
+            rollout_parallel(run, v, wver, weights, todo, prompts)
+        else:
+            rollout_serial(run, v, wver, weights, todo, prompts, need=need)
 
 
-# ----------------------------------------------------------------------------- trainers
+# ----------------------------------------------------------------------------- drivers
 
 
-def _take_micro_batch(run: PipelineRun, name: str, ids: list[SampleId]):
-    rows = None
-    while rows is None:
+def trainer_thread(run: PipelineRun, trainer: AgentTrainer, policies: dict) -> None:
+    """Thread driver: agent ``trainer.name``'s trainer on a thread of its own, waiting for each
+    micro-batch's rows (see :mod:`~jaxflow.marl.pipeline.trainer`)."""
+    while not trainer.done:
         if run.board.stop:
-            return None
-        rows = run.store.take_ids(name, ids, timeout=0.5)
-    return rows
+            return
+        trainer.advance(timeout=0.5)
+    policies[trainer.name] = trainer.finish()
 
 
-def trainer_thread(run: PipelineRun, agent_index: int, name: str, policies: dict) -> None:
-    """Agent ``name``'s trainer: per version, its micro-batches in input order into the
-    accumulator (committed with the rows), then one step, and publish version v+1."""
-    rt = run.runtimes[name]
-    g, n_mb = rt.spec.group_size, run.n_inputs // run.micro_inputs
-    acc = run.resumed.get(name, Accumulator(0, 0, None, None, policies[name]))
-    policy = acc.policy
-    grad_sum, weight_sum = acc.grad_sum, acc.weight_sum
-    j0 = acc.micro
-    for v in range(acc.version, run.steps):
-        for j in range(j0, n_mb):
-            ids = [run.sample_id(name, v, i, t)
-                   for i in range(j * run.micro_inputs, (j + 1) * run.micro_inputs)
-                   for t in range(g)]
-            rows = _take_micro_batch(run, name, ids)
-            if rows is None:
-                return
-            if run.swapper is not None and run.swapper.is_swapped(name):
-                policy = run.swapper.swap_in(name)
-            t0 = time.perf_counter()
-            if grad_sum is None:
-                grad_sum = rt.zeros(policy["params"])
-                weight_sum = jnp.zeros((), jnp.float32)
-            row_lags = [v - r.version for r in rows]
-            if max(row_lags) > run.eta or min(row_lags) < 0:
-                raise RuntimeError(f"agent {name!r} step {v}: row version lag {row_lags} "
-                                   f"outside [0, eta={run.eta}]")
-            mb = rt.place(stack_rows([r.payload for r in rows]))
-            grad_sum, weight_sum = rt.accumulate(grad_sum, weight_sum, policy["params"], mb,
-                                                 key=loss_key(run.seed, v, agent_index))
-            jax.block_until_ready(grad_sum)
-            run.add_busy(f"train/{name}", time.perf_counter() - t0)
-            state = (flatten_accumulator(Accumulator(v, j + 1, grad_sum, weight_sum, policy))
-                     if run.persist else None)
-            run.store.commit(name, ids, state)
-            with run.lock:
-                run.lags.extend(row_lags)
-            if run.interrupt is not None and run.interrupt(name, v, j + 1):
-                raise Interrupted(f"agent {name!r} stopped at version {v} after {j + 1} "
-                                  "micro-batches")
-        t0 = time.perf_counter()
-        policy = rt.apply(policy, grad_sum, weight_sum)
-        jax.block_until_ready(policy["params"])
-        run.add_busy(f"train/{name}", time.perf_counter() - t0)
-        run.out_params[v][name] = jax.device_get(policy["params"])
-        run.out_rewards[v][name] = float(np.mean([
-            float(run.store.get(name, run.sample_id(name, v, i, t)).payload["reward"])
-            for i in range(run.n_inputs) for t in range(g)]))
-        run.board.put(v + 1, name, rt.publish(policy))
-        if run.swapper is not None and v + 1 < run.steps:  # idle until v+1's rows arrive
-            run.swapper.swap_out(name, policy, version=v + 1)
-            policy = None
-        j0, grad_sum, weight_sum = 0, None, None  # only a resumed first version starts late
-    policies[name] = policy
+def run_threads(run: PipelineRun, trainers: dict[str, AgentTrainer], policies: dict) -> None:
+    """The rollout thread (or worker pools) and one blocking trainer thread per agent."""
+    threads = [threading.Thread(target=run.guarded(rollout_thread), args=(run,), daemon=True)]
+    threads += [threading.Thread(target=run.guarded(trainer_thread), args=(run, t, policies),
+                                 daemon=True) for t in trainers.values()]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + run.timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        run.board.halt()
+        raise TimeoutError(f"run_pipeline did not finish in {run.timeout_s} s")
+    if run.errors:
+        raise run.errors[0]
+
+
+def run_inline(run: PipelineRun, trainers: dict[str, AgentTrainer], policies: dict) -> None:
+    """Inline driver (strict, one rollout thread): the calling thread rolls out agent-major and,
+    after each engine call, lets that agent's trainer consume the micro-batches now ready. The
+    trainers do not wait for their programs (JAX dispatches them asynchronously), so a
+    micro-batch's accumulate and a version's step and publish run while the rollout's next
+    engine calls are issued, with no thread hand-offs and no second Python thread contending
+    for the interpreter lock. A rollout that needs weights not yet published is a bug here
+    (never waited for): it raises at once."""
+    def poll(name: str) -> None:
+        while trainers[name].advance(timeout=0.0):
+            pass
+    run.after_request, run.timeout_s = poll, 0.0
+    for n in trainers:  # a resumed trainer's rows may all be stored already
+        poll(n)
+    rollout_thread(run)
+    for n in trainers:
+        poll(n)
+    late = {n: (t.version, t.micro) for n, t in trainers.items() if not t.done}
+    if late:
+        raise RuntimeError(f"inline driver: trainers {late} (version, micro-batch) lack rows "
+                           "after every rollout")
+    for n, t in trainers.items():
+        policies[n] = t.finish()
 
 
 # ----------------------------------------------------------------------------- the run
 
 
-def _check_arguments(names, *, mode, eta, n_inputs, micro_inputs, rollout_workers) -> None:
+def _check_arguments(names, *, mode, eta, n_inputs, micro_inputs, rollout_workers,
+                     driver) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: 'strict', 'bounded'")
+    if driver not in DRIVERS:
+        raise ValueError(f"unknown driver {driver!r}; valid: {', '.join(map(repr, DRIVERS))}")
+    if driver == "inline" and (mode != "strict" or rollout_workers != 1):
+        raise ValueError(f"driver='inline' with mode={mode!r}, rollout_workers="
+                         f"{rollout_workers}: inline needs mode='strict' and rollout_workers=1")
     if eta < 0 or (mode == "strict" and eta != 0):
         raise ValueError(f"eta={eta}: need 0 for strict, >= 0 for bounded")
     if n_inputs % micro_inputs:
@@ -334,7 +401,7 @@ def run_pipeline(workflow: Workflow, runtimes: dict[str, AgentRuntime],
                  swapper: AgentStateSwapper | None = None, persist_state: bool | None = None,
                  resume: bool = False,
                  interrupt: Callable[[str, int, int], bool] | None = None,
-                 timeout_s: float = 600.0) -> RunResult:
+                 timeout_s: float = 600.0, driver: str = "auto") -> RunResult:
     """FlexMARL pipeline (see the package doc). ``policies`` is updated in place.
 
     Args:
@@ -353,10 +420,17 @@ def run_pipeline(workflow: Workflow, runtimes: dict[str, AgentRuntime],
         path); ``resume=True`` restarts from those states.
       interrupt: ``(agent, version, micro_batches_done) -> bool`` called after every commit;
         True makes that trainer raise :class:`Interrupted` (tests of resumption).
+      driver: "threads" (a rollout thread and a blocking trainer thread per agent),
+        "inline" (strict with one rollout worker only: the trainers run on the rollout's
+        thread between its engine calls and only dispatch their programs, see
+        :func:`run_inline`) or "auto" (inline where it applies, else threads). Both give
+        bit-identical results.
     """
     names = workflow.order()
     _check_arguments(names, mode=mode, eta=eta, n_inputs=n_inputs, micro_inputs=micro_inputs,
-                     rollout_workers=rollout_workers)
+                     rollout_workers=rollout_workers, driver=driver)
+    if driver == "auto":
+        driver = "inline" if mode == "strict" and rollout_workers == 1 else "threads"
     store = store or ExperienceStore(names)
     run = PipelineRun(
         workflow, runtimes, store, VersionBoard(names), seed=seed, steps=steps,
@@ -371,20 +445,10 @@ def run_pipeline(workflow: Workflow, runtimes: dict[str, AgentRuntime],
     stats0 = engine_snapshot(runtimes)
     _restore(run, policies, resume)
 
+    trainers = {n: AgentTrainer(run, a, n, policies[n], block=driver == "threads")
+                for a, n in enumerate(names)}
     start = time.perf_counter()
-    threads = [threading.Thread(target=run.guarded(rollout_thread), args=(run,), daemon=True)]
-    threads += [threading.Thread(target=run.guarded(trainer_thread), args=(run, a, n, policies),
-                                 daemon=True) for a, n in enumerate(names)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() for t in threads):
-        run.board.halt()
-        raise TimeoutError(f"run_pipeline did not finish in {timeout_s} s")
-    if run.errors:
-        raise run.errors[0]
+    (run_inline if driver == "inline" else run_threads)(run, trainers, policies)
     wall = time.perf_counter() - start
     samples = (steps - run.first) * n_inputs * sum(runtimes[n].spec.group_size for n in names)
     run.busy["rollout"] /= rollout_workers  # busy fraction of the pool

@@ -46,6 +46,18 @@ class VersionBoard:
             newest = max(self._complete())
             return newest, dict(self.by_version[newest])
 
+    def get_agent(self, version: int, name: str, timeout: float) -> Any:
+        """Agent ``name``'s weights of exactly ``version`` (strict rollouts: each agent's rows
+        of batch v need only that agent's version v, not every agent's); waits like
+        :meth:`get_at_least`."""
+        with self.cond:
+            ok = self.cond.wait_for(lambda: self.stop or name in self.by_version.get(version, {}),
+                                    timeout)
+            if self.stop or not ok:
+                raise RuntimeError(f"weights of agent {name!r} version {version} not published "
+                                   f"in {timeout} s (or the run stopped)")
+            return self.by_version[version][name]
+
     def halt(self) -> None:
         """Stops the run: every waiter (now or later) raises, ``stop`` turns True."""
         with self.cond:
