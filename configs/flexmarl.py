@@ -43,7 +43,7 @@ class Config:
     steps: int = 20
     reps: int = 10               # timed rounds per run (every mode once, random order)
     runs: int = 1                # timing runs, each with its own warm-up and auto probe
-    auto: bool = True            # probe the staleness-free modes, time the fastest as "auto"
+    auto: bool = True            # probe lockstep vs strict, time the faster as "auto"
     probe_rounds: int = 5
     probe_steps: int = 0  # steps per probe call; 0 = steps (short probes favour sync: a
     # pipeline's fill / drain is a larger share of a short run)

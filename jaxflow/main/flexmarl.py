@@ -16,8 +16,8 @@ Timing (CONVENTIONS, ``jaxflow.timing``): per run an untimed warm-up run of each
 sync wall / mode wall (``speedup_runs``: every run's figure, ``speedup_pairs``: every pair) and
 the min / max over all pairs; ``strict_vs_sync_unblocked``: the same statistic with
 ``sync_unblocked`` as the baseline; ``auto_mode`` / ``auto_speedup_vs_sync``: a probe of
-``probe_rounds`` rounds of ``probe_steps`` steps of the staleness-free modes (``sync``,
-``sync_unblocked``, ``strict``) picks the fastest, which is then timed beside the others;
+``probe_rounds`` rounds of ``probe_steps`` steps of lockstep (``sync``) and ``strict`` picks
+the faster, which is then timed beside the others;
 samples/s medians, busy fraction per role (busy seconds / wall; roles: the rollout engine and
 one trainer per agent; the inline driver's trainer seconds are host seconds) as medians over
 rounds, per-step reward means of the first round, ``strict_max_param_diff`` (max over steps
@@ -160,7 +160,7 @@ def main(config, run) -> dict:
         rt.engine.precompile(rt.publish(warm[n]), config.rollout_batch * rt.spec.group_size)
     # timing (jaxflow.timing): each round runs every mode (and auto's choice) once, in a seeded
     # random order; paired ratios sync / mode per round; ``runs`` repetitions, each with its
-    # own warm-up and auto probe (both locksteps and strict: the staleness-free modes)
+    # own warm-up and auto probe (lockstep vs strict: the staleness-free modes)
     results: dict[str, list[RunResult]] = {m: [] for m in modes}
 
     def timed(m, steps, keep=True):
@@ -171,7 +171,7 @@ def main(config, run) -> dict:
             return r.wall_s
         return call
 
-    candidates = ["sync", "sync_unblocked", "strict"]  # the staleness-free modes
+    candidates = ["sync", "strict"]  # lockstep or the pipeline (both staleness-free)
 
     def warm():
         for fn in modes.values():
