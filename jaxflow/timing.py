@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["measure", "paired_rounds", "choose_mode", "median_of_runs", "auto_summary"]
+__all__ = ["measure", "paired_rounds", "choose_mode", "median_of_runs", "auto_summary",
+           "repeat_name"]
 
 
 def measure(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter) -> float:
@@ -94,14 +95,22 @@ def repeated_runs(timed: Callable[..., Callable[[], float]], modes: Sequence[str
                   log: Callable[[int, dict, dict | None], Any] | None = None
                   ) -> tuple[list[dict], list[dict]]:
     """``runs`` repetitions of a fair benchmark: per run, ``warm()``, then (with
-    ``candidates``) an auto probe by :func:`choose_mode` of ``probe_steps`` (0: ``steps``)
-    steps per call, then :func:`paired_rounds` over every mode of ``modes`` and, as
-    ``"auto"``, the probe's choice; run r is seeded ``seed * 1000 + r``.
+    ``candidates``, a subset of ``modes``) an auto probe by :func:`choose_mode` of
+    ``probe_steps`` (0: ``steps``) steps per call, then :func:`paired_rounds` over every mode
+    of ``modes``; run r is seeded ``seed * 1000 + r``. ``"auto"`` is the probe's choice, and
+    its figures are the chosen mode's in the same rounds: the probe ran before them, so no
+    figure is picked after the fact, and timing the same mode a second time would only add
+    its noise. With candidates the rounds also time the baseline a second time,
+    :func:`repeat_name` (``"sync_repeat"``): its figures are the baseline's own run-to-run
+    interval, which :func:`auto_summary` uses when the baseline is the best fixed mode.
 
     ``timed(mode, steps, keep=True)`` returns a zero-argument call that runs ``steps`` steps
     of ``mode`` and returns its seconds (``keep=False``: the driver discards the result).
     ``log(r, paired_rounds result, choice or None)`` after each run. Returns (one
     :func:`paired_rounds` result per run, one :func:`choose_mode` result per run or [])."""
+    missing = [m for m in candidates if m not in modes]
+    if missing:
+        raise ValueError(f"auto candidates {missing} are not among the timed modes {list(modes)}")
     results, choices = [], []
     for r in range(runs):
         warm()
@@ -110,13 +119,22 @@ def repeated_runs(timed: Callable[..., Callable[[], float]], modes: Sequence[str
                               rounds=probe_rounds, warmup=0, baseline=baseline, seed=run_seed)
                   if candidates else None)
         calls = {m: timed(m, steps) for m in modes}
-        if choice is not None:
-            choices.append(choice)
-            calls["auto"] = timed(choice["mode"], steps, keep=False)
+        if choice is not None:  # the baseline's own run-to-run noise (its interval for auto)
+            calls[repeat_name(baseline)] = timed(baseline, steps, keep=False)
         results.append(paired_rounds(calls, rounds=rounds, baseline=baseline, seed=run_seed))
+        if choice is not None:  # auto *is* the chosen mode: its figures in these rounds
+            choices.append(choice)
+            for key in ("seconds", "ratios", "spread"):
+                results[-1][key]["auto"] = list(results[-1][key][choice["mode"]])
+            results[-1]["speedup"]["auto"] = results[-1]["speedup"][choice["mode"]]
         if log is not None:
             log(r, results[-1], choice)
     return results, choices
+
+
+def repeat_name(baseline: str) -> str:
+    """The key of the baseline timed a second time in each round (see :func:`repeated_runs`)."""
+    return f"{baseline}_repeat"
 
 
 def median_of_runs(per_run: list[Mapping[str, float]]) -> dict[str, dict]:
@@ -129,22 +147,21 @@ def median_of_runs(per_run: list[Mapping[str, float]]) -> dict[str, dict]:
 
 def auto_summary(per_run: Mapping[str, Mapping], choices: list[Mapping],
                  candidates: list[str]) -> dict:
-    """Summary keys of a measured ``auto`` mode timed beside fixed ones.
+    """Summary keys of a measured ``auto`` mode beside the fixed ones.
 
     ``per_run``: ``median_of_runs`` output holding ``"auto"`` and every candidate;
     ``choices``: each run's ``choose_mode`` result. The best fixed mode is the candidate with
     the best median over runs; ``auto_within_best_fixed_interval`` says whether auto's median
     is at least the lowest of that mode's per-run figures (inside its run-to-run interval or
-    above it); when the best is the baseline itself (interval [1, 1]), whether auto's per-run
-    figures straddle 1.
+    above it). The baseline's own figures are 1 by definition, so when it is the best its
+    interval is that of its second timing (:func:`repeat_name`) when ``per_run`` has one, else
+    [1, 1].
     """
     best = max(candidates, key=lambda m: per_run[m]["median"])
-    lo, hi = min(per_run[best]["runs"]), max(per_run[best]["runs"])
+    spread = per_run.get(repeat_name(best), per_run[best])["runs"]
+    lo, hi = min(spread), max(spread)
     auto = per_run["auto"]
     within = auto["median"] >= lo
-    if lo == hi == 1.0:  # the best is the baseline itself, whose paired ratio is 1 by definition:
-        # auto then matches it when its own runs straddle 1 (baseline-vs-baseline noise)
-        within = within or min(auto["runs"]) <= 1.0 <= max(auto["runs"])
     picked = [c["mode"] for c in choices]
     return {"auto_mode": max(set(picked), key=lambda m: (picked.count(m), -picked.index(m))),
             "auto_mode_runs": picked,

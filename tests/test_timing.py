@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from jaxflow.timing import auto_summary, choose_mode, median_of_runs, paired_rounds
+from jaxflow.timing import auto_summary, choose_mode, median_of_runs, paired_rounds, repeated_runs
 
 
 class FakeClock:
@@ -96,9 +96,38 @@ def test_auto_summary_compares_auto_with_the_best_fixed_modes_interval():
     per_run["auto"] = {"median": 0.97, "runs": [0.97]}
     assert not auto_summary(per_run, choices, ["sync", "dbp", "fwp"])[
         "auto_within_best_fixed_interval"]
-    # the baseline is the best fixed mode: auto (= the baseline again) matches it when its
-    # runs straddle 1, not when every run is slower
-    base = median_of_runs([{"sync": 1.0, "strict": 0.8, "auto": a} for a in (0.99, 1.01, 0.98)])
-    assert auto_summary(base, choices, ["sync", "strict"])["auto_within_best_fixed_interval"]
+    # the baseline is the best fixed mode: its interval is that of its second timing
+    # (sync_repeat, the baseline's own run-to-run noise), not the degenerate [1, 1]
+    base = median_of_runs([{"sync": 1.0, "sync_repeat": r, "strict": 0.8, "auto": a}
+                           for a, r in ((0.99, 1.01), (1.0, 0.98), (0.98, 1.02))])
+    out = auto_summary(base, choices, ["sync", "strict"])
+    assert out["auto_best_fixed_mode"] == "sync" and out["auto_best_fixed_interval"] == [0.98, 1.02]
+    assert out["auto_within_best_fixed_interval"]
     base["auto"] = {"median": 0.9, "runs": [0.9, 0.92, 0.85]}
     assert not auto_summary(base, choices, ["sync", "strict"])["auto_within_best_fixed_interval"]
+    del base["sync_repeat"]  # no second timing: [1, 1], so auto must reach 1
+    base["auto"] = {"median": 0.99, "runs": [0.99, 1.01, 0.98]}
+    assert not auto_summary(base, choices, ["sync", "strict"])["auto_within_best_fixed_interval"]
+
+
+def test_repeated_runs_reports_the_chosen_modes_figures_as_auto_and_times_the_baseline_twice():
+    costs, calls = {"sync": 0.04, "strict": 0.02, "slow": 0.08}, []
+
+    def timed(mode, steps, keep=True):
+        def run():  # returns its own seconds (known costs, no noise)
+            calls.append((mode, keep))
+            return costs[mode] * steps / 4
+        return run
+    results, choices = repeated_runs(timed, ["sync", "strict", "slow"], runs=2, steps=4,
+                                     rounds=3, baseline="sync", seed=0, warm=lambda: None,
+                                     candidates=["sync", "strict"], probe_rounds=2)
+    assert [c["mode"] for c in choices] == ["strict", "strict"]
+    for r in results:
+        assert r["ratios"]["auto"] == r["ratios"]["strict"] == [2.0] * 3
+        assert r["ratios"]["sync_repeat"] == [1.0] * 3 and r["speedup"]["slow"] == 0.5
+    kept = {m for m, keep in calls if keep}
+    assert kept == {"sync", "strict", "slow"}  # the probe and the repeat are not kept
+    assert sum(1 for m, keep in calls if m == "sync" and not keep) == 2 * (2 + 3)
+    with pytest.raises(ValueError, match="not among the timed modes"):
+        repeated_runs(timed, ["sync"], runs=1, steps=4, rounds=1, baseline="sync", seed=0,
+                      warm=lambda: None, candidates=["dbp"])

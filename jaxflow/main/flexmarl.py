@@ -11,13 +11,14 @@ same on blocking trainer threads (bit-identical); ``bounded(eta)`` lets rollouts
 versions ahead (threads).
 
 Timing (CONVENTIONS, ``jaxflow.timing``): per run an untimed warm-up run of each mode, then
-``reps`` rounds each running every mode and auto's choice once in a seeded random order;
+``reps`` rounds each running every mode once (and sync a second time, ``sync_repeat``: the
+baseline's own run-to-run interval) in a seeded random order;
 ``runs`` such runs. Reported: the median over runs of each run's median paired ratio
 sync wall / mode wall (``speedup_runs``: every run's figure, ``speedup_pairs``: every pair) and
 the min / max over all pairs; ``strict_vs_sync_unblocked``: the same statistic with
 ``sync_unblocked`` as the baseline; ``auto_mode`` / ``auto_speedup_vs_sync``: a probe of
 ``probe_rounds`` rounds of ``probe_steps`` steps of lockstep (``sync``) and ``strict`` picks
-the faster, which is then timed beside the others;
+the faster, and auto's figures are that mode's in the same rounds (the probe ran before them);
 samples/s medians, busy fraction per role (busy seconds / wall; roles: the rollout engine and
 one trainer per agent; the inline driver's trainer seconds are host seconds) as medians over
 rounds, per-step reward means of the first round, ``strict_max_param_diff`` (max over steps
@@ -158,7 +159,7 @@ def main(config, run) -> dict:
     warm = policies()
     for n, rt in runtimes.items():  # every compacted decode shape, so no timed run compiles
         rt.engine.precompile(rt.publish(warm[n]), config.rollout_batch * rt.spec.group_size)
-    # timing (jaxflow.timing): each round runs every mode (and auto's choice) once, in a seeded
+    # timing (jaxflow.timing): each round runs every mode (and sync again) once, in a seeded
     # random order; paired ratios sync / mode per round; ``runs`` repetitions, each with its
     # own warm-up and auto probe (lockstep vs strict: the staleness-free modes)
     results: dict[str, list[RunResult]] = {m: [] for m in modes}

@@ -12,8 +12,10 @@ after a warm-up; per pipeline the median of the paired ratios sync / pipeline; r
 ``runs`` times (each with its own warm-up) and reported as the median over runs with every
 run's figure (``speedup_runs``) and every pair (``speedup_pairs``). ``auto``: a short probe
 (``probe_rounds`` rounds of ``probe_steps`` steps of each exact pipeline, random order) picks
-the fastest; its choice is then timed in the same rounds as the rest (``auto_speedup_vs_sync``). Per-stage times (``stage_seconds``: data, h2d, route, retrieve,
-exchange, compute, write_back, patch; mean seconds per step, medians over rounds). Ideal bound:
+the fastest, and auto's figures are the chosen pipeline's in the same rounds
+(``auto_speedup_vs_sync``; the probe ran before them); the rounds also time sync a second time
+(``sync_repeat``: the baseline's own run-to-run interval). Per-stage times (``stage_seconds``:
+data, h2d, route, retrieve, exchange, compute, write_back, patch; mean seconds per step, medians over rounds). Ideal bound:
 sum of the five stage times of ``sync`` (stage 5 = exchange + compute + write_back) / the
 slowest. Clustering: rows moved by per-device, per-micro-batch dedup with the pipeline's own
 ``cluster_order`` (inside each device's shard), clustered vs not.
@@ -209,8 +211,8 @@ def main(config, run: RunContext) -> dict:
     check = min(config.steps, config.step_check_steps)
     step_diff = {p: max(one_step_diffs(p, tables0, dense0, parts_for, check))
                  for p in pipelines if p in ("fwp", "dbp+fwp")}
-    # 2. timing (jaxflow.timing): each round runs every pipeline, and auto's choice, once from
-    # fresh table copies in a seeded random order; paired ratios sync / pipeline per round.
+    # 2. timing (jaxflow.timing): each round runs every pipeline (and sync a second time) once
+    # from fresh table copies in a seeded random order; paired ratios sync / pipeline per round.
     # ``runs`` repetitions, each with its own warm-up and auto probe.
     timing = {p: [] for p in pipelines}
 
