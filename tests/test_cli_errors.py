@@ -64,9 +64,11 @@ def stopped_run(tmp_path_factory):
         import contextlib
 
         err = io.StringIO()
+        before = signal.getsignal(signal.SIGINT)  # SIG_IGN when pytest runs in the background
         with contextlib.redirect_stderr(err):
             code = runner.main([*LM, *STEPS, f"--out=file://{out}"])
-    return out, code, err.getvalue().strip().splitlines()
+        after = signal.getsignal(signal.SIGINT)
+    return out, code, err.getvalue().strip().splitlines(), (before, after)
 
 
 @pytest.fixture
@@ -243,13 +245,13 @@ def test_user_error_inside_the_entry_rolls_back_the_fresh_run(capsys, tmp_path, 
 # ---- signals --------------------------------------------------------------------------------
 
 def test_sigint_checkpoints_the_step_and_prints_the_resume_command(stopped_run):
-    out, code, err = stopped_run
+    out, code, err, (before, after) = stopped_run
     assert code == 130, err
     assert err == [f"[jaxflow] stopped by SIGINT at step 2: checkpoint at step 2 saved; resume: "
                    f"python -m jaxflow.run --resume --out {out}"]
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
     assert max(int(d) for d in os.listdir(out / "checkpoints")) == 2  # step 2 is not a due save
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert after is before  # the SIGINT handler the process had is restored
     assert signals.requested() is None
 
 
