@@ -8,6 +8,8 @@ result; the tests compare the two.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import sys
 
@@ -20,3 +22,11 @@ def numba_or_none():
     except ImportError:
         return None
     return numba
+
+
+@functools.cache
+def compiled_module(name: str):
+    """The numba kernel module ``name`` (e.g. ``"jaxflow.sync._host_kernels_nb"``), imported on
+    first use so that importing its caller does not load numba; None when
+    :func:`numba_or_none` is None (the caller then runs its numpy twin)."""
+    return importlib.import_module(name) if numba_or_none() is not None else None

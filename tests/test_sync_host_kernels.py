@@ -86,12 +86,9 @@ def test_numpy_fallback_makes_the_same_payload():
 
 def _numpy_twin(fn, *args):
     """Runs ``fn`` with the compiled kernels switched off (the numpy path)."""
-    saved = host_kernels._kernels()
-    host_kernels._compiled = False
-    try:
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(host_kernels, "_kernels", lambda: None)
         return fn(*args)
-    finally:
-        host_kernels._compiled = saved
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 5000])

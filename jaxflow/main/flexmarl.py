@@ -217,12 +217,9 @@ def main(config, run) -> dict:
                                                           sync.params[-1][n])
                                       for n in wf.order()),
         "reward_curve": results[m][0].rewards} for m in modes if m.startswith("bounded")}
-    def paired(num, den):  # median over runs of each run's median of num wall / den wall
-        k = config.reps
-        per = [statistics.median(a.wall_s / b.wall_s for a, b in
-                                 zip(results[num][r * k:(r + 1) * k],
-                                     results[den][r * k:(r + 1) * k]))
-               for r in range(config.runs)]
+    def paired(num, den):  # median over runs of each run's median of num s / den s per round
+        per = [statistics.median(a / b for a, b in zip(t["seconds"][num], t["seconds"][den]))
+               for t in timings]
         return {"median": statistics.median(per), "runs": per}
 
     summary = {

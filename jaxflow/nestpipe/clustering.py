@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxflow.host_jit import numba_or_none
+from jaxflow.host_jit import compiled_module
 
 
 def _batch_keys(sparse: dict[str, np.ndarray]) -> np.ndarray:
@@ -119,21 +119,10 @@ def _vote(inv: np.ndarray, shareable: np.ndarray, n: int, per: int, group: np.nd
     return np.argsort(group * n + assign, kind="stable")
 
 
-_compiled = None  # the compiled vote once loaded; False when numba is not used
-
-
 def _compiled_vote():
-    """``_vote_nb.vote`` imported on first use, or None without numba."""
-    global _compiled
-    if _compiled is None:
-        if numba_or_none() is None:
-            _compiled = False
-        else:
-            from jaxflow.nestpipe._vote_nb import vote
-            _compiled = vote
-    return _compiled or None
-
-
+    """``_vote_nb.vote`` (imported on first use), or None without numba."""
+    module = compiled_module("jaxflow.nestpipe._vote_nb")
+    return None if module is None else module.vote
 
 
 def micro_batch_transfers(sparse: dict[str, np.ndarray], micro_batches: int,

@@ -18,21 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxflow.host_jit import numba_or_none
-
-_compiled = None  # the kernels module once loaded; False when numba is not used
-
+from jaxflow.host_jit import compiled_module
 
 def _kernels():
     """The compiled kernels (``_host_kernels_nb``), imported on first use; None without."""
-    global _compiled
-    if _compiled is None:
-        if numba_or_none() is None:
-            _compiled = False
-        else:
-            from jaxflow.sync import _host_kernels_nb
-            _compiled = _host_kernels_nb
-    return _compiled or None
+    return compiled_module("jaxflow.sync._host_kernels_nb")
 
 
 def available() -> bool:

@@ -148,19 +148,17 @@ def _regenerate(run: PipelineRun, version: int, todo: list[int]) -> dict[str, li
 
 
 def rollout_serial(run: PipelineRun, version: int, weights_version: int, weights: Weights,
-                   todo: list[int], prompts: list[str],
-                   need: dict[str, list[int]] | None = None) -> None:
+                   todo: list[int], prompts: list[str], need: dict[str, list[int]]) -> None:
     """Agent-major on this thread: each agent in turn order rolls out its inputs of ``todo``
     (``rollout_batch`` per engine call; see :func:`_regenerate`), a downstream agent on the
     prompts its upstream outputs give. An agent's rows of the version are all stored before
     the next agent starts, so its trainer's last micro-batch and step overlap the later agents'
     rollouts, and under strict an agent waits only for its own weights (:class:`Weights`).
     Samples are those of an input-major order (per-row keys, see ``runtime``).
-    ``need``: :func:`_regenerate` of ``todo`` when the caller has it.
+    ``need``: :func:`_regenerate` of ``todo``.
     ``run.after_request(agent)`` (the inline driver's trainer of that agent) runs after each of
     the agent's requests is stored."""
     wf, tokens = run.workflow, {}
-    need = _regenerate(run, version, todo) if need is None else need
     texts = {n: {i: prompts[i] for i in todo} for n in run.names if wf.upstream(n) is None}
     for n in run.names:
         rt, edge = run.runtimes[n], wf.upstream(n)
