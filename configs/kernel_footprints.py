@@ -1,11 +1,13 @@
-"""kernel_footprints: every Pallas kernel lowered for TPU and GPU at test and production sizes,
-with each program's grid, blocks and footprint (the lowering gate's numbers, as a table).
+"""kernel_footprints: every Pallas kernel compiled by the real XLA:TPU (Mosaic) and XLA:GPU
+(Triton) compilers for abstract TPU v5e / v5p / v6e and NVIDIA H100 / H200 chips, with the
+compiler's figures per chip: compiles or not, the smallest scoped VMEM limit (TPU) or opt-in shared
+memory per block (GPU) that compiles (bisected), HBM temp, and the old block-footprint estimate.
 
+    pip install -e ".[aot]"      # libtpu + the CUDA PJRT plugin (a separate environment)
     python -m jaxflow.run --exp=kernel_footprints --variant=quick
 
-Nothing runs on an accelerator: ``jax.export`` lowers for ``tpu`` (Mosaic, declared device
-kind TPU v5p) and ``cuda`` (Triton) on this CPU host; footprints come from the traced
-``pallas_call`` grid mappings (``pallas_kernels.lowering``).
+Nothing runs on an accelerator: ``pallas_kernels.targets`` compiles for abstract devices on this
+CPU host. Without the compilers the run exits 2 naming the install command.
 """
 
 from __future__ import annotations
@@ -14,27 +16,42 @@ import dataclasses
 
 from jaxflow.config import Variants
 
-DESCRIPTION = "Pallas kernels lowered for tpu/cuda: grids, blocks and per-program footprints"
+DESCRIPTION = ("Pallas kernels compiled for TPU v5e/v5p/v6e and H100/H200: compiles, smallest "
+               "VMEM / shared memory, HBM temp per chip")
 ENTRY = "jaxflow.main.kernel_footprints:main"
+COMPILERS = ("tpu", "gpu")  # the runner checks these are installed and sets their environment
 _SIZES = ("test", "production")
-_PLATFORMS = ("tpu", "cuda")
+_CHIPS = ("v5e", "v5p", "v6e", "h100", "h200")
+_KERNELS = ("fused_logprobs_fwd", "fused_logprobs_bwd", "embedding_bag_fwd", "embedding_bag_bwd",
+            "sync_diff_compact", "sync_scatter_apply")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
     sizes: tuple[str, ...] = _SIZES
-    platforms: tuple[str, ...] = _PLATFORMS
+    chips: tuple[str, ...] = _CHIPS
+    kernels: tuple[str, ...] = ()  # () = every kernel
+    bisect: bool = True  # the smallest VMEM limit / shared memory that compiles
+    vmem_step: int = 2**20  # bisection step (TPU); GPU shared memory uses step / 64
 
     def __post_init__(self):
         for s in self.sizes:
             if s not in _SIZES:
                 raise ValueError(f"size {s!r}; valid: {', '.join(_SIZES)}")
-        for p in self.platforms:
-            if p not in _PLATFORMS:
-                raise ValueError(f"platform {p!r}; valid: {', '.join(_PLATFORMS)}")
+        for c in self.chips:
+            if c not in _CHIPS:
+                raise ValueError(f"chip {c!r}; valid: {', '.join(_CHIPS)}")
+        for k in self.kernels:
+            if k not in _KERNELS:
+                raise ValueError(f"kernel {k!r}; valid: {', '.join(_KERNELS)}")
+        if self.vmem_step < 2**16:
+            raise ValueError(f"vmem_step {self.vmem_step}; valid: >= 65536 bytes")
 
 
-# every variant is the same study (it reads a run, or lowers at fixed sizes)
-get_config = Variants(quick=Config, default=Config)
+# quick: production sizes of the four matmul / gather kernels, bisected at 4 MiB on TPU;
+# default: every kernel at both sizes, bisected at 1 MiB.
+get_config = Variants(
+    quick=lambda: Config(sizes=("production",), kernels=_KERNELS[:4], vmem_step=4 * 2**20),
+    default=Config)
 VARIANTS = get_config.variants

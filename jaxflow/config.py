@@ -35,6 +35,7 @@ class ExperimentSpec:
     entry: str
     variants: tuple[str, ...]
     module: types.ModuleType
+    compilers: tuple[str, ...] = ()  # "tpu" / "gpu": compiles for abstract chips (the aot extra)
 
     def get_config(self, variant: str) -> Any:
         if variant not in self.variants:
@@ -124,6 +125,7 @@ def _load(name: str) -> ExperimentSpec | None:
         entry=module.ENTRY,
         variants=tuple(getattr(module, "VARIANTS", ("quick", "default", "full"))),
         module=module,
+        compilers=tuple(getattr(module, "COMPILERS", ())),
     )
 
 

@@ -279,6 +279,22 @@ def resolve_meshes(spec, config, devices: Sequence | None = None) -> dict:
     return out
 
 
+def _prepare_compilers(platforms: Sequence[str]) -> None:
+    """For an experiment that compiles for abstract chips: the compilers must be installed
+    (else a UsageError naming the install command) and their environment set before jax
+    starts a backend (``pallas_kernels.targets.compile_env``)."""
+    from pallas_kernels import targets
+
+    for platform in platforms:
+        try:
+            targets.require(platform)
+        except targets.CompilerMissing as e:
+            raise UsageError(f"this experiment compiles for {platform.upper()} chips: {e}") from None
+    if not _backends_initialized():
+        for key, value in targets.compile_env().items():
+            os.environ.setdefault(key, value)
+
+
 def _main(argv: list[str]) -> int:
     from jaxflow.checkpoint import CheckpointError
     from jaxflow.mesh import MeshError
@@ -303,6 +319,8 @@ def _main(argv: list[str]) -> int:
     if out is not None and not args.resume:
         _check_fresh_out(out)
 
+    if spec.compilers:
+        _prepare_compilers(spec.compilers)
     # Devices and the multi-controller runtime must be set before JAX touches a backend.
     from jaxflow import distributed
 

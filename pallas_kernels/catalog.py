@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import math
 from collections.abc import Callable
 
 import jax
@@ -65,7 +67,7 @@ def block_platform(platform: str) -> str:
 class KernelCase:
     kernel: str  # e.g. "fused_logprobs_bwd"
     size: str  # "test" | "production"
-    _build: Callable[[str], tuple[Callable, tuple]]
+    _build: Callable[[str, str | None], tuple[Callable, tuple]]
     platforms: tuple[str, ...] = PLATFORMS  # export platforms this kernel is built for
     custom_calls: tuple[str, ...] = ()  # a non-Pallas kernel's custom-call targets
 
@@ -73,9 +75,16 @@ class KernelCase:
     def name(self) -> str:
         return f"{self.kernel}[{self.size}]"
 
-    def build(self, platform: str) -> tuple[Callable, tuple]:
-        """(fn, abstract args) for export platform "tpu" or "cuda"."""
-        return self._build(block_platform(platform))
+    def build(self, platform: str, chip: str | None = None) -> tuple[Callable, tuple]:
+        """(fn, abstract args) for export platform "tpu" or "cuda"; ``chip`` ("v5e", ...,
+        "h200", ``pallas_kernels.targets``) picks that chip's block sizes and VMEM limit."""
+        return self._build(block_platform(platform), chip)
+
+    def arg_bytes(self, platform: str = "tpu") -> int:
+        """Bytes of the case's arguments (to tell "does not fit" from a compile failure)."""
+        _, args = self.build(platform)
+        return sum(int(math.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves(args))
 
     def export(self, platform: str):
         """``jax.export`` of the case for ``platform`` (``lowering.export_for``, plus this
@@ -93,12 +102,20 @@ class KernelCase:
 S = jax.ShapeDtypeStruct
 
 
-def _fused(size: str, backward: bool):
-    p = SIZES["fused_logprobs"][size]
+def default_blocks(cls, platform: str, chip: str | None, **kw):
+    """``cls.get_default(platform, **kw)``, with ``chip=`` where the kernel's defaults are per
+    chip generation."""
+    if chip is not None and "chip" in inspect.signature(cls.get_default).parameters:
+        kw["chip"] = chip
+    return cls.get_default(platform, **kw)
 
-    def build(bp):
-        blocks = fl.FusedLogprobsBlockSizes.get_default(bp, d=p["d"], dtype=p["dtype"],
-                                                        num_ids=p["k"] + 1)
+
+def _fused(size: str, backward: bool, params: dict | None = None):
+    p = params or SIZES["fused_logprobs"][size]
+
+    def build(bp, chip=None):
+        blocks = default_blocks(fl.FusedLogprobsBlockSizes, bp, chip, d=p["d"], dtype=p["dtype"],
+                                num_ids=p["k"] + 1)
         args = (S((p["n"], p["d"]), p["dtype"]), S((p["d"], p["vocab"]), p["dtype"]),
                 S((p["n"],), jnp.int32), S((p["n"], p["k"]), jnp.int32))
 
@@ -116,12 +133,15 @@ def _fused(size: str, backward: bool):
     return build
 
 
-def _bag(size: str, backward: bool):
-    p = SIZES["embedding_bag"][size]
+def _bag(size: str, backward: bool, params: dict | None = None):
+    p = params or SIZES["embedding_bag"][size]
 
-    def build(bp):
-        bs = eb.EmbeddingBagBlockSizes.get_default(bp)
-        args = (S((p["vocab"], p["dim"]), jnp.float32), S((p["bags"], p["bag_len"]), jnp.int32))
+    def build(bp, chip=None):
+        kw = {"dim": p["dim"]} if "dim" in inspect.signature(
+            eb.EmbeddingBagBlockSizes.get_default).parameters else {}
+        bs = default_blocks(eb.EmbeddingBagBlockSizes, bp, chip, **kw)
+        args = (S((p["vocab"], p["dim"]), p.get("dtype", jnp.float32)),
+                S((p["bags"], p["bag_len"]), jnp.int32))
 
         def fwd(table, ids):
             return eb.embedding_bag(table, ids, mode="mean", block_sizes=bs)
@@ -138,8 +158,8 @@ def _bag(size: str, backward: bool):
 def _diff(size: str):
     p = SIZES["sync"][size]
 
-    def build(bp):
-        bs = dc.BlockSizes.get_default(bp)
+    def build(bp, chip=None):
+        bs = default_blocks(dc.BlockSizes, bp, chip)
         u = S((p["n"],), jnp.uint16)
         return (lambda a, b: dc.diff_compact(a, b, capacity=p["capacity"], block_sizes=bs)), (u, u)
 
@@ -149,8 +169,8 @@ def _diff(size: str):
 def _scatter(size: str):
     p = SIZES["sync"][size]
 
-    def build(bp):
-        bs = sa.BlockSizes.get_default(bp)
+    def build(bp, chip=None):
+        bs = default_blocks(sa.BlockSizes, bp, chip)
         args = (S((p["n"],), jnp.uint16), S((p["capacity"],), jnp.int32),
                 S((p["capacity"],), jnp.uint16))
         return (lambda d, pos, v: sa.scatter_apply(d, pos, v, block_sizes=bs)), args
@@ -179,8 +199,8 @@ def declared_cudnn(version: int = DECLARED_CUDNN_VERSION):
 def _attention(kernel: str, size: str, backward: bool):
     p = SIZES["attention"][size]
 
-    def build(bp):
-        del bp  # the wrappers pick their own tiles
+    def build(bp, chip=None):
+        del bp, chip  # the wrappers pick their own tiles
         from jaxflow.models import attention_backends as ab
 
         call = {"splash": ab.splash_attention, "flash": ab.flash_attention,
@@ -231,4 +251,36 @@ def attention_cases() -> list[KernelCase]:
                 out.append(KernelCase(f"{kernel}_attention_{'bwd' if backward else 'fwd'}",
                                       size, _attention(kernel, size, backward), platforms,
                                       calls))
+    return out
+
+
+# The full matrix of the compile sweep (``sweep_cases``): per-shard vocabularies where the LM
+# splits V over its TP axis (151,936 / 4, 262,144 / 8), hidden widths of 4k-8k models, both
+# dtypes; every embedding dim users run; the backward program holds the forward kernel too.
+SWEEP = {
+    "fused_logprobs": [dict(n=8192, d=d, vocab=v, k=100, dtype=dt)
+                       for d in (4096, 8192) for v in (37_984, 151_936, 262_144)
+                       for dt in (jnp.bfloat16, jnp.float32)],
+    "embedding_bag": [dict(vocab=10_000_000, dim=dim, bags=16_384, bag_len=32)
+                      for dim in (16, 32, 64, 96, 100, 128, 256)],
+}
+
+
+def _dtype_name(dt) -> str:
+    return {"bfloat16": "bf16", "float32": "f32"}.get(jnp.dtype(dt).name, jnp.dtype(dt).name)
+
+
+def sweep_cases() -> list[KernelCase]:
+    """The compile sweep: fused log-probs forward + backward over ``SWEEP`` (d, V, dtype),
+    embedding bag forward and backward at every dim of ``SWEEP``, sync at 64M elements."""
+    out = []
+    for p in SWEEP["fused_logprobs"]:
+        size = f"d{p['d']}_v{p['vocab']}_{_dtype_name(p['dtype'])}"
+        out.append(KernelCase("fused_logprobs_bwd", size, _fused(size, True, p)))
+    for p in SWEEP["embedding_bag"]:
+        size = f"dim{p['dim']}"
+        out += [KernelCase("embedding_bag_fwd", size, _bag(size, False, p)),
+                KernelCase("embedding_bag_bwd", size, _bag(size, True, p))]
+    out += [KernelCase("sync_diff_compact", "production", _diff("production")),
+            KernelCase("sync_scatter_apply", "production", _scatter("production"))]
     return out

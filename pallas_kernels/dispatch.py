@@ -4,13 +4,16 @@ A Pallas kernel that traces fine can still fail when the enclosing program compi
 tiling and VMEM checks, Triton shared memory, a missing lowering), which is too late to fall
 back. ``kernel_verdict`` therefore builds the kernel alone for the concrete shapes first:
 
-* on a platform this process has devices for: ``jax.jit(fn).lower(*shapes).compile()``;
-* otherwise (a host preparing a program for another platform, e.g. the lowering gate with
-  ``backend_platform`` patched): ``jax.export`` lowering for that platform plus the block
-  footprint checks of ``pallas_kernels.lowering`` (TPU blocks x2 <= 16 MiB, Triton loads and
-  accumulators <= 227 KiB).
+* for the chip of the mesh being traced (``target()``: the devices of the ``jax.set_mesh``
+  context, abstract topology devices included, else this process's first device):
+  ``jax.jit(fn).lower(*shapes).compile()`` by that chip's real compiler (XLA:TPU with Mosaic,
+  XLA:GPU with Triton; ``pallas_kernels.targets`` compiles for chips this host lacks);
+* otherwise (no compiler for that platform here, e.g. the lowering gate with
+  ``backend_platform`` patched on a CPU-only host): ``jax.export`` lowering for that
+  platform plus the block footprint estimates of ``pallas_kernels.lowering`` (TPU blocks x2
+  <= 16 MiB, Triton loads and accumulators <= 227 KiB), a fallback only.
 
-Verdicts are cached per (kernel, platform, shapes, options). A caller that traces its kernel
+Verdicts are cached per (kernel, platform, device kind, shapes, options). A caller that traces its kernel
 where an enclosing jit may split it over several devices (no mesh context, not inside
 ``shard_map``) passes ``auto_partition_problem(platform)`` as ``blocked``: Mosaic TPU refuses
 automatic partitioning, an error that would otherwise surface only when the program lowers.
@@ -23,12 +26,14 @@ platform, shapes and reason) and returns False (use XLA); a forced kernel raises
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from pallas_kernels import lowering
 
@@ -40,11 +45,61 @@ class KernelUnavailable(RuntimeError):
     """A forced Pallas kernel cannot be built for this platform and these shapes."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the program being traced is built for.
+
+    platform: "cpu", "gpu" or "tpu"; device_kind: as its devices report it ("TPU v5 lite",
+    "NVIDIA H100 80GB HBM3"); mesh: the concrete mesh of the ``jax.set_mesh`` context (its
+    devices may be abstract topology devices), or None outside one."""
+
+    platform: str
+    device_kind: str
+    mesh: Mesh | None = None
+
+
+def _context_mesh() -> Mesh | None:
+    from jax._src import mesh as mesh_lib
+
+    try:
+        mesh = mesh_lib.get_concrete_mesh()
+    except Exception:  # noqa: BLE001 - no concrete mesh context in this jax
+        return None
+    return None if mesh is None or mesh.empty else mesh
+
+
+def target() -> Target:
+    """The platform and chip of the mesh being traced (``jax.set_mesh`` / the abstract mesh of
+    an enclosing ``shard_map``), else of this process's first device - never
+    ``jax.default_backend()`` alone, so a program built for abstract TPU or GPU devices on a
+    CPU host decides its kernels for that chip."""
+    mesh = _context_mesh()
+    if mesh is not None:
+        device = mesh.devices.flat[0]
+        return Target(device.platform, device.device_kind, mesh)
+    abstract_mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(abstract_mesh, "abstract_device", None)
+    if not abstract_mesh.empty and device is not None and device.platform:
+        return Target(device.platform, device.device_kind or "", None)
+    device = jax.devices()[0]
+    return Target(device.platform, device.device_kind, None)
+
+
 def backend_platform() -> str:
-    """The platform programs are being built for: "cpu", "gpu" or "tpu".
+    """The platform programs are being built for: "cpu", "gpu" or "tpu" (``target()``).
 
     The lowering gate patches this to build the programs another platform would run."""
-    return jax.default_backend()
+    platform = target().platform
+    return "gpu" if platform == "cuda" else platform
+
+
+def target_chip() -> str | None:
+    """The short name of the chip being built for ("v5e", "v5p", "v6e", "h100", "h200"), or
+    None (CPU, or a chip outside ``pallas_kernels.targets.CHIPS``)."""
+    from pallas_kernels import targets
+
+    spec = targets.chip_for_device_kind(target().device_kind)
+    return None if spec is None else spec.name
 
 
 def _local_platforms() -> set[str]:
@@ -83,15 +138,30 @@ def auto_partition_problem(platform: str) -> str | None:
     return None
 
 
+def _compile_for_target(fn: Callable, args, where: Target) -> str | None:
+    """Compiles ``fn`` by the real compiler of ``where``'s chip (devices this host may lack)."""
+    from pallas_kernels import targets
+
+    spec = targets.chip_for_device_kind(where.device_kind)
+    result = targets.compile_on(fn, args, spec.name if spec else where.device_kind,
+                                mesh=where.mesh)
+    return None if result.ok else result.error[:400]
+
+
 def _build(fn: Callable, args, platform: str) -> str | None:
+    where = target()
+    on_target = (where.mesh is not None and backend_platform() == platform
+                 and where.platform != "cpu")
     try:
+        if on_target and where.platform not in _local_platforms():
+            return _compile_for_target(fn, args, where)
+        if platform in _local_platforms():
+            jax.jit(fn).lower(*args).compile()
+            return None
         too_big = _check_footprints(fn, args, platform)  # a trace: cheaper than a lowering
         if too_big:
             return too_big
-        if platform in _local_platforms():
-            jax.jit(fn).lower(*args).compile()
-        else:
-            lowering.export_for(fn, *args, platform="cuda" if platform == "gpu" else platform)
+        lowering.export_for(fn, *args, platform="cuda" if platform == "gpu" else platform)
         return None
     except Exception as err:  # noqa: BLE001 - any build failure is the verdict
         text = str(err).strip().splitlines()
@@ -106,7 +176,10 @@ def kernel_verdict(kernel: str, fn: Callable, args, *, options: tuple = (),
     for the cache key); args: arrays, tracers or ShapeDtypeStructs (only shapes are used)."""
     platform = platform or backend_platform()
     shapes = tuple(abstract(a) for a in args)
-    key = (kernel, platform, tuple((s.shape, str(s.dtype)) for s in shapes), options)
+    where = target()
+    mesh_key = None if where.mesh is None else (where.mesh.shape_tuple, where.mesh.devices.size)
+    key = (kernel, platform, where.device_kind, mesh_key,
+           tuple((s.shape, str(s.dtype)) for s in shapes), options)
     if key not in _VERDICTS:
         _VERDICTS[key] = _build(fn, shapes, platform)
     return _VERDICTS[key]

@@ -269,7 +269,8 @@ def _uses_kernel(name: str, mode: str, q, k, v, segment_ids) -> bool:
     context, mesh = dispatch.partition_context()
     options = (context, None if mesh is None else tuple(mesh.shape.items()))
     return dispatch.choose_kernel(KERNEL_NAMES[name], mode, fwd_and_grad,
-                                  (q, k, v, segment_ids.astype(jnp.int32)), options=options,
+                                  (q, k, v, jax.ShapeDtypeStruct(jnp.shape(segment_ids), jnp.int32)),
+                                  options=options,
                                   blocked=_static_problem(name, q))
 
 
