@@ -9,12 +9,17 @@ rollout, so mini-batches 2..N are off-policy and SIS accepts or rejects their to
 trainer on one sub-mesh of fake CPU devices and the sampler on the other; after every rollout
 the trainer's weights reach the sampler's bf16 replica as a sparse SparseRL-Sync payload.
 
-    python -m jaxflow.run --exp=flagship --variant=quick      # ~1.5 min on 2 cores, warm start incl.
-    python -m jaxflow.run --exp=flagship --variant=default    # 100 rollouts, 512 held-out prompts
+    python -m jaxflow.run --exp=flagship --variant=quick      # ~1.5 min on 2 cores, warm start incl.; 1 seed
+    python -m jaxflow.run --exp=flagship --variant=default    # 3 seeds x 100 rollouts, 512 held-out prompts
     python -m jaxflow.run --exp=flagship --set rl.loss.correction=none --set sync=none
 
 pass@1 (every summary): the mean reward over ``eval.prompts`` fixed held-out prompts x
 ``eval.samples`` samples each at the RL temperature (``rl.temperature``), fixed sampling key.
+
+Seeds: ``seeds`` runs (a count; quick 1, default 3). Run k trains its own warm start with
+``pretrain.seed + k`` (cached per seed) and runs RL with seed ``seed + k``; the summary's
+headline figures are means over the runs with a 95% t-interval (``seed_interval``), per-run
+values under ``per_seed``. ``--set seeds=3`` gives any variant an interval.
 """
 
 from __future__ import annotations
@@ -83,7 +88,8 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    seed: int = 0
+    seed: int = 0  # RL seed of run 0; run k uses seed + k (and warm start pretrain.seed + k)
+    seeds: int = 1  # how many runs (a count); > 1 gives the headline figures a 95% interval
     devices: int = 2  # fake CPU devices on a CPU-only machine: 1 trainer + 1 rollout
     cache_root: str = "runs/_cache"
     pretrain: PretrainConfig = WARM_START
@@ -97,7 +103,7 @@ class Config:
     sync: SyncConfig | None = SyncConfig(codec="auto", every=1)
 
     def __post_init__(self):
-        require_positive(self, "rollouts", "devices")
+        require_positive(self, "rollouts", "devices", "seeds")
         task = self.task
         if self.rl.max_new_tokens < task.max_completion_len + 1:
             raise ValueError(f"rl.max_new_tokens={self.rl.max_new_tokens} cannot hold the "
@@ -114,10 +120,14 @@ def _quick() -> Config:
 
 
 def _full() -> Config:
-    return dataclasses.replace(Config(), rollouts=200, eval=EvalConfig(prompts=1024, samples=8,
-                                                                       every=10))
+    return dataclasses.replace(Config(), rollouts=200, seeds=3,
+                               eval=EvalConfig(prompts=1024, samples=8, every=10))
 
 
-get_config = Variants(quick=_quick, default=lambda: dataclasses.replace(
-    Config(), rollouts=100, eval=EvalConfig(prompts=512, samples=4, every=10)), full=_full)
+def _default() -> Config:
+    return dataclasses.replace(Config(), rollouts=100, seeds=3,
+                               eval=EvalConfig(prompts=512, samples=4, every=10))
+
+
+get_config = Variants(quick=_quick, default=_default, full=_full)
 VARIANTS = get_config.variants

@@ -202,6 +202,32 @@ def test_metrics_match_numpy():
     assert m["ess"] == pytest.approx(w.sum() ** 2 / (w.size * (w * w).sum()), rel=1e-5)
 
 
+@pytest.mark.parametrize("algo", ["grpo", "cispo"])
+def test_d_seq_metrics_are_the_sis_forks_definition(algo):
+    # row 0: log ratios 0.3 (accepted), -0.6, 0.9; row 1: -25 (clipped to -20), then masked;
+    # row 2: every token masked (an empty row)
+    old = jnp.full((3, 3), -30.0)
+    logp = old + jnp.array([[0.3, -0.6, 0.9], [-25.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = jnp.array([[1, 1, 1], [1, 0, 0], [0, 0, 0]], bool)
+    topk = jnp.zeros((3, 3, 1))
+    uniforms = jnp.array([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])  # 0 accepts
+    cfg = PolicyLossConfig(algo=algo, correction="sis")
+    _, m = policy_loss(logp, old, jnp.ones(3), mask, config=cfg, uniforms=uniforms,
+                       old_topk_logp=topk, new_topk_logp=topk)
+    # the fork: |log w| of the PPO-clipped ratio, per-row token mean, mean over all 3 rows
+    # (the empty row counts 0); grpo's range is [log 0.8, log 1.2], cispo's [-inf, log 1.28]
+    lo, hi = (np.log(0.8), np.log(1.2)) if algo == "grpo" else (-np.inf, np.log(1.28))
+    c = lambda x: abs(min(max(x, lo), hi))
+    fork_orig = ((c(0.3) + c(-0.6) + c(0.9)) / 3 + c(-20.0) + 0.0) / 3
+    fork_sis = ((c(-0.6) + c(0.9)) / 3 + c(-20.0) + 0.0) / 3
+    assert m["d_original_seq"] == pytest.approx(fork_orig, rel=1e-5)
+    assert m["d_sis_seq"] == pytest.approx(fork_sis, rel=1e-5)
+    # jaxflow's own sequence form: +-20 clip only, the empty row left out
+    assert m["d_original_seq_nonempty"] == pytest.approx((1.8 / 3 + 20) / 2, rel=1e-5)
+    assert m["d_sis_seq_nonempty"] == pytest.approx((1.5 / 3 + 20) / 2, rel=1e-5)
+    assert abs(m["d_original_seq"] - m["d_original_seq_nonempty"]) > 1.0  # not the same metric
+
+
 def test_jit_with_static_config_matches_eager():
     b = make_batch(8)
     cfg = PolicyLossConfig(algo="gspo", correction="sis+tis")

@@ -173,8 +173,8 @@ def test_d_metrics_token_and_sequence_means():
     assert m["accept_rate"] == pytest.approx(0.25)
     assert m["d_original"] == pytest.approx((0.3 + 0.6 + 0.9 + 20) / 4, rel=1e-5)
     assert m["d_sis"] == pytest.approx((0.6 + 0.9 + 20) / 4, rel=1e-5)
-    assert m["d_original_seq"] == pytest.approx((0.6 + 20) / 2, rel=1e-5)
-    assert m["d_sis_seq"] == pytest.approx(((0.6 + 0.9) / 3 + 20) / 2, rel=1e-5)
+    assert m["d_original_seq_nonempty"] == pytest.approx((0.6 + 20) / 2, rel=1e-5)
+    assert m["d_sis_seq_nonempty"] == pytest.approx(((0.6 + 0.9) / 3 + 20) / 2, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- overlong

@@ -20,10 +20,11 @@ comparison), so the gradient is ``-w_t grad logp_t / count``. Defaults: alpha 1,
 gamma 0, keep window NLL <= 0.6, constant weights 1 / -0.5 (the reference code's
 ``cook_ratio`` / ``cook_ratio2``).
 
-Note on the keep window: the FIGA reference code (``modeling_llama.py``, "contra" branch)
-zeroes a negative mark where ``NLL < 0.6 or NLL > 1.0``, i.e. keeps ``0.6 <= NLL <= 1.0``;
-the default here is the rule as the paper note states it (keep NLL <= 0.6: p >= ~0.55).
-``FigaConfig(neg_nll_min=0.6, neg_nll_max=1.0)`` reproduces the code's window. The constant
+Note on the keep window: the FIGA reference code's current version (``modeling_llama.py``,
+"contra" branch) keeps a negative mark where ``NLL <= 0.6`` (p >= ~0.55), as the paper note
+states and as the default here. Its first commit kept ``0.6 <= NLL <= 1.0`` instead (it zeroed
+the mark where ``NLL < 0.6 or NLL > 1.0``); ``FigaConfig(neg_nll_min=0.6, neg_nll_max=1.0)``
+reproduces that older window. The constant
 variant here does not give the original's end-of-sequence token weight ``constant_marked`` as
 the reference code's masks do (its marks follow the paper: originals carry only -1 / 0).
 """

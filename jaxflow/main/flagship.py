@@ -1,8 +1,12 @@
 """The ``flagship`` experiment: GRPO + SIS on worked addition, trainer and sampler on disjoint
 sub-meshes, weights to the sampler through SparseRL-Sync (see ``configs/flagship.py``).
 
-Per rollout ``metrics.jsonl`` gets the reward, the SIS accept rate (all mini-batches and
-mini-batches 2..N), the sync payload; every ``eval.every`` rollouts the held-out pass@1.
+``seeds`` runs (``quick``: 1, ``default``: 3): run k trains its own warm start
+(``pretrain.seed + k``) and RL at seed ``seed + k``. Per rollout ``metrics.jsonl`` gets the
+reward, the SIS accept rate (all mini-batches and mini-batches 2..N), the sync payload, the
+run's ``seed_index``; every ``eval.every`` rollouts the held-out pass@1. The summary's headline
+figures (held-out pass@1 initial / final / gain, sync ratio) are means over the runs with a 95%
+t-interval under ``seed_interval`` (none for one run); per-run values under ``per_seed``.
 ``plots/flagship.png`` shows reward, held-out pass@1 and accept rate against the rollout.
 """
 
@@ -17,7 +21,12 @@ from jaxflow.experiment import RunContext
 from jaxflow.mesh import trainer_rollout_meshes
 from jaxflow.rl.grpo import GRPOTrainer
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
+from jaxflow.stats import paired_interval
 from jaxflow.train.lm_state import lm_functions
+
+#: Summary keys that carry a mean and a 95% seed interval.
+HEADLINE_KEYS = ("heldout_pass_at_1_initial", "heldout_pass_at_1_final",
+                 "heldout_pass_at_1_gain", "sync_ratio_vs_dense")
 
 
 def pass_at_1_definition(config) -> dict:
@@ -39,8 +48,50 @@ def sync_ratio_vs_dense(weight_sync) -> tuple[float, int, int]:
     return dense / sent, dense, sent
 
 
-def plot_flagship(run: RunContext, rows: list[dict], evals: list[tuple[int, float]]) -> None:
-    """plots/flagship.png: reward, held-out pass@1 and SIS accept rate vs rollout."""
+def seed_interval(values, *, level: float = 0.95) -> dict:
+    """Mean of ``values`` ([n], one per seed) with a two-sided t-interval.
+
+    Returns ``{"n", "mean", "sd", "half_width", "low", "high", "level"}``: ``half_width`` =
+    t_{(1+level)/2, n-1} * sd / sqrt(n) (sd with ddof 1), ``[low, high]`` = mean +- half_width;
+    with one value the interval is undefined and ``sd`` / ``half_width`` / ``low`` / ``high``
+    are None."""
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("seed_interval needs at least one value")
+    # the interval of mean(values - 0): jaxflow.stats' t-interval for one sample
+    pi = paired_interval(vals, [0.0] * len(vals), level=level)
+    if pi.n == 1:
+        return {"n": 1, "mean": pi.mean, "sd": None, "half_width": None, "low": None,
+                "high": None, "level": level}
+    return {"n": pi.n, "mean": pi.mean, "sd": pi.sd, "half_width": pi.half_width,
+            "low": pi.mean - pi.half_width, "high": pi.mean + pi.half_width, "level": level}
+
+
+def summarize_seeds(per_seed: list[dict]) -> dict:
+    """Headline means and intervals over per-run summaries (each with the
+    :data:`HEADLINE_KEYS`; a None ``sync_ratio_vs_dense`` means sync=none and stays None)."""
+    out: dict = {"seeds": len(per_seed)}
+    intervals = {}
+    for key in HEADLINE_KEYS:
+        vals = [s[key] for s in per_seed]
+        if any(v is None for v in vals):
+            out[key] = None
+            continue
+        intervals[key] = seed_interval(vals)
+        out[key] = intervals[key]["mean"]
+    out["seed_interval"] = intervals
+    if len(per_seed) == 1:
+        out["seed_note"] = ("one seed: the figures are that run's, with no interval (the default "
+                            "variant runs 3 seeds and gives 95% t-intervals)")
+    else:
+        out["seed_note"] = (f"means over {len(per_seed)} runs, each with its own warm start "
+                            "and RL seed; 95% t-intervals under seed_interval")
+    return out
+
+
+def plot_flagship(run: RunContext, runs: list[tuple[list[dict], list[tuple[int, float]]]]) -> None:
+    """plots/flagship.png: reward, held-out pass@1 and SIS accept rate vs rollout, one line per
+    seed (``runs``: per seed, its metric rows and its (rollout, pass@1) evaluations)."""
     if not run.is_primary:
         return
     import matplotlib
@@ -49,15 +100,18 @@ def plot_flagship(run: RunContext, rows: list[dict], evals: list[tuple[int, floa
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(10, 3), dpi=90)
-    x = [r["rollout"] for r in rows]
-    axes[0].plot(x, [r["reward_mean"] for r in rows], lw=1.2)
+    for k, (rows, evals) in enumerate(runs):
+        tag = f"seed {k}: " if len(runs) > 1 else ""
+        x = [r["rollout"] for r in rows]
+        axes[0].plot(x, [r["reward_mean"] for r in rows], lw=1.2)
+        axes[1].plot(*zip(*evals), marker="o", ms=3)
+        axes[2].plot(x, [r["accept_rate"] for r in rows], lw=1.2, label=f"{tag}all mini-batches")
+        if "accept_rate_later" in rows[0]:
+            axes[2].plot(x, [r["accept_rate_later"] for r in rows], lw=1.2, ls="--",
+                         label=f"{tag}mini-batches 2..N")
     axes[0].set_ylabel("training reward")
-    axes[1].plot(*zip(*evals), marker="o", ms=3)
     axes[1].set_ylabel("held-out pass@1")
-    axes[2].plot(x, [r["accept_rate"] for r in rows], lw=1.2, label="all mini-batches")
-    if "accept_rate_later" in rows[0]:
-        axes[2].plot(x, [r["accept_rate_later"] for r in rows], lw=1.2, label="mini-batches 2..N")
-        axes[2].legend(fontsize=7)
+    axes[2].legend(fontsize=6)
     axes[2].set_ylabel("SIS accept rate")
     for ax in axes:
         ax.set_xlabel("rollout")
@@ -66,59 +120,83 @@ def plot_flagship(run: RunContext, rows: list[dict], evals: list[tuple[int, floa
     run.save_figure(fig, "flagship.png")
 
 
-def main(config, run: RunContext) -> dict:
-    meshes, roles = trainer_rollout_meshes(config.roles)
-    run.info(f"roles: {roles}")
-    fns = lm_functions(config.pretrain.model, meshes["trainer"])
-    warm_params, pre_summary = load_pretrained_params(config.pretrain, config.cache_root, fns,
+def run_seed(config, run: RunContext, k: int, meshes, fns) -> tuple[dict, list, list]:
+    """Run ``k`` of the experiment: warm start ``pretrain.seed + k``, RL seed ``seed + k``.
+    Returns (its summary, its metric rows, its (rollout, pass@1) evaluations)."""
+    pretrain = dataclasses.replace(config.pretrain, seed=config.pretrain.seed + k)
+    warm_params, pre_summary = load_pretrained_params(pretrain, config.cache_root, fns,
                                                       log=run.info)
-    tokenizer = CharTokenizer()
-    trainer = GRPOTrainer(config.pretrain.model, config.rl, config.optim, config.task, tokenizer,
-                          meshes, seed=config.seed, total_rollouts=config.rollouts,
-                          sync=config.sync)
+    trainer = GRPOTrainer(config.pretrain.model, config.rl, config.optim, config.task,
+                          CharTokenizer(), meshes, seed=config.seed + k,
+                          total_rollouts=config.rollouts, sync=config.sync)
     state = trainer.init_state(warm_params)
 
     def pass_at_1(st) -> float:
         return trainer.heldout_accuracy(st, config.eval.prompts, samples=config.eval.samples)
 
     initial = pass_at_1(state)
-    run.info(f"warm start held-out pass@1 {initial:.3f}")
+    run.info(f"seed {k}: warm start held-out pass@1 {initial:.3f}")
     evals = [(0, initial)]
     rows = []
-    run.set_total_steps(config.rollouts, "flagship")
     for r in range(config.rollouts):
         state, metrics = trainer.step(state)
         done = r + 1
-        row = {"rollout": done, **metrics}
+        row = {"rollout": done, "seed_index": k, **metrics}
         if done % config.eval.every == 0 or done == config.rollouts:
             row["heldout_pass_at_1"] = pass_at_1(state)
             evals.append((done, row["heldout_pass_at_1"]))
-        run.log(done, row)
+        run.log(k * config.rollouts + done, row)
         rows.append(row)
-    plot_flagship(run, rows, evals)
     ratio, dense, sent = sync_ratio_vs_dense(trainer.weight_sync)
     final = evals[-1][1]
-    synced = trainer.weight_sync is not None
-    run.info(f"held-out pass@1 {initial:.3f} -> {final:.3f}" + (
-        f"; sync ratio vs dense bf16 {ratio:.2f}x ({dense} / {sent} bytes)" if synced else ""))
+    ws = trainer.weight_sync
+    run.info(f"seed {k}: held-out pass@1 {initial:.3f} -> {final:.3f}" + (
+        f"; sync ratio vs dense bf16 {ratio:.2f}x ({dense} / {sent} bytes)" if ws else ""))
     later = [r["accept_rate_later"] for r in rows if "accept_rate_later" in r]
-    return {
+    summary = {
+        "rl_seed": config.seed + k,
+        "warm_start_seed": pretrain.seed,
         "heldout_pass_at_1_initial": initial,
         "heldout_pass_at_1_final": final,
+        "heldout_pass_at_1_gain": final - initial,
         "heldout_pass_at_1_curve": evals,
-        "pass_at_1": pass_at_1_definition(config),
         "heldout_greedy_accuracy_final": trainer.heldout_accuracy(state, config.eval.prompts),
-        "sync_ratio_vs_dense": ratio if synced else None,  # None: sync=none (dense f32)
+        "sync_ratio_vs_dense": ratio if ws else None,  # None: sync=none (dense f32)
         "sync_dense_bytes": dense,
         "sync_sent_bytes": sent,
-        "sync_publishes": len(trainer.weight_sync.records) if trainer.weight_sync else 0,
-        "sync_bit_exact": all(r.bit_exact for r in trainer.weight_sync.records)
-        if trainer.weight_sync else None,
+        "sync_publishes": len(ws.records) if ws else 0,
+        "sync_bit_exact": all(r.bit_exact for r in ws.records) if ws else None,
         "reward_first5": float(np.mean([r["reward_mean"] for r in rows[:5]])),
         "reward_last5": float(np.mean([r["reward_mean"] for r in rows[-5:]])),
         "accept_rate_later": float(np.mean(later)) if later else None,
+        "warm_start": {"cache": cache_dir(pretrain, config.cache_root).name,
+                       "pretrain_heldout_greedy_accuracy": pre_summary.get("heldout_accuracy")},
+    }
+    return summary, rows, evals
+
+
+def main(config, run: RunContext) -> dict:
+    meshes, roles = trainer_rollout_meshes(config.roles)
+    run.info(f"roles: {roles}")
+    fns = lm_functions(config.pretrain.model, meshes["trainer"])
+    run.set_total_steps(config.seeds * config.rollouts, "flagship")
+    per_seed, curves = [], []
+    for k in range(config.seeds):
+        summary, rows, evals = run_seed(config, run, k, meshes, fns)
+        per_seed.append(summary)
+        curves.append((rows, evals))
+    plot_flagship(run, curves)
+    head = summarize_seeds(per_seed)
+    if config.seeds > 1:
+        run.info("over seeds: " + "; ".join(
+            f"{key} {iv['mean']:.3f} +- {iv['half_width']:.3f}"
+            for key, iv in head["seed_interval"].items()))
+    synced = [s for s in per_seed if s["sync_bit_exact"] is not None]
+    return {
+        **head,
+        "pass_at_1": pass_at_1_definition(config),
+        "sync_bit_exact": all(s["sync_bit_exact"] for s in synced) if synced else None,
+        "per_seed": per_seed,
         "roles": roles,
         "task": dataclasses.asdict(config.task),
-        "warm_start": {"cache": cache_dir(config.pretrain, config.cache_root).name,
-                       "pretrain_heldout_greedy_accuracy": pre_summary.get("heldout_accuracy")},
     }

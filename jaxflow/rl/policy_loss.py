@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jaxflow.rl import advantages as advantages_lib
 from jaxflow.rl import corrections
 from jaxflow.rl import sis
+from jaxflow.rl.metrics import loss_metrics, masked_percentile  # noqa: F401  (API: re-export)
 
 ALGOS = ("grpo", "dapo", "gspo", "cispo", "sa_gcpo")
 CORRECTIONS = ("none", "sis", "tis", "mis", "rs", "tis+rs", "sis+tis", "sis+mis", "sis+rs")
@@ -365,55 +366,6 @@ def aggregate(token_loss: jax.Array, mask: jax.Array, agg: str) -> jax.Array:
     return jnp.sum(jnp.where(nonempty, per_seq, 0.0)) / jnp.maximum(jnp.sum(nonempty), 1)
 
 
-def masked_percentile(values: jax.Array, mask: jax.Array, q: float) -> jax.Array:
-    """Linear-interpolated percentile (numpy's default) over ``values[mask]``; 0 if empty."""
-    flat = jnp.where(mask, values, -jnp.inf).reshape(-1)
-    ordered = jnp.sort(flat)
-    n = jnp.sum(mask)
-    first = flat.shape[0] - n  # masked-out entries sort first
-    pos = (q / 100.0) * jnp.maximum(n - 1, 0).astype(jnp.float32)
-    lo = jnp.floor(pos).astype(jnp.int32)
-    hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0))
-    frac = (pos - lo).astype(values.dtype)
-    lo_v = ordered[jnp.clip(first + lo, 0, flat.shape[0] - 1)]
-    hi_v = ordered[jnp.clip(first + hi, 0, flat.shape[0] - 1)]
-    return jnp.where(n > 0, lo_v + frac * (hi_v - lo_v), 0.0)
-
-
-def _per_sequence_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
-    """Mean over sequences with an unmasked token of the sequence's token mean of ``values``."""
-    maskf = mask.astype(values.dtype)
-    count = jnp.sum(maskf, axis=-1)
-    per_seq = jnp.sum(values * maskf, axis=-1) / jnp.maximum(count, 1.0)
-    nonempty = count > 0
-    return jnp.sum(jnp.where(nonempty, per_seq, 0.0)) / jnp.maximum(jnp.sum(nonempty), 1)
-
-
-def _metrics(log_w, accept, clip_active, dual_active, weights, mask):
-    log_w = jax.lax.stop_gradient(log_w)
-    weights = jax.lax.stop_gradient(weights)
-    maskf = mask.astype(log_w.dtype)
-    n = jnp.sum(maskf)
-    denom = jnp.maximum(n, 1.0)
-    ratio = jnp.exp(log_w)
-    abs_log_w = jnp.abs(log_w) * maskf
-    abs_log_w_sis = jnp.where(accept, 0.0, abs_log_w)
-    w = weights * maskf
-    ess = jnp.where(n > 0, jnp.sum(w) ** 2 / jnp.maximum(n * jnp.sum(w * w), 1e-30), 0.0)
-    return {
-        "accept_rate": jnp.sum(jnp.logical_and(accept, mask)) / denom,
-        "clip_fraction": jnp.sum(jnp.logical_and(clip_active, mask)) / denom,
-        "dual_clip_fraction": jnp.sum(jnp.logical_and(dual_active, mask)) / denom,
-        "d_original": jnp.sum(abs_log_w) / denom,
-        "d_sis": jnp.sum(abs_log_w_sis) / denom,
-        "d_original_seq": _per_sequence_mean(abs_log_w, mask),
-        "d_sis_seq": _per_sequence_mean(abs_log_w_sis, mask),
-        "ratio_max": jnp.where(n > 0, jnp.max(jnp.where(mask, ratio, -jnp.inf)), 0.0),
-        "ratio_p99": masked_percentile(ratio, mask, 99.0),
-        "ess": ess,
-    }
-
-
 # ----------------------------------------------------------------------------- the loss
 
 
@@ -460,8 +412,10 @@ def policy_loss(
       verl's ``pg_clipfrac_lower``), rs_masked_fraction (fraction of the *given* mask's tokens
       RS removed; 0 without RS), the cumulative-deviation diagnostics with log_w clipped to
       +-log_ratio_clip -- d_original (token mean of |log_w|), d_sis (the same with accepted
-      tokens counted as 0), d_original_seq / d_sis_seq (the same two as the mean over
-      sequences of each sequence's token mean, the SIS authors' form) --, ratio_max and
+      tokens counted as 0), d_original_seq / d_sis_seq (the SIS authors' logged form: log_w
+      clipped to the PPO range, mean over all B rows of each row's token mean, an empty row
+      counting as 0), d_original_seq_nonempty / d_sis_seq_nonempty (+-log_ratio_clip only,
+      mean over the rows that have a token; :mod:`jaxflow.rl.metrics`) --, ratio_max and
       ratio_p99 (of exp(log_w), the ratio before SIS), ess ((sum v)^2 / (n sum v^2), v = the
       ratio value the loss uses after SIS -- the sequence ratio for GSPO, before clipping --
       times the TIS/MIS weight; 0 when every token is masked). With every token masked the
@@ -533,8 +487,8 @@ def policy_loss(
 
     token_loss = jnp.where(keep, token_loss, jnp.zeros((), dtype))
     loss = aggregate(token_loss, keep, config.aggregation)
-    metrics = _metrics(log_w, accept, clip_active, dual_active,
-                       jax.lax.stop_gradient(ratio) * weights, keep)
+    metrics = loss_metrics(log_w, accept, clip_active, dual_active,
+                           jax.lax.stop_gradient(ratio) * weights, keep, eps)
     n_given = jnp.sum(given)
     metrics["rs_masked_fraction"] = ((n_given - jnp.sum(keep)) / jnp.maximum(n_given, 1)
                                      ).astype(dtype)

@@ -1,15 +1,20 @@
-"""Compiled host kernel of the sender's bf16 diff: one pass over the words, changes out.
+"""Compiled host kernels of the sync path: the sender's bf16 diff, the entropy codec's
+streams and the digest lanes, each one pass over its input.
 
 The host sync path reads the snapshot and the fresh bf16 cast once per publish. In numpy that
 read is a compare pass writing a mask, then compaction passes over the mask, then gathers
 (``bits.diff_bits``): several array passes per leaf, with per-call overhead on each.
 ``diff_bf16`` does it in one compiled loop over 64-bit words (four bf16 elements each): a
 word that differs is split into its elements and each changed element's position, old and
-new bit pattern is written out. Memory traffic is the two reads and the few changes. (The
-digest lanes' change stays numpy, ``digest.lanes_deltas``: its 32-bit multiplies vectorise
-there, where a per-change scalar loop here measured about 2x slower.)
+new bit pattern is written out. Memory traffic is the two reads and the few changes. The
+other kernels are compiled twins of numpy functions, each tested to give the same output:
+``rice_encode`` (``entropy.rice_encode``'s bytes) and ``value_bits`` (the sign / magnitude
+streams of ``entropy.deltas_encode``) for the entropy codec, ``lanes_delta`` (the digest
+update from a leaf's changes, which ``digest.lanes_deltas`` uses per leaf whenever the kernels
+are available and the words are at most 32 bits) and ``full_lanes`` (``digest.host_lanes`` of
+a whole leaf).
 
-The kernel is compiled with numba (``cache=True``: once per machine, on first use). Without
+The kernels are compiled with numba (``cache=True``: once per machine, on first use). Without
 numba, or with ``JAXFLOW_HOST_KERNELS=numpy``, ``available()`` is False and callers use the
 numpy path: same outputs (the equivalence is the test), only slower.
 """
