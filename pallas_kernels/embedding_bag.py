@@ -6,12 +6,21 @@ count for ``mode="mean"`` (an empty bag gives zeros). Bags are padded ``int32[B,
 ``embedding_bag_reference`` below defines the semantics in plain jnp.
 
 The table never moves as a block: it stays in HBM (``memory_space=pl.ANY``) and only the
-rows a bag names are fetched, accumulated in f32.
+rows a bag names are fetched, accumulated in f32. Tables are float32 or bfloat16
+(``unsupported_reason`` names why another dtype is not taken; the pooling dispatch then uses
+XLA). Every embedding dim is supported, none padded:
 
 * TPU (Mosaic), forward: grid (bag blocks, column blocks); each program's ids arrive in SMEM
   (a per-program ``(block_b, L)`` SMEM block rather than one whole-array scalar prefetch:
   16,384 bags of 32 ids are 2 MiB, more than a TensorCore's SMEM), and the rows of bag b+1
-  are DMA'd into one half of a double buffer while bag b is summed from the other.
+  are DMA'd into one half of a double buffer while bag b is summed from the other. A DMA
+  moves whole rows: Mosaic refuses a column slice at a dynamic offset that is not a multiple
+  of 128 lanes, so the columns are split into ``block_d`` blocks only when ``block_d`` is a
+  multiple of 128 that divides the dim (256, 512, ...); otherwise (16, 32, 64, 96, 100, 136,
+  ...) a program takes the whole row. f32 rows are DMA'd one by one; bf16 rows are packed in
+  8-row tiles in HBM (a single-row DMA at a dynamic row does not compile), so the aligned
+  8-row window holding the row is DMA'd and the row selected in VMEM (8x the bytes moved; a
+  bf16 table whose row count is not a multiple of 8 is padded, a copy).
 * TPU, backward: the table gradient is an in-place row update of a zero f32 [V, D] buffer in
   HBM (aliased input -> output; never a VMEM block): per bag, its rows (deduplicated within
   the bag beforehand, with multiplicities) are DMA'd in, the bag's cotangent added, and DMA'd
@@ -19,7 +28,15 @@ rows a bag names are fetched, accumulated in f32.
 * GPU (Triton, chosen over Mosaic GPU: row gathers at data-dependent addresses are plain
   pointer loads in Triton, while Mosaic GPU needs 128-byte aligned TMA copies per row):
   forward programs loop over their bags and ids loading rows straight from the HBM table;
-  backward scatters ``g[b]`` into the aliased f32 gradient with ``atomic_add``.
+  backward scatters ``g[b]`` into the aliased f32 gradient with ``atomic_add``. A column
+  block is a power of two; the lanes past the dim are masked (loads and atomics), so the
+  table is never padded.
+
+XLA on TPU stores a 2-D array whose last dim is not a multiple of 128 column-major by
+default, and a Pallas call takes its operands row-major: a table passed straight from the
+caller (a jit argument) with such a dim is transposed by XLA before the call (HBM temp about
+V x roundup(D, 128) x 4 bytes). Inside ``jaxflow.embeddings`` the kernel pools the
+deduplicated rows the lookup produced, which XLA writes in the kernel's layout directly.
 
 The ids get no gradient. On CPU the kernels run only with ``interpret=True``; the default CPU
 path (``jaxflow.embeddings.pooling``) is the reference.
@@ -32,6 +49,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -39,13 +57,17 @@ from pallas_kernels import dispatch
 
 _MODES = ("sum", "mean")
 _PLATFORMS = ("tpu", "gpu")
+_DTYPES = ("float32", "bfloat16")
 _ANY = pl.BlockSpec(memory_space=pl.ANY)
+LANES = 128
+BF16_ROW_WINDOW = 8  # rows per aligned DMA window of a 16-bit table on TPU
 
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddingBagBlockSizes:
-    """Bags per program (block_b) and table columns per program (block_d; a multiple of 128
-    on TPU unless it is the whole row, a power of two on GPU), and the kernel layout."""
+    """Bags per program (block_b) and table columns per program (block_d: on TPU used only
+    when it is a multiple of 128 dividing the dim, else a program takes the whole row; on GPU
+    a power of two, the lanes past the dim masked), and the kernel layout."""
 
     platform: str = "tpu"
     block_b: int = 32
@@ -72,11 +94,22 @@ class EmbeddingBagBlockSizes:
         return cls(platform="tpu", block_b=32, block_d=128)
 
     def columns(self, dim: int) -> int:
-        """Column block for rows of width ``dim``: the whole row when it is narrower than
-        block_d on TPU (a block may equal the array), a power of two >= dim on GPU."""
-        if dim <= self.block_d:
-            return dim if self.platform == "tpu" else max(8, 1 << (dim - 1).bit_length())
-        return self.block_d
+        """Column block for rows of width ``dim``. TPU: ``block_d`` when it is a multiple of
+        128 that divides a wider dim, else the whole row (a block may equal the array). GPU:
+        the power of two >= dim, at most ``block_d`` (the tail lanes are masked)."""
+        if self.platform == "tpu":
+            split = self.block_d % LANES == 0 and dim > self.block_d and dim % self.block_d == 0
+            return self.block_d if split else dim
+        return min(self.block_d, max(8, 1 << (dim - 1).bit_length()))
+
+
+def unsupported_reason(table_dtype) -> str | None:
+    """Why the kernel does not take tables of ``table_dtype`` (None: it does; every dim is
+    supported). The pooling dispatch passes this as ``blocked``."""
+    name = jnp.dtype(table_dtype).name
+    if name not in _DTYPES:
+        return f"embedding_bag takes {' or '.join(_DTYPES)} tables, not {name}"
+    return None
 
 
 def embedding_bag_reference(table: jax.Array, ids: jax.Array, mode: str = "sum") -> jax.Array:
@@ -105,22 +138,59 @@ def _pad_to(x, axis, multiple, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
+def _cost(ids, dim, row_bytes, *, backward):
+    """CostEstimate of one call: every id slot's row read (and written back, backward), one
+    add (backward: a multiply-add) per element, plus the ids and the [B, D] f32 block."""
+    n_ids = int(np.prod(ids.shape))
+    per_row = 2 if backward else 1
+    return pl.CostEstimate(
+        flops=per_row * n_ids * dim, transcendentals=0,
+        bytes_accessed=per_row * n_ids * row_bytes + n_ids * 4 * (2 if backward else 1)
+        + ids.shape[0] * dim * 4)
+
+
 # ------------------------------------------------------------------------------------ TPU
 
 
-def _row_copy(table_hbm, buf, sem, ids_ref, b, l, slot, c0, block_d):
+def _row_window(dtype) -> int:
+    """Rows per DMA on TPU: 1 for 32-bit tables, an aligned 8-row window for 16-bit ones."""
+    return 1 if jnp.dtype(dtype).itemsize == 4 else BF16_ROW_WINDOW
+
+
+def _tpu_cols(j, block_d, dim):
+    """Index of a program's columns: the whole row, or a 128-aligned dynamic block."""
+    if block_d == dim:
+        return slice(None)
+    return pl.ds(pl.multiple_of(j * block_d, LANES), block_d)
+
+
+def _row_copy(table_hbm, buf, sem, ids_ref, b, l, slot, cols, window):
     row = jnp.maximum(ids_ref[b, l], 0)
-    return pltpu.make_async_copy(table_hbm.at[pl.ds(row, 1), pl.ds(c0, block_d)],
-                                 buf.at[slot, pl.ds(l, 1)], sem.at[slot, l])
+    if window == 1:
+        src, dst = table_hbm.at[pl.ds(row, 1), cols], buf.at[slot, pl.ds(l, 1)]
+    else:
+        start = pl.multiple_of(row & ~(window - 1), window)
+        src, dst = table_hbm.at[pl.ds(start, window), cols], buf.at[slot, l]
+    return pltpu.make_async_copy(src, dst, sem.at[slot, l])
 
 
-def _fwd_kernel_tpu(ids_ref, table_hbm, out_ref, buf, sem, *, bag_len, block_d):
-    block_b = out_ref.shape[0]
-    c0 = pl.program_id(1) * block_d
+def _read_row(buf, ids_ref, b, l, slot, window):
+    """The f32 [1, block_d] row of id (b, l) from its DMA buffer slot."""
+    if window == 1:
+        return buf[slot, pl.ds(l, 1), :].astype(jnp.float32)
+    rows = buf[slot, l].astype(jnp.float32)  # the aligned window [window, block_d]
+    at = jnp.maximum(ids_ref[b, l], 0) & (window - 1)  # row >= 0, window a power of 2
+    pick = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 0) == at
+    return jnp.sum(jnp.where(pick, rows, 0.0), axis=0, keepdims=True)
+
+
+def _fwd_kernel_tpu(ids_ref, table_hbm, out_ref, buf, sem, *, bag_len, dim, window):
+    block_b, block_d = out_ref.shape
+    cols = _tpu_cols(pl.program_id(1), block_d, dim)
 
     def start(b, slot):
         def one(l, _):
-            _row_copy(table_hbm, buf, sem, ids_ref, b, l, slot, c0, block_d).start()
+            _row_copy(table_hbm, buf, sem, ids_ref, b, l, slot, cols, window).start()
             return 0
 
         jax.lax.fori_loop(0, bag_len, one, 0)
@@ -135,8 +205,8 @@ def _fwd_kernel_tpu(ids_ref, table_hbm, out_ref, buf, sem, *, bag_len, block_d):
             start(b + 1, 1 - slot)
 
         def add(l, acc):
-            _row_copy(table_hbm, buf, sem, ids_ref, b, l, slot, c0, block_d).wait()
-            row = buf[slot, pl.ds(l, 1), :].astype(jnp.float32)
+            _row_copy(table_hbm, buf, sem, ids_ref, b, l, slot, cols, window).wait()
+            row = _read_row(buf, ids_ref, b, l, slot, window)
             return acc + jnp.where(ids_ref[b, l] >= 0, row, 0.0)
 
         acc = jax.lax.fori_loop(0, bag_len, add, jnp.zeros((1, block_d), jnp.float32))
@@ -147,14 +217,14 @@ def _fwd_kernel_tpu(ids_ref, table_hbm, out_ref, buf, sem, *, bag_len, block_d):
 
 
 def _bwd_kernel_tpu(ids_ref, mult_ref, g_ref, grad_in, grad_hbm, buf, sem_in, sem_out, *,
-                    bag_len, block_d):
+                    bag_len, dim):
     del grad_in  # aliased with grad_hbm
-    block_b = g_ref.shape[0]
-    c0 = pl.program_id(0) * block_d
+    block_b, block_d = g_ref.shape
+    cols = _tpu_cols(pl.program_id(0), block_d, dim)
 
     def copy(b, l, *, out):
         row = jnp.maximum(ids_ref[b, l], 0)
-        hbm = grad_hbm.at[pl.ds(row, 1), pl.ds(c0, block_d)]
+        hbm = grad_hbm.at[pl.ds(row, 1), cols]
         vmem = buf.at[pl.ds(l, 1)]
         if out:
             return pltpu.make_async_copy(vmem, hbm, sem_out.at[l])
@@ -189,23 +259,24 @@ def _forward_tpu(table, ids, bs, interpret):
     n_bags, bag_len = ids.shape
     dim = table.shape[1]
     block_d = bs.columns(dim)
-    table_p = _pad_to(table, 1, block_d)
-    grid = (n_bags // bs.block_b, table_p.shape[1] // block_d)
+    window = _row_window(table.dtype)
+    table = _pad_to(table, 0, window)  # a copy only for a 16-bit table of V % 8 != 0 rows
+    buf = (2, bag_len, block_d) if window == 1 else (2, bag_len, window, block_d)
     out = pl.pallas_call(
-        functools.partial(_fwd_kernel_tpu, bag_len=bag_len, block_d=block_d),
-        grid=grid,
+        functools.partial(_fwd_kernel_tpu, bag_len=bag_len, dim=dim, window=window),
+        grid=(n_bags // bs.block_b, dim // block_d),
         in_specs=[pl.BlockSpec((bs.block_b, bag_len), lambda i, j: (i, 0),
                                memory_space=pltpu.SMEM),
                   _ANY],
         out_specs=pl.BlockSpec((bs.block_b, block_d), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((n_bags, table_p.shape[1]), jnp.float32),
-        scratch_shapes=[pltpu.VMEM((2, bag_len, block_d), table.dtype),
-                        pltpu.SemaphoreType.DMA((2, bag_len))],
+        out_shape=jax.ShapeDtypeStruct((n_bags, dim), jnp.float32),
+        scratch_shapes=[pltpu.VMEM(buf, table.dtype), pltpu.SemaphoreType.DMA((2, bag_len))],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        cost_estimate=_cost(ids, dim, window * dim * table.dtype.itemsize, backward=False),
         interpret=interpret,
         name="embedding_bag_fwd",
-    )(ids, table_p)
-    return out[:, :dim]
+    )(ids, table)
+    return out
 
 
 def _dedupe_bags(ids):
@@ -221,14 +292,13 @@ def _table_grad_tpu(ids, g, vocab, bs, interpret):
     n_bags, bag_len = ids.shape
     dim = g.shape[1]
     block_d = bs.columns(dim)
-    g_p = _pad_to(g, 1, block_d)
     uniq, mult = _dedupe_bags(ids)
-    zeros = jnp.zeros((vocab, g_p.shape[1]), jnp.float32)
+    zeros = jnp.zeros((vocab, dim), jnp.float32)
     smem = functools.partial(pl.BlockSpec, (bs.block_b, bag_len), lambda j, i: (i, 0),
                              memory_space=pltpu.SMEM)
-    out = pl.pallas_call(
-        functools.partial(_bwd_kernel_tpu, bag_len=bag_len, block_d=block_d),
-        grid=(g_p.shape[1] // block_d, n_bags // bs.block_b),
+    return pl.pallas_call(
+        functools.partial(_bwd_kernel_tpu, bag_len=bag_len, dim=dim),
+        grid=(dim // block_d, n_bags // bs.block_b),
         in_specs=[smem(), smem(),
                   pl.BlockSpec((bs.block_b, block_d), lambda j, i: (i, j)),
                   _ANY],
@@ -239,24 +309,34 @@ def _table_grad_tpu(ids, g, vocab, bs, interpret):
                         pltpu.SemaphoreType.DMA((bag_len,))],
         input_output_aliases={3: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        cost_estimate=_cost(ids, dim, dim * 4, backward=True),
         interpret=interpret,
         name="embedding_bag_bwd",
-    )(uniq, mult, g_p, zeros)
-    return out[:, :dim]
+    )(uniq, mult, g, zeros)
 
 
 # ------------------------------------------------------------------------------------ GPU
 
 
-def _fwd_kernel_gpu(ids_ref, table_ref, out_ref, *, bag_len, block_d):
-    block_b = out_ref.shape[0]
-    cs = pl.ds(pl.program_id(1) * block_d, block_d)
+def _gpu_cols(block_d, dim):
+    """A program's column block and the mask of its lanes inside the dim ([1, block_d])."""
+    c0 = pl.program_id(1) * block_d
+    lanes = c0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
+    return pl.ds(c0, block_d), lanes < dim
+
+
+def _fwd_kernel_gpu(ids_ref, table_ref, out_ref, *, bag_len, dim):
+    from jax.experimental.pallas import triton as pltriton
+
+    block_b, block_d = out_ref.shape
+    cs, inside = _gpu_cols(block_d, dim)
 
     def bag(b, _):
         def item(l, acc):
             i = ids_ref[b, l]
-            row = table_ref[pl.ds(jnp.maximum(i, 0), 1), cs].astype(jnp.float32)
-            return acc + jnp.where(i >= 0, row, 0.0)
+            row = pltriton.load(table_ref.at[pl.ds(jnp.maximum(i, 0), 1), cs],
+                                mask=inside & (i >= 0), other=0.0)
+            return acc + row.astype(jnp.float32)
 
         acc = jax.lax.fori_loop(0, bag_len, item, jnp.zeros((1, block_d), jnp.float32))
         out_ref[pl.ds(b, 1), :] = acc
@@ -265,20 +345,25 @@ def _fwd_kernel_gpu(ids_ref, table_ref, out_ref, *, bag_len, block_d):
     jax.lax.fori_loop(0, block_b, bag, 0)
 
 
-def _bwd_kernel_gpu(ids_ref, g_ref, grad_in, grad_ref, *, bag_len, block_d):
+def _bwd_kernel_gpu(ids_ref, g_ref, grad_in, grad_ref, *, bag_len, dim, interpret):
     from jax.experimental.pallas import triton as pltriton
 
     del grad_in  # aliased with grad_ref
-    block_b = g_ref.shape[0]
-    cs = pl.ds(pl.program_id(1) * block_d, block_d)
+    block_b, block_d = g_ref.shape
+    cs, inside = _gpu_cols(block_d, dim)
 
     def bag(b, _):
         g = g_ref[pl.ds(b, 1), :]
 
         def item(l, _):
             i = ids_ref[b, l]
-            pltriton.atomic_add(grad_ref, (pl.ds(jnp.maximum(i, 0), 1), cs),
-                                jnp.where(i >= 0, g, 0.0))
+            at, mask = (pl.ds(jnp.maximum(i, 0), 1), cs), inside & (i >= 0)
+            if interpret:  # programs run one at a time there, and masked atomics have no
+                # interpreter rule: the same masked read-modify-write as a load and a store
+                old = pltriton.load(grad_ref.at[at], mask=mask, other=0.0)
+                pltriton.store(grad_ref.at[at], old + g, mask=mask)
+            else:
+                pltriton.atomic_add(grad_ref, at, g, mask=mask)
             return 0
 
         return jax.lax.fori_loop(0, bag_len, item, 0)
@@ -296,17 +381,18 @@ def _forward_gpu(table, ids, bs, interpret):
     n_bags, bag_len = ids.shape
     dim = table.shape[1]
     block_d = bs.columns(dim)
-    table_p = _pad_to(table, 1, block_d)
+    n_cols = -(-dim // block_d)
     out = pl.pallas_call(
-        functools.partial(_fwd_kernel_gpu, bag_len=bag_len, block_d=block_d),
-        grid=(n_bags // bs.block_b, table_p.shape[1] // block_d),
+        functools.partial(_fwd_kernel_gpu, bag_len=bag_len, dim=dim),
+        grid=(n_bags // bs.block_b, n_cols),
         in_specs=[pl.BlockSpec((bs.block_b, bag_len), lambda i, j: (i, 0)), _ANY],
         out_specs=pl.BlockSpec((bs.block_b, block_d), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((n_bags, table_p.shape[1]), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((n_bags, n_cols * block_d), jnp.float32),
         compiler_params=_gpu_params(bs),
+        cost_estimate=_cost(ids, dim, dim * table.dtype.itemsize, backward=False),
         interpret=interpret,
         name="embedding_bag_fwd",
-    )(ids, table_p)
+    )(ids, table)
     return out[:, :dim]
 
 
@@ -314,10 +400,10 @@ def _table_grad_gpu(ids, g, vocab, bs, interpret):
     n_bags, bag_len = ids.shape
     dim = g.shape[1]
     block_d = bs.columns(dim)
-    g_p = _pad_to(g, 1, block_d)
-    zeros = jnp.zeros((vocab, g_p.shape[1]), jnp.float32)
-    out = pl.pallas_call(
-        functools.partial(_bwd_kernel_gpu, bag_len=bag_len, block_d=block_d),
+    g_p = _pad_to(g, 1, block_d)  # [B, D] cotangent, small; the gradient is not padded
+    zeros = jnp.zeros((vocab, dim), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_bwd_kernel_gpu, bag_len=bag_len, dim=dim, interpret=bool(interpret)),
         grid=(n_bags // bs.block_b, g_p.shape[1] // block_d),
         in_specs=[pl.BlockSpec((bs.block_b, bag_len), lambda i, j: (i, 0)),
                   pl.BlockSpec((bs.block_b, block_d), lambda i, j: (i, j)),
@@ -326,10 +412,10 @@ def _table_grad_gpu(ids, g, vocab, bs, interpret):
         out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
         input_output_aliases={2: 0},
         compiler_params=_gpu_params(bs),
+        cost_estimate=_cost(ids, dim, dim * 4, backward=True),
         interpret=interpret,
         name="embedding_bag_bwd",
     )(ids, g_p, zeros)
-    return out[:, :dim]
 
 
 # ------------------------------------------------------------------------------- wrapper
@@ -377,8 +463,10 @@ def embedding_bag(table: jax.Array, ids: jax.Array, *, mode: str = "sum",
                   interpret: bool = False) -> jax.Array:
     """Pallas version of ``embedding_bag_reference``: table [V, D], ids int32[B, L] -> [B, D].
 
-    Differentiable in ``table`` (the gradient is the Pallas in-place row update / scatter).
-    ``block_sizes`` also picks the kernel layout (its ``platform``).
+    table: float32 or bfloat16 [V, D], any D; ids: integer [B, L], -1 = padding. Returns
+    [B, D] in the table's dtype. Differentiable in ``table`` (the gradient is the Pallas
+    in-place row update / scatter, f32 then cast). ``block_sizes`` also picks the kernel
+    layout (its ``platform``).
     """
     if table.ndim != 2:
         raise ValueError(f"table must be [V, D], got shape {table.shape}")
@@ -388,6 +476,9 @@ def embedding_bag(table: jax.Array, ids: jax.Array, *, mode: str = "sum",
         raise ValueError(f"ids must be integers, got {ids.dtype}")
     if mode not in _MODES:
         raise ValueError(f"mode={mode!r}; valid: {', '.join(_MODES)}")
+    reason = unsupported_reason(table.dtype)
+    if reason:
+        raise ValueError(reason + " (use embedding_bag_reference)")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         return jnp.zeros((ids.shape[0], table.shape[1]), table.dtype)
     bs = block_sizes or EmbeddingBagBlockSizes.get_default()

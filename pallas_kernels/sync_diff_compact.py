@@ -17,7 +17,11 @@ computes them with 0/1 matmuls, exact in bf16 x bf16 -> f32 (every partial sum <
   rank = E + P - 1 where changed.
 
 XLA then adds each tile's exclusive prefix of counts and scatters the changed elements'
-positions and bit patterns to their slots (slots >= capacity are dropped).
+positions to their slots (slots >= capacity are dropped), then gathers the capacity's old and
+new bit patterns at those positions. One scatter of n updates, not three: at 64M elements the
+XLA:TPU compile of the three was 84 s against 23 s for one (v5e, deviceless, a loaded 2-core
+host); the HBM temp (0.75 GiB at 64M: ranks, slots and the position iota, 4 bytes each per
+element) is the scatter's operands.
 ``diff_compact_reference`` defines the semantics. TPU: Mosaic, tiles "parallel". GPU:
 Triton (explicit ``num_warps`` / ``num_stages``): Mosaic GPU has no lowering for this
 kernel's iota compares without layout casts and would need warpgroup matmuls; Triton lowers
@@ -107,6 +111,10 @@ def tile_ranks_call(old2: jax.Array, new2: jax.Array, bs: BlockSizes, interpret:
         count_spec = pl.BlockSpec((None, 1, LANES), lambda t: (t, 0, 0))
         count_shape = (tiles, 1, LANES)
         params = pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    r = bs.block_rows
+    cost = pl.CostEstimate(  # per tile: C @ U and C @ 1 (r x 128 x 128), L @ T (r x r x 128)
+        flops=tiles * (4 * r * LANES * LANES + 2 * r * r * LANES), transcendentals=0,
+        bytes_accessed=rows * LANES * (2 + 2 + 4) + tiles * count_shape[1] * LANES * 4)
     return pl.pallas_call(
         _rank_kernel,
         grid=(tiles,),
@@ -115,6 +123,7 @@ def tile_ranks_call(old2: jax.Array, new2: jax.Array, bs: BlockSizes, interpret:
         out_shape=[jax.ShapeDtypeStruct((rows, LANES), jnp.int32),
                    jax.ShapeDtypeStruct(count_shape, jnp.int32)],
         compiler_params=params,
+        cost_estimate=cost,
         interpret=interpret,
         name="sync_diff_compact",
     )(old2, new2)
@@ -144,9 +153,9 @@ def diff_compact(old_bits: jax.Array, new_bits: jax.Array, *, capacity: int,
     ranks = ranks.reshape(tiles, per_tile)
     slot = jnp.where(ranks >= 0, starts[:, None] + ranks, capacity).reshape(-1)
     flat = jnp.arange(tiles * per_tile, dtype=jnp.int32)
-    scatter = lambda fill, vals: jnp.full((capacity,), fill, vals.dtype).at[slot].set(
-        vals, mode="drop")
-    positions = scatter(-1, flat)
-    old_out = scatter(0, old2.reshape(-1))
-    new_out = scatter(0, new2.reshape(-1))
+    positions = jnp.full((capacity,), -1, jnp.int32).at[slot].set(flat, mode="drop")
+    found = positions >= 0
+    at = jnp.where(found, positions, 0)
+    old_out = jnp.where(found, old_bits[at], 0).astype(jnp.uint16)
+    new_out = jnp.where(found, new_bits[at], 0).astype(jnp.uint16)
     return total, positions, old_out, new_out

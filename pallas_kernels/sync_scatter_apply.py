@@ -32,6 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.sync_tiles import SyncBlockSizes as BlockSizes  # noqa: F401  (public name)
 
 LANES = 128
+_LOG2_LANES = 7
 _ANY = pl.BlockSpec(memory_space=pl.ANY)
 
 
@@ -52,8 +53,10 @@ def merge_chunk(pos, val, base, rows, carry):
     hit, hi, lo = carry
     local = pos - base
     inside = (pos >= 0) & (local >= 0) & (local < rows * LANES)
-    row = jnp.where(inside, local // LANES, -1)
-    lane = jnp.where(inside, local % LANES, -1)
+    # Shifts and masks, not // and %: their sign fix-up lowers through a chip query that a
+    # deviceless TPU compile cannot answer ("Unsupported TPU device kind: cpu").
+    row = jnp.where(inside, local >> _LOG2_LANES, -1)
+    lane = jnp.where(inside, local & (LANES - 1), -1)
     r_of = (jax.lax.broadcasted_iota(jnp.int32, (rows, LANES), 0) == row).astype(jnp.bfloat16)
     l_of = jax.lax.broadcasted_iota(jnp.int32, (LANES, LANES), 0) == lane
     lane_f = l_of.astype(jnp.bfloat16)
@@ -69,7 +72,7 @@ def _finish(dst, carry):
 
 
 def _chunk_range(start, end):
-    return start // LANES, (end + LANES - 1) // LANES
+    return start >> _LOG2_LANES, (end + LANES - 1) >> _LOG2_LANES
 
 
 def _kernel_tpu(starts_ref, dst_ref, pos_hbm, val_hbm, out_ref, pos_buf, val_buf, sem):
@@ -133,6 +136,12 @@ def scatter_apply(dst_bits: jax.Array, positions: jax.Array, values: jax.Array, 
     dst2 = jnp.pad(dst_bits, (0, pad)).reshape(-1, LANES)
     tile = pl.BlockSpec((bs.block_rows, LANES), lambda t, s: (t, 0))
     out_shape = jax.ShapeDtypeStruct(dst2.shape, jnp.uint16)
+    # Every tile merges its own chunks (one or two per tile boundary on top of the updates'
+    # chunks), three (rows x 128) @ (128 x 128) matmuls each; dst is read and written once.
+    chunks = pos2.shape[1] // LANES + tiles
+    cost = pl.CostEstimate(flops=chunks * 3 * 2 * bs.block_rows * LANES * LANES,
+                           transcendentals=0,
+                           bytes_accessed=2 * dst2.size * 2 + 2 * pos2.size * 4 + starts.size * 4)
     if bs.platform == "tpu":
         out = pl.pallas_call(
             _kernel_tpu,
@@ -145,6 +154,7 @@ def scatter_apply(dst_bits: jax.Array, positions: jax.Array, values: jax.Array, 
             out_shape=out_shape,
             input_output_aliases={1: 0},
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+            cost_estimate=cost,
             interpret=interpret,
             name="sync_scatter_apply",
         )(starts, dst2, pos2, val2)
@@ -161,6 +171,7 @@ def scatter_apply(dst_bits: jax.Array, positions: jax.Array, values: jax.Array, 
             input_output_aliases={1: 0},
             compiler_params=pltriton.CompilerParams(num_warps=bs.num_warps,
                                                     num_stages=bs.num_stages),
+            cost_estimate=cost,
             interpret=interpret,
             name="sync_scatter_apply",
         )(starts, dst2, pos2, val2)

@@ -1,7 +1,11 @@
 """Pallas embedding bag == its reference in interpret mode (forward and table gradient).
 
 Both kernel layouts run: "tpu" (HBM table, SMEM ids, double-buffered row DMAs, in-place
-gradient row updates) and "gpu" (Triton row loads, atomic_add gradient scatter).
+gradient row updates) and "gpu" (Triton row loads, atomic_add gradient scatter), at every
+embedding dim class the compile gate builds: narrower than 128 lanes (16, 64), not a multiple
+of 8 (100), 136 (TPU: whole rows; GPU: a masked second column block) and 256 (TPU: two
+128-lane column blocks); bf16 tables through the TPU 8-row DMA windows, with row counts that
+are and are not a multiple of 8.
 """
 
 import jax
@@ -10,10 +14,12 @@ import numpy as np
 import pytest
 
 from jaxflow.embeddings.pooling import pool_bags
+from pallas_kernels import dispatch
 from pallas_kernels.embedding_bag import (
     EmbeddingBagBlockSizes,
     embedding_bag,
     embedding_bag_reference,
+    unsupported_reason,
 )
 
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
@@ -55,6 +61,55 @@ def test_gradient_matches_reference(layout, mode):
     want = jax.grad(loss(lambda t: embedding_bag_reference(t, ids, mode)))(table)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(want)).sum() > 0
+
+
+@pytest.mark.parametrize("layout", ["tpu", "gpu"])
+@pytest.mark.parametrize("dim", [16, 64, 100, 256])
+def test_every_dim_forward_and_gradient(layout, dim):
+    """Forward (sum) and table gradient (mean) == the reference at the dims of the gate."""
+    table, ids = inputs(jnp.float32, n_bags=9, vocab=21, dim=dim)
+    bs = LAYOUTS[layout]
+    got = embedding_bag(table, ids, block_sizes=bs, interpret=True)
+    np.testing.assert_allclose(got, embedding_bag_reference(table, ids), rtol=1e-6, atol=1e-6)
+    w = jax.random.normal(jax.random.key(2), (9, dim))
+    loss = lambda f: (lambda t: jnp.sum(f(t) * w))
+    g = jax.grad(loss(lambda t: embedding_bag(t, ids, mode="mean", block_sizes=bs,
+                                              interpret=True)))(table)
+    want = jax.grad(loss(lambda t: embedding_bag_reference(t, ids, "mean")))(table)
+    np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(want)).sum() > 0
+
+
+def test_column_blocks_per_platform():
+    """TPU splits columns only into 128-multiples that divide the dim; GPU masks a tail."""
+    tpu, gpu = LAYOUTS["tpu"], LAYOUTS["gpu"]
+    assert [tpu.columns(d) for d in (16, 64, 100, 128, 136, 256)] == [16, 64, 100, 128, 136, 128]
+    assert EmbeddingBagBlockSizes(block_d=64).columns(256) == 256  # 64 lanes: whole rows
+    assert [gpu.columns(d) for d in (16, 100, 136, 256)] == [16, 128, 128, 128]
+
+
+@pytest.mark.parametrize("vocab", [24, 23])
+def test_bf16_row_windows(vocab):
+    """TPU layout, bf16: rows read from aligned 8-row DMA windows (23 rows: padded to 24)."""
+    table, ids = inputs(jnp.bfloat16, n_bags=9, vocab=vocab, dim=64)
+    ids = ids.at[4].set(jnp.array([vocab - 1, 0, 7]))  # the last row, the first, a window edge
+    got = embedding_bag(table, ids, mode="mean", block_sizes=SMALL, interpret=True)
+    want = embedding_bag_reference(table, ids, "mean")
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_unsupported_dtype_refused_and_pooling_falls_back():
+    table, ids = inputs(jnp.float16, n_bags=4, dim=8)
+    assert unsupported_reason(jnp.float32) is None and unsupported_reason(jnp.bfloat16) is None
+    assert "not float16" in unsupported_reason(jnp.float16)
+    with pytest.raises(ValueError, match="float32 or bfloat16 tables, not float16"):
+        embedding_bag(table, ids, interpret=True)
+    got = pool_bags(table, ids, "sum", backend="pallas")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(pool_bags(table, ids, "sum")))
+    with pytest.raises(dispatch.KernelUnavailable, match="not float16"):
+        pool_bags(table, ids, "sum", backend="pallas_forced")
 
 
 def test_validation_messages():
