@@ -262,7 +262,9 @@ SWEEP = {
                        for d in (4096, 8192) for v in (37_984, 151_936, 262_144)
                        for dt in (jnp.bfloat16, jnp.float32)],
     "embedding_bag": [dict(vocab=10_000_000, dim=dim, bags=16_384, bag_len=32)
-                      for dim in (16, 32, 64, 96, 100, 128, 256)],
+                      for dim in (16, 32, 64, 96, 100, 128, 136, 256)]
+    + [dict(vocab=10_000_000, dim=dim, bags=16_384, bag_len=32, dtype=jnp.bfloat16)
+       for dim in (64, 128, 136)],
 }
 
 
@@ -272,13 +274,14 @@ def _dtype_name(dt) -> str:
 
 def sweep_cases() -> list[KernelCase]:
     """The compile sweep: fused log-probs forward + backward over ``SWEEP`` (d, V, dtype),
-    embedding bag forward and backward at every dim of ``SWEEP``, sync at 64M elements."""
+    embedding bag forward and backward at every dim and dtype of ``SWEEP``, sync at 64M
+    elements (a bf16 dim-136 backward's temporaries exceed v5e's HBM: "does not fit")."""
     out = []
     for p in SWEEP["fused_logprobs"]:
         size = f"d{p['d']}_v{p['vocab']}_{_dtype_name(p['dtype'])}"
         out.append(KernelCase("fused_logprobs_bwd", size, _fused(size, True, p)))
     for p in SWEEP["embedding_bag"]:
-        size = f"dim{p['dim']}"
+        size = f"dim{p['dim']}_{_dtype_name(p.get('dtype', jnp.float32))}"
         out += [KernelCase("embedding_bag_fwd", size, _bag(size, False, p)),
                 KernelCase("embedding_bag_bwd", size, _bag(size, True, p))]
     out += [KernelCase("sync_diff_compact", "production", _diff("production")),

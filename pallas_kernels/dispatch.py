@@ -139,21 +139,38 @@ def auto_partition_problem(platform: str) -> str | None:
 
 
 def _compile_for_target(fn: Callable, args, where: Target) -> str | None:
-    """Compiles ``fn`` by the real compiler of ``where``'s chip (devices this host may lack)."""
+    """Compiles ``fn`` by the real compiler of ``where``'s chip (devices this host may lack):
+    on the context mesh where one is set and the kernel is traced outside a shard_map (its
+    caller's own shard_map names that mesh), else on one (abstract) device of the chip."""
     from pallas_kernels import targets
 
     spec = targets.chip_for_device_kind(where.device_kind)
-    result = targets.compile_on(fn, args, spec.name if spec else where.device_kind,
-                                mesh=where.mesh)
+    name = spec.name if spec else where.device_kind
+    mesh = where.mesh
+    if mesh is not None and partition_context()[0] == "manual":
+        # Inside a shard_map over every axis the kernel sees its local shard: one device.
+        mesh = Mesh(mesh.devices.flat[:1], ("_chip",))
+    result = targets.compile_on(fn, args, name, mesh=mesh)
     return None if result.ok else result.error[:400]
+
+
+def _compiler_for(where: Target) -> bool:
+    """Whether this host can compile for ``where`` although it has no such devices: a context
+    mesh of (abstract) accelerator devices, or a known chip whose compiler is installed."""
+    if where.platform in ("cpu",) or where.platform in _local_platforms():
+        return False
+    if where.mesh is not None:
+        return True
+    from pallas_kernels import targets
+
+    spec = targets.chip_for_device_kind(where.device_kind)
+    return spec is not None and targets.available(spec.platform)
 
 
 def _build(fn: Callable, args, platform: str) -> str | None:
     where = target()
-    on_target = (where.mesh is not None and backend_platform() == platform
-                 and where.platform != "cpu")
     try:
-        if on_target and where.platform not in _local_platforms():
+        if backend_platform() == platform and _compiler_for(where):
             return _compile_for_target(fn, args, where)
         if platform in _local_platforms():
             jax.jit(fn).lower(*args).compile()

@@ -11,7 +11,13 @@ declared device kind: the export runs under an abstract mesh whose device is
 
 * ``tpu_bytes``: in + out + scratch blocks, each x2 (double buffering; scratch counted twice
   as a conservative bound), refs with ``memory_space=pl.ANY`` excluded (they stay in HBM).
-  Budget ``TPU_VMEM_BUDGET`` (16 MiB: fits every TPU generation's VMEM).
+  Budget ``TPU_VMEM_BUDGET`` (16 MiB, the compiler's default scoped VMEM limit on v5e / v5p).
+  This is an estimate, and the real compiler disagrees with it: Mosaic's internal scratch
+  and relayout copies are not counted (fused log-probs' forward estimated at 10.6 MiB needs
+  16.55 MiB on v5p), and a kernel may raise its own ``vmem_limit_bytes`` up to the chip's VMEM
+  (128 MiB v5e / v6e, 64 MiB v5p). Where a compiler is available the verdicts and the compile
+  gate use the compiler (``pallas_kernels.targets``, ``tests/aot/``); these estimates are the
+  fallback for hosts without libtpu / the CUDA plugin.
 * ``triton_bytes``: what a Triton program holds at once. A Triton block is a pointer with
   offsets, not a copy, so blocks themselves cost nothing; the program holds the values it
   loads from refs, the values it stores, its loop carries and its dot results, from the

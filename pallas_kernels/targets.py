@@ -274,14 +274,6 @@ def _inside_trace() -> bool:
     return not isinstance(core.trace_ctx.trace, core.EvalTrace)
 
 
-def _mesh_context(mesh: Mesh):
-    """``jax.set_mesh(mesh)``, or inside a trace (a kernel verdict taken while an enclosing
-    program traces) the abstract mesh alone: the args' shardings carry the devices."""
-    if _inside_trace():
-        return contextlib.nullcontext()
-    return jax.set_mesh(mesh)
-
-
 def compile_on(fn: Callable, args: Any, name: str, *, mesh: Mesh | None = None,
                smem_per_block: int | None = None, keep_hlo: bool = False) -> CompileResult:
     """Compiles ``jax.jit(fn)(*args)`` for chip ``name`` and never raises for a compile failure.
@@ -291,12 +283,20 @@ def compile_on(fn: Callable, args: Any, name: str, *, mesh: Mesh | None = None,
     The trace runs under ``jax.set_mesh(mesh)``, so kernel dispatch sees the chip
     (``pallas_kernels.dispatch.target``). smem_per_block: GPU only, another opt-in shared
     memory per block in the target description (``min_smem``)."""
+    if _inside_trace():
+        # A kernel verdict taken while an enclosing program traces (inside its shard_map or
+        # jit): jax's trace and mesh contexts are per thread, so compile from a fresh one.
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(compile_on, fn, args, name, mesh=mesh,
+                               smem_per_block=smem_per_block, keep_hlo=keep_hlo).result()
     if mesh is None:
         mesh = Mesh(devices(name, smem_per_block=smem_per_block)[:1], ("_chip",))
     placed = _placed(args, mesh)
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     try:
-        with _mesh_context(mesh):
+        with jax.set_mesh(mesh):
             compiled = jitted.lower(*placed).compile()
     except Exception as err:  # noqa: BLE001 - the compiler's refusal is the result
         text = str(err).strip()

@@ -48,6 +48,11 @@ def _assert_compiles(case: catalog.KernelCase, chip: str) -> None:
     if result is None:  # "does not fit": the arguments alone exceed the chip's HBM
         assert case.arg_bytes() > targets.chip(chip).hbm_bytes
         return
+    if not result.ok and result.error_kind == "hbm":
+        # "does not fit": XLA's HBM planning refuses the program's buffers on this chip (the
+        # kernels themselves passed Mosaic / Triton); a result, not a failure.
+        assert "RESOURCE_EXHAUSTED" in result.error and "vmem" not in result.error.lower()
+        return
     assert result.ok, f"{case.name} on {chip}: {result.error}"
     assert KERNEL_CALL[targets.chip(chip).platform] in result.hlo_text, case.name
 
@@ -120,6 +125,52 @@ def test_hbm_fit_is_checked_against_the_chip():
 # ----------------------------------------------------- auto decides for the traced chip
 
 
+def test_sharded_embedding_step_uses_the_kernel_on_a_tpu_mesh():
+    """The sharded-embeddings train step (All2All routing, dedup, pooling inside shard_map) on
+    a v5e:2x2 mesh of 4 abstract chips at dim 64: ``auto`` compiles the embedding bag for the
+    v5e inside the step and uses it; the whole step compiles with the kernel in it."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxflow.embeddings import (
+        ShardedEmbeddings,
+        TableSpec,
+        make_sparse_optimizer,
+        make_train_step,
+    )
+
+    dispatch.clear_cache()
+    mesh = targets.mesh("v5e", (4,), ("data",))
+    dim, batch, bag = 64, 256, 4
+    specs = [TableSpec(f"t{i}", 8192, dim, "row_wise", "sum") for i in range(2)]
+    cap = batch // 4 * bag * 2
+    emb = ShardedEmbeddings(specs, mesh, make_sparse_optimizer("rowwise_adagrad", 0.05),
+                            capacity=cap, bucket_capacity=-(-2 * cap // 4),
+                            pooling_backend="auto")
+    shardings = emb.state_shardings()
+    S = jax.ShapeDtypeStruct
+    tables, opt = {}, {}
+    for group in emb.plan.groups:  # abstract state: nothing allocated on the abstract chips
+        shape = group.global_shape(4)
+        tables[group.name] = S(shape, jnp.float32, sharding=shardings["tables"][group.name])
+        init = jax.eval_shape(lambda: emb.optimizer.init(shape[0], group.dim))
+        opt[group.name] = {k: S(v.shape, v.dtype, sharding=shardings["opt"][group.name][k])
+                           for k, v in init.items()}
+    state = {"emb": {"tables": tables, "opt": opt,
+                     "step": S((), jnp.int32, sharding=shardings["step"])}, "dense": {}}
+    row = NamedSharding(mesh, P("data"))
+    ids = {t.name: jax.ShapeDtypeStruct((batch, bag), jnp.int32, sharding=row) for t in specs}
+    w = {t.name: jax.ShapeDtypeStruct((batch, dim), jnp.float32, sharding=row) for t in specs}
+
+    def loss_fn(params, pooled, w):
+        return sum(jnp.sum(jnp.square(pooled[k] - w[k])) for k in pooled), {}
+
+    step = make_train_step(emb, loss_fn, donate=False)
+    result = targets.compile_on(step, (state, ids, w), "v5e", mesh=mesh, keep_hlo=True)
+    assert result.ok, result.error
+    assert result.hlo_text.count("tpu_custom_call") >= 2, "no embedding-bag kernel in the step"
+
+
 def _chip_mesh(chip: str) -> Mesh:
     return Mesh(targets.devices(chip)[:1], ("data",))
 
@@ -144,7 +195,7 @@ def _bag_auto() -> bool:
     p = _production("embedding_bag")
     S = jax.ShapeDtypeStruct
     return pooling._kernel_builds(S((p["vocab"], p["dim"]), jnp.float32),
-                                  S((p["bags"], p["bag_len"]), jnp.int32), "mean", "auto")
+                                  S((p["bags"], p["bag_len"]), jnp.int32), "mean", "auto", None)
 
 
 def _diff_auto() -> bool:
