@@ -1,7 +1,11 @@
 """nestpipe: sync / sparse_dist (TorchRec TrainPipelineSparseDist) / dbp / fwp / dbp+fwp /
-semi_sync pipelines over host-resident tables and a
-DLRM: exactness vs sync, per-stage and exposed time, speedup vs sync in the same run,
-the ideal bound (sum of stages / slowest), AUC / logloss, clustering's transfer reduction.
+sync_accum / semi_sync pipelines over host-resident tables and a DLRM: exactness vs sync
+(after ``steps`` steps and per step), per-stage and exposed time, speedup vs sync in the same
+run, the ideal bound (sum of stages / slowest), AUC / logloss, clustering's transfer reduction.
+``fwp`` / ``dbp+fwp`` are the paper's frozen-window pipelining on every platform (per
+micro-batch routing, clustering and All2All; overlappable with async collectives, which the
+CPU backend does not have); ``sync_accum`` is the whole window routed and exchanged once (the
+collectives of sync, the backward in N micro-batches: sync plus gradient accumulation, not FWP).
 
     python -m jaxflow.run --exp=nestpipe --variant=quick
     python -m jaxflow.run --exp=nestpipe --variant=default
@@ -19,8 +23,9 @@ count they fall back to the worst-case sizes (0, cannot overflow).
 Summary keys (maps keyed by pipeline): ``speedup_vs_sync`` (median over ``runs`` of each run's
 paired median), ``speedup_runs`` (every run's figure), ``speedup_pairs`` (every pair),
 ``ideal_speedup``, ``max_param_diff_vs_sync`` (max over leaves of max |x - x_sync| /
-max |x_sync|); ``auto_mode`` / ``auto_speedup_vs_sync`` (the measured choice among the exact
-pipelines).
+max |x_sync|), ``max_one_step_diff_vs_sync`` (the windowed pipelines), ``frozen_exchange``
+(pipeline -> its window's All2All schedule); ``auto_mode`` / ``auto_speedup_vs_sync`` (the
+measured choice among the exact pipelines).
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from jaxflow.config import Variants
 
 DESCRIPTION = "NestPipe dual-buffer / frozen-window pipelines vs sync over host-resident tables"
 ENTRY = "jaxflow.main.nestpipe:main"
-PIPELINE_NAMES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "semi_sync")
+PIPELINE_NAMES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "sync_accum", "semi_sync")
+#: the paper's frozen window's All2All schedules (sharded.FROZEN_EXCHANGES less ``window``,
+#: which is the sync_accum pipeline)
+FWP_EXCHANGES = ("per_micro_batch", "batched")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +60,10 @@ class Config:
     # fixed shapes of the routing (exceeding one raises CapacityOverflowError; 0 = cannot overflow)
     capacity: int = 0  # distinct keys per device per (micro-)batch, all tables together
     bucket_capacity: int = 0  # keys one device asks of one owner per batch (sync, dbp, semi_sync)
-    micro_bucket_capacity: int = 0  # the same per micro-batch (frozen window routed per micro-batch)
+    micro_bucket_capacity: int = 0  # the same per micro-batch (fwp / dbp+fwp: routed per micro-batch)
     owner_capacity: int = 0  # distinct rows one owner retrieves per batch
-    micro_batches: int = 4  # the frozen window's N
-    cluster: bool = True  # key-centric clustering of samples (per-micro-batch schedules only)
+    micro_batches: int = 4  # the window's N (fwp, dbp+fwp, sync_accum)
+    cluster: bool = True  # key-centric clustering of samples (fwp / dbp+fwp; sync_accum: no effect)
     cluster_method: str = "vote"  # vote (vectorised) | greedy (fewer rows moved, slower)
     pipelines: tuple[str, ...] = PIPELINE_NAMES
     steps: int = 50  # K, for the exactness comparison and AUC
@@ -69,9 +77,9 @@ class Config:
     probe_rounds: int = 3
     probe_steps: int = 0  # steps per probe call; 0 = timing_steps (short probes favour sync: a
     # pipeline's fill / drain is a larger share of a short run)
-    # the frozen window's schedule: auto | per_micro_batch | batched | window
-    # (sharded.FROZEN_EXCHANGES; auto = window on the CPU, per_micro_batch on GPU/TPU)
-    frozen_exchange: str = "auto"
+    # fwp / dbp+fwp's All2All schedule: per_micro_batch (the paper's, every platform) | batched
+    # (diagnostic: the same values with one row and one gradient All2All per window)
+    frozen_exchange: str = "per_micro_batch"
     # write the simulator's calibration file here (nestpipe_scale reads it; see its config)
     calibration_out: str = ""
 
@@ -83,9 +91,11 @@ class Config:
             raise ValueError(f"runs={self.runs}, pairs={self.pairs}, probe_rounds="
                              f"{self.probe_rounds}, probe_steps={self.probe_steps}; need >= 1 "
                              "(probe_steps >= 0)")
-        if self.frozen_exchange not in ("auto", "per_micro_batch", "batched", "window"):
-            raise ValueError(f"frozen_exchange={self.frozen_exchange!r}; valid: auto, "
-                             "per_micro_batch, batched, window")
+        if self.frozen_exchange not in FWP_EXCHANGES:
+            hint = (" (the whole-window schedule is the sync_accum pipeline, not fwp)"
+                    if self.frozen_exchange == "window" else "")
+            raise ValueError(f"frozen_exchange={self.frozen_exchange!r}; valid: "
+                             f"{', '.join(FWP_EXCHANGES)}{hint}")
         if self.cluster_method not in ("vote", "greedy"):
             raise ValueError(f"cluster_method={self.cluster_method!r}; valid: vote, greedy")
         if self.devices is not None and (self.devices < 1 or

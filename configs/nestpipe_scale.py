@@ -2,7 +2,12 @@
 128 -> 1,536 workers, fitted to the paper's stage shares and split by stage times measured by a
 ``nestpipe`` run (a calibration file with its commit, command and device count). Its
 predictions are checked against paper figures that did not enter the fit (``paper_checks``).
-Pure numpy, seconds.
+Pure numpy, seconds. Its ``fwp`` / ``dbp+fwp`` are the paper's overlapped frozen window
+(micro-batch i+1's forward All2All overlaps micro-batch i's compute, as ``nestpipe``'s fwp /
+dbp+fwp issue it with async collectives); ``nestpipe``'s ``sync_accum`` (the whole window routed
+once: sync plus gradient accumulation) is not modelled. The calibration takes only sync's stage
+times and dbp's patch from the measured run, not fwp's CPU step time (no async collectives on
+the CPU, so nothing overlapped there).
 
     python -m jaxflow.run --exp=nestpipe_scale --variant=quick
     python -m jaxflow.run --exp=nestpipe_scale --variant=quick --set calibration=runs/nestpipe/<run>
@@ -14,7 +19,8 @@ Regenerate the built-in calibration (then rerun this):
         --set calibration_out=jaxflow/nestpipe/simulate/data/nestpipe_quick.json
 
 Summary keys: ``scaling_efficiency`` (pipeline -> E at the largest scale, E = T(128) / T(N)
-under weak scaling), ``baseline_efficiency_error`` (simulated sync minus 0.4434; in-sample,
+under weak scaling), ``modelled_schedules`` (pipeline -> what the simulator runs for it),
+``baseline_efficiency_error`` (simulated sync minus 0.4434; in-sample,
 ``baseline_consistency_passed``), ``paper_checks`` / ``paper_checks_passed`` (out-of-sample),
 ``efficiency_by_workers``, ``speedup_vs_sync``, ``exposed_ms_at_max_workers``, ``calibration``
 (git_commit, command, devices, path, stale, warning), ``sensitivity`` (``calibration``: each

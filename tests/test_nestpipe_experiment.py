@@ -16,12 +16,14 @@ TINY = Config(vocab_sizes=(60, 40, 25, 9), multi_hot=3, embed_dim=8, bottom=(16,
 def test_summary_keys_and_exactness(tmp_path):
     run = standalone_context("nestpipe", "quick", out_dir=str(tmp_path))
     s = main(TINY, run)
-    names = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "semi_sync")
+    names = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "sync_accum", "semi_sync")
     for key in ("speedup_vs_sync", "ideal_speedup", "max_param_diff_vs_sync"):
         assert set(s[key]) == set(names), key
     assert s["max_param_diff_vs_sync"]["dbp"] == s["max_param_diff_vs_sync"]["sparse_dist"] == 0.0
     assert s["max_param_diff_vs_sync"]["dbp+fwp"] == s["max_param_diff_vs_sync"]["fwp"] <= 4e-6
+    assert s["max_param_diff_vs_sync"]["sync_accum"] <= 4e-6
     assert s["max_param_diff_vs_sync"]["semi_sync"] > 1e-3
+    assert set(s["max_one_step_diff_vs_sync"]) == {"fwp", "dbp+fwp", "sync_accum"}
     assert max(s["max_one_step_diff_vs_sync"].values()) <= 1e-6
     assert s["ideal_speedup"]["dbp"] > 1.0
     assert 0.0 <= s["duplicate_transfer_reduction"] < 1.0
@@ -30,9 +32,13 @@ def test_summary_keys_and_exactness(tmp_path):
     for k in ("data", "h2d", "route", "retrieve", "exchange", "compute", "write_back", "patch"):
         assert k in s["stage_seconds"]["sync"], k
     assert s["stage_seconds"]["sync"]["exchange"] > 0 and s["stage_seconds"]["sync"]["route"] > 0
-    # the CPU's whole-window schedule exchanges rows in a program of its own, as sync does
-    # (the per-micro-batch schedules fuse it into the window's compute: 0 there)
-    assert s["frozen_exchange"] == "window" and s["stage_seconds"]["fwp"]["exchange"] > 0
+    # fwp / dbp+fwp: the paper's per-micro-batch window on the CPU too (the row exchange fused
+    # into the window's compute: 0 there); sync_accum's whole window exchanges rows in a
+    # program of its own, as sync does
+    assert s["frozen_exchange"] == {"fwp": "per_micro_batch", "dbp+fwp": "per_micro_batch",
+                                    "sync_accum": "window"}
+    assert s["stage_seconds"]["fwp"]["exchange"] == 0.0
+    assert s["stage_seconds"]["sync_accum"]["exchange"] > 0
     # fair timing: 2 runs of 1 round, every pair and run kept, auto chose an exact pipeline
     assert all(len(v) == 2 for v in s["speedup_runs"].values())
     assert all(len(v) == 2 and all(len(r) == 1 for r in v) for v in s["speedup_pairs"].values())
@@ -41,7 +47,7 @@ def test_summary_keys_and_exactness(tmp_path):
     assert set(s["speedup_pairs"]) == set(names[1:]) | {"auto", "sync_repeat"}
     assert all(sorted(o) == sorted(names + ("sync_repeat",)) for run in s["timing_order"]
                for o in run)
-    assert s["auto_mode"] in ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp") and len(s["auto_mode_runs"]) == 2
+    assert s["auto_mode"] in names[:-1] and len(s["auto_mode_runs"]) == 2
     for r, chosen in enumerate(s["auto_mode_runs"]):
         want = [1.0] if chosen == "sync" else s["speedup_pairs"][chosen][r]
         assert s["speedup_pairs"]["auto"][r] == want
@@ -57,6 +63,8 @@ def test_config_validation():
         dataclasses.replace(get_config("quick"), runs=0)
     with pytest.raises(ValueError, match="frozen_exchange"):
         dataclasses.replace(get_config("quick"), frozen_exchange="overlap")
+    with pytest.raises(ValueError, match="sync_accum pipeline, not fwp"):
+        dataclasses.replace(get_config("quick"), frozen_exchange="window")
     with pytest.raises(ValueError, match="devices"):
         dataclasses.replace(get_config("quick"), devices=3)
     with pytest.raises(ValueError, match="variant"):

@@ -142,6 +142,9 @@ def test_cli_quick_writes_summary_keys(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["scaling_efficiency"]) == set(PIPELINES)
+    # the simulated fwp is the paper's overlapped schedule, not nestpipe's sync_accum
+    assert set(summary["modelled_schedules"]) == set(PIPELINES)
+    assert "overlapped" in summary["modelled_schedules"]["fwp"]
     assert summary["baseline_efficiency_error"] == pytest.approx(
         summary["scaling_efficiency"]["sync"] - PAPER_BASELINE_EFFICIENCY)
     assert abs(summary["baseline_efficiency_error"]) < 0.05

@@ -3,8 +3,13 @@ data-parallel on a mesh of the devices present (or the first ``config.devices``)
 tables split row-wise over the same shards (keys routed and rows returned by All2All;
 ``sharded.py``).
 
+``fwp`` / ``dbp+fwp`` are the paper's frozen-window pipelining (per micro-batch routing,
+clustering and All2All: ``per_micro_batch``) on every platform; ``sync_accum`` is the whole window
+routed and exchanged once (sync's collectives, the backward in N micro-batches: sync plus
+gradient accumulation, not FWP), timed beside it.
+
 Exactness: params and tables after K steps vs ``sync`` (max relative difference = max |x - x_sync|
-/ max |x_sync| over all dense params and tables together), and for the frozen window the
+/ max |x_sync| over all dense params and tables together), and for the windowed pipelines the
 one-step difference from sync's own state at each of the first ``step_check_steps`` steps (the
 per-step reorder error). Speed (``jaxflow.timing``): ``pairs`` rounds, each running every
 pipeline once for ``timing_steps`` steps from fresh copies, in a seeded random order per round,
@@ -35,7 +40,7 @@ from jaxflow.experiment import RunContext, to_jsonable
 from jaxflow.mesh import experiment_devices, require_divisible
 from jaxflow.nestpipe.clustering import CLUSTER_METHODS, shard_micro_batch_transfers
 from jaxflow.nestpipe.pipelines import PIPELINES, STAGES, Parts, run_pipeline
-from jaxflow.nestpipe.sharded import AXIS, MeshStages, resolve_frozen_exchange
+from jaxflow.nestpipe.sharded import AXIS, MeshStages
 from jaxflow.nestpipe.simulate import write_calibration_from_run
 from jaxflow.nestpipe.stages import clone_tables, cluster_order
 from jaxflow.recsys.metrics import log_loss, roc_auc
@@ -45,7 +50,9 @@ from jaxflow.timing import auto_summary as summarize_auto
 from jaxflow.timing import median_of_runs, repeated_runs
 
 #: the pipelines ``auto`` chooses from: the exact ones (semi_sync is one step stale)
-AUTO_CANDIDATES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp")
+AUTO_CANDIDATES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "sync_accum")
+#: the pipelines with a window of ``micro_batches`` (per-step error checked against sync)
+WINDOWED = tuple(p for p, (_, window) in PIPELINES.items() if window)
 
 
 def resolve_meshes(config, devices=None) -> dict[str, Mesh]:
@@ -90,26 +97,24 @@ def build(config):
     caps = capacities(config, mesh.devices.size)
     dense = jax.device_put({"params": params, "opt": tx.init(params), "step": np.int32(0)},
                            NamedSharding(mesh, PartitionSpec()))
-    programs = {}
-    # "window" routes the whole window at once: the batch-level capacities, and clustering
-    # (which only shrinks per-micro-batch dedup) would change nothing but cost its pass
-    whole_window = resolve_frozen_exchange(config.frozen_exchange, mesh) == "window"
+    programs = {}  # (micro-batches, frozen_exchange) -> MeshStages
 
     def parts_for(pipeline: str, tables) -> Parts:
-        schedule, frozen = PIPELINES[pipeline]
-        n = config.micro_batches if frozen else 1
-        per_micro_batch = n > 1 and not whole_window
-        if n not in programs:
-            programs[n] = MeshStages(specs, mesh, opt, apply, tx, batch_size=config.batch_size,
-                                     multi_hot=config.multi_hot, micro_batches=n,
-                                     capacity=caps["capacity"],
-                                     bucket_capacity=(caps["micro_bucket_capacity"]
-                                                      if per_micro_batch
-                                                      else caps["bucket_capacity"]),
-                                     owner_capacity=caps["owner_capacity"],
-                                     frozen_exchange=config.frozen_exchange)
-        return Parts(gen, specs, tables, programs[n], config.batch_size,
-                     cluster=frozen and config.cluster and per_micro_batch,
+        schedule, window = PIPELINES[pipeline]
+        n = config.micro_batches if window else 1
+        # "whole" (sync_accum) routes the window at once: the batch-level capacities, and
+        # clustering (which only shrinks per-micro-batch dedup) would change nothing
+        exchange = "window" if window == "whole" else config.frozen_exchange
+        per_micro_batch = window == "frozen"
+        if (n, exchange) not in programs:
+            programs[n, exchange] = MeshStages(
+                specs, mesh, opt, apply, tx, batch_size=config.batch_size,
+                multi_hot=config.multi_hot, micro_batches=n, capacity=caps["capacity"],
+                bucket_capacity=(caps["micro_bucket_capacity"] if per_micro_batch
+                                 else caps["bucket_capacity"]),
+                owner_capacity=caps["owner_capacity"], frozen_exchange=exchange)
+        return Parts(gen, specs, tables, programs[n, exchange], config.batch_size,
+                     cluster=per_micro_batch and config.cluster,
                      cluster_method=config.cluster_method)
 
     parts_for.programs = programs
@@ -117,7 +122,7 @@ def build(config):
 
 
 def programs_of(parts_for) -> dict:
-    """The compiled MeshStages built so far, by micro-batch count."""
+    """The compiled MeshStages built so far, by (micro-batch count, frozen_exchange)."""
     return parts_for.programs
 
 
@@ -210,7 +215,7 @@ def main(config, run: RunContext) -> dict:
                  f"AUC {results[p]['auc']:.4f}")
     check = min(config.steps, config.step_check_steps)
     step_diff = {p: max(one_step_diffs(p, tables0, dense0, parts_for, check))
-                 for p in pipelines if p in ("fwp", "dbp+fwp")}
+                 for p in pipelines if p in WINDOWED}
     # 2. timing (jaxflow.timing): each round runs every pipeline (and sync a second time) once
     # from fresh table copies in a seeded random order; paired ratios sync / pipeline per round.
     # ``runs`` repetitions, each with its own warm-up and auto probe.
@@ -281,12 +286,14 @@ def main(config, run: RunContext) -> dict:
         "patched_rows_per_step": {p: med([s["patched_rows"] for s in timing[p]]) for p in pipelines},
         "owner_rows_per_step": {p: [med([s["owner_rows"][q] for s in timing[p]])
                                     for q in range(n_dev)] for p in pipelines},
-        "capacities": {n: {"device": m.capacity, "bucket": m.bucket_capacity, "owner": m.owner_capacity}
-                       for n, m in ((f"micro_batches={k}", v) for k, v in programs_of(parts_for).items())},
+        "capacities": {(f"micro_batches={k}" + (f", {x}" if k > 1 else "")):
+                       {"device": m.capacity, "bucket": m.bucket_capacity, "owner": m.owner_capacity}
+                       for (k, x), m in programs_of(parts_for).items()},
         "devices": n_dev,
-        # the frozen window's schedule as resolved on this platform (sharded.FROZEN_EXCHANGES)
-        "frozen_exchange": next((m.frozen_exchange for k, m in programs_of(parts_for).items()
-                                 if k > 1), None),
+        # each windowed pipeline's All2All schedule (sharded.FROZEN_EXCHANGES): fwp / dbp+fwp
+        # the paper's per_micro_batch (unless configured batched), sync_accum window
+        "frozen_exchange": {p: parts_for(p, None).stages.frozen_exchange for p in pipelines
+                            if p in WINDOWED},
         "duplicate_transfer_reduction": 1.0 - clustered[config.cluster_method] / plain,
         "duplicate_transfer_reduction_by_method": {m: 1.0 - c / plain for m, c in clustered.items()},
         "micro_batch_rows_moved": {"unclustered": plain, **clustered},

@@ -4,8 +4,9 @@
 (key routing + All2All, row exchange, compute, buffer patch) in ``shard_map``; ``host_io.py``
 per-shard retrieval / write-back threads; ``buffers.py`` the dual-buffer intersection patch;
 ``clustering.py`` key-centric sample clustering; ``pipelines.py`` the schedules (sync, dbp,
-semi_sync, fwp, dbp+fwp); ``simulate`` the cluster-scale simulator (a package). The ``nestpipe`` and
-``nestpipe_scale`` experiments live in ``jaxflow/main/``.
+semi_sync, sparse_dist; fwp, dbp+fwp: the paper's frozen window; sync_accum: the whole
+window routed once, sync plus gradient accumulation); ``simulate`` the cluster-scale simulator
+(a package). The ``nestpipe`` and ``nestpipe_scale`` experiments live in ``jaxflow/main/``.
 """
 
 from jaxflow.nestpipe.buffers import intersection_slots, patch_intersection_rows

@@ -14,12 +14,17 @@
                  computes; the rows of t+1 are read only after t's write back, so nothing is
                  stale and the result is bit-identical to ``sync``. The baseline an
                  experienced TorchRec user would run.
-  ``fwp`` / ``dbp+fwp``  ``sync`` / ``dbp`` with the frozen window (N micro-batches against
-                 the same frozen rows and dense params, one update). Its All2All schedule is
-                 ``MeshStages.frozen_exchange``: on GPU/TPU per micro-batch routing (with
-                 key-centric clustering of samples), row / gradient All2All of micro-batch i+1
-                 overlappable with dense compute of i; on the CPU (synchronous collectives)
-                 the window is routed and exchanged whole (``window``), without clustering.
+  ``fwp`` / ``dbp+fwp``  ``sync`` / ``dbp`` with the paper's frozen-window pipelining (FWP):
+                 N micro-batches against the same frozen rows and dense params, one update;
+                 every micro-batch routed and deduped alone (key-centric clustering of samples
+                 first), micro-batch i+1's row All2All issued before i's dense compute and i's
+                 gradient All2All after it (``MeshStages.frozen_exchange = per_micro_batch``),
+                 so async collectives (GPU/TPU) can overlap them. The same on every platform;
+                 the CPU backend's collectives are synchronous, so there nothing overlaps.
+  ``sync_accum`` ``sync`` with the window routed, deduped and exchanged once as a whole and only
+                 the backward split into N micro-batches (``frozen_exchange = window``): the
+                 collectives of sync plus gradient accumulation, no clustering; NOT FWP (nothing
+                 is left to overlap), measured beside it as what the window alone costs.
 
 ``run_pipeline`` returns the dense state (tables are updated in place on the host) and per-stage
 timings. On the CPU backend collectives are synchronous and the 2 cores are shared by all
@@ -42,12 +47,15 @@ from jaxflow.nestpipe.host_io import HostShards
 from jaxflow.nestpipe.sharded import MeshStages, OwnerBuffer, Routed
 from jaxflow.nestpipe.stages import DeviceBatch, cluster_order, load_batch, reorder_batch, to_device
 
-#: pipeline name -> (schedule, uses the frozen window)
-PIPELINES = {"sync": ("sync", False), "dbp": ("dbp", False), "semi_sync": ("semi_sync", False),
-             "sparse_dist": ("sparse_dist", False), "fwp": ("sync", True),
-             "dbp+fwp": ("dbp", True)}
+#: pipeline name -> (schedule, window): window None (one batch, one update), "frozen" (the
+#: paper's frozen window, ``per_micro_batch`` unless the config picks the ``batched``
+#: diagnostic) or "whole" (the whole-window ``window`` schedule: sync plus gradient accumulation)
+PIPELINES = {"sync": ("sync", None), "dbp": ("dbp", None), "semi_sync": ("semi_sync", None),
+             "sparse_dist": ("sparse_dist", None), "fwp": ("sync", "frozen"),
+             "dbp+fwp": ("dbp", "frozen"), "sync_accum": ("sync", "whole")}
 HOST_STAGES = ("data", "h2d", "route", "retrieve")
 #: timed stages; ``exchange`` (the row All2All) is fused into ``compute`` in the frozen window
+#: (``per_micro_batch`` / ``batched``), a program of its own otherwise
 STAGES = HOST_STAGES + ("compute", "write_back", "exchange")
 
 

@@ -16,13 +16,16 @@ table a is ``i // ceil(V_a / P)``). Per step, inside ``jax.shard_map``:
                        (AllReduce), row grads All2All'd to the owners (``exchange_grads``), summed
                        per owner-buffer slot, sparse optimizer on the owner buffer, dense Adam.
 
-The frozen window (``micro_batches = N > 1``) routes every micro-batch separately (per
-micro-batch dedup, which key-centric clustering makes smaller) and fuses exchange and compute
-into one program: the owner buffer and dense params are frozen for the window, so micro-batch
-i+1's row All2All is issued before micro-batch i's dense compute and depends on nothing it
-produces; i's gradient All2All likewise feeds only the final update. XLA's async collectives
-(GPU/TPU) can overlap them; the CPU backend runs collectives synchronously (no overlap there),
-so there ``frozen_exchange="auto"`` moves the window's rows and gradients in one All2All each.
+The frozen window (``micro_batches = N > 1``, the paper's FWP: ``per_micro_batch``) routes every
+micro-batch separately (per micro-batch dedup, which key-centric clustering makes smaller) and
+fuses exchange and compute into one program: the owner buffer and dense params are frozen for
+the window, so micro-batch i+1's row All2All is issued before micro-batch i's dense compute and
+depends on nothing it produces; i's gradient All2All likewise feeds only the final update. XLA's
+async collectives (GPU/TPU) can overlap them; the CPU backend runs collectives synchronously, so
+there the schedule runs but nothing overlaps. ``window`` is NOT frozen-window pipelining: the
+window is routed and exchanged once as a whole, the same collectives as sync, and only the
+backward is split into N micro-batches (sync plus gradient accumulation; the ``sync_accum``
+pipeline).
 """
 
 from __future__ import annotations
@@ -43,27 +46,24 @@ from jaxflow.embeddings.routing import SENTINEL, Routing, dedup, route_ids
 from jaxflow.embeddings.spec import EmbeddingPlan, Placement, TableSpec, plan_tables
 
 AXIS = "data"
-#: the frozen window's All2All schedule: ``per_micro_batch`` (every micro-batch routed and
-#: deduped alone, micro-batch i+1's rows issued before i's compute, so async collectives can
-#: overlap it), ``batched`` (the same per-micro-batch routing, one All2All for the window's rows
-#: and one for its gradients: the same values, bit for bit, with 2 instead of 2N rendezvous),
-#: ``window`` (the window routed and deduped once, as a whole: one key All2All, one row
-#: exchange, the N micro-batches' gradients summed per unique row, one gradient All2All --
-#: fewest rows moved and no per-micro-batch routing, but nothing to overlap; key-centric
-#: clustering has no effect on it), ``auto`` (window on the CPU backend, whose collectives are
-#: synchronous so a per-micro-batch schedule only adds work; per_micro_batch elsewhere)
-FROZEN_EXCHANGES = ("auto", "per_micro_batch", "batched", "window")
+#: the frozen window's All2All schedule: ``per_micro_batch`` (the paper's frozen-window
+#: pipelining: every micro-batch routed and deduped alone, micro-batch i+1's rows issued before
+#: i's compute, so async collectives can overlap it; the ``fwp`` pipelines), ``batched`` (the
+#: same per-micro-batch routing, one All2All for the window's rows and one for its gradients:
+#: the same values, bit for bit, with 2 instead of 2N rendezvous and nothing to overlap; a
+#: diagnostic), ``window`` (the window routed and deduped once, as a whole: one key All2All, one
+#: row exchange, the N micro-batches' gradients summed per unique row, one gradient All2All --
+#: the collectives of sync, nothing to overlap, clustering has no effect: sync plus gradient
+#: accumulation, the ``sync_accum`` pipeline, not FWP)
+FROZEN_EXCHANGES = ("per_micro_batch", "batched", "window")
 
 
-def resolve_frozen_exchange(frozen_exchange: str, mesh: Mesh) -> str:
-    """The concrete schedule of ``frozen_exchange`` on ``mesh`` (``auto`` resolved)."""
+def check_frozen_exchange(frozen_exchange: str) -> str:
+    """``frozen_exchange`` if it names a schedule of ``FROZEN_EXCHANGES``, else ValueError."""
     if frozen_exchange not in FROZEN_EXCHANGES:
         raise ValueError(f"frozen_exchange={frozen_exchange!r}; valid: "
                          f"{', '.join(FROZEN_EXCHANGES)}")
-    if frozen_exchange != "auto":
-        return frozen_exchange
-    platform = next(iter(mesh.devices.flat)).platform
-    return "window" if platform == "cpu" else "per_micro_batch"
+    return frozen_exchange
 
 
 class Routed(NamedTuple):
@@ -100,9 +100,8 @@ class MeshStages:
                  apply: Callable, dense_tx: optax.GradientTransformation, *, batch_size: int,
                  multi_hot: int, micro_batches: int = 1, capacity: int = 0,
                  bucket_capacity: int = 0, owner_capacity: int = 0,
-                 frozen_exchange: str = "auto"):
-        # the CPU runs collectives synchronously: nothing to overlap (resolve_frozen_exchange)
-        self.frozen_exchange = frozen_exchange = resolve_frozen_exchange(frozen_exchange, mesh)
+                 frozen_exchange: str = "per_micro_batch"):
+        self.frozen_exchange = frozen_exchange = check_frozen_exchange(frozen_exchange)
         if tuple(mesh.axis_names) != (AXIS,):
             raise ValueError(f"mesh axes {mesh.axis_names}; NestPipe wants one axis {AXIS!r}")
         self.mesh, self.specs, self.optimizer = mesh, list(specs), optimizer

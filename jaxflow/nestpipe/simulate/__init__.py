@@ -29,7 +29,11 @@ compute -> All2All backward] -> write back. Pipelines (what may overlap):
 - ``fwp``: stages serial across batches, but the All2All + compute part is split into
   ``micro_batches`` pieces; the forward All2All of micro-batch i+1 is issued before the backward
   All2All of micro-batch i, so communication overlaps compute. Each piece moves 1/m of the bytes
-  (pooled embeddings scale with samples) but pays the full per-call latency.
+  (pooled embeddings scale with samples) but pays the full per-call latency. This is the
+  paper's overlapped frozen-window schedule (``nestpipe``'s fwp / dbp+fwp, ``per_micro_batch``,
+  with async collectives, which the CPU where the calibration was measured does not have);
+  ``nestpipe``'s ``sync_accum`` (the window routed and exchanged once, sync's collectives, only
+  the backward split) is not modelled: it has nothing to overlap.
 - ``dbp+fwp``: both. ``semi_sync``: dbp without the patch (one-step-stale rows, not exact).
 
 Stage costs (calibration)
