@@ -1,5 +1,6 @@
-"""flexmarl: synchronous barrier baseline vs the FlexMARL micro-batch pipeline (strict and
-bounded staleness), on the solver / verifier workflow; same samples in sync and strict.
+"""flexmarl: the fastest bit-identical lockstep (per run, the faster of ``sync`` and
+``sync_unblocked``) vs the FlexMARL micro-batch pipeline (strict and bounded staleness), on the
+solver / verifier workflow; same samples in lockstep and strict.
 
     python -m jaxflow.run --exp=flexmarl --variant=quick      # ~1-2 min on 2 CPU cores
     python -m jaxflow.run --exp=flexmarl --variant=default    # ~3 min
@@ -43,7 +44,8 @@ class Config:
     steps: int = 20
     reps: int = 10               # timed rounds per run (every mode once, random order)
     runs: int = 1                # timing runs, each with its own warm-up and auto probe
-    auto: bool = True            # probe lockstep vs strict, time the faster as "auto"
+    auto: bool = True            # probe both lockstep forms and strict, time the fastest
+    # as "auto"
     probe_rounds: int = 5
     probe_steps: int = 0  # steps per probe call; 0 = steps (short probes favour sync: a
     # pipeline's fill / drain is a larger share of a short run)

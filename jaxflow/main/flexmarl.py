@@ -1,30 +1,34 @@
-"""The ``flexmarl`` experiment: synchronous barrier baseline vs the FlexMARL pipeline.
+"""The ``flexmarl`` experiment: the fastest bit-identical lockstep vs the FlexMARL pipeline.
 
 All runs: the built-in solver / verifier workflow, the same rollout engine (per-row keys,
-finished rows compacted away), batch sizes, GRPO kernels and initial params. ``sync`` is the
-MARTI-style barrier baseline (roll out every agent on every input, then one full-batch step per
-agent, in lockstep, each step waited for: its stage times calibrate the simulator);
-``sync_unblocked`` the same barrier without those waits; ``strict`` is the micro-batch pipeline
-(same samples, same update up to summation order) on the inline driver (the trainers dispatch
-their programs between the rollout's engine calls, one host thread), ``strict_threads`` the
-same on blocking trainer threads (bit-identical); ``bounded(eta)`` lets rollouts run up to eta
-versions ahead (threads).
+finished rows compacted away), batch sizes, GRPO kernels and initial params. Lockstep is the
+MARTI-style barrier (roll out every agent on every input, then one full-batch step per agent)
+in two bit-identical forms: ``sync`` waits for each agent's step (its stage times calibrate the
+simulator), ``sync_unblocked`` only dispatches them (one wait per version). ``strict`` is the
+micro-batch pipeline (same samples, same update up to summation order) on the inline driver
+(the trainers dispatch their programs between the rollout's engine calls, one host thread),
+``strict_threads`` the same on blocking trainer threads (bit-identical); ``bounded(eta)`` lets
+rollouts run up to eta versions ahead (threads).
 
 Timing (CONVENTIONS, ``jaxflow.timing``): per run an untimed warm-up run of each mode, then
-``reps`` rounds each running every mode once (and sync a second time, ``sync_repeat``: the
-baseline's own run-to-run interval) in a seeded random order;
-``runs`` such runs. Reported: the median over runs of each run's median paired ratio
-sync wall / mode wall (``speedup_runs``: every run's figure, ``speedup_pairs``: every pair) and
-the min / max over all pairs; ``strict_vs_sync_unblocked``: the same statistic with
-``sync_unblocked`` as the baseline; ``auto_mode`` / ``auto_speedup_vs_sync``: a probe of
-``probe_rounds`` rounds of ``probe_steps`` steps of lockstep (``sync``) and ``strict`` picks
-the faster, and auto's figures are that mode's in the same rounds (the probe ran before them);
-samples/s medians, busy fraction per role (busy seconds / wall; roles: the rollout engine and
-one trainer per agent; the inline driver's trainer seconds are host seconds) as medians over
-rounds, per-step reward means of the first round, ``strict_max_param_diff`` (max over steps
-and agents of the per-leaf relative difference strict vs sync), the observed staleness of
-bounded runs, decode row-steps saved by compaction vs a padded batch decode, and a strict run
-with agent state swapping (bit-exact).
+``reps`` rounds each running every mode once (and both lockstep forms a second time,
+``sync_repeat`` / ``sync_unblocked_repeat``) in a seeded random order; ``runs`` such runs.
+**Baseline of every speedup** (:func:`fastest_lockstep`): per run, whichever of ``sync`` and
+``sync_unblocked`` has the smaller median seconds over that run's rounds (``baseline_mode_runs``;
+``baseline_mode`` the majority); a mode's figure is the median over runs of each run's median
+paired ratio baseline wall / mode wall of the same round (``speedup_runs``, ``speedup_pairs``),
+min / max over all pairs; ``lockstep_repeat``: the winning form timed again (the noise floor).
+``strict_vs_lockstep_round_min``: strict against the faster of the two forms in each round (an
+oracle no user can run; conservative); ``strict_vs_sync_blocked``: against ``sync`` alone (the
+headline before this baseline). ``auto``: a probe of ``probe_rounds`` rounds of
+``probe_steps`` steps of ``sync``, ``sync_unblocked`` and ``strict`` (the staleness-free modes)
+picks the fastest, and auto's figures are that mode's in the same rounds (the probe ran before
+them). Also: samples/s medians, busy fraction per role (busy seconds / wall; roles: the
+rollout engine and one trainer per agent; ``sync_utilisation`` is the blocked lockstep's,
+device seconds, which the calibration reads), per-step reward means of the first round,
+``strict_max_param_diff`` (max over steps and agents of the per-leaf relative difference
+strict vs sync), the observed staleness of bounded runs, decode row-steps saved by compaction
+vs a padded batch decode, and a strict run with agent state swapping (bit-exact).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -46,9 +51,71 @@ from jaxflow.marl.simulate import sync_counts, write_calibration_from_run
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import solver_verifier_workflow
 from jaxflow.rl.tasks import encode_prompts
-from jaxflow.timing import auto_summary as summarize_auto
-from jaxflow.timing import median_of_runs, repeated_runs
+from jaxflow.timing import median_of_runs, repeat_name, repeated_runs
 from jaxflow.train.lm_state import init_params
+
+
+LOCKSTEP = ("sync", "sync_unblocked")  # the bit-identical lockstep forms (baseline candidates)
+
+
+def fastest_lockstep(seconds: Mapping[str, Sequence[float]],
+                     lockstep: Sequence[str] = LOCKSTEP) -> dict:
+    """The speedup baseline of one timing run and every mode's paired ratios against it.
+
+    ``seconds``: ``{mode: [seconds per round]}`` of one :func:`~jaxflow.timing.paired_rounds`
+    run (all lists of length R, round r of every mode measured in the same round). The baseline
+    is the ``lockstep`` mode with the smallest median seconds (ties: the first listed).
+    Returns ``{"mode": baseline, "median_seconds": {lockstep mode: s}, "ratios": {mode: [R]
+    baseline s / mode s per round], "speedup": {mode: median ratio}, "round_min_ratios" /
+    "round_min_speedup": the same against min over ``lockstep`` of each round's seconds}``;
+    with the baseline's second timing (``repeat_name(baseline)``) in ``seconds`` also
+    ``ratios["lockstep_repeat"]`` / ``speedup["lockstep_repeat"]`` (the noise floor)."""
+    missing = [m for m in lockstep if m not in seconds]
+    if missing:
+        raise ValueError(f"lockstep modes {missing} were not timed (timed: {list(seconds)})")
+    med = {m: statistics.median(seconds[m]) for m in lockstep}
+    base = min(lockstep, key=lambda m: (med[m], list(lockstep).index(m)))
+    floor = [min(r) for r in zip(*(seconds[m] for m in lockstep))]
+
+    def against(ref):
+        return {m: [b / x for b, x in zip(ref, s)] for m, s in seconds.items()}
+
+    ratios, round_min = against(seconds[base]), against(floor)
+    if repeat_name(base) in seconds:
+        ratios["lockstep_repeat"] = ratios[repeat_name(base)]
+    return {"mode": base, "median_seconds": med, "ratios": ratios,
+            "speedup": {m: statistics.median(r) for m, r in ratios.items()},
+            "round_min_ratios": round_min,
+            "round_min_speedup": {m: statistics.median(r) for m, r in round_min.items()}}
+
+
+def auto_vs_lockstep(per_run: Mapping[str, Mapping], choices: list[Mapping],
+                     candidates: Sequence[str]) -> dict:
+    """Summary keys of ``auto`` against the fastest lockstep (``per_run``: ``median_of_runs``
+    of every run's :func:`fastest_lockstep` speedups, holding ``auto``, ``lockstep_repeat`` and
+    the candidates; ``choices``: each run's :func:`~jaxflow.timing.choose_mode` probe, whose
+    ``predicted_speedup_vs_lockstep`` is the faster lockstep form's probe median / the
+    choice's). The best fixed mode is the candidate with the best median;
+    when it is a lockstep form its interval is ``lockstep_repeat``'s runs (the baseline timed
+    again), else its own; auto is within when its median is at least that interval's low end."""
+    best = max(candidates, key=lambda m: per_run[m]["median"])
+    spread = per_run["lockstep_repeat" if best in LOCKSTEP else best]["runs"]
+    picked = [c["mode"] for c in choices]
+    probes = []
+    for c in choices:
+        med = c["median_seconds"]
+        fastest = min(med[m] for m in LOCKSTEP if m in med)
+        probes.append({"median_seconds": med, "probe_seconds": c["probe_seconds"],
+                       "predicted_speedup_vs_lockstep": fastest / med[c["mode"]]})
+    return {"auto_mode": max(set(picked), key=lambda m: (picked.count(m), -picked.index(m))),
+            "auto_mode_runs": picked,
+            "auto_speedup_vs_lockstep": per_run["auto"]["median"],
+            "auto_speedup_runs": per_run["auto"]["runs"],
+            "auto_candidates": list(candidates),
+            "auto_best_fixed_mode": best,
+            "auto_best_fixed_interval": [min(spread), max(spread)],
+            "auto_within_best_fixed_interval": bool(per_run["auto"]["median"] >= min(spread)),
+            "auto_probe": probes}
 
 
 def _utilisation(r: RunResult) -> dict[str, float]:
@@ -159,12 +226,15 @@ def main(config, run) -> dict:
     warm = policies()
     for n, rt in runtimes.items():  # every compacted decode shape, so no timed run compiles
         rt.engine.precompile(rt.publish(warm[n]), config.rollout_batch * rt.spec.group_size)
-    # timing (jaxflow.timing): each round runs every mode (and sync again) once, in a seeded
-    # random order; paired ratios sync / mode per round; ``runs`` repetitions, each with its
-    # own warm-up and auto probe (lockstep vs strict: the staleness-free modes)
+    # timing (jaxflow.timing): each round runs every mode (and both lockstep forms again)
+    # once, in a seeded random order; ``runs`` repetitions, each with its own warm-up and auto
+    # probe; every ratio is against the run's faster lockstep form (fastest_lockstep)
     results: dict[str, list[RunResult]] = {m: [] for m in modes}
+    repeats = {repeat_name(m): m for m in LOCKSTEP}
 
     def timed(m, steps, keep=True):
+        keep, m = keep and m not in repeats, repeats.get(m, m)
+
         def call():
             r = modes[m](steps)
             if keep:
@@ -172,23 +242,28 @@ def main(config, run) -> dict:
             return r.wall_s
         return call
 
-    candidates = ["sync", "strict"]  # lockstep or the pipeline (both staleness-free)
+    candidates = [*LOCKSTEP, "strict"]  # the staleness-free modes
 
     def warm():
         for fn in modes.values():
             fn(2)
 
     def log(rep, result, auto):
-        run.info(f"timing run {rep}: " + ", ".join(f"{m} {x:.2f}x" for m, x in
-                                                   result["speedup"].items())
-                 + (f" (auto -> {auto['mode']})" if auto else ""))
+        base = fastest_lockstep(result["seconds"])
+        run.info(f"timing run {rep} (baseline {base['mode']}): " + ", ".join(
+            f"{m} {x:.2f}x" for m, x in base["speedup"].items())
+            + (f" (auto -> {auto['mode']})" if auto else ""))
 
-    timings, autos = repeated_runs(timed, list(modes), runs=config.runs, steps=config.steps,
-                                   rounds=config.reps, baseline="sync", seed=config.seed,
-                                   warm=warm, candidates=candidates if config.auto else (),
+    timings, autos = repeated_runs(timed, [*modes, *repeats], runs=config.runs,
+                                   steps=config.steps, rounds=config.reps, baseline="sync",
+                                   seed=config.seed, warm=warm,
+                                   candidates=candidates if config.auto else (),
                                    probe_steps=config.probe_steps,
                                    probe_rounds=config.probe_rounds, log=log)
-    per_run = median_of_runs([t["speedup"] for t in timings])
+    bases = [fastest_lockstep(t["seconds"]) for t in timings]
+    per_run = median_of_runs([b["speedup"] for b in bases])
+    won = [b["mode"] for b in bases]
+    baseline = max(LOCKSTEP, key=lambda m: (won.count(m), -LOCKSTEP.index(m)))
     sync, strict = results["sync"][0], results["strict"][0]
     for v in range(config.steps):
         run.log(v, {f"reward/{m}/{n}": r[0].rewards[v][n] for m, r in results.items()
@@ -196,10 +271,11 @@ def main(config, run) -> dict:
     per_step = [max(relative_param_diff(strict.params[v][n], sync.params[v][n])
                     for n in wf.order()) for v in range(config.steps)]
 
-    def ratio(m):  # median over runs of each run's paired median; min / max over all pairs
-        pairs = [x for t in timings for x in t["ratios"][m]]
-        return {"median": per_run[m]["median"], "min": min(pairs), "max": max(pairs),
-                "runs": per_run[m]["runs"]}
+    def ratio(m, key="ratios"):  # median over runs of each run's paired median; min / max
+        pairs = [x for b in bases for x in b[key][m]]  # over all pairs
+        runs = [statistics.median(b[key][m]) for b in bases]
+        return {"median": statistics.median(runs), "min": min(pairs), "max": max(pairs),
+                "runs": runs}
 
     def rate(m):
         return statistics.median(r.samples / r.wall_s for r in results[m])
@@ -209,7 +285,7 @@ def main(config, run) -> dict:
                            swapper=swapper, **pipe)
     swapper.close()
     bounded = {m[len("bounded_"):]: {
-        "speedup_vs_sync": ratio(m)["median"], "speedup_spread": ratio(m),
+        "speedup_vs_lockstep": ratio(m)["median"], "speedup_spread": ratio(m),
         "samples_per_s": rate(m), "utilisation": _median_util(results[m]),
         "staleness_max": max(r.staleness["max"] for r in results[m]),
         "staleness_mean": statistics.median(r.staleness["mean"] for r in results[m]),
@@ -217,32 +293,52 @@ def main(config, run) -> dict:
                                                           sync.params[-1][n])
                                       for n in wf.order()),
         "reward_curve": results[m][0].rewards} for m in modes if m.startswith("bounded")}
+
     def paired(num, den):  # median over runs of each run's median of num s / den s per round
         per = [statistics.median(a / b for a, b in zip(t["seconds"][num], t["seconds"][den]))
                for t in timings]
         return {"median": statistics.median(per), "runs": per}
 
     summary = {
-        "speedup_vs_sync": ratio("strict")["median"],
+        "baseline": "fastest bit-identical lockstep: per run, whichever of sync and "
+                    "sync_unblocked has the smaller median wall over the run's rounds",
+        "baseline_mode": baseline,  # the form that won most runs
+        "baseline_mode_runs": won,
+        "baseline_median_seconds_runs": [b["median_seconds"] for b in bases],
+        "speedup_vs_lockstep": ratio("strict")["median"],
+        "speedup_spread": ratio("strict"),
+        "speedup_runs": per_run["strict"]["runs"],
+        "speedups": {m: ratio(m) for m in per_run},  # every mode, lockstep_repeat included
+        "speedup_pairs": {m: [b["ratios"][m] for b in bases] for m in per_run},
+        "strict_vs_lockstep_round_min": ratio("strict", "round_min_ratios"),
+        "strict_vs_sync_blocked": paired("sync", "strict"),
         "strict_vs_sync_unblocked": paired("sync_unblocked", "strict"),
-        "strict_threads_speedup_vs_sync": ratio("strict_threads")["median"],
+        "sync_unblocked_vs_sync": paired("sync", "sync_unblocked"),
+        "strict_threads_speedup_vs_lockstep": ratio("strict_threads")["median"],
         "strict_threads_bit_exact": all(_bit_equal(results["strict_threads"][0].params[v],
                                                    strict.params[v])
                                         for v in range(config.steps)),
-        "speedup_spread": ratio("strict"),
-        "speedup_runs": per_run["strict"]["runs"],
-        "speedup_pairs": {m: [t["ratios"][m] for t in timings] for m in per_run if m != "sync"},
+        "sync_unblocked_bit_exact": all(_bit_equal(results["sync_unblocked"][0].params[v],
+                                                   sync.params[v])
+                                        for v in range(config.steps)),
         "timing_order": [t["order"] for t in timings],
         "runs": config.runs,
-        **(summarize_auto(per_run, autos, candidates) if autos else {}),
+        **(auto_vs_lockstep(per_run, autos, candidates) if autos else {}),
         "samples_per_s": rate("strict"),
-        "baseline_samples_per_s": rate("sync"),
+        "baseline_samples_per_s": rate(baseline),
         "utilisation": _median_util(results["strict"]),
-        "baseline_utilisation": _median_util(results["sync"]),
-        # what perfect overlap on separate hardware could give: the sync run's stage times,
-        # sum / slowest stage (CONVENTIONS "ideal bound")
+        "baseline_utilisation": _median_util(results[baseline]),
+        # the blocked lockstep's figures (device seconds per stage): the calibration's source
+        "sync_samples_per_s": rate("sync"),
+        "sync_utilisation": _median_util(results["sync"]),
+        # what perfect overlap on separate hardware could give: the blocked sync run's stage
+        # times, sum / slowest stage (CONVENTIONS "ideal bound"), and the fastest lockstep's
+        # median wall / the slowest stage's median seconds
         "ideal_speedup_bound": statistics.median(sum(r.busy_s.values()) / max(r.busy_s.values())
                                                  for r in results["sync"]),
+        "ideal_speedup_bound_vs_lockstep": (
+            statistics.median(r.wall_s for r in results[baseline])
+            / statistics.median(max(r.busy_s.values()) for r in results["sync"])),
         "strict_max_param_diff": max(per_step),
         "strict_param_diff_per_step": per_step,  # AdamW amplifies summation-order ulps
         "reward_curve": strict.rewards,
@@ -259,10 +355,10 @@ def main(config, run) -> dict:
         "trainer_devices": {n: rt.mesh.devices.size for n, rt in runtimes.items()},
         "reps": config.reps,
     }
-    run.info(f"speedup {summary['speedup_vs_sync']:.2f}x "
+    run.info(f"strict {summary['speedup_vs_lockstep']:.2f}x vs lockstep ({baseline}) "
              f"[{summary['speedup_spread']['min']:.2f}, {summary['speedup_spread']['max']:.2f}], "
              f"strict max param diff {max(per_step):.2e}; bounded: "
-             + ", ".join(f"{k} {b['speedup_vs_sync']:.2f}x lag<={b['staleness_max']:.0f}"
+             + ", ".join(f"{k} {b['speedup_vs_lockstep']:.2f}x lag<={b['staleness_max']:.0f}"
                          for k, b in bounded.items()))
     summary["calibration_counts"] = sync_counts(results["sync"], runtimes, wf.order())
     if config.calibration_out and run.is_primary:

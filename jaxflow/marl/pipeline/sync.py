@@ -64,7 +64,9 @@ def run_sync(workflow: Workflow, runtimes: dict[str, AgentRuntime], policies: di
     worker group's step returns when done), so ``busy_s`` holds each role's device seconds
     (the FlexMARL simulator's calibration reads them). False: the steps are only dispatched
     and the host copy of the params at the end of the version is the one wait, so a training
-    role's busy seconds are host seconds; the same result, bit for bit."""
+    role's busy seconds are host seconds; the same result, bit for bit, and on one device
+    usually the faster lockstep (the ``flexmarl`` experiment times both and takes the faster
+    as the baseline of every speedup)."""
     names = workflow.order()
     busy = {"rollout": 0.0} | {f"train/{n}": 0.0 for n in names}
     stats0 = engine_snapshot(runtimes)

@@ -117,15 +117,20 @@ def sync_counts(sync_runs: Sequence, runtimes: Mapping, order: Sequence[str]) ->
 
 
 def measured_from_summary(summary: Mapping) -> MeasuredRun:
-    """A :class:`MeasuredRun` from a ``flexmarl`` summary (its sync baseline: medians of
-    samples/s and busy fractions; ``calibration_counts`` from :func:`sync_counts`)."""
-    if "calibration_counts" not in summary or "baseline_utilisation" not in summary:
-        raise ValueError("the summary has no calibration_counts / baseline_utilisation (is it a "
+    """A :class:`MeasuredRun` from a ``flexmarl`` summary: its blocked lockstep (``sync``, each
+    agent's step waited for, so busy seconds are device seconds): medians of samples/s and busy
+    fractions (``sync_samples_per_s`` / ``sync_utilisation``; summaries written before the
+    speedup baseline became the fastest lockstep hold them as ``baseline_*``), and
+    ``calibration_counts`` from :func:`sync_counts`."""
+    prefix = "sync" if "sync_utilisation" in summary else "baseline"
+    if "calibration_counts" not in summary or f"{prefix}_utilisation" not in summary:
+        raise ValueError("the summary has no calibration_counts / sync_utilisation (is it a "
                          "flexmarl run of the current code?)")
-    cfg, util, c = summary["config"], summary["baseline_utilisation"], summary["calibration_counts"]
+    cfg, c = summary["config"], summary["calibration_counts"]
+    util = summary[f"{prefix}_utilisation"]
     order = list(c["params"])
     steps, inputs = int(cfg["steps"]), int(cfg["n_inputs"])
-    return MeasuredRun(samples_per_s=float(summary["baseline_samples_per_s"]),
+    return MeasuredRun(samples_per_s=float(summary[f"{prefix}_samples_per_s"]),
                        busy_rollout=float(util["rollout"]),
                        busy_train_solver=float(util[f"train/{order[0]}"]),
                        busy_train_verifier=float(sum(util[f"train/{n}"] for n in order[1:])),
@@ -142,12 +147,19 @@ def write_calibration(path: str | pathlib.Path, summary: Mapping, prov: Mapping)
     m = measured_from_summary(summary)
     context = {"counts": dict(summary["calibration_counts"]),
                "strict_samples_per_s": summary.get("samples_per_s"),
-               "strict_speedup_vs_sync": summary.get("speedup_vs_sync"),
+               # strict vs the run's fastest lockstep form (``lockstep_baseline``); the
+               # simulator reads neither: only the blocked lockstep's values above
+               "strict_speedup_vs_lockstep": summary.get("speedup_vs_lockstep",
+                                                         summary.get("speedup_vs_sync")),
+               "lockstep_baseline": summary.get("baseline_mode", "sync"),
+               "strict_speedup_vs_sync_blocked": (summary.get("strict_vs_sync_blocked")
+                                                  or {}).get("median"),
                "ideal_speedup_bound": summary.get("ideal_speedup_bound"),
                "reps": summary.get("reps")}
     return provenance.write_record(
-        path, what="sync (lockstep barrier) baseline of a flexmarl run: samples/s and busy "
-                   "fractions per role (medians over rounds) and that run's workload counts",
+        path, what="blocked lockstep (sync: each agent's step waited for) of a flexmarl run: "
+                   "samples/s and busy fractions per role (medians over rounds) and that run's "
+                   "workload counts",
         provenance=prov, values=dataclasses.asdict(m), context=context)
 
 
