@@ -26,6 +26,19 @@ log-probs at those columns, [N, L], plus the row logsumexp (kept for the backwar
   accumulating each logit tile over ``block_d`` chunks of the hidden dim (a 16-row bf16
   block of h at d = 8192 is already 256 KiB, more than a block's shared memory).
 
+The head is not padded: the vocab grid (TPU) or loop (GPU) runs cdiv(V, block_v) tiles and
+the ragged last tile is masked (logits of columns >= V are -inf; masked loads on GPU), so a
+per-shard vocabulary such as 151,936 / 4 needs no multiple of the block. Only the rows are
+padded to the row block (a no-op when N is a multiple of it, as at production sizes) and,
+on GPU, the hidden dim when d is not a multiple of 16. On TPU a V that is not a multiple of
+128 still costs a copy, made by XLA, not here: it lays such a [d, V] parameter out column-
+major and relays it out for the kernel (0.29 GiB at d 4,096, V 37,984), so make per-shard
+vocabularies multiples of 128 where the params are made. Block sizes
+and TPU VMEM limits per chip: ``fused_logprobs_blocks``. Compiled range (deviceless compiles
+for v5e, v5p, v6e, H100 and H200, forward and backward): N = 8,192 rows, d 4,096 and 8,192,
+bf16 and f32, V up to 262,144 (per-shard V such as 151,936 / 4 included), up to 127 given
+top-K ids; beyond that the TPU blocks are not compiler-checked (see that module).
+
 The distribution's own top-K' is computed outside the kernel, by a second XLA pass over
 vocab tiles that uses the kernel's logsumexp (a running ``lax.top_k`` merge; an in-kernel
 top-k would need K' rounds of max selection per tile). The backward kernels are in
@@ -34,9 +47,7 @@ top-k would need K' rounds of max selection per tile). The backward kernels are 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -44,12 +55,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import dispatch, fused_logprobs_bwd
-from pallas_kernels.fused_logprobs_bwd import chunked_logits, mask_logits
+from pallas_kernels import fused_logprobs_bwd
+from pallas_kernels.fused_logprobs_blocks import FusedLogprobsBlockSizes
+from pallas_kernels.fused_logprobs_bwd import chunked_logits, cost_estimate, gpu_cols, mask_logits
+
+__all__ = ["FusedLogprobsBlockSizes", "FusedLogprobsOutput", "fused_logprobs",
+           "fused_logprobs_reference", "fused_logprobs_rows"]
 
 _NEG_INF = float("-inf")
-_PLATFORMS = ("tpu", "gpu")
-TPU_BLOCK_BUDGET = 16 * 2**20  # in + out + scratch blocks, x2 (double buffering)
 
 
 class FusedLogprobsOutput(NamedTuple):
@@ -59,109 +72,6 @@ class FusedLogprobsOutput(NamedTuple):
     topk_logp: jax.Array | None  # [N, K] f32 at the given indices
     own_topk_logp: jax.Array | None  # [N, K'] f32, descending (stop-gradient)
     own_topk_indices: jax.Array | None  # [N, K'] int32
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedLogprobsBlockSizes:
-    """Block sizes of the fused log-prob kernels.
-
-    platform: kernel layout, "tpu" (Mosaic grid with a sequential vocab axis) or "gpu"
-      (Triton programs with in-kernel loops).
-    block_n, block_v: rows and vocab columns per step of the forward and dh kernels.
-    block_n_dw, block_v_dw: rows per step and vocab columns per program of the dW kernel.
-    block_d: GPU only, hidden columns per in-kernel chunk.
-    num_warps, num_stages: GPU only, Triton compiler parameters.
-    """
-
-    platform: str = "tpu"
-    block_n: int = 128
-    block_v: int = 512
-    block_n_dw: int = 256
-    block_v_dw: int = 128
-    block_d: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-    vmem_limit_bytes: int | None = None
-
-    def __post_init__(self):
-        if self.platform not in _PLATFORMS:
-            raise ValueError(f"platform {self.platform!r}; valid: {', '.join(_PLATFORMS)}")
-        for name in ("block_n", "block_v", "block_n_dw", "block_v_dw", "block_d"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 8 or v & (v - 1):
-                raise ValueError(f"{name}={v!r}; must be a power of two >= 8")
-        if self.platform == "tpu" and min(self.block_v, self.block_v_dw) < 128:
-            raise ValueError(f"TPU vocab blocks must be >= 128 lanes, got block_v={self.block_v}, "
-                             f"block_v_dw={self.block_v_dw}")
-
-    @property
-    def stat_lanes(self) -> int:
-        """Width of the per-row logsumexp output: lane-dense 128 on TPU, 1 on GPU."""
-        return 128 if self.platform == "tpu" else 1
-
-    def id_lanes(self, num_ids: int) -> int:
-        """Width L of the id / log-prob columns for ``num_ids`` ids."""
-        if self.platform == "tpu":
-            return 128 * math.ceil(num_ids / 128)
-        return max(16, _next_pow2(num_ids))
-
-    @classmethod
-    def get_default(cls, platform: str | None = None, *, d: int = 4096,
-                    dtype=jnp.bfloat16, num_ids: int = 1) -> FusedLogprobsBlockSizes:
-        """Per-platform defaults; on TPU the largest blocks whose footprint fits 16 MiB
-        (bf16 fits up to d = 8,192; f32 up to d = 4,096: at 8,192 the dW blocks need
-        17 MiB and ``auto`` falls back to XLA).
-
-        platform: "tpu", "gpu" or None (``dispatch.backend_platform()``; CPU gets the TPU layout,
-        which is what interpret mode runs)."""
-        if platform is None:
-            platform = "gpu" if dispatch.backend_platform() == "gpu" else "tpu"
-        s = jnp.dtype(dtype).itemsize
-        if platform == "gpu":
-            # 32-row blocks while the id columns and h are narrow; 16 rows and 32-wide hidden
-            # chunks otherwise (K = 128 or f32), which keeps every program under 227 KiB.
-            wide = cls(platform="gpu").id_lanes(num_ids) > 128 or s > 2
-            bn, bd = (16, 32) if wide else (32, 64)
-            return cls(platform="gpu", block_n=bn, block_v=128, block_n_dw=bn, block_v_dw=64,
-                       block_d=bd, num_warps=4, num_stages=2)
-        lanes = cls().id_lanes(num_ids)
-        fwd = [(256, 512), (128, 512), (128, 256), (64, 256), (64, 128), (32, 128), (16, 128)]
-        dw = [(512, 256), (256, 256), (256, 128), (128, 128), (64, 128), (32, 128), (16, 128)]
-        pick = next(((bn, bv) for bn, bv in fwd
-                     if max(tpu_forward_bytes(bn, bv, d, s, lanes),
-                            tpu_dh_bytes(bn, bv, d, s, lanes)) <= TPU_BLOCK_BUDGET), fwd[-1])
-        pick_dw = next(((bn, bv) for bn, bv in dw
-                        if tpu_dw_bytes(bn, bv, d, s, lanes) <= TPU_BLOCK_BUDGET), dw[-1])
-        return cls(platform="tpu", block_n=pick[0], block_v=pick[1], block_n_dw=pick_dw[0],
-                   block_v_dw=pick_dw[1])
-
-    def clamp(self, rows: int, vocab: int) -> FusedLogprobsBlockSizes:
-        """Blocks no larger than the (power-of-two rounded) problem needs."""
-        lo_v = 128 if self.platform == "tpu" else 16
-        rows2, vocab2 = max(16, _next_pow2(rows)), max(lo_v, _next_pow2(vocab))
-        return dataclasses.replace(
-            self, block_n=min(self.block_n, rows2), block_n_dw=min(self.block_n_dw, rows2),
-            block_v=min(self.block_v, vocab2), block_v_dw=min(self.block_v_dw, vocab2))
-
-
-def tpu_forward_bytes(bn, bv, d, s, lanes, stat=128):
-    """TPU forward blocks: h, W, ids in; lse, log-probs out; max/sum scratch; all x2."""
-    return 2 * (bn * d * s + d * bv * s + bn * lanes * 4 + bn * stat * 4 + bn * lanes * 4
-                + 2 * bn * stat * 4)
-
-
-def tpu_dh_bytes(bn, bv, d, s, lanes, stat=128):
-    """TPU dh blocks: h, W, ids, lse, g in; f32 dh out (the accumulator); all x2."""
-    return 2 * (bn * d * s + d * bv * s + 2 * bn * lanes * 4 + bn * stat * 4 + bn * d * 4)
-
-
-def tpu_dw_bytes(bn, bv, d, s, lanes, stat=128):
-    """TPU dW blocks: h, W, ids, lse, g in; f32 dW out (the accumulator); all x2."""
-    return 2 * (bn * d * s + d * bv * s + 2 * bn * lanes * 4 + bn * stat * 4 + d * bv * 4)
 
 
 def validate_inputs(
@@ -291,9 +201,10 @@ def _fwd_kernel_gpu(h_ref, w_ref, ids_ref, lse_ref, logp_ref, *, vocab, block_v,
     def tile(j, carry):
         m, s, acc = carry
         col0 = j * block_v
-        z = chunked_logits(lambda c: h_ref[rs, pl.ds(c * block_d, block_d)],
-                           lambda c: w_ref[pl.ds(c * block_d, block_d), pl.ds(col0, block_v)],
-                           num_chunks, block_d)
+        z = chunked_logits(
+            lambda c: h_ref[rs, pl.ds(c * block_d, block_d)],
+            lambda c: gpu_cols(w_ref, pl.ds(c * block_d, block_d), col0, block_v, vocab),
+            num_chunks, block_d)
         z, cols = mask_logits(z, col0, vocab, temperature)
         m_new = jnp.maximum(m, jnp.max(z, axis=1, keepdims=True))
         s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new), axis=1, keepdims=True)
@@ -309,19 +220,21 @@ def _fwd_kernel_gpu(h_ref, w_ref, ids_ref, lse_ref, logp_ref, *, vocab, block_v,
     logp_ref[...] = acc - lse
 
 
-def _forward_call(hp, wp, ids, *, vocab, temperature, num_ids, blocks, interpret):
-    """lse [Np, S] and log-probs at the id columns [Np, L] on padded operands."""
+def _forward_call(hp, w, ids, *, vocab, temperature, num_ids, blocks, interpret):
+    """lse [Np, S] and log-probs at the id columns [Np, L] from row-padded h and ids and the
+    unpadded head w [d, V] (the last vocab tile is ragged and masked)."""
     np_, dp = hp.shape
-    vp = wp.shape[1]
     lanes, stat = ids.shape[1], blocks.stat_lanes
     bn, bv = blocks.block_n, blocks.block_v
+    s, tiles = hp.dtype.itemsize, pl.cdiv(vocab, bv)
+    small = np_ * (2 * lanes + stat) * 4  # ids in; lse, log-probs out
     out_shape = (jax.ShapeDtypeStruct((np_, stat), jnp.float32),
                  jax.ShapeDtypeStruct((np_, lanes), jnp.float32))
     if blocks.platform == "tpu":
         return pl.pallas_call(
             functools.partial(_fwd_kernel_tpu, vocab=vocab, block_v=bv, temperature=temperature,
                               num_ids=num_ids),
-            grid=(np_ // bn, vp // bv),
+            grid=(np_ // bn, tiles),
             in_specs=[pl.BlockSpec((bn, dp), lambda i, j: (i, 0)),
                       pl.BlockSpec((dp, bv), lambda i, j: (0, j)),
                       pl.BlockSpec((bn, lanes), lambda i, j: (i, 0))],
@@ -332,15 +245,18 @@ def _forward_call(hp, wp, ids, *, vocab, temperature, num_ids, blocks, interpret
                             pltpu.VMEM((bn, stat), jnp.float32)],
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                                  vmem_limit_bytes=blocks.vmem_limit_bytes),
+            cost_estimate=cost_estimate(  # W once per row block, h and ids once
+                rows=np_, d=dp, vocab=vocab, matmuls=1,
+                bytes_accessed=(np_ // bn) * dp * vocab * s + np_ * dp * s + small),
             interpret=interpret,
             name="fused_logprobs_fwd",
-        )(hp, wp, ids)
+        )(hp, w, ids)
     from jax.experimental.pallas import triton as pltriton
 
     bd = blocks.block_d
     return pl.pallas_call(
         functools.partial(_fwd_kernel_gpu, vocab=vocab, block_v=bv, block_d=bd,
-                          num_tiles=vp // bv, num_chunks=dp // bd, temperature=temperature,
+                          num_tiles=tiles, num_chunks=dp // bd, temperature=temperature,
                           num_ids=num_ids),
         grid=(np_ // bn,),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY),
@@ -350,9 +266,12 @@ def _forward_call(hp, wp, ids, *, vocab, temperature, num_ids, blocks, interpret
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps,
                                                 num_stages=blocks.num_stages),
+        cost_estimate=cost_estimate(  # each program reads all of W and its h rows per tile
+            rows=np_, d=dp, vocab=vocab, matmuls=1,
+            bytes_accessed=(np_ // bn) * dp * vocab * s + tiles * np_ * dp * s + small),
         interpret=interpret,
         name="fused_logprobs_fwd",
-    )(hp, wp, ids)
+    )(hp, w, ids)
 
 
 def _pad_axis(x, axis, multiple, value=0):
@@ -366,38 +285,40 @@ def _pad_axis(x, axis, multiple, value=0):
 
 def _own_topk(h, w, lse, k, temperature, tile=2048):
     """The K' largest log-probs per row and their ids: an XLA pass over vocab tiles of W
-    with a running ``lax.top_k`` merge (ties: lower index first), minus the kernel's lse."""
+    with a running ``lax.top_k`` merge (ties: lower index first), minus the kernel's lse.
+    A scan over the full tiles, then one step on the remainder tile (W is not padded)."""
     n, vocab = h.shape[0], w.shape[1]
     tile = min(tile, vocab)
-    wp = _pad_axis(w, 1, tile)
-    num = wp.shape[1] // tile
+    num, rem = divmod(vocab, tile)
 
-    def body(carry, j):
+    def merge(carry, w_tile, col0):
         vals, idx = carry
-        col0 = j * tile
-        z = jnp.dot(h, jax.lax.dynamic_slice_in_dim(wp, col0, tile, axis=1),
-                    preferred_element_type=jnp.float32) / temperature
-        cols = col0 + jnp.arange(tile, dtype=jnp.int32)
-        z = jnp.where(cols < vocab, z, _NEG_INF)
-        v, i = jax.lax.top_k(z, min(k, tile))
+        z = jnp.dot(h, w_tile, preferred_element_type=jnp.float32) / temperature
+        v, i = jax.lax.top_k(z, min(k, w_tile.shape[1]))
         cat_v = jnp.concatenate([vals, v], axis=1)
         cat_i = jnp.concatenate([idx, i.astype(jnp.int32) + col0], axis=1)
         vals, pos = jax.lax.top_k(cat_v, k)
-        return (vals, jnp.take_along_axis(cat_i, pos, axis=1)), None
+        return vals, jnp.take_along_axis(cat_i, pos, axis=1)
+
+    def body(carry, j):
+        col0 = j * tile
+        return merge(carry, jax.lax.dynamic_slice_in_dim(w, col0, tile, axis=1), col0), None
 
     init = (jnp.full((n, k), _NEG_INF, jnp.float32), jnp.zeros((n, k), jnp.int32))
-    (vals, idx), _ = jax.lax.scan(body, init, jnp.arange(num, dtype=jnp.int32))
+    carry, _ = jax.lax.scan(body, init, jnp.arange(num, dtype=jnp.int32))
+    if rem:
+        carry = merge(carry, w[:, num * tile:], num * tile)
+    vals, idx = carry
     return vals - lse[:, None], idx
 
 
 def _prepare(h, w, ids, blocks):
-    """Pads rows, vocab, id columns and (GPU) the hidden dim to the kernels' blocks."""
+    """Pads rows and id columns to the kernels' blocks; W only on GPU when d is not a
+    multiple of block_d (``clamp`` makes block_d divide d whenever 16 does)."""
     num_rows = max(blocks.block_n, blocks.block_n_dw)
-    num_cols = max(blocks.block_v, blocks.block_v_dw)
-    hp = _pad_axis(h, 0, num_rows)
-    wp = _pad_axis(w, 1, num_cols)
-    if blocks.platform == "gpu":
-        hp, wp = _pad_axis(hp, 1, blocks.block_d), _pad_axis(wp, 0, blocks.block_d)
+    hp, wp = _pad_axis(h, 0, num_rows), w
+    if blocks.platform == "gpu" and h.shape[1] % blocks.block_d:
+        hp, wp = _pad_axis(hp, 1, blocks.block_d), _pad_axis(w, 0, blocks.block_d)
     lanes = blocks.id_lanes(ids.shape[1])
     ids = _pad_axis(_pad_axis(ids, 1, lanes, -1), 0, num_rows, -1)
     return hp, wp, ids
@@ -425,7 +346,7 @@ def _fused_ids_bwd(temperature, blocks, interpret, res, cts):
         hp, wp, idp, lse, gp, vocab=w_shape[1], temperature=temperature, num_ids=num_ids,
         blocks=blocks, interpret=interpret)
     zero_ids = jnp.zeros((n, num_ids), jax.dtypes.float0)
-    return dh[:h_shape[0], :h_shape[1]], dw[:w_shape[0], :w_shape[1]], zero_ids
+    return dh[:h_shape[0], :h_shape[1]], dw[:w_shape[0]], zero_ids
 
 
 _fused_ids.defvjp(_fused_ids_fwd, _fused_ids_bwd)
@@ -467,7 +388,7 @@ def fused_logprobs_rows(h: jax.Array, head: jax.Array, targets: jax.Array,
     ids = jnp.concatenate(cols, axis=1)
     blocks = block_sizes or FusedLogprobsBlockSizes.get_default(
         d=d, dtype=h.dtype, num_ids=ids.shape[1])
-    blocks = blocks.clamp(n, head.shape[1])
+    blocks = blocks.clamp(n, head.shape[1], d)
     logp, lse = _fused_ids(h, head, ids, float(temperature), blocks, interpret)
     own_v = own_i = None
     if own_topk:
@@ -493,8 +414,9 @@ def fused_logprobs(
 
     Differentiable in hidden and head (target_logp and topk_logp); own top-K is stop-gradient.
     ``block_sizes`` picks the kernel layout too (its ``platform``); default
-    ``FusedLogprobsBlockSizes.get_default()`` for this backend, d and dtype.
-    """
+    ``FusedLogprobsBlockSizes.get_default()`` for this backend, d and dtype (on TPU the
+    blocks and VMEM limit that compile on every chip; pass ``get_default(chip=...)``'s
+    blocks for one chip's)."""
     validate_inputs(hidden, head, targets, topk_indices, own_topk, temperature)
     h, t, k, lead = flatten_rows(hidden, targets, topk_indices)
     out = fused_logprobs_rows(h, head, t, k, own_topk=own_topk, temperature=float(temperature),

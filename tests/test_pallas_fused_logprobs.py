@@ -19,7 +19,9 @@ from pallas_kernels.fused_logprobs import (
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # N = 12 rows in one padded 16-row block; V = 300: 3 vocab tiles of 128 on the TPU layout
-# (ragged last tile), 5 of 64 on the GPU layout with d = 16 in two chunks of 8.
+# (a ragged last tile of 44 columns), 5 of 64 on the GPU layout (ragged: 44) with d = 16 in
+# two chunks of 8. The head is not padded, so interpret mode fills the ragged tile's
+# columns >= V with NaN: a gradient that reads them unmasked is NaN.
 LAYOUTS = {
     "tpu": FusedLogprobsBlockSizes(block_n=16, block_v=128, block_n_dw=16, block_v_dw=128),
     "gpu": FusedLogprobsBlockSizes(platform="gpu", block_n=16, block_v=64, block_n_dw=16,
@@ -43,22 +45,101 @@ def _inputs(dtype, B=2, T=6, d=16, V=300, K=3):
     return h, w, t, ki
 
 
-def test_block_sizes_default_fits_tpu_budget():
-    from pallas_kernels.fused_logprobs import (
-        TPU_BLOCK_BUDGET,
-        tpu_dh_bytes,
-        tpu_dw_bytes,
-        tpu_forward_bytes,
-    )
-    for d in (1024, 4096, 8192):
-        b = FusedLogprobsBlockSizes.get_default("tpu", d=d, dtype=jnp.bfloat16, num_ids=101)
-        assert b.platform == "tpu"
-        assert tpu_forward_bytes(b.block_n, b.block_v, d, 2, 128) <= TPU_BLOCK_BUDGET
-        assert tpu_dh_bytes(b.block_n, b.block_v, d, 2, 128) <= TPU_BLOCK_BUDGET
-        assert tpu_dw_bytes(b.block_n_dw, b.block_v_dw, d, 2, 128) <= TPU_BLOCK_BUDGET
-    assert FusedLogprobsBlockSizes.get_default("gpu").platform == "gpu"
+def test_block_sizes_per_chip_follow_the_compiled_table():
+    """Each chip's TPU blocks carry a VMEM limit of at least 1.25x every kernel's compiled
+    need and at most 3/4 of the core's VMEM; chip=None takes v5p's blocks (the smallest core)
+    with the largest limit any chip needs; GPU chips, unknown chips and sizes outside the
+    compiled range are handled."""
+    from pallas_kernels import fused_logprobs_blocks as flb
+    mib = 2**20
+    for dtype in (jnp.bfloat16, jnp.float32):
+        dname = jnp.dtype(dtype).name
+        for d in (1024, 4096, 8192):
+            row = 4096 if d <= 4096 else 8192
+            any_b = FusedLogprobsBlockSizes.get_default("tpu", d=d, dtype=dtype, num_ids=101)
+            v5p = FusedLogprobsBlockSizes.get_default("tpu", d=d, dtype=dtype, num_ids=101,
+                                                      chip="v5p")
+            assert (any_b.block_n, any_b.block_v, any_b.block_n_dw, any_b.block_v_dw) == (
+                v5p.block_n, v5p.block_v, v5p.block_n_dw, v5p.block_v_dw)
+            for chip in flb.TPU_CHIPS:
+                b = FusedLogprobsBlockSizes.get_default("tpu", d=d, dtype=dtype, num_ids=101,
+                                                        chip=chip)
+                blocks = (b.block_n, b.block_v, b.block_n_dw, b.block_v_dw)
+                needs = flb._table_needs(chip, dname, row, blocks)
+                assert None not in needs, (chip, dname, row, blocks)  # every kernel measured
+                assert b.platform == "tpu" and b.vmem_limit_bytes >= 1.25 * max(needs) * mib
+                assert b.vmem_limit_bytes <= 0.75 * flb.VMEM_PER_CORE[chip]
+                assert any_b.vmem_limit_bytes >= b.vmem_limit_bytes or blocks != (
+                    any_b.block_n, any_b.block_v, any_b.block_n_dw, any_b.block_v_dw)
+                assert any_b.vmem_limit_bytes <= 0.75 * flb.VMEM_PER_CORE[chip]
+    # outside the compiled range: the smallest blocks, 3/4 of the (smallest) core's VMEM
+    beyond = FusedLogprobsBlockSizes.get_default("tpu", d=16384, dtype=jnp.bfloat16)
+    assert beyond.vmem_limit_bytes == 48 * mib and beyond.block_v_dw == 128
+    wide = FusedLogprobsBlockSizes.get_default("tpu", d=4096, num_ids=200, chip="v6e")
+    assert wide.vmem_limit_bytes == 96 * mib
+    for chip in ("h100", "h200", None):
+        assert FusedLogprobsBlockSizes.get_default("gpu", chip=chip).platform == "gpu"
+    with pytest.raises(ValueError, match="chip 'h100' for platform 'tpu'"):
+        FusedLogprobsBlockSizes.get_default("tpu", chip="h100")
     with pytest.raises(ValueError, match="power of two"):
         FusedLogprobsBlockSizes(block_n=12)
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs in its params (not inside kernels)."""
+    for e in jaxpr.eqns:
+        yield e
+        if e.primitive.name == "pallas_call":
+            continue
+        for p in e.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("layout", ["tpu", "gpu"])
+def test_head_is_not_padded_or_copied(layout):
+    """Forward and gradient programs (ragged V = 300) never pad, concatenate or update W:
+    the kernels read the head itself, and every pallas_call carries a cost estimate
+    (2 N d V flops per matmul, N V exps)."""
+    h, w, t, ki = _inputs(jnp.float32)
+
+    def grads(h, w):
+        def f(h, w):
+            out = fused_logprobs(h, w, t, ki, own_topk=5, block_sizes=LAYOUTS[layout],
+                                 interpret=True)
+            return jnp.sum(out.target_logp) + jnp.sum(out.topk_logp)
+        return jax.grad(f, (0, 1))(h, w)
+
+    eqns = list(_eqns(jax.make_jaxpr(grads)(h, w).jaxpr))
+    copies = {"pad", "concatenate", "dynamic_update_slice", "scatter"}
+    bad = [e.primitive.name for e in eqns if e.primitive.name in copies
+           and any(getattr(v.aval, "shape", None) == w.shape for v in e.invars)]
+    assert not bad, bad
+    calls = [e for e in eqns if e.primitive.name == "pallas_call"]
+    assert len(calls) == 3  # forward, dh, dW
+    n, v = 16, w.shape[1]  # 12 rows padded to one 16-row block
+    for e, matmuls in zip(calls, (1, 2, 2)):
+        cost = e.params["cost_estimate"]
+        assert cost.flops == 2 * matmuls * n * w.shape[0] * v
+        assert cost.transcendentals == n * v and cost.bytes_accessed > w.size * 4
+
+
+def test_own_topk_over_a_ragged_remainder_tile():
+    """The own top-K' pass over 128-wide tiles of V = 300 (a 44-wide remainder) equals
+    lax.top_k of the log-softmax, with no padded copy of W."""
+    from pallas_kernels.fused_logprobs import _own_topk
+    h, w, _, _ = _inputs(jnp.float32)
+    h = h.reshape(-1, h.shape[-1])
+    logits = jnp.dot(h, w) / 0.7
+    lse = jax.nn.logsumexp(logits, axis=1)
+    vals, idx = _own_topk(h, w, lse, 7, 0.7, tile=128)
+    ref_v, ref_i = jax.lax.top_k(logits - lse[:, None], 7)
+    _close(vals, ref_v, TOL[jnp.float32])
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_i))
+    eqns = _eqns(jax.make_jaxpr(lambda w: _own_topk(h, w, lse, 7, 0.7, tile=128))(w).jaxpr)
+    assert not [e for e in eqns if e.primitive.name == "pad"]
 
 
 @pytest.mark.parametrize("layout", ["tpu", "gpu"])
@@ -96,6 +177,7 @@ def test_kernel_matches_reference_gradients(layout, with_topk):
     g_kernel = loss(fused_logprobs, block_sizes=LAYOUTS[layout], interpret=True)
     g_ref = loss(fused_logprobs_reference)
     for a, b in zip(g_kernel, g_ref):
+        assert np.isfinite(np.asarray(a)).all()  # the ragged tile's NaN columns are masked
         assert np.max(np.abs(np.asarray(b))) > 0.1
         _close(a, b, TOL[jnp.float32])
 
