@@ -119,9 +119,9 @@ def describe(args) -> str:
 
 def _check_footprints(fn, args, platform: str) -> str | None:
     for fp in lowering.pallas_footprints(fn, *args):
-        if platform == "tpu" and fp.tpu_bytes > lowering.TPU_VMEM_BUDGET:
+        if platform == "tpu" and fp.tpu_bytes > fp.tpu_budget:
             return (f"{fp.name} needs {fp.tpu_bytes / 2**20:.1f} MiB of double-buffered VMEM "
-                    f"blocks (budget {lowering.TPU_VMEM_BUDGET / 2**20:.0f} MiB)")
+                    f"blocks (budget {fp.tpu_budget / 2**20:.0f} MiB)")
         if platform == "gpu" and fp.triton_bytes > lowering.GPU_SMEM_BUDGET:
             return (f"{fp.name} holds {fp.triton_bytes / 2**10:.0f} KiB per program (budget "
                     f"{lowering.GPU_SMEM_BUDGET / 2**10:.0f} KiB)")

@@ -99,6 +99,13 @@ class KernelFootprint:
     blocks: tuple[tuple[str, tuple[int, ...], str, bool], ...]  # (role, shape, dtype, in_hbm)
     tpu_bytes: int
     triton_bytes: int
+    vmem_limit_bytes: int | None = None  # the kernel's own scoped VMEM limit (TPU), if set
+
+    @property
+    def tpu_budget(self) -> int:
+        """The VMEM the TPU estimate is held to: the kernel's own ``vmem_limit_bytes`` where it
+        raises the limit, else ``TPU_VMEM_BUDGET`` (the compilers' default scoped limit)."""
+        return self.vmem_limit_bytes or TPU_VMEM_BUDGET
 
     def blocks_text(self) -> str:
         parts = []
@@ -186,8 +193,12 @@ def _footprint(eqn) -> KernelFootprint:
     kernel = getattr(kernel, "jaxpr", kernel)
     triton = _body_values(kernel)
     name = eqn.params.get("name") or getattr(eqn.params.get("metadata"), "name", "")
+    params = eqn.params.get("compiler_params")
+    if isinstance(params, dict):  # older jax: {"mosaic_tpu": CompilerParams, ...}
+        params = next(iter(params.values()), None)
+    limit = getattr(params, "vmem_limit_bytes", None)
     return KernelFootprint(str(name or "pallas_call"), tuple(int(g) for g in gm.grid),
-                           tuple(blocks), tpu, triton)
+                           tuple(blocks), tpu, triton, int(limit) if limit else None)
 
 
 def _walk(jaxpr, out: list) -> None:

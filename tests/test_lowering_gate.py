@@ -53,7 +53,7 @@ def _check_footprints(footprints, platform):
     assert footprints, "no pallas_call traced"
     for fp in footprints:
         if platform == "tpu":
-            assert fp.tpu_bytes <= lowering.TPU_VMEM_BUDGET, (fp.name, fp.tpu_bytes, fp.blocks)
+            assert fp.tpu_bytes <= fp.tpu_budget, (fp.name, fp.tpu_bytes, fp.blocks)
         else:
             assert fp.triton_bytes <= lowering.GPU_SMEM_BUDGET, (fp.name, fp.triton_bytes)
 
@@ -92,7 +92,10 @@ def test_attention_kernel_fits(case):
 
 @pytest.mark.parametrize("dtype,platform,fits", [
     ("bfloat16", "tpu", True), ("bfloat16", "cuda", True), ("float32", "cuda", True),
-    ("float32", "tpu", False),  # the stated limit: f32 dW blocks at d 8,192 need 17 MiB
+    # f32 at d 8,192 and 129 id columns: the blocks' estimate exceeds the default 16 MiB
+    # scoped limit, so the kernel must raise its own limit (whether that compiles is the
+    # compile gate's question, tests/aot/).
+    ("float32", "tpu", False),
 ])
 def test_fused_logprobs_range_corner(dtype, platform, fits):
     """d 8,192, V 262,144, K 128 (the top of the stated range), forward and backward."""
@@ -114,7 +117,10 @@ def test_fused_logprobs_range_corner(dtype, platform, fits):
     if fits:
         _check_footprints(footprints, platform)
     else:
-        assert max(fp.tpu_bytes for fp in footprints) > lowering.TPU_VMEM_BUDGET
+        big = [fp for fp in footprints if fp.tpu_bytes > lowering.TPU_VMEM_BUDGET]
+        assert big and all(fp.vmem_limit_bytes and fp.vmem_limit_bytes > lowering.TPU_VMEM_BUDGET
+                           for fp in big), [(fp.name, fp.tpu_bytes, fp.vmem_limit_bytes)
+                                            for fp in footprints]
 
 
 def test_footprint_counts_blocks_twice_and_skips_hbm_refs():
