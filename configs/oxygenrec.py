@@ -3,18 +3,28 @@ semantic-ID generation, a SASRec-style next-item transformer and popularity, wit
 
     python -m jaxflow.run --exp=oxygenrec --variant=quick     # ~2 min on 2 CPU cores, synthetic
     python -m jaxflow.run --exp=oxygenrec --variant=default   # all systems, 3 seeds, synthetic
+    python -m jaxflow.run --exp=oxygenrec --variant=quick \\
+        --set data.path=/tmp/recbole/dataset_example/ml-100k/ml-100k.inter   # RecBole's copy
     python -m jaxflow.run --exp=oxygenrec --variant=default --set data.path=/data/ml-100k/u.data
     python -m jaxflow.run --exp=oxygenrec --variant=default \\
         --set data.path=/data/ml-1m/ratings.dat --set data.items_path=/data/ml-1m/movies.dat
 
+Real MovieLens-100k: ``pip download --no-deps recbole==1.2.1 -d /tmp/recbole`` and unzip the
+wheel; ``recbole/dataset_example/ml-100k/ml-100k.inter`` holds the ratings and the
+``ml-100k.item`` beside it the titles, years and genres (found automatically: ``<stem>.item``
+beside the ratings file). MovieLens has its own terms: never commit the files.
+
 Systems (``systems``): ``oxygenrec`` (instructions + IGR + Q2I + SA-GCPO RL), ablations
 ``oxygenrec_no_rl`` (its SFT model before RL), ``oxygenrec_no_igr`` (latest m items),
 ``oxygenrec_no_q2i``, ``oxygenrec_per_scenario`` (one model per scenario, the same total
-steps), baselines ``tiger`` (semantic IDs, no instruction, no IGR), ``sasrec`` and
-``popularity``. Summary keys: ``recall_at_10`` / ``ndcg_at_10`` maps system -> mean over seeds
-and scenarios' requests, ``per_scenario`` (metric -> system -> scenario -> value), ``*_std``
-over seeds, ``rl`` (before / after), ``semantic_ids`` (reconstruction error per level,
-utilisation, collision rate).
+steps), baselines ``tiger`` (semantic IDs, no instruction, no IGR, no Q2I),
+``tiger_instruction`` (the same TIGER model fed the instruction tokens: ``tiger`` ->
+``tiger_instruction`` is the instruction effect, ``tiger_instruction`` -> ``oxygenrec_no_rl``
+the effect of IGR + Q2I), ``sasrec`` and ``popularity``. Summary keys: ``recall_at_10`` /
+``ndcg_at_10`` maps system -> mean over seeds and scenarios' requests, ``per_scenario`` (metric
+-> system -> scenario -> value), ``*_std`` over seeds, ``rl`` (before / after),
+``semantic_ids`` (reconstruction error per level, utilisation, collision rate, k-means and
+de-duplication levels, largest prefix group; seed 0) and ``semantic_ids_per_seed``.
 """
 
 from __future__ import annotations
@@ -25,18 +35,20 @@ from jaxflow.config import Variants
 from jaxflow.genrec.data.synthetic import SyntheticGenRecConfig
 from jaxflow.genrec.rl import RLConfig
 from jaxflow.genrec.sasrec import SASRecConfig
+from jaxflow.genrec.semantic_ids import DEDUP_MODES
 from jaxflow.genrec.train import SFTConfig
 
 DESCRIPTION = "OxygenREC instruction-following generative recommendation vs TIGER / SASRec / popularity"
 ENTRY = "jaxflow.main.oxygenrec:main"
 SYSTEMS = ("oxygenrec", "oxygenrec_no_rl", "oxygenrec_no_igr", "oxygenrec_no_q2i",
-           "oxygenrec_per_scenario", "tiger", "sasrec", "popularity")
+           "oxygenrec_per_scenario", "tiger", "tiger_instruction", "sasrec", "popularity")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """``path`` empty: the synthetic generator; else a MovieLens ratings file (u.data, .inter,
-    ratings.dat) with ``items_path`` (default: u.item / movies.dat beside it)."""
+    """``path`` empty: the synthetic generator; else a MovieLens ratings file (u.data, RecBole
+    .inter, ratings.dat) with ``items_path`` (default: ``<stem>.item``, u.item or movies.dat
+    beside it; none found: co-occurrence embeddings)."""
 
     path: str = ""
     items_path: str = ""
@@ -49,8 +61,14 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """``levels`` k-means levels of ``width`` codes; ``dedup`` how items sharing codes get
+    unique IDs (``auto``: collision-resolving last level, plus appended de-duplication codes
+    only when a prefix group overflows it; ``tiger``: always one or more appended codes;
+    ``off``: an overflow is an error). The model decodes levels + dedup levels codes."""
+
     levels: int = 3
     width: int = 32
+    dedup: str = "auto"
     kmeans_iters: int = 25
     d_model: int = 64
     n_heads: int = 4
@@ -64,7 +82,7 @@ class ModelConfig:
 class Config:
     seed: int = 0
     seeds: int = 1
-    systems: tuple[str, ...] = ("oxygenrec", "tiger", "popularity")
+    systems: tuple[str, ...] = ("oxygenrec", "tiger", "tiger_instruction", "popularity")
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     sft: SFTConfig = SFTConfig(steps=300, batch_size=64)
@@ -81,6 +99,8 @@ class Config:
             raise ValueError(f"beam_size={self.beam_size} must be >= k={self.k}")
         if self.seeds < 1:
             raise ValueError(f"seeds={self.seeds}: need >= 1")
+        if self.model.dedup not in DEDUP_MODES:
+            raise ValueError(f"model.dedup={self.model.dedup!r}: must be one of {DEDUP_MODES}")
 
 
 def _default() -> Config:

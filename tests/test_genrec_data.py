@@ -77,6 +77,53 @@ def test_inter_header_any_column_order_and_ml1m(tmp_path):
     assert data.item_features.shape[0] == 2 and np.isfinite(data.item_features).all()
 
 
+INTER = ("user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+         "1\t10\t4\t100\n1\t20\t3\t50\n2\t10\t5\t10\n1\t30\t2\t100\n2\t40\t4\t20\n"
+         "3\t20\t4\t5\n")
+ITEM = ("item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n"
+        "10\tToy Story\t1995\tAnimation Children's Comedy\n"
+        "20\tGoldenEye\t1995\tAction Adventure Thriller\n"
+        "30\tHeat\tunkonwn\tunknown\n"  # RecBole's ml-100k spells a missing year so
+        "40\tBabe\t1999\tChildren's Drama\n")
+
+
+def test_recbole_inter_with_item_titles_beside_it(tmp_path):
+    """RecBole's ml-100k layout: ``ml.inter`` + ``ml.item`` (the same stem) in one folder; the
+    .item file's titles, years and genres become the item features."""
+    (tmp_path / "ml.inter").write_text(INTER)
+    (tmp_path / "ml.item").write_text(ITEM, encoding="utf-8")
+    items, genres = movielens.read_items(tmp_path / "ml.item")
+    assert items[10] == ("Toy Story", 1995, ["Animation", "Children's", "Comedy"])
+    assert items[30] == ("Heat", None, ["unknown"])
+    assert genres[:4] == ("Animation", "Children's", "Comedy", "Action")
+    assert movielens.find_items_file(tmp_path / "ml.inter") == tmp_path / "ml.item"
+    data = movielens.load_movielens(tmp_path / "ml.inter", new_fraction=0.25)
+    assert "ml.item" in data.source and data.n_items == 4
+    assert [data.genre_names[g] for g in data.item_genre] == ["Animation", "Action", "unknown",
+                                                            "Children's"]
+    assert data.item_new.tolist() == [False, False, False, True]  # 1999; Heat has no year
+    f = data.item_features
+    ng = len(genres)
+    np.testing.assert_array_equal(f[0, :ng] > 0, [g in items[10][2] for g in genres])
+    assert f[2, ng] == 0 and f[3, ng] == 1  # scaled year: none for Heat, 1999 the latest
+    title = f[:, -32:]  # hashed title tokens: "toy" + "story" vs one token per other title
+    assert np.isclose(title[0].sum(), 0.5) and np.isclose(title[1].sum(), 0.25)
+    assert not np.array_equal(title[1], title[2])
+    # the split is the u.data one (same ratings): user 1's test target is item 30
+    assert data.test.target[data.test.user == 0].tolist() == [2]
+    # an explicit items_path wins over the file beside the ratings
+    (tmp_path / "other.item").write_text(ITEM.replace("Toy Story", "Toy Story Two"))
+    data2 = movielens.load_movielens(tmp_path / "ml.inter", items_path=str(tmp_path / "other.item"))
+    assert "other.item" in data2.source
+    (tmp_path / "ids.inter").write_text("user_id:token\titem_id:token\trating:float\t"
+                                        "timestamp:float\nu1\t10\t4\t100\n")
+    with pytest.raises(ValueError, match=r"token 'u1' is not an integer id"):
+        movielens.read_ratings(tmp_path / "ids.inter")
+    (tmp_path / "bad.item").write_text("item_id:token\tmovie_title:token_seq\n10\tToy\n")
+    with pytest.raises(ValueError, match=r"no year column"):
+        movielens.read_items(tmp_path / "bad.item")
+
+
 def test_missing_features_named_and_cooccurrence_fallback(tmp_path):
     (tmp_path / "u.data").write_text(U_DATA)
     (tmp_path / "u.item").write_text(U_ITEM.split("\n", 1)[1], encoding="latin-1")  # drop 10

@@ -74,3 +74,31 @@ def test_auc_and_logloss():
     assert abs(log_loss([1], [0.25]) + np.log(0.25)) < 1e-12  # one class is fine
     with pytest.raises(ValueError, match="both classes"):
         roc_auc([1, 1], [0.2, 0.3])
+
+
+def test_recbole_atomic_file_types_missing_values_and_errors(tmp_path):
+    from jaxflow.recsys.readers import read_atomic_file
+
+    path = tmp_path / "x.item"
+    path.write_text("item_id:token\tmovie_title:token_seq\tscore:float\temb:float_seq\n"
+                    "1\tToy Story\t4.5\t0.5 -1\n"
+                    "\n"  # blank lines are skipped
+                    "2\tHeat\t\t\n"  # empty fields: missing values
+                    "3\tBabe\n", encoding="utf-8")  # short row: the rest missing
+    cols = read_atomic_file(path)
+    assert cols["item_id"] == ["1", "2", "3"]
+    assert cols["movie_title"] == [["Toy", "Story"], ["Heat"], ["Babe"]]
+    assert cols["score"][0] == 4.5 and np.isnan(cols["score"][1]) and np.isnan(cols["score"][2])
+    assert cols["emb"] == [[0.5, -1.0], [], []]
+    assert list(read_atomic_file(path, columns=("score", "item_id"))) == ["score", "item_id"]
+    with pytest.raises(ValueError, match=r"lacks columns \['year'\]"):
+        read_atomic_file(path, columns=("item_id", "year"))
+    path.write_text("item_id:token\tscore:float\n1\t4.5\n2\tgood\n")
+    with pytest.raises(ValueError, match=r"x.item:3: column 'score' \(float\) cannot parse 'good'"):
+        read_atomic_file(path)
+    path.write_text("item_id\tscore:float\n1\t2\n")
+    with pytest.raises(ValueError, match=r"header field 'item_id' is not name:type"):
+        read_atomic_file(path)
+    path.write_text("item_id:token\n1\t2\n")
+    with pytest.raises(ValueError, match=r"x.item:2: 2 tab-separated fields, the header has 1"):
+        read_atomic_file(path)

@@ -1,10 +1,12 @@
-"""The ``oxygenrec`` experiment: OxygenREC vs TIGER-style, SASRec-style and popularity, with
-ablations, Recall@K / NDCG@K per scenario over the full item set, several seeds.
+"""The ``oxygenrec`` experiment: OxygenREC vs TIGER-style (with and without the instruction),
+SASRec-style and popularity, with ablations, Recall@K / NDCG@K per scenario over the full item
+set, several seeds.
 
-Per seed: data (synthetic, or MovieLens from ``data.path``) -> RQ-KMeans semantic IDs and the
-item trie -> each system trained on the training requests -> top-K for every test request
-(constrained beam search for the generative systems) -> metrics. Training batches are sharded
-over a data-parallel mesh of all devices.
+Per seed: data (synthetic, or MovieLens from ``data.path``) -> RQ-KMeans semantic IDs
+(``model.levels`` k-means codes plus the de-duplication codes the catalogue needs, see
+``jaxflow.genrec.semantic_ids``) and the item trie -> each system trained on the training
+requests -> top-K for every test request (constrained beam search for the generative systems)
+-> metrics. Training batches are sharded over a data-parallel mesh of all devices.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ def load_data(config, seed: int) -> RecData:
         raise ConfigError(f"data.path={d.path!r}: {e}") from None
 
 
-def model_config(config, data: RecData, *, instructions: bool, igr: bool) -> GenRecConfig:
+def model_config(config, data: RecData, *, levels: int, instructions: bool,
+                 igr: bool) -> GenRecConfig:
+    """The GenRec of one system; ``levels`` is the semantic-ID length (k-means + dedup)."""
     m = config.model
-    return GenRecConfig(levels=m.levels, width=m.width, instruction_vocab=data.instruction_vocab,
+    return GenRecConfig(levels=levels, width=m.width, instruction_vocab=data.instruction_vocab,
                         max_instruction=data.train.instruction.shape[1] if instructions else 0,
                         max_history=m.max_history, behaviours=len(data.behaviour_weights),
                         d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff,
@@ -73,14 +77,20 @@ def run_seed(config, seed: int, run: RunContext) -> tuple[dict, dict, dict]:
     mesh = train_lib.data_mesh()
     try:  # items sharded over the data axis when there are several devices
         sid = rq_kmeans(data.item_features, levels=m.levels, width=m.width,
-                        key=jax.random.key(seed), iters=m.kmeans_iters,
+                        key=jax.random.key(seed), iters=m.kmeans_iters, dedup=m.dedup,
                         mesh=mesh if mesh.size > 1 else None)
     except ValueError as e:
-        raise ConfigError(f"semantic IDs (model.levels={m.levels}, model.width={m.width}): {e}") from None
+        raise ConfigError(f"semantic IDs (model.levels={m.levels}, model.width={m.width}, "
+                          f"model.dedup={m.dedup}): {e}") from None
     trie = build_trie(sid.codes, m.width)
     sid_report = {"reconstruction_error": list(sid.reconstruction_error),
                   "utilisation": list(sid.utilisation), "collision_rate": sid.collision_rate,
+                  "kmeans_levels": sid.kmeans_levels, "dedup_levels": sid.dedup_levels,
+                  "largest_prefix_group": sid.largest_prefix_group,
                   "trie_nodes": int(trie.children.shape[0])}
+    run.info(f"  semantic IDs: {sid.kmeans_levels} k-means levels + {sid.dedup_levels} dedup "
+             f"level(s) of width {m.width}; largest prefix group {sid.largest_prefix_group} "
+             f"items, {100 * sid.collision_rate:.1f}% of items collide before resolution")
     test, results, rl_report = data.test, {}, {}
     systems = set(config.systems)
     step_log = [0]
@@ -90,7 +100,7 @@ def run_seed(config, seed: int, run: RunContext) -> tuple[dict, dict, dict]:
         run.log(step_log[0], {f"{prefix}/{k}": v for k, v in metrics.items()})
 
     def generative(name, *, instructions, igr, q2i, requests=None, steps=None, test_reqs=None):
-        mc = model_config(config, data, instructions=instructions, igr=igr)
+        mc = model_config(config, data, levels=sid.levels, instructions=instructions, igr=igr)
         sft = dataclasses.replace(config.sft, use_instruction=instructions,
                                   q2i_weight=config.sft.q2i_weight if q2i else 0.0,
                                   steps=steps or config.sft.steps)
@@ -122,6 +132,9 @@ def run_seed(config, seed: int, run: RunContext) -> tuple[dict, dict, dict]:
     if "tiger" in systems:
         g, p = generative("tiger", instructions=False, igr=False, q2i=False)
         results["tiger"] = score(top_items(g, p, test, False), data, test, config)
+    if "tiger_instruction" in systems:  # the same TIGER model fed the instruction tokens
+        g, p = generative("tiger_instruction", instructions=True, igr=False, q2i=False)
+        results["tiger_instruction"] = score(top_items(g, p, test, True), data, test, config)
     if systems & {"oxygenrec", "oxygenrec_no_rl"}:
         g, p = generative("oxygenrec", instructions=True, igr=True, q2i=True)
         before = score(top_items(g, p, test, True), data, test, config)
@@ -191,6 +204,9 @@ def main(config, run: RunContext) -> dict:
     summary["test_requests_per_scenario"] = {
         sc: per_seed[0][0][systems[0]]["per_scenario"][sc]["n"] for sc in scenarios}
     summary["semantic_ids"] = per_seed[0][1]
+    summary["semantic_ids_per_seed"] = [
+        {k: r[1][k] for k in ("dedup_levels", "largest_prefix_group", "collision_rate")}
+        for r in per_seed]
     if per_seed[0][2]:
         summary["rl"] = {k: ({kk: float(np.mean([p[2][k][kk] for p in per_seed])) for kk in v}
                              if isinstance(v, dict) else float(np.mean([p[2][k] for p in per_seed])))
@@ -201,5 +217,10 @@ def main(config, run: RunContext) -> dict:
 
 
 def load_source(config) -> str:
+    """``synthetic`` or ``movielens:<ratings>`` plus ``items:<file>`` (given or found beside
+    the ratings) or ``items:none`` (co-occurrence embeddings)."""
     d = config.data
-    return f"movielens:{d.path}" if d.path else "synthetic"
+    if not d.path:
+        return "synthetic"
+    items = d.items_path or movielens.find_items_file(d.path)
+    return f"movielens:{d.path} items:{items or 'none'}"

@@ -1,8 +1,10 @@
-"""Readers for user-given files: Criteo TSV and MovieLens ratings. No downloads.
+"""Readers for user-given files: Criteo TSV, MovieLens ratings and RecBole atomic files.
+No downloads.
 
-Both return in-memory arrays in the batch layout of ``synthetic.py``
+Criteo and MovieLens-clicks return in-memory arrays in the batch layout of ``synthetic.py``
 (``{"dense": f32[N, F], "label": f32[N], "sparse": {name: int32[N, 1]}}``); ``file_batch``
-slices batches from them.
+slices batches from them. ``read_atomic_file`` reads RecBole's atomic files (``.inter``,
+``.item``, ``.user``: a typed tab-separated header) into columns.
 """
 
 from __future__ import annotations
@@ -78,6 +80,85 @@ def read_movielens(path: str | pathlib.Path, *, max_rows: int | None = None) -> 
     arr = list(zip(*rows))
     return {"user": np.asarray(arr[0], np.int64), "item": np.asarray(arr[1], np.int64),
             "rating": np.asarray(arr[2], np.float32), "timestamp": np.asarray(arr[3], np.int64)}
+
+
+ATOMIC_TYPES = ("token", "token_seq", "float", "float_seq")
+
+
+def read_atomic_file(path: str | pathlib.Path, *, columns: tuple[str, ...] | None = None,
+                     encoding: str = "utf-8") -> dict[str, list]:
+    """A RecBole atomic file (``.inter`` / ``.item`` / ``.user`` / ...) as columns.
+
+    Format (RecBole 1.x): tab-separated; the first line names every column as ``name:type``
+    with type ``token`` (a string), ``token_seq`` (space-separated strings), ``float`` or
+    ``float_seq`` (space-separated floats); an empty field is a missing value. Example (the
+    ``ml-100k.item`` of RecBole's ``dataset_example``)::
+
+        item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq
+        1\tToy Story\t1995\tAnimation Children's Comedy
+
+    Args:
+      path: the file.
+      columns: names to return (default: all); a name the header lacks is an error.
+      encoding: text encoding.
+
+    Returns:
+      {name: list of R values} in file order: ``str`` (token, "" when missing),
+      ``list[str]`` (token_seq, [] when missing), ``float`` (float, nan when missing) or
+      ``list[float]`` (float_seq).
+
+    Raises:
+      ValueError: a header field without a known type, a missing requested column, a row
+        with more fields than the header or an unparsable float (naming the line).
+    """
+    path = pathlib.Path(path)
+    with open(path, encoding=encoding) as f:
+        header = f.readline().rstrip("\r\n").split("\t")
+        names, types = [], []
+        for field in header:
+            name, _, kind = field.rpartition(":")
+            if not name or kind not in ATOMIC_TYPES:
+                raise ValueError(f"{path}: header field {field!r} is not name:type with type in "
+                                 f"{ATOMIC_TYPES} (RecBole atomic-file header)")
+            names.append(name)
+            types.append(kind)
+        want = names if columns is None else list(columns)
+        missing = [c for c in want if c not in names]
+        if missing:
+            raise ValueError(f"{path}: header {header} lacks columns {missing}")
+        rows = []
+        for lineno, line in enumerate(f, 2):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            parts = line.split("\t")
+            if len(parts) > len(names):
+                raise ValueError(f"{path}:{lineno}: {len(parts)} tab-separated fields, the header "
+                                 f"has {len(names)}")
+            rows.append((lineno, parts + [""] * (len(names) - len(parts))))
+    convert = {"token": str.strip, "token_seq": str.split,
+               "float": lambda v: float(v) if v.strip() else float("nan"),
+               "float_seq": lambda v: [float(x) for x in v.split()]}
+    out: dict[str, list] = {}
+    for c in want:
+        i = names.index(c)
+        kind = types[i]
+        fn = convert[kind]
+        try:
+            out[c] = [fn(parts[i]) for _, parts in rows]
+        except ValueError:
+            lineno, parts = next((n, p) for n, p in rows if not _parses(fn, p[i]))
+            raise ValueError(f"{path}:{lineno}: column {c!r} ({kind}) cannot parse "
+                             f"{parts[i].strip()!r}") from None
+    return out
+
+
+def _parses(fn, value) -> bool:
+    try:
+        fn(value)
+    except ValueError:
+        return False
+    return True
 
 
 def movielens_to_clicks(ratings: dict, *, positive_at: float = 4.0) -> dict:

@@ -1,10 +1,15 @@
 """MovieLens as multi-scenario generative-recommendation requests, from user-given files.
 
-Ratings: ml-100k ``u.data`` (tab separated), RecBole-style ``.inter`` TSV with a typed header
-(``user_id:token item_id:token rating:float timestamp:float``, any column order) or ml-1m
-``ratings.dat`` (``::``). Items: ml-100k ``u.item`` (``|``, 19 genre flags) or ml-1m
-``movies.dat`` (``id::Title (Year)::Genre|Genre``), found beside the ratings file or given.
-Every rating is an interaction (MovieLens has no behaviour types: one type, weight 1).
+Ratings: ml-100k ``u.data`` (tab separated), a RecBole atomic ``.inter`` file with a typed
+header (``user_id:token item_id:token rating:float timestamp:float``, any column order; read by
+``jaxflow.recsys.readers.read_atomic_file``) or ml-1m ``ratings.dat`` (``::``). Items: a RecBole
+``.item`` file (``item_id:token movie_title:token_seq release_year:token class:token_seq``;
+``title`` / ``year`` / ``genre`` are accepted as column names too), ml-100k ``u.item`` (``|``,
+19 genre flags) or ml-1m ``movies.dat`` (``id::Title (Year)::Genre|Genre``). Given as
+``items_path`` or found beside the ratings file: ``<stem>.item`` (RecBole's ``ml-100k.inter``
+-> ``ml-100k.item`` in the same folder), then ``u.item``, then ``movies.dat``. Item ids must be
+integers (MovieLens). Every rating is an interaction (MovieLens has no behaviour types: one
+type, weight 1).
 
 Rules:
 * split: per user, interactions sorted by time (file order breaks ties); the last one is the
@@ -33,7 +38,8 @@ import numpy as np
 
 from jaxflow.genrec.semantic_ids import kmeans
 from jaxflow.genrec.data.requests import SCENARIOS, RecData, Requests, instruction_tokens, pad_histories
-from jaxflow.recsys.readers import read_movielens
+from jaxflow.recsys.readers import (ATOMIC_TYPES, read_atomic_file,
+                                    read_movielens)
 
 ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
                  "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
@@ -47,37 +53,78 @@ def read_ratings(path) -> dict:
         raise ValueError(f"ratings file {str(path)!r} does not exist")
     if path.suffix != ".inter":
         return read_movielens(path)
-    with open(path, encoding="utf-8") as f:
-        header = f.readline().rstrip("\n").split("\t")
-        names = [h.split(":")[0] for h in header]
-        need = ("user_id", "item_id", "rating", "timestamp")
-        missing = [n for n in need if n not in names]
-        if missing:
-            raise ValueError(f"{path}: header {header} lacks columns {missing} (need {need})")
-        cols = [names.index(n) for n in need]
-        rows = []
-        for lineno, line in enumerate(f, 2):
-            if not line.strip():
-                continue
-            parts = line.rstrip("\n").split("\t")
-            try:
-                rows.append((int(parts[cols[0]]), int(parts[cols[1]]), float(parts[cols[2]]),
-                             int(float(parts[cols[3]]))))
-            except (ValueError, IndexError):
-                raise ValueError(f"{path}:{lineno}: cannot parse {line.strip()!r} with header "
-                                 f"{header}") from None
-    if not rows:
+    need = ("user_id", "item_id", "rating", "timestamp")
+    cols = read_atomic_file(path, columns=need)
+    if not cols["user_id"]:
         raise ValueError(f"{path}: no ratings")
-    u, i, r, t = zip(*rows)
-    return {"user": np.asarray(u, np.int64), "item": np.asarray(i, np.int64),
-            "rating": np.asarray(r, np.float32), "timestamp": np.asarray(t, np.int64)}
+    try:
+        user = np.asarray(cols["user_id"], np.int64)
+        item = np.asarray(cols["item_id"], np.int64)
+    except ValueError:
+        bad = next(v for v in cols["user_id"] + cols["item_id"] if not v.lstrip("-").isdigit())
+        raise ValueError(f"{path}: user / item token {bad!r} is not an integer id "
+                         "(MovieLens ids are integers)") from None
+    rating = np.asarray(cols["rating"], np.float64)
+    ts = np.asarray(cols["timestamp"], np.float64)
+    bad = np.flatnonzero(~np.isfinite(rating) | ~np.isfinite(ts))
+    if len(bad):
+        raise ValueError(f"{path}:{int(bad[0]) + 2}: missing rating or timestamp")
+    return {"user": user, "item": item, "rating": rating.astype(np.float32),
+            "timestamp": ts.astype(np.int64)}
+
+
+def _first_column(header_names, candidates, path, what):
+    for c in candidates:
+        if c in header_names:
+            return c
+    raise ValueError(f"{path}: no {what} column (one of {list(candidates)}) in the header")
+
+
+def _is_atomic(path) -> bool:
+    """Whether the first line is a RecBole typed header (``name:type`` fields, tab separated)."""
+    with open(path, encoding="latin-1") as f:
+        fields = f.readline().rstrip("\r\n").split("\t")
+    return all(f.rpartition(":")[0] and f.rpartition(":")[2] in ATOMIC_TYPES for f in fields)
+
+
+def read_recbole_items(path) -> tuple[dict[int, tuple[str, int | None, list[str]]],
+                                      tuple[str, ...]]:
+    """({item id: (title, year or None, genres)}, genre names in order of first appearance)
+    from a RecBole ``.item`` atomic file; a year field without 4 digits (ml-100k has
+    ``unkonwn``) is None."""
+    path = pathlib.Path(path)
+    with open(path, encoding="utf-8") as f:
+        names = [h.rpartition(":")[0] for h in f.readline().rstrip("\r\n").split("\t")]
+    title = _first_column(names, ("movie_title", "title"), path, "title")
+    year = _first_column(names, ("release_year", "year"), path, "year")
+    genre = _first_column(names, ("class", "genre", "genres"), path, "genre")
+    cols = read_atomic_file(path, columns=("item_id", title, year, genre))
+    items: dict[int, tuple[str, int | None, list[str]]] = {}
+    genre_names: list[str] = []
+    for row, (iid, t, y, gs) in enumerate(zip(*cols.values()), 2):
+        try:
+            item = int(iid)
+        except ValueError:
+            raise ValueError(f"{path}:{row}: item id {iid!r} is not an int") from None
+        t = " ".join(t) if isinstance(t, list) else str(t)
+        y = " ".join(y) if isinstance(y, list) else str(y)
+        gs = gs if isinstance(gs, list) else str(gs).split()
+        m = re.search(r"(\d{4})", y)
+        items[item] = (t, int(m.group(1)) if m else None, list(gs))
+        genre_names += [g for g in gs if g not in genre_names]
+    if not items:
+        raise ValueError(f"{path}: no items")
+    return items, tuple(genre_names)
 
 
 def read_items(path) -> tuple[dict[int, tuple[str, int | None, list[str]]], tuple[str, ...]]:
-    """({item id: (title, year or None, genres)}, genre names) from u.item or movies.dat."""
+    """({item id: (title, year or None, genres)}, genre names) from a RecBole ``.item`` file
+    (recognised by its typed header), u.item or movies.dat."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ValueError(f"items file {str(path)!r} does not exist")
+    if _is_atomic(path):
+        return read_recbole_items(path)
     items: dict[int, tuple[str, int | None, list[str]]] = {}
     pipe = path.name == "u.item" or "::" not in path.read_text(encoding="latin-1")[:2000]
     genre_names: list[str] = list(ML100K_GENRES) if pipe else []
@@ -116,9 +163,11 @@ def read_items(path) -> tuple[dict[int, tuple[str, int | None, list[str]]], tupl
 
 
 def find_items_file(ratings_path) -> pathlib.Path | None:
-    """u.item or movies.dat beside the ratings file, else None."""
-    folder = pathlib.Path(ratings_path).parent
-    for name in ("u.item", "movies.dat"):
+    """``<stem>.item``, u.item or movies.dat beside the ratings file (in that order), else
+    None."""
+    ratings_path = pathlib.Path(ratings_path)
+    folder = ratings_path.parent
+    for name in (ratings_path.stem + ".item", "u.item", "movies.dat"):
         if (folder / name).is_file():
             return folder / name
     return None
@@ -268,7 +317,7 @@ def load_movielens(path, *, items_path: str | None = None, max_history: int = 50
         if new[tgt]:
             kind = "new"
         else:
-            kind = "genre" if np.isin(genre[tgt], genre[h]) else "different"
+            kind = "genre" if (genre[h] == genre[tgt]).any() else "different"
         scenario.append(SCENARIOS.index(kind))
         shown.append(-1 if kind == "new" else int(genre[tgt]))
     hist, beh = pad_histories([h for _, h in hists], [np.zeros(len(h), int) for _, h in hists],
