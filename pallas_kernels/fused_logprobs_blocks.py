@@ -242,27 +242,20 @@ def kernel_vmem_need(chip: str, kernel: str, blocks: FusedLogprobsBlockSizes, *,
                      vocab: int | None = None) -> float | None:
     """MiB of scoped VMEM the compiler needs for one kernel ("fwd", "dh", "dw") on a TPU chip,
     from deviceless compiles (needs libtpu, see ../shared/reference/accelerators.md), or None
-    when it exceeds the core's VMEM. A compile at ``start_mib`` that fails says by how much the
-    allocations made so far overran the limit; the next compile's limit is the limit plus that
-    overrun (rounded up to 1/4 MiB), until one compiles: that limit is returned, within 1/4 MiB
-    of the smallest (``targets.min_vmem_limit`` bisects instead, about 8 compiles). The grid
+    when it exceeds the core's VMEM: ``targets.min_vmem_limit`` from ``start_mib`` in 1/4 MiB
+    steps (each refused compile says by how much its allocations overran the limit). The grid
     is small by default (2 row blocks, a ragged vocab of 2.5 tiles), which sets most kernels'
     need; ``rows`` and ``vocab`` give another (production) grid."""
-    import re
-
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from pallas_kernels import fused_logprobs as fl
     from pallas_kernels import fused_logprobs_bwd as flb
 
-    mesh = targets.mesh(chip, (1,), ("x",))
     bn = max(blocks.block_n, blocks.block_n_dw)
     bv = blocks.block_v if kernel != "dw" else blocks.block_v_dw
     n, vocab, lanes = rows or 2 * bn, vocab or 2 * bv + bv // 2, blocks.id_lanes(num_ids)
 
-    def spec(shape, dt):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, PartitionSpec()))
+    spec = jax.ShapeDtypeStruct
 
     args = (spec((n, d), dtype), spec((d, vocab), dtype), spec((n, lanes), jnp.int32),
             spec((n, 128), jnp.float32), spec((n, lanes), jnp.float32))
@@ -273,22 +266,9 @@ def kernel_vmem_need(chip: str, kernel: str, blocks: FusedLogprobsBlockSizes, *,
             return fl._forward_call(h, w, ids, **kw)
         return flb.fused_logprobs_backward(h, w, ids, lse, g, **kw)[kernel == "dw"]
 
-    unit = {"K": 2**-10, "M": 1.0, "G": 2.0**10}
-    limit = start_mib
-    for _ in range(12):
-        b = dataclasses.replace(blocks, vmem_limit_bytes=int(limit * _MIB))
-        try:
-            jax.jit(functools.partial(fn, blocks=b)).lower(*args).compile()
-            return limit
-        except Exception as e:  # noqa: BLE001 - the compiler's message carries the figures
-            text = str(e)
-            if "Program vmem requirement" in text:  # beyond the core's capacity
-                return None
-            m = re.search(r"exceeded scoped vmem limit by ([0-9.]+)([KMG])", text)
-            if m is None:
-                raise
-            limit = math.ceil((limit + float(m.group(1)) * unit[m.group(2)]) * 4) / 4
-    raise RuntimeError(f"{chip} {kernel} {blocks}: no limit found in 12 compiles")
+    need = targets.min_vmem_limit(functools.partial(fn, blocks=blocks), args, chip,
+                                  lo=int(start_mib * _MIB), step=_MIB // 4)
+    return None if need is None else need / _MIB
 
 
 # python -m pallas_kernels.fused_logprobs_blocks CHIP DTYPE D BN BV BN2 BV2 [KERNELS [IDS [N V]]]

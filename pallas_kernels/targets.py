@@ -20,9 +20,10 @@ file in ``gpu_specs/`` (the fields jaxlib 0.10 parses, from openxla/xla's
 * ``compile_on(fn, args, chip)``: compile ``jax.jit(fn)`` for one device of ``chip`` (args are
   ShapeDtypeStructs; placed replicated on that device unless they carry a sharding) and return a
   ``CompileResult`` (ok, error text and kind, per-device memory, cost analysis).
-* ``min_vmem_limit(build, chip)`` / ``min_smem(build, chip)``: the smallest scoped VMEM limit
-  (TPU) or shared memory per block (GPU) with which a kernel compiles, bisected: the compilers
-  report no VMEM figure on success and only the first allocation on failure.
+* ``min_vmem_limit(fn, args, chip)`` / ``min_smem(fn, args, chip)``: the smallest scoped VMEM
+  limit (TPU) or shared memory per block (GPU) with which a kernel compiles, searched by
+  compiles: the compilers report no VMEM figure on success and only the first allocation's
+  overrun on failure.
 
 Environment: the CUDA plugin must be allowed to load without a GPU
 (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``; ``JAX_PLATFORMS=cpu``: the topologies need no backend), and libtpu more than once
@@ -334,26 +335,46 @@ def vmem_limit_override(limit: int):
         jax.clear_caches()
 
 
+_OVERRUN = re.compile(r"exceeded scoped vmem limit by ([0-9.]+)([KMG])")
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
 def min_vmem_limit(fn: Callable, args: tuple, name: str, *, lo: int = MiB,
                    hi: int | None = None, step: int = MiB) -> int | None:
     """Smallest ``vmem_limit_bytes`` (a multiple of ``step``) with which ``fn(*args)``'s Pallas
     calls compile on TPU chip ``name``; None when they fail even at ``hi`` (default the chip's
-    VMEM per core). Bisected (about log2((hi - lo) / step) + 2 compiles), each compile with
-    every pallas_call's limit overridden (``vmem_limit_override``)."""
+    VMEM per core). Every compile has each pallas_call's limit overridden
+    (``vmem_limit_override``). A compile refused for scoped VMEM names only its first
+    allocation's overrun ("exceeded scoped vmem limit by X"), so the search climbs from ``lo``
+    by each overrun (rounded up to ``step``; 2-3 compiles for most kernels) and bisects
+    between the last refusal and ``hi`` where a refusal names no overrun."""
     hi = hi or chip(name).onchip_bytes
 
-    def ok(limit):
+    def attempt(limit):
         with vmem_limit_override(limit):
-            return compile_on(fn, args, name).ok
+            return compile_on(fn, args, name)
 
-    if not ok(hi):
+    limit, refused = max(step, -(-lo // step) * step), 0
+    for _ in range(16):
+        if limit > hi:
+            break
+        result = attempt(limit)
+        if result.ok:
+            return limit
+        if result.error_kind != "vmem":
+            return None  # refused for something a larger limit cannot fix
+        refused = limit
+        m = _OVERRUN.search(result.error)
+        if m is None:
+            break
+        over = float(m.group(1)) * _UNIT[m.group(2)]
+        limit = refused + max(step, -(-int(over) // step) * step)
+    if not attempt(hi).ok:
         return None
-    lo_k, hi_k = max(1, lo // step), hi // step  # hi_k compiles
-    if ok(lo_k * step):
-        return lo_k * step
+    lo_k, hi_k = refused // step, hi // step  # lo_k refused, hi_k compiles
     while hi_k - lo_k > 1:
         mid = (lo_k + hi_k) // 2
-        if ok(mid * step):
+        if attempt(mid * step).ok:
             hi_k = mid
         else:
             lo_k = mid
