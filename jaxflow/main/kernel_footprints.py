@@ -51,8 +51,11 @@ def compile_case(case: catalog.KernelCase, chip: str, *, bisect: bool, step: int
         return row
     if bisect and spec.platform == "tpu":
         row["min_vmem_limit"] = targets.min_vmem_limit(fn, args, chip, step=step, lo=step)
+        row["onchip_floor"] = row["min_vmem_limit"] == step  # compiles at the search's floor
     elif bisect:
-        row["min_smem"] = targets.min_smem(fn, args, chip, step=max(step // 64, 2**10))
+        lo = max(step // 64, 2**10)
+        row["min_smem"] = targets.min_smem(fn, args, chip, lo=lo, step=lo)
+        row["onchip_floor"] = row["min_smem"] == lo
     return row
 
 
@@ -62,8 +65,9 @@ def table(rows: list[dict]) -> str:
            "| footprint estimate | HBM temp | compile s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = {True: "yes", False: "NO", None: "does not fit"}[r["compiles"]]
-        onchip = r.get("min_vmem_limit", r.get("min_smem"))
-        out.append(f"| {r['kernel']} | {r['size']} | {r['chip']} | {ok} | {_fmt(onchip)} | "
+        onchip = _fmt(r.get("min_vmem_limit", r.get("min_smem")))
+        onchip = f"<= {onchip}" if r.get("onchip_floor") else onchip
+        out.append(f"| {r['kernel']} | {r['size']} | {r['chip']} | {ok} | {onchip} | "
                    f"{_fmt(r.get('estimate_bytes'))} | {_fmt(r.get('temp_bytes'))} | "
                    f"{r.get('compile_s', '-')} |")
     return "\n".join(out)
