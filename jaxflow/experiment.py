@@ -134,6 +134,8 @@ class RunContext:
       is_primary: True on process 0.
       resume: True when the user asked to continue the run in ``out_dir``.
       seed: the run's base seed (the config's ``seed`` field if present, else 0).
+      fault: a deliberate failure for resume tests (``jaxflow.train.loop.Fault``, from the
+        CLI's ``--kill-after-checkpoint``), read by ``jaxflow.train.loop.run_steps``; None.
     """
 
     name: str
@@ -142,6 +144,7 @@ class RunContext:
     is_primary: bool = True
     resume: bool = False
     seed: int = 0
+    fault: Any = None
     _progress: _Progress | None = None
     _metrics_file: Any = None
     _pending: dict = dataclasses.field(default_factory=dict)

@@ -3,7 +3,6 @@
 import json
 
 from jaxflow.plots import read_metrics
-from jaxflow.train.pretrain import FAULT_ENV
 from tests._cli import TINY_LM, run_cli
 
 COMMON = ["--exp=lm_pretrain", "--variant=quick", "--devices=2", "--set", "train.log_every=1", *TINY_LM]
@@ -33,7 +32,7 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
     assert full.returncode == 0, full.stderr[-3000:]
 
     killed_dir = tmp_path / "killed"
-    killed = run_cli([*COMMON, *steps, f"--out={killed_dir}"], env_extra={FAULT_ENV: "5"})
+    killed = run_cli([*COMMON, *steps, f"--out={killed_dir}", "--kill-after-checkpoint=5"])
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])  # SIGKILL
     assert not (killed_dir / "summary.json").exists()
     assert [r["step"] for r in read_metrics(killed_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]

@@ -7,7 +7,7 @@ point only names it for the runner.
 from __future__ import annotations
 
 from jaxflow.experiment import RunContext
-from jaxflow.train.pretrain import FAULT_ENV, pretrain  # noqa: F401  (FAULT_ENV: test hook)
+from jaxflow.train.pretrain import pretrain
 
 
 def main(config, run: RunContext) -> dict:

@@ -13,17 +13,19 @@ import json
 import pathlib
 from typing import Any
 
-import jax
-from jax.sharding import NamedSharding, PartitionSpec
-
 from jaxflow.cache import build_once, cache_entry, config_hash  # noqa: F401  (config_hash: API)
 from jaxflow.checkpoint import Checkpointer
 from jaxflow.experiment import RunContext
 from jaxflow.train.lm_state import LMFunctions, make_optimizer
+from jaxflow.train.state import TrainState
+
+#: The cache entries' format: v2 holds a ``jaxflow.train.state.TrainState`` checkpoint (v1, a
+#: ``{"params", "opt_state", "step"}`` dict, is not read: such entries are rebuilt).
+CACHE_KIND = "lm_pretrain-v2"
 
 
 def cache_dir(pretrain_config: Any, cache_root: str | pathlib.Path) -> pathlib.Path:
-    return cache_entry(cache_root, "lm_pretrain", pretrain_config)
+    return cache_entry(cache_root, CACHE_KIND, pretrain_config)
 
 
 def build_pretrain_cache(pretrain_config: Any, cache_root: str | pathlib.Path,
@@ -59,15 +61,9 @@ def load_pretrained_params(pretrain_config: Any, cache_root: str | pathlib.Path,
     step = ckpt.latest_step()
     if step is None:
         raise FileNotFoundError(f"warm-start cache {entry} has no checkpoint; delete it to rebuild")
-    mesh = jax.tree.leaves(fns.param_shardings)[0].mesh
-    replicated = NamedSharding(mesh, PartitionSpec())
-    params = fns.abstract_params()
     tx = make_optimizer(pretrain_config.optim, pretrain_config.train.steps)
-    opt = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-                       jax.eval_shape(tx.init, params))
-    step_abs = jax.ShapeDtypeStruct((), jax.numpy.int32, sharding=replicated)
-    state = ckpt.restore(step, {"params": params, "opt_state": opt, "step": step_abs})
+    state = ckpt.restore(step, TrainState.abstract(tx, fns.abstract_params(), fns.param_shardings))
     ckpt.close()
     log(f"warm start: {entry.name} step {step}, held-out accuracy "
         f"{summary.get('heldout_accuracy')}")
-    return state["params"], summary
+    return state.params, summary

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflow.data.arithmetic import AdditionTask, eval_prompts

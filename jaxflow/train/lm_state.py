@@ -1,7 +1,7 @@
 """Sharded LM train state and a pure train step.
 
-The train state is a plain pytree ``{"params": pure dict, "opt_state": optax state,
-"step": int32}``: easy to checkpoint, to donate and to publish to another sub-mesh. Parameters
+The train state is a :class:`jaxflow.train.state.TrainState` (params a pure dict, optax
+state, int32 step): easy to checkpoint, to donate and to publish to another sub-mesh. Parameters
 are placed by logical-axis rules (``jaxflow.mesh``): shardings come from ``jax.eval_shape``, and
 the init is jitted with those ``out_shardings`` so no device ever holds an unsharded copy.
 """
@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from jaxflow.config import require_finite, require_positive, require_range
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules, shardings_from_logical
 from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
+from jaxflow.train.state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,26 +102,12 @@ def init_params(fns: LMFunctions, model_cfg: TransformerConfig, key: jax.Array) 
 
 
 def init_train_state(fns: LMFunctions, model_cfg: TransformerConfig, tx: optax.GradientTransformation,
-                     key: jax.Array) -> tuple[dict, dict]:
-    """(train_state, its shardings); optimizer state is sharded like the params it mirrors."""
+                     key: jax.Array) -> tuple[TrainState, TrainState]:
+    """(train state, its shardings as a ``TrainState`` of ``NamedSharding``); the optimizer
+    state is sharded like the params it mirrors (:func:`jaxflow.train.state.opt_state_shardings`)."""
     params = init_params(fns, model_cfg, key)
-    mesh = jax.tree.leaves(fns.param_shardings)[0].mesh
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def opt_sharding(leaf_abstract):
-        return replicated
-
-    abstract_opt = jax.eval_shape(tx.init, params)
-    # Moments mirror params: match each optimizer leaf to the param sharding by shape path.
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, fns.param_shardings,
-        transform_non_params=opt_sharding,
-    )
-    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-    state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
-    shardings = {"params": fns.param_shardings, "opt_state": opt_shardings, "step": replicated}
-    state["step"] = jax.device_put(state["step"], replicated)
-    return state, shardings
+    state = TrainState.create(tx, params, fns.param_shardings)
+    return state, TrainState.shardings(tx, params, fns.param_shardings)
 
 
 def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -129,7 +116,7 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def make_train_step(fns: LMFunctions, tx: optax.GradientTransformation, shardings: dict,
+def make_train_step(fns: LMFunctions, tx: optax.GradientTransformation, shardings: TrainState,
                     batch_sharding: NamedSharding) -> Callable:
     """A jitted, donating ``(state, batch) -> (state, metrics)``.
 
@@ -148,12 +135,10 @@ def make_train_step(fns: LMFunctions, tx: optax.GradientTransformation, sharding
         token_acc = ((pred == batch["targets"]) * mask).sum() / n
         return loss, {"loss": loss, "token_accuracy": token_acc, "tokens": mask.sum()}
 
-    def step(state, batch):
-        grads, metrics = jax.grad(loss_fn, has_aux=True)(state["params"], batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+    def step(state: TrainState, batch):
+        grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params, batch)
         metrics["grad_norm"] = optax.global_norm(grads)
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        return state.apply_gradients(grads), metrics
 
     batch_shardings = {k: batch_sharding for k in ("tokens", "targets", "loss_mask", "segment_ids", "positions")}
     return jax.jit(step, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, None),

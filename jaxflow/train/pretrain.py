@@ -8,26 +8,21 @@ RL warm start (``jaxflow.rl.warm_start``) both run :func:`pretrain`.
 
 from __future__ import annotations
 
-import os
-import signal
-
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxflow.checkpoint import Checkpointer, abstract_like
-from jaxflow.sync.replica import tree_digest
+from jaxflow.checkpoint import Checkpointer
 from jaxflow.data.arithmetic import AdditionTask, packed_batch
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.distributed import global_batch
 from jaxflow.experiment import RunContext
 from jaxflow.mesh import assert_params_sufficiently_sharded
 from jaxflow.models.transformer import param_count
+from jaxflow.sync.replica import tree_digest
 from jaxflow.train.evaluate import ExactMatchEvaluator
 from jaxflow.train.lm_state import init_train_state, lm_functions, make_optimizer, make_train_step
-
-#: Test hook: SIGKILL this process right after the checkpoint of this step is committed.
-FAULT_ENV = "JAXFLOW_KILL_AFTER_CHECKPOINT"
+from jaxflow.train.loop import run_steps
 
 
 def build(config):
@@ -54,49 +49,40 @@ def pretrain(config, run: RunContext) -> dict:
     train_step = make_train_step(fns, tx, shardings, batch_sharding)
     evaluate = ExactMatchEvaluator(fns, task, tokenizer, n=tc.eval_examples, mesh=mesh)
     ckpt = Checkpointer(run.checkpoint_dir, save_every=tc.checkpoint_every, max_to_keep=tc.keep_checkpoints)
+    assert_params_sufficiently_sharded(state.params, mesh)  # no-op without a "model" axis
+    run.info(f"model params: {param_count(state.params):,}; mesh {dict(mesh.shape)}")
 
-    start = 0
-    if run.resume and (latest := ckpt.latest_step()) is not None:
-        state = ckpt.restore(latest, abstract_like(state))
-        start = latest
-        run.truncate_metrics_after(start)
-        run.info(f"resumed from checkpoint at step {start}")
-    assert_params_sufficiently_sharded(state["params"], mesh)  # no-op without a "model" axis
-    run.info(f"model params: {param_count(state['params']):,}; mesh {dict(mesh.shape)}")
-    kill_at = int(os.environ.get(FAULT_ENV, "-1"))
-
-    run.set_total_steps(tc.steps, "lm_pretrain")
-    accuracy, window = None, []
-    for step in range(start, tc.steps):
+    def step_fn(state, step):
         host = packed_batch(task, tokenizer, seed=config.seed, step=step, batch_size=tc.batch_size,
                             seq_len=tc.seq_len, loss_on=config.data.loss_on)
-        state, metrics = train_step(state, global_batch(vars(host), batch_sharding))
-        window.append(metrics)
-        done = step + 1
-        if done % tc.log_every == 0 or done == tc.steps:
-            rows = jax.device_get(window)
-            row = {k: float(np.mean([r[k] for r in rows])) for k in ("loss", "token_accuracy", "grad_norm")}
-            row["last_loss"] = float(rows[-1]["loss"])
-            window = []
-            if done % tc.eval_every == 0 or done == tc.steps:
-                accuracy = evaluate(state["params"])
-                row["heldout_accuracy"] = accuracy
-            run.log(done, row)
-        if ckpt.save(done, state, force=done == tc.steps) and done == kill_at:
-            ckpt.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-        ckpt.stop_if_requested(done, state)  # SIGINT / SIGTERM: checkpoint this step and stop
-    ckpt.close()
-    if accuracy is None:  # resumed at the very end: nothing left to train
-        accuracy = evaluate(state["params"])
-    final_loss = float(jax.device_get(window[-1]["loss"])) if window else _last_logged_loss(run)
+        return train_step(state, global_batch(vars(host), batch_sharding))
+
+    run.set_total_steps(tc.steps, "lm_pretrain")
+    result = run_steps(step_fn, state, steps=tc.steps, run=run, checkpointer=ckpt,
+                       log_every=tc.log_every, summarize=_row,
+                       eval_fn=lambda state, done: {"heldout_accuracy": evaluate(state.params)},
+                       eval_every=tc.eval_every)
+    state = result.state
+    evaluated = [r["heldout_accuracy"] for r in result.rows if "heldout_accuracy" in r]
+    # resumed at the very end: nothing left to train, so evaluate the restored state
+    accuracy = evaluated[-1] if evaluated else evaluate(state.params)
+    final_loss = (float(jax.device_get(result.last_metrics["loss"])) if result.last_metrics
+                  else _last_logged_loss(run))
     return {
         "final_loss": final_loss,
         "heldout_accuracy": accuracy,
         "steps": tc.steps,
-        "param_count": param_count(state["params"]),
-        "params_checksum": tree_digest(state["params"]),
+        "param_count": param_count(state.params),
+        "params_checksum": tree_digest(state.params),
     }
+
+
+def _row(window) -> dict:
+    """The logged row: means of loss / token accuracy / grad norm over the window, last loss."""
+    rows = jax.device_get(list(window))
+    row = {k: float(np.mean([r[k] for r in rows])) for k in ("loss", "token_accuracy", "grad_norm")}
+    row["last_loss"] = float(rows[-1]["loss"])
+    return row
 
 
 def _last_logged_loss(run: RunContext) -> float:
