@@ -6,14 +6,19 @@ import pytest
 
 from configs.flagship import get_config
 from jaxflow.config import apply_overrides
-from jaxflow.main.flagship import (HEADLINE_KEYS, pass_at_1_definition, seed_interval,
-                                   summarize_seeds, sync_ratio_vs_dense)
+from jaxflow.main.flagship import (
+    HEADLINE_KEYS,
+    pass_at_1_definition,
+    seed_interval,
+    summarize_seeds,
+    sync_ratio_vs_dense,
+)
 
 
 def _sync(*payloads, dense=1000):
-    stats = [SimpleNamespace(stats=SimpleNamespace(dense_bytes=dense, payload_bytes=p))
-             for p in payloads]
-    return SimpleNamespace(records=stats)
+    """SyncRecord stand-ins, one per publish."""
+    return [SimpleNamespace(stats=SimpleNamespace(dense_bytes=dense, payload_bytes=p))
+            for p in payloads]
 
 
 def test_sync_ratio_counts_the_first_full_copy():
@@ -24,6 +29,7 @@ def test_sync_ratio_counts_the_first_full_copy():
     assert ratio == pytest.approx(4000 / 1200)
     assert sync_ratio_vs_dense(_sync(1000, 1000))[0] == 1.0  # dense payloads: no saving
     assert sync_ratio_vs_dense(None)[1:] == (0, 0)
+    assert sync_ratio_vs_dense([])[1:] == (0, 0)  # sync on, nothing published yet
 
 
 def test_quick_config_and_pass_at_1_definition():

@@ -252,7 +252,7 @@ def _tracker_compaction():
     tracker = sync.ChangeTracker({"w": leaf})
     capacity = 128
     backend = "pallas" if tracker._use_kernel(leaf, capacity) else "xla"
-    fn = tr._compact_fn(mesh, sharding.spec, tuple(leaf.shape), capacity, backend, False)
+    fn = tr.shard_compact_fn(mesh, sharding.spec, tuple(leaf.shape), capacity, backend, False)
     arg = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
     return [("sync_tracker_compact", fn, (arg, arg), contextlib.nullcontext)]
 

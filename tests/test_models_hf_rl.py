@@ -60,6 +60,6 @@ def test_grpo_sis_with_sparse_sync_on_a_loaded_qwen3(checkpoint):
         assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
         assert metrics["synced"] == 1.0 and metrics["sync_bit_exact"] == 1.0
         assert 0 < metrics["sync_changed_fraction"] < 1
-    after = jax.tree.map(np.asarray, state["policy"]["params"])
+    after = jax.tree.map(np.asarray, state["policy"].params)
     assert any(not np.array_equal(a, b) for a, b in
                zip(jax.tree.leaves(before), jax.tree.leaves(after)))  # the checkpoint trained

@@ -9,8 +9,8 @@ import pytest
 
 from configs import sis_exact_gradient
 from jaxflow.experiment import standalone_context
-from jaxflow.rl import exact_gradient
 from jaxflow.main.sis_exact_gradient import main as sis_exact_gradient_main
+from jaxflow.rl import exact_gradient
 
 
 def test_config_contract():

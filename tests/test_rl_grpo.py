@@ -20,6 +20,7 @@ from jaxflow.rl.policy_loss import PolicyLossConfig
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.sync.replica import tree_digest
+from jaxflow.sync.weight_sync import SyncConfig
 from jaxflow.train.lm_state import OptimConfig, init_params
 
 MODEL = TransformerConfig(vocab_size=23, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
@@ -70,7 +71,8 @@ def test_first_minibatch_is_exactly_on_policy_and_later_ones_are_not(meshes):
     state = trainer.init_state(_params(trainer))
     for _ in range(2):
         batch = trainer.generate(state)
-        state, history = trainer.train_on_rollout(state, batch)
+        state, history, sent = trainer.train_on_rollout(state, batch)
+        assert sent is None  # sync off: nothing went through a weight sync
         rows = jax.device_get(history)
         assert float(rows[0]["max_abs_log_ratio"]) == 0.0   # ratio == 1 bit for bit
         assert float(rows[0]["accept_rate"]) == 1.0         # SIS accepts every token
@@ -85,7 +87,7 @@ def test_lag_and_staleness_give_the_intended_parameter_versions(meshes, lag, sta
     trainer = _trainer(meshes, lag=lag, staleness=staleness, prompts_per_rollout=3,
                        entropy_coef=0.05)
     state = trainer.init_state(_params(trainer))
-    snapshots = {0: tree_digest(state["policy"]["params"])}  # version -> params
+    snapshots = {0: tree_digest(state["policy"].params)}  # version -> params
     for r in range(4):
         expected = max(0, r - staleness) * lag
         assert int(state["published_version"][0]) == expected
@@ -94,8 +96,8 @@ def test_lag_and_staleness_give_the_intended_parameter_versions(meshes, lag, sta
         state, metrics = trainer.step(state)
         assert metrics["sampler_version"] == expected
         assert metrics["trainer_version"] == r * lag
-        assert int(state["policy"]["step"]) == (r + 1) * lag  # N optimizer steps per rollout
-        snapshots[(r + 1) * lag] = tree_digest(state["policy"]["params"])
+        assert int(state["policy"].step) == (r + 1) * lag  # N optimizer steps per rollout
+        snapshots[(r + 1) * lag] = tree_digest(state["policy"].params)
     assert len(set(snapshots.values())) == len(snapshots)  # every update changed the params
 
 
@@ -116,12 +118,12 @@ def test_two_step_run_learns_a_trivial_task(meshes):
                        optim=OptimConfig(lr=3e-2, warmup_steps=0))
     eos = CharTokenizer().eos_id
     state = trainer.init_state(_params(trainer, seed=1))
-    before = _first_token_prob(trainer, state["policy"]["params"], eos)
+    before = _first_token_prob(trainer, state["policy"].params, eos)
     rewards = []
     for _ in range(2):
         state, metrics = trainer.step(state)
         rewards.append(metrics["reward_mean"])
-    after = _first_token_prob(trainer, state["policy"]["params"], eos)
+    after = _first_token_prob(trainer, state["policy"].params, eos)
     assert 0 < rewards[0] < 1  # some signal in the first groups
     assert after > 2 * before, (before, after)
 
@@ -155,6 +157,25 @@ def test_resume_from_checkpoint_is_bit_identical(meshes, tmp_path):
         resumed.append(m)
     assert tree_digest(restored) == want  # whole state: params, opt, queue, ref, rng
     assert resumed == straight[2:]
+
+
+def test_step_with_sync_returns_what_the_publish_sent(meshes):
+    # sync every 2 rollouts: the step reports the record of its own publish, or None
+    trainer = GRPOTrainer(MODEL, dataclasses.replace(BASE, entropy_coef=0.05, lag=2),
+                          OptimConfig(lr=3e-3, warmup_steps=0), AdditionRLTask(max_digits=1),
+                          CharTokenizer(), meshes, seed=0, total_rollouts=8,
+                          sync=SyncConfig(codec="auto", every=2))
+    state = trainer.init_state(_params(trainer))
+    for r in range(3):
+        state, metrics, sent = trainer.step_with_sync(state)
+        if r % 2 == 0:
+            assert sent is None and metrics["synced"] == 0.0 and "sync_payload_bytes" not in metrics
+            continue
+        assert sent is trainer.weight_sync.records[-1] and len(trainer.weight_sync.records) == 1
+        assert sent.stats.version == int(state["policy"].step) == 4 and sent.bit_exact
+        assert metrics["synced"] == 1.0 and metrics["sync_bit_exact"] == 1.0
+        assert metrics["sync_payload_bytes"] == sent.stats.payload_bytes > 0
+        assert metrics["sync_changed_fraction"] == sent.stats.changed_fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +234,7 @@ def test_rs_rejection_equals_removing_the_tokens_from_the_mask(meshes):
                        loss=PolicyLossConfig(correction="rs"))
     state = trainer.init_state(_params(trainer))
     mb = trainer.minibatches(trainer.generate(state))[0]
-    params, ref = state["policy"]["params"], _params(trainer, seed=3)
+    params, ref = state["policy"].params, _params(trainer, seed=3)
     old = trainer._old_stats(params, ref, mb)
     reject = np.zeros(mb.mask.shape[0], bool)
     reject[[0, 3]] = True

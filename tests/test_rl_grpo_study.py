@@ -2,8 +2,8 @@
 
 import json
 
+from jaxflow.main.sis_offpolicy import grid_cells
 from jaxflow.plots import read_metrics
-from jaxflow.main.sis_offpolicy import FAULT_ENV, grid_cells
 from tests._cli import run_cli
 
 TINY = [
@@ -45,12 +45,13 @@ def test_study_runs_and_resumes_bit_identically(tmp_path):
     assert ROW_KEYS <= row.keys() and row["seeds"] == 1 and 0 <= row["acc_mean"] <= 1
 
     killed_dir = tmp_path / "killed"
-    killed = run_cli([*common, f"--out={killed_dir}"], env_extra={FAULT_ENV: "2"}, timeout=600)
+    # the fault step is the global logged step: cell 0, rollout 2
+    killed = run_cli([*common, f"--out={killed_dir}", "--kill-after-checkpoint=2"], timeout=600)
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])
     assert "training lm_pretrain" not in killed.stdout  # reused the cache
     resumed = run_cli(["--resume", f"--out={killed_dir}"], timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from checkpoint at rollout 2" in resumed.stdout
+    assert "resumed from checkpoint at step 2" in resumed.stdout
 
     again = json.loads((killed_dir / "summary.json").read_text())
     assert again["params_checksums"] == summary["params_checksums"]

@@ -5,8 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflow.rl import (ALGOS, CORRECTIONS, PolicyLossConfig, grpo_advantages, mis_weights,
-                        policy_loss, rloo_advantages, tis_weights)
+from jaxflow.rl import (
+    ALGOS,
+    CORRECTIONS,
+    PolicyLossConfig,
+    grpo_advantages,
+    mis_weights,
+    policy_loss,
+    rloo_advantages,
+    tis_weights,
+)
 
 
 def make_batch(seed, B=3, T=5, K=4, scale=0.5):

@@ -5,8 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflow.rl import (PolicyLossConfig, grpo_advantages, policy_loss, sa_gcpo_advantages,
-                        sapo_gate, unified_reward, zero_positive_below_target)
+from jaxflow.rl import (
+    PolicyLossConfig,
+    grpo_advantages,
+    policy_loss,
+    sa_gcpo_advantages,
+    sapo_gate,
+    unified_reward,
+    zero_positive_below_target,
+)
 
 
 def _batch(seed, B=6, T=5):

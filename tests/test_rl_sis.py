@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflow.rl import ALGOS, PolicyLossConfig, policy_loss, sis_accept, sis_log_envelope
-from jaxflow.rl import sis_uniforms
+from jaxflow.rl import ALGOS, PolicyLossConfig, policy_loss, sis_accept, sis_log_envelope, sis_uniforms
 
 
 def make_batch(seed, B=4, T=6, V=6, scale=0.5, k=None):

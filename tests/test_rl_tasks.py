@@ -7,8 +7,15 @@ import pytest
 
 from jaxflow.data.arithmetic import AdditionTask, eval_prompts
 from jaxflow.data.tokenizer import CharTokenizer
-from jaxflow.rl.tasks import (AdditionRLTask, CountdownTask, Task, encode_prompts,
-                              evaluate_expression, make_task, score_completions)
+from jaxflow.rl.tasks import (
+    AdditionRLTask,
+    CountdownTask,
+    Task,
+    encode_prompts,
+    evaluate_expression,
+    make_task,
+    score_completions,
+)
 
 
 def test_addition_matches_lm_pretrain_format_and_heldout_set():

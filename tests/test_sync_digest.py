@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxflow import sync
 from jaxflow.sync import digest
 from jaxflow.sync.payload import FRESH
-from tests.test_sync_format import random_tree_pair, _JAX_DTYPES, _to_jax
+from tests.test_sync_format import _JAX_DTYPES, _to_jax, random_tree_pair
 from tests.test_sync_trees import adversarial_pair, tree_bits
 
 BF16 = ml_dtypes.bfloat16
@@ -251,4 +252,4 @@ def test_sender_keeps_its_base_digest_current_from_the_diffs():
         sender.publish(trees[v])
         assert sync.Payload.from_bytes(sender.chain_from(v - 1)[0]).base_digest == base
     assert sender.base_digest() == sync.device_digest(sender.snapshot)
-    np.testing.assert_array_equal(sender._lanes, digest.tree_lanes(sender.snapshot))
+    np.testing.assert_array_equal(sender.state.lanes, digest.tree_lanes(sender.snapshot))

@@ -11,7 +11,6 @@ from jaxflow.sync import bits, host_kernels
 from jaxflow.sync.diff import diff_tree
 
 
-
 def test_kernel_in_use():
     assert host_kernels.available()  # numba is a dependency (pyproject)
 
@@ -110,6 +109,7 @@ def test_rice_and_value_streams_match_numpy(n):
 
 def test_digest_lanes_match_numpy():
     import ml_dtypes
+
     from jaxflow.sync import digest
     rng = np.random.default_rng(5)
     for dtype in (ml_dtypes.bfloat16, np.float32, np.int8, np.bool_, np.float64, ml_dtypes.int4):

@@ -16,8 +16,7 @@ import pytest
 
 from jaxflow.mesh import role_meshes
 from jaxflow.models.transformer import TransformerConfig
-from jaxflow.sync import (FRESH, PayloadError, Replica, SyncSender, VersionMismatch, to_bf16,
-                          tree_digest)
+from jaxflow.sync import FRESH, PayloadError, Replica, SyncSender, VersionMismatch, to_bf16, tree_digest
 from jaxflow.sync.transport import InProcessLink, TcpLink
 from jaxflow.train.lm_state import init_params, lm_functions
 from tests.test_sync_transport import trainer_tree, trajectory

@@ -7,18 +7,19 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from configs.sparse_sync import Config
 from configs.sis_offpolicy import WARM_START
+from configs.sparse_sync import Config
 from jaxflow.experiment import standalone_context
+from jaxflow.main.sparse_sync import run_interval
 from jaxflow.mesh import role_meshes
 from jaxflow.rl.publish import publish_weights
 from jaxflow.sync import SyncConfig, VersionMismatch, WeightSync, to_bf16, tree_digest
-from jaxflow.main.sparse_sync import run_interval
 from jaxflow.train.lm_state import init_params, lm_functions
-from tests.test_sync_transport import trainer_tree, trajectory
 from tests.test_rl_grpo import MODEL
+from tests.test_sync_transport import trainer_tree, trajectory
 
 
 @pytest.fixture(scope="module")

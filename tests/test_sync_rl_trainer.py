@@ -46,8 +46,8 @@ def _bf16_digest(tree) -> str:
 def test_rollouts_sample_the_trainer_bf16_cast_at_every_sync(meshes):
     trainer = _trainer(meshes, SyncConfig(codec="entropy"))
     state = trainer.init_state(_params(trainer))
-    casts = {0: _bf16_digest(state["policy"]["params"])}
-    f32 = {0: tree_digest(state["policy"]["params"])}
+    casts = {0: _bf16_digest(state["policy"].params)}
+    f32 = {0: tree_digest(state["policy"].params)}
     for r in range(2):
         version = r * 2  # every=1: synced after every rollout, at the trainer's step count
         served = trainer.rollout_params(state)
@@ -65,8 +65,8 @@ def test_rollouts_sample_the_trainer_bf16_cast_at_every_sync(meshes):
         assert metrics["sync_bit_exact"] == 1.0 and 0 < metrics["sync_changed_fraction"] < 1
         rec = trainer.weight_sync.records[-1]
         assert rec.bit_exact and rec.stats.version == (r + 1) * 2
-        casts[(r + 1) * 2] = _bf16_digest(state["policy"]["params"])
-        f32[(r + 1) * 2] = tree_digest(state["policy"]["params"])
+        casts[(r + 1) * 2] = _bf16_digest(state["policy"].params)
+        f32[(r + 1) * 2] = tree_digest(state["policy"].params)
         assert trainer.weight_sync.replicas[0].digest() == casts[(r + 1) * 2]
     assert len(set(casts.values())) == len(casts)  # every sync changed the bf16 weights
 
@@ -74,14 +74,14 @@ def test_rollouts_sample_the_trainer_bf16_cast_at_every_sync(meshes):
 def test_every_two_rollouts_between_syncs_sample_the_older_version(meshes):
     trainer = _trainer(meshes, SyncConfig(codec="auto", every=2))
     state = trainer.init_state(_params(trainer))
-    casts = {0: _bf16_digest(state["policy"]["params"])}
+    casts = {0: _bf16_digest(state["policy"].params)}
     seen = []
     for r in range(4):
         served = _bf16_digest(trainer.rollout_params(state))
         state, m = trainer.step(state)
         seen.append((m["sampler_version"], m["trainer_version"], m["synced"]))
         assert served == casts[m["sampler_version"]]
-        casts[(r + 1) * 2] = _bf16_digest(state["policy"]["params"])
+        casts[(r + 1) * 2] = _bf16_digest(state["policy"].params)
     # every counts rollouts (2 optimizer steps each): syncs after rollouts 2 and 4, at versions
     # 4 and 8; the 2nd and 4th rollouts still sample the last synced version (0, then 4) while
     # the trainer is at 2, then 6
@@ -119,7 +119,7 @@ def test_version_check_catches_a_replica_that_fell_behind(meshes, on_mismatch):
         rec = ws.records[-1]
         assert not rec.report[0]["ok"] and "injected" in rec.report[0]["error"]
         assert ws.replicas[0].version == 2
-        assert ws.replicas[0].digest() == _bf16_digest(state["policy"]["params"])
+        assert ws.replicas[0].digest() == _bf16_digest(state["policy"].params)
     else:
         state, m = trainer.step(state)
     assert m["sampler_version"] == 0
@@ -130,7 +130,7 @@ def test_version_check_catches_a_replica_that_fell_behind(meshes, on_mismatch):
         with pytest.raises(VersionMismatch, match="at version 0, the trainer published 2"):
             trainer.step(state)
         return
-    want = _bf16_digest(state["policy"]["params"])
+    want = _bf16_digest(state["policy"].params)
     assert _bf16_digest(trainer.rollout_params(state)) == want  # caught up by the check
     assert ws.sender.routes[-1] == "chain" and ws.replicas[0].version == 2
     state, m = trainer.step(state)

@@ -7,14 +7,12 @@ import socket
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxflow.mesh import role_meshes
-from jaxflow.sync import (CODECS, FRESH, PayloadError, Replica, SyncSender, to_bf16,
-                          tree_digest)
-from jaxflow.sync.transport import InProcessLink, ReplicaServer, StorageChannel, TcpLink
-from jaxflow.sync.transport import tcp
-
+from jaxflow.sync import CODECS, FRESH, PayloadError, Replica, SyncSender, to_bf16, tree_digest
+from jaxflow.sync.transport import InProcessLink, ReplicaServer, StorageChannel, TcpLink, tcp
 
 # -- shared with test_sync_replicas / test_sync_rl: a small f32 trainer trajectory whose bf16
 # casts change sparsely, as after small Adam steps.

@@ -13,8 +13,7 @@ import pytest
 from jaxflow.sync import PayloadError, Replica, SyncSender, to_bf16, tree_digest
 from jaxflow.sync import payload as fmt
 from jaxflow.sync.diff import tree_layout
-from jaxflow.sync.transport import ReplicaServer, StorageChannel, TcpLink
-from jaxflow.sync.transport import storage, tcp
+from jaxflow.sync.transport import ReplicaServer, StorageChannel, TcpLink, storage, tcp
 from tests.test_sync_transport import trainer_tree, trajectory
 
 

@@ -19,10 +19,11 @@ import numpy as np
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.experiment import RunContext
 from jaxflow.mesh import trainer_rollout_meshes
-from jaxflow.rl.grpo import GRPOTrainer
+from jaxflow.rl.grpo import GRPOTrainer, rollout_row
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
 from jaxflow.stats import paired_interval
 from jaxflow.train.lm_state import lm_functions
+from jaxflow.train.loop import run_steps
 
 #: Summary keys that carry a mean and a 95% seed interval.
 HEADLINE_KEYS = ("heldout_pass_at_1_initial", "heldout_pass_at_1_final",
@@ -37,14 +38,15 @@ def pass_at_1_definition(config) -> dict:
             "reward": "1 iff the whole working and the sum are correct"}
 
 
-def sync_ratio_vs_dense(weight_sync) -> tuple[float, int, int]:
-    """(ratio, dense bytes, sent bytes) over every publish, the first full copy of the weights
-    to the replica included (counted as dense on both sides)."""
-    if weight_sync is None or not weight_sync.records:
+def sync_ratio_vs_dense(records) -> tuple[float, int, int]:
+    """(ratio, dense bytes, sent bytes) over every publish (``records``: the
+    ``jaxflow.sync.weight_sync.SyncRecord`` of each, in order; None or empty: no sync), the
+    first full copy of the weights to the replica included (counted as dense on both sides)."""
+    if not records:
         return float("nan"), 0, 0
-    full = weight_sync.records[0].stats.dense_bytes
-    dense = full + sum(r.stats.dense_bytes for r in weight_sync.records)
-    sent = full + sum(r.stats.payload_bytes for r in weight_sync.records)
+    full = records[0].stats.dense_bytes
+    dense = full + sum(r.stats.dense_bytes for r in records)
+    sent = full + sum(r.stats.payload_bytes for r in records)
     return dense / sent, dense, sent
 
 
@@ -136,20 +138,24 @@ def run_seed(config, run: RunContext, k: int, meshes, fns) -> tuple[dict, list, 
 
     initial = pass_at_1(state)
     run.info(f"seed {k}: warm start held-out pass@1 {initial:.3f}")
-    evals = [(0, initial)]
-    rows = []
-    for r in range(config.rollouts):
-        state, metrics = trainer.step(state)
-        done = r + 1
-        row = {"rollout": done, "seed_index": k, **metrics}
-        if done % config.eval.every == 0 or done == config.rollouts:
-            row["heldout_pass_at_1"] = pass_at_1(state)
-            evals.append((done, row["heldout_pass_at_1"]))
-        run.log(k * config.rollouts + done, row)
-        rows.append(row)
-    ratio, dense, sent = sync_ratio_vs_dense(trainer.weight_sync)
-    final = evals[-1][1]
+    records = []  # the SyncRecord of every publish that went through the weight sync
+
+    def rl_step(state, step):
+        state, metrics, record = trainer.step_with_sync(state)
+        if record is not None:
+            records.append(record)
+        return state, {"rollout": step + 1, "seed_index": k, **metrics}
+
+    result = run_steps(rl_step, state, steps=config.rollouts, run=run, log_every=1,
+                       summarize=rollout_row,
+                       eval_fn=lambda st, done: {"heldout_pass_at_1": pass_at_1(st)},
+                       eval_every=config.eval.every, step_offset=k * config.rollouts)
+    state, rows = result.state, result.rows
+    evals = [(0, initial)] + [(r["rollout"], r["heldout_pass_at_1"]) for r in rows
+                              if "heldout_pass_at_1" in r]
     ws = trainer.weight_sync
+    ratio, dense, sent = sync_ratio_vs_dense(records)
+    final = evals[-1][1]
     run.info(f"seed {k}: held-out pass@1 {initial:.3f} -> {final:.3f}" + (
         f"; sync ratio vs dense bf16 {ratio:.2f}x ({dense} / {sent} bytes)" if ws else ""))
     later = [r["accept_rate_later"] for r in rows if "accept_rate_later" in r]
@@ -164,8 +170,8 @@ def run_seed(config, run: RunContext, k: int, meshes, fns) -> tuple[dict, list, 
         "sync_ratio_vs_dense": ratio if ws else None,  # None: sync=none (dense f32)
         "sync_dense_bytes": dense,
         "sync_sent_bytes": sent,
-        "sync_publishes": len(ws.records) if ws else 0,
-        "sync_bit_exact": all(r.bit_exact for r in ws.records) if ws else None,
+        "sync_publishes": len(records),
+        "sync_bit_exact": all(r.bit_exact for r in records) if ws else None,
         "reward_first5": float(np.mean([r["reward_mean"] for r in rows[:5]])),
         "reward_last5": float(np.mean([r["reward_mean"] for r in rows[-5:]])),
         "accept_rate_later": float(np.mean(later)) if later else None,

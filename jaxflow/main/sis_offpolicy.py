@@ -6,26 +6,26 @@ carry ``cell``; the x axis is a global step ``cell_index * rollouts + rollout``)
 ``cells.jsonl`` when the cell finishes. ``plots/sis_offpolicy_*.png`` overlay the curves.
 
 Resume (``--resume``): finished cells (``cells.jsonl``) are skipped; the running cell continues
-from its latest checkpoint (``checkpoints/<cell>/``) bit-exactly.
+from its latest checkpoint (``checkpoints/<cell>/``) bit-exactly. Each cell trains through
+:func:`jaxflow.train.loop.run_steps`, so ``--kill-after-checkpoint=N`` (the resume tests'
+crash) counts the global step above.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import signal
 from typing import NamedTuple
 
 import numpy as np
 
-from jaxflow.checkpoint import Checkpointer, abstract_like
+from jaxflow.checkpoint import Checkpointer
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.experiment import RunContext
 from jaxflow.mesh import trainer_rollout_meshes
 from jaxflow.plots import read_metrics
-from jaxflow.rl.grpo import GRPOTrainer
+from jaxflow.rl.grpo import GRPOTrainer, rollout_row
 from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.rollout import RolloutWorker
 from jaxflow.rl.tasks import AdditionRLTask
@@ -33,9 +33,7 @@ from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
 from jaxflow.stats import normalized_auc, paired_interval
 from jaxflow.sync.replica import tree_digest
 from jaxflow.train.lm_state import lm_functions
-
-#: Test hook: SIGKILL right after the RL checkpoint at this global step is committed.
-FAULT_ENV = "JAXFLOW_RL_KILL_AFTER_CHECKPOINT"
+from jaxflow.train.loop import run_steps
 
 
 class Cell(NamedTuple):
@@ -92,8 +90,11 @@ def _append_done(run: RunContext, row: dict) -> None:
 
 
 def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_params,
-             initial_accuracy: tuple[float, float], kill_at: int) -> dict:
-    """One RL run; returns its record for cells.jsonl."""
+             initial_accuracy: tuple[float, float]) -> dict:
+    """One RL run through :func:`jaxflow.train.loop.run_steps` (its rows carry ``cell`` and
+    ``rollout``; global step ``index * rollouts + rollout``); returns its record for
+    cells.jsonl. Resumes from ``checkpoints/<cell>/`` with ``run.resume``; the rows of the
+    rollouts before the checkpoint are read back from metrics.jsonl."""
     sched = config.train
     loss = dataclasses.replace(config.rl.loss, algo=cell.algo, correction=cell.correction)
     rl = dataclasses.replace(config.rl, loss=loss, mismatch=cell.mismatch, lag=cell.lag,
@@ -101,43 +102,31 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
     trainer = GRPOTrainer(config.pretrain.model, rl, config.optim, _task(config), _tokenizer(config),
                           meshes, seed=config.seed * 1000 + cell.seed,
                           total_rollouts=sched.rollouts, sync=config.sync)
-    state = trainer.init_state(warm_params)
     ckpt = Checkpointer(run.checkpoint_dir / cell.label, save_every=sched.checkpoint_every,
                         max_to_keep=1)
-    base = index * sched.rollouts
-    start = 0
-    curve = [(0, initial_accuracy[0])]
-    greedy = [(0, initial_accuracy[1])]
-    history: list[dict] = []
-    if run.resume and (latest := ckpt.latest_step()) is not None:
-        state = ckpt.restore(latest, abstract_like(state))
-        start = latest
-        run.truncate_metrics_after(base + start)
-        for row in read_metrics(run.out_dir / "metrics.jsonl"):
-            if row.get("cell") == cell.label:
-                history.append(row)
-                if "heldout_accuracy" in row:
-                    curve.append((row["rollout"], row["heldout_accuracy"]))
-                    greedy.append((row["rollout"], row["heldout_greedy_accuracy"]))
-        run.info(f"{cell.label}: resumed from checkpoint at rollout {start}")
-    for r in range(start, sched.rollouts):
+
+    def rl_step(state, step):
         state, metrics = trainer.step(state)
-        done = r + 1
-        row = {"cell": cell.label, "rollout": done, **metrics}
-        if done % sched.eval_every == 0 or done == sched.rollouts:
-            row["heldout_accuracy"] = trainer.heldout_accuracy(state, sched.eval_examples,
-                                                               samples=sched.eval_samples)
-            row["heldout_greedy_accuracy"] = trainer.heldout_accuracy(state,
-                                                                      sched.eval_examples)
-            curve.append((done, row["heldout_accuracy"]))
-            greedy.append((done, row["heldout_greedy_accuracy"]))
-        run.log(base + done, row)
-        history.append(row)
-        if ckpt.save(done, state, force=done == sched.rollouts) and base + done == kill_at:
-            ckpt.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-        ckpt.stop_if_requested(done, state)  # SIGINT / SIGTERM: checkpoint this rollout, stop
-    ckpt.close()
+        return state, {"rollout": step + 1, **metrics}
+
+    def evaluate(state, done):
+        return {"heldout_accuracy": trainer.heldout_accuracy(state, sched.eval_examples,
+                                                             samples=sched.eval_samples),
+                "heldout_greedy_accuracy": trainer.heldout_accuracy(state, sched.eval_examples)}
+
+    result = run_steps(rl_step, trainer.init_state(warm_params), steps=sched.rollouts, run=run,
+                       checkpointer=ckpt, log_every=1, summarize=rollout_row, eval_fn=evaluate,
+                       eval_every=sched.eval_every, step_offset=index * sched.rollouts,
+                       row_fields={"cell": cell.label})
+    resumed = [row for row in read_metrics(run.out_dir / "metrics.jsonl")
+               if row.get("cell") == cell.label and row["rollout"] <= result.start
+               ] if result.start else []
+    history = resumed + result.rows
+    evaluated = [h for h in history if "heldout_accuracy" in h]
+    curve = [(0, initial_accuracy[0])] + [(h["rollout"], h["heldout_accuracy"]) for h in evaluated]
+    greedy = [(0, initial_accuracy[1])] + [(h["rollout"], h["heldout_greedy_accuracy"])
+                                           for h in evaluated]
+    state = result.state
 
     def mean_of(key, rows):
         vals = [h[key] for h in rows if key in h]
@@ -160,7 +149,7 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
         "reward_last": history[-1]["reward_mean"] if history else None,
         # fresh training prompts every rollout: an unbiased train-distribution pass rate
         "reward_last5": mean_of("reward_mean", history[-5:]),
-        "params_checksum": tree_digest(state["policy"]["params"]),
+        "params_checksum": tree_digest(state["policy"].params),
     }
 
 
@@ -247,8 +236,12 @@ def format_paired_table(rows: list[dict]) -> str:
     head = ("| algo | correction - control | mismatch | lag | k | pairs | final pass@1 diff "
             "(95% t) | bootstrap | AUC diff (95% t) | bootstrap |\n"
             "|---|---|---|---|---|---|---|---|---|---|")
-    iv = lambda m, h: f"{m:+.3f} +- {h:.3f}"
-    bt = lambda b: f"[{b[0]:+.3f}, {b[1]:+.3f}]"
+    def iv(m, h):
+        return f"{m:+.3f} +- {h:.3f}"
+
+    def bt(b):
+        return f"[{b[0]:+.3f}, {b[1]:+.3f}]"
+
     lines = [f"| {r['algo']} | {r['correction']} - {r['control']} | {r['mismatch']} | "
              f"{r['lag']} | {r['staleness']} | {r['pairs']} | "
              f"{iv(r['final_diff'], r['final_half_width'])} | {bt(r['final_boot'])} | "
@@ -356,7 +349,6 @@ def main(config, run: RunContext) -> dict:
                                                           fns, log=run.info)
     cells = grid_cells(config.grid)
     done = _load_done(run)
-    kill_at = int(os.environ.get(FAULT_ENV, "-1"))
     run.set_total_steps(len(cells) * config.train.rollouts, "sis_offpolicy")
     initial_accuracy = warm_start_accuracy(config, meshes, warm_params)
     run.info(f"warm start held-out accuracy: sampled {initial_accuracy[0]:.3f}, "
@@ -367,7 +359,7 @@ def main(config, run: RunContext) -> dict:
             records.append(done[cell.label])
             continue
         record = run_cell(cell, index, config, run, meshes=meshes, warm_params=warm_params,
-                          initial_accuracy=initial_accuracy, kill_at=kill_at)
+                          initial_accuracy=initial_accuracy)
         _append_done(run, record)
         shutil.rmtree(run.checkpoint_dir / cell.label, ignore_errors=True)
         run.info(f"{cell.label}: accuracy {record['final_accuracy']:.3f}, greedy "

@@ -34,14 +34,15 @@ import numpy as np
 
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.experiment import RunContext
-from jaxflow.rl.grpo import GRPOTrainer
 from jaxflow.mesh import trainer_rollout_meshes
+from jaxflow.rl.grpo import GRPOTrainer, rollout_row
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.warm_start import load_pretrained_params
 from jaxflow.sync.replica import to_bf16, tree_digest
 from jaxflow.sync.transport.tcp import TcpLink
 from jaxflow.sync.weight_sync import WeightSync
 from jaxflow.train.lm_state import lm_functions
+from jaxflow.train.loop import run_steps
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -77,11 +78,30 @@ def _tcp_links(procs, timeout_s: float = 120.0) -> list[TcpLink]:
     return links
 
 
+@dataclasses.dataclass(frozen=True)
+class IntervalState:
+    """The loop state of one interval (``run_interval``).
+
+    Attributes:
+      rl: the GRPO trainer's state.
+      cast: ``{version: tree_digest}`` of the trainer's bf16 cast at the served version.
+      served_exact: every rollout since the last sync sampled exactly that cast.
+      rows: the sync rows so far, one per (sync, codec), the serving codec first.
+    """
+
+    rl: dict
+    cast: dict
+    served_exact: bool = True
+    rows: tuple = ()
+
+
 def run_interval(every: int, config, run: RunContext, *, meshes, warm_params, tcp_links=(),
                  step_offset: int = 0) -> list[dict]:
     """One GRPO run syncing every ``every`` rollouts; one row per (sync, codec), the serving
     codec first. Fresh TCP replica processes behind ``tcp_links`` get a dense resync to
-    version 0 when the trainer starts, then every sync."""
+    version 0 when the trainer starts, then every sync. The rollouts run in
+    ``jaxflow.train.loop.run_steps`` (one metrics row per rollout, with the sync's summary
+    when it synced)."""
     # the serving sync also measures the entropy bound (the same for every codec)
     sync_cfg = dataclasses.replace(config.sync, every=every, bound=True)
     trainer = GRPOTrainer(config.pretrain.model, config.rl, config.optim,
@@ -90,48 +110,55 @@ def run_interval(every: int, config, run: RunContext, *, meshes, warm_params, tc
                           sync=sync_cfg, sync_links=tcp_links)
     state = trainer.init_state(warm_params)
     serving = trainer.weight_sync
-    params0 = state["policy"]["params"]
+    params0 = state["policy"].params
     syncs = {config.sync.codec: serving}
     for c in config.codecs:  # the other codecs, measured on the same trajectory
         if c not in syncs:
             syncs[c] = WeightSync(params0, trainer.worker.param_shardings,
                                   dataclasses.replace(sync_cfg, codec=c, bound=False))
-    rows = []
-    # hash of the trainer's bf16 cast per version: the serving sender's snapshot digest
-    cast = {serving.version: serving.sender.digest()}
-    served_exact = True  # every rollout since the last sync sampled exactly that cast
-    for step in range(1, config.steps + 1):
-        served = tree_digest(to_bf16(trainer.rollout_params(state)))  # after the version check
-        served_exact &= served == cast.get(int(state["published_version"][0]))
-        state, metrics = trainer.step(state)
-        run.log(step_offset + step, {"every": every, "reward_mean": metrics["reward_mean"],
-                                     "sampler_version": metrics["sampler_version"]})
-        if not metrics["synced"]:
-            continue
-        params = state["policy"]["params"]
-        version = serving.version
-        cast = {version: serving.sender.digest()}  # computed once by the sync's verification
-        rollout_exact, served_exact = served_exact, True
-        for codec, ws in syncs.items():
-            rec = (serving.records[-1] if ws is serving
-                   else ws.publish(params, version=version))
-            s = rec.stats
-            rows.append({"every": every, "step": step, "codec": codec,
-                         "changed_fraction": s.changed_fraction, "payload_bytes": s.payload_bytes,
-                         "dense_bytes": s.dense_bytes, "ratio_vs_dense": s.ratio_vs_dense,
-                         "bound_bytes": s.bound_bytes, "encode_s": s.encode_s,
-                         "path": s.path, "host_bytes": s.host_bytes,
-                         "deliver_s": rec.deliver_s, "links": len(ws.links),
-                         "bit_exact": rec.bit_exact and rollout_exact,
-                         "served_exact": rollout_exact,
-                         "routes": [r.get("route") for r in rec.report]})
-        bound = rows[-len(syncs)]["bound_bytes"]
-        for r in rows[-len(syncs):]:
+
+    def step_fn(loop: IntervalState, step: int) -> tuple[IntervalState, dict]:
+        served = tree_digest(to_bf16(trainer.rollout_params(loop.rl)))  # after the version check
+        served_exact = loop.served_exact and served == loop.cast.get(
+            int(loop.rl["published_version"][0]))
+        rl, metrics, sent = trainer.step_with_sync(loop.rl)
+        row = {"every": every, "reward_mean": metrics["reward_mean"],
+               "sampler_version": metrics["sampler_version"]}
+        if sent is None:
+            return dataclasses.replace(loop, rl=rl, served_exact=served_exact), row
+        params, version, done = rl["policy"].params, serving.version, step + 1
+        records = {codec: sent if ws is serving else ws.publish(params, version=version)
+                   for codec, ws in syncs.items()}
+        rows = [_sync_row(every, done, codec, rec, len(syncs[codec].links), served_exact)
+                for codec, rec in records.items()]
+        bound = rows[0]["bound_bytes"]
+        for r in rows:
             r["bytes_over_bound"] = r["payload_bytes"] / bound if bound > 0 else None
-        run.log(step_offset + step, {"every": every, "sync_step": step,
-                                     "changed_fraction": rows[-1]["changed_fraction"],
-                                     "bit_exact": all(r["bit_exact"] for r in rows[-len(syncs):])})
-    return rows
+        row.update(sync_step=done, changed_fraction=rows[-1]["changed_fraction"],
+                   bit_exact=all(r["bit_exact"] for r in rows))
+        # the serving sender's snapshot digest: the hash of the trainer's bf16 cast (computed
+        # once by the sync's verification)
+        cast = {version: serving.sender.digest()}
+        return IntervalState(rl, cast, True, loop.rows + tuple(rows)), row
+
+    start = IntervalState(state, {serving.version: serving.sender.digest()})
+    result = run_steps(step_fn, start, steps=config.steps, run=run, summarize=rollout_row,
+                       step_offset=step_offset)
+    return list(result.state.rows)
+
+
+def _sync_row(every: int, step: int, codec: str, rec, links: int, rollout_exact: bool) -> dict:
+    """One (sync, codec) row from the WeightSync's SyncRecord of that publish."""
+    s = rec.stats
+    return {"every": every, "step": step, "codec": codec,
+            "changed_fraction": s.changed_fraction, "payload_bytes": s.payload_bytes,
+            "dense_bytes": s.dense_bytes, "ratio_vs_dense": s.ratio_vs_dense,
+            "bound_bytes": s.bound_bytes, "encode_s": s.encode_s,
+            "path": s.path, "host_bytes": s.host_bytes,
+            "deliver_s": rec.deliver_s, "links": links,
+            "bit_exact": rec.bit_exact and rollout_exact,
+            "served_exact": rollout_exact,
+            "routes": [r.get("route") for r in rec.report]}
 
 
 def _by_interval(rows: list[dict]) -> list[dict]:

@@ -141,7 +141,7 @@ def _estimates(theta, lsm_mu, top_idx, y, adv, uniforms, *, vocab, specs):
                            old_topk_logp=old_topk, new_topk_logp=new_topk)
 
     grads, stats = [], {}
-    for _, algo, loss_cfg in specs:
+    for _, _algo, loss_cfg in specs:
         g, metrics = jax.grad(surrogate, has_aux=True)(theta, loss_cfg)
         grads.append(-g.reshape(-1))
         if loss_cfg is not None and loss_cfg.uses_sis and not stats:

@@ -26,7 +26,8 @@ with version ``max(0, r - k) * N``; its mini-batch j (0-based) is trained at ver
 ``r * N + j`` against ``old_logp`` of version ``r * N``.
 
 Everything the run needs to continue is one pytree (:meth:`GRPOTrainer.init_state`):
-policy params + optimizer state + version, the frozen reference params (when KL is on), the
+the policy's :class:`jaxflow.train.state.TrainState` (params, optimizer state, step = its
+version), the frozen reference params (when KL is on), the
 queue of the last k+1 published weights, their versions and their origin (the digest of the
 params the run started from), the rollout counter and the RNG
 key. Randomness is a pure function of (key, rollout index), so resuming is bit-exact.
@@ -34,22 +35,26 @@ key. Randomness is a pure function of (key, rollout index), so resuming is bit-e
 Weight sync (``sync=SyncConfig(codec=..., every=E)``, ``--set sync.codec=entropy``;
 ``sync=None`` is the plain dense f32 publish above): the trainer's
 :class:`jaxflow.rl.publish.SyncPublisher` owns a :class:`jaxflow.sync.WeightSync` whose first
-bf16 replica on the rollout sub-mesh serves the rollouts. ``every`` counts rollouts: after rollouts E, 2E, ... the trainer publishes its params
-through ``publish_weights(..., sync=...)`` as version = its optimizer step (sparse payloads of the
-changed bf16 bit patterns); the rollouts in between keep sampling the previous synced version.
+bf16 replica on the rollout sub-mesh serves the rollouts. ``every`` counts rollouts: after
+rollouts E, 2E, ... the trainer publishes its params through ``WeightSync.publish`` as
+version = its optimizer step (sparse payloads of the changed bf16 bit patterns); the rollouts
+in between keep sampling the previous synced version. The publish returns its ``SyncRecord``
+(``train_on_rollout`` and ``step_with_sync`` hand it back; ``step`` reports it as ``synced`` /
+``sync_*`` metrics).
 Every rollout first goes through the version check (``WeightSync.rollout_params``: a replica
 that fell behind is caught up, or VersionMismatch with ``on_mismatch="error"``), and the
 sampler gets the replica's bf16 values upcast to f32 (exact), so it samples bit-for-bit the
 trainer's bf16 cast at that version whatever its ``mismatch`` knob (``"bf16"`` then computes
 in bf16 as well). The queue holds one entry, the replica's bf16 params and version, so it is in
 the checkpoint; a state whose published version is not the replica's (a restored checkpoint,
-a fresh trainer) is served after a dense resync from that entry, so resuming stays bit-exact. Async staleness
-k > 0 is rejected with sync on (one replica holds one version); policy lag N is supported.
+a fresh trainer) is served after a dense resync from that entry, so resuming stays
+bit-exact. Async staleness k > 0 is rejected with sync on (one replica holds one version);
+policy lag N is supported.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -60,21 +65,31 @@ from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.advantages import grpo_advantages
 from jaxflow.rl.dynamic_sampling import fill_groups
-from jaxflow.rl.grpo_step import (KL_ESTIMATORS, GRPOConfig, MiniBatch, OldStats,  # noqa: F401
-                                  compiled_functions, grpo_loss, make_rl_optimizer, old_stats,
-                                  response_hidden, summarize, update_step)
-from jaxflow.rl.publish import (DensePublisher, Publisher, SyncPublisher, params_origin,
-                                publish_weights)
+from jaxflow.rl.grpo_step import (  # noqa: F401
+    KL_ESTIMATORS,
+    GRPOConfig,
+    MiniBatch,
+    OldStats,
+    compiled_functions,
+    grpo_loss,
+    make_rl_optimizer,
+    old_stats,
+    response_hidden,
+    summarize,
+    update_step,
+)
+from jaxflow.rl.publish import DensePublisher, Publisher, SyncPublisher, params_origin, publish_weights
 from jaxflow.rl.reward_shaping import overlong_penalty
 from jaxflow.rl.rollout import RolloutBatch, RolloutWorker, batch_sharding
 from jaxflow.rl.tasks import Task
 from jaxflow.sync.replica import Link
-from jaxflow.sync.weight_sync import SyncConfig, WeightSync
+from jaxflow.sync.weight_sync import SyncConfig, SyncRecord, WeightSync
 from jaxflow.train.lm_state import OptimConfig
+from jaxflow.train.state import TrainState
 
 __all__ = ["GRPOTrainer", "GRPOConfig", "MiniBatch", "OldStats", "compiled_functions",
-           "grpo_loss", "make_rl_optimizer", "old_stats", "response_hidden", "summarize",
-           "update_step", "KL_ESTIMATORS"]
+           "grpo_loss", "make_rl_optimizer", "old_stats", "response_hidden", "rollout_row",
+           "summarize", "update_step", "KL_ESTIMATORS"]
 
 
 class GRPOTrainer:
@@ -127,14 +142,16 @@ class GRPOTrainer:
 
     def init_state(self, params: Any) -> dict:
         """The whole RL state, starting from ``params`` (trainer-mesh pure dict, e.g. a warm
-        start). The reference policy (KL) is a frozen copy of ``params``."""
+        start): ``{"policy": TrainState, "published", "published_version",
+        "published_origin", "rollout": int32 [], "rng": key data [2]}`` (+ ``"ref_params"``
+        with KL). The reference policy (KL) is a frozen copy of ``params``."""
         params = jax.device_put(params, self.fns.param_shardings)
-        opt_state = jax.jit(self.tx.init, out_shardings=self.shardings["opt_state"])(params)
+        # the policy gets its own buffers: its updates donate them, the reference keeps these
+        policy = TrainState.create(self.tx, jax.tree.map(jnp.copy, params),
+                                   self.fns.param_shardings)
         replicated = NamedSharding(self.trainer_mesh, PartitionSpec())
-        policy = {"params": jax.tree.map(jnp.copy, params), "opt_state": opt_state,
-                  "step": jax.device_put(jnp.zeros((), jnp.int32), replicated)}
         origin = params_origin(params)
-        published, versions = self.publisher.init(policy["params"], origin)
+        published, versions = self.publisher.init(policy.params, origin)
         state = {
             "policy": policy,
             "published": published,
@@ -228,17 +245,20 @@ class GRPOTrainer:
                 batch.behaviour_logp, adv.astype(np.float32)))))
         return out
 
-    def train_on_rollout(self, state: dict, batch: RolloutBatch) -> tuple[dict, list[dict]]:
+    def train_on_rollout(self, state: dict, batch: RolloutBatch
+                         ) -> tuple[dict, list[dict], SyncRecord | None]:
         """Old stats for every mini-batch at the current params, then N updates, then publish.
 
-        Returns the new state and one metrics dict (device scalars) per mini-batch.
+        Returns the new state, one metrics dict (device scalars) per mini-batch, and what the
+        publish sent through the weight sync (its ``SyncRecord``; None with sync off or when
+        this rollout was not due to sync).
         """
         rollout = int(state["rollout"])
         _, loss_key = self._keys(state, rollout)
         mbs = self.minibatches(batch)
         policy = state["policy"]
         ref = state.get("ref_params")
-        olds = [self._old_stats(policy["params"], ref, mb) for mb in mbs]
+        olds = [self._old_stats(policy.params, ref, mb) for mb in mbs]
         keys = jax.random.split(loss_key, len(mbs))
         history = []
         for mb, old, key in zip(mbs, olds, keys):
@@ -246,11 +266,11 @@ class GRPOTrainer:
             history.append(metrics)
         new = dict(state)
         new["policy"] = policy
-        new["published"], new["published_version"] = self.publisher.publish(
-            state["published"], state["published_version"], policy["params"], policy["step"],
+        new["published"], new["published_version"], sent = self.publisher.publish(
+            state["published"], state["published_version"], policy.params, policy.step,
             rollout=rollout, origin=state["published_origin"])
         new["rollout"] = state["rollout"] + 1
-        return new, history
+        return new, history, sent
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
         """One rollout + N updates + publish; host metrics of the step (``reward_mean`` is of
@@ -258,27 +278,37 @@ class GRPOTrainer:
         the statistics of :meth:`generate_with_stats`). With weight sync also
         ``synced`` (1.0 when this step synced) and, when it did, ``sync_payload_bytes``,
         ``sync_changed_fraction`` and ``sync_bit_exact``."""
+        state, metrics, _ = self.step_with_sync(state)
+        return state, metrics
+
+    def step_with_sync(self, state: dict) -> tuple[dict, dict[str, float], SyncRecord | None]:
+        """:meth:`step`, and the ``SyncRecord`` of what its publish sent through the weight sync
+        (None with sync off or when this rollout was not due to sync)."""
         sampler_version = int(state["published_version"][0])
-        trainer_version = int(state["policy"]["step"])
+        trainer_version = int(state["policy"].step)
         batch, generation = self.generate_with_stats(state)
-        ws = self.weight_sync  # the sync serving ``state`` (generate resynced it if needed)
-        n_records = len(ws.records) if ws is not None else 0
-        state, history = self.train_on_rollout(state, batch)
+        state, history, sent = self.train_on_rollout(state, batch)
         metrics = summarize(history, batch, sampler_version, trainer_version)
         if self.config.filter_groups or self.config.overlong_buffer is not None:
             metrics.update(generation)
-        if ws is not None:  # did this step sync, and what did it send
-            synced = len(ws.records) > n_records
-            metrics["synced"] = float(synced)
-            if synced:
-                record = ws.records[-1]
-                metrics["sync_payload_bytes"] = float(record.stats.payload_bytes)
-                metrics["sync_changed_fraction"] = record.stats.changed_fraction
-                metrics["sync_bit_exact"] = float(record.bit_exact)
-        return state, metrics
+        if self.sync_config is not None:  # did this step sync, and what did it send
+            metrics["synced"] = float(sent is not None)
+            if sent is not None:
+                metrics["sync_payload_bytes"] = float(sent.stats.payload_bytes)
+                metrics["sync_changed_fraction"] = sent.stats.changed_fraction
+                metrics["sync_bit_exact"] = float(sent.bit_exact)
+        return state, metrics, sent
 
     def heldout_accuracy(self, state: dict, n: int, *, samples: int = 0) -> float:
         """Held-out accuracy of the current trainer params (published fresh): greedy, or
         sampled pass@1 averaged over ``samples`` per prompt (see RolloutWorker)."""
-        params = publish_weights(state["policy"]["params"], self.worker.param_shardings)
+        params = publish_weights(state["policy"].params, self.worker.param_shardings)
         return self.worker.heldout_accuracy(params, n, samples=samples)
+
+
+def rollout_row(window: Sequence[Mapping[str, Any]]) -> dict:
+    """``summarize`` for :func:`jaxflow.train.loop.run_steps` in RL drivers that log every
+    rollout (``log_every=1``): the one step's host metrics unchanged (ints stay ints, key order
+    kept), so the rows are those of :meth:`GRPOTrainer.step`."""
+    (metrics,) = window
+    return dict(metrics)

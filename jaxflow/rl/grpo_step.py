@@ -1,8 +1,9 @@
 """The pure half of GRPO: config, mini-batches, pi_old statistics, the loss and one update.
 
 Everything here is a function of arrays and pytrees (``(policy, mini-batch, old stats, key) ->
-(policy, metrics)``); :class:`jaxflow.rl.grpo.GRPOTrainer` composes it with rollouts and
-publishing, and the multi-agent pipeline (``jaxflow.marl``) reuses it per agent.
+(policy, metrics)``, the policy a :class:`jaxflow.train.state.TrainState`);
+:class:`jaxflow.rl.grpo.GRPOTrainer` composes it with rollouts and publishing, and the
+multi-agent pipeline (``jaxflow.marl``) reuses it per agent.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxflow.models.transformer import TransformerConfig
-from jaxflow.rl.logprobs import fused_logprobs
 from jaxflow.rl import corrections
+from jaxflow.rl.logprobs import fused_logprobs
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.rollout import RolloutBatch, RolloutSpec
 from jaxflow.train.lm_state import LMFunctions, OptimConfig, lm_functions, make_optimizer
+from jaxflow.train.state import TrainState
 
 KL_ESTIMATORS = ("k1", "k3")
 FILTER_METRICS = ("acc", "seq_reward")
@@ -87,7 +89,7 @@ class GRPOConfig:
     def __post_init__(self):
         if not isinstance(self.loss, PolicyLossConfig):
             raise ValueError(f"loss={self.loss!r}: need a PolicyLossConfig")
-        self.rollout_spec  # validates group_size / temperature / mismatch
+        _ = self.rollout_spec  # validates group_size / temperature / mismatch
         for name in ("prompts_per_rollout", "lag", "sis_topk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: need an int >= 1")
@@ -256,33 +258,31 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
     return loss, metrics
 
 
-def update_step(policy: dict, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
-                config: GRPOConfig, tx: optax.GradientTransformation,
-                key: jax.Array) -> tuple[dict, dict[str, jax.Array]]:
-    """One optimizer step: ``(policy, mini-batch, old stats, key) -> (policy, metrics)``."""
-    grads, metrics = jax.grad(grpo_loss, has_aux=True)(policy["params"], mb, old, fns=fns,
+def update_step(policy: TrainState, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
+                config: GRPOConfig, key: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step: ``(policy, mini-batch, old stats, key) -> (policy, metrics)``.
+
+    ``policy`` is a :class:`jaxflow.train.state.TrainState` (params a pure dict); the new one
+    has ``step + 1``. Metrics are device scalars [] (:func:`grpo_loss`'s and ``grad_norm``)."""
+    grads, metrics = jax.grad(grpo_loss, has_aux=True)(policy.params, mb, old, fns=fns,
                                                         config=config, key=key)
-    updates, opt_state = tx.update(grads, policy["opt_state"], policy["params"])
     metrics["grad_norm"] = optax.tree.norm(grads)
-    return {"params": optax.apply_updates(policy["params"], updates), "opt_state": opt_state,
-            "step": policy["step"] + 1}, metrics
+    return policy.apply_gradients(grads), metrics
 
 
 @functools.lru_cache(maxsize=64)
-def compiled_functions(model_cfg: TransformerConfig, mesh: Mesh, config: GRPOConfig, optim: OptimConfig,
-              total_steps: int):
+def compiled_functions(model_cfg: TransformerConfig, mesh: Mesh, config: GRPOConfig,
+                       optim: OptimConfig, total_steps: int):
     """(fns, tx, policy shardings, jitted old_stats, jitted update) shared by equal configs,
-    so the cells of a sweep reuse compilations."""
+    so the cells of a sweep reuse compilations.
+
+    The policy shardings are a ``TrainState`` of ``NamedSharding`` (optimizer moments sharded
+    like their params); ``update(policy, mb, old, key=)`` donates ``policy``."""
     fns = lm_functions(model_cfg, mesh)
     tx = make_rl_optimizer(optim, total_steps)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    abstract_opt = jax.eval_shape(tx.init, jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), fns.abstract_params()))
-    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, fns.param_shardings,
-                                          transform_non_params=lambda _: replicated)
-    shardings = {"params": fns.param_shardings, "opt_state": opt_shardings, "step": replicated}
+    shardings = TrainState.shardings(tx, fns.abstract_params(), fns.param_shardings)
     old_fn = jax.jit(functools.partial(old_stats, fns, config=config))
-    update = jax.jit(functools.partial(update_step, fns=fns, config=config, tx=tx),
+    update = jax.jit(functools.partial(update_step, fns=fns, config=config),
                      out_shardings=(shardings, None), donate_argnums=(0,))
     return fns, tx, shardings, old_fn, update
 

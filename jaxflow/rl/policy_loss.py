@@ -52,8 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflow.rl import advantages as advantages_lib
-from jaxflow.rl import corrections
-from jaxflow.rl import sis
+from jaxflow.rl import corrections, sis
 from jaxflow.rl.metrics import loss_metrics, masked_percentile  # noqa: F401  (API: re-export)
 
 ALGOS = ("grpo", "dapo", "gspo", "cispo", "sa_gcpo")

@@ -9,7 +9,8 @@ are returned (bit-identical to the trainer's bf16 cast).
 
 A trainer publishes through a :class:`Publisher`: :class:`DensePublisher` (the f32 copy, with a
 queue for async staleness k) or :class:`SyncPublisher` (SparseRL-Sync replicas), both keeping
-the same state layout.
+the same state layout. A publish returns what it sent: the sync's
+:class:`jaxflow.sync.weight_sync.SyncRecord`, or None when nothing went through a weight sync.
 """
 
 from __future__ import annotations
@@ -85,9 +86,11 @@ class Publisher(Protocol):
         """The params a rollout samples with (rollout mesh, f32)."""
 
     def publish(self, published: tuple, versions: jax.Array, params: Any, step: jax.Array, *,
-                rollout: int, origin: jax.Array) -> tuple[tuple, jax.Array]:
-        """The new (published, published_version) after rollout ``rollout``'s updates, which
-        left the trainer at optimizer step ``step`` with ``params``."""
+                rollout: int, origin: jax.Array) -> tuple[tuple, jax.Array, Any]:
+        """(published, published_version, sent) after rollout ``rollout``'s updates, which
+        left the trainer at optimizer step ``step`` with ``params``. ``sent``: the
+        ``SyncRecord`` of the weight sync this publish made, or None (a dense copy, or a
+        rollout that was not due to sync)."""
 
 
 class DensePublisher:
@@ -110,7 +113,7 @@ class DensePublisher:
     def publish(self, published, versions, params, step, *, rollout, origin):
         new = publish_weights(params, self.rollout_shardings)
         return (tuple(published[1:]) + (new,),
-                jax.numpy.concatenate([versions[1:], step[None]]))
+                jax.numpy.concatenate([versions[1:], step[None]]), None)
 
 
 class SyncPublisher:
@@ -174,9 +177,9 @@ class SyncPublisher:
     def publish(self, published, versions, params, step, *, rollout, origin):
         ws = self.serving(published, versions, origin)
         if not ws.due(rollout + 1):  # ``every`` counts rollouts
-            return published, versions
-        bf16 = publish_weights(params, self.rollout_shardings, sync=ws, version=int(step))
-        return (bf16,), step[None]
+            return published, versions, None
+        record = ws.publish(params, version=int(step))
+        return (ws.rollout_params(),), step[None], record
 
 
 def _versions(zeros: jax.Array, like: Any) -> jax.Array:

@@ -19,13 +19,12 @@ The zstd-coded sections import ``zstandard`` on first use: without it, ``dense``
 and ``gap`` still work.
 """
 
-from jaxflow.sync.encoder import CODECS, encode, encode_diffs
-from jaxflow.sync.receiver import apply
 from jaxflow.sync.digest import device_digest
+from jaxflow.sync.encoder import CODECS, encode, encode_diffs
 from jaxflow.sync.payload import Payload, PayloadError
+from jaxflow.sync.receiver import apply
+from jaxflow.sync.replica import FRESH, PublishStats, Replica, SyncSender, VersionMismatch, to_bf16, tree_digest
 from jaxflow.sync.tracker import ChangeTracker, CompactBackend
-from jaxflow.sync.replica import (FRESH, PublishStats, Replica, SyncSender, VersionMismatch,
-                                  to_bf16, tree_digest)
 from jaxflow.sync.weight_sync import SYNC_CODECS, SyncConfig, WeightSync
 
 __all__ = ["CODECS", "FRESH", "SYNC_CODECS", "ChangeTracker", "CompactBackend", "Payload", "PayloadError",

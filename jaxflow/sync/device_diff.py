@@ -11,7 +11,7 @@ parameter) to numpy first. Here the trainer's leaves stay on their devices:
      writes the changed flat positions (int32) and ONE uint16 value stream -- the new bit
      patterns for the coo / gap codecs, the differences new - old (mod 2**16) for entropy /
      auto -- into a static capacity (the count rounded up to 1/16 of its power of two), plus
-     the two digest lanes' change (``jaxflow.sync.digest.lanes_delta`` on the device);
+     the two digest lanes' change (``jaxflow.sync.digest.device_lanes_delta``);
   3. only those arrays and the counts cross to the host (6 bytes per change, + 12.5% at most
      for the capacity), where ``encoder.encode_diffs`` makes the same payload bytes the host
      path makes. Changed non-bf16 leaves (step counters) are fetched whole, as the format
@@ -37,12 +37,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import NamedSharding
 
 from jaxflow.sync import bits, digest, tracker
 from jaxflow.sync.diff import LeafDiff, check_same_layout, tree_layout
-from jaxflow.sync.payload import LeafSpec
+from jaxflow.sync.payload import LeafSpec, Payload
 from pallas_kernels import dispatch
 from pallas_kernels.sync_diff_compact import diff_compact, diff_compact_reference
 
@@ -93,21 +92,6 @@ def _cast_and_count(snapshot_leaves: tuple, param_leaves: tuple):
     return new, jnp.stack(counts) if counts else jnp.zeros((0,), jnp.int32)
 
 
-def _lanes_delta(pos, old, new):
-    """Device twin of ``digest.lanes_delta`` over compacted slots (pos -1: padding)."""
-    valid = pos >= 0
-    upos = jnp.where(valid, pos, 0).astype(jnp.uint32)
-
-    def terms(words):
-        h = digest._mix1(words.astype(jnp.uint32) ^ (upos * digest._u32(digest._M1)
-                                                    + digest._u32(digest._S1)))
-        h = jnp.where(valid, h, jnp.uint32(0))
-        odd = (upos * digest._u32(digest._M2) + digest._u32(digest._S2)) | digest._u32(1)
-        return jnp.stack([jnp.sum(h, dtype=jnp.uint32), jnp.sum(h * odd, dtype=jnp.uint32)])
-
-    return terms(new) - terms(old)
-
-
 @functools.partial(jax.jit, static_argnames=("capacity", "values", "kernel", "interpret"))
 def _compact_leaf(old, new, *, capacity: int, values: str, kernel: bool, interpret: bool):
     old_b = jax.lax.bitcast_convert_type(old, jnp.uint16).reshape(-1)
@@ -116,7 +100,7 @@ def _compact_leaf(old, new, *, capacity: int, values: str, kernel: bool, interpr
         _, pos, o, n = diff_compact(old_b, new_b, capacity=capacity, interpret=interpret)
     else:
         _, pos, o, n = diff_compact_reference(old_b, new_b, capacity=capacity)
-    lanes = _lanes_delta(pos, o, n)
+    lanes = digest.device_lanes_delta(pos, o, n)
     if values == "new":
         out = (n,)
     elif values == "deltas":
@@ -139,7 +123,7 @@ class DeviceDiff:
       lanes_delta: uint32[n_leaves, 2] change of every bf16 leaf's digest lanes (zero rows
         for other leaves, whose lanes the caller recomputes from ``full_new``).
       host_bytes: bytes this diff moved device -> host (counts, compacted arrays, lanes,
-        whole non-bf16 leaves; not ``load_full`` fetches, counted by ``fetched_bytes()``).
+        whole non-bf16 leaves; not ``load_full`` fetches: see ``loaded_bytes``).
     """
 
     treedef: str
@@ -148,17 +132,31 @@ class DeviceDiff:
     diffs: list[LeafDiff]
     lanes_delta: np.ndarray
     host_bytes: int
-    _fetched: list = dataclasses.field(default_factory=lambda: [0], repr=False)
 
-    def fetched_bytes(self) -> int:
-        """Bytes of whole bf16 leaves fetched later through ``load_full`` (dense fallbacks)."""
-        return self._fetched[0]
+
+def loaded_bytes(diff: DeviceDiff, payload: Payload) -> int:
+    """Bytes the encoder fetched whole through ``load_full`` to make ``payload`` from ``diff``.
+
+    The encoder reads a leaf whole exactly when it carries it whole (a "dense" or "exact"
+    section: the ``dense`` codec, ``auto``'s dense fallback); of those, the leaves whose diff
+    has no ``full_new`` came through ``load_full``. So the count follows from the payload (no
+    counter in the loaders). ``diff.host_bytes + loaded_bytes(diff, payload)`` is everything
+    the publish moved device -> host."""
+    total = 0
+    for section in payload.sections:
+        if section.kind not in ("dense", "exact"):
+            continue
+        for i in section.leaves:
+            if diff.diffs[i].full_new is None and diff.diffs[i].load_full is not None:
+                spec = diff.specs[i]
+                total += np.dtype(spec.dtype).itemsize * spec.size
+    return total
 
 
 @functools.partial(jax.jit, static_argnames=("values",))
 def _finish_shards(pos, old, new, *, values: str):
     """Value stream and lanes change of the in-mesh compaction's (pos, old, new) slots."""
-    lanes = _lanes_delta(pos, old, new)
+    lanes = digest.device_lanes_delta(pos, old, new)
     if values == "new":
         return pos, (new,), lanes
     if values == "deltas":
@@ -189,11 +187,11 @@ def _compact_sharded(old, new, *, values, backend, interpret, min_capacity):
     sharding = new.sharding
     old = jax.device_put(old, sharding)  # a no-op when the snapshot is laid out alike
     args = (sharding.mesh, sharding.spec, tuple(new.shape))
-    per_shard = np.asarray(jax.device_get(tracker._count_fn(*args)(old, new)))
+    per_shard = np.asarray(jax.device_get(tracker.shard_count_fn(*args)(old, new)))
     capacity = capacity_for(int(per_shard.max()), min_capacity)
     local = int(np.prod(sharding.shard_shape(tuple(new.shape))))
     kernel = _use_kernel(backend, local, capacity, interpret, single_device=True)
-    pos, o, n = tracker._compact_fn(*args, capacity, "pallas" if kernel else "xla",
+    pos, o, n = tracker.shard_compact_fn(*args, capacity, "pallas" if kernel else "xla",
                                     interpret and kernel)(old, new)
     pos, vals, lanes = _finish_shards(pos, o, n, values=values)
     # only the reporting devices' blocks cross to the host (replicas hold -1 padding)
@@ -277,11 +275,10 @@ def device_diff(snapshot: Any, params: Any, *, values: str = "deltas", backend: 
     fetched = jax.device_get((pending, fetch_whole))  # one batched device -> host transfer
     host_bytes += sum(x.nbytes for x in jax.tree.leaves(fetched))
     lanes = np.zeros((len(specs), 2), np.uint32)
-    fetched_later = [0]
     empty16 = np.zeros(0, np.uint16)
     diffs = []
     for i, (spec, new) in enumerate(zip(specs, new_leaves)):
-        load = _loader(new, fetched_later)
+        load = _loader(new)
         if i in fetched[1]:  # a changed non-bf16 leaf, carried whole (positions not needed)
             whole = np.asarray(fetched[1][i]).reshape(-1)
             diffs.append(LeafDiff(np.zeros(int(counts[i]), np.int64), empty16, empty16, whole))
@@ -310,12 +307,10 @@ def device_diff(snapshot: Any, params: Any, *, values: str = "deltas", backend: 
             else:
                 diffs.append(LeafDiff(positions, vals[0][:k], vals[1][:k], None,
                                       load_full=load))
-    return DeviceDiff(str(treedef), specs, new_tree, diffs, lanes, host_bytes, fetched_later)
+    return DeviceDiff(str(treedef), specs, new_tree, diffs, lanes, host_bytes)
 
 
-def _loader(leaf, counter: list):
+def _loader(leaf):
     def load() -> np.ndarray:
-        out = np.asarray(jax.device_get(leaf)).reshape(-1)
-        counter[0] += out.nbytes
-        return out
+        return np.asarray(jax.device_get(leaf)).reshape(-1)
     return load

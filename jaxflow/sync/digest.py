@@ -209,6 +209,28 @@ def lanes_delta(positions: np.ndarray, old_words: np.ndarray, new_words: np.ndar
     return np.array([(n - o) & 0xFFFFFFFF for n, o in zip(new, old)], np.uint32)
 
 
+def device_lanes_delta(positions: jnp.ndarray, old_words: jnp.ndarray, new_words: jnp.ndarray
+                       ) -> jnp.ndarray:
+    """Inside jit: the device twin of ``lanes_delta`` over compacted slots.
+
+    Args:
+      positions: int32[c] flat word positions, -1 for padding slots (which count nothing).
+      old_words, new_words: uint16 / uint32 [c] words at those positions before and after.
+    Returns:
+      uint32[2] to add (mod 2**32) to the leaf's lanes.
+    """
+    valid = positions >= 0
+    upos = jnp.where(valid, positions, 0).astype(jnp.uint32)
+
+    def terms(words):
+        h = _mix1(words.astype(jnp.uint32) ^ (upos * _u32(_M1) + _u32(_S1)))
+        h = jnp.where(valid, h, jnp.uint32(0))
+        odd = (upos * _u32(_M2) + _u32(_S2)) | _u32(1)
+        return jnp.stack([jnp.sum(h, dtype=jnp.uint32), jnp.sum(h * odd, dtype=jnp.uint32)])
+
+    return terms(new_words) - terms(old_words)
+
+
 def lanes_deltas(positions: list[np.ndarray], old_words: list[np.ndarray],
                  new_words: list[np.ndarray]) -> np.ndarray:
     """uint32[len(positions), 2]: ``lanes_delta`` of many leaves at once (one vectorised pass

@@ -23,8 +23,7 @@ import numpy as np
 from jaxflow.sync import bits, codecs, entropy
 from jaxflow.sync.diff import LeafDiff, diff_tree
 from jaxflow.sync.digest import device_digest
-from jaxflow.sync.payload import (CODECS, FRESH, LeafSpec, Payload, PayloadError, Section,
-                                  payload_size)
+from jaxflow.sync.payload import CODECS, FRESH, LeafSpec, Payload, PayloadError, Section, payload_size
 
 DEFAULT_BUCKET_ELEMS = 1 << 26
 # auto: above this changed fraction a leaf is sent as bitmask + values instead of positions.

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxflow.host_jit import compiled_module
 
+
 def _kernels():
     """The compiled kernels (``_host_kernels_nb``), imported on first use; None without."""
     return compiled_module("jaxflow.sync._host_kernels_nb")

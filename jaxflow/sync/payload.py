@@ -222,7 +222,7 @@ def header_bytes(base_version: int, version: int, base_digest: str | None, codec
         "base_digest": base_digest,
         "codec": codec,
         "treedef": treedef,
-        "leaves": [[l.name, l.dtype, list(l.shape)] for l in leaves],
+        "leaves": [[spec.name, spec.dtype, list(spec.shape)] for spec in leaves],
         "sections": [
             {"kind": kind, "leaves": list(ids), "meta": meta, "streams": list(lengths)}
             for kind, ids, meta, lengths in sections

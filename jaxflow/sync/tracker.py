@@ -29,8 +29,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxflow.sync import bits
-from jaxflow.sync.digest import device_digest
 from jaxflow.sync.diff import LeafDiff, check_same_layout, diff_leaf, tree_layout
+from jaxflow.sync.digest import device_digest
 from jaxflow.sync.encoder import DEFAULT_BUCKET_ELEMS, encode_diffs
 from jaxflow.sync.entropy import DEFAULT_ZSTD_LEVEL
 from jaxflow.sync.payload import Payload
@@ -77,7 +77,10 @@ def _shard_geometry(mesh, axes: list[tuple[str, ...]], local_shape, global_shape
 
 
 @functools.cache
-def _count_fn(mesh, spec, global_shape):
+def shard_count_fn(mesh, spec, global_shape):
+    """The jitted in-mesh count of one bf16 leaf sharded by ``NamedSharding(mesh, spec)``:
+    ``fn(old, new) -> int32[n_devices]``, each reporting device's count of elements whose
+    bits differ in its shard (0 for the other replicas of that shard). Cached per layout."""
     axes = _spec_axes(spec, len(global_shape))
     every = P(tuple(mesh.axis_names))
 
@@ -92,7 +95,11 @@ def _count_fn(mesh, spec, global_shape):
 
 
 @functools.cache
-def _compact_fn(mesh, spec, global_shape, capacity: int, backend: str, interpret: bool):
+def shard_compact_fn(mesh, spec, global_shape, capacity: int, backend: str, interpret: bool):
+    """The jitted in-mesh compaction of one sharded bf16 leaf: ``fn(old, new) -> (positions,
+    old_bits, new_bits)``, each [n_devices * capacity]: per device ``capacity`` slots of its
+    shard's changes, positions int32 flat in the logical leaf, -1 for padding and for
+    non-reporting replicas. ``backend``: "pallas" (``diff_compact``) or "xla". Cached."""
     axes = _spec_axes(spec, len(global_shape))
     every = P(tuple(mesh.axis_names))
 
@@ -164,7 +171,7 @@ class ChangeTracker:
     def _counts(self, old, new):
         sharding = new.sharding
         old = jax.device_put(old, sharding)  # no-op when the snapshot is laid out alike
-        return _count_fn(sharding.mesh, sharding.spec, tuple(new.shape))(old, new)
+        return shard_count_fn(sharding.mesh, sharding.spec, tuple(new.shape))(old, new)
 
     def diffs(self, params, *, with_full: bool = False) -> list[LeafDiff]:
         """LeafDiffs of ``params`` against the snapshot, positions in logical flat order."""
@@ -191,9 +198,9 @@ class ChangeTracker:
     def _compact(self, old, new, capacity: int):
         args = (new.sharding.mesh, new.sharding.spec, tuple(new.shape), capacity)
         if self._use_kernel(new, capacity):
-            out = _compact_fn(*args, "pallas", self.interpret)(old, new)
+            out = shard_compact_fn(*args, "pallas", self.interpret)(old, new)
         else:
-            out = _compact_fn(*args, "xla", False)(old, new)
+            out = shard_compact_fn(*args, "xla", False)(old, new)
         return tuple(np.asarray(x) for x in out)
 
     def _use_kernel(self, new, capacity: int) -> bool:

@@ -26,8 +26,17 @@ import jax
 import numpy as np
 
 from jaxflow.sync.encoder import CODECS
-from jaxflow.sync.replica import (FRESH, PATHS, Link, PublishStats, Replica, SyncSender,
-                                  VersionMismatch, tree_digest, to_bf16)
+from jaxflow.sync.replica import (
+    FRESH,
+    PATHS,
+    Link,
+    PublishStats,
+    Replica,
+    SyncSender,
+    VersionMismatch,
+    to_bf16,
+    tree_digest,
+)
 from jaxflow.sync.transport.inprocess import InProcessLink
 
 ON_MISMATCH = ("resync", "error")
@@ -81,7 +90,11 @@ class SyncConfig:
 @dataclasses.dataclass(frozen=True)
 class SyncRecord:
     """One publish and its delivery: encode stats, wall time of delivering to every link
-    (apply + digest verification), and whether every replica equals the trainer's bf16 cast."""
+    (apply + digest verification), and whether every replica equals the trainer's bf16 cast.
+
+    ``stats`` is the publish's PublishStats without the payload bytes (``payload`` empty,
+    ``payload_bytes`` kept): a long run's records would otherwise hold every payload (the
+    sender's history keeps the recent ones)."""
 
     stats: PublishStats
     deliver_s: float
@@ -148,7 +161,8 @@ class WeightSync:
         delivers it to every link. A failed link stays behind (reported in ``report``) and is
         caught up at its next sync; ``bit_exact`` checks every successful replica's digest
         against an independent hash of the trainer's bf16 cast. ``with_bound`` defaults to
-        ``config.bound``."""
+        ``config.bound``. Returns the record it appended to ``records`` (read it instead of
+        counting records)."""
         with_bound = self.config.bound if with_bound is None else with_bound
         stats = self.sender.publish(params, version=version, with_bound=with_bound)
         t0 = time.perf_counter()
@@ -156,8 +170,9 @@ class WeightSync:
         deliver_s = time.perf_counter() - t0
         expected = tree_digest(to_bf16(params))
         digests = [link.status()[1] for link, r in zip(self.links, report) if r["ok"]]
-        record = SyncRecord(stats, deliver_s, all(d == expected for d in digests)
-                            and len(digests) == len(self.links), tuple(report))
+        record = SyncRecord(dataclasses.replace(stats, payload=b""), deliver_s,
+                            all(d == expected for d in digests) and len(digests) == len(self.links),
+                            tuple(report))
         self.records.append(record)
         return record
 

@@ -183,8 +183,8 @@ class StorageChannel:
         if dense_chain is not None:
             routes.append([m["dense"], *dense_chain])
         if chain is not None:
-            size = lambda r: sum(e["bytes"] for e in r)
-            routes.insert(0 if not routes or size(chain) <= size(routes[0]) else 1, chain)
+            first = 0 if not routes or _route_bytes(chain) <= _route_bytes(routes[0]) else 1
+            routes.insert(first, chain)
         errors = []
         for route in routes:
             try:
@@ -222,3 +222,8 @@ def _unseal(data: bytes) -> dict:
 
 def _target(data: bytes) -> int:
     return Payload.from_bytes(data).version
+
+
+def _route_bytes(route: list[dict]) -> int:
+    """Total bytes of a route's manifest entries (the payloads a replica would read)."""
+    return sum(e["bytes"] for e in route)

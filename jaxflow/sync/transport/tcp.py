@@ -31,8 +31,8 @@ import sys
 import threading
 from typing import Callable, Mapping
 
-from jaxflow.sync.diff import tree_layout
 from jaxflow.sync import payload as payload_format
+from jaxflow.sync.diff import tree_layout
 from jaxflow.sync.payload import PayloadError
 from jaxflow.sync.replica import FRESH, Replica
 
