@@ -146,7 +146,9 @@ def median_of_runs(per_run: list[Mapping[str, float]]) -> dict[str, dict]:
 
 
 def auto_summary(per_run: Mapping[str, Mapping], choices: list[Mapping],
-                 candidates: list[str]) -> dict:
+                 candidates: Sequence[str], *, vs: str = "sync",
+                 interval_of: Callable[[str], str] | None = None,
+                 probe: Callable[[Mapping], dict] | None = None) -> dict:
     """Summary keys of a measured ``auto`` mode beside the fixed ones.
 
     ``per_run``: ``median_of_runs`` output holding ``"auto"`` and every candidate;
@@ -156,20 +158,31 @@ def auto_summary(per_run: Mapping[str, Mapping], choices: list[Mapping],
     above it). The baseline's own figures are 1 by definition, so when it is the best its
     interval is that of its second timing (:func:`repeat_name`) when ``per_run`` has one, else
     [1, 1].
+
+    ``vs``: the baseline's name in the ``auto_speedup_vs_<vs>`` key. ``interval_of(best)``: the
+    ``per_run`` key whose runs are the best fixed mode's interval (default: as above).
+    ``probe(choice)``: a choice's ``auto_probe`` entry (default: its ``median_seconds``,
+    ``predicted_speedup`` and ``probe_seconds``, those it has).
     """
     best = max(candidates, key=lambda m: per_run[m]["median"])
-    spread = per_run.get(repeat_name(best), per_run[best])["runs"]
+    if interval_of is None:
+        spread = per_run.get(repeat_name(best), per_run[best])["runs"]
+    else:
+        spread = per_run[interval_of(best)]["runs"]
+    if probe is None:
+        def probe(c):
+            return {k: c[k] for k in ("median_seconds", "predicted_speedup", "probe_seconds")
+                    if k in c}
     lo, hi = min(spread), max(spread)
     auto = per_run["auto"]
     within = auto["median"] >= lo
     picked = [c["mode"] for c in choices]
     return {"auto_mode": max(set(picked), key=lambda m: (picked.count(m), -picked.index(m))),
             "auto_mode_runs": picked,
-            "auto_speedup_vs_sync": per_run["auto"]["median"],
+            f"auto_speedup_vs_{vs}": per_run["auto"]["median"],
             "auto_speedup_runs": per_run["auto"]["runs"],
             "auto_candidates": list(candidates),
             "auto_best_fixed_mode": best,
             "auto_best_fixed_interval": [lo, hi],
             "auto_within_best_fixed_interval": bool(within),
-            "auto_probe": [{k: c[k] for k in ("median_seconds", "predicted_speedup",
-                                              "probe_seconds") if k in c} for c in choices]}
+            "auto_probe": [probe(c) for c in choices]}

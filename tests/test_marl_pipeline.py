@@ -5,6 +5,7 @@ Two agents of different sizes (solver d=32, verifier d=16) on disjoint trainer /
 sub-meshes of the 8 fake CPU devices. The module fixture compiles once; later tests reuse it.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -12,15 +13,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflow.marl.pipeline import (AgentRuntime, Interrupted, group_rows, input_prompts,
-                                   relative_param_diff, rollout_input, run_bounded, run_strict,
-                                   run_sync, stack_rows)
-from jaxflow.marl.swap import AgentStateSwapper, swap_in, swap_out
-from jaxflow.rl.grpo import grpo_loss
+from jaxflow.marl.pipeline import (
+    AgentRuntime,
+    Interrupted,
+    PipelineConfig,
+    group_rows,
+    input_prompts,
+    relative_param_diff,
+    rollout_input,
+    run_bounded,
+    run_strict,
+    run_sync,
+    stack_rows,
+)
 from jaxflow.marl.store import ExperienceStore
+from jaxflow.marl.swap import AgentStateSwapper, swap_in, swap_out
 from jaxflow.marl.workflow import solver_verifier_workflow
 from jaxflow.mesh import role_meshes
 from jaxflow.models.transformer import TransformerConfig
+from jaxflow.rl.grpo import grpo_loss
 from jaxflow.train.lm_state import OptimConfig, init_params
 
 SOLVER = TransformerConfig(vocab_size=23, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
@@ -41,6 +52,22 @@ def setup():
     init = {n: jax.device_get(init_params(rt.fns, rt.spec.model, jax.random.key(i)))
             for i, (n, rt) in enumerate(runtimes.items())}
     return wf, runtimes, init
+
+
+def test_pipeline_config_is_frozen_and_validated():
+    wf = solver_verifier_workflow(SOLVER, VERIFIER, group_size=4)
+    config = PipelineConfig(wf, {}, steps=STEPS, n_inputs=INPUTS, seed=0)
+    assert config.names == tuple(wf.order()) and config.inline  # auto: strict, one worker
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.timeout_s = 0.0
+    assert not dataclasses.replace(config, driver="threads").inline
+    assert not dataclasses.replace(config, mode="bounded", eta=1).inline
+    for bad, match in [(dict(mode="lazy"), "'lazy'"), (dict(eta=1), "eta=1"),
+                       (dict(micro_inputs=3), "micro_inputs=3"),
+                       (dict(mode="bounded", eta=1, rollout_workers=3, driver="inline"),
+                        "mode='bounded'")]:
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(config, **bad)
 
 
 def _policies(runtimes, init):
@@ -73,7 +100,7 @@ def test_accumulated_micro_batch_gradient_equals_full_batch_gradient(setup):
     # full-batch gradient up to summation order (AdamW then amplifies those ulps, see above).
     wf, runtimes, init = setup
     rt = runtimes["solver"]
-    params = rt.init_policy(init["solver"])["params"]
+    params = rt.init_policy(init["solver"]).params
     published = {n: r.publish(r.init_policy(init[n])) for n, r in runtimes.items()}
     groups = []
     for i, prompt in enumerate(input_prompts(wf, 0, 0, INPUTS)):
@@ -162,7 +189,7 @@ def test_swap_round_trip_and_swapping_run_are_bit_exact(setup, strict_run, tmp_p
     assert all(_bit_equal(run.params[v], strict_run.params[v]) for v in range(STEPS))
     # orbax durability: the copy saved when the solver went idle after step 0
     restored = swapper.restore("solver", 1)
-    assert _bit_equal(restored["params"], strict_run.params[0]["solver"])
+    assert _bit_equal(restored.params, strict_run.params[0]["solver"])
     swapper.close()
 
 

@@ -8,10 +8,23 @@ import pytest
 
 from jaxflow import run as runner
 from jaxflow.marl import balance
-from jaxflow.marl.simulate import (FLEXMARL, AgentCosts, AgentLoad, MeasuredRun, RolloutPool,
-                                   load_measurement,
-                                   Schedule, calibrate, check_agents, run_scale, sample_lengths,
-                                   simulate, simulate_flexmarl, simulate_sync, split_devices)
+from jaxflow.marl.simulate import (
+    FLEXMARL,
+    AgentCosts,
+    AgentLoad,
+    MeasuredRun,
+    RolloutPool,
+    Schedule,
+    calibrate,
+    check_agents,
+    load_measurement,
+    run_scale,
+    sample_lengths,
+    simulate,
+    simulate_flexmarl,
+    simulate_sync,
+    split_devices,
+)
 
 ONE = AgentLoad("solo", params=1e9, prompt_tokens=10, len_median=50.0, len_sigma=0.0,
                 len_max=1000)

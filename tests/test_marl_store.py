@@ -3,11 +3,9 @@
 import numpy as np
 import pytest
 
-from jaxflow.marl.balance import (longest_first, makespan, round_robin,
-                                  work_stealing_makespan)
+from jaxflow.marl.balance import longest_first, makespan, round_robin, work_stealing_makespan
 from jaxflow.marl.store import ExperienceStore, SampleId
-from jaxflow.marl.workflow import (AgentSpec, Edge, VerifyAdditionTask, Workflow,
-                                   solver_verifier_workflow)
+from jaxflow.marl.workflow import AgentSpec, Edge, VerifyAdditionTask, Workflow, solver_verifier_workflow
 from jaxflow.models.transformer import TransformerConfig
 
 TINY = TransformerConfig(vocab_size=23, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2,

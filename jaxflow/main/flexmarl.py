@@ -43,17 +43,15 @@ import numpy as np
 
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.experiment import to_jsonable
-from jaxflow.marl.meshes import agent_centric_meshes
 from jaxflow.marl.engine import RolloutEngine, row_keys
-from jaxflow.marl.pipeline import (AgentRuntime, RunResult, relative_param_diff, run_pipeline,
-                                   run_sync)
+from jaxflow.marl.meshes import agent_centric_meshes
+from jaxflow.marl.pipeline import AgentRuntime, PipelineConfig, RunResult, relative_param_diff, run_pipeline, run_sync
 from jaxflow.marl.simulate import sync_counts, write_calibration_from_run
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import solver_verifier_workflow
 from jaxflow.rl.tasks import encode_prompts
-from jaxflow.timing import median_of_runs, repeat_name, repeated_runs
+from jaxflow.timing import auto_summary, median_of_runs, repeat_name, repeated_runs
 from jaxflow.train.lm_state import init_params
-
 
 LOCKSTEP = ("sync", "sync_unblocked")  # the bit-identical lockstep forms (baseline candidates)
 
@@ -91,31 +89,23 @@ def fastest_lockstep(seconds: Mapping[str, Sequence[float]],
 
 def auto_vs_lockstep(per_run: Mapping[str, Mapping], choices: list[Mapping],
                      candidates: Sequence[str]) -> dict:
-    """Summary keys of ``auto`` against the fastest lockstep (``per_run``: ``median_of_runs``
-    of every run's :func:`fastest_lockstep` speedups, holding ``auto``, ``lockstep_repeat`` and
-    the candidates; ``choices``: each run's :func:`~jaxflow.timing.choose_mode` probe, whose
-    ``predicted_speedup_vs_lockstep`` is the faster lockstep form's probe median / the
-    choice's). The best fixed mode is the candidate with the best median;
-    when it is a lockstep form its interval is ``lockstep_repeat``'s runs (the baseline timed
-    again), else its own; auto is within when its median is at least that interval's low end."""
-    best = max(candidates, key=lambda m: per_run[m]["median"])
-    spread = per_run["lockstep_repeat" if best in LOCKSTEP else best]["runs"]
-    picked = [c["mode"] for c in choices]
-    probes = []
-    for c in choices:
-        med = c["median_seconds"]
-        fastest = min(med[m] for m in LOCKSTEP if m in med)
-        probes.append({"median_seconds": med, "probe_seconds": c["probe_seconds"],
-                       "predicted_speedup_vs_lockstep": fastest / med[c["mode"]]})
-    return {"auto_mode": max(set(picked), key=lambda m: (picked.count(m), -picked.index(m))),
-            "auto_mode_runs": picked,
-            "auto_speedup_vs_lockstep": per_run["auto"]["median"],
-            "auto_speedup_runs": per_run["auto"]["runs"],
-            "auto_candidates": list(candidates),
-            "auto_best_fixed_mode": best,
-            "auto_best_fixed_interval": [min(spread), max(spread)],
-            "auto_within_best_fixed_interval": bool(per_run["auto"]["median"] >= min(spread)),
-            "auto_probe": probes}
+    """Summary keys of ``auto`` against the fastest lockstep: :func:`~jaxflow.timing.auto_summary`
+    with ``auto_speedup_vs_lockstep`` (``per_run``: ``median_of_runs`` of every run's
+    :func:`fastest_lockstep` speedups, holding ``auto``, ``lockstep_repeat`` and the
+    candidates; ``choices``: each run's :func:`~jaxflow.timing.choose_mode` probe). When the
+    best fixed mode is a lockstep form its interval is ``lockstep_repeat``'s runs (each run's
+    baseline timed again), else its own; a probe's ``predicted_speedup_vs_lockstep`` is the
+    faster lockstep form's probe median / the choice's."""
+    return auto_summary(per_run, choices, candidates, vs="lockstep",
+                        interval_of=lambda m: "lockstep_repeat" if m in LOCKSTEP else m,
+                        probe=_lockstep_probe)
+
+
+def _lockstep_probe(choice: Mapping) -> dict:
+    med = choice["median_seconds"]
+    fastest = min(med[m] for m in LOCKSTEP if m in med)
+    return {"median_seconds": med, "probe_seconds": choice["probe_seconds"],
+            "predicted_speedup_vs_lockstep": fastest / med[choice["mode"]]}
 
 
 def _utilisation(r: RunResult) -> dict[str, float]:
@@ -209,19 +199,20 @@ def main(config, run) -> dict:
 
     kw = dict(n_inputs=config.n_inputs, seed=config.seed, rollout_batch=config.rollout_batch)
     pipe = dict(kw, micro_inputs=config.micro_inputs, rollout_workers=config.rollout_workers)
+
+    def pipeline(steps, **settings):
+        return run_pipeline(PipelineConfig(wf, runtimes, steps=steps, **pipe, **settings),
+                            policies())
     modes = {"sync": lambda steps: run_sync(wf, runtimes, policies(), steps=steps, **kw),
              # lockstep without the per-agent waits that time its stages: the faster barrier
              "sync_unblocked": lambda steps: run_sync(wf, runtimes, policies(), steps=steps,
                                                       block_stages=False, **kw),
-             "strict": lambda steps: run_pipeline(wf, runtimes, policies(), steps=steps,
-                                                  mode="strict", **pipe),
+             "strict": lambda steps: pipeline(steps, mode="strict"),
              # the same strict pipeline on blocking trainer threads (bit-identical results)
-             "strict_threads": lambda steps: run_pipeline(wf, runtimes, policies(), steps=steps,
-                                                          mode="strict", driver="threads",
-                                                          **pipe)}
+             "strict_threads": lambda steps: pipeline(steps, mode="strict", driver="threads")}
     for eta in config.etas:
-        modes[f"bounded_eta{eta}"] = (lambda steps, eta=eta: run_pipeline(
-            wf, runtimes, policies(), steps=steps, mode="bounded", eta=eta, **pipe))
+        modes[f"bounded_eta{eta}"] = (lambda steps, eta=eta: pipeline(steps, mode="bounded",
+                                                                      eta=eta))
     run.info(f"warm-up (compilation) on {n_dev} device(s) ...")
     warm = policies()
     for n, rt in runtimes.items():  # every compacted decode shape, so no timed run compiles
@@ -281,8 +272,7 @@ def main(config, run) -> dict:
         return statistics.median(r.samples / r.wall_s for r in results[m])
 
     swapper = AgentStateSwapper(tempfile.mkdtemp(prefix="flexmarl_swap_"))
-    swapped = run_pipeline(wf, runtimes, policies(), steps=config.steps, mode="strict",
-                           swapper=swapper, **pipe)
+    swapped = pipeline(config.steps, mode="strict", swapper=swapper)
     swapper.close()
     bounded = {m[len("bounded_"):]: {
         "speedup_vs_lockstep": ratio(m)["median"], "speedup_spread": ratio(m),

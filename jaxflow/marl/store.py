@@ -257,12 +257,14 @@ class ExperienceStore:
             raise
         store._remove_stray_files()
         if torn:  # the unfinished append of a stopped writer: it never took effect
-            warnings.warn(f"{log_path}: dropped an incomplete last record ({len(torn)} bytes)")
+            warnings.warn(f"{log_path}: dropped an incomplete last record ({len(torn)} bytes)",
+                          stacklevel=2)
             with open(log_path, "r+b") as f:
                 f.truncate(len(data) - len(torn))
         for (agent, sid), reason in store.damaged.items():
             warnings.warn(f"experience store {path}: row file {store._row_file(agent, sid)} is "
-                          f"damaged ({reason}); row {agent}/{sid.key()} left out, put it again")
+                          f"damaged ({reason}); row {agent}/{sid.key()} left out, put it again",
+                          stacklevel=2)
         return store
 
     def _replay(self, records: list, log_path: str) -> None:

@@ -8,13 +8,13 @@ the micro-batch's share of the loss normaliser: unmasked tokens for ``token-mean
 ``sum(grads) / sum(weights)`` once all of v's rows are consumed (the last micro-batch's
 accumulate and the step are one program); then it publishes version v+1.
 
-Modes (:func:`~jaxflow.marl.pipeline.threads.run_pipeline`):
+Modes (:func:`~jaxflow.marl.pipeline.threads.run_pipeline` of a
+:class:`~jaxflow.marl.pipeline.plan.PipelineConfig`):
 
   strict    rollouts of batch v use exactly version v's weights (each agent's start after that
-            agent's publish):
-            the synchronous algorithm (:func:`run_sync`: roll out everything, then one
-            full-batch GRPO step per agent) on the same samples, up to the summation order of
-            the gradient. pi_old == the current params throughout v.
+            agent's publish): the synchronous algorithm (:func:`run_sync`, the barrier: roll
+            out everything, then one full-batch GRPO step per agent) on the same samples, up to
+            the summation order of the gradient. pi_old == the current params throughout v.
   bounded   staleness ``eta``: rollouts of batch v may start as soon as *some* complete version
             w >= v - eta is published and use the newest one; the trainer of step v consumes
             batch v's rows, whose version lag v - w <= eta is checked, and the run reports the
@@ -33,7 +33,7 @@ atomically with the consumed rows, and ``resume=True`` restarts every trainer fr
 rollouts regenerate only rows that are missing; a downstream agent's prompts come from the
 stored upstream rows, so an upstream agent that already stepped is not rerun).
 
-Drivers (``run_pipeline(driver=)``): ``threads`` runs the rollouts on a thread of their own and
+Drivers (``PipelineConfig(driver=)``): ``threads`` runs the rollouts on a thread of their own and
 each agent's trainer on a blocking thread; ``inline`` (strict with one rollout worker, the
 default there) runs the trainers on the rollout's thread between its engine calls, dispatching
 their programs without waiting, so nothing contends for the interpreter lock and the accumulate
@@ -43,21 +43,47 @@ for its own version v, so an agent's last micro-batch and step overlap the later
 rollouts. Both drivers give bit-identical results.
 
 Modules: ``accumulate`` (pure gradient accumulation and the trainer's committed state),
-``trainer`` (one agent's micro-batch consumer, shared by both drivers), ``versions`` (the board
-of published weights), ``runtime`` (one agent's compiled functions and engine, row keys,
-rollouts of a batch of inputs), ``sync`` (the barrier baseline and the run result),
-``threads`` (the rollouts, both drivers and :func:`run_pipeline`).
+``plan`` (the run's frozen config and plan, and its result), ``trainer`` (one agent's
+micro-batch consumer, shared by both drivers), ``versions`` (the board of published weights),
+``runtime`` (one agent's compiled functions and engine, row keys, rollouts of a batch of
+inputs), ``barrier`` (the synchronous barrier baseline), ``threads`` (the rollouts, both
+drivers and :func:`run_pipeline`).
 """
 
-from jaxflow.marl.pipeline.accumulate import (PAYLOAD_FIELDS, Accumulator, accumulate,
-                                              accumulate_apply, apply_accumulated, flatten_accumulator,
-                                              group_rows, loss_weight, relative_param_diff,
-                                              stack_rows, unflatten_accumulator, weighted_grad)
-from jaxflow.marl.pipeline.runtime import (AgentRuntime, agent_loads, input_prompts, loss_key,
-                                           request_row_keys, rollout_input, rollout_inputs,
-                                           sample_key, split_batch)
-from jaxflow.marl.pipeline.sync import RunResult, run_sync
-from jaxflow.marl.pipeline.threads import (DRIVERS, PipelineRun, run_bounded, run_pipeline,
-                                           run_strict)
+from jaxflow.marl.pipeline.accumulate import (
+                                              PAYLOAD_FIELDS,
+                                              Accumulator,
+                                              accumulate,
+                                              accumulate_apply,
+                                              apply_accumulated,
+                                              flatten_accumulator,
+                                              group_rows,
+                                              loss_weight,
+                                              relative_param_diff,
+                                              stack_rows,
+                                              unflatten_accumulator,
+                                              weighted_grad,
+)
+from jaxflow.marl.pipeline.barrier import run_sync
+from jaxflow.marl.pipeline.plan import DRIVERS, MODES, PipelineConfig, PipelinePlan, RunResult
+from jaxflow.marl.pipeline.runtime import (
+                                              AgentRuntime,
+                                              agent_loads,
+                                              input_prompts,
+                                              loss_key,
+                                              request_row_keys,
+                                              rollout_input,
+                                              rollout_inputs,
+                                              sample_key,
+                                              split_batch,
+)
+from jaxflow.marl.pipeline.threads import run_bounded, run_pipeline, run_strict
 from jaxflow.marl.pipeline.trainer import AgentTrainer, Interrupted
 from jaxflow.marl.pipeline.versions import VersionBoard
+
+__all__ = ["PAYLOAD_FIELDS", "Accumulator", "accumulate", "accumulate_apply", "apply_accumulated",
+           "flatten_accumulator", "group_rows", "loss_weight", "relative_param_diff", "stack_rows",
+           "unflatten_accumulator", "weighted_grad", "run_sync", "DRIVERS", "MODES", "PipelineConfig",
+           "PipelinePlan", "RunResult", "AgentRuntime", "agent_loads", "input_prompts", "loss_key",
+           "request_row_keys", "rollout_input", "rollout_inputs", "sample_key", "split_batch",
+           "run_bounded", "run_pipeline", "run_strict", "AgentTrainer", "Interrupted", "VersionBoard"]

@@ -6,9 +6,11 @@ normaliser (unmasked tokens for ``token-mean``, rows for the ``seq-mean-*`` aggr
 optimizer step with ``sum(grads) / sum(weights)`` then equals the full-batch GRPO step up to the
 summation order of the gradient.
 
-The accumulator (version, micro-batches done, gradient sum, weight sum, policy) flattens to a
-dict of host arrays (:func:`flatten_accumulator`) so the experience store can commit it
-atomically with the consumed rows, and restores with :func:`unflatten_accumulator`.
+The policy is a :class:`jaxflow.train.state.TrainState` and the step is its
+:meth:`~jaxflow.train.state.TrainState.apply_gradients`. The accumulator (version, micro-batches
+done, gradient sum, weight sum, policy) flattens to a dict of host arrays
+(:func:`flatten_accumulator`) so the experience store can commit it atomically with the consumed
+rows, and restores with :func:`unflatten_accumulator`.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxflow.rl.advantages import grpo_advantages
 from jaxflow.rl.grpo import GRPOConfig, MiniBatch, grpo_loss, old_stats
 from jaxflow.rl.rollout import RolloutBatch
+from jaxflow.train.state import TrainState
 
 PAYLOAD_FIELDS = MiniBatch._fields  # prompts, prompt_lengths, tokens, mask, behaviour_logp, advantages
 
@@ -42,13 +44,10 @@ def weighted_grad(params: Any, mb: MiniBatch, old: Any, *, fns, config: GRPOConf
     return jax.tree.map(lambda g: g * w, grads), w
 
 
-def apply_accumulated(policy: dict, grad_sum: Any, weight_sum: jax.Array, *,
-                      tx: optax.GradientTransformation) -> dict:
-    """One optimizer step with the accumulated mean gradient ``grad_sum / weight_sum``."""
-    grads = jax.tree.map(lambda g: g / weight_sum, grad_sum)
-    updates, opt_state = tx.update(grads, policy["opt_state"], policy["params"])
-    return {"params": optax.apply_updates(policy["params"], updates), "opt_state": opt_state,
-            "step": policy["step"] + 1}
+def apply_accumulated(policy: TrainState, grad_sum: Any, weight_sum: jax.Array) -> TrainState:
+    """One optimizer step (:meth:`TrainState.apply_gradients`) with the accumulated mean
+    gradient ``grad_sum / weight_sum`` (``grad_sum`` like ``policy.params``, ``weight_sum`` [])."""
+    return policy.apply_gradients(jax.tree.map(lambda g: g / weight_sum, grad_sum))
 
 
 def accumulate(grad_sum: Any, weight_sum: jax.Array, params: Any, mb: MiniBatch, *, fns,
@@ -63,13 +62,12 @@ def accumulate(grad_sum: Any, weight_sum: jax.Array, params: Any, mb: MiniBatch,
     return jax.tree.map(jnp.add, grad_sum, g), weight_sum + w
 
 
-def accumulate_apply(policy: dict, grad_sum: Any, weight_sum: jax.Array | None, mb: MiniBatch,
-                     *, fns, config: GRPOConfig, tx: optax.GradientTransformation,
-                     key: jax.Array) -> dict:
+def accumulate_apply(policy: TrainState, grad_sum: Any, weight_sum: jax.Array | None,
+                     mb: MiniBatch, *, fns, config: GRPOConfig, key: jax.Array) -> TrainState:
     """A version's last micro-batch into the accumulator and the optimizer step, one program:
     :func:`apply_accumulated` of :func:`accumulate`."""
-    g, w = accumulate(grad_sum, weight_sum, policy["params"], mb, fns=fns, config=config, key=key)
-    return apply_accumulated(policy, g, w, tx=tx)
+    g, w = accumulate(grad_sum, weight_sum, policy.params, mb, fns=fns, config=config, key=key)
+    return apply_accumulated(policy, g, w)
 
 
 def group_rows(batch: RolloutBatch, group_size: int, normalize_std: bool = True
@@ -104,13 +102,14 @@ class Accumulator(NamedTuple):
     micro: int
     grad_sum: Any
     weight_sum: Any
-    policy: dict
+    policy: TrainState
 
 
 def flatten_accumulator(acc: Accumulator) -> dict[str, np.ndarray]:
     """Host arrays ``version``, ``micro``, ``weight_sum``, ``g<i>`` (gradient leaves) and
-    ``p<i>`` (policy leaves), for :meth:`ExperienceStore.commit`. An accumulator with no
-    micro-batch in (``micro`` 0, sums None) has no ``weight_sum`` and no ``g<i>``."""
+    ``p<i>`` (the ``TrainState``'s leaves: params, optimizer state, step), for
+    :meth:`ExperienceStore.commit`. An accumulator with no micro-batch in (``micro`` 0, sums
+    None) has no ``weight_sum`` and no ``g<i>``."""
     out = {"version": np.asarray(acc.version), "micro": np.asarray(acc.micro)}
     if acc.grad_sum is not None:
         out["weight_sum"] = np.asarray(jax.device_get(acc.weight_sum))
@@ -121,16 +120,17 @@ def flatten_accumulator(acc: Accumulator) -> dict[str, np.ndarray]:
     return out
 
 
-def unflatten_accumulator(state: dict, like_policy: dict, shardings: dict) -> Accumulator:
+def unflatten_accumulator(state: dict, like_policy: TrainState, shardings: TrainState
+                          ) -> Accumulator:
     """Inverse of :func:`flatten_accumulator`: the policy has ``like_policy``'s structure and
-    is placed with ``shardings`` (the trainer's ``{"params", "opt_state", "step"}``)."""
+    is placed with ``shardings`` (the trainer's ``TrainState`` of ``NamedSharding``)."""
     pdef = jax.tree.structure(like_policy)
-    gdef = jax.tree.structure(like_policy["params"])
+    gdef = jax.tree.structure(like_policy.params)
     policy = jax.tree.unflatten(pdef, [state[f"p{i}"] for i in range(pdef.num_leaves)])
     policy = jax.tree.map(jax.device_put, policy, shardings)
     if "weight_sum" not in state:  # no micro-batch of this version in yet
         return Accumulator(int(state["version"]), int(state["micro"]), None, None, policy)
     grads = jax.tree.unflatten(gdef, [state[f"g{i}"] for i in range(gdef.num_leaves)])
-    grads = jax.tree.map(jax.device_put, grads, shardings["params"])
+    grads = jax.tree.map(jax.device_put, grads, shardings.params)
     return Accumulator(int(state["version"]), int(state["micro"]), grads,
                        jnp.asarray(state["weight_sum"]), policy)

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.marl.engine import RolloutEngine, row_keys
@@ -25,10 +25,15 @@ from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.rollout import RolloutBatch, batch_sharding
 from jaxflow.rl.tasks import completion_text
 from jaxflow.train.lm_state import OptimConfig
+from jaxflow.train.state import TrainState
 
 
 class AgentRuntime:
-    """One agent's compiled functions, optimizer and rollout engine (shared GRPO code)."""
+    """One agent's compiled functions, optimizer and rollout engine (shared GRPO code).
+
+    ``shardings``: the train state's, a ``TrainState`` of ``NamedSharding``; ``update``: the
+    single-agent GRPO step ``(policy, mb, old, key=) -> (policy, metrics)`` (the barrier's);
+    ``accumulate`` / ``accumulate_apply``: :mod:`~jaxflow.marl.pipeline.accumulate`'s, jitted."""
 
     def __init__(self, spec: AgentSpec, workflow: Workflow, meshes: dict[str, Mesh],
                  optim: OptimConfig, *, n_inputs: int, total_steps: int, engine_chunk: int = 2,
@@ -49,25 +54,27 @@ class AgentRuntime:
                                     compact=engine_compact)
         self.weighted_grad = jax.jit(functools.partial(weighted_grad, fns=self.fns,
                                                        config=self.config))
-        self._opt_init = jax.jit(self.tx.init, out_shardings=self.shardings["opt_state"])
         self.accumulate = jax.jit(functools.partial(accumulate, fns=self.fns, config=self.config),
                                   donate_argnums=0)
         self.accumulate_apply = jax.jit(
-            functools.partial(accumulate_apply, fns=self.fns, config=self.config, tx=self.tx),
+            functools.partial(accumulate_apply, fns=self.fns, config=self.config),
             out_shardings=self.shardings, donate_argnums=1)
 
-    def init_policy(self, params: Any) -> dict:
+    def init_policy(self, params: Any) -> TrainState:
+        """A fresh train state (step 0) around ``params`` (host or device pytree), on the
+        trainer mesh in its own buffers (the updates donate them)."""
         params = jax.device_put(params, self.fns.param_shardings)
-        opt_state = self._opt_init(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, PartitionSpec()))
-        return {"params": jax.tree.map(jnp.copy, params), "opt_state": opt_state, "step": step}
+        return TrainState.create(self.tx, jax.tree.map(jnp.copy, params),
+                                 self.fns.param_shardings)
 
     def place(self, mb: MiniBatch) -> MiniBatch:
+        """A host micro-batch [rows, ...] onto the trainer mesh (rows sharded)."""
         sharding = batch_sharding(self.mesh, mb.tokens.shape[0])
         return MiniBatch(*jax.device_put(tuple(mb), sharding))  # one batched transfer
 
-    def publish(self, policy: dict) -> Any:
-        return publish_weights(policy["params"], self.engine.param_shardings)
+    def publish(self, policy: TrainState) -> Any:
+        """A copy of ``policy.params`` laid out for the rollout engine."""
+        return publish_weights(policy.params, self.engine.param_shardings)
 
 
 def agent_loads(workflow: Workflow, runtimes: dict[str, AgentRuntime]) -> dict[str, float]:

@@ -12,7 +12,7 @@ between the rollout's engine calls on the rollout's own thread.
 are device seconds). Without it, the accumulate / step / publish programs are only dispatched
 (JAX runs them asynchronously, overlapping the rollout's next engine calls), busy seconds are the
 host seconds spent in the trainer, and the host copy of version v's params for
-:class:`~jaxflow.marl.pipeline.sync.RunResult` is taken when v+1 steps (or at the end), when v's
+:class:`~jaxflow.marl.pipeline.plan.RunResult` is taken when v+1 steps (or at the end), when v's
 step has long finished. The two give bit-identical results: the same programs on the same
 inputs in the same order.
 """
@@ -20,16 +20,15 @@ inputs in the same order.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxflow.marl.pipeline.accumulate import Accumulator, flatten_accumulator, stack_rows
+from jaxflow.marl.pipeline.plan import PipelinePlan
 from jaxflow.marl.pipeline.runtime import loss_key
-
-if TYPE_CHECKING:  # the drivers' shared state (threads.py imports this module)
-    from jaxflow.marl.pipeline.threads import PipelineRun
+from jaxflow.train.state import TrainState
 
 
 class Interrupted(Exception):
@@ -38,30 +37,39 @@ class Interrupted(Exception):
 
 class AgentTrainer:
     """Agent ``name``'s consumer of the store (see module doc); starts from its resumed
-    accumulator if the run has one, else from ``policy`` at version 0."""
+    accumulator if the plan has one, else from ``policy`` at version 0.
 
-    def __init__(self, run: PipelineRun, agent_index: int, name: str, policy: dict, *,
+    Its state is its own (one thread drives it): the position (``version``, ``micro``), the
+    accumulator and the policy, and what the run reports: ``busy_s`` (seconds in the trainer),
+    ``lags`` (version lag of every consumed row), ``params[v]`` (host params after version v's
+    step) and ``rewards[v]`` (v's reward mean)."""
+
+    def __init__(self, plan: PipelinePlan, agent_index: int, name: str, policy: TrainState, *,
                  block: bool):
-        self.run, self.agent_index, self.name, self.block = run, agent_index, name, block
-        self.rt = run.runtimes[name]
+        self.plan, self.agent_index, self.name, self.block = plan, agent_index, name, block
+        cfg = plan.config
+        self.rt = cfg.runtimes[name]
         self.group_size = self.rt.spec.group_size
-        self.n_micro = run.n_inputs // run.micro_inputs
-        acc = run.resumed.get(name, Accumulator(0, 0, None, None, policy))
+        self.n_micro = cfg.n_inputs // cfg.micro_inputs
+        acc = plan.resumed.get(name, Accumulator(0, 0, None, None, policy))
         self.version, self.micro = acc.version, acc.micro
         self.grad_sum, self.weight_sum, self.policy = acc.grad_sum, acc.weight_sum, acc.policy
+        self.busy_s = 0.0
+        self.lags: list[int] = []
+        self.params: dict[int, Any] = {}
+        self.rewards: dict[int, float] = {}
         self._unfetched: tuple[int, Any] | None = None  # (version, device params) to copy
         self._key: tuple[int, jax.Array] | None = None
 
     @property
     def done(self) -> bool:
-        return self.version >= self.run.steps
+        return self.version >= self.plan.config.steps
 
     def micro_batch_ids(self) -> list:
         """The sample ids of the next micro-batch (inputs in order, G rows each)."""
-        run, j = self.run, self.micro
-        return [run.sample_id(self.name, self.version, i, t)
-                for i in range(j * run.micro_inputs, (j + 1) * run.micro_inputs)
-                for t in range(self.group_size)]
+        plan, j, k = self.plan, self.micro, self.plan.config.micro_inputs
+        return [plan.sample_id(self.name, self.version, i, t)
+                for i in range(j * k, (j + 1) * k) for t in range(self.group_size)]
 
     def advance(self, timeout: float) -> bool:
         """Consumes the next micro-batch if its rows are all ready within ``timeout`` seconds
@@ -70,18 +78,18 @@ class AgentTrainer:
         version is done)."""
         if self.done:
             return False
-        run, rt, name, v = self.run, self.rt, self.name, self.version
+        plan, cfg, rt, name, v = self.plan, self.plan.config, self.rt, self.name, self.version
         ids = self.micro_batch_ids()
-        rows = run.store.take_ids(name, ids, timeout=timeout)
+        rows = plan.store.take_ids(name, ids, timeout=timeout)
         if rows is None:
             return False
-        if run.swapper is not None and run.swapper.is_swapped(name):
-            self.policy = run.swapper.swap_in(name)
+        if cfg.swapper is not None and cfg.swapper.is_swapped(name):
+            self.policy = cfg.swapper.swap_in(name)
         t0 = time.perf_counter()
         row_lags = [v - r.version for r in rows]
-        if max(row_lags) > run.eta or min(row_lags) < 0:
+        if max(row_lags) > cfg.eta or min(row_lags) < 0:
             raise RuntimeError(f"agent {name!r} step {v}: row version lag {row_lags} "
-                               f"outside [0, eta={run.eta}]")
+                               f"outside [0, eta={cfg.eta}]")
         mb = rt.place(stack_rows([r.payload for r in rows]))
         self.micro += 1
         last = self.micro == self.n_micro
@@ -92,18 +100,16 @@ class AgentTrainer:
             done = Accumulator(v + 1, 0, None, None, self.policy)
         else:
             self.grad_sum, self.weight_sum = rt.accumulate(
-                self.grad_sum, self.weight_sum, self.policy["params"], mb,
-                key=self._loss_key(v))
+                self.grad_sum, self.weight_sum, self.policy.params, mb, key=self._loss_key(v))
             done = Accumulator(v, self.micro, self.grad_sum, self.weight_sum, self.policy)
         if self.block:
             jax.block_until_ready((self.grad_sum, self.policy))
-        run.add_busy(f"train/{name}", time.perf_counter() - t0)
-        run.store.commit(name, ids, flatten_accumulator(done) if run.persist else None)
-        with run.lock:
-            run.lags.extend(row_lags)
+        self.busy_s += time.perf_counter() - t0
+        plan.store.commit(name, ids, flatten_accumulator(done) if plan.persist else None)
+        self.lags.extend(row_lags)
         if last:
             self._publish(v)
-        if run.interrupt is not None and run.interrupt(name, v, self.micro if not last
+        if cfg.interrupt is not None and cfg.interrupt(name, v, self.micro if not last
                                                        else self.n_micro):
             raise Interrupted(f"agent {name!r} stopped at version {v} after "
                               f"{self.n_micro if last else self.micro} micro-batches")
@@ -112,31 +118,31 @@ class AgentTrainer:
     def _loss_key(self, version: int) -> jax.Array:
         """The version's loss key (one for all its micro-batches), made once per version."""
         if self._key is None or self._key[0] != version:
-            self._key = (version, loss_key(self.run.seed, version, self.agent_index))
+            self._key = (version, loss_key(self.plan.config.seed, version, self.agent_index))
         return self._key[1]
 
     def _publish(self, v: int) -> None:
         """Version v is consumed and stepped: v's reward mean, publish v+1, move on."""
-        run, rt, name = self.run, self.rt, self.name
+        plan, cfg, rt, name = self.plan, self.plan.config, self.rt, self.name
         self._fetch()  # version v-1's copy: its step finished before this one started
-        run.out_rewards[v][name] = float(np.mean([
-            float(run.store.get(name, run.sample_id(name, v, i, t)).payload["reward"])
-            for i in range(run.n_inputs) for t in range(self.group_size)]))
-        run.board.put(v + 1, name, rt.publish(self.policy))
-        self._unfetched = (v, self.policy["params"])
-        if run.swapper is not None and v + 1 < run.steps:  # idle until v+1's rows arrive
+        self.rewards[v] = float(np.mean([
+            float(plan.store.get(name, plan.sample_id(name, v, i, t)).payload["reward"])
+            for i in range(cfg.n_inputs) for t in range(self.group_size)]))
+        plan.board.put(v + 1, name, rt.publish(self.policy))
+        self._unfetched = (v, self.policy.params)
+        if cfg.swapper is not None and v + 1 < cfg.steps:  # idle until v+1's rows arrive
             self._fetch()  # swapping out frees the device params
-            run.swapper.swap_out(name, self.policy, version=v + 1)
+            cfg.swapper.swap_out(name, self.policy, version=v + 1)
             self.policy = None
         self.version, self.micro = v + 1, 0
 
     def _fetch(self) -> None:
         if self._unfetched is not None:
             v, params = self._unfetched
-            self.run.out_params[v][self.name] = jax.device_get(params)
+            self.params[v] = jax.device_get(params)
             self._unfetched = None
 
-    def finish(self) -> dict:
+    def finish(self) -> TrainState:
         """The host copy of the last version's params taken; returns the final train state."""
         self._fetch()
         return self.policy

@@ -54,15 +54,42 @@ Modules: ``workload`` (agents, lengths, costs), ``pool`` (a rollout replica pool
 ``calibration`` (measured run -> costs), ``sweep`` (a config's node sweep).
 """
 
-from jaxflow.marl.simulate.calibration import (COST_KEYS, DEFAULT_CALIBRATION, MEASURED_PATHS,
-                                               Calibration, CalibrationWarning, Hardware,
-                                               MeasuredRun, calibrate, calibration_summary,
-                                               load_measurement, measured_from_summary,
-                                               per_param_costs, sync_counts, write_calibration,
-                                               write_calibration_from_run)
+from jaxflow.marl.simulate.calibration import (
+                                               COST_KEYS,
+                                               DEFAULT_CALIBRATION,
+                                               MEASURED_PATHS,
+                                               Calibration,
+                                               CalibrationWarning,
+                                               Hardware,
+                                               MeasuredRun,
+                                               calibrate,
+                                               calibration_summary,
+                                               load_measurement,
+                                               measured_from_summary,
+                                               per_param_costs,
+                                               sync_counts,
+                                               write_calibration,
+                                               write_calibration_from_run,
+)
 from jaxflow.marl.simulate.pool import POLICIES, RolloutPool
-from jaxflow.marl.simulate.schedules import (AGENT_SPLITS, FLEXMARL, SYNC, Schedule, SimResult,
-                                             expected_loads, plan_split, split_devices)
+from jaxflow.marl.simulate.schedules import (
+                                               AGENT_SPLITS,
+                                               FLEXMARL,
+                                               SYNC,
+                                               Schedule,
+                                               SimResult,
+                                               expected_loads,
+                                               plan_split,
+                                               split_devices,
+)
 from jaxflow.marl.simulate.simulation import simulate, simulate_flexmarl, simulate_sync
 from jaxflow.marl.simulate.sweep import run_scale, schedules_from
 from jaxflow.marl.simulate.workload import AgentCosts, AgentLoad, check_agents, sample_lengths
+
+__all__ = ["COST_KEYS", "DEFAULT_CALIBRATION", "MEASURED_PATHS", "Calibration", "CalibrationWarning",
+           "Hardware", "MeasuredRun", "calibrate", "calibration_summary", "load_measurement",
+           "measured_from_summary", "per_param_costs", "sync_counts", "write_calibration",
+           "write_calibration_from_run", "POLICIES", "RolloutPool", "AGENT_SPLITS", "FLEXMARL", "SYNC",
+           "Schedule", "SimResult", "expected_loads", "plan_split", "split_devices", "simulate",
+           "simulate_flexmarl", "simulate_sync", "run_scale", "schedules_from", "AgentCosts",
+           "AgentLoad", "check_agents", "sample_lengths"]

@@ -23,7 +23,6 @@ from typing import Mapping, Sequence
 from jaxflow import provenance
 from jaxflow.marl.simulate.workload import AgentCosts, AgentLoad
 
-
 DATA = pathlib.Path(__file__).parent / "data"
 #: The calibration the simulator reads unless told otherwise.
 DEFAULT_CALIBRATION = DATA / "flexmarl_quick.json"

@@ -14,7 +14,6 @@ import numpy as np
 from jaxflow.marl import balance
 from jaxflow.marl.simulate.workload import AgentCosts
 
-
 POLICIES = balance.POLICIES  # round_robin, longest_first, work_stealing
 
 

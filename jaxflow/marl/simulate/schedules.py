@@ -11,7 +11,6 @@ from jaxflow.marl import balance
 from jaxflow.marl.simulate.pool import POLICIES
 from jaxflow.marl.simulate.workload import AgentCosts, AgentLoad
 
-
 AGENT_SPLITS = ("equal", "load")
 
 

@@ -12,8 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxflow.marl.simulate.pool import RolloutPool
-from jaxflow.marl.simulate.schedules import (FLEXMARL, SYNC, Schedule, SimResult, plan_split,
-                                             split_devices)
+from jaxflow.marl.simulate.schedules import FLEXMARL, SYNC, Schedule, SimResult, plan_split, split_devices
 from jaxflow.marl.simulate.workload import AgentCosts, AgentLoad, check_agents
 
 

@@ -1,62 +1,28 @@
-"""The run result and the synchronous barrier baseline (MARTI-style lockstep)."""
+"""The synchronous barrier baseline (MARTI-style lockstep): roll out every agent on every
+input, then one full-batch GRPO step per agent, agents one after another.
+
+Not to be confused with weight sync (:mod:`jaxflow.sync`): this module is the pipeline's
+lockstep reference, which the strict pipeline equals on the same samples.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any
+from typing import Mapping
 
 import jax
 import numpy as np
 
-from jaxflow.marl.engine import EngineStats
 from jaxflow.marl.pipeline.accumulate import group_rows, stack_rows
-from jaxflow.marl.pipeline.runtime import (AgentRuntime, chunks, input_prompts, loss_key,
-                                           rollout_inputs, split_batch)
+from jaxflow.marl.pipeline.plan import RunResult, engine_snapshot, engine_stats_since
+from jaxflow.marl.pipeline.runtime import AgentRuntime, chunks, input_prompts, loss_key, rollout_inputs, split_batch
 from jaxflow.marl.workflow import Workflow
+from jaxflow.train.state import TrainState
 
 
-@dataclasses.dataclass
-class RunResult:
-    """Per-step host params per agent, reward means, per-role busy seconds and run facts.
-
-    ``params[v]`` / ``rewards[v]`` are empty dicts for versions a resumed run did not train.
-    ``staleness``: max / mean version lag (step - policy version) of the consumed rows.
-    ``engine``: decode row-steps executed vs a padded batch decode (see
-    :class:`~jaxflow.marl.engine.EngineStats`). ``workers``: rollout workers per agent.
-    """
-
-    params: list[dict[str, Any]]
-    rewards: list[dict[str, float]]
-    busy_s: dict[str, float]
-    wall_s: float
-    samples: int
-    staleness: dict[str, float] = dataclasses.field(default_factory=dict)
-    engine: dict[str, float] = dataclasses.field(default_factory=dict)
-    workers: dict[str, int] = dataclasses.field(default_factory=dict)
-    swap: dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-def engine_snapshot(runtimes: dict[str, AgentRuntime]) -> dict[str, EngineStats]:
-    """A copy of every agent's engine counters (to subtract later)."""
-    return {n: dataclasses.replace(rt.engine.stats) for n, rt in runtimes.items()}
-
-
-def engine_stats_since(runtimes: dict[str, AgentRuntime], before: dict[str, EngineStats]
-                       ) -> dict[str, float]:
-    """Decode work of all engines since the snapshot ``before``, plus ``saved_fraction``."""
-    total = EngineStats()
-    for n, rt in runtimes.items():
-        s = dataclasses.replace(rt.engine.stats)
-        for f in dataclasses.fields(s):
-            setattr(s, f.name, getattr(s, f.name) - getattr(before[n], f.name))
-        total.add(s)
-    return dataclasses.asdict(total) | {"saved_fraction": total.saved_fraction}
-
-
-def run_sync(workflow: Workflow, runtimes: dict[str, AgentRuntime], policies: dict[str, dict],
-             *, steps: int, n_inputs: int, seed: int, rollout_batch: int = 1,
-             block_stages: bool = True) -> RunResult:
+def run_sync(workflow: Workflow, runtimes: Mapping[str, AgentRuntime],
+             policies: dict[str, TrainState], *, steps: int, n_inputs: int, seed: int,
+             rollout_batch: int = 1, block_stages: bool = True) -> RunResult:
     """Barrier baseline: roll out all inputs for every agent (``rollout_batch`` inputs per
     engine call), then one full-batch step per agent, agents one after another.
 
@@ -66,7 +32,10 @@ def run_sync(workflow: Workflow, runtimes: dict[str, AgentRuntime], policies: di
     and the host copy of the params at the end of the version is the one wait, so a training
     role's busy seconds are host seconds; the same result, bit for bit, and on one device
     usually the faster lockstep (the ``flexmarl`` experiment times both and takes the faster
-    as the baseline of every speedup)."""
+    as the baseline of every speedup).
+
+    ``policies``: each agent's train state; they are donated, and the dict is updated in place
+    with the final states (as :func:`~jaxflow.marl.pipeline.threads.run_pipeline` does)."""
     names = workflow.order()
     busy = {"rollout": 0.0} | {f"train/{n}": 0.0 for n in names}
     stats0 = engine_snapshot(runtimes)
@@ -89,12 +58,12 @@ def run_sync(workflow: Workflow, runtimes: dict[str, AgentRuntime], policies: di
             t0 = time.perf_counter()
             rt = runtimes[n]
             mb = rt.place(stack_rows(rows[n]))
-            old = rt.old_stats(policies[n]["params"], None, mb)
+            old = rt.old_stats(policies[n].params, None, mb)
             policies[n], _ = rt.update(policies[n], mb, old, key=loss_key(seed, v, a))
             if block_stages:
-                jax.block_until_ready(policies[n]["params"])
+                jax.block_until_ready(policies[n].params)
             busy[f"train/{n}"] += time.perf_counter() - t0
-        out_params.append({n: jax.device_get(policies[n]["params"]) for n in names})
+        out_params.append({n: jax.device_get(policies[n].params) for n in names})
         out_rewards.append({n: float(np.mean([r["reward"] for r in rows[n]])) for n in names})
     wall = time.perf_counter() - start
     samples = steps * n_inputs * sum(runtimes[n].spec.group_size for n in names)
