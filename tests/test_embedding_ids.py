@@ -1,11 +1,9 @@
 """Embedding ids on every path: integer dtypes only, 64-bit ids policed before any cast, and
 hash_modulo giving the same rows on the sharded device lookup and the host-resident path."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxflow.embeddings import ShardedEmbeddings, TableSpec, make_sparse_optimizer
 from jaxflow.embeddings.host import HostTable, retrieve

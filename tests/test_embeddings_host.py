@@ -1,15 +1,19 @@
-"""Host-resident tables == device-resident sharded tables; checkpoint resume is exact."""
+"""Host-resident tables == device-resident sharded tables (with and without a dense
+``TrainState``); checkpoint resume is exact."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxflow.embeddings import ShardedEmbeddings, TableSpec, make_sparse_optimizer, make_train_step
 from jaxflow.embeddings.checkpoint import EmbeddingCheckpointer
 from jaxflow.embeddings.host import HostTable, make_host_train_step, retrieve, write_back
 from jaxflow.mesh import make_mesh
+from jaxflow.train.state import TrainState
 
 B = 16
 SPECS = [
@@ -118,3 +122,78 @@ def test_resume_is_exact(mesh, tmp_path):
         assert set(oa) == {"m", "v"}
         for k in oa:
             np.testing.assert_array_equal(oa[k], ob[k])
+
+
+def test_host_resident_step_trains_the_same_dense_state(mesh):
+    """With a dense ``TrainState`` beside the tables, the host-resident step == the
+    device-resident step: params, optimizer state and step (a mean of per-sample terms: the
+    host step's global-batch mean == the device step's mean of the 8 per-device means)."""
+    opt = make_sparse_optimizer("rowwise_adagrad", 0.1)
+    emb = ShardedEmbeddings(SPECS, mesh, opt, capacity=48)
+    params = {"s": np.float32(0.5), "t": np.ones(8, np.float32)}
+
+    def dense_loss(p, outputs, w):  # a mean of per-sample terms, as loss_fn
+        base, _ = loss_fn(p, outputs, w)
+        return p["s"] * base + jnp.mean(jnp.tanh(outputs["a"] @ p["t"])), {}
+
+    tx = optax.adam(1e-2)
+    replicated = NamedSharding(mesh, P())
+    state = {"emb": emb.init(3),
+             "dense": TrainState.create(tx, params, jax.tree.map(lambda _: replicated, params))}
+    tables = host_tables(opt, emb.to_dense(state["emb"])[0])
+    step = make_train_step(emb, dense_loss)
+    host_step = make_host_train_step(SPECS, opt, dense_loss)
+    dense = TrainState.create(tx, params)
+    for t in range(2):
+        ids, w = batch(t)
+        state, _ = step(state, put(mesh, ids), put(mesh, w))
+        hb = retrieve(tables, ids, capacity=48)
+        dense, rows, st, _ = host_step(dense, hb.rows, hb.opt, hb.inverse, jnp.int32(t + 1), w)
+        write_back(tables, hb, rows, st)
+    assert int(dense.step) == int(state["dense"].step) == 2
+    for a, b in zip(jax.tree.leaves((dense.params, dense.opt_state)),
+                    jax.tree.leaves((state["dense"].params, state["dense"].opt_state)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    dev_t, _ = emb.to_dense(state["emb"])
+    for name, table in tables.items():
+        np.testing.assert_allclose(table.to_numpy()[0], dev_t[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_signal_stop_in_run_steps_saves_the_embedding_checkpoint(mesh, tmp_path):
+    """``run_steps`` with an ``EmbeddingCheckpointer``: a SIGTERM during step 2 stops the run
+    after it with a checkpoint of step 2 in the embedding layout, which restores exactly."""
+    import os
+    import signal
+
+    from jaxflow import signals
+    from jaxflow.train.loop import run_steps
+
+    opt = make_sparse_optimizer("rowwise_adagrad", 0.1)
+    emb = ShardedEmbeddings(SPECS, mesh, opt, capacity=48)
+    step = make_train_step(emb, loss_fn, donate=False)
+
+    def advance(state, t):
+        ids, w = batch(t)
+        return step(state, put(mesh, ids), put(mesh, w))
+
+    def step_fn(state, t):
+        if t == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives during step 2: the loop finishes it
+        return advance(state, t)
+
+    fresh = {"emb": emb.init(5), "dense": {}}
+    ckpt = EmbeddingCheckpointer(tmp_path / "ckpt", save_every=100)
+    restore_handlers = signals.install()
+    try:
+        with pytest.raises(signals.RunStopped) as stopped:
+            run_steps(step_fn, fresh, steps=5, checkpointer=ckpt)
+    finally:
+        restore_handlers()
+    assert stopped.value.step == 2
+    two = advance(advance(fresh, 0)[0], 1)[0]
+    ckpt = EmbeddingCheckpointer(tmp_path / "ckpt")
+    assert ckpt.latest_step() == 2
+    restored = ckpt.restore(2, fresh)
+    ckpt.close()
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(two), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -4,11 +4,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxflow.embeddings import (CapacityOverflowError, ShardedEmbeddings, TableSpec,
-                                apply_id_policy, check_ids_host, dedup, make_sparse_optimizer,
-                                plan_tables)
+from jaxflow.embeddings import (
+    CapacityOverflowError,
+    ShardedEmbeddings,
+    TableSpec,
+    apply_id_policy,
+    check_ids_host,
+    dedup,
+    make_sparse_optimizer,
+    plan_tables,
+)
 from jaxflow.embeddings.host import HostTable, retrieve
 from jaxflow.embeddings.routing import SENTINEL, bucket_by_owner
 from jaxflow.mesh import make_mesh

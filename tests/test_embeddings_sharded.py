@@ -1,14 +1,18 @@
-"""Sharded lookup and sparse update == the single-device dense reference."""
+"""Sharded lookup and sparse update == the single-device dense reference; a dense
+``TrainState`` beside the tables follows Adam on the global loss."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxflow.embeddings import ShardedEmbeddings, TableSpec, make_sparse_optimizer, make_train_step
 from jaxflow.embeddings.reference import reference_lookup, reference_step
 from jaxflow.mesh import make_mesh
+from jaxflow.train.state import TrainState
 
 B = 16  # global batch: 2 per device on 8 devices
 SPECS = [
@@ -126,3 +130,55 @@ def test_train_step_with_forced_kernel_matches_xla_pooling(mesh):
         np.testing.assert_allclose(got["pallas_forced"][1][s.name], got["xla"][1][s.name],
                                    rtol=1e-6, atol=1e-7, err_msg=s.name)
         assert np.abs(got["xla"][1][s.name] - init[s.name]).max() > 1e-4  # rows were updated
+
+
+def test_dense_train_state_follows_adam_on_the_global_loss(mesh):
+    """The dense part as a ``TrainState``: over 2 steps its params follow Adam (written out)
+    on the gradient of the global loss (the mean of the 8 per-device losses, dense grads
+    psum'd), its step counts, and the tables still follow the sparse reference."""
+    specs = [SPECS[0], SPECS[4]]  # row-wise sum (D 8), replicated sum (D 4)
+    opt = make_sparse_optimizer("rowwise_adagrad", 0.05)
+    emb = ShardedEmbeddings(specs, mesh, opt, capacity=32)
+    rng = np.random.default_rng(9)
+    params = {"w": rng.standard_normal(12).astype(np.float32), "b": np.float32(0.1)}
+
+    def loss_fn(p, outputs, batch):
+        x = jnp.concatenate([outputs["rw_sum"], outputs["rep_sum"]], -1)
+        return jnp.mean(jnp.square(x @ p["w"] + p["b"] - batch["y"])), {}
+
+    tx = optax.adam(1e-2)
+    replicated = NamedSharding(mesh, P())
+    state = {"emb": emb.init(2),
+             "dense": TrainState.create(tx, params, jax.tree.map(lambda _: replicated, params))}
+    tables, opt_state = emb.to_dense(state["emb"])
+    step = make_train_step(emb, loss_fn)
+    ref = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in ref.items()}
+    v2 = {k: np.zeros_like(v) for k, v in ref.items()}
+    for t in range(2):
+        ids = {k: make_ids(t)[k] for k in ("rw_sum", "rep_sum")}
+        y = rng.standard_normal(B).astype(np.float32)
+        state, _ = step(state, put(mesh, ids), put(mesh, {"y": y}))
+
+        def global_loss(p, outputs):
+            return sum(loss_fn(p, {k: o[2 * i:2 * i + 2] for k, o in outputs.items()},
+                               {"y": y[2 * i:2 * i + 2]})[0] for i in range(8)) / 8
+
+        p32 = {k: jnp.asarray(v, jnp.float32) for k, v in ref.items()}
+        g = jax.grad(global_loss)(p32, reference_lookup(specs, tables, ids))
+        tables, opt_state = reference_step(specs, opt, tables, opt_state, t + 1, ids,
+                                           lambda o, p32=p32, gl=global_loss: gl(p32, o))
+        for k in ref:  # Adam, step t + 1
+            gk = np.asarray(g[k], np.float64)
+            m[k] = 0.9 * m[k] + 0.1 * gk
+            v2[k] = 0.999 * v2[k] + 0.001 * gk ** 2
+            mhat, vhat = m[k] / (1 - 0.9 ** (t + 1)), v2[k] / (1 - 0.999 ** (t + 1))
+            ref[k] = ref[k] - 1e-2 * mhat / (np.sqrt(vhat) + 1e-8)
+    dense = state["dense"]
+    assert isinstance(dense, TrainState) and int(dense.step) == 2
+    for k in ref:
+        np.testing.assert_allclose(np.asarray(dense.params[k]), ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        assert np.abs(ref[k] - np.asarray(params[k])).max() > 1e-3  # the params really moved
+    got_t, _ = emb.to_dense(state["emb"])
+    for name in tables:
+        np.testing.assert_allclose(got_t[name], tables[name], rtol=1e-5, atol=1e-6, err_msg=name)

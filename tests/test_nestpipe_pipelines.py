@@ -11,10 +11,17 @@ import numpy as np
 import pytest
 
 from configs.nestpipe import Config
-from jaxflow.nestpipe import (clone_tables, cluster_order, cluster_samples, intersection_slots,
-                              micro_batch_transfers, patch_intersection_rows, run_pipeline,
-                              shard_micro_batch_transfers)
 from jaxflow.main.nestpipe import build, max_relative_diff, one_step_diffs, snapshot, train
+from jaxflow.nestpipe import (
+    clone_tables,
+    cluster_order,
+    cluster_samples,
+    intersection_slots,
+    micro_batch_transfers,
+    patch_intersection_rows,
+    run_pipeline,
+    shard_micro_batch_transfers,
+)
 from jaxflow.nestpipe.host_io import HostShards
 from jaxflow.nestpipe.pipelines import PIPELINES
 
@@ -362,7 +369,7 @@ def test_sync_accum_is_the_whole_window_schedule(setup):
         per_row = {(p, int(i)): flat_rows[p * owner_ids.shape[1] + j]
                    for p in range(owner_ids.shape[0]) for j, i in enumerate(owner_ids[p])
                    if i != SENTINEL}
-        results.append((dense["params"], per_row, float(loss)))
+        results.append((dense.params, per_row, float(loss)))
     (pw, rw, lw), (pm, rm, lm) = results
     assert abs(lw - lm) <= TOL_PER_STEP * abs(lm)
     assert max_relative_diff(pw, pm) <= TOL_PER_STEP

@@ -6,10 +6,18 @@ import numpy as np
 import pytest
 
 from configs.nestpipe_scale import Config, get_config
-from jaxflow.nestpipe.simulate import (EXACT_PIPELINES, PAPER_BASELINE_EFFICIENCY, PIPELINES,
-                                       STAGE_KEYS, calibrate, efficiency_table,
-                                       load_calibration, simulate_steps, step_time)
 from jaxflow import run as runner
+from jaxflow.nestpipe.simulate import (
+    EXACT_PIPELINES,
+    PAPER_BASELINE_EFFICIENCY,
+    PIPELINES,
+    STAGE_KEYS,
+    calibrate,
+    efficiency_table,
+    load_calibration,
+    simulate_steps,
+    step_time,
+)
 
 MEASURED_STAGE_MS = load_calibration().stage_ms  # the built-in calibration file
 

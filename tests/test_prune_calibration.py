@@ -9,8 +9,7 @@ import pytest
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.prune.calibration import CalibrationConfig, calibration_set, select_low_redundancy
-from jaxflow.prune.capabilities import (CAPABILITIES, eval_set, make_tokenizer, make_world,
-                                        retention)
+from jaxflow.prune.capabilities import CAPABILITIES, eval_set, make_tokenizer, make_world, retention
 from jaxflow.prune.correlation import spearman
 from jaxflow.train.lm_state import init_params, lm_functions
 

@@ -1,10 +1,10 @@
 """Sequential pruning of the foundation LM: the public ``prune`` API on a param tree, and proof
 that each layer is calibrated on the already-pruned model's activations."""
 
-import numpy as np
-import pytest
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from jaxflow.models.attention import segment_causal_mask

@@ -1,14 +1,20 @@
 """SparseGPT / Wanda / magnitude on one layer: exact patterns, error ordering, equivalence with a
 plain column-by-column OBS reference, rank-deficient Hessians and announced Cholesky retries."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
 
 from jaxflow.prune.baselines import magnitude_prune, wanda_prune
 from jaxflow.prune.masks import parse_sparsity, prune_count
-from jaxflow.prune.sparsegpt import (CholeskyRetryWarning, hessian_from_inputs, hessian_init,
-                                     hessian_update, reconstruction_error, sparsegpt_prune)
+from jaxflow.prune.sparsegpt import (
+    CholeskyRetryWarning,
+    hessian_from_inputs,
+    hessian_init,
+    hessian_update,
+    reconstruction_error,
+    sparsegpt_prune,
+)
 
 METHODS = {"sparsegpt": sparsegpt_prune, "wanda": wanda_prune, "magnitude": magnitude_prune}
 

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from jaxflow.recsys.metrics import log_loss, roc_auc
-from jaxflow.recsys.readers import (file_batch, movielens_to_clicks, read_criteo_tsv,
-                                    read_movielens)
+from jaxflow.recsys.readers import file_batch, movielens_to_clicks, read_criteo_tsv, read_movielens
 from jaxflow.recsys.synthetic import SyntheticConfig, SyntheticCriteo
 
 

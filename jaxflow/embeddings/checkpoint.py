@@ -1,14 +1,18 @@
 """Checkpoint / resume of sharded embedding state and host-resident tables, in one orbax step.
 
 Device state (sharded and replicated groups, their optimizer state, the step counter, and any
-dense model state) is saved as sharded arrays; each host table is saved as host numpy arrays
-(table + optimizer state) in the same checkpoint, so a step is committed atomically. Restore
-lays device arrays out with the caller's shardings and writes the host tables back in place.
+dense model state, e.g. a ``jaxflow.train.state.TrainState``) is saved as sharded arrays; each
+host table is saved as host numpy arrays (table + optimizer state) in the same checkpoint, so a
+step is committed atomically. Restore lays device arrays out with the caller's shardings and
+writes the host tables back in place.
+
+:class:`EmbeddingCheckpointer` is a :class:`jaxflow.checkpoint.Checkpointer` (so
+``jaxflow.train.loop.run_steps`` drives it: cadence, forced last save, signal stops) whose
+``save`` / ``restore`` also take the host tables.
 """
 
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import numpy as np
@@ -25,27 +29,26 @@ def _host_tree(host_tables: dict[str, HostTable]) -> dict:
     return tree
 
 
-class EmbeddingCheckpointer:
-    """``save(step, state, host_tables)`` / ``restore(step, state_like, host_tables)``."""
+class EmbeddingCheckpointer(Checkpointer):
+    """``save(step, state, host_tables)`` / ``restore(step, state_like, host_tables)``.
 
-    def __init__(self, directory: str | pathlib.Path, *, save_every: int = 1, max_to_keep: int = 3,
-                 async_save: bool = True):
-        self._ckpt = Checkpointer(directory, save_every=save_every, max_to_keep=max_to_keep,
-                                  async_save=async_save)
-
-    def latest_step(self) -> int | None:
-        return self._ckpt.latest_step()
+    Without ``host_tables`` it checkpoints the device state alone (in the same layout:
+    ``{"device": state, "host": {}}``), which is what ``run_steps`` and
+    :meth:`Checkpointer.stop_if_requested` call.
+    """
 
     def save(self, step: int, state: Any, host_tables: dict[str, HostTable] | None = None, *,
              force: bool = False) -> bool:
-        if not force and not self._ckpt._manager.should_save(int(step)):
+        """Starts saving ``state`` and the host tables at ``step``; whether a save started."""
+        if not force and not self._manager.should_save(int(step)):
             return False  # skip copying host tables for a step that will not be saved
-        return self._ckpt.save(step, {"device": state, "host": _host_tree(host_tables or {})},
-                               force=force)
+        return super().save(step, {"device": state, "host": _host_tree(host_tables or {})},
+                            force=force)
 
     def restore(self, step: int, state_like: Any,
                 host_tables: dict[str, HostTable] | None = None) -> Any:
-        """Device state laid out like ``state_like``; ``host_tables`` overwritten in place."""
+        """Device state laid out like ``state_like`` (arrays or ``jax.ShapeDtypeStruct``);
+        ``host_tables`` overwritten in place."""
         host_tables = host_tables or {}
         abstract_host = {}  # numpy targets (np.zeros is lazily allocated) -> numpy restores
         for name, t in host_tables.items():
@@ -53,14 +56,8 @@ class EmbeddingCheckpointer:
             abstract_host[name] = {
                 "table": np.zeros((t.spec.vocab_size, t.spec.dim), np.float32),
                 "opt": {k: np.zeros((t.spec.vocab_size,) + v.shape[1:], v.dtype) for k, v in one_row.items()}}
-        restored = self._ckpt.restore(step, {"device": abstract_like(state_like), "host": abstract_host})
+        restored = super().restore(step, {"device": abstract_like(state_like), "host": abstract_host})
         for name, t in host_tables.items():
             t.load(np.asarray(restored["host"][name]["table"]),
                    {k: np.asarray(v) for k, v in restored["host"][name]["opt"].items()})
         return restored["device"]
-
-    def wait(self) -> None:
-        self._ckpt.wait()
-
-    def close(self) -> None:
-        self._ckpt.close()

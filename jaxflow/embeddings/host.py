@@ -20,12 +20,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxflow.embeddings.lookup import CapacityOverflowError, narrow_ids_host
 from jaxflow.embeddings.optimizers import SparseOptimizer
 from jaxflow.embeddings.pooling import pool_bags
 from jaxflow.embeddings.spec import TableSpec
+from jaxflow.embeddings.step import dense_params
+from jaxflow.train.state import TrainState
 
 
 def _open_zarr(path: pathlib.Path, shape, create: bool):
@@ -129,7 +130,10 @@ def retrieve(tables: dict[str, HostTable], ids: dict[str, np.ndarray], capacity:
         full_inv = np.full(x.shape, -1, np.int32)
         full_inv[valid] = inv
         values, state = table.read_rows(uniq)
-        pad = lambda a: np.concatenate([a, np.zeros((capacity - a.shape[0],) + a.shape[1:], a.dtype)])
+
+        def pad(a):
+            return np.concatenate([a, np.zeros((capacity - a.shape[0],) + a.shape[1:], a.dtype)])
+
         rows[name] = jax.device_put(pad(values), device)
         opt[name] = {k: jax.device_put(pad(v), device) for k, v in state.items()}
         inverse[name] = jax.device_put(full_inv, device)
@@ -145,30 +149,30 @@ def write_back(tables: dict[str, HostTable], batch: HostBatch, rows: dict, opt: 
                          {k: np.asarray(v)[:n] for k, v in opt[name].items()})
 
 
-def make_host_train_step(specs: list[TableSpec], optimizer: SparseOptimizer, loss_fn,
-                         dense_tx: optax.GradientTransformation | None = None):
-    """Jitted device step ``(dense, rows, opt, inverse, step, batch) -> (dense, rows, opt, loss)``.
+def make_host_train_step(specs: list[TableSpec], optimizer: SparseOptimizer, loss_fn):
+    """Jitted device step ``(dense, rows, opt, inverse, step, batch) -> (dense, rows, opt, metrics)``.
 
+    ``dense``: a ``jaxflow.train.state.TrainState`` of the dense model (updated with its
+    ``tx``), or ``{}`` for an embedding-only loss; ``rows`` ``{table: [C, D]}``, ``opt`` their
+    per-row optimizer state, ``inverse`` ``{table: int32[B, L]}`` (``HostBatch``);
     ``loss_fn(params, embeddings, batch) -> (loss, aux)`` as in ``step.make_train_step``;
-    ``step`` is the update count (from 1), as in the device-resident state.
+    ``step`` is the sparse update count (from 1), as in the device-resident state;
+    ``metrics``: ``{"loss": ..., **aux}``.
     """
     pooling = {s.name: s.pooling for s in specs}
 
     def step_fn(dense, rows, opt, inverse, step, batch):
-        params = dense.get("params", {})
-
         def objective(params, rows):
             emb = {n: pool_bags(rows[n], inverse[n], pooling[n]) for n in rows}
             return loss_fn(params, emb, batch)
 
         (loss, aux), (g_dense, g_rows) = jax.value_and_grad(objective, argnums=(0, 1),
-                                                            has_aux=True)(params, rows)
+                                                            has_aux=True)(dense_params(dense), rows)
         new_rows, new_opt = {}, {}
         for n in rows:
             new_rows[n], new_opt[n] = optimizer.apply(rows[n], g_rows[n].astype(jnp.float32), opt[n], step)
-        if dense_tx is not None and dense:
-            updates, dopt = dense_tx.update(g_dense, dense["opt"], params)
-            dense = {"params": optax.apply_updates(params, updates), "opt": dopt}
+        if isinstance(dense, TrainState):
+            dense = dense.apply_gradients(g_dense)
         return dense, new_rows, new_opt, {"loss": loss, **aux}
 
     return jax.jit(step_fn)

@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxflow.embeddings.optimizers import SparseOptimizer, sparse_apply, sum_duplicate_rows
 from jaxflow.embeddings.pooling import PoolingBackend, pool_bags

@@ -116,5 +116,8 @@ def dense_update(optimizer: SparseOptimizer, table: jax.Array, state: dict[str, 
                  dense_grad: jax.Array, touched: jax.Array, step: jax.Array):
     """Reference: the optimizer on the full table's dense gradient, kept where ``touched``."""
     new_rows, new_state = optimizer.apply(table, dense_grad, state, step)
-    keep = lambda new, old: jnp.where(touched.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+
+    def keep(new, old):
+        return jnp.where(touched.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+
     return keep(new_rows, table), {k: keep(new_state[k], state[k]) for k in state}

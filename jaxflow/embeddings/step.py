@@ -3,8 +3,13 @@
 ``(state, ids, batch) -> (state, metrics)``: lookup (all stages of ``lookup.py``), the user's
 loss on this device's batch slice, gradients w.r.t. the dense parameters (``psum`` over the
 axis) and w.r.t. each device's deduplicated rows (sent to their owners), then the dense optax
-update and the sparse row update. The global loss is the mean of the per-device losses, so with
-equal slices it is the global-batch mean. Every collective is written out.
+update (``TrainState.apply_gradients``) and the sparse row update. The global loss is the mean
+of the per-device losses, so with equal slices it is the global-batch mean. Every collective is
+written out.
+
+State: ``{"emb": ShardedEmbeddings state, "dense": TrainState | {}}``. The dense part is a
+:class:`jaxflow.train.state.TrainState` (params, optimizer state, its own step; replicated), or
+``{}`` for an embedding-only loss.
 """
 
 from __future__ import annotations
@@ -12,26 +17,31 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxflow.embeddings.lookup import ShardedEmbeddings, error_stats
+from jaxflow.train.state import TrainState
 
 #: loss_fn(dense_params, embeddings {table: [b, D] | [b, L, D]}, batch slice) -> (loss, aux dict)
 LossFn = Callable[[Any, dict, dict], tuple[jax.Array, dict]]
 
 
-def state_specs(emb: ShardedEmbeddings, dense_state: Any) -> dict:
-    """shard_map specs: embedding state as placed, dense state replicated (a prefix spec)."""
+def state_specs(emb: ShardedEmbeddings, dense_state: Any = None) -> dict:
+    """shard_map specs: embedding state as placed, dense state (a ``TrainState`` or ``{}``)
+    replicated (``P()`` is a prefix of every leaf)."""
     return {"emb": emb.state_specs(), "dense": P()}
 
 
-def make_train_step(emb: ShardedEmbeddings, loss_fn: LossFn,
-                    dense_tx: optax.GradientTransformation | None = None, *, donate: bool = True):
+def dense_params(dense_state: TrainState | dict) -> Any:
+    """The dense parameters of ``state["dense"]`` (``{}`` for an embedding-only state)."""
+    return dense_state.params if isinstance(dense_state, TrainState) else {}
+
+
+def make_train_step(emb: ShardedEmbeddings, loss_fn: LossFn, *, donate: bool = True):
     """Jitted ``step(state, ids, batch) -> (state, metrics)``.
 
-    ``state = {"emb": ShardedEmbeddings state, "dense": {"params": ..., "opt": ...}}`` (dense may
-    be ``{}`` for an embedding-only loss); ``ids`` and ``batch`` are split over ``emb.axis``.
+    ``state = {"emb": ShardedEmbeddings state, "dense": TrainState | {}}``; ``ids`` and
+    ``batch`` are split over ``emb.axis``. The dense optimizer is the TrainState's ``tx``.
     ``metrics``: loss, aux means, and the overflow / bad-id counts. A traced step cannot raise:
     call ``lookup.check_stats(metrics)`` (a host sync) every step or every few steps; a step
     that overflowed its capacity applied an incomplete update and the run must stop there.
@@ -40,19 +50,17 @@ def make_train_step(emb: ShardedEmbeddings, loss_fn: LossFn,
 
     def local(state, ids, batch):
         embs, ctxs = emb.local_forward(state["emb"]["tables"], ids)
-        params = state["dense"].get("params", {})
+        dense = state["dense"]
 
         def objective(params, embs):
             loss, aux = loss_fn(params, emb.local_pool(embs, ctxs, ids), batch)
             return loss / n, (loss, aux)
 
         (_, (loss, aux)), (g_dense, g_rows) = jax.value_and_grad(
-            objective, argnums=(0, 1), has_aux=True)(params, embs)
-        new_state = {"emb": emb.local_update(state["emb"], ctxs, g_rows), "dense": state["dense"]}
-        if dense_tx is not None and state["dense"]:
-            g_dense = jax.lax.psum(g_dense, axis)
-            updates, opt = dense_tx.update(g_dense, state["dense"]["opt"], params)
-            new_state["dense"] = {"params": optax.apply_updates(params, updates), "opt": opt}
+            objective, argnums=(0, 1), has_aux=True)(dense_params(dense), embs)
+        new_state = {"emb": emb.local_update(state["emb"], ctxs, g_rows), "dense": dense}
+        if isinstance(dense, TrainState):
+            new_state["dense"] = dense.apply_gradients(jax.lax.psum(g_dense, axis))
         metrics = {"loss": jax.lax.pmean(loss, axis),
                    **{k: jax.lax.pmean(v, axis) for k, v in aux.items()},
                    **error_stats(ctxs, axis)}

@@ -15,7 +15,6 @@ With ``--set model.hf_path=DIR`` the dense model is a local checkpoint (one size
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import jax

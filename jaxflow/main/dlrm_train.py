@@ -2,7 +2,8 @@
 
 Embeddings: ``ShardedEmbeddings`` (placement chosen per table by vocabulary size, sparse
 row-wise Adagrad by default); dense model: flax nnx, replicated, optax Adam, gradients psum-ed.
-One ``shard_map`` step does both (``jaxflow.embeddings.step``). Data: the synthetic Criteo-like
+One ``shard_map`` step does both (``jaxflow.embeddings.step``; the dense part is a
+``jaxflow.train.state.TrainState``), driven by ``jaxflow.train.loop.run_steps``. Data: the synthetic Criteo-like
 generator, or a Criteo TSV / MovieLens file given by ``data.path``. Evaluation: AUC and log loss
 on held-out batches. Checkpoints every ``train.checkpoint_every`` steps; ``--resume`` continues.
 """
@@ -15,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxflow.embeddings import ShardedEmbeddings, TableSpec, check_stats, make_sparse_optimizer
 from jaxflow.embeddings.checkpoint import EmbeddingCheckpointer
@@ -25,6 +27,8 @@ from jaxflow.recsys.metrics import log_loss, roc_auc
 from jaxflow.recsys.models import build_model, functional
 from jaxflow.recsys.readers import file_batch, movielens_to_clicks, read_criteo_tsv, read_movielens
 from jaxflow.recsys.synthetic import SyntheticConfig, SyntheticCriteo
+from jaxflow.train.loop import run_steps
+from jaxflow.train.state import TrainState
 
 
 def placement_for(vocab: int, config) -> str:
@@ -75,7 +79,9 @@ class DataSource:
 
 
 def build(config, mesh=None):
-    """(data, embeddings, model apply, initial state, train step, predict) for a config."""
+    """(data, embeddings, initial state, train step, predict) for a config.
+
+    State: ``{"emb": ShardedEmbeddings state, "dense": TrainState}`` (``embeddings.step``)."""
     tc, mc = config.train, config.model
     data = DataSource(config, config.seed)
     mesh = mesh or config.mesh.make()
@@ -101,9 +107,9 @@ def build(config, mesh=None):
         return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, batch["label"])), {}
 
     replicated = NamedSharding(mesh, P())
-    dense = jax.device_put({"params": params, "opt": tx.init(params)}, replicated)
+    dense = TrainState.create(tx, params, jax.tree.map(lambda _: replicated, params))
     state = {"emb": emb.init(config.seed), "dense": dense}
-    step = make_train_step(emb, loss_fn, tx)
+    step = make_train_step(emb, loss_fn)
 
     def local_predict(tables, params, ids, batch):
         embs, ctxs = emb.local_forward(tables, ids)
@@ -131,7 +137,7 @@ def evaluate(predict, state, data: DataSource, mesh, batches: int, batch_size: i
         if "true_logit" in b:
             oracle.append(b["true_logit"])
         ids, rest = place_batch(mesh, b)
-        logits = predict(state["emb"]["tables"], state["dense"]["params"], ids, rest)
+        logits = predict(state["emb"]["tables"], state["dense"].params, ids, rest)
         probs.append(np.asarray(jax.nn.sigmoid(logits)))
         labels.append(b["label"])
     y, p = np.concatenate(labels), np.concatenate(probs)
@@ -154,31 +160,27 @@ def main(config, run: RunContext) -> dict:
              f"{sum(p == 'replicated' for p in placements.values())} replicated; "
              f"{sum(s.vocab_size for s in emb.plan.specs):,} rows; capacity {emb.capacity}")
     ckpt = EmbeddingCheckpointer(run.checkpoint_dir, save_every=tc.checkpoint_every)
-    start = 0
-    if run.resume and (latest := ckpt.latest_step()) is not None:
-        state = ckpt.restore(latest, state)
-        start = latest
-        run.truncate_metrics_after(start)
-        run.info(f"resumed from step {start}")
     run.set_total_steps(tc.steps, "dlrm_train")
-    t0, losses = time.time(), []
-    for step in range(start, tc.steps):
+
+    def train_step(state, step):
         ids, rest = place_batch(mesh, data.train(step, tc.batch_size))
-        state, metrics = step_fn(state, ids, rest)
-        losses.append(metrics["loss"])
-        if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
-            check_stats(metrics, emb.capacity)
-            run.log(step + 1, {"train_loss": float(np.mean(jax.device_get(losses))),
-                               "max_unique_per_device": int(metrics["max_unique"])})
-            losses = []
-        if (step + 1) % tc.checkpoint_every == 0:
-            ckpt.save(step + 1, state)
+        return step_fn(state, ids, rest)
+
+    def summarize(window):
+        """The row of the steps since the last: mean loss; raises if the last step overflowed."""
+        check_stats(window[-1], emb.capacity)
+        return {"train_loss": float(np.mean(jax.device_get([m["loss"] for m in window]))),
+                "max_unique_per_device": int(window[-1]["max_unique"])}
+
+    t0 = time.time()
+    loop = run_steps(train_step, state, steps=tc.steps, run=run, checkpointer=ckpt,
+                     log_every=tc.log_every, summarize=summarize)
     train_seconds = time.time() - t0
-    ckpt.close()
+    state = loop.state
     result = evaluate(predict, state, data, mesh, tc.eval_batches, tc.batch_size)
     run.log(tc.steps, {f"eval_{k}": v for k, v in result.items() if k != "eval_ctr"})
     run.info(f"eval AUC {result['auc']:.4f} logloss {result['logloss']:.4f} (ctr {result['eval_ctr']:.3f})")
-    steps_run = tc.steps - start  # this process's steps (fewer after --resume)
+    steps_run = tc.steps - loop.start  # this process's steps (fewer after --resume)
     return {**result, "train_steps": tc.steps,
             "samples_per_second": steps_run * tc.batch_size / train_seconds if steps_run > 0 else None,
             "placements": placements}

@@ -20,13 +20,16 @@ run's figure (``speedup_runs``) and every pair (``speedup_pairs``). ``auto``: a 
 the fastest, and auto's figures are the chosen pipeline's in the same rounds
 (``auto_speedup_vs_sync``; the probe ran before them); the rounds also time sync a second time
 (``sync_repeat``: the baseline's own run-to-run interval). Per-stage times (``stage_seconds``:
-data, h2d, route, retrieve, exchange, compute, write_back, patch; mean seconds per step, medians over rounds). Ideal bound:
-sum of the five stage times of ``sync`` (stage 5 = exchange + compute + write_back) / the
-slowest. Clustering: rows moved by per-device, per-micro-batch dedup with the pipeline's own
-``cluster_order`` (inside each device's shard), clustered vs not.
+data, h2d, route, retrieve, exchange, compute, write_back, patch; mean seconds per step,
+medians over rounds). Ideal bound: sum of the five stage times of ``sync`` (stage 5 =
+exchange + compute + write_back) / the slowest. Clustering: rows moved by per-device,
+per-micro-batch dedup with the pipeline's own ``cluster_order`` (inside each device's shard),
+clustered vs not.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +51,7 @@ from jaxflow.recsys.models import build_model, functional
 from jaxflow.recsys.synthetic import SyntheticConfig, SyntheticCriteo
 from jaxflow.timing import auto_summary as summarize_auto
 from jaxflow.timing import median_of_runs, repeated_runs
+from jaxflow.train.state import TrainState
 
 #: the pipelines ``auto`` chooses from: the exact ones (semi_sync is one step stale)
 AUTO_CANDIDATES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "sync_accum")
@@ -77,8 +81,18 @@ def capacities(config, n_devices: int) -> dict[str, int]:
     return dict.fromkeys(names, 0)
 
 
+@functools.cache
+def dense_optimizer(learning_rate: float) -> optax.GradientTransformation:
+    """The dense model's Adam, one object per rate: a ``TrainState`` keeps its ``tx`` as static
+    pytree metadata, so the dense states of two ``build`` calls with the same rate (e.g. the
+    8-device and the 1-device mesh) have one tree structure (one state can be put into the
+    other's shardings)."""
+    return optax.adam(learning_rate)
+
+
 def build(config):
-    """(generator, specs, host tables, initial dense state, apply, parts factory)."""
+    """(generator, specs, host tables, initial dense ``TrainState`` (replicated; its ``tx`` the
+    dense Adam), apply, parts factory)."""
     gen = SyntheticCriteo(SyntheticConfig(vocab_sizes=tuple(config.vocab_sizes),
                                           multi_hot=config.multi_hot, zipf_a=config.zipf_a,
                                           drift_period=config.drift_period), seed=config.seed)
@@ -92,11 +106,11 @@ def build(config):
     model = build_model("dlrm", gen.config.num_dense, len(specs), config.embed_dim, seed=config.seed,
                         bottom=config.bottom, top=config.top)
     params, apply = functional(model)
-    tx = optax.adam(config.dense_lr)
+    tx = dense_optimizer(config.dense_lr)
     mesh = resolve_meshes(config)["data"]
     caps = capacities(config, mesh.devices.size)
-    dense = jax.device_put({"params": params, "opt": tx.init(params), "step": np.int32(0)},
-                           NamedSharding(mesh, PartitionSpec()))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    dense = TrainState.create(tx, params, jax.tree.map(lambda _: replicated, params))
     programs = {}  # (micro-batches, frozen_exchange) -> MeshStages
 
     def parts_for(pipeline: str, tables) -> Parts:
@@ -108,7 +122,7 @@ def build(config):
         per_micro_batch = window == "frozen"
         if (n, exchange) not in programs:
             programs[n, exchange] = MeshStages(
-                specs, mesh, opt, apply, tx, batch_size=config.batch_size,
+                specs, mesh, opt, apply, batch_size=config.batch_size,
                 multi_hot=config.multi_hot, micro_batches=n, capacity=caps["capacity"],
                 bucket_capacity=(caps["micro_bucket_capacity"] if per_micro_batch
                                  else caps["bucket_capacity"]),
@@ -149,8 +163,9 @@ def max_leafwise_diff(a, b) -> float:
     return out
 
 
-def snapshot(dense, tables) -> dict:
-    return {"params": jax.device_get(dense["params"]),
+def snapshot(dense: TrainState, tables) -> dict:
+    """Host copies of the dense params and every table (values, optimizer state)."""
+    return {"params": jax.device_get(dense.params),
             "tables": {n: t.to_numpy() for n, t in tables.items()}}
 
 
@@ -185,7 +200,7 @@ def evaluate(config, gen, apply, dense, tables, specs) -> dict:
             uniq, inv = np.unique(ids, return_inverse=True)
             vals = tables[s.name].read_rows(uniq)[0][inv.reshape(ids.shape)]
             emb.append((vals * (b["sparse"][s.name] >= 0)[..., None]).sum(1))
-        logits = apply(dense["params"], jnp.asarray(b["dense"]), jnp.asarray(np.stack(emb, 1)))
+        logits = apply(dense.params, jnp.asarray(b["dense"]), jnp.asarray(np.stack(emb, 1)))
         probs.append(np.asarray(jax.nn.sigmoid(logits)))
         labels.append(b["label"])
     y, p = np.concatenate(labels), np.concatenate(probs)
@@ -245,7 +260,9 @@ def main(config, run: RunContext) -> dict:
                                 candidates=candidates if config.auto else (),
                                 probe_steps=config.probe_steps, probe_rounds=config.probe_rounds,
                                 log=log)
-    med = lambda xs: float(np.median(xs))
+    def med(xs):
+        return float(np.median(xs))
+
     per_run = median_of_runs([t["speedup"] for t in runs])
     all_pairs = {m: [x for t in runs for x in t["ratios"][m]] for m in per_run}
     stage = {p: {k: med([s["stage_seconds"].get(k, 0.0) for s in timing[p]])

@@ -11,13 +11,24 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from jaxflow.nestpipe.simulate import (PAPER_ABLATIONS, PAPER_BASELINE_EFFICIENCY,
-                                       PAPER_NESTPIPE_EXPOSED_MS, PAPER_SHARES, PAPER_TABLE,
-                                       PAPER_WORKERS, PIPELINES, STAGE_KEYS, NetworkShape,
-                                       calibrate, calibration_summary, efficiency_table,
-                                       fold_rest_into_compute, load_calibration,
-                                       simulate_steps, step_time)
-
+from jaxflow.nestpipe.simulate import (
+    PAPER_ABLATIONS,
+    PAPER_BASELINE_EFFICIENCY,
+    PAPER_NESTPIPE_EXPOSED_MS,
+    PAPER_SHARES,
+    PAPER_TABLE,
+    PAPER_WORKERS,
+    PIPELINES,
+    STAGE_KEYS,
+    NetworkShape,
+    calibrate,
+    calibration_summary,
+    efficiency_table,
+    fold_rest_into_compute,
+    load_calibration,
+    simulate_steps,
+    step_time,
+)
 
 #: what each simulated pipeline is (the summary's ``modelled_schedules``)
 MODELLED_SCHEDULES = {

@@ -46,6 +46,7 @@ from jaxflow.nestpipe.buffers import patch_intersection_rows
 from jaxflow.nestpipe.host_io import HostShards
 from jaxflow.nestpipe.sharded import MeshStages, OwnerBuffer, Routed
 from jaxflow.nestpipe.stages import DeviceBatch, cluster_order, load_batch, reorder_batch, to_device
+from jaxflow.train.state import TrainState
 
 #: pipeline name -> (schedule, window): window None (one batch, one update), "frozen" (the
 #: paper's frozen window, ``per_micro_batch`` unless the config picks the ``batched``
@@ -143,10 +144,13 @@ def _write_back(shards: HostShards, pf: Prefetched, rows, opt, times):
     _add(times, "write_back", time.perf_counter() - t0)
 
 
-def run_pipeline(schedule: str, parts: Parts, dense_state: dict, steps: int,
-                 start: int = 0) -> tuple[dict, dict]:
+def run_pipeline(schedule: str, parts: Parts, dense_state: TrainState, steps: int,
+                 start: int = 0) -> tuple[TrainState, dict]:
     """Trains batches ``start .. start+steps-1``. ``schedule``: sync | dbp | semi_sync |
     sparse_dist.
+
+    ``dense_state``: the dense model's ``TrainState`` (replicated); the host tables in
+    ``parts`` are updated in place.
 
     Returns (dense_state, stats) with stats = {"losses": [...], "stage_seconds": {stage: mean
     per step}, "exposed_seconds": mean per step the main thread waited for stages 1-4,

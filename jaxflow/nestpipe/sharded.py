@@ -1,5 +1,8 @@
 """The device side of NestPipe on a mesh: key routing, row exchange and compute via All2All.
 
+``MeshStages`` jits one ``shard_map`` program per stage; each composes the pure per-device
+functions of ``device_stages`` (where the math is, and is tested stage by stage).
+
 Data-parallel DLRM on a 1-D mesh of P devices; the host-resident tables are split row-wise over
 the same P shards (``embeddings.spec.plan_tables``: one group per embedding dim, owner of id i of
 table a is ``i // ceil(V_a / P)``). Per step, inside ``jax.shard_map``:
@@ -14,7 +17,8 @@ table a is ``i // ceil(V_a / P)``). Per step, inside ``jax.shard_map``:
                        (``exchange_rows``) -> each device's unique rows.
   compute   (stage 5b) pool, DLRM forward/backward on the device's samples, dense grads psum'd
                        (AllReduce), row grads All2All'd to the owners (``exchange_grads``), summed
-                       per owner-buffer slot, sparse optimizer on the owner buffer, dense Adam.
+                       per owner-buffer slot, sparse optimizer on the owner buffer, dense Adam
+                       (``TrainState.apply_gradients``).
 
 The frozen window (``micro_batches = N > 1``, the paper's FWP: ``per_micro_batch``) routes every
 micro-batch separately (per micro-batch dedup, which key-centric clustering makes smaller) and
@@ -30,22 +34,33 @@ pipeline).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import functools
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxflow.embeddings.lookup import (GroupContext, check_stats, exchange_grads, exchange_ids,
-                                       exchange_rows, gather_rows, grads_to_send, group_pool,
-                                       unique_rows)
+from jaxflow.embeddings.lookup import check_stats
 from jaxflow.embeddings.optimizers import SparseOptimizer
-from jaxflow.embeddings.routing import SENTINEL, Routing, dedup, route_ids
+from jaxflow.embeddings.routing import Routing
 from jaxflow.embeddings.spec import EmbeddingPlan, Placement, TableSpec, plan_tables
+from jaxflow.nestpipe.device_stages import (
+    AXIS,
+    ApplyFn,
+    MeshLayout,
+    compute_local,
+    exchange_local,
+    frozen_local,
+    patch_local,
+    route_local,
+)
+from jaxflow.train.state import TrainState
 
-AXIS = "data"
+__all__ = ["AXIS", "FROZEN_EXCHANGES", "MeshStages", "OwnerBuffer", "Routed",
+           "check_frozen_exchange"]
+
 #: the frozen window's All2All schedule: ``per_micro_batch`` (the paper's frozen-window
 #: pipelining: every micro-batch routed and deduped alone, micro-batch i+1's rows issued before
 #: i's compute, so async collectives can overlap it; the ``fwp`` pipelines), ``batched`` (the
@@ -94,10 +109,13 @@ class MeshStages:
       bucket_capacity: keys one device asks of one owner (Cb).
       owner_capacity: distinct rows one owner retrieves per batch (Co).
     ``frozen_exchange``: the frozen window's All2All schedule (``FROZEN_EXCHANGES``).
+    ``apply``: the dense model, ``apply(params, dense f32[b, F], emb f32[b, T, D]) -> logits
+    f32[b]``; its optimizer is the dense state's (``TrainState.tx``, passed to ``compute``).
+    ``layout`` (a ``device_stages.MeshLayout``) holds the sizes every stage program reads.
     """
 
     def __init__(self, specs: list[TableSpec], mesh: Mesh, optimizer: SparseOptimizer,
-                 apply: Callable, dense_tx: optax.GradientTransformation, *, batch_size: int,
+                 apply: ApplyFn, *, batch_size: int,
                  multi_hot: int, micro_batches: int = 1, capacity: int = 0,
                  bucket_capacity: int = 0, owner_capacity: int = 0,
                  frozen_exchange: str = "per_micro_batch"):
@@ -129,7 +147,10 @@ class MeshStages:
         self.dim = self.group.dim
         self.global_batch = batch_size
         self._sharded = NamedSharding(mesh, P(AXIS))
-        self._build(apply, dense_tx)
+        self.layout = MeshLayout(self.plan, self.group.name, tuple(s.name for s in self.specs),
+                                 p, micro_batches, self.route_units, self.capacity,
+                                 self.bucket_capacity, self.owner_capacity, self.dim, batch_size)
+        self._build(apply)
 
     # ---- host <-> device helpers -----------------------------------------------------------
     def shard(self, x):
@@ -144,172 +165,27 @@ class MeshStages:
         return jax.make_array_from_single_device_arrays(shape, self._sharded, arrays)
 
     # ---- the programs ----------------------------------------------------------------------
-    def _build(self, apply, dense_tx):
-        plan, g, axis, n = self.plan, self.group.name, AXIS, self.n
-        c, cb, co, d = self.capacity, self.bucket_capacity, self.owner_capacity, self.dim
-        names = [s.name for s in self.specs]
-        optimizer, p_shards, big_b = self.optimizer, self.num_shards, self.global_batch
+    def _build(self, apply):
+        """Jits the ``shard_map`` programs: each composes the pure stages of ``device_stages``."""
+        lay, sh, rep = self.layout, P(AXIS), P()
 
-        def split_mb(x):  # [b, ...] -> [N, b/N, ...]
-            return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+        def program(fn, in_specs, out_specs):
+            return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs,
+                                         out_specs=out_specs, check_vma=False))
 
-        units = self.route_units
-
-        def local_route(ids):
-            if units == 1:
-                routings = [route_ids(plan, g, ids, c, cb)]
-            else:
-                parts = {k: split_mb(v) for k, v in ids.items()}
-                routings = [route_ids(plan, g, {k: v[i] for k, v in parts.items()}, c, cb)
-                            for i in range(n)]
-            send = jnp.stack([r.send_ids for r in routings], axis=1)  # [P, N, Cb]
-            recv = exchange_ids(send, axis)  # recv[q] = what shard q asks of this one
-            keys = jnp.where(recv >= 0, recv, SENTINEL).reshape(-1)
-            owner_ids, owner_inverse, n_owner = dedup(keys, co)
-            stacked = jax.tree.map(lambda *x: jnp.stack(x), *routings)
-            if units == 1:
-                stacked = jax.tree.map(lambda x: x[0], stacked)
-            overflow = jnp.maximum(jnp.max(stacked.overflow), (n_owner > co).astype(jnp.int32))
-            stats = {"overflow": jax.lax.psum(overflow, axis),
-                     "bad_ids": jax.lax.psum(jnp.sum(stacked.bad_ids), axis),
-                     "max_unique": jax.lax.pmax(jnp.maximum(jnp.max(stacked.n_unique), n_owner), axis)}
-            add = lambda x: x[None]
-            return (jax.tree.map(add, stacked), owner_inverse[None], owner_ids[None],
-                    n_owner[None], stats)
-
-        sh, rep = P(axis), P()
-        self._route = jax.jit(jax.shard_map(local_route, mesh=self.mesh, in_specs=(sh,),
-                                            out_specs=(sh, sh, sh, sh, rep), check_vma=False))
-
-        def requested_rows(owner_rows, owner_inverse):  # -> [P, units, Cb, D]
-            return gather_rows(owner_rows, owner_inverse).reshape(p_shards, units, cb, d)
-
-        def local_exchange(owner_rows, owner_inverse, routing):
-            req = requested_rows(owner_rows, owner_inverse[0])
-            reply = exchange_rows(req[:, 0], axis)
-            return unique_rows(reply, jax.tree.map(lambda x: x[0], routing))[None]
-
-        self._exchange = jax.jit(jax.shard_map(local_exchange, mesh=self.mesh,
-                                               in_specs=(sh, sh, sh), out_specs=sh,
-                                               check_vma=False))
-
-        def sample_loss_sum(params, unique_emb, routing, ids, dense, label):
-            # group_pool reads only ctx.routing (and the ids' shapes)
-            pooled = group_pool(plan, g, unique_emb, GroupContext(routing, None), ids)
-            emb = jnp.stack([pooled[k] for k in names], axis=1)
-            loss = optax.sigmoid_binary_cross_entropy(apply(params, dense, emb), label)
-            return jnp.sum(loss) / big_b
-
-        grad_fn = jax.value_and_grad(sample_loss_sum, argnums=(0, 1))
-
-        def update(dense_state, owner_rows, owner_opt, owner_inverse, g_params, recv_grads, loss):
-            """Owner side: sum the row gradients per buffer slot, sparse optimizer; dense Adam on
-            the AllReduced gradient (the same on every device)."""
-            step = dense_state["step"] + 1
-            ok = owner_inverse >= 0
-            g_rows = jnp.zeros((co, d), recv_grads.dtype).at[jnp.where(ok, owner_inverse, co)].add(
-                recv_grads.reshape(-1, d), mode="drop")
-            new_rows, new_opt = optimizer.apply(owner_rows, g_rows, owner_opt, step)
-            g_params = jax.lax.psum(g_params, axis)
-            params = dense_state["params"]
-            updates, dopt = dense_tx.update(g_params, dense_state["opt"], params)
-            dense_state = {"params": optax.apply_updates(params, updates), "opt": dopt, "step": step}
-            return dense_state, new_rows, new_opt, jax.lax.psum(loss, axis)
-
-        def local_compute(dense_state, owner_rows, owner_opt, owner_inverse, routing, unique_emb,
-                          ids, dense, label):
-            r = jax.tree.map(lambda x: x[0], routing)
-            loss, (g_params, g_emb) = grad_fn(dense_state["params"], unique_emb[0], r, ids, dense,
-                                              label)
-            recv_grads = exchange_grads(g_emb, r, axis)  # [P, Cb, D] aligned with owner requests
-            return update(dense_state, owner_rows, owner_opt, owner_inverse[0], g_params,
-                          recv_grads, loss)
-
-        def micro_batch_routing(r, ids, i):
-            """Micro-batch i's view of the window's routing ``r``: the same unique keys and
-            slots, ``inverse`` cut to the micro-batch's samples (group_pool reads only it)."""
-            parts, start = [], 0
-            for layout in plan.group_tables(g):
-                shape = ids[layout.spec.name].shape
-                size = int(np.prod(shape))
-                inv = r.inverse[start:start + size].reshape(shape)
-                parts.append(split_mb(inv)[i].reshape(-1))
-                start += size
-            return r._replace(inverse=jnp.concatenate(parts))
-
-        def local_window(dense_state, owner_rows, owner_opt, owner_inverse, routing, unique_emb,
-                         ids, dense, label):
-            """The window routed as a whole: the N micro-batches read the same frozen unique
-            rows and dense params, their gradients are summed (in micro-batch order) per unique
-            row and dense leaf, one gradient All2All, one update."""
-            r, params, emb = jax.tree.map(lambda x: x[0], routing), dense_state["params"], unique_emb[0]
-            mb_ids = {k: split_mb(v) for k, v in ids.items()}
-            mb_dense, mb_label = split_mb(dense), split_mb(label)
-            loss, g_params, g_emb = 0.0, None, None
-            for i in range(n):
-                l_i, (gp_i, ge_i) = grad_fn(params, emb, micro_batch_routing(r, ids, i),
-                                            {k: v[i] for k, v in mb_ids.items()}, mb_dense[i],
-                                            mb_label[i])
-                loss = loss + l_i
-                g_params = gp_i if g_params is None else jax.tree.map(jnp.add, g_params, gp_i)
-                g_emb = ge_i if g_emb is None else g_emb + ge_i
-            recv_grads = exchange_grads(g_emb, r, axis)
-            return update(dense_state, owner_rows, owner_opt, owner_inverse[0], g_params,
-                          recv_grads, loss)
-
-        batched = self.frozen_exchange == "batched"
-
-        def local_frozen(dense_state, owner_rows, owner_opt, owner_inverse, routing, ids, dense,
-                         label):
-            params = dense_state["params"]
-            req = requested_rows(owner_rows, owner_inverse[0])  # [P, N, Cb, D], frozen window
-            rs = [jax.tree.map(lambda x, i=i: x[0, i], routing) for i in range(n)]
-            mb_ids = {k: split_mb(v) for k, v in ids.items()}
-            mb_dense, mb_label = split_mb(dense), split_mb(label)
-            if batched:  # one All2All for the window's rows: the same values, fewer rendezvous
-                everything = exchange_rows(req, axis)
-                replies = {i: everything[:, i] for i in range(n)}
-            else:
-                replies = {0: exchange_rows(req[:, 0], axis)}
-            loss, g_params, sends = 0.0, None, []
-            for i in range(n):
-                if i + 1 < n and not batched:  # issued before micro-batch i's compute
-                    replies[i + 1] = exchange_rows(req[:, i + 1], axis)
-                emb = unique_rows(replies.pop(i), rs[i])
-                l_i, (gp_i, ge_i) = grad_fn(params, emb, rs[i], {k: v[i] for k, v in mb_ids.items()},
-                                            mb_dense[i], mb_label[i])
-                loss = loss + l_i
-                g_params = gp_i if g_params is None else jax.tree.map(jnp.add, g_params, gp_i)
-                send = grads_to_send(ge_i, rs[i])  # [P, Cb, D]; feeds only the update
-                sends.append(send if batched else jax.lax.all_to_all(send, axis, 0, 0, tiled=True))
-            recv_grads = jnp.stack(sends, axis=1)  # [P, N, Cb, D], owner_inverse's layout
-            if batched:
-                recv_grads = jax.lax.all_to_all(recv_grads, axis, 0, 0, tiled=True)
-            return update(dense_state, owner_rows, owner_opt, owner_inverse[0], g_params,
-                          recv_grads, loss)
-
-        out = (rep, sh, sh, rep)
-        if n == 1 or units == 1:  # one routed unit: the exchange is a program of its own
-            self._compute = jax.jit(jax.shard_map(local_compute if n == 1 else local_window,
-                                                  mesh=self.mesh,
-                                                  in_specs=(rep, sh, sh, sh, sh, sh, sh, sh, sh),
-                                                  out_specs=out, check_vma=False))
+        self._route = program(functools.partial(route_local, lay), (sh,), (sh, sh, sh, sh, rep))
+        self._exchange = program(functools.partial(exchange_local, lay), (sh, sh, sh), sh)
+        out = (rep, sh, sh, rep)  # dense state, owner rows, owner opt, loss
+        if self.separate_exchange:  # one routed unit: the exchange is a program of its own
+            self._compute = program(functools.partial(compute_local, lay, apply, self.optimizer),
+                                    (rep,) + (sh,) * 8, out)
             self._frozen = None
         else:
             self._compute = None
-            self._frozen = jax.jit(jax.shard_map(local_frozen, mesh=self.mesh,
-                                                 in_specs=(rep, sh, sh, sh, sh, sh, sh, sh),
-                                                 out_specs=out, check_vma=False))
-
-        def local_patch(prefetch_rows, prefetch_opt, active_rows, active_opt, src, dst):
-            src, dst = src[0], dst[0]
-            rows = prefetch_rows.at[dst].set(active_rows[src], mode="drop")
-            opt = {k: v.at[dst].set(active_opt[k][src], mode="drop") for k, v in prefetch_opt.items()}
-            return rows, opt
-
-        self._patch = jax.jit(jax.shard_map(local_patch, mesh=self.mesh,
-                                            in_specs=(sh, sh, sh, sh, sh, sh), out_specs=(sh, sh),
-                                            check_vma=False))
+            batched = self.frozen_exchange == "batched"
+            self._frozen = program(functools.partial(frozen_local, lay, apply, self.optimizer,
+                                                     batched), (rep,) + (sh,) * 7, out)
+        self._patch = program(patch_local, (sh,) * 6, (sh, sh))
 
     # ---- stage calls -----------------------------------------------------------------------
     def route(self, ids: dict[str, jax.Array]) -> Routed:
@@ -330,8 +206,12 @@ class MeshStages:
         """Stage 5a (device, All2All of rows back): unique rows per device, [P, C, D]."""
         return self._exchange(buf.rows, routed.owner_inverse, routed.routing)
 
-    def compute(self, dense_state, buf: OwnerBuffer, routed: Routed, unique_emb, ids, dense, label):
-        """Stage 5b: ``(dense_state, owner rows, owner opt, loss)``."""
+    def compute(self, dense_state: TrainState, buf: OwnerBuffer, routed: Routed, unique_emb, ids,
+                dense, label):
+        """Stage 5b (and 5a in the frozen window): ``(dense_state, owner rows, owner opt,
+        loss)``; ``dense_state`` the dense model's ``TrainState`` (replicated), ``unique_emb``
+        [P, C, D] from :meth:`exchange` (None in the frozen window), ``ids`` ``{table:
+        int32[B, L]}``, ``dense`` f32[B, F], ``label`` f32[B] split over the mesh."""
         if self.separate_exchange:
             return self._compute(dense_state, buf.rows, buf.opt, routed.owner_inverse,
                                  routed.routing, unique_emb, ids, dense, label)
@@ -339,4 +219,6 @@ class MeshStages:
                             ids, dense, label)
 
     def patch(self, prefetch: OwnerBuffer, rows, opt, src: np.ndarray, dst: np.ndarray):
+        """The dual-buffer patch (``device_stages.patch_local`` on every shard): rows and opt
+        of ``prefetch`` at ``dst`` [P, Co] from the updated Active ``rows`` / ``opt`` at ``src``."""
         return self._patch(prefetch.rows, prefetch.opt, rows, opt, self.shard(src), self.shard(dst))

@@ -8,8 +8,14 @@ foundation LM, capability-decomposed evaluation and calibration sources (incl. I
 from jaxflow.prune.baselines import magnitude_prune, wanda_prune
 from jaxflow.prune.masks import SparsityPattern, parse_sparsity
 from jaxflow.prune.sequential import METHODS, PrunedMatrix, infer_model_config, prune
-from jaxflow.prune.sparsegpt import (CholeskyRetryWarning, HessianState, hessian_init, hessian_update,
-                                     reconstruction_error, sparsegpt_prune)
+from jaxflow.prune.sparsegpt import (
+                                     CholeskyRetryWarning,
+                                     HessianState,
+                                     hessian_init,
+                                     hessian_update,
+                                     reconstruction_error,
+                                     sparsegpt_prune,
+)
 
 __all__ = [
     "CholeskyRetryWarning", "HessianState", "METHODS", "PrunedMatrix", "SparsityPattern",

@@ -30,7 +30,8 @@ def _apply(weight: jax.Array, scores: jax.Array, pattern: SparsityPattern, *, pe
     return jnp.where(mask, jnp.zeros((), weight.dtype), weight), mask
 
 
-def magnitude_prune(weight: jax.Array, hessian: jax.Array | None, sparsity: float | str, **_) -> tuple[jax.Array, jax.Array]:
+def magnitude_prune(weight: jax.Array, hessian: jax.Array | None, sparsity: float | str,
+                    **_) -> tuple[jax.Array, jax.Array]:
     """(pruned weight, mask) keeping the largest |W| (``hessian`` is ignored)."""
     pattern = parse_sparsity(sparsity)
     return _apply(weight, jnp.abs(weight.astype(jnp.float32)), pattern, per_row=False)

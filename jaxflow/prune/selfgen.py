@@ -15,7 +15,6 @@ import numpy as np
 
 from jaxflow.models.sampler import LogitsHook, SamplingConfig, make_sampler
 
-
 _JITTED: dict[tuple[int, str], tuple] = {}
 
 

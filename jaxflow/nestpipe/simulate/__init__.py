@@ -94,16 +94,37 @@ Modules: ``network`` (network shape, stage cost model), ``cluster`` (resource cl
 the fit). The paper's figures are in ``data/paper_nestpipe.json``.
 """
 
-from jaxflow.nestpipe.simulate.calibration import (DEFAULT_CALIBRATION, HOST_STAGES,
-                                                   MEASURED_PATHS, PAPER_ABLATIONS,
+from jaxflow.nestpipe.simulate.calibration import (
+                                                   DEFAULT_CALIBRATION,
+                                                   HOST_STAGES,
+                                                   MEASURED_PATHS,
+                                                   PAPER_ABLATIONS,
                                                    PAPER_BASELINE_EFFICIENCY,
-                                                   PAPER_NESTPIPE_EXPOSED_MS, PAPER_SHARES,
-                                                   PAPER_TABLE, PAPER_WORKERS, STAGE_KEYS,
-                                                   Calibration, CalibrationWarning, calibrate,
-                                                   calibration_from_summary, calibration_summary,
-                                                   fold_rest_into_compute, load_calibration,
-                                                   write_calibration, write_calibration_from_run)
+                                                   PAPER_NESTPIPE_EXPOSED_MS,
+                                                   PAPER_SHARES,
+                                                   PAPER_TABLE,
+                                                   PAPER_WORKERS,
+                                                   STAGE_KEYS,
+                                                   Calibration,
+                                                   CalibrationWarning,
+                                                   calibrate,
+                                                   calibration_from_summary,
+                                                   calibration_summary,
+                                                   fold_rest_into_compute,
+                                                   load_calibration,
+                                                   write_calibration,
+                                                   write_calibration_from_run,
+)
 from jaxflow.nestpipe.simulate.cluster import Cluster
 from jaxflow.nestpipe.simulate.network import NetworkShape, StageModel, bandwidth_factor
-from jaxflow.nestpipe.simulate.schedules import (EXACT_PIPELINES, PIPELINES, efficiency_table,
-                                                 simulate_steps, step_time)
+from jaxflow.nestpipe.simulate.schedules import EXACT_PIPELINES, PIPELINES, efficiency_table, simulate_steps, step_time
+
+__all__ = [
+    "DEFAULT_CALIBRATION", "EXACT_PIPELINES", "HOST_STAGES", "MEASURED_PATHS",
+    "PAPER_ABLATIONS", "PAPER_BASELINE_EFFICIENCY", "PAPER_NESTPIPE_EXPOSED_MS",
+    "PAPER_SHARES", "PAPER_TABLE", "PAPER_WORKERS", "PIPELINES", "STAGE_KEYS",
+    "bandwidth_factor", "calibrate", "Calibration", "calibration_from_summary",
+    "calibration_summary", "CalibrationWarning", "Cluster", "efficiency_table",
+    "fold_rest_into_compute", "load_calibration", "NetworkShape", "simulate_steps",
+    "StageModel", "step_time", "write_calibration", "write_calibration_from_run",
+]

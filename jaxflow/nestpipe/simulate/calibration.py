@@ -27,7 +27,6 @@ import numpy as np
 from jaxflow import provenance
 from jaxflow.nestpipe.simulate.network import NetworkShape, StageModel, bandwidth_factor
 
-
 DATA = pathlib.Path(__file__).parent / "data"
 #: The calibration the simulator reads unless told otherwise.
 DEFAULT_CALIBRATION = DATA / "nestpipe_quick.json"

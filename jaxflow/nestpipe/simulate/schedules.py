@@ -11,7 +11,6 @@ import numpy as np
 from jaxflow.nestpipe.simulate.cluster import Cluster
 from jaxflow.nestpipe.simulate.network import StageModel
 
-
 PIPELINES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
 
 
