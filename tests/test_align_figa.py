@@ -5,9 +5,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflow.align import (FigaConfig, addition_answers, build_pairs, dpo_loss, figa_loss,
-                           figa_mark_batch, figa_marks, figa_token_weights, interleave_rows,
-                           minimal_revision, sequence_logp, sft_loss)
+from jaxflow.align import (
+    FigaConfig,
+    addition_answers,
+    build_pairs,
+    dpo_loss,
+    figa_loss,
+    figa_mark_batch,
+    figa_marks,
+    figa_token_weights,
+    interleave_rows,
+    minimal_revision,
+    sequence_logp,
+    sft_loss,
+)
 from jaxflow.data.tokenizer import CharTokenizer
 
 EOS = 2

@@ -62,3 +62,56 @@ def test_tiny_run_end_to_end(tmp_path):
     assert np.isfinite(summary["warm_start"]["heldout_greedy"])
     assert (tmp_path / "run" / "plots" / "figa_curves.png").exists()
     assert "| figa | 1 |" in summary["table"]
+
+
+class _Rows:
+    """A stand-in RunContext that keeps what is logged."""
+
+    resume, fault = False, None
+
+    def __init__(self):
+        self.logged = []
+
+    def log(self, step, row):
+        self.logged.append((step, dict(row)))
+
+
+@pytest.mark.parametrize("steps,log_every,eval_every", [(7, 3, 2), (6, 2, 3), (5, 1, 5), (4, 5, 5)])
+def test_train_method_logs_the_rows_of_the_hand_written_loop(steps, log_every, eval_every):
+    """``train_method`` (``run_steps``) logs, evaluates and returns exactly what the driver's
+    former hand-written loop did: a row ``{seed, method, step}`` plus that step's metrics every
+    ``log_every`` steps and the evaluation every ``eval_every`` steps (both at the last), logged
+    at the global step when it holds either."""
+    import jax.numpy as jnp
+    import optax
+
+    from jaxflow.train.state import TrainState
+
+    def step(state, ref_params, rows):  # params count the steps; the loss is the batch index
+        return (state.replace(params={"w": state.params["w"] + 1.0}),
+                {"loss": jnp.float32(rows + ref_params), "tokens": jnp.float32(2 * rows)})
+
+    def evaluate(params):
+        return {"heldout_greedy": float(params["w"]) / 10}
+
+    state = TrainState.create(optax.sgd(0.1), {"w": jnp.zeros(())})
+    run = _Rows()
+    curve, first = figa.train_method(step, state, lambda i: i, ref_params=0.5, evaluate=evaluate,
+                                     steps=steps, log_every=log_every, eval_every=eval_every,
+                                     run=run, step_offset=100, row_fields={"seed": 3, "method": "m"})
+    expected, expected_curve = [], []
+    for i in range(steps):  # the loop figa.main ran before run_steps
+        done = i + 1
+        row = {"seed": 3, "method": "m", "step": done}
+        if done % log_every == 0 or done == steps:
+            row.update({"loss": float(i + 0.5), "tokens": float(2 * i)})
+        if done % eval_every == 0 or done == steps:
+            ev = evaluate({"w": float(done)})
+            expected_curve.append({"step": done, **ev})
+            row.update(ev)
+        if len(row) > 3:
+            expected.append((100 + done, row))
+    assert run.logged == expected
+    assert [list(r) for _, r in run.logged] == [list(r) for _, r in expected]  # key order too
+    assert curve == expected_curve
+    assert first == {"loss": 0.5, "tokens": 0.0}

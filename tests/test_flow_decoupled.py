@@ -12,14 +12,18 @@ import jax
 import numpy as np
 import pytest
 
-from jaxflow.flow.batching import (PackingConfig, encoder_image_base, encoder_patches,
-                                   layout_rows, pooled_image_base)
-from jaxflow.flow.decoupled import (DecoupledTrainer, embedding_buffer, pool_entries, put_replicated,
-                                    put_rows, scatter_cotangent)
+from jaxflow.flow.batching import PackingConfig, encoder_image_base, encoder_patches, layout_rows, pooled_image_base
+from jaxflow.flow.decoupled import (
+    DecoupledTrainer,
+    embedding_buffer,
+    pool_entries,
+    put_replicated,
+    put_rows,
+    scatter_cotangent,
+)
 from jaxflow.flow.digits_data import DigitsConfig, step_samples, tokenizer
 from jaxflow.flow.packing import CostModel
-from jaxflow.flow.steps import (backbone_grads, build_sides, encoder_forward, encoder_grads,
-                                monolithic_grads)
+from jaxflow.flow.steps import backbone_grads, build_sides, encoder_forward, encoder_grads, monolithic_grads
 from jaxflow.flow.vit import ViTConfig
 from jaxflow.mesh import make_mesh, role_meshes
 from jaxflow.models.transformer import TransformerConfig
@@ -61,11 +65,11 @@ def test_decoupled_grads_equal_monolithic(setup):
     rows = layout_rows(samples, "packed", encoder_image_base(samples, patches), packing=PACK,
                        cost=COST, row_multiple=8).rows
     loss_m, _, g_enc_m, g_bb_m = jax.jit(functools.partial(monolithic_grads, mono))(
-        enc_state["params"], bb_state["params"], put_rows(patches.arrays(), mono.enc.mesh),
+        enc_state.params, bb_state.params, put_rows(patches.arrays(), mono.enc.mesh),
         put_rows(rows, mono.bb.mesh), denom)
     # Decoupled: encoder (2 devices) -> host pool entries -> backbone (4 devices) -> vjp.
-    enc_params = jax.device_put(enc_state["params"], dec.enc.param_shardings)
-    bb_params = jax.device_put(bb_state["params"], dec.bb.param_shardings)
+    enc_params = jax.device_put(enc_state.params, dec.enc.param_shardings)
+    bb_params = jax.device_put(bb_state.params, dec.bb.param_shardings)
     patches_e = encoder_patches(samples, VIT, 2)
     flat, vjp_fn = jax.jit(functools.partial(encoder_forward, dec))(
         enc_params, put_rows(patches_e.arrays(), dec.enc.mesh))
@@ -101,5 +105,5 @@ def test_strict_trainer_has_no_staleness_and_run_ahead_does(setup):
     assert st1[0] == 0 and max(st1) == 1
     assert strict.pool.stats()["max_occupancy"] <= 4
     diff = max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(
-        jax.tree.leaves(strict.enc_state["params"]), jax.tree.leaves(ahead.enc_state["params"])))
+        jax.tree.leaves(strict.enc_state.params), jax.tree.leaves(ahead.enc_state.params)))
     assert diff > 1e-4  # stale encoder gradients change the result far beyond f32 round-off

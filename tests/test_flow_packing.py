@@ -10,8 +10,7 @@ import pytest
 from jaxflow.flow.allocator import ParallelConfig, allocate, candidates
 from jaxflow.flow.batching import PackingConfig, layout_rows, pooled_image_base
 from jaxflow.flow.digits_data import DigitsConfig, step_samples
-from jaxflow.flow.packing import (ALGORITHMS, CostModel, OverBudgetError, pack, refine_lengths,
-                                  split_over_budget)
+from jaxflow.flow.packing import ALGORITHMS, CostModel, OverBudgetError, pack, refine_lengths, split_over_budget
 from jaxflow.flow.pool import EmbeddingPool
 
 

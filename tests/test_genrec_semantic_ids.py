@@ -28,7 +28,7 @@ def test_reconstruction_error_falls_with_each_level(ids):
     resolved = (base,) + ids.reconstruction_error
     assert all(b < a for a, b in zip(resolved, resolved[1:])), resolved
     # the codes really reconstruct: sum of the chosen centroids
-    recon = sum(ids.codebooks[l][ids.codes[:, l]] for l in range(3))
+    recon = sum(ids.codebooks[lv][ids.codes[:, lv]] for lv in range(3))
     assert np.isclose(np.mean(np.sum((x - recon) ** 2, 1)), ids.reconstruction_error[-1],
                       rtol=1e-4)
 

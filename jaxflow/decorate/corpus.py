@@ -300,7 +300,8 @@ JUNK_MARKERS = ("<br>", "<div>", "</p>", "&nbsp;", "&amp;", "[[ad]]", "[[img]]",
 def degrade(text: str, level: float, rng: np.random.Generator) -> str:
     """A noisy copy: each word, with probability ``level``, gets one of: a junk marker after it,
     repeated, shouted (it and the next word upper-cased, when both are lower-case words), or an
-    extra space after it (after a lower-case letter or comma). The programmatic teacher's edit undoes these (see teacher.teacher_edit_ops)."""
+    extra space after it (after a lower-case letter or comma). The programmatic teacher's edit
+    undoes these (see teacher.teacher_edit_ops)."""
     if not 0.0 <= level <= 1.0:
         raise ValueError(f"degrade level={level}: valid range [0, 1]")
     out = []

@@ -19,8 +19,8 @@ next one would exceed the token budget.
 
 from __future__ import annotations
 
-import numpy as np
 import jax
+import numpy as np
 
 from jaxflow.decorate.rating import CRITERIA
 

@@ -8,9 +8,10 @@ head. The loss is the sum of the rating MSE (targets: the teacher's Bradley-Terr
 z-scored per criterion), the mean over levels of the tag cross-entropy, and the edit-op
 cross-entropy over real tokens (non-KEEP tokens weighted ``edit_nonkeep_weight``).
 
-Parameters and optimizer state are a pure pytree; the train step is a jitted, donating
-``(state, batch) -> (state, metrics)`` with the batch sharded over the mesh's "data" axis and
-the (small) parameters replicated.
+Parameters (a pure dict) and optimizer state are a :class:`jaxflow.train.state.TrainState`; the
+train step is a jitted, donating ``(state, batch) -> (state, metrics)`` with the batch sharded
+over the mesh's "data" axis and the (small) parameters replicated; :func:`distill` runs it with
+:func:`jaxflow.train.loop.run_steps`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from jaxflow.decorate.editing import KEEP, BidirectionalTrunk, EditHead, apply_o
 from jaxflow.decorate.rating import CRITERIA, spearman
 from jaxflow.decorate.tagging import TagHierarchy, hierarchical_accuracy, hierarchical_decode
 from jaxflow.models.transformer import TransformerConfig
+from jaxflow.train.loop import last_row, run_steps
+from jaxflow.train.state import TrainState
 
 
 class DecorateStudent(nnx.Module):
@@ -129,18 +132,16 @@ def student_loss(model: DecorateStudent, batch: dict, edit_nonkeep_weight: float
     return loss, {"loss": loss, "rating_mse": rating_mse, "tag_ce": tag_ce, "edit_ce": edit_ce}
 
 
-def make_student_train_step(fns: StudentFunctions, tx: optax.GradientTransformation, *,
-                            edit_nonkeep_weight: float = 3.0) -> Callable:
-    """Jitted, donating ``(state, batch) -> (state, metrics)``; state = {params, opt_state, step}."""
+def make_student_train_step(fns: StudentFunctions, *, edit_nonkeep_weight: float = 3.0) -> Callable:
+    """Jitted, donating ``(state, batch) -> (state, metrics)``; state a :class:`TrainState`
+    (optimizer ``tx``), batch as in :func:`student_loss` (sharded over "data"), metrics scalars."""
 
-    def step(state, batch):
+    def step(state: TrainState, batch):
         def loss_fn(params):
             return student_loss(fns.model(params), batch, edit_nonkeep_weight)
 
-        grads, metrics = jax.grad(loss_fn, has_aux=True)(state["params"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-                "step": state["step"] + 1}, metrics
+        grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads), metrics
 
     bs = fns.batch_sharding
     batch_sh = {"tokens": bs, "valid": bs, "ratings": bs, "tags": bs, "ops": bs}
@@ -191,22 +192,40 @@ def distill(fns: StudentFunctions, *, tokens: np.ndarray, valid: np.ndarray, rat
     k_init, k_data = jax.random.split(key)
     params = init_student(fns, k_init)
     replicated = NamedSharding(fns.batch_sharding.mesh, PartitionSpec())
-    state = jax.device_put({"params": params, "opt_state": tx.init(params),
-                            "step": jnp.zeros((), jnp.int32)}, replicated)
-    train_step = make_student_train_step(fns, tx, edit_nonkeep_weight=edit_nonkeep_weight)
+    state = jax.device_put(TrainState.create(tx, params), replicated)
+    train_step = make_student_train_step(fns, edit_nonkeep_weight=edit_nonkeep_weight)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(k_data)).ravel().astype(np.uint32))
-    order, pos, metrics = rng.permutation(n), 0, {}
-    for step in range(steps):
+    batches = _epoch_batches(rng, n, batch_size)
+
+    def step_fn(state, step):
+        idx = next(batches)
+        return train_step(state, {"tokens": tokens[idx], "valid": valid[idx], "ratings": targets[idx],
+                                  "tags": tags[idx].astype(np.int32), "ops": ops[idx].astype(np.int32)})
+
+    def log_row(done, state, row):
+        if log is not None and (done % 50 == 0 or done == steps):
+            log(done, _host_floats(row))
+
+    # rows stay on device (summarize: the step's own metrics): only a logged step waits
+    result = run_steps(step_fn, state, steps=steps, summarize=last_row,
+                       hooks=[log_row])
+    return result.state.params, _host_floats(result.last_metrics or {})
+
+
+def _epoch_batches(rng: np.random.Generator, n: int, batch_size: int):
+    """Endless minibatch indices: consecutive slices of a fresh permutation per epoch (a
+    permutation's tail shorter than a batch is dropped)."""
+    order, pos = rng.permutation(n), 0
+    while True:
         if pos + batch_size > n:
             order, pos = rng.permutation(n), 0
-        idx = order[pos: pos + batch_size]
+        yield order[pos: pos + batch_size]
         pos += batch_size
-        batch = {"tokens": tokens[idx], "valid": valid[idx], "ratings": targets[idx],
-                 "tags": tags[idx].astype(np.int32), "ops": ops[idx].astype(np.int32)}
-        state, metrics = train_step(state, batch)
-        if log is not None and ((step + 1) % 50 == 0 or step + 1 == steps):
-            log(step + 1, {k: float(v) for k, v in jax.device_get(metrics).items()})
-    return state["params"], {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def _host_floats(metrics) -> dict:
+    """Device scalars -> host floats."""
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
 def predict_in_batches(predict: Callable, params, tokens: np.ndarray, valid: np.ndarray,

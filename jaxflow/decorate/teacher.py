@@ -8,8 +8,9 @@ An annotator is anything with three methods (records in, labels out):
 * ``edit(texts) -> list[str]`` rewritten texts.
 
 ``CallableAnnotator`` wraps user functions (e.g. calls to an LLM endpoint) and checks what they
-return; ``LabelFileAnnotator`` answers from a JSONL file of stored labels. With no network, ``ProgrammaticTeacher`` is the default: its judgements are
-computable from the text, so every experiment can verify them.
+return; ``LabelFileAnnotator`` answers from a JSONL file of stored labels. With no network,
+``ProgrammaticTeacher`` is the default: its judgements are computable from the text, so every
+experiment can verify them.
 
 ProgrammaticTeacher, documented rules (``criteria_features``): each criterion is a saturating
 function of a measurable rate, in [0, 1]:
@@ -28,12 +29,13 @@ function of a measurable rate, in [0, 1]:
 
 The five "quality" criteria (educational value, expertise, facts, reasoning, structure) are
 multiplied by cleanliness = exp(-8 * fraction of characters the teacher's edit changes) times
-fluency = min(1, 4 * fraction of function words), so noisy copies and keyword salad rate lower. A comparison adds logistic judge noise (``judge_noise``) to the
-feature difference. Tags: keyword hits summed per level-1 category, then per level-2 child,
-then per leaf (top-down argmax, ties to the lower id; no hit at all gives leaf 0). Edits
-(``teacher_edit_ops``): delete the markup junk of ``corpus.JUNK_MARKERS`` (with the space before
-it), collapse runs of spaces between a lower-case letter or comma and a letter, drop an
-immediately repeated word, lower-case runs of >= 2 consecutive ALL-CAPS words.
+fluency = min(1, 4 * fraction of function words), so noisy copies and keyword salad rate lower.
+A comparison adds logistic judge noise (``judge_noise``) to the feature difference. Tags:
+keyword hits summed per level-1 category, then per level-2 child, then per leaf (top-down
+argmax, ties to the lower id; no hit at all gives leaf 0). Edits (``teacher_edit_ops``): delete
+the markup junk of ``corpus.JUNK_MARKERS`` (with the space before it), collapse runs of spaces
+between a lower-case letter or comma and a letter, drop an immediately repeated word, lower-case
+runs of >= 2 consecutive ALL-CAPS words.
 """
 
 from __future__ import annotations

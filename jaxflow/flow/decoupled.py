@@ -24,12 +24,20 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxflow.flow.batching import (PackingConfig, encoder_patches, layout_rows, loss_tokens,
-                                   pooled_image_base, zeros_like_arrays)
+from jaxflow.flow.batching import (
+    PackingConfig,
+    encoder_patches,
+    layout_rows,
+    loss_tokens,
+    pooled_image_base,
+    zeros_like_arrays,
+)
 from jaxflow.flow.packing import CostModel
 from jaxflow.flow.pool import EmbeddingPool, PoolClosed
 from jaxflow.flow.steps import Sides, make_backbone_step, make_encoder_fns
 from jaxflow.flow.vlm import bucket
+from jaxflow.train.loop import last_row, run_steps
+from jaxflow.train.state import TrainState
 
 
 def put_rows(arrays: dict, mesh, axis: str = "data") -> dict:
@@ -78,7 +86,7 @@ def scatter_cotangent(samples: Sequence, patches, d_buffer: np.ndarray,
 class DecoupledTrainer:
     """``run(steps)`` trains on ``[(step, samples), ...]`` and returns per-step metrics."""
 
-    def __init__(self, sides: Sides, enc_state: dict, bb_state: dict, *,
+    def __init__(self, sides: Sides, enc_state: TrainState, bb_state: TrainState, *,
                  packing: PackingConfig, cost: CostModel, run_ahead: int = 0,
                  pool_capacity: int = 256, buffer_granularity: int = 256):
         if run_ahead < 0:
@@ -118,7 +126,7 @@ class DecoupledTrainer:
             seen.add(sig)
             enc, bb = self.sides.place(self.enc_state, self.bb_state)
             flat, vjp_fn = self._encode(
-                enc["params"], put_rows(zeros_like_arrays(patches.arrays()), self.enc_mesh))
+                enc.params, put_rows(zeros_like_arrays(patches.arrays()), self.enc_mesh))
             flat = np.zeros(flat.shape, np.float32)
             jax.block_until_ready(self._enc_update(enc, vjp_fn,
                                                    put_replicated(flat, self.enc_mesh)))
@@ -140,7 +148,7 @@ class DecoupledTrainer:
                         or self._error is not None)
                     if self._error is not None:
                         return
-                    params, version = self.enc_state["params"], self.version
+                    params, version = self.enc_state.params, self.version
                 t0 = time.perf_counter()
                 patches = encoder_patches(samples, self.sides.vit, self.enc_rows)
                 flat, vjp_fn = self._encode(params, put_rows(patches.arrays(), self.enc_mesh))
@@ -160,7 +168,9 @@ class DecoupledTrainer:
 
     # -- consumer ----------------------------------------------------------------------
 
-    def _consume(self, step: int, samples: list) -> dict:
+    def _consume(self, bb_state: TrainState, step: int, samples: list) -> tuple[TrainState, dict]:
+        """One training step of the backbone (its state passed along) and of the encoder (its
+        state ``self.enc_state``, shared with the producer under ``self._cond``)."""
         got = self.pool.take_many([s.uid for s in samples])
         t0 = time.perf_counter()
         embs = [got[s.uid][0] for s in samples]
@@ -168,8 +178,8 @@ class DecoupledTrainer:
         buffer = embedding_buffer(embs, self.sides.lm.d_model, self.buffer_granularity)
         layout = self._layout(samples)
         denom = loss_tokens(samples)
-        self.bb_state, d_buffer, metrics = self._bb_step(
-            self.bb_state, put_replicated(buffer, self.bb_mesh),
+        bb_state, d_buffer, metrics = self._bb_step(
+            bb_state, put_replicated(buffer, self.bb_mesh),
             put_rows(layout.rows, self.bb_mesh), put_replicated(denom, self.bb_mesh))
         d_buffer = np.asarray(d_buffer)
         t1 = time.perf_counter()
@@ -180,7 +190,7 @@ class DecoupledTrainer:
         cot = scatter_cotangent(samples, patches, d_buffer, flat_shape)
         enc_state, enc_norm = self._enc_update(self.enc_state, vjp_fn,
                                                put_replicated(cot, self.enc_mesh))
-        jax.block_until_ready(enc_state["step"])
+        jax.block_until_ready(enc_state.step)
         self.timers["encoder_bwd_s"] += time.perf_counter() - t1
         with self._cond:
             staleness = self.version - version
@@ -188,23 +198,32 @@ class DecoupledTrainer:
             self.version += 1
             self._cond.notify_all()
         metrics = dict(metrics, enc_grad_norm=enc_norm)
-        return {"metrics": metrics, "layout": layout, "staleness": staleness,
-                "mixed_versions": len(versions) > 1, "rows": layout.rows}
+        return bb_state, {"metrics": metrics, "layout": layout, "staleness": staleness,
+                          "mixed_versions": len(versions) > 1, "rows": layout.rows}
 
     def run(self, steps: Sequence[tuple[int, list]]) -> list[dict]:
-        """Trains on every (step, samples); the producer thread lives for this call only."""
-        producer = threading.Thread(target=self._produce, args=(list(steps), self.version),
+        """Trains on every (step, samples); the producer thread lives for this call only.
+
+        The consumer is :func:`jaxflow.train.loop.run_steps` over the backbone state; each
+        row is one step's result (metrics, layout, staleness)."""
+        steps = list(steps)
+        producer = threading.Thread(target=self._produce, args=(steps, self.version),
                                     name="flow-encoder", daemon=True)
         producer.start()
-        out = []
+
+        def step_fn(bb_state, k):
+            try:
+                return self._consume(bb_state, *steps[k])
+            except PoolClosed:
+                raise RuntimeError("the encoder producer failed") from self._error
+
+        finished = False
         try:
-            for step, samples in steps:
-                try:
-                    out.append(self._consume(step, samples))
-                except PoolClosed:
-                    raise RuntimeError("the encoder producer failed") from self._error
+            result = run_steps(step_fn, self.bb_state, steps=len(steps),
+                               summarize=last_row)
+            self.bb_state, finished = result.state, True
         finally:
-            if len(out) < len(steps):  # the consumer failed: release the producer
+            if not finished:  # the consumer failed: release the producer
                 with self._cond:
                     self._error = self._error or RuntimeError("consumer stopped")
                     self._cond.notify_all()
@@ -212,4 +231,4 @@ class DecoupledTrainer:
             producer.join()
         if self._error is not None:
             raise RuntimeError("the encoder producer failed") from self._error
-        return out
+        return result.rows

@@ -118,7 +118,7 @@ def render(image8: np.ndarray, size: int) -> np.ndarray:
 
 def _task_text(task: str, labels: list[int], rng: np.random.Generator) -> tuple[str, str]:
     if task == "caption":
-        return "caption:", " ".join(_WORDS[l] for l in labels)
+        return "caption:", " ".join(_WORDS[lab] for lab in labels)
     if task == "count":
         return "how many?", str(len(labels))
     if task == "sum":

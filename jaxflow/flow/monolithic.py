@@ -14,17 +14,25 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxflow.flow.batching import (PackingConfig, encoder_image_base, encoder_patches, layout_rows,
-                                   loss_tokens, zeros_like_arrays)
+from jaxflow.flow.batching import (
+    PackingConfig,
+    encoder_image_base,
+    encoder_patches,
+    layout_rows,
+    loss_tokens,
+    zeros_like_arrays,
+)
 from jaxflow.flow.decoupled import put_replicated, put_rows
 from jaxflow.flow.packing import CostModel
 from jaxflow.flow.steps import Sides, make_monolithic_step
+from jaxflow.train.loop import last_row, run_steps
+from jaxflow.train.state import TrainState
 
 
 class MonolithicTrainer:
     """``run(steps)`` trains on ``[(step, samples), ...]`` and returns per-step results."""
 
-    def __init__(self, sides: Sides, enc_state: dict, bb_state: dict, *, layout: str,
+    def __init__(self, sides: Sides, enc_state: TrainState, bb_state: TrainState, *, layout: str,
                  packing: PackingConfig, cost: CostModel):
         self.sides, self.enc_state, self.bb_state = sides, enc_state, bb_state
         self.layout, self.packing, self.cost = layout, packing, cost
@@ -58,16 +66,24 @@ class MonolithicTrainer:
         return len(seen)
 
     def run(self, steps: Sequence[tuple[int, list]]) -> list[dict]:
-        out = []
-        for _, samples in steps:
+        """Trains on every (step, samples) with :func:`jaxflow.train.loop.run_steps` over the
+        (encoder, backbone) states; each row is one step's result (metrics, layout)."""
+        steps = list(steps)
+
+        def step_fn(states, k):
             t0 = time.perf_counter()
+            samples = steps[k][1]
             patches, layout = self._host(samples)
             denom = loss_tokens(samples)
-            self.enc_state, self.bb_state, metrics = self._step(
-                self.enc_state, self.bb_state, put_rows(patches.arrays(), self.mesh),
+            enc_state, bb_state, metrics = self._step(
+                *states, put_rows(patches.arrays(), self.mesh),
                 put_rows(layout.rows, self.mesh), put_replicated(denom, self.mesh))
             metrics["loss"].block_until_ready()
             self.timers["step_s"] += time.perf_counter() - t0
-            out.append({"metrics": metrics, "layout": layout, "staleness": 0,
-                        "rows": layout.rows})
-        return out
+            return (enc_state, bb_state), {"metrics": metrics, "layout": layout, "staleness": 0,
+                                           "rows": layout.rows}
+
+        result = run_steps(step_fn, (self.enc_state, self.bb_state), steps=len(steps),
+                           summarize=last_row)
+        self.enc_state, self.bb_state = result.state
+        return result.rows

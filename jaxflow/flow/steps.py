@@ -24,7 +24,6 @@ from jaxflow.flow.vit import ViTConfig, ViTEncoder
 from jaxflow.flow.vlm import (
     AttentionBackend,
     SideFunctions,
-    apply_grads,
     backbone_loss,
     init_side_state,
     side_functions,
@@ -32,6 +31,7 @@ from jaxflow.flow.vlm import (
 )
 from jaxflow.models.transformer import Transformer, TransformerConfig
 from jaxflow.train.lm_state import OptimConfig, make_optimizer
+from jaxflow.train.state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,19 +49,22 @@ class Sides:
     jitted: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
-    def enc_state_shardings(self) -> dict:
+    def enc_state_shardings(self) -> TrainState:
         return state_shardings(self.enc, self.enc_tx)
 
     @property
-    def bb_state_shardings(self) -> dict:
+    def bb_state_shardings(self) -> TrainState:
         return state_shardings(self.bb, self.bb_tx)
 
-    def place(self, enc_state: dict, bb_state: dict) -> tuple[dict, dict]:
-        """Fresh device copies of (host or device) states in this side's state shardings."""
-        return (jax.device_put(jax.tree.map(np.array, enc_state), self.enc_state_shardings),
-                jax.device_put(jax.tree.map(np.array, bb_state), self.bb_state_shardings))
+    def place(self, enc_state: TrainState, bb_state: TrainState) -> tuple[TrainState, TrainState]:
+        """Fresh device copies of (host or device) states in these sides' state shardings, with
+        these sides' optimizers (the states may come from other ``Sides`` of the same configs)."""
+        return (jax.device_put(jax.tree.map(np.array, enc_state.replace(tx=self.enc_tx)),
+                               self.enc_state_shardings),
+                jax.device_put(jax.tree.map(np.array, bb_state.replace(tx=self.bb_tx)),
+                               self.bb_state_shardings))
 
-    def init(self, key: jax.Array) -> tuple[dict, dict]:
+    def init(self, key: jax.Array) -> tuple[TrainState, TrainState]:
         k_enc, k_bb = jax.random.split(key)
         return (init_side_state(self.enc, lambda r: ViTEncoder(self.vit, rngs=r), self.enc_tx,
                                 k_enc),
@@ -134,12 +137,12 @@ def _cached(fn):
 
 @_cached
 def make_monolithic_step(sides: Sides):
-    """jitted (enc_state, bb_state, patches, rows, denom) -> (enc_state, bb_state, metrics)."""
-    def step(enc_state, bb_state, patches, rows, denom):
-        loss, aux, g_enc, g_bb = monolithic_grads(sides, enc_state["params"],
-                                                  bb_state["params"], patches, rows, denom)
-        return (apply_grads(sides.enc_tx, enc_state, g_enc),
-                apply_grads(sides.bb_tx, bb_state, g_bb),
+    """jitted (enc_state, bb_state, patches, rows, denom) -> (enc_state, bb_state, metrics);
+    the states are :class:`TrainState` (donated)."""
+    def step(enc_state: TrainState, bb_state: TrainState, patches, rows, denom):
+        loss, aux, g_enc, g_bb = monolithic_grads(sides, enc_state.params, bb_state.params,
+                                                  patches, rows, denom)
+        return (enc_state.apply_gradients(g_enc), bb_state.apply_gradients(g_bb),
                 _metrics(loss, aux, enc_grad_norm=g_enc, bb_grad_norm=g_bb))
 
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=(
@@ -148,12 +151,12 @@ def make_monolithic_step(sides: Sides):
 
 @_cached
 def make_backbone_step(sides: Sides):
-    """jitted (bb_state, image_embeds, rows, denom) -> (bb_state, d image_embeds, metrics)."""
-    def step(bb_state, image_embeds, rows, denom):
-        loss, aux, g_bb, g_emb = backbone_grads(sides, bb_state["params"], image_embeds, rows,
+    """jitted (bb_state, image_embeds, rows, denom) -> (bb_state, d image_embeds, metrics);
+    ``bb_state`` a :class:`TrainState` (donated), image_embeds [E, d]."""
+    def step(bb_state: TrainState, image_embeds, rows, denom):
+        loss, aux, g_bb, g_emb = backbone_grads(sides, bb_state.params, image_embeds, rows,
                                                 denom)
-        return (apply_grads(sides.bb_tx, bb_state, g_bb), g_emb,
-                _metrics(loss, aux, bb_grad_norm=g_bb))
+        return bb_state.apply_gradients(g_bb), g_emb, _metrics(loss, aux, bb_grad_norm=g_bb)
 
     return jax.jit(step, donate_argnums=(0,), out_shardings=(sides.bb_state_shardings, None, None))
 
@@ -163,9 +166,9 @@ def make_encoder_fns(sides: Sides):
     """(forward: (params, patches) -> (embeds, vjp), update: (enc_state, vjp, cot) -> state)."""
     forward = jax.jit(lambda params, patches: encoder_forward(sides, params, patches))
 
-    def update(enc_state, vjp_fn, cotangent):
+    def update(enc_state: TrainState, vjp_fn, cotangent):
         g = encoder_grads(vjp_fn, cotangent)
-        return apply_grads(sides.enc_tx, enc_state, g), optax.tree.norm(g)
+        return enc_state.apply_gradients(g), optax.tree.norm(g)
 
     return forward, jax.jit(update, out_shardings=(sides.enc_state_shardings, None))
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules, shardings_from_logical
 from jaxflow.models.attention_backends import (
@@ -33,6 +33,7 @@ from jaxflow.models.attention_backends import (
 )
 from jaxflow.models.transformer import Transformer, logical_axes
 from jaxflow.train.lm_state import token_nll
+from jaxflow.train.state import TrainState
 from pallas_kernels import dispatch
 
 ROW_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "embed_index")
@@ -162,30 +163,20 @@ def side_functions(factory: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh,
     return SideFunctions(graphdef, state, shardings, mesh)
 
 
-def state_shardings(fns: SideFunctions, tx: optax.GradientTransformation) -> dict:
-    """Shardings of {"params", "opt_state", "step"}: moments mirror params, scalars replicated.
+def state_shardings(fns: SideFunctions, tx: optax.GradientTransformation) -> TrainState:
+    """The side's :class:`TrainState` shardings: params as ``fns.param_shardings``, moments
+    mirroring them, scalars replicated.
 
     Steps use them as out_shardings so a state's layout never changes (no recompiles)."""
-    replicated = NamedSharding(fns.mesh, PartitionSpec())
-    abstract_opt = jax.eval_shape(tx.init, nnx.to_pure_dict(fns.abstract_state))
-    opt = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, fns.param_shardings,
-                                transform_non_params=lambda _: replicated)
-    return {"params": fns.param_shardings, "opt_state": opt, "step": replicated}
+    return TrainState.shardings(tx, nnx.to_pure_dict(fns.abstract_state), fns.param_shardings)
 
 
 def init_side_state(fns: SideFunctions, factory: Callable[[nnx.Rngs], nnx.Module],
-                    tx: optax.GradientTransformation, key: jax.Array) -> dict:
-    """{"params", "opt_state", "step"} created directly in the side's shardings."""
-    sh = state_shardings(fns, tx)
+                    tx: optax.GradientTransformation, key: jax.Array) -> TrainState:
+    """A fresh :class:`TrainState` (params a pure dict) created directly in the side's
+    shardings: one jitted init, no device ever holds an unsharded copy."""
 
     def init(k):
-        params = nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(params=k))))
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        return TrainState.create(tx, nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(params=k)))))
 
-    return jax.jit(init, out_shardings=sh)(key)
-
-
-def apply_grads(tx: optax.GradientTransformation, state: dict, grads: Any) -> dict:
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-            "step": state["step"] + 1}
+    return jax.jit(init, out_shardings=state_shardings(fns, tx))(key)

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxflow.genrec import igr
 from jaxflow.models.attention import dot_product_attention, segment_causal_mask
-from jaxflow.models.transformer import Attention, Block, RMSNorm, SwiGLU, TransformerConfig
+from jaxflow.models.transformer import Attention, Block, RMSNorm, TransformerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,7 @@ class GenRec(nnx.Module):
     def item_embedding(self, codes: jax.Array) -> jax.Array:
         """Sum of code embeddings: codes int[..., L] -> f32[..., d]."""
         table = self.code_embed[...]
-        return sum(table[l][codes[..., l]] for l in range(self.config.levels))
+        return sum(table[lv][codes[..., lv]] for lv in range(self.config.levels))
 
     def instruction_vector(self, instruction: jax.Array) -> jax.Array:
         """Mean embedding of the non-padding instruction tokens: int[B, I] -> f32[B, d]
@@ -230,17 +230,17 @@ class GenRec(nnx.Module):
           f32[B, l + 1, W]: position j holds level j's logits given c_0..c_{j-1}.
         """
         c = self.config
-        b, l = prefix.shape
+        b, n = prefix.shape
         code_emb = self.code_embed[...]
         tokens = [jnp.broadcast_to(self.bos[...][1], (b, c.d_model))]
-        tokens += [code_emb[j][prefix[:, j]] for j in range(l)]
+        tokens += [code_emb[j][prefix[:, j]] for j in range(n)]
         x = jnp.stack(tokens, axis=1)
-        positions = jnp.broadcast_to(jnp.arange(l + 1, dtype=jnp.int32), (b, l + 1))
-        mask = segment_causal_mask(jnp.ones((b, l + 1), jnp.int32))
+        positions = jnp.broadcast_to(jnp.arange(n + 1, dtype=jnp.int32), (b, n + 1))
+        mask = segment_causal_mask(jnp.ones((b, n + 1), jnp.int32))
         for layer, (k, v) in zip(self.decoder, kv):
             x = layer(x, positions, mask, k, v, memory_valid)
         x = self.decoder_norm(x)
-        head = self.head[...][: l + 1]
+        head = self.head[...][: n + 1]
         return jnp.einsum("bjd,jdw->bjw", x, head)
 
     def __call__(self, instruction, history_codes, history_behaviour, history_valid,

@@ -35,10 +35,12 @@ from flax import nnx
 
 from jaxflow.genrec import beam as beam_lib
 from jaxflow.genrec.data.requests import RecData, Requests
-from jaxflow.genrec.train import ENCODER_KEYS, data_mesh, model_inputs, replicate, shard_batch
+from jaxflow.genrec.train import ENCODER_KEYS, data_mesh, log_hook, model_inputs, replicated_state, shard_batch
 from jaxflow.genrec.trie import Trie
 from jaxflow.rl.advantages import sa_gcpo_advantages
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
+from jaxflow.train.loop import last_row, run_steps
+from jaxflow.train.state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +102,14 @@ def _policy_loss(logp, old_logp, advantages, mask, config: RLConfig):
     return policy_loss(logp, old_logp, advantages, mask, config=loss_config)
 
 
-def make_rl_fns(graphdef, tx, config: RLConfig):
+def make_rl_fns(graphdef, config: RLConfig):
     """Jitted ``sample(params, trie, key, *enc) -> (items, codes, logp)`` and
-    ``update(params, opt_state, trie, batch) -> (params, opt_state, metrics)``."""
+    ``update(state, trie, batch) -> (state, metrics)``.
+
+    ``enc``: the encoder inputs [B, ...] (``ENCODER_KEYS``); items int32[B, G], codes
+    int32[B, G, L], logp f32[B, G, L]. ``state``: a :class:`TrainState` (its ``tx`` the
+    optimizer); ``batch``: the encoder inputs plus codes / old_logp [B, G, L], advantages f32[B, G]
+    and valid bool[B, G]; metrics: the SA-GCPO loss and its diagnostics."""
     G = config.group_size
 
     @jax.jit
@@ -118,7 +125,7 @@ def make_rl_fns(graphdef, tx, config: RLConfig):
         return items, codes, logp.reshape(b, G, levels)
 
     @jax.jit
-    def update(params, opt_state, trie, batch):
+    def update(state: TrainState, trie, batch):
         enc = [jnp.repeat(batch[k], G, axis=0) for k in ENCODER_KEYS]
         codes = batch["codes"].reshape(-1, batch["codes"].shape[-1])
         old = batch["old_logp"].reshape(codes.shape)
@@ -129,9 +136,8 @@ def make_rl_fns(graphdef, tx, config: RLConfig):
             valid = jnp.broadcast_to(batch["valid"].reshape(-1, 1), codes.shape)
             return _policy_loss(logp, old, adv, valid, config)
 
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics}
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads), {"loss": loss, **metrics}
 
     return sample, update
 
@@ -144,21 +150,21 @@ def rl_stage(graphdef, params, trie: Trie, data: RecData, codes: np.ndarray, con
       (params, history): history has per-step ``reward`` (mean sampled reward) and ``loss``.
     """
     mesh = data_mesh() if mesh is None else mesh
-    tx = optax.adam(config.lr)
-    params = replicate(params, mesh)
-    opt_state = replicate(tx.init(params), mesh)
-    sample, update = make_rl_fns(graphdef, tx, config)
+    # the sampling key travels in the state: each step splits it once
+    state = replicated_state(optax.adam(config.lr), params, mesh,
+                             extra={"key": jax.random.key(seed)})
+    sample, update = make_rl_fns(graphdef, config)
     inputs = model_inputs(data.train, codes, data.behaviour_weights)
     rng = np.random.default_rng([seed, 3])
-    key = jax.random.key(seed)
     target = config.target_reward
-    history = []
-    for i in range(config.steps):
+
+    def step_fn(state, i):
         idx = rng.integers(0, len(data.train), config.batch_size)
         reqs = data.train.take(idx)
         batch = shard_batch({k: inputs[k][idx] for k in ENCODER_KEYS}, mesh)
-        key, sub = jax.random.split(key)
-        items, sampled, old_logp = sample(params, trie, sub, *(batch[k] for k in ENCODER_KEYS))
+        key, sub = jax.random.split(state.extra["key"])
+        items, sampled, old_logp = sample(state.params, trie, sub,
+                                          *(batch[k] for k in ENCODER_KEYS))
         rewards = unified_reward(np.asarray(items), reqs, data, config)
         flat = jnp.asarray(rewards.reshape(-1))
         adv = sa_gcpo_advantages(flat, jnp.full(flat.shape, target, flat.dtype),
@@ -168,9 +174,11 @@ def rl_stage(graphdef, params, trie: Trie, data: RecData, codes: np.ndarray, con
                                          "old_logp": np.asarray(old_logp),
                                          "advantages": np.where(valid, np.asarray(adv), 0.0),
                                          "valid": valid}, mesh)}
+        state = state.replace(extra={"key": key})
         for _ in range(config.updates_per_batch):
-            params, opt_state, metrics = update(params, opt_state, trie, batch)
-        history.append({"reward": float(rewards.mean()), "loss": float(metrics["loss"])})
-        if log is not None and ((i + 1) % 10 == 0 or i + 1 == config.steps):
-            log(i + 1, {"rl_reward": history[-1]["reward"], "rl_loss": history[-1]["loss"]})
-    return params, history
+            state, metrics = update(state, trie, batch)
+        return state, {"reward": float(rewards.mean()), "loss": float(metrics["loss"])}
+
+    hooks = [log_hook(log, every=10, steps=config.steps, prefix="rl_")] if log is not None else ()
+    result = run_steps(step_fn, state, steps=config.steps, summarize=last_row, hooks=hooks)
+    return result.state.params, result.rows

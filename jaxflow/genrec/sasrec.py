@@ -17,8 +17,10 @@ import optax
 from flax import nnx
 
 from jaxflow.genrec.data.requests import Requests
-from jaxflow.genrec.train import data_mesh, replicate, shard_batch
+from jaxflow.genrec.train import data_mesh, replicated_state, shard_batch
 from jaxflow.models.transformer import Transformer, TransformerConfig
+from jaxflow.train.loop import last_row, run_steps
+from jaxflow.train.state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,16 +56,12 @@ def _model_config(c: SASRecConfig, n_items: int) -> TransformerConfig:
                              max_seq_len=c.max_len)
 
 
-def fit_sasrec(requests: Requests, n_items: int, config: SASRecConfig, *, seed: int, mesh=None):
-    """Trains the baseline; returns (graphdef, params, losses)."""
-    mesh = data_mesh() if mesh is None else mesh
-    graphdef, params = nnx.split(Transformer(_model_config(config, n_items), rngs=nnx.Rngs(seed)))
-    params = replicate(params, mesh)
-    tx = optax.adam(config.lr)
-    opt_state = replicate(tx.init(params), mesh)
+def make_sasrec_step(graphdef):
+    """Jitted ``(state, batch) -> (state, {"loss"})``: full-softmax next-item cross-entropy over
+    the real positions of ``batch`` (tokens / labels / segment_ids int32[B, T]); ``state`` a
+    :class:`TrainState` of Transformer params."""
 
-    @jax.jit
-    def step(params, opt_state, batch):
+    def step(state: TrainState, batch):
         def loss_fn(p):
             logits = nnx.merge(graphdef, p)(batch["tokens"], segment_ids=batch["segment_ids"])
             logits = logits.at[..., :2].set(-1e9)  # never predict padding / BOS
@@ -71,19 +69,28 @@ def fit_sasrec(requests: Requests, n_items: int, config: SASRecConfig, *, seed: 
             m = batch["segment_ids"].astype(jnp.float32)
             return jnp.sum(nll * m) / jnp.maximum(m.sum(), 1.0)
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
 
+    return jax.jit(step)
+
+
+def fit_sasrec(requests: Requests, n_items: int, config: SASRecConfig, *, seed: int, mesh=None):
+    """Trains the baseline; returns (graphdef, params, losses)."""
+    mesh = data_mesh() if mesh is None else mesh
+    graphdef, params = nnx.split(Transformer(_model_config(config, n_items), rngs=nnx.Rngs(seed)))
+    state = replicated_state(optax.adam(config.lr), params, mesh)
+    step = make_sasrec_step(graphdef)
     seqs = sequences(requests, config.max_len)
     rng = np.random.default_rng([seed, 2])
-    losses = []
-    for _ in range(config.steps):
+
+    def step_fn(state, i):
         idx = rng.integers(0, len(requests), config.batch_size)
-        batch = shard_batch({k: v[idx] for k, v in seqs.items() if k != "last"}, mesh)
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(loss)
-    return graphdef, params, [float(x) for x in jax.device_get(losses)]
+        return step(state, shard_batch({k: v[idx] for k, v in seqs.items() if k != "last"}, mesh))
+
+    result = run_steps(step_fn, state, steps=config.steps, summarize=last_row)
+    losses = jax.device_get([row["loss"] for row in result.rows])
+    return graphdef, result.state.params, [float(x) for x in losses]
 
 
 def recommend_sasrec(graphdef, params, requests: Requests, config: SASRecConfig, *, k: int,

@@ -36,7 +36,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +262,7 @@ def rq_kmeans(embeddings, *, levels: int = 3, width: int = 256, key: jax.Array,
                         min_levels=1 if dedup == "tiger" else 0)
     err = tuple(raw_err[:-1]) + (float(np.mean(np.sum(final ** 2, -1))),)
     codes = np.concatenate([codes, extra], 1)
-    util = tuple(float(len(np.unique(codes[:, l])) / width) for l in range(codes.shape[1]))
+    util = tuple(float(len(np.unique(codes[:, lv])) / width) for lv in range(codes.shape[1]))
     return SemanticIds(codes=codes.astype(np.int32), codebooks=np.stack(books),
                        reconstruction_error=err, raw_reconstruction_error=tuple(raw_err),
                        utilisation=util, collision_rate=collision_rate,

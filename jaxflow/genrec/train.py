@@ -1,10 +1,11 @@
 """Supervised training and constrained retrieval for the generative recommender.
 
 Pure pieces a notebook composes: ``model_inputs`` (host arrays for a batch of requests),
-``make_sft_step`` (jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``:
-behaviour-weighted generation loss + ``q2i_weight`` x Q2I loss), ``fit`` (the loop, batches
-sharded over a data-parallel mesh, parameters replicated) and ``recommend`` (constrained beam
-search, top-K items per request).
+``make_sft_step`` (jitted ``(state, batch) -> (state, metrics)`` on a
+:class:`jaxflow.train.state.TrainState`: behaviour-weighted generation loss + ``q2i_weight`` x
+Q2I loss), ``fit`` (:func:`jaxflow.train.loop.run_steps` over that step, batches sharded over a
+data-parallel mesh, parameters replicated) and ``recommend`` (constrained beam search, top-K
+items per request).
 """
 
 from __future__ import annotations
@@ -13,17 +14,19 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxflow.genrec import beam as beam_lib
 from jaxflow.genrec.data.requests import RecData, Requests
 from jaxflow.genrec.losses import generation_loss, q2i_loss
 from jaxflow.genrec.model import GenRec, GenRecConfig
 from jaxflow.genrec.trie import Trie
+from jaxflow.train.loop import last_row, run_steps
+from jaxflow.train.state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,19 +87,21 @@ def sft_loss(model: GenRec, batch: dict, *, q2i_weight: float, q2i_temperature: 
     return loss, metrics
 
 
-def make_sft_step(graphdef, tx: optax.GradientTransformation, config: SFTConfig):
-    """Jitted SFT step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+def make_sft_step(graphdef, config: SFTConfig):
+    """Jitted SFT step ``(state, batch) -> (state, metrics)``.
 
-    Only ``config.q2i_weight`` / ``q2i_temperature`` are read (the step is pure)."""
+    ``state``: a :class:`TrainState` of GenRec params (its ``tx`` the optimizer); ``batch``:
+    :func:`model_inputs` arrays [B, ...]; metrics: scalar ``loss``, ``generation_loss`` (and
+    ``q2i_loss``). Only ``config.q2i_weight`` / ``q2i_temperature`` are read (the step is pure).
+    """
 
-    def step(params, opt_state, batch):
+    def step(state: TrainState, batch):
         def loss_fn(p):
             return sft_loss(nnx.merge(graphdef, p), batch, q2i_weight=config.q2i_weight,
                             q2i_temperature=config.q2i_temperature)
 
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics}
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads), {"loss": loss, **metrics}
 
     return jax.jit(step)
 
@@ -150,19 +155,36 @@ def fit(data: RecData, codes: np.ndarray, model_config: GenRecConfig, sft: SFTCo
     elif graphdef is None:
         raise ValueError("fit(params=...) continues training and needs graphdef= as well")
     tx, step = _adam_sft_step(graphdef, sft.lr, sft.q2i_weight, sft.q2i_temperature)
-    opt_state = replicate(tx.init(params), mesh)
+    state = replicated_state(tx, params, mesh)
     inputs = model_inputs(requests, codes, data.behaviour_weights,
                           use_instruction=sft.use_instruction)
     rng = np.random.default_rng([seed, 1])
-    history = []
-    for i in range(sft.steps):
+
+    def step_fn(state, i):
         idx = rng.integers(0, len(requests), sft.batch_size)
-        batch = shard_batch({k: v[idx] for k, v in inputs.items()}, mesh)
-        params, opt_state, metrics = step(params, opt_state, batch)
-        history.append(metrics["loss"])
-        if log is not None and ((i + 1) % 100 == 0 or i + 1 == sft.steps):
-            log(i + 1, {k: float(v) for k, v in metrics.items()})
-    return graphdef, params, [float(x) for x in jax.device_get(history)]
+        return step(state, shard_batch({k: v[idx] for k, v in inputs.items()}, mesh))
+
+    result = run_steps(step_fn, state, steps=sft.steps, summarize=last_row,
+                       hooks=[log_hook(log, every=100, steps=sft.steps)] if log is not None else ())
+    history = jax.device_get([row["loss"] for row in result.rows])
+    return graphdef, result.state.params, [float(x) for x in history]
+
+
+def replicated_state(tx: optax.GradientTransformation, params, mesh, *, extra=None) -> TrainState:
+    """A fresh :class:`TrainState` around ``params`` (and ``extra``), every leaf replicated on
+    ``mesh`` (the layout the jitted steps return, so later steps reuse the first one's program)."""
+    return replicate(TrainState.create(tx, params, extra=extra), mesh)
+
+
+def log_hook(log, *, every: int, steps: int, prefix: str = ""):
+    """A ``run_steps`` hook calling ``log(done, {prefix + name: float})`` with the row of every
+    ``every``-th step and of the last (``steps``)."""
+
+    def hook(done, state, row):
+        if done % every == 0 or done == steps:
+            log(done, {prefix + k: float(v) for k, v in row.items()})
+
+    return hook
 
 
 @functools.lru_cache(maxsize=32)
@@ -170,7 +192,7 @@ def _adam_sft_step(graphdef, lr: float, q2i_weight: float, q2i_temperature: floa
     # one compiled program per model / loss (fits of equal shapes reuse it)
     tx = optax.adam(lr)
     sft = SFTConfig(lr=lr, q2i_weight=q2i_weight, q2i_temperature=q2i_temperature)
-    return tx, make_sft_step(graphdef, tx, sft)
+    return tx, make_sft_step(graphdef, sft)
 
 
 @functools.lru_cache(maxsize=32)

@@ -37,6 +37,7 @@ from jaxflow.decorate.teacher import ProgrammaticTeacher, annotate
 from jaxflow.experiment import RunContext
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import init_train_state, lm_functions, make_optimizer, make_train_step, token_nll
+from jaxflow.train.loop import last_row, run_steps
 
 ARMS = ("random", "rating", "rating+tags", "rating+tags+edit", "teacher")
 
@@ -134,17 +135,20 @@ class LMRunner:
         rng = np.random.default_rng(seed)
         pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
         ones = np.ones((B, L), np.int32)
-        losses = []
-        for _ in range(cfg.steps):
+
+        def step_fn(state, step):
             starts = rng.integers(0, len(stream) - L - 1, size=B)
             win = stream[starts[:, None] + np.arange(L + 1)[None]]
-            batch = {"tokens": win[:, :-1], "targets": win[:, 1:], "loss_mask": ones.astype(np.float32),
-                     "segment_ids": ones, "positions": pos}
-            state, metrics = self.train_step(state, batch)
-            losses.append(metrics["loss"])
+            return self.train_step(state, {"tokens": win[:, :-1], "targets": win[:, 1:],
+                                           "loss_mask": ones.astype(np.float32), "segment_ids": ones,
+                                           "positions": pos})
+
+        # rows: each step's metrics, left on device (no step waits for the previous one)
+        result = run_steps(step_fn, state, steps=cfg.steps, summarize=last_row)
+        losses = [row["loss"] for row in result.rows]
         out = {"train_loss_last": float(np.mean(jax.device_get(losses[-10:])))}
         for name, (rows, lens) in self.eval_sets.items():
-            out[f"{name}_ppl"] = self.perplexity(state["params"], rows, lens)
+            out[f"{name}_ppl"] = self.perplexity(result.state.params, rows, lens)
         return out
 
     def perplexity(self, params, rows, lens) -> float:

@@ -17,16 +17,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxflow.align import (FigaConfig, PairData, Rows, addition_answers, build_pairs,
-                           concat_pairs, dpo_loss, figa_loss, interleave_rows, sequence_logp,
-                           sft_loss)
+from jaxflow.align import (
+    FigaConfig,
+    PairData,
+    Rows,
+    addition_answers,
+    build_pairs,
+    concat_pairs,
+    dpo_loss,
+    figa_loss,
+    interleave_rows,
+    sequence_logp,
+    sft_loss,
+)
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.experiment import RunContext
 from jaxflow.mesh import make_mesh
@@ -36,6 +46,8 @@ from jaxflow.rl.rollout import RolloutSpec, RolloutWorker
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
 from jaxflow.train.lm_state import LMFunctions, lm_functions
+from jaxflow.train.loop import run_steps
+from jaxflow.train.state import TrainState
 
 
 def sample_pairs(worker: RolloutWorker, params: Any, task: AdditionRLTask,
@@ -95,20 +107,69 @@ def method_loss(params, ref_params, rows: Rows, *, fns: LMFunctions, method: str
 
 
 def _compiled_step(fns: LMFunctions, method: str, dpo_beta: float, figa: FigaConfig,
-                   tx: optax.GradientTransformation, replicated: NamedSharding):
-    """The jitted train step; everything in and out is replicated (a tiny model), so the
-    first step's inputs and every later step's match and it compiles once."""
+                   replicated: NamedSharding):
+    """The jitted train step ``(state, ref_params, rows) -> (state, metrics)`` (``state`` a
+    :class:`TrainState`, ``ref_params`` the frozen warm start, ``rows`` interleaved [2P, ...]);
+    everything in and out is replicated (a tiny model), so the first step's inputs and every
+    later step's match and it compiles once."""
     loss_fn = functools.partial(method_loss, fns=fns, method=method, dpo_beta=dpo_beta,
                                 figa=figa)
 
     @functools.partial(jax.jit, out_shardings=replicated)
-    def step(params, opt_state, ref_params, rows):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params,
-                                                                           rows)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics}
+    def step(state: TrainState, ref_params, rows):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params,
+                                                                           ref_params, rows)
+        return state.apply_gradients(grads), {"loss": loss, **metrics}
 
     return step
+
+
+def train_method(step: Callable, state: TrainState, rows_at: Callable[[int], Rows], *, ref_params,
+                 evaluate: Callable[[Any], dict], steps: int, log_every: int, eval_every: int,
+                 run: RunContext | None, step_offset: int = 0,
+                 row_fields: dict | None = None) -> tuple[list[dict], dict]:
+    """Trains one (seed, method) cell: ``state, metrics = step(state, ref_params, rows_at(i))``
+    for ``steps`` steps (:func:`jaxflow.train.loop.run_steps`).
+
+    Rows ``{**row_fields, "step", metrics (every log_every steps and at the last), evaluation
+    (every eval_every steps and at the last)}`` go to ``run.log(step_offset + step)``.
+
+    Returns:
+      (curve, first): curve ``[{"step", **evaluate(params)}]`` of the evaluated steps; first
+      the first step's metrics as floats.
+    """
+    curve: list[dict] = []
+    first: dict = {}
+
+    def step_fn(state, i):
+        state, metrics = step(state, ref_params, rows_at(i))
+        if i == 0:
+            first.update({k: float(v) for k, v in metrics.items()})
+        return state, {"step": i + 1, "metrics": metrics}
+
+    def eval_fn(state, done):
+        ev = evaluate(state.params)
+        curve.append({"step": done, **ev})
+        return ev
+
+    run_steps(step_fn, state, steps=steps, run=run, log_every=log_every,
+              summarize=_row_every(log_every, steps), eval_fn=eval_fn, eval_every=eval_every,
+              step_offset=step_offset, row_fields=row_fields)
+    return curve, first
+
+
+def _row_every(log_every: int, steps: int):
+    """``run_steps`` rows of the figa log: ``step`` and, every ``log_every`` steps and at the
+    last, that step's metrics as floats (the row of an evaluation-only step has no metrics)."""
+
+    def summarize(window) -> dict:
+        done, metrics = window[-1]["step"], window[-1]["metrics"]
+        row = {"step": done}
+        if done % log_every == 0 or done == steps:
+            row.update({k: float(v) for k, v in metrics.items()})
+        return row
+
+    return summarize
 
 
 def pair_stats(data: PairData) -> dict:
@@ -151,9 +212,9 @@ def main(config, run: RunContext) -> dict[str, Any]:
     warm_eval = evaluate(warm)
     run.info(f"warm start held-out: {warm_eval}")
     tx = optax.chain(optax.clip_by_global_norm(tcfg.grad_clip), optax.adam(tcfg.lr))
-    steps = {m: _compiled_step(fns, m, config.dpo_beta, config.figa, tx, replicated)
+    steps = {m: _compiled_step(fns, m, config.dpo_beta, config.figa, replicated)
              for m in config.methods}
-    init_opt = jax.jit(tx.init, out_shardings=replicated)
+    warm_shardings = jax.tree.map(lambda _: replicated, warm)
     run.set_total_steps(config.seeds * len(config.methods) * tcfg.steps, "figa")
     records, pools, global_step = [], [], 0
     for s in range(config.seed, config.seed + config.seeds):
@@ -163,26 +224,15 @@ def main(config, run: RunContext) -> dict[str, Any]:
         run.info(f"seed {s}: {stats}")
         schedule = batch_schedule(stats["pairs"], tcfg.steps, tcfg.pairs_per_batch, s)
         for method in config.methods:
-            params, opt_state = warm, init_opt(warm)
-            curve = [{"step": 0, **warm_eval}]
-            first_metrics = None
-            for i in range(tcfg.steps):
-                rows = Rows(*(jax.device_put(x, replicated)
-                              for x in interleave_rows(data, schedule[i])))
-                params, opt_state, metrics = steps[method](params, opt_state, warm, rows)
-                global_step += 1
-                done = i + 1
-                if first_metrics is None:
-                    first_metrics = {k: float(v) for k, v in metrics.items()}
-                row = {"seed": s, "method": method, "step": done}
-                if done % tcfg.log_every == 0 or done == tcfg.steps:
-                    row.update({k: float(v) for k, v in metrics.items()})
-                if done % tcfg.eval_every == 0 or done == tcfg.steps:
-                    ev = evaluate(params)
-                    curve.append({"step": done, **ev})
-                    row.update(ev)
-                if len(row) > 3:
-                    run.log(global_step, row)
+            curve, first_metrics = train_method(
+                steps[method], TrainState.create(tx, warm, warm_shardings),
+                lambda i: Rows(*(jax.device_put(x, replicated)
+                                 for x in interleave_rows(data, schedule[i]))),
+                ref_params=warm, evaluate=evaluate, steps=tcfg.steps, log_every=tcfg.log_every,
+                eval_every=tcfg.eval_every, run=run, step_offset=global_step,
+                row_fields={"seed": s, "method": method})
+            global_step += tcfg.steps
+            curve = [{"step": 0, **warm_eval}] + curve
             records.append({"seed": s, "method": method, "curve": curve,
                             "final": curve[-1], "first_step_metrics": first_metrics})
             run.info(f"seed {s} {method}: {curve[-1]}")
@@ -238,8 +288,10 @@ def format_table(results: list[dict], warm_eval: dict) -> str:
     w = f"| warm start | - | {warm_eval['heldout_greedy']:.3f} | "
     lines.append(w + (f"{warm_eval['heldout_pass1']:.3f} |" if pass1 else ""))
     for r in results:
-        cell = lambda k: (f"{r[k + '_mean']:.3f} +- {r[k + '_std']:.3f} "
-                          f"({r[k + '_min']:.3f}..{r[k + '_max']:.3f})")
+        def cell(k, r=r):
+            return (f"{r[k + '_mean']:.3f} +- {r[k + '_std']:.3f} "
+                    f"({r[k + '_min']:.3f}..{r[k + '_max']:.3f})")
+
         line = f"| {r['method']} | {r['seeds']} | {cell('heldout_greedy')} | "
         lines.append(line + (f"{cell('heldout_pass1')} |" if pass1 else ""))
     return "\n".join(lines)

@@ -21,10 +21,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxflow.experiment import RunContext
-from jaxflow.flow.allocator import (Allocation, ParallelConfig, allocate, candidates,
-                                    measure_throughput)
-from jaxflow.flow.batching import (PackingConfig, encoder_image_base, encoder_patches,
-                                   layout_rows, pooled_image_base)
+from jaxflow.flow.allocator import Allocation, ParallelConfig, allocate, candidates, measure_throughput
+from jaxflow.flow.batching import PackingConfig, encoder_image_base, encoder_patches, layout_rows, pooled_image_base
 from jaxflow.flow.decoupled import DecoupledTrainer, put_replicated, put_rows
 from jaxflow.flow.digits_data import heldout_samples, step_samples
 from jaxflow.flow.monolithic import MonolithicTrainer
@@ -33,11 +31,12 @@ from jaxflow.flow.steps import Sides, build_sides, eval_correct, make_backbone_s
 from jaxflow.flow.vlm import bucket, resolve_backend
 from jaxflow.mesh import MeshError, experiment_devices, make_mesh, role_meshes
 from jaxflow.models.transformer import param_count
+from jaxflow.train.state import TrainState
 
 MODES = ("monolithic_padded", "monolithic_packed", "decoupled")
 
 
-def _host_copy(state: dict) -> dict:
+def _host_copy(state: TrainState) -> TrainState:
     return jax.tree.map(np.array, state)
 
 
@@ -89,7 +88,7 @@ def resolve_meshes(config, devices=None) -> dict[str, Mesh]:
     return out
 
 
-def profile_sides(config, sides: Sides, enc_host: dict, bb_host: dict, samples: list,
+def profile_sides(config, sides: Sides, enc_host: TrainState, bb_host: TrainState, samples: list,
                   cost: CostModel) -> tuple[float, float]:
     """(encoder samples/s, backbone samples/s) of one step's samples on these sub-meshes."""
     encode, update = make_encoder_fns(sides)
@@ -102,7 +101,7 @@ def profile_sides(config, sides: Sides, enc_host: dict, bb_host: dict, samples: 
     state = {"enc": placed[0], "bb": placed[1]}
 
     def enc_step():
-        flat, vjp_fn = encode(state["enc"]["params"], enc_in)
+        flat, vjp_fn = encode(state["enc"].params, enc_in)
         np.asarray(flat)
         state["enc"], norm = update(state["enc"], vjp_fn, jnp.zeros_like(flat))
         jax.block_until_ready(norm)
@@ -189,7 +188,7 @@ def main(config, run: RunContext) -> dict[str, Any]:
                              backend)
     enc0, bb0 = mono_sides.init(jax.random.key(config.seed))
     enc_host, bb_host = _host_copy(enc0), _host_copy(bb0)
-    n_enc, n_bb = param_count(enc_host["params"]), param_count(bb_host["params"])
+    n_enc, n_bb = param_count(enc_host.params), param_count(bb_host.params)
     run.info(f"encoder {n_enc:,} params, backbone {n_bb:,}; {n_dev} devices; attention "
              f"{backend.value}")
 
@@ -256,7 +255,7 @@ def main(config, run: RunContext) -> dict[str, Any]:
             if r >= tc.warmup_rounds:
                 times[mode].append(time.perf_counter() - t0)
             results[mode] += out
-        for k, (step, _) in enumerate(block):
+        for step, _ in block:
             row = {}
             for mode in MODES:
                 res = results[mode][step]
@@ -278,8 +277,8 @@ def main(config, run: RunContext) -> dict[str, Any]:
     held = heldout_samples(config.data, seed=config.seed, n=tc.eval_examples)
     accuracy = {}
     for mode, tr in trainers.items():
-        accuracy[mode] = heldout_accuracy(mono_sides, tr.enc_state["params"],
-                                          tr.bb_state["params"], held, cost)
+        accuracy[mode] = heldout_accuracy(mono_sides, tr.enc_state.params, tr.bb_state.params,
+                                          held, cost)
 
     def mean_of(mode, fn):
         return float(np.mean([fn(res) for res in results[mode]]))

@@ -36,10 +36,9 @@ import zlib
 import jax
 import numpy as np
 
-from jaxflow.genrec.semantic_ids import kmeans
 from jaxflow.genrec.data.requests import SCENARIOS, RecData, Requests, instruction_tokens, pad_histories
-from jaxflow.recsys.readers import (ATOMIC_TYPES, read_atomic_file,
-                                    read_movielens)
+from jaxflow.genrec.semantic_ids import kmeans
+from jaxflow.recsys.readers import ATOMIC_TYPES, read_atomic_file, read_movielens
 
 ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
                  "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
