@@ -27,7 +27,7 @@ import pathlib
 from jaxflow.config import Variants, require_positive
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.transformer import TransformerConfig
-from jaxflow.prune.calibration import SOURCES, CalibrationConfig, FILE_MODE_SOURCES
+from jaxflow.prune.calibration import FILE_MODE_SOURCES, SOURCES, CalibrationConfig
 from jaxflow.prune.masks import parse_sparsity
 from jaxflow.prune.sequential import METHODS
 from jaxflow.train.lm_state import OptimConfig

@@ -21,8 +21,8 @@ import dataclasses
 
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.sis_offpolicy import WARM_START
-from jaxflow.config import Variants
 from jaxflow.align.figa_loss import FigaConfig
+from jaxflow.config import Variants
 
 DESCRIPTION = "FIGA vs SFT-on-revisions vs DPO on the model's own oracle-revised samples (addition)"
 ENTRY = "jaxflow.main.figa:main"

@@ -29,8 +29,8 @@ import dataclasses
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.lm_pretrain import TrainConfig
 from jaxflow.config import Variants, require_positive
-from jaxflow.mesh import RolesConfig
 from jaxflow.data.worked_addition import WorkedAdditionTask
+from jaxflow.mesh import RolesConfig
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.rl.policy_loss import PolicyLossConfig

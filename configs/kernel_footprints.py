@@ -50,7 +50,8 @@ class Config:
 
 
 # quick: every kernel at its test size on every chip, the smallest VMEM limit (256 KiB steps) /
-# shared memory (4 KiB steps) searched, "<=" where the search's floor already compiles; default: both sizes (production compiles take 5-70 s
+# shared memory (4 KiB steps) searched, "<=" where the search's floor already compiles; default: both sizes
+# (production compiles take 5-70 s
 # each on 2 cores, so the search makes it a ~30-minute run).
 get_config = Variants(quick=lambda: Config(sizes=("test",), vmem_step=2**18), default=Config)
 VARIANTS = get_config.variants

@@ -159,7 +159,8 @@ def _full() -> Config:
     base = Config()
     # SA-GCPO joins the algorithms here (not in the ~2 h default); rl.loss.agg is None by
     # default, so each algorithm uses its own default aggregation (token-mean; seq-mean-token-
-    # mean for gspo, as GSPO and verl, and for sa_gcpo, as OxygenREC). Rewards are 0/1 with no per-request target, so SA-GCPO's
+    # mean for gspo, as GSPO and verl, and for sa_gcpo, as OxygenREC). Rewards are 0/1 with no per-request
+    # target, so SA-GCPO's
     # target gate does not apply: it is the soft gate on group-normalised advantages.
     return dataclasses.replace(
         base,

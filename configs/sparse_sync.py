@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from configs.sis_offpolicy import WARM_START
-from jaxflow.mesh import RolesConfig
 from configs.lm_pretrain import Config as PretrainConfig
+from configs.sis_offpolicy import WARM_START
 from jaxflow.config import Variants
+from jaxflow.mesh import RolesConfig
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.sync.encoder import CODECS
 from jaxflow.sync.weight_sync import SyncConfig

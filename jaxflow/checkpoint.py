@@ -65,8 +65,8 @@ class Checkpointer:
         max_to_keep: int = 3,
         async_save: bool = True,
     ):
-        directory = run_path(directory)
-        self.directory = directory.absolute() if is_local(directory) else directory
+        path = run_path(directory)
+        self.directory = path.absolute() if is_local(path) else path
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             save_interval_steps=max(int(save_every), 1),
@@ -104,11 +104,12 @@ class Checkpointer:
         if jax.process_count() > 1:  # a step every process agrees on, or none
             if not self._manager.reached_preemption(int(step)):
                 return
-            signum = signals.requested() or _signal.SIGTERM
+            signum: int = signals.requested() or _signal.SIGTERM
         else:
-            signum = signals.requested()
-            if signum is None:
+            requested = signals.requested()
+            if requested is None:
                 return
+            signum = requested
         self.save(step, state, force=True)
         self.close()
         raise signals.RunStopped(signum, int(step))

@@ -251,7 +251,7 @@ def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
         group_type, optional = _strip_optional(hints.get(name, type(current)))
         if isinstance(sub, dict):
             if current is None and optional and dataclasses.is_dataclass(group_type):
-                current = group_type()  # an optional group switched on by setting a field
+                current = typing.cast(Any, group_type)()  # an optional group switched on by setting a field
             changes[name] = _apply_tree(current, sub, full_key + ".")
             texts.extend(_tree_texts(sub))
             continue
@@ -268,7 +268,7 @@ def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
         changes[name] = parse_value(text, hints.get(name, type(current)), key)
         texts.append(f"{key}={text}")
     try:
-        return dataclasses.replace(obj, **changes)
+        return dataclasses.replace(typing.cast(Any, obj), **changes)
     except (ValueError, TypeError) as e:  # __post_init__ validation
         where = " ".join(texts) or prefix.rstrip(".")
         raise ConfigError(f"--set {where}: {e}") from None

@@ -197,7 +197,7 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def to_host(x) -> "np.ndarray":
+def to_host(x) -> "numpy.ndarray":  # noqa: F821  (numpy is imported where it runs)
     """A global jax.Array as a numpy array on every process (all-gathers across processes)."""
     import numpy as np
 

@@ -209,7 +209,7 @@ def logical_to_spec(
     the LM's rules work on a data-only mesh). Using one mesh axis for two dimensions raises.
     """
     table = check_rules(rules)
-    used: dict[str, str] = {}
+    used: dict[str, str | None] = {}
     spec = []
     for name in logical_axes:
         axes = table.get(name, ()) if name is not None else ()

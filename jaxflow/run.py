@@ -26,6 +26,7 @@ keeps them, one line gives the resume command; exit 130 / 143. A lost peer: exit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -33,10 +34,11 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from etils import epath
 
+from jaxflow import contract
 from jaxflow.config import ConfigError, apply_overrides, experiments, get_experiment
 from jaxflow.experiment import MissingExtraError, is_local, run_path
 
@@ -70,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jax.distributed.initialize() from the cluster environment (TPU pod, SLURM)")
     p.add_argument("--peer-timeout", type=float, default=None, metavar="SECONDS",
                    help="exit when a peer process is silent this long (default 60)")
+    p.add_argument("--kill-after-checkpoint", type=int, default=None, metavar="STEP",
+                   help="test hook: SIGKILL the run once the checkpoint of STEP is committed")
     return p
 
 
@@ -171,6 +175,8 @@ def _check_flags(args) -> None:
 
     if args.devices is not None and args.devices < 1:
         raise UsageError(f"--devices {args.devices}; valid: an integer >= 1")
+    if args.kill_after_checkpoint is not None and args.kill_after_checkpoint < 1:
+        raise UsageError(f"--kill-after-checkpoint {args.kill_after_checkpoint}; valid: a step >= 1")
     if args.peer_timeout is not None and not 0 < args.peer_timeout < float("inf"):
         raise UsageError(f"--peer-timeout {args.peer_timeout}; valid: seconds > 0")
     if args.coordinator is None and args.distributed_auto is False:
@@ -240,7 +246,7 @@ def default_devices(args: argparse.Namespace, config) -> int | None:
 
     if args.devices is not None or args.coordinator is not None or args.distributed_auto:
         return args.devices
-    if not hasattr(config, "devices"):
+    if not isinstance(config, contract.WithDevices):
         return None
     wanted = config.devices
     if wanted is None:
@@ -251,8 +257,9 @@ def default_devices(args: argparse.Namespace, config) -> int | None:
 def resolve_meshes(spec, config, devices: Sequence | None = None) -> dict:
     """Every mesh the experiment ``spec`` would build from ``config`` on ``devices`` (default
     ``jax.devices()``), built without running anything: the driver's own
-    ``resolve_meshes(config, devices)`` when it has one, else the config's ``mesh``
-    (:class:`~jaxflow.mesh.MeshConfig`) and ``roles`` (trainer / rollout) fields. ``{}`` for an
+    ``resolve_meshes(config, devices)`` when it has one (:class:`jaxflow.contract.MeshResolver`),
+    else the config's ``mesh`` (:class:`~jaxflow.mesh.MeshConfig`) and ``roles`` (trainer /
+    rollout) fields (:mod:`jaxflow.contract`). ``{}`` for an
     experiment with neither (it runs on one device or on all of them).
 
     Raises:
@@ -262,19 +269,17 @@ def resolve_meshes(spec, config, devices: Sequence | None = None) -> dict:
     import importlib
 
     import jax
+
     from jaxflow.mesh import trainer_rollout_meshes
 
     devices = list(jax.devices() if devices is None else devices)
     driver = importlib.import_module(spec.entry.partition(":")[0])
-    hook = getattr(driver, "resolve_meshes", None)
-    if hook is not None:
-        return dict(hook(config, devices))
+    if isinstance(driver, contract.MeshResolver):
+        return dict(driver.resolve_meshes(config, devices))
     out = {}
-    mesh_cfg = getattr(config, "mesh", None)
-    if mesh_cfg is not None and hasattr(mesh_cfg, "make"):
+    if (mesh_cfg := contract.config_mesh(config)) is not None:
         out["mesh"] = mesh_cfg.make(devices)
-    roles = getattr(config, "roles", None)
-    if roles is not None and hasattr(roles, "colocate"):
+    if (roles := contract.config_roles(config)) is not None:
         out.update(trainer_rollout_meshes(roles, devices)[0])
     return out
 
@@ -295,14 +300,43 @@ def _prepare_compilers(platforms: Sequence[str]) -> None:
             os.environ.setdefault(key, value)
 
 
-def _main(argv: list[str]) -> int:
-    from jaxflow.checkpoint import CheckpointError
-    from jaxflow.mesh import MeshError
+@dataclasses.dataclass
+class _Plan:
+    """A run resolved from the flags, before JAX starts a backend."""
 
+    args: argparse.Namespace
+    argv: list[str]
+    name: str
+    variant: str
+    overrides: list[str]
+    spec: Any
+    config: Any
+    out: epath.Path | None
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.list:
         print(list_experiments())
         return 0
+    plan = _plan(args, argv)
+    started = _start_runtime(plan)
+    import jax
+
+    from jaxflow.mesh import MeshError
+
+    try:
+        meshes = resolve_meshes(plan.spec, plan.config, jax.devices())
+    except (MeshError, ValueError) as e:
+        raise UsageError(f"{e} (set --devices, --set devices=N or --set mesh.shape=...)") from None
+    if args.dry_run:
+        _print_dry_run(plan, meshes)
+        return 0
+    return _execute(plan, started)
+
+
+def _plan(args: argparse.Namespace, argv: list[str]) -> _Plan:
+    """Flags checked, the run resolved (resume read), the config built, --out checked."""
     _check_flags(args)
     try:
         out = run_path(args.out) if args.out else None
@@ -318,63 +352,73 @@ def _main(argv: list[str]) -> int:
     config = apply_overrides(spec.get_config(variant), overrides)
     if out is not None and not args.resume:
         _check_fresh_out(out)
+    return _Plan(args, argv, name, variant, overrides, spec, config, out)
 
-    if spec.compilers:
-        _prepare_compilers(spec.compilers)
-    # Devices and the multi-controller runtime must be set before JAX touches a backend.
+
+def _start_runtime(plan: _Plan) -> bool:
+    """Compilers' environment, the device count and the multi-controller runtime, all before
+    JAX touches a backend; True when ``jax.distributed`` was started."""
     from jaxflow import distributed
 
-    args.devices = default_devices(args, config)
+    args = plan.args
+    if plan.spec.compilers:
+        _prepare_compilers(plan.spec.compilers)
+    args.devices = default_devices(args, plan.config)
     if args.devices is not None and not (args.dry_run and _backends_initialized()):
         # (an in-process --dry-run after JAX started, e.g. from a test, resolves the meshes
         # on the devices already there: the count can no longer change)
         distributed.set_cpu_device_count(args.devices)
     peer_timeout = args.peer_timeout or distributed.DEFAULT_PEER_TIMEOUT_S
     try:
-        started = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                                         auto=args.distributed_auto, peer_timeout_s=peer_timeout)
+        return distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                      auto=args.distributed_auto, peer_timeout_s=peer_timeout)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
+
+def _print_dry_run(plan: _Plan, meshes: dict) -> None:
     import jax
 
-    try:
-        meshes = resolve_meshes(spec, config, jax.devices())
-    except (MeshError, ValueError) as e:
-        raise UsageError(f"{e} (set --devices, --set devices=N or --set mesh.shape=...)") from None
-    if args.dry_run:
-        from jaxflow.experiment import to_jsonable
+    from jaxflow.experiment import to_jsonable
 
-        print(json.dumps({"experiment": name, "variant": variant, "overrides": overrides,
-                          "backend": jax.default_backend(), "device_count": jax.device_count(),
-                          "meshes": {k: dict(m.shape) for k, m in meshes.items()},
-                          "config": to_jsonable(config)}))
-        return 0
+    print(json.dumps({"experiment": plan.name, "variant": plan.variant, "overrides": plan.overrides,
+                      "backend": jax.default_backend(), "device_count": jax.device_count(),
+                      "meshes": {k: dict(m.shape) for k, m in meshes.items()},
+                      "config": to_jsonable(plan.config)}))
 
-    out_dir = _out_dir(out, name, started)
-    if out is None:
+
+def _execute(plan: _Plan, started: bool) -> int:
+    """Runs the experiment in its run directory; writes summary.json; the exit code."""
+    import jax
+
+    from jaxflow import distributed, signals
+    from jaxflow.checkpoint import CheckpointError
+    from jaxflow.experiment import RunContext
+    from jaxflow.mesh import MeshError
+    from jaxflow.train.loop import Fault
+
+    args = plan.args
+    out_dir = _out_dir(plan.out, plan.name, started)
+    if plan.out is None:
         _check_fresh_out(out_dir)
     primary = jax.process_index() == 0
-    from jaxflow import signals
-    from jaxflow.experiment import RunContext, to_jsonable
-
-    seed = int(getattr(config, "seed", 0))
-    run = RunContext(name=name, variant=variant, out_dir=out_dir, is_primary=primary,
-                     resume=args.resume, seed=seed)
-    saved_config = {"experiment": name, "variant": variant, "overrides": overrides,
-                    "devices": args.devices, "config": config}
+    fault = Fault(args.kill_after_checkpoint) if args.kill_after_checkpoint is not None else None
+    run = RunContext(name=plan.name, variant=plan.variant, out_dir=out_dir, is_primary=primary,
+                     resume=args.resume, seed=contract.config_seed(plan.config), fault=fault)
+    saved_config = {"experiment": plan.name, "variant": plan.variant, "overrides": plan.overrides,
+                    "devices": args.devices, "config": plan.config}
     existed = set(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else None
     if args.resume:
         run.write_json_later("config.json", saved_config)  # at the first new metrics row
     else:
         run.write_json("config.json", saved_config)
-    run.info(f"{name} [{variant}] -> {out_dir} ({jax.device_count()} {jax.default_backend()} devices, "
-             f"{jax.process_count()} process(es))")
+    run.info(f"{plan.name} [{plan.variant}] -> {out_dir} ({jax.device_count()} "
+             f"{jax.default_backend()} devices, {jax.process_count()} process(es))")
     # With several processes JAX's preemption service owns SIGTERM (orbax reads it per step).
     restore_signals = signals.install(multi_process=jax.process_count() > 1)
     start = time.time()
     try:
-        result = dict(spec.entry_fn()(config, run) or {})
+        result = dict(plan.spec.entry_fn()(plan.config, run) or {})
     except (ConfigError, MeshError, MissingExtraError, CheckpointError) as e:
         run.close()
         if not args.resume and primary:
@@ -396,30 +440,40 @@ def _main(argv: list[str]) -> int:
         restore_signals()
         run.close()
     run.flush_pending()
+    _write_summary(plan, run, result, time.time() - start)
+    return 0
+
+
+def _write_summary(plan: _Plan, run, result: dict, wall_seconds: float) -> None:
+    """summary.json (the conventions' keys, then the experiment's own), the plots, one line."""
+    import jax
+
+    from jaxflow.experiment import to_jsonable
+
     summary = {
-        "experiment": name,
-        "variant": variant,
-        "argv": [PROG, *argv],
-        "seed": seed,
-        "config": to_jsonable(config),
+        "experiment": plan.name,
+        "variant": plan.variant,
+        "argv": [PROG, *plan.argv],
+        "seed": run.seed,
+        "config": to_jsonable(plan.config),
         "jax_version": jax.__version__,
         "backend": jax.default_backend(),
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),
-        "wall_seconds": time.time() - start,
+        "wall_seconds": wall_seconds,
         "git_commit": _git_commit(),
         **result,
     }
     run.write_json("summary.json", summary)
-    if primary:
-        headline = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if is_local(out_dir):
+    if run.is_primary:
+        headline = {k: v for k, v in result.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if is_local(run.out_dir):
             from jaxflow.plots import plot_metrics
 
-            plot_metrics(out_dir)
+            plot_metrics(run.out_dir)
         run.info("summary: " + json.dumps(to_jsonable(headline)))
-        run.info(f"wrote {out_dir}/summary.json")
-    return 0
+        run.info(f"wrote {run.out_dir}/summary.json")
 
 
 def _roll_back(out_dir: epath.Path, existed: set[str] | None) -> None:

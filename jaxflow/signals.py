@@ -13,13 +13,12 @@ all processes agree on) and a polled SIGINT is turned into that same notice.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
-from typing import Callable
+from typing import Any, Callable
 
-import os
-
-_STATE = {"requested": None, "polled": False, "multi_process": False}
+_STATE: dict[str, Any] = {"requested": None, "polled": False, "multi_process": False}
 
 
 class RunStopped(BaseException):

@@ -26,8 +26,8 @@ file in ``gpu_specs/`` (the fields jaxlib 0.10 parses, from openxla/xla's
   overrun on failure.
 
 Environment: the CUDA plugin must be allowed to load without a GPU
-(``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``; ``JAX_PLATFORMS=cpu``: the topologies need no backend), and libtpu more than once
-per machine (``ALLOW_MULTIPLE_LIBTPU_LOAD=1``); ``compile_env()`` returns these, and the compile
+(``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``; ``JAX_PLATFORMS=cpu``: the topologies need no backend), and
+libtpu more than once per machine (``ALLOW_MULTIPLE_LIBTPU_LOAD=1``); ``compile_env()`` returns these, and the compile
 tests and ``--compile-only`` set them before jax starts. The main test environment has neither
 plugin (with them every jax process prints extra stderr lines).
 """

@@ -60,8 +60,8 @@ def stopped_run(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Checkpointer, "stop_if_requested", interrupt_at_2)
-        import io
         import contextlib
+        import io
 
         err = io.StringIO()
         before = signal.getsignal(signal.SIGINT)  # SIG_IGN when pytest runs in the background

@@ -1,4 +1,6 @@
-"""House layout: drivers in jaxflow/main, no import cycles between packages, quick runs as listed.
+"""House layout: drivers in jaxflow/main, no import cycles between packages, quick runs as listed,
+modules under 500 lines, one train state, one training loop, the runner contract
+(``jaxflow.contract``), no TYPE_CHECKING cycles, ruff clean.
 
 The import graph is read with ``ast`` (no module is imported), lazy imports inside functions
 included. A node is a subpackage of ``jaxflow`` (``rl``, ``sync``, ...) or one of its top-level
@@ -10,15 +12,21 @@ from __future__ import annotations
 import argparse
 import ast
 import pathlib
+import shutil
+import subprocess
+import sys
 
 import pytest
 
 from jaxflow.config import experiments
+from jaxflow.contract import check_experiment
 from jaxflow.run import default_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "jaxflow"
 DRIVERS = "main"
+PACKAGES = ("jaxflow", "pallas_kernels", "configs")
+MAX_LINES = 500
 
 
 def _node(module: str) -> str | None:
@@ -155,3 +163,77 @@ def test_docs_cite_no_issue_numbers():
         hits += [f"{md.relative_to(ROOT)}:{i}" for i, line in
                  enumerate(md.read_text().splitlines(), 1) if pat.search(line)]
     assert not hits, f"'issue N' references (readers of the project have no issues): {hits}"
+
+
+def _modules():
+    for pkg in PACKAGES:
+        yield from sorted((ROOT / pkg).rglob("*.py"))
+
+
+def _calls(path: pathlib.Path):
+    """(dotted name, line) of every call in ``path``."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f, parts = node.func, []
+            while isinstance(f, ast.Attribute):
+                parts.append(f.attr)
+                f = f.value
+            if isinstance(f, ast.Name):
+                parts.append(f.id)
+            yield ".".join(reversed(parts)), node.lineno
+
+
+def _rel(path):
+    return path.relative_to(ROOT).as_posix()
+
+
+def test_no_module_over_500_lines():
+    long = {_rel(p): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by idea): {long}"
+
+
+def test_one_optimizer_step():
+    """``optax.apply_updates`` only in TrainState.apply_gradients (and the f32-master
+    transformation, which is itself an optax transformation TrainState applies)."""
+    allowed = {"jaxflow/train/state.py", "jaxflow/train/mixed_precision.py"}
+    found = [f"{_rel(p)}:{line}" for p in _modules() if _rel(p) not in allowed
+             for name, line in _calls(p) if name.endswith("apply_updates")]
+    assert not found, f"hand-written optimizer steps (use TrainState.apply_gradients): {found}"
+
+
+def test_one_training_loop():
+    """Resuming a run (cutting its metrics back to a checkpoint) happens in run_steps only, and
+    no fault hook is read from the environment."""
+    found = [f"{_rel(p)}:{line}" for p in _modules() if _rel(p) != "jaxflow/train/loop.py"
+             for name, line in _calls(p) if name.endswith("truncate_metrics_after")]
+    assert not found, f"resume loops outside jaxflow.train.loop.run_steps: {found}"
+    hooks = [_rel(p) for p in _modules() if "KILL_AFTER" in p.read_text()]
+    assert not hooks, f"environment-variable fault hooks (use Fault / --kill-after-checkpoint): {hooks}"
+
+
+def test_runner_contract_is_the_protocol():
+    """Every experiment keeps jaxflow.contract, and the runner reads configs / drivers only
+    through it (no hasattr / getattr probing)."""
+    problems = [p for spec in experiments().values() for p in check_experiment(spec)]
+    assert not problems, problems
+    run_py = ROOT / "jaxflow" / "run.py"
+    probes = [f"run.py:{line}" for name, line in _calls(run_py)
+              if name in ("hasattr", "getattr")]
+    assert not probes, f"duck-typed probes in the runner (use jaxflow.contract): {probes}"
+
+
+def test_no_type_checking_import_cycles_and_one_meaning_of_sync():
+    guarded = [_rel(p) for p in _modules() if "TYPE_CHECKING" in p.read_text()]
+    assert not guarded, f"TYPE_CHECKING imports hide an import cycle: {guarded}"
+    assert not (ROOT / "jaxflow" / "marl" / "pipeline" / "sync.py").exists(), \
+        "marl/pipeline/sync.py: 'sync' is jaxflow.sync (weight sync); the barrier baseline is barrier.py"
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff")
+    cmd = [ruff] if ruff else [sys.executable, "-m", "ruff"]
+    probe = subprocess.run([*cmd, "--version"], capture_output=True, text=True)
+    assert probe.returncode == 0, "ruff is missing: pip install -e '.[test]' installs it"
+    res = subprocess.run([*cmd, "check", "--no-cache", *PACKAGES, "tests"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]

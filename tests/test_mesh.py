@@ -6,8 +6,17 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxflow.mesh import (DEFAULT_RULES, MeshConfig, MeshError, assert_params_sufficiently_sharded,
-                          check_rules, logical_to_spec, make_mesh, role_meshes, shardings_from_logical)
+from jaxflow.mesh import (
+    DEFAULT_RULES,
+    MeshConfig,
+    MeshError,
+    assert_params_sufficiently_sharded,
+    check_rules,
+    logical_to_spec,
+    make_mesh,
+    role_meshes,
+    shardings_from_logical,
+)
 
 
 def test_make_mesh_fills_minus_one():

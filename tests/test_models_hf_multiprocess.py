@@ -45,7 +45,7 @@ def test_each_process_reads_only_its_slices(tmp_path):
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (so, se) in zip(procs, outs):
+    for p, (_, se) in zip(procs, outs):
         assert p.returncode == 0, se[-3000:]
     reports = [json.loads(so.strip().splitlines()[-1]) for so, _ in outs]
     assert sorted(r["process"] for r in reports) == [0, 1]

@@ -2,17 +2,16 @@
 Qwen3-MoE checkpoints: f32 logits, greedy continuations, the MoE load-balancing loss, and
 jaxflow-written checkpoints reloaded by transformers. Needs the ``parity`` extra (torch CPU,
 transformers); it is part of the default suite and never skipped."""
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-
-import jax
-import jax.numpy as jnp
+from flax import nnx
 
 from jaxflow.models import SamplingConfig, from_pretrained, make_sampler, save_pretrained
 from jaxflow.models.moe import load_balancing_loss
-from flax import nnx
 
 # One intra-op thread: on a loaded 2-core machine torch's OpenMP pool is 10-20x slower than a
 # single thread (measured 4-6 s vs 0.2-0.3 s per forward in bench_checkpoint).

@@ -37,7 +37,7 @@ def test_two_processes_match_single_process_loss_curve(tmp_path):
         for i in range(2)
     ]
     results = [p.communicate(timeout=400) for p in procs]
-    for p, (so, se) in zip(procs, results):
+    for p, (_, se) in zip(procs, results):
         assert p.returncode == 0, se[-3000:]
     assert "wrote" in results[0][0] and "wrote" not in results[1][0]  # only process 0 reports/writes
 

@@ -77,7 +77,7 @@ def test_nestpipe_sensitivity_keys_and_invariants(nestpipe_scale_summary):
     _, summary = nestpipe_scale_summary
     sens = summary["sensitivity"]["calibration"]
     assert set(sens) == set(np_sim.STAGE_KEYS)
-    for stage, by_factor in sens.items():
+    for by_factor in sens.values():
         assert set(by_factor) == {"x0.5", "x2"}
         for row in by_factor.values():
             assert set(row) == set(np_sim.PIPELINES)

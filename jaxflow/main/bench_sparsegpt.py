@@ -116,8 +116,12 @@ def main(config, run: RunContext) -> dict:
                 ours(), theirs()
             t_ours, t_ref = [], []
             for _ in range(config.pairs):
-                start = time.perf_counter(); ours(); t_ours.append(time.perf_counter() - start)
-                start = time.perf_counter(); theirs(); t_ref.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                ours()
+                t_ours.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                theirs()
+                t_ref.append(time.perf_counter() - start)
             ratios = [b / a for a, b in zip(t_ours, t_ref)]
             err_own = reconstruction_error(weight, ours(), x_held)
             err_ref = reconstruction_error(weight, theirs().numpy(), x_held)

@@ -14,8 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflow.rl import sis
-from jaxflow.rl.exact_gradient import (_estimates, all_responses, context_ids, estimator_specs,
-                                       exact_gradient, exact_moments, num_contexts)
+from jaxflow.rl.exact_gradient import (
+    _estimates,
+    all_responses,
+    context_ids,
+    estimator_specs,
+    exact_gradient,
+    exact_moments,
+    num_contexts,
+)
 
 
 def main(config, run) -> dict[str, Any]:

@@ -4,8 +4,8 @@ from jaxflow.models.architectures import CheckpointError, config_from_hf, hf_con
 from jaxflow.models.hf_checkpoint import from_pretrained, load_hf_params, save_pretrained
 from jaxflow.models.kv_cache import KVCache
 from jaxflow.models.rope import RopeScaling
-from jaxflow.models.tokenizer_hf import HFTokenizer
 from jaxflow.models.sampler import SampleOutput, SamplingConfig, make_sampler, sample
+from jaxflow.models.tokenizer_hf import HFTokenizer
 from jaxflow.models.transformer import (
     PRESETS,
     Transformer,

@@ -24,9 +24,7 @@ and the returned logits are float32.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -38,148 +36,17 @@ from jaxflow.models.attention import (
     cache_causal_mask,
     dot_product_attention,
 )
-from jaxflow.models.attention_backends import ATTENTION_BACKENDS
 from jaxflow.models.attention_backends import attention as segment_attention
 from jaxflow.models.kv_cache import KVCache, empty_cache, write_rows
-from jaxflow.models.moe import MOE_IMPLS, MoE, MoEStats
-from jaxflow.models.rope import RopeScaling, rope_inv_freq
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-LOGICAL_AXIS_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm",
-                      "expert")
-# What a rematerialised block keeps for the backward pass (``jax.checkpoint_policies``).
-REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """Architecture hyper-parameters; validated on construction."""
-
-    vocab_size: int = 32
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 4  # grouped-query attention when < n_heads (must divide n_heads)
-    d_ff: int = 512  # SwiGLU hidden size
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"
-    tie_embeddings: bool = False
-    head_dim_override: int | None = None  # None: d_model // n_heads (Qwen3 sets its own)
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys before RoPE
-    rope_scaling: RopeScaling | None = None  # Llama-3.1+ long-context frequency scaling
-    remat: bool = False  # rematerialise each block's activations in the backward pass
-    # ... keeping what this jax.checkpoint_policies policy saves (REMAT_POLICIES; only with
-    # remat=True): "nothing_saveable" recomputes the whole block, "dots_saveable" keeps
-    # every matmul output, "dots_with_no_batch_dims_saveable" the weight matmuls only.
-    remat_policy: str = "nothing_saveable"
-    # Packed causal self-attention backend (jaxflow.models.attention_backends): "auto" is the
-    # XLA reference on CPU and the platform's kernel on GPU / TPU where it builds. KV-cache
-    # decoding always uses the XLA reference.
-    attention: str = "auto"
-    # Mixture of experts (Qwen3-MoE); n_experts == 0 means every layer is dense SwiGLU.
-    n_experts: int = 0
-    n_experts_per_token: int = 2
-    d_ff_expert: int = 0
-    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
-    moe_every: int = 1  # layer i is MoE when (i + 1) % moe_every == 0 ...
-    dense_layers: tuple[int, ...] = ()  # ... and i is not listed here
-    moe_impl: str = "dense"  # "dense" reference | "dispatch" (capacity, expert parallel)
-    capacity_factor: float = 1.25
-    expert_axis: str = "expert"
-    architecture: str = "jaxflow"  # checkpoint family written by save_pretrained
-    hf_extra: tuple[tuple[str, str], ...] = ()  # other config.json keys (JSON values) kept
-    # Experiments only (``--set model.hf_path=DIR``): load this local Hugging Face checkpoint's
-    # architecture, weights and tokenizer instead (jaxflow.models.pretrained). The model
-    # itself never reads it.
-    hf_path: str = ""
-
-    def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                     "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"TransformerConfig.{name}={value!r}: must be a positive int")
-        for name in ("rope_theta", "norm_eps"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"TransformerConfig.{name}={value!r}: must be > 0")
-        if self.head_dim_override is None and self.d_model % self.n_heads:
-            raise ValueError(
-                f"TransformerConfig.d_model={self.d_model} must be divisible by "
-                f"n_heads={self.n_heads} (or set head_dim_override)")
-        if self.head_dim_override is not None and (
-                not isinstance(self.head_dim_override, int) or self.head_dim_override <= 0):
-            raise ValueError(f"TransformerConfig.head_dim_override={self.head_dim_override!r}: "
-                             "must be None or a positive int")
-        if self.head_dim % 2:
-            raise ValueError(
-                f"TransformerConfig head_dim={self.head_dim} must be even for RoPE")
-        if self.hf_path and not os.path.isfile(os.path.join(self.hf_path, "config.json")):
-            raise ValueError(f"model.hf_path={self.hf_path!r}: not a checkpoint directory "
-                             "(no config.json there)")
-        if self.n_experts:
-            if not 1 <= self.n_experts_per_token <= self.n_experts or self.d_ff_expert <= 0:
-                raise ValueError(
-                    f"TransformerConfig MoE: n_experts_per_token={self.n_experts_per_token} "
-                    f"must be in [1, n_experts={self.n_experts}] and d_ff_expert="
-                    f"{self.d_ff_expert} > 0")
-            if self.moe_impl not in MOE_IMPLS:
-                raise ValueError(f"TransformerConfig.moe_impl={self.moe_impl!r}; valid: "
-                                 f"{MOE_IMPLS}")
-            if not self.capacity_factor > 0 or self.moe_every < 1:
-                raise ValueError(f"TransformerConfig.capacity_factor={self.capacity_factor!r} "
-                                 f"must be > 0 and moe_every={self.moe_every!r} >= 1")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"TransformerConfig.n_kv_heads={self.n_kv_heads} must divide "
-                f"n_heads={self.n_heads}")
-        for name in ("dtype", "param_dtype"):
-            value = getattr(self, name)
-            if value not in _DTYPES:
-                raise ValueError(
-                    f"TransformerConfig.{name}={value!r}: valid values are {sorted(_DTYPES)}")
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"TransformerConfig.attention={self.attention!r}; valid: "
-                             f"{', '.join(ATTENTION_BACKENDS)}")
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"TransformerConfig.remat_policy={self.remat_policy!r}; valid: "
-                             f"{', '.join(REMAT_POLICIES)}")
-        if self.remat_policy != REMAT_POLICIES[0] and not self.remat:
-            raise ValueError(f"TransformerConfig.remat_policy={self.remat_policy!r} needs "
-                             "remat=True (it says what a rematerialised block keeps)")
-
-    @property
-    def head_dim(self) -> int:
-        return self.head_dim_override or self.d_model // self.n_heads
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether decoder layer ``layer`` (0-based) has routed experts instead of SwiGLU."""
-        return (self.n_experts > 0 and layer not in self.dense_layers
-                and (layer + 1) % self.moe_every == 0)
-
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        return _DTYPES[self.dtype]
-
-    @property
-    def params_dtype(self) -> jnp.dtype:
-        return _DTYPES[self.param_dtype]
-
-
-PRESETS: dict[str, TransformerConfig] = {
-    # ~103k params: unit tests.
-    "tiny": TransformerConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                              d_ff=192, max_seq_len=64),
-    # ~2.4M params: CPU experiments.
-    "small": TransformerConfig(vocab_size=32, d_model=256, n_layers=4, n_heads=8,
-                               n_kv_heads=4, d_ff=512, max_seq_len=256),
-    # ~104M params (with a small vocabulary): GPU runs.
-    "100m": TransformerConfig(vocab_size=32, d_model=768, n_layers=12, n_heads=12,
-                              n_kv_heads=4, d_ff=3072, max_seq_len=1024),
-}
+from jaxflow.models.moe import MoE, MoEStats
+from jaxflow.models.rope import rope_inv_freq
+from jaxflow.models.transformer_config import (  # noqa: F401  (re-exported: the public API)
+    _DTYPES,
+    LOGICAL_AXIS_NAMES,
+    PRESETS,
+    REMAT_POLICIES,
+    TransformerConfig,
+)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: tuple[str, ...],
