@@ -216,9 +216,8 @@ def test_runner_contract_is_the_protocol():
     through it (no hasattr / getattr probing)."""
     problems = [p for spec in experiments().values() for p in check_experiment(spec)]
     assert not problems, problems
-    run_py = ROOT / "jaxflow" / "run.py"
-    probes = [f"run.py:{line}" for name, line in _calls(run_py)
-              if name in ("hasattr", "getattr")]
+    probes = [f"{name}:{line}" for name in ("run.py", "run_meshes.py")
+              for call, line in _calls(ROOT / "jaxflow" / name) if call in ("hasattr", "getattr")]
     assert not probes, f"duck-typed probes in the runner (use jaxflow.contract): {probes}"
 
 

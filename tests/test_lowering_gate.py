@@ -189,13 +189,12 @@ def _grpo_steps():
     grpo.compiled_functions.cache_clear()
     fns, tx, shardings, old_fn, update = grpo.compiled_functions(
         model, mesh, config, OptimConfig(warmup_steps=0), 10)
+    from jaxflow.train.state import TrainState
+
     params = fns.abstract_params()
-    opt = jax.eval_shape(tx.init, params)
     rep = NamedSharding(mesh, P())
-    opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt,
-                       shardings["opt_state"])
-    policy = {"params": params, "opt_state": opt,
-              "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)}
+    policy = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          TrainState.abstract(tx, params), shardings)
     b, n, k = 8, 4, 4
     row = NamedSharding(mesh, P("data"))
     S = jax.ShapeDtypeStruct

@@ -132,7 +132,8 @@ def _flatten(state: TrainState):
 
 
 def _unflatten(static: _Static, children) -> TrainState:
-    return TrainState(*children, tx=static.value)
+    params, opt_state, step, extra = children
+    return TrainState(params, opt_state, step, extra, static.value)
 
 
 jax.tree_util.register_pytree_with_keys(TrainState, _flatten_with_keys, _unflatten, _flatten)
