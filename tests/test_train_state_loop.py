@@ -180,3 +180,14 @@ def test_fault_kills_after_the_named_checkpoint(tmp_path):
     assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
     assert "not killed" not in res.stdout
     assert Checkpointer(tmp_path / "checkpoints").latest_step() == 2
+
+
+def test_warm_start_cache_entries_are_per_mesh():
+    """The same pretraining config on 1 and on 2 devices trains different params (the gradient
+    sums run in another order), so each mesh gets its own cache entry."""
+    from configs.flagship import WARM_START
+    from jaxflow.rl.warm_start import cache_dir
+
+    one, two = (cache_dir(WARM_START, "cache", devices=n) for n in (1, 2))
+    assert one != two and one.name.startswith("lm_pretrain-v2-")
+    assert cache_dir(WARM_START, "cache", devices=2) == two

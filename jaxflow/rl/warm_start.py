@@ -24,8 +24,17 @@ from jaxflow.train.state import TrainState
 CACHE_KIND = "lm_pretrain-v2"
 
 
-def cache_dir(pretrain_config: Any, cache_root: str | pathlib.Path) -> pathlib.Path:
-    return cache_entry(cache_root, CACHE_KIND, pretrain_config)
+def cache_dir(pretrain_config: Any, cache_root: str | pathlib.Path, *,
+              devices: int | None = None) -> pathlib.Path:
+    """The entry for ``pretrain_config`` pretrained on ``devices`` (default: every device
+    present). The resolved mesh is part of the recipe: the data-parallel gradient sums run in
+    another order on another mesh, so the same config trains other params on 1 and on 2
+    devices, and an entry must not serve a run whose mesh would not have built it."""
+    import jax
+
+    n = jax.device_count() if devices is None else int(devices)
+    mesh = pretrain_config.mesh.sizes(n)
+    return cache_entry(cache_root, CACHE_KIND, {"config": pretrain_config, "mesh": mesh})
 
 
 def build_pretrain_cache(pretrain_config: Any, cache_root: str | pathlib.Path,
