@@ -18,13 +18,13 @@ from jaxflow.align.baselines import dpo_loss, sequence_logp, sft_loss
 from jaxflow.align.figa_loss import WEIGHTINGS, FigaConfig, figa_loss, figa_token_weights
 from jaxflow.align.marking import MarkedPairs, figa_mark_batch, figa_marks
 from jaxflow.align.pairs import (
-                                 PairData,
-                                 Rows,
-                                 addition_answers,
-                                 build_pairs,
-                                 concat_pairs,
-                                 interleave_rows,
-                                 minimal_revision,
+    PairData,
+    Rows,
+    addition_answers,
+    build_pairs,
+    concat_pairs,
+    interleave_rows,
+    minimal_revision,
 )
 
 __all__ = [

@@ -2,19 +2,19 @@
 optimizers, host-resident tables, checkpoints. See ``lookup.py`` for the stage list."""
 
 from jaxflow.embeddings.lookup import (
-                                       CapacityOverflowError,
-                                       GroupContext,
-                                       ShardedEmbeddings,
-                                       apply_owner_update,
-                                       check_stats,
-                                       exchange_grads,
-                                       exchange_ids,
-                                       exchange_rows,
-                                       gather_rows,
-                                       group_forward,
-                                       group_pool,
-                                       group_update,
-                                       unique_rows,
+    CapacityOverflowError,
+    GroupContext,
+    ShardedEmbeddings,
+    apply_owner_update,
+    check_stats,
+    exchange_grads,
+    exchange_ids,
+    exchange_rows,
+    gather_rows,
+    group_forward,
+    group_pool,
+    group_update,
+    unique_rows,
 )
 from jaxflow.embeddings.optimizers import SparseOptimizer, adam, make_sparse_optimizer, rowwise_adagrad, sgd
 from jaxflow.embeddings.pooling import PoolingBackend, pool_bags

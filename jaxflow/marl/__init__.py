@@ -3,28 +3,28 @@
 swapping (see each module's doc)."""
 
 from jaxflow.marl.balance import (
-                                  allocate_workers,
-                                  assign,
-                                  busy_fraction,
-                                  longest_first,
-                                  makespan,
-                                  round_robin,
-                                  work_stealing_makespan,
+    allocate_workers,
+    assign,
+    busy_fraction,
+    longest_first,
+    makespan,
+    round_robin,
+    work_stealing_makespan,
 )
 from jaxflow.marl.engine import EngineStats, RolloutEngine, row_keys
 from jaxflow.marl.pipeline import (
-                                  AgentRuntime,
-                                  Interrupted,
-                                  PipelineConfig,
-                                  RunResult,
-                                  accumulate,
-                                  apply_accumulated,
-                                  relative_param_diff,
-                                  run_bounded,
-                                  run_pipeline,
-                                  run_strict,
-                                  run_sync,
-                                  weighted_grad,
+    AgentRuntime,
+    Interrupted,
+    PipelineConfig,
+    RunResult,
+    accumulate,
+    apply_accumulated,
+    relative_param_diff,
+    run_bounded,
+    run_pipeline,
+    run_strict,
+    run_sync,
+    weighted_grad,
 )
 from jaxflow.marl.store import ExperienceStore, Row, SampleId
 from jaxflow.marl.swap import AgentStateSwapper, swap_in, swap_out

@@ -12,11 +12,11 @@ window routed once, sync plus gradient accumulation); ``simulate`` the cluster-s
 
 from jaxflow.nestpipe.buffers import intersection_slots, patch_intersection_rows
 from jaxflow.nestpipe.clustering import (
-                                         CLUSTER_METHODS,
-                                         cluster_groups,
-                                         cluster_samples,
-                                         micro_batch_transfers,
-                                         shard_micro_batch_transfers,
+    CLUSTER_METHODS,
+    cluster_groups,
+    cluster_samples,
+    micro_batch_transfers,
+    shard_micro_batch_transfers,
 )
 from jaxflow.nestpipe.host_io import HostShards
 from jaxflow.nestpipe.pipelines import PIPELINES, Parts, prefetch, run_pipeline

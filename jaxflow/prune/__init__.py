@@ -9,12 +9,12 @@ from jaxflow.prune.baselines import magnitude_prune, wanda_prune
 from jaxflow.prune.masks import SparsityPattern, parse_sparsity
 from jaxflow.prune.sequential import METHODS, PrunedMatrix, infer_model_config, prune
 from jaxflow.prune.sparsegpt import (
-                                     CholeskyRetryWarning,
-                                     HessianState,
-                                     hessian_init,
-                                     hessian_update,
-                                     reconstruction_error,
-                                     sparsegpt_prune,
+    CholeskyRetryWarning,
+    HessianState,
+    hessian_init,
+    hessian_update,
+    reconstruction_error,
+    sparsegpt_prune,
 )
 
 __all__ = [

@@ -28,15 +28,15 @@ Usage::
 from jaxflow.rl.advantages import grpo_advantages, rloo_advantages, sa_gcpo_advantages, zero_positive_below_target
 from jaxflow.rl.corrections import mis_weights, rs_keep_mask, tis_weights
 from jaxflow.rl.grpo import (
-                                   GRPOConfig,
-                                   GRPOTrainer,
-                                   MiniBatch,
-                                   OldStats,
-                                   grpo_loss,
-                                   make_rl_optimizer,
-                                   old_stats,
-                                   response_hidden,
-                                   update_step,
+    GRPOConfig,
+    GRPOTrainer,
+    MiniBatch,
+    OldStats,
+    grpo_loss,
+    make_rl_optimizer,
+    old_stats,
+    response_hidden,
+    update_step,
 )
 from jaxflow.rl.logprobs import FusedLogprobsOutput, LogprobBackend, fused_logprobs
 from jaxflow.rl.policy_loss import AGGS, ALGOS, CORRECTIONS, DEFAULT_CLIP_EPS, PolicyLossConfig, policy_loss, sapo_gate
@@ -45,14 +45,14 @@ from jaxflow.rl.reward_mapping import unified_reward
 from jaxflow.rl.rollout import RolloutBatch, RolloutSpec, RolloutWorker, make_noisy_sampler, parse_mismatch
 from jaxflow.rl.sis import sis_accept, sis_log_envelope, sis_log_ratio, sis_uniforms
 from jaxflow.rl.tasks import (
-                                   TASKS,
-                                   AdditionRLTask,
-                                   CountdownTask,
-                                   Task,
-                                   encode_prompts,
-                                   evaluate_expression,
-                                   make_task,
-                                   score_completions,
+    TASKS,
+    AdditionRLTask,
+    CountdownTask,
+    Task,
+    encode_prompts,
+    evaluate_expression,
+    make_task,
+    score_completions,
 )
 from jaxflow.rl.warm_start import load_pretrained_params
 

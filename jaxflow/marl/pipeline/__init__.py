@@ -51,31 +51,31 @@ drivers and :func:`run_pipeline`).
 """
 
 from jaxflow.marl.pipeline.accumulate import (
-                                              PAYLOAD_FIELDS,
-                                              Accumulator,
-                                              accumulate,
-                                              accumulate_apply,
-                                              apply_accumulated,
-                                              flatten_accumulator,
-                                              group_rows,
-                                              loss_weight,
-                                              relative_param_diff,
-                                              stack_rows,
-                                              unflatten_accumulator,
-                                              weighted_grad,
+    PAYLOAD_FIELDS,
+    Accumulator,
+    accumulate,
+    accumulate_apply,
+    apply_accumulated,
+    flatten_accumulator,
+    group_rows,
+    loss_weight,
+    relative_param_diff,
+    stack_rows,
+    unflatten_accumulator,
+    weighted_grad,
 )
 from jaxflow.marl.pipeline.barrier import run_sync
 from jaxflow.marl.pipeline.plan import DRIVERS, MODES, PipelineConfig, PipelinePlan, RunResult
 from jaxflow.marl.pipeline.runtime import (
-                                              AgentRuntime,
-                                              agent_loads,
-                                              input_prompts,
-                                              loss_key,
-                                              request_row_keys,
-                                              rollout_input,
-                                              rollout_inputs,
-                                              sample_key,
-                                              split_batch,
+    AgentRuntime,
+    agent_loads,
+    input_prompts,
+    loss_key,
+    request_row_keys,
+    rollout_input,
+    rollout_inputs,
+    sample_key,
+    split_batch,
 )
 from jaxflow.marl.pipeline.threads import run_bounded, run_pipeline, run_strict
 from jaxflow.marl.pipeline.trainer import AgentTrainer, Interrupted
