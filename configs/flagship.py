@@ -31,6 +31,7 @@ from configs.lm_pretrain import TrainConfig
 from jaxflow.config import Variants, require_positive
 from jaxflow.data.worked_addition import WorkedAdditionTask
 from jaxflow.mesh import RolesConfig
+from jaxflow.models.architectures import shipped_config
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.rl.policy_loss import PolicyLossConfig
@@ -90,7 +91,8 @@ class EvalConfig:
 class Config:
     seed: int = 0  # RL seed of run 0; run k uses seed + k (and warm start pretrain.seed + k)
     seeds: int = 1  # how many runs (a count); > 1 gives the headline figures a 95% interval
-    devices: int = 2  # fake CPU devices on a CPU-only machine: 1 trainer + 1 rollout
+    devices: int | None = 2  # fake CPU devices on a CPU-only machine: 1 trainer + 1 rollout
+    # (None: every device present, the full variant)
     cache_root: str = "runs/_cache"
     pretrain: PretrainConfig = WARM_START
     rl: GRPOConfig = GRPOConfig(
@@ -103,7 +105,9 @@ class Config:
     sync: SyncConfig | None = SyncConfig(codec="auto", every=1)
 
     def __post_init__(self):
-        require_positive(self, "rollouts", "devices", "seeds")
+        require_positive(self, "rollouts", "seeds")
+        if self.devices is not None:
+            require_positive(self, "devices")
         task = self.task
         if self.rl.max_new_tokens < task.max_completion_len + 1:
             raise ValueError(f"rl.max_new_tokens={self.rl.max_new_tokens} cannot hold the "
@@ -120,8 +124,22 @@ def _quick() -> Config:
 
 
 def _full() -> Config:
-    return dataclasses.replace(Config(), rollouts=200, seeds=3,
-                               eval=EvalConfig(prompts=1024, samples=8, every=10))
+    """Production size, for accelerators (``--compile-only --target=tpu-v5p:4x4x4`` costs it
+    on this CPU): a Qwen3-8B-shaped policy (``configs/hf/qwen3-8b.json`` through
+    ``jaxflow.models.architectures``; f32 master weights, bf16 compute, remat) with 1,024-token
+    rollouts, 64 prompts x 16 samples per rollout, policy lag 8 (128-row mini-batches), SIS
+    top-8. On 64 chips: trainer 32 (data 4 x model 8) and rollout 32 (data 4 x model 8),
+    tensor parallel over heads / kv heads / mlp / vocab, rows over "data"."""
+    policy = shipped_config("qwen3-8b", param_dtype="float32", max_seq_len=2048, remat=True)
+    pretrain = dataclasses.replace(
+        WARM_START, model=policy,
+        train=dataclasses.replace(WARM_START.train, seq_len=2048, batch_size=256))
+    return dataclasses.replace(
+        Config(), devices=None, pretrain=pretrain, rollouts=200, seeds=1,
+        rl=dataclasses.replace(Config().rl, prompts_per_rollout=64, group_size=16,
+                               max_new_tokens=1024, lag=8, sis_topk=8),
+        roles=RolesConfig(rollout_devices=32, trainer_model=8, rollout_model=8),
+        eval=EvalConfig(prompts=1024, samples=8, every=10))
 
 
 def _default() -> Config:

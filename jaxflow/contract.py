@@ -17,7 +17,9 @@ Config (a frozen dataclass) may provide:
 
 A driver module may provide :class:`MeshResolver` ``resolve_meshes(config, devices) ->
 {name: Mesh}`` when its meshes are not the config's ``mesh`` / ``roles`` (``--dry-run`` and the
-start-up check build them without running anything).
+start-up check build them without running anything), and :class:`CompilesAhead`
+``compile_programs(config, meshes) -> [jaxflow.compile_only.Program]`` for ``--compile-only``
+(every jitted program the run would execute, with abstract arguments on ``meshes``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,13 @@ class MeshResolver(Protocol):
     """A driver module that builds its own meshes."""
 
     def resolve_meshes(self, config: Any, devices: Sequence | None = None) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class CompilesAhead(Protocol):
+    """A driver module whose programs ``--compile-only --target=...`` can compile."""
+
+    def compile_programs(self, config: Any, meshes: Mapping[str, Any]) -> Sequence[Any]: ...
 
 
 def config_seed(config: Any) -> int:

@@ -161,6 +161,21 @@ class RolesConfig:
 
     rollout_devices: int = 1
     colocate: bool = False
+    # Tensor parallelism per role: a "model" axis of this size (heads / mlp / vocab sharded,
+    # DEFAULT_RULES) beside "data"; 1 = data parallel only (no "model" axis).
+    trainer_model: int = 1
+    rollout_model: int = 1
+
+    def __post_init__(self):
+        for name in ("rollout_devices", "trainer_model", "rollout_model"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"roles.{name}={value!r}; valid: an integer >= 1")
+
+    def axes(self, role: str) -> dict[str, int]:
+        """Mesh axes of ``role`` ("trainer" / "rollout"): {"data": -1} plus "model" when TP."""
+        tp = self.trainer_model if role == "trainer" else self.rollout_model
+        return {"data": -1} if tp == 1 else {"data": -1, "model": tp}
 
 
 def trainer_rollout_meshes(roles, devices: Sequence[jax.Device] | None = None
@@ -175,15 +190,21 @@ def trainer_rollout_meshes(roles, devices: Sequence[jax.Device] | None = None
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
+    axes = getattr(roles, "axes", None)
+    trainer_axes = axes("trainer") if axes else {"data": -1}
     if roles.colocate or n < 2:
-        mesh = make_mesh({"data": -1}, devices)
+        mesh = make_mesh(trainer_axes, devices)
         return {"trainer": mesh, "rollout": mesh}, f"colocated on {n} device(s)"
     r = roles.rollout_devices
     if not 1 <= r < n:
         raise ValueError(f"roles.rollout_devices={r} must be in [1, {n - 1}] with {n} devices "
                          "(or set roles.colocate=true)")
-    meshes = role_meshes({"trainer": n - r, "rollout": r}, devices=devices)
-    return meshes, f"disjoint: trainer {n - r} device(s), rollout {r} device(s)"
+    per_role = {"trainer": trainer_axes, "rollout": axes("rollout") if axes else {"data": -1}}
+    meshes = role_meshes({"trainer": n - r, "rollout": r}, per_role, devices=devices)
+    text = f"disjoint: trainer {n - r} device(s), rollout {r} device(s)"
+    if any(len(a) > 1 for a in per_role.values()):
+        text += "; " + ", ".join(f"{k} {dict(m.shape)}" for k, m in meshes.items())
+    return meshes, text
 
 
 def check_rules(rules: LogicalRules) -> dict[str, tuple[str, ...]]:
@@ -300,3 +321,41 @@ class MeshConfig:
 
     def make(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
         return make_mesh(dict(zip(self.axes, self.shape)), devices)
+
+
+class MeshJit:
+    """A jitted function whose every trace runs under ``jax.set_mesh(mesh)``.
+
+    Kernel dispatch (``pallas_kernels.dispatch.partition_context``) reads the mesh context: under
+    it, the Pallas kernels of the step (splash attention, fused log-probs) run per shard inside
+    a ``shard_map`` over ``mesh`` instead of being left to the automatic partitioner (which
+    Mosaic TPU refuses, so ``auto`` would fall back to XLA on every multi-device step), and a
+    one-device role mesh on a multi-device host counts as one device. Calls, ``lower`` and
+    ``trace`` all enter the context, so a compile-only caller sees the program a run executes.
+
+    Attributes: ``mesh``; ``jitted`` (the ``jax.jit`` object)."""
+
+    def __init__(self, jitted, mesh: Mesh):
+        self.jitted = jitted
+        self.mesh = mesh
+
+    def __call__(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.jitted.trace(*args, **kwargs)
+
+    def __repr__(self):
+        return f"MeshJit({self.jitted!r}, mesh={dict(self.mesh.shape)})"
+
+
+def jit_on(mesh: Mesh, fun, **jit_kwargs) -> MeshJit:
+    """``jax.jit(fun, **jit_kwargs)`` traced and run under ``jax.set_mesh(mesh)`` (see
+    :class:`MeshJit`): how every jaxflow step that may use a Pallas kernel is built."""
+    return MeshJit(jax.jit(fun, **jit_kwargs), mesh)

@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from jaxflow.config import apply_overrides, experiments
@@ -18,6 +19,12 @@ from jaxflow.run import main as runner_main
 
 #: experiments whose drivers build device meshes (a mesh, roles or a devices field)
 MULTI_DEVICE = {"nestpipe", "flowtrain", "flexmarl"}
+
+#: production-size variants (issue 36): pod meshes, checked on POD_DEVICES fake devices
+PRODUCTION = {("flagship", "full"), ("lm_pretrain", "full"), ("dlrm_train", "full"),
+              ("bench_embedding", "full"), ("nestpipe", "full"), ("flowtrain", "full"),
+              ("flexmarl", "full")}
+POD_DEVICES = 64
 
 CASES = [(name, variant) for name, spec in sorted(experiments().items())
          for variant in spec.variants]
@@ -30,7 +37,16 @@ def test_every_variant_resolves_its_meshes(name, variant, n):
     config = spec.get_config(variant)
     devices = jax.devices()[:n]
     assert len(devices) == n
-    meshes = resolve_meshes(spec, config, devices)
+    if (name, variant) in PRODUCTION:
+        # sized for a pod: on fewer devices either meshes or a one-line error naming the
+        # devices (the test below resolves them on 64)
+        try:
+            meshes = resolve_meshes(spec, config, devices)
+        except (MeshError, ValueError) as e:
+            assert "device" in str(e), str(e)
+            return
+    else:
+        meshes = resolve_meshes(spec, config, devices)
     if name in MULTI_DEVICE or hasattr(config, "mesh") or hasattr(config, "roles"):
         assert meshes, f"{name}[{variant}] resolved no mesh"
     for key, mesh in meshes.items():
@@ -96,3 +112,22 @@ def test_dry_run_prints_the_meshes_and_writes_nothing(tmp_path, capsys):
                         "--dry-run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "batch_size=2052 is not divisible by 8 devices" in err[0]
+
+
+@pytest.mark.parametrize("name,variant", sorted(PRODUCTION))
+def test_production_variants_resolve_on_a_pod(name, variant):
+    """``--dry-run`` of each production-size variant on 64 fake devices (a v5p:4x4x4 pod's
+    count): its config validates and its meshes form (what ``--compile-only`` builds on the
+    abstract chips)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "jaxflow.run", f"--exp={name}",
+                           f"--variant={variant}", "--dry-run", f"--devices={POD_DEVICES}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["device_count"] == POD_DEVICES
+    assert line["meshes"], line
+    for shape in line["meshes"].values():
+        assert 1 <= int(np.prod(list(shape.values()))) <= POD_DEVICES

@@ -30,6 +30,7 @@ from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.decorate.editing import KEEP, BidirectionalTrunk, EditHead, apply_ops, edit_similarity
 from jaxflow.decorate.rating import CRITERIA, spearman
 from jaxflow.decorate.tagging import TagHierarchy, hierarchical_accuracy, hierarchical_decode
+from jaxflow.mesh import jit_on
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.loop import last_row, run_steps
 from jaxflow.train.state import TrainState
@@ -146,8 +147,8 @@ def make_student_train_step(fns: StudentFunctions, *, edit_nonkeep_weight: float
     bs = fns.batch_sharding
     batch_sh = {"tokens": bs, "valid": bs, "ratings": bs, "tags": bs, "ops": bs}
     replicated = NamedSharding(bs.mesh, PartitionSpec())
-    return jax.jit(step, in_shardings=(replicated, batch_sh), out_shardings=(replicated, replicated),
-                   donate_argnums=(0,))
+    return jit_on(bs.mesh, step, in_shardings=(replicated, batch_sh),
+                  out_shardings=(replicated, replicated), donate_argnums=(0,))
 
 
 def make_predict(fns: StudentFunctions) -> Callable:
@@ -162,7 +163,7 @@ def make_predict(fns: StudentFunctions) -> Callable:
                 "ops": ops}
 
     bs = fns.batch_sharding
-    return jax.jit(predict, in_shardings=(fns.param_shardings, bs, bs))
+    return jit_on(bs.mesh, predict, in_shardings=(fns.param_shardings, bs, bs))
 
 
 def zscore(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

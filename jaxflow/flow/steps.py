@@ -29,6 +29,7 @@ from jaxflow.flow.vlm import (
     side_functions,
     state_shardings,
 )
+from jaxflow.mesh import jit_on
 from jaxflow.models.transformer import Transformer, TransformerConfig
 from jaxflow.train.lm_state import OptimConfig, make_optimizer
 from jaxflow.train.state import TrainState
@@ -145,8 +146,10 @@ def make_monolithic_step(sides: Sides):
         return (enc_state.apply_gradients(g_enc), bb_state.apply_gradients(g_bb),
                 _metrics(loss, aux, enc_grad_norm=g_enc, bb_grad_norm=g_bb))
 
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(
-        sides.enc_state_shardings, sides.bb_state_shardings, None))
+    out_shardings = (sides.enc_state_shardings, sides.bb_state_shardings, None)
+    if sides.enc.mesh != sides.bb.mesh:  # both sides in one program: no one mesh context
+        return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
+    return jit_on(sides.bb.mesh, step, donate_argnums=(0, 1), out_shardings=out_shardings)
 
 
 @_cached
@@ -158,19 +161,20 @@ def make_backbone_step(sides: Sides):
                                                 denom)
         return bb_state.apply_gradients(g_bb), g_emb, _metrics(loss, aux, bb_grad_norm=g_bb)
 
-    return jax.jit(step, donate_argnums=(0,), out_shardings=(sides.bb_state_shardings, None, None))
+    return jit_on(sides.bb.mesh, step, donate_argnums=(0,),
+                  out_shardings=(sides.bb_state_shardings, None, None))
 
 
 @_cached
 def make_encoder_fns(sides: Sides):
     """(forward: (params, patches) -> (embeds, vjp), update: (enc_state, vjp, cot) -> state)."""
-    forward = jax.jit(lambda params, patches: encoder_forward(sides, params, patches))
+    forward = jit_on(sides.enc.mesh, lambda params, patches: encoder_forward(sides, params, patches))
 
     def update(enc_state: TrainState, vjp_fn, cotangent):
         g = encoder_grads(vjp_fn, cotangent)
         return enc_state.apply_gradients(g), optax.tree.norm(g)
 
-    return forward, jax.jit(update, out_shardings=(sides.enc_state_shardings, None))
+    return forward, jit_on(sides.enc.mesh, update, out_shardings=(sides.enc_state_shardings, None))
 
 
 def eval_correct(sides: Sides, enc_params, bb_params, patches: dict, rows: dict):

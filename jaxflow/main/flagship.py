@@ -181,6 +181,18 @@ def run_seed(config, run: RunContext, k: int, meshes, fns) -> tuple[dict, list, 
     return summary, rows, evals
 
 
+def compile_programs(config, meshes) -> list:
+    """``--compile-only``: the programs one RL step of run 0 executes (the trainer's own
+    jitted functions, :func:`jaxflow.rl.programs.grpo_programs`) on ``meshes`` (trainer /
+    rollout, from :func:`jaxflow.mesh.trainer_rollout_meshes` on the target's devices)."""
+    from jaxflow.rl.programs import grpo_programs
+
+    trainer = GRPOTrainer(config.pretrain.model, config.rl, config.optim, config.task,
+                          CharTokenizer(), meshes, seed=config.seed,
+                          total_rollouts=config.rollouts, sync=config.sync)
+    return grpo_programs(trainer)
+
+
 def main(config, run: RunContext) -> dict:
     meshes, roles = trainer_rollout_meshes(config.roles)
     run.info(f"roles: {roles}")

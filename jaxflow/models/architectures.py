@@ -218,3 +218,19 @@ def hf_shape(source: TensorSource, block_shape: tuple[int, ...]) -> tuple[int, .
 
 #: Checkpoint tensors that are derived buffers, not parameters (older exports include them).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+#: The Hugging Face config.json files kept in ``configs/hf`` (the ``full`` variants' models).
+SHIPPED_CONFIGS = ("qwen3-8b", "llama-3-8b")
+
+
+def shipped_config(name: str, *, dtype: str | None = None, **changes) -> TransformerConfig:
+    """The TransformerConfig of a config.json kept in ``configs/hf/NAME.json`` (values as
+    published with the checkpoint: Qwen3-8B, Meta-Llama-3-8B), through :func:`config_from_hf`;
+    ``changes`` replace fields after (e.g. ``n_layers=2``, ``max_seq_len``, ``remat=True``)."""
+    import importlib.resources
+
+    if name not in SHIPPED_CONFIGS:
+        raise ValueError(f"unknown shipped config {name!r}; valid: {', '.join(SHIPPED_CONFIGS)}")
+    text = importlib.resources.files("configs").joinpath("hf", f"{name}.json").read_text("utf-8")
+    return dataclasses.replace(config_from_hf(json.loads(text), dtype=dtype), **changes)

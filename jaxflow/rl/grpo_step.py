@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from jaxflow.mesh import jit_on
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl import corrections
 from jaxflow.rl.logprobs import fused_logprobs
@@ -281,9 +282,9 @@ def compiled_functions(model_cfg: TransformerConfig, mesh: Mesh, config: GRPOCon
     fns = lm_functions(model_cfg, mesh)
     tx = make_rl_optimizer(optim, total_steps)
     shardings = TrainState.shardings(tx, fns.abstract_params(), fns.param_shardings)
-    old_fn = jax.jit(functools.partial(old_stats, fns, config=config))
-    update = jax.jit(functools.partial(update_step, fns=fns, config=config),
-                     out_shardings=(shardings, None), donate_argnums=(0,))
+    old_fn = jit_on(mesh, functools.partial(old_stats, fns, config=config))
+    update = jit_on(mesh, functools.partial(update_step, fns=fns, config=config),
+                    out_shardings=(shardings, None), donate_argnums=(0,))
     return fns, tx, shardings, old_fn, update
 
 

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxflow.config import require_finite, require_positive, require_range
-from jaxflow.mesh import DEFAULT_RULES, LogicalRules, shardings_from_logical
+from jaxflow.mesh import DEFAULT_RULES, LogicalRules, jit_on, shardings_from_logical
 from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
 from jaxflow.train.state import TrainState
 
@@ -141,5 +141,5 @@ def make_train_step(fns: LMFunctions, tx: optax.GradientTransformation, sharding
         return state.apply_gradients(grads), metrics
 
     batch_shardings = {k: batch_sharding for k in ("tokens", "targets", "loss_mask", "segment_ids", "positions")}
-    return jax.jit(step, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, None),
-                   donate_argnums=(0,))
+    return jit_on(batch_sharding.mesh, step, in_shardings=(shardings, batch_shardings),
+                  out_shardings=(shardings, None), donate_argnums=(0,))

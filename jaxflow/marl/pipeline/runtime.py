@@ -20,6 +20,7 @@ from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.marl.engine import RolloutEngine, row_keys
 from jaxflow.marl.pipeline.accumulate import accumulate, accumulate_apply, weighted_grad
 from jaxflow.marl.workflow import AgentSpec, Workflow
+from jaxflow.mesh import jit_on
 from jaxflow.rl.grpo import GRPOConfig, MiniBatch, compiled_functions
 from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.rollout import RolloutBatch, batch_sharding
@@ -52,12 +53,13 @@ class AgentRuntime:
                                     temperature=self.config.temperature, task=self.task,
                                     tokenizer=self.tokenizer, chunk=engine_chunk,
                                     compact=engine_compact)
-        self.weighted_grad = jax.jit(functools.partial(weighted_grad, fns=self.fns,
-                                                       config=self.config))
-        self.accumulate = jax.jit(functools.partial(accumulate, fns=self.fns, config=self.config),
-                                  donate_argnums=0)
-        self.accumulate_apply = jax.jit(
-            functools.partial(accumulate_apply, fns=self.fns, config=self.config),
+        self.weighted_grad = jit_on(self.mesh, functools.partial(weighted_grad, fns=self.fns,
+                                                                 config=self.config))
+        self.accumulate = jit_on(self.mesh, functools.partial(accumulate, fns=self.fns,
+                                                              config=self.config),
+                                 donate_argnums=0)
+        self.accumulate_apply = jit_on(
+            self.mesh, functools.partial(accumulate_apply, fns=self.fns, config=self.config),
             out_shardings=self.shardings, donate_argnums=1)
 
     def init_policy(self, params: Any) -> TrainState:

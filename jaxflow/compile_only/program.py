@@ -1,0 +1,69 @@
+"""One jitted program an experiment would run, described for ahead-of-time compilation.
+
+An experiment's driver module that supports ``--compile-only`` defines ``compile_programs(config,
+meshes) -> list[Program]`` (:class:`jaxflow.contract.CompilesAhead`): ``meshes`` are the
+experiment's own meshes (``jaxflow.run_meshes.resolve_meshes``) built from the target's
+abstract devices, and each ``Program`` holds the *same* jitted function the run executes (built
+by the same builder: ``make_train_step``, ``compiled_functions``, ...) with
+``jax.ShapeDtypeStruct`` arguments that carry their shardings. Nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jax.sharding import Mesh
+
+#: Program kinds: "train" steps get an MFU estimate from ``model_flops``.
+KINDS = ("train", "forward", "sample", "sync", "embedding")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A jitted program and its abstract arguments.
+
+    name: "trainer/update" style, unique within the experiment; fn: the jitted callable the
+    run executes (``jax.jit`` or :class:`jaxflow.mesh.MeshJit`; anything with ``.lower``);
+    args / kwargs: ``jax.ShapeDtypeStruct`` pytrees with shardings on ``mesh``'s devices;
+    mesh: the mesh the program runs on (lowered under ``jax.set_mesh(mesh)``); kind: one of
+    :data:`KINDS`; model_flops: analytic FLOPs of one call (training: 6 x params x tokens +
+    attention) for the MFU estimate, since ``cost_analysis`` counts Pallas calls as ~0;
+    tokens: tokens (or rows) one call processes, for throughput; note: the sharding stated
+    in words ("data 8 x model 8, TP over heads / mlp / vocab")."""
+
+    name: str
+    fn: Callable
+    args: tuple
+    mesh: Mesh
+    kind: str = "train"
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    model_flops: float | None = None
+    tokens: int | None = None
+    note: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Program {self.name!r}: kind={self.kind!r}; valid: {KINDS}")
+        if not hasattr(self.fn, "lower"):
+            raise TypeError(f"Program {self.name!r}: fn must be jitted (has no .lower)")
+
+
+def transformer_train_flops(n_params: float, tokens: int, *, n_layers: int, seq_len: int,
+                            d_attn: int) -> float:
+    """Training FLOPs of one step of a decoder: 6 x params x tokens (forward + backward of the
+    weight matmuls) + causal attention 6 x layers x tokens x seq_len x d_attn (QK^T and AV,
+    forward 2 x 2 x T^2 x d / 2 for the causal half, times 3 with the backward).
+
+    d_attn: n_heads x head_dim."""
+    return 6.0 * n_params * tokens + 6.0 * n_layers * tokens * seq_len * d_attn
+
+
+def count_params(tree: Any) -> int:
+    """Elements in a pytree of arrays / ShapeDtypeStructs."""
+    import math
+
+    import jax
+
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
