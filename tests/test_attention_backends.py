@@ -86,6 +86,29 @@ def _pallas_operand_shapes(fn, *args) -> list[list[tuple[int, ...]]]:
     return found
 
 
+@pytest.mark.parametrize("axes", [{"data": 2, "model": 2}, {"data": 4}, {"model": 2}])
+@pytest.mark.parametrize("backend", ["splash", "flash"])
+def test_kernel_per_shard_under_a_mesh_matches_xla(backend, axes, qkv, reference):
+    """Under ``jax.set_mesh`` the kernel runs per shard: heads over "model" (tensor
+    parallelism, K/V heads with their query heads), rows over "data" (padded to its size):
+    the output and gradients equal the reference's."""
+    q, k, v, seg, ct = qkv
+    from jaxflow.mesh import make_mesh
+
+    mesh = make_mesh(axes, jax.devices()[:int(np.prod(list(axes.values())))])
+    rows, head = ab.shard_layout(mesh, H, K)
+    assert head == ("model" if "model" in axes else None)
+    assert rows == tuple(a for a in axes if a != "model")
+    with jax.set_mesh(mesh):
+        out, grads = jax.jit(lambda q, k, v, s, c: _out_and_grads(
+            lambda q, k, v, s: ab.attention(q, k, v, s, backend=backend, interpret=True),
+            q, k, v, s, c))(q, k, v, seg, ct)
+    real = (SEGMENTS > 0)[:, :, None, None]
+    np.testing.assert_allclose(np.where(real, out, 0), np.where(real, reference[0], 0), **TOL)
+    for g, r in zip(grads, reference[1]):
+        np.testing.assert_allclose(g, r, **TOL)
+
+
 def test_splash_reads_grouped_kv_heads_without_repeating_them(qkv):
     q, k, v, seg, _ = qkv
     (operands,) = _pallas_operand_shapes(

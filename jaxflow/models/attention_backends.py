@@ -36,9 +36,12 @@ Padding queries (segment 0) attend to earlier padding keys in the kernels and to
 the reference (zeros); their outputs are finite and meaningless in every backend, and no real
 token sees them, so real outputs and their gradients agree.
 
-Under a mesh context (``jax.set_mesh``) the Pallas kernels run in a ``shard_map`` that splits
-the batch over every mesh axis (Mosaic TPU refuses automatic partitioning; Triton would run
-replicated); without one on several devices, ``auto`` does not pick splash (one warning).
+Under a mesh context (``jax.set_mesh``; jaxflow's steps are built with ``jaxflow.mesh.jit_on``)
+the Pallas kernels run per shard in a ``shard_map`` (Mosaic TPU refuses automatic
+partitioning; Triton would run replicated): rows over the data axes and, under tensor
+parallelism, heads over the "model" axis, where the projections already put them
+(:func:`shard_layout`); without a context on several devices, ``auto`` does not pick splash
+(one warning).
 cuDNN attention carries its own partitioning rules.
 
 Flash attention: Dao et al. 2022 / Dao 2023 (FlashAttention-2); splash attention is JAX's
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +71,7 @@ __all__ = [
     "cudnn_attention",
     "flash_attention",
     "resolve_attention_backend",
+    "shard_layout",
     "splash_attention",
     "xla_attention",
 ]
@@ -223,23 +228,43 @@ _CALLS = {"xla": xla_attention, "splash": splash_attention, "flash": flash_atten
           "cudnn": cudnn_attention}
 
 
+#: The mesh axis tensor parallelism shards attention heads over (``jaxflow.mesh.DEFAULT_RULES``:
+#: "heads" and "kv_heads" -> "model").
+HEAD_AXIS = "model"
+
+
+def shard_layout(mesh, heads: int, kv_heads: int) -> tuple[tuple[str, ...], str | None]:
+    """(row axes, head axis) of the per-shard kernel call under ``mesh``: heads over
+    :data:`HEAD_AXIS` when the mesh has it (size > 1) and it divides both head counts (each
+    device keeps the query heads of its own K/V heads, as the TP projections left them),
+    rows over every other axis; otherwise rows over every axis and no head axis."""
+    tp = mesh.shape.get(HEAD_AXIS, 1)
+    if tp > 1 and heads % tp == 0 and kv_heads % tp == 0:
+        return tuple(a for a in mesh.axis_names if a != HEAD_AXIS), HEAD_AXIS
+    return tuple(mesh.axis_names), None
+
+
 def _kernel_call(name: str, interpret: bool):
     """``name``'s call as this trace runs it: Pallas kernels under a mesh context go into a
-    shard_map over the batch (padded to the mesh size with padding rows)."""
+    shard_map over the mesh (:func:`shard_layout`: rows over the data axes, padded with padding
+    rows to their size, and heads over the tensor-parallel axis)."""
     call = functools.partial(_CALLS[name], interpret=interpret)
     context, mesh = dispatch.partition_context()
     if name not in ("splash", "flash") or context != "mesh":
         return call
-    rows = P(tuple(mesh.axis_names))
 
     def sharded(q, k, v, seg):
+        row_axes, head_axis = shard_layout(mesh, q.shape[2], k.shape[2])
+        rows = row_axes or None
+        heads = P(rows, None, head_axis, None)
         b = q.shape[0]
-        pad = (-b) % mesh.size
+        pad = (-b) % math.prod(mesh.shape[a] for a in row_axes)
         q, k, v, seg = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, seg))
+        specs = (heads, heads, heads, P(rows, None))
         explicit = any(a == AxisType.Explicit for a in mesh.axis_types)
         if explicit:  # shard_map wants explicitly sharded inputs laid out as its in_specs
-            q, k, v, seg = (jax.reshard(x, rows) for x in (q, k, v, seg))
-        out = jax.shard_map(call, in_specs=(rows,) * 4, out_specs=rows, check_vma=False)(
+            q, k, v, seg = (jax.reshard(x, s) for x, s in zip((q, k, v, seg), specs))
+        out = jax.shard_map(call, in_specs=specs, out_specs=heads, check_vma=False)(
             q, k, v, seg)
         if explicit:  # the padded rows are cut below; explicit row shards cannot be sliced
             out = jax.reshard(out, P())
