@@ -93,7 +93,8 @@ def test_lm_train_step_uses_attention_kernels(target):
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_grpo_update_uses_attention_and_fused_logprob_kernels(target):
     """The flagship's full variant (Qwen3-8B widths, 1,024-token responses, SIS top-8) with 2
-    layers: the update of one 128-row mini-batch, and pi_old's statistics (forward only)."""
+    layers: the update of one 128-row mini-batch, pi_old's statistics (forward only), and the
+    sync's compaction of the largest leaf (the embedding, 151936 x 4096)."""
     import configs.flagship as flagship_config
     from jaxflow.main.flagship import compile_programs
 
@@ -117,6 +118,12 @@ def test_grpo_update_uses_attention_and_fused_logprob_kernels(target):
     calls, _ = _count(old.fn, old.args)
     forward = {"tpu": "splash_mha_fwd_segmented_no_residuals", "gpu": "mha_forward"}[platform]
     assert calls == {forward: LAYERS, "fused_logprobs_fwd": 1}, dict(calls)
+    # SparseRL-Sync's device diff: each trainer device compacts its shard of the largest leaf
+    # with the Pallas compaction inside the shard_map
+    compact = programs["sync/compact_largest_leaf"]
+    calls, text = _count(compact.fn, compact.args)
+    assert calls == {"sync_diff_compact": 1}, dict(calls)
+    assert CUSTOM_CALL[platform] in text
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
