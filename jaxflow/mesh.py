@@ -339,16 +339,25 @@ class MeshJit:
         self.jitted = jitted
         self.mesh = mesh
 
+    def _context(self):
+        # jax.set_mesh is refused inside a trace (a MeshJit called from another jitted
+        # function); there the abstract mesh alone is what kernel dispatch reads.
+        from jax._src import core
+
+        if not isinstance(core.trace_ctx.trace, core.EvalTrace):
+            return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
+        return jax.set_mesh(self.mesh)
+
     def __call__(self, *args, **kwargs):
-        with jax.set_mesh(self.mesh):
+        with self._context():
             return self.jitted(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
-        with jax.set_mesh(self.mesh):
+        with self._context():
             return self.jitted.lower(*args, **kwargs)
 
     def trace(self, *args, **kwargs):
-        with jax.set_mesh(self.mesh):
+        with self._context():
             return self.jitted.trace(*args, **kwargs)
 
     def __repr__(self):

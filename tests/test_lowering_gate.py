@@ -172,6 +172,9 @@ def _abstract(tree):
                         tree)
 
 
+_LAST_GRPO_KEY: tuple = ()
+
+
 def _grpo_steps():
     """(update step, old-stats step, their abstract args) of a tiny GRPO policy, backend auto."""
     from jaxflow.mesh import make_mesh
@@ -187,8 +190,9 @@ def _grpo_steps():
                              loss=PolicyLossConfig(correction="sis"), sis_topk=4,
                              logprob_backend="auto")
     grpo.compiled_functions.cache_clear()
-    fns, tx, shardings, old_fn, update = grpo.compiled_functions(
-        model, mesh, config, OptimConfig(warmup_steps=0), 10)
+    global _LAST_GRPO_KEY
+    _LAST_GRPO_KEY = (model, mesh, config, OptimConfig(warmup_steps=0), 10)
+    fns, tx, shardings, old_fn, update = grpo.compiled_functions(*_LAST_GRPO_KEY)
     from jaxflow.train.state import TrainState
 
     params = fns.abstract_params()
@@ -295,13 +299,27 @@ EXPECT_ATTENTION = {("grpo", "tpu"): "splash_mha_fwd", ("grpo", "cuda"): "mha_fo
                     ("vlm", "cuda"): "mha_forward"}
 
 
-def test_grpo_without_mesh_context_falls_back_on_tpu(monkeypatch):
-    """No mesh context and 8 devices: the TPU verdict is negative (one warning) and the step
-    still lowers, on XLA."""
+def test_grpo_steps_set_their_own_mesh_context(monkeypatch):
+    """The GRPO steps are built with ``jit_on(trainer mesh)``: called with no mesh context by
+    the caller on 8 devices they still trace under the trainer mesh and use the TPU kernel.
+    The same function jitted bare (no context, 8 devices) gets a negative TPU verdict (one
+    warning) and still lowers, on XLA."""
+    from jaxflow.mesh import MeshJit
+
     with building_for("tpu", monkeypatch):
-        _, fn, args, _ = _grpo_steps()[1]
+        (_, update, update_args, _), (_, old, old_args, _) = _grpo_steps()
+        exported = lowering.export_for(old, *old_args, platform="tpu", declare_device=False)
+        assert KERNEL_CALL["tpu"] in exported.mlir_module()
+        from jaxflow.rl import grpo
+
+        jitted = grpo.compiled_functions.cache_info()  # the cached steps are MeshJit
+        assert jitted.currsize == 1
+        _, _, _, old_fn, _ = grpo.compiled_functions(*_LAST_GRPO_KEY)
+        assert isinstance(old_fn, MeshJit)
+        bare = old_fn.jitted  # the same jax.jit, traced without the trainer mesh
         with pytest.warns(RuntimeWarning, match="cannot be partitioned automatically"):
-            exported = lowering.export_for(fn, *args, platform="tpu", declare_device=False)
+            exported = lowering.export_for(lambda p, m: bare(p, None, m), *old_args,
+                                           platform="tpu", declare_device=False)
         assert KERNEL_CALL["tpu"] not in exported.mlir_module()
 
 

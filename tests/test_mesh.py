@@ -77,3 +77,36 @@ def test_lm_params_are_sharded_by_logical_rules():
     w_up = params["layers"][0]["mlp"]["w_up"]
     assert w_up.sharding.spec == PartitionSpec(None, "model")
     assert len(w_up.addressable_shards[0].data.shape) == 2 and w_up.addressable_shards[0].data.shape[1] == 128
+
+
+def test_jit_on_traces_under_its_mesh_called_alone_or_from_another_jit():
+    """``jit_on(mesh, f)``: kernel dispatch inside ``f`` sees ``mesh`` (called at top level, or
+    from inside another jitted function, where ``jax.set_mesh`` is refused), and a one-device
+    role mesh counts as a single device whatever the host has."""
+    import jax.numpy as jnp
+
+    from jaxflow.mesh import MeshJit, jit_on, make_mesh
+    from pallas_kernels import dispatch
+
+    seen = []
+
+    def f(x):
+        context, mesh = dispatch.partition_context()
+        seen.append((context, None if mesh is None else dict(mesh.shape)))
+        return x * 2
+
+    eight = make_mesh({"data": 4, "model": 2})
+    step = jit_on(eight, f)
+    assert isinstance(step, MeshJit)
+    x = jnp.arange(8.0)
+    assert float(step(x).sum()) == 56.0
+    assert seen[-1] == ("mesh", {"data": 4, "model": 2})
+    jax.jit(lambda x: jit_on(eight, lambda y: f(y) + 1)(x))(x)
+    assert seen[-1] == ("mesh", {"data": 4, "model": 2})
+    one = make_mesh({"data": 1}, jax.devices()[:1])
+    jit_on(one, f)(x)
+    assert seen[-1] == ("single", None)
+    jax.jit(f)(x)  # no context on 8 devices
+    assert seen[-1] == ("auto", None)
+    assert "tpu" not in step.lower(jnp.arange(16.0)).as_text()  # lower enters the mesh too
+    assert seen[-1][0] == "mesh"
