@@ -239,9 +239,10 @@ def partition_context():
     """How a kernel traced here will be partitioned: ("manual", None) inside a shard_map over
     every mesh axis (the kernel sees local shards), ("mesh", abstract_mesh) under
     ``jax.set_mesh`` (a caller can wrap the kernel in its own shard_map), ("single", None)
-    under a one-device mesh context or in a one-device process without one, else ("auto", None): an enclosing jit may split the kernel's
-    operands over several devices, which Mosaic TPU kernels refuse to lower ("cannot be
-    automatically partitioned") and Triton kernels lower replicated."""
+    under a one-device mesh context or in a one-device process without one, else ("auto",
+    None): an enclosing jit may split the kernel's operands over several devices, which Mosaic
+    TPU kernels refuse to lower ("cannot be automatically partitioned") and Triton kernels
+    lower replicated."""
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.are_all_axes_manual:
         return "manual", None
