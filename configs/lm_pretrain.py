@@ -3,6 +3,15 @@
     python -m jaxflow.run --exp=lm_pretrain --variant=quick
     python -m jaxflow.run --exp=lm_pretrain --variant=default --set train.steps=3000
     python -m jaxflow.run --exp=lm_pretrain --variant=quick --devices=8 --set mesh.shape=4,2
+    python -m jaxflow.run --exp=lm_pretrain --variant=full --compile-only --target=tpu-v5p:4x4x4
+
+``full`` is Meta-Llama-3-8B (bf16, remat per block) on 256 sequences of 4096 tokens per step,
+sharded ZeRO-3 style over "fsdp" (every device): the batch, and the MLP-hidden and vocab
+dimensions of the weights and their AdamW moments (``jaxflow.train.pretrain.RULES``); the
+attention weights stay replicated (their heads go over "model", size 1).
+``--set mesh.shape=1,8,8`` adds 8-way tensor parallelism. On a v5p:4x4x4 pod that is 4
+sequences per chip and 46.6 GiB of 95 GiB HBM per chip (``--compile-only``, jax 0.10.2); it
+does not fit 8 x H100 (172 GiB per GPU: 32 sequences' float32 logits alone are 63 GiB).
 
 The RL experiments warm-start from this run's checkpoint.
 """
@@ -13,6 +22,7 @@ import dataclasses
 
 from jaxflow.config import Variants, require_positive
 from jaxflow.mesh import MeshConfig
+from jaxflow.models.architectures import shipped_config
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
 
@@ -74,13 +84,16 @@ def _quick() -> Config:
 
 
 def _full() -> Config:
+    """Llama-3-8B at production size: FSDP over every device (see the module docstring)."""
     base = Config()
     return dataclasses.replace(
         base,
-        model=dataclasses.replace(base.model, d_model=256, n_layers=4, n_heads=8, d_ff=768),
+        model=shipped_config("llama-3-8b", max_seq_len=4096, remat=True),
         data=dataclasses.replace(base.data, max_digits=5),
-        train=dataclasses.replace(base.train, steps=20000, batch_size=128, eval_every=2000,
-                                  checkpoint_every=2000),
+        train=dataclasses.replace(base.train, steps=20000, batch_size=256, seq_len=4096,
+                                  eval_every=2000, checkpoint_every=2000),
+        optim=OptimConfig(lr=3e-4, warmup_steps=2000, weight_decay=0.1, b2=0.95),
+        mesh=MeshConfig(axes=("data", "fsdp", "model"), shape=(1, -1, 1)),
     )
 
 

@@ -14,6 +14,9 @@
   --coordinator HOST:PORT --num-processes N --process-id I
                                JAX multi-controller runtime (or --distributed-auto on TPU/SLURM)
   --peer-timeout S             a process whose peer is silent S seconds exits (default 60)
+  --compile-only --target T    compile every program of the experiment for T's abstract chips
+                               (tpu-v5p:4x4x4, gpu-h100x8, ...; jaxflow.compile_only), run
+                               nothing; a table, and compile_report.json in the run directory
 
 User errors (unknown names, unparsable or out-of-range values, a bad --out or --coordinator, a run
 that cannot be resumed, meshes the devices cannot form, a missing optional extra) exit with code
@@ -75,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit when a peer process is silent this long (default 60)")
     p.add_argument("--kill-after-checkpoint", type=int, default=None, metavar="STEP",
                    help="test hook: SIGKILL the run once the checkpoint of STEP is committed")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile every program for --target's chips, run nothing")
+    p.add_argument("--target", help="tpu-v5e:2x2 | tpu-v5p:4x4x4 | gpu-h100x8 | ...")
     return p
 
 
@@ -173,6 +179,10 @@ def _check_fresh_out(out: epath.Path) -> None:
 
 def _check_flags(args) -> None:
     from jaxflow import distributed
+    from jaxflow.compile_only.cli import flag_problem
+
+    if (problem := flag_problem(args)) is not None:
+        raise UsageError(problem)
 
     if args.devices is not None and args.devices < 1:
         raise UsageError(f"--devices {args.devices}; valid: an integer >= 1")
@@ -273,6 +283,8 @@ def _main(argv: list[str]) -> int:
         print(list_experiments())
         return 0
     plan = _plan(args, argv)
+    if args.compile_only:
+        return _compile_only(plan)
     started = _start_runtime(plan)
     import jax
 
@@ -286,6 +298,19 @@ def _main(argv: list[str]) -> int:
         _print_dry_run(plan, meshes)
         return 0
     return _execute(plan, started)
+
+
+def _compile_only(plan: _Plan) -> int:
+    """``--compile-only``: the programs compiled for ``--target`` (``jaxflow.compile_only.cli``)."""
+    from jaxflow.compile_only import cli
+
+    out = _out_dir(plan.out, plan.name, False)
+    if plan.out is None:
+        _check_fresh_out(out)
+    try:
+        return cli.run(plan, out, git_commit=_git_commit(), prog=PROG)
+    except cli.CompileOnlyUsageError as e:
+        raise UsageError(str(e)) from None
 
 
 def _plan(args: argparse.Namespace, argv: list[str]) -> _Plan:

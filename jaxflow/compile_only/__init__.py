@@ -1,0 +1,15 @@
+"""Ahead-of-time compilation of an experiment for abstract chips (``--compile-only``).
+
+* :mod:`~jaxflow.compile_only.program`: :class:`Program`, what a driver's
+  ``compile_programs(config, meshes)`` returns, and the analytic FLOP counts;
+* :mod:`~jaxflow.compile_only.target`: ``--target`` parsing and the target's devices;
+* :mod:`~jaxflow.compile_only.compile`: compiling the programs (two at a time, the persistent
+  cache);
+* :mod:`~jaxflow.compile_only.hlo`: collectives and kernels read from the compiled HLO;
+* :mod:`~jaxflow.compile_only.report`: memory, cost, roofline, MFU, the table;
+* :mod:`~jaxflow.compile_only.cli`: the runner's ``--compile-only`` branch.
+"""
+
+from jaxflow.compile_only.program import KINDS, Program, count_params, transformer_train_flops
+
+__all__ = ["KINDS", "Program", "count_params", "transformer_train_flops"]

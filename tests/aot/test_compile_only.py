@@ -1,0 +1,98 @@
+"""``python -m jaxflow.run --compile-only --target=T`` end to end, by the real XLA:TPU and XLA:GPU
+compilers for abstract chips: lm_pretrain's quick train step on a v5e 2x2 slice and on two H100s
+(the report's fields present and sane, the Pallas attention kernels in the TPU and GPU programs),
+and a model too large for v5e's 16 GiB (exit 2, one line naming the program, report written).
+
+Each case is a fresh ``python -m jaxflow.run`` process, so the compile environment is set by the
+runner before jax starts, as for a user.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxflow.run import PROG
+from pallas_kernels import targets
+from tests._cli import run_cli
+
+QUICK = ["--exp=lm_pretrain", "--variant=quick", "--compile-only"]
+#: d_model 8192, 2 layers, d_ff 32768: ~2.3B f32 params, replicated over the 4 chips (data
+#: parallel) with AdamW's two moments: far over 16 GiB per chip.
+TOO_BIG = ["--set", "model.d_model=8192", "--set", "model.n_heads=64", "--set",
+           "model.n_kv_heads=8", "--set", "model.d_ff=32768", "--set", "model.n_layers=2"]
+
+
+def _compile(tmp_path, target: str, *extra: str):
+    out = tmp_path / "run"
+    proc = run_cli([*QUICK, f"--target={target}", f"--out={out}", *extra],
+                   env_extra={"JAXFLOW_COMPILATION_CACHE": str(tmp_path / "xla-cache")},
+                   timeout=900)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"{PROG}: error:")]
+    report = (json.loads((out / "compile_report.json").read_text())
+              if (out / "compile_report.json").exists() else None)
+    return proc, errors, report
+
+
+def _check_sane(report: dict, chip: str, n_devices: int) -> dict:
+    assert report["target"]["chip"] == chip and report["target"]["n_devices"] == n_devices
+    assert report["chip"]["hbm_bytes"] == targets.CHIPS[chip].hbm_bytes
+    (step,) = report["programs"]
+    assert step["name"] == "train/step" and step["status"] == "ok", step.get("error")
+    assert step["mesh"] == {"data": n_devices, "model": 1}
+    mem = step["memory"]
+    assert 0 < mem["total_bytes"] <= mem["capacity_bytes"] and mem["fits"]
+    assert mem["alias_bytes"] > 0  # the donated train state
+    assert step["cost"]["flops"] > 0 and step["cost"]["bytes_accessed"] > 0
+    # data parallel: the gradients' all-reduce moves at least every parameter once (f32)
+    assert step["collectives"]["all-reduce"]["count"] >= 1
+    assert step["collectives"]["all-reduce"]["bytes"] >= 4 * 600_000
+    assert step["roofline"]["seconds"] > 0 and 0 < step["mfu"] <= 1
+    assert step["seconds"]["compile"] > 0
+    assert report["compilation_cache"]["events"].get("compile_requests_use_cache", 0) >= 1
+    return step
+
+
+def test_quick_train_step_on_tpu_v5e(tmp_path):
+    proc, errors, report = _compile(tmp_path, "tpu-v5e:2x2")
+    assert proc.returncode == 0 and not errors, proc.stderr[-3000:]
+    step = _check_sane(report, "v5e", 4)
+    assert step["cost"]["source"] == "compiled.cost_analysis()"
+    # attention "auto" picks splash on TPU, per shard under the mesh: forward, dq, dkv per layer
+    kernels = step["kernels"]["pallas"]
+    assert step["kernels"]["pallas_count"] == 9, kernels
+    assert {k.split("_segmented")[0] for k in kernels} == {
+        "splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"}
+    assert "train/step" in proc.stdout and "roofline ms" in proc.stdout
+    assert report["versions"]["libtpu"]
+
+
+def test_quick_train_step_on_two_h100s(tmp_path):
+    proc, errors, report = _compile(tmp_path, "gpu-h100x2")
+    assert proc.returncode == 0 and not errors, proc.stderr[-3000:]
+    step = _check_sane(report, "h100", 2)
+    # deviceless XLA:GPU executables have no cost analysis: XLA's HLO cost analysis instead
+    assert step["cost"]["source"].startswith("HLO cost analysis")
+    # float32: cuDNN attention needs bf16, so "auto" picks the Triton flash kernel
+    assert step["kernels"]["pallas_count"] > 0 and "mha_forward" in step["kernels"]["pallas"]
+
+
+def test_a_model_too_large_for_v5e_exits_2_naming_the_program(tmp_path):
+    proc, errors, report = _compile(tmp_path, "tpu-v5e:2x2", *TOO_BIG)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "train/step needs " in errors[0] and "GiB per device on v5e" in errors[0]
+    assert "capacity 16.00 GiB" in errors[0]
+    (step,) = report["programs"]
+    assert step["status"] == "does_not_fit" and step["memory"]["fits"] is False
+    needed = step["memory"]["total_bytes"] or step["memory"]["required_bytes"]
+    assert needed > targets.CHIPS["v5e"].hbm_bytes
+
+
+@pytest.mark.parametrize("target", ["tpu-v5p:3x3x3"])
+def test_a_topology_libtpu_refuses_is_a_user_error(tmp_path, target):
+    proc, errors, report = _compile(tmp_path, target)
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "does not accept topology 'v5p:3x3x3'" in errors[0] and "valid:" in errors[0]
+    assert report is None and not (tmp_path / "run").exists()
