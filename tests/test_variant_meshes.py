@@ -21,9 +21,7 @@ from jaxflow.run import main as runner_main
 MULTI_DEVICE = {"nestpipe", "flowtrain", "flexmarl"}
 
 #: production-size variants (issue 36): pod meshes, checked on POD_DEVICES fake devices
-PRODUCTION = {("flagship", "full"), ("lm_pretrain", "full"), ("dlrm_train", "full"),
-              ("bench_embedding", "full"), ("nestpipe", "full"), ("flowtrain", "full"),
-              ("flexmarl", "full")}
+PRODUCTION = {("flagship", "full"), ("lm_pretrain", "full")}
 POD_DEVICES = 64
 
 CASES = [(name, variant) for name, spec in sorted(experiments().items())
