@@ -11,6 +11,15 @@
 
 The mesh is one "data" axis over every device (-1): batch-parallel dense model, tables placed
 on the same axis. On a CPU-only machine ``--devices=8`` gives 8 fake devices.
+
+``full`` is the production size (MLPerf DLRM on Criteo 1TB): 26 tables of 10M..100M rows
+(:data:`PRODUCTION_VOCABS`, 1.03B rows, 528 GB of f32 at dim 128), one-hot ids, bottom MLP
+512-256-128, top MLP 1024-1024-512-256-1, global batch 65,536. Sharding: every table row-wise
+over the one "data" axis (one packed group, ``ceil(V / P)`` rows of each table per device: on
+a v5p:4x4x4 pod 64 shards of 8.3 GB), the ids / dense features / labels split over "data", the
+dense model replicated with its gradients psum-ed. It does not run on a CPU host (the tables are
+initialised in host memory); check it with
+``python -m jaxflow.run --exp=dlrm_train --variant=full --compile-only --target=tpu-v5p:4x4x4``.
 """
 
 from __future__ import annotations
@@ -18,11 +27,22 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants, require_finite, require_positive
+from jaxflow.embeddings.pooling import PoolingBackend
 from jaxflow.mesh import MeshConfig
 from jaxflow.recsys.synthetic import CRITEO_LIKE_VOCABS
 
 DESCRIPTION = "DLRM / DCN-v2 on sharded embeddings; synthetic Criteo-like data; AUC + logloss"
 ENTRY = "jaxflow.main.dlrm_train:main"
+#: the production tables (``full``; also bench_embedding's and nestpipe's): 26 row counts spread
+#: geometrically over 10M..100M (round(10M x 10^(i/25))), table i getting the size of the same
+#: rank as ``CRITEO_LIKE_VOCABS[i]`` among the Criteo-like ones; 1,032M rows in all, each a
+#: multiple of 1M (so of 8 and 64 shards)
+PRODUCTION_VOCABS = (28_000_000, 23_000_000, 100_000_000, 63_000_000, 21_000_000, 16_000_000,
+                     44_000_000, 25_000_000, 10_000_000, 91_000_000, 40_000_000, 83_000_000,
+                     33_000_000, 17_000_000, 52_000_000, 69_000_000, 12_000_000, 36_000_000,
+                     30_000_000, 11_000_000, 76_000_000, 14_000_000, 13_000_000, 58_000_000,
+                     19_000_000, 48_000_000)
+POOLING_BACKENDS = tuple(b.value for b in PoolingBackend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +69,16 @@ class ModelConfig:
     top: tuple[int, ...] = (64, 32)
     cross_layers: int = 2
     deep: tuple[int, ...] = (64, 32)
+    # bag pooling: "auto" = the Pallas embedding-bag kernel on GPU / TPU where it builds, XLA
+    # on a CPU (the same values as "xla" there)
+    pooling_backend: str = "auto"
 
     def __post_init__(self):
         if self.arch not in ("dlrm", "dcn_v2"):
             raise ValueError(f"model.arch={self.arch!r}; valid: dlrm, dcn_v2")
+        if self.pooling_backend not in POOLING_BACKENDS:
+            raise ValueError(f"model.pooling_backend={self.pooling_backend!r}; valid: "
+                             f"{', '.join(POOLING_BACKENDS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +122,13 @@ def _quick() -> Config:
 
 
 def _full() -> Config:
+    """Production size (see the module docstring): 26 x 10M..100M rows x 128, batch 65,536."""
     base = Config()
     return dataclasses.replace(
-        base, data=dataclasses.replace(base.data, vocab_sizes=tuple(v * 10 for v in CRITEO_LIKE_VOCABS)),
-        model=dataclasses.replace(base.model, embed_dim=64, bottom=(512, 256), top=(512, 256)),
-        train=dataclasses.replace(base.train, steps=20000, batch_size=8192, checkpoint_every=2000,
+        base, data=dataclasses.replace(base.data, vocab_sizes=PRODUCTION_VOCABS, multi_hot=1),
+        model=dataclasses.replace(base.model, embed_dim=128, bottom=(512, 256),
+                                  top=(1024, 1024, 512, 256)),
+        train=dataclasses.replace(base.train, steps=20000, batch_size=65536, checkpoint_every=2000,
                                   eval_batches=32))
 
 

@@ -20,6 +20,16 @@ device routes its keys to the owning shard of the host tables and gets rows back
 The quick / default capacities were measured on ``capacity_devices`` (8) devices; on another
 count they fall back to the worst-case sizes (0, cannot overflow).
 
+``full`` is the production size of ``dlrm_train --variant=full``: the same 26 tables of
+10M..100M rows (``configs.dlrm_train.PRODUCTION_VOCABS``, 1.03B rows) at dim 128 with bags of
+1..4 ids, the MLPerf DLRM dense model (bottom 512-256-128, top 1024-1024-512-256-1), global
+batch 65,536 in a window of 8 micro-batches. Sharding: the tables stay in host memory, split
+row-wise over the one "data" axis (each device owns ``ceil(V / P)`` rows of every table and
+holds only the owner buffer of the rows a step touches: the worst-case capacities, as they were
+not measured at that size), the batch split over "data", the dense model replicated with its
+gradients psum-ed. It does not run on a CPU host (528 GB of host tables); check it with
+``python -m jaxflow.run --exp=nestpipe --variant=full --compile-only --target=tpu-v5p:4x4x4``.
+
 Summary keys (maps keyed by pipeline): ``speedup_vs_sync`` (median over ``runs`` of each run's
 paired median), ``speedup_runs`` (every run's figure), ``speedup_pairs`` (every pair),
 ``ideal_speedup``, ``max_param_diff_vs_sync`` (max over leaves of max |x - x_sync| /
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from configs.dlrm_train import POOLING_BACKENDS, PRODUCTION_VOCABS
 from jaxflow.config import Variants
 
 DESCRIPTION = "NestPipe dual-buffer / frozen-window pipelines vs sync over host-resident tables"
@@ -82,6 +93,9 @@ class Config:
     frozen_exchange: str = "per_micro_batch"
     # write the simulator's calibration file here (nestpipe_scale reads it; see its config)
     calibration_out: str = ""
+    # bag pooling in the compute programs: "auto" = the Pallas embedding-bag kernel on GPU /
+    # TPU where it builds, XLA on a CPU (the same values as "xla" there)
+    pooling_backend: str = "auto"
 
     def __post_init__(self):
         bad = [p for p in self.pipelines if p not in PIPELINE_NAMES]
@@ -96,6 +110,9 @@ class Config:
                     if self.frozen_exchange == "window" else "")
             raise ValueError(f"frozen_exchange={self.frozen_exchange!r}; valid: "
                              f"{', '.join(FWP_EXCHANGES)}{hint}")
+        if self.pooling_backend not in POOLING_BACKENDS:
+            raise ValueError(f"pooling_backend={self.pooling_backend!r}; valid: "
+                             f"{', '.join(POOLING_BACKENDS)}")
         if self.cluster_method not in ("vote", "greedy"):
             raise ValueError(f"cluster_method={self.cluster_method!r}; valid: vote, greedy")
         if self.devices is not None and (self.devices < 1 or
@@ -120,10 +137,10 @@ def _default() -> Config:
 
 
 def _full() -> Config:
-    return Config(batch_size=32768, embed_dim=128, steps=2000, pairs=30, timing_steps=16,
-                  micro_batches=8, bottom=(512, 256), top=(512, 256),
-                  vocab_sizes=(10_000_000, 5_000_000, 2_000_000, 1_000_000, 200_000,
-                               50_000, 1_000, 100))
+    """Production size (see the module docstring): 26 x 10M..100M rows x 128, batch 65,536."""
+    return Config(batch_size=65536, embed_dim=128, steps=2000, pairs=30, timing_steps=16,
+                  micro_batches=8, bottom=(512, 256), top=(1024, 1024, 512, 256),
+                  vocab_sizes=PRODUCTION_VOCABS)
 
 
 get_config = Variants(quick=_quick, default=_default, full=_full)

@@ -113,7 +113,7 @@ steps() {
   step flagship 75 --exp=flagship --variant=quick
   step bench_policy_loss 40 --exp=bench_policy_loss --variant=full
   step bench_sync_codec 40 --exp=bench_sync_codec --variant=default
-  step bench_embedding 40 --exp=bench_embedding --variant=full --set num_tables=8 \
+  step bench_embedding 40 --exp=bench_embedding --variant=device --set num_tables=8 \
     --set capacity=0 --set pairs=10
 }
 

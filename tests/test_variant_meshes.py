@@ -20,8 +20,9 @@ from jaxflow.run import main as runner_main
 #: experiments whose drivers build device meshes (a mesh, roles or a devices field)
 MULTI_DEVICE = {"nestpipe", "flowtrain", "flexmarl"}
 
-#: production-size variants (issue 36): pod meshes, checked on POD_DEVICES fake devices
-PRODUCTION = {("flagship", "full"), ("lm_pretrain", "full")}
+#: production-size variants: pod meshes, checked on POD_DEVICES fake devices
+PRODUCTION = {("flagship", "full"), ("lm_pretrain", "full"), ("dlrm_train", "full"),
+              ("bench_embedding", "full"), ("nestpipe", "full")}
 POD_DEVICES = 64
 
 CASES = [(name, variant) for name, spec in sorted(experiments().items())

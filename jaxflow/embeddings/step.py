@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxflow.embeddings.lookup import ShardedEmbeddings, error_stats
@@ -30,6 +31,27 @@ def state_specs(emb: ShardedEmbeddings, dense_state: Any = None) -> dict:
     """shard_map specs: embedding state as placed, dense state (a ``TrainState`` or ``{}``)
     replicated (``P()`` is a prefix of every leaf)."""
     return {"emb": emb.state_specs(), "dense": P()}
+
+
+def abstract_state(emb: ShardedEmbeddings, dense_state: Any = None) -> dict:
+    """The step's state as ``jax.ShapeDtypeStruct`` leaves carrying the shardings
+    ``emb.init`` places them with (compile-only: nothing is allocated): ``{"emb": {"tables":
+    {group: [rows, D] param_dtype}, "opt": {group: {name: [rows, ...]}}, "step": int32[]},
+    "dense": dense_state}``; ``dense_state`` an abstract ``TrainState``
+    (``TrainState.abstract``) or None for ``{}`` (an embedding-only loss)."""
+    shardings = emb.state_shardings()
+    tables, opt = {}, {}
+    for g in emb.plan.groups:
+        shape = g.global_shape(emb.plan.num_shards)
+        tables[g.name] = jax.ShapeDtypeStruct(shape, jnp.dtype(emb.param_dtype),
+                                              sharding=shardings["tables"][g.name])
+        init = jax.eval_shape(lambda shape=shape, dim=g.dim: emb.optimizer.init(shape[0], dim))
+        opt[g.name] = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                               sharding=shardings["opt"][g.name][k])
+                       for k, v in init.items()}
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings["step"])
+    return {"emb": {"tables": tables, "opt": opt, "step": step},
+            "dense": {} if dense_state is None else dense_state}
 
 
 def dense_params(dense_state: TrainState | dict) -> Any:

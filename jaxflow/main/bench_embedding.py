@@ -23,16 +23,18 @@ number measures the interpreter, not the kernel).
 from __future__ import annotations
 
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxflow.compile_only.program import Program
 from jaxflow.embeddings import ShardedEmbeddings, TableSpec, check_stats, make_sparse_optimizer
 from jaxflow.embeddings.reference import reference_lookup
-from jaxflow.embeddings.step import make_train_step
+from jaxflow.embeddings.step import abstract_state, make_train_step
 from jaxflow.experiment import RunContext
 from jaxflow.recsys.synthetic import SyntheticConfig, SyntheticCriteo
 from pallas_kernels.embedding_bag import embedding_bag, embedding_bag_reference
@@ -121,14 +123,21 @@ def sparse_baseline_step(specs, learning_rate: float, eps: float = 1e-8):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+def kernel_fns(interpret: bool):
+    """(Pallas embedding bag, its XLA reference), jitted: ``(table [V, D], ids int32[B, L]) ->
+    [B, D]`` sum pooling; ``interpret``: the kernel in interpret mode (off GPU / TPU)."""
+    pallas = jax.jit(lambda t, i: embedding_bag(t, i, interpret=interpret))
+    ref = jax.jit(lambda t, i: embedding_bag_reference(t, i))
+    return pallas, ref
+
+
 def bench_kernel(config, run: RunContext) -> dict:
     interpret = jax.default_backend() not in ("gpu", "tpu")
     k = jax.random.key(config.seed)
     table = jax.random.normal(k, (config.kernel_vocab, config.dim), jnp.float32)
     ids = jax.random.randint(jax.random.fold_in(k, 1), (config.kernel_bags, config.bag), -1,
                              config.kernel_vocab)
-    pallas = jax.jit(lambda t, i: embedding_bag(t, i, interpret=interpret))
-    ref = jax.jit(lambda t, i: embedding_bag_reference(t, i))
+    pallas, ref = kernel_fns(interpret)
     err = float(jnp.max(jnp.abs(pallas(table, ids) - ref(table, ids))))
     _block(ref(table, ids))
     t_ref, t_pal = [], []
@@ -143,14 +152,121 @@ def bench_kernel(config, run: RunContext) -> dict:
             "pallas_seconds_median": float(np.median(t_pal)), "reference_seconds_median": float(np.median(t_ref))}
 
 
-def main(config, run: RunContext) -> dict:
-    mesh = config.mesh.make()
+class Steps(NamedTuple):
+    """The jitted steps of every path and what they are built with (:func:`make_steps`)."""
+
+    emb: ShardedEmbeddings
+    capacity: int  # distinct keys per device per step
+    bucket: int  # keys per owner per step
+    jaxflow: Any  # A: (state, ids, weights) -> (state, stats)
+    dense: Any  # B: (tables, accum, ids, weights) -> (tables, accum)
+    sparse: Any  # C: the same signature
+    table_sharding: NamedSharding  # the baselines' tables and accumulators
+
+
+def table_specs(config) -> list[TableSpec]:
+    """``t0 .. t{num_tables-1}``, row-wise, sum-pooled, ``config.table_rows()`` rows each."""
+    return [TableSpec(f"t{i}", v, config.dim, "row_wise", "sum")
+            for i, v in enumerate(config.table_rows())]
+
+
+def make_steps(config, mesh) -> Steps:
+    """The three paths' jitted steps on ``mesh`` (its "data" axis): A ``make_train_step`` on
+    ``ShardedEmbeddings`` (capacity ``config.capacity`` or the bound local batch x bag x tables,
+    per owner ``config.bucket_capacity`` or 2 x capacity / devices), B and C over tables
+    row-sharded with ``NamedSharding(P("data"))`` when every row count divides the devices
+    (else replicated).
+
+    Raises ValueError when ``batch_size`` does not split over the devices."""
     n_dev = mesh.shape["data"]
     if config.batch_size % n_dev:
         raise ValueError(f"batch_size={config.batch_size} not divisible by {n_dev} devices")
-    names = [f"t{i}" for i in range(config.num_tables)]
-    specs = [TableSpec(n, config.vocab_size, config.dim, "row_wise", "sum") for n in names]
-    gen = SyntheticCriteo(SyntheticConfig(vocab_sizes=(config.vocab_size,) * config.num_tables,
+    specs = table_specs(config)
+    local_b = config.batch_size // n_dev
+    capacity = config.capacity or local_b * config.bag * config.num_tables
+    opt = make_sparse_optimizer("rowwise_adagrad", config.learning_rate)
+    bucket = config.bucket_capacity or min(capacity, -(-2 * capacity // n_dev))
+    emb = ShardedEmbeddings(specs, mesh, opt, capacity=capacity, bucket_capacity=bucket,
+                            pooling_backend=config.pooling_backend)
+
+    def loss_fn(params, outputs, w):
+        return regression_loss(outputs, w) / local_b, {}
+
+    # the baseline's tables are row-sharded like ours when the vocabulary divides evenly
+    even = all(s.vocab_size % n_dev == 0 for s in specs)
+    table_sharding = NamedSharding(mesh, P("data") if even else P())
+    return Steps(emb, capacity, bucket, make_train_step(emb, loss_fn),
+                 dense_baseline_step(specs, mesh, config.learning_rate),
+                 sparse_baseline_step(specs, config.learning_rate), table_sharding)
+
+
+def compile_programs(config, meshes) -> list[Program]:
+    """Every jitted program the run executes, with abstract arguments on ``meshes["mesh"]``
+    (the config's "data" mesh on the target's devices), built by :func:`make_steps` /
+    :func:`kernel_fns` as the run builds them: ``jaxflow/step`` (A; the embedding state of
+    ``embeddings.step.abstract_state``, donated), ``dense_take/step`` (B),
+    ``sparse_take/step`` (C on the mesh), with ``sparse_one_device`` ``sparse_take_one_device/
+    step`` (C on the mesh's first device) and with ``kernel_pairs`` ``kernel/pallas`` and
+    ``kernel/reference`` (one device). Ids int32[batch_size, bag] and targets f32[batch_size,
+    dim] split over "data". Nothing is allocated."""
+    mesh = meshes["mesh"]
+    st = make_steps(config, mesh)
+    S, b, d = jax.ShapeDtypeStruct, config.batch_size, config.dim
+    specs = st.emb.plan.specs
+    row = NamedSharding(mesh, P("data"))
+
+    def batch(sharding):
+        return ({s.name: S((b, config.bag), jnp.int32, sharding=sharding) for s in specs},
+                {s.name: S((b, d), jnp.float32, sharding=sharding) for s in specs})
+
+    def baseline_state(sharding):
+        return ({s.name: S((s.vocab_size, d), jnp.float32, sharding=sharding) for s in specs},
+                {s.name: S((s.vocab_size,), jnp.float32, sharding=sharding) for s in specs})
+
+    ids, w = batch(row)
+    rows = sum(s.vocab_size for s in specs)
+    n = mesh.shape["data"]
+    tables = f"{len(specs)} tables x {rows:,} rows x {d}"
+    split = "row-sharded" if st.table_sharding.spec == P("data") else "replicated"
+    out = [Program("jaxflow/step", st.jaxflow, (abstract_state(st.emb), ids, w), mesh,
+                   kind="embedding", tokens=b,
+                   note=f"{tables} row-wise over data={n} (one group); batch {b} split over "
+                        f"data; capacity {st.capacity}, per owner {st.bucket}; pooling "
+                        f"{config.pooling_backend}"),
+           Program("dense_take/step", st.dense, (*baseline_state(st.table_sharding), ids, w),
+                   mesh, kind="embedding", tokens=b,
+                   note=f"{tables} {split} over data={n} (NamedSharding); XLA partitions the "
+                        "take, the dense gradient and the dense Adagrad"),
+           Program("sparse_take/step", st.sparse, (*baseline_state(st.table_sharding), ids, w),
+                   mesh, kind="embedding", tokens=b,
+                   note=f"{tables} {split} over data={n} (NamedSharding); XLA partitions the "
+                        "take and the scatter")]
+    one = Mesh(np.asarray(mesh.devices.flat[:1]), ("data",))
+    alone = NamedSharding(one, P())
+    if config.sparse_one_device:
+        out.append(Program("sparse_take_one_device/step", st.sparse,
+                           (*baseline_state(alone), *batch(alone)), one, kind="embedding",
+                           tokens=b, note=f"{tables} on one device"))
+    if config.kernel_pairs:
+        platform = one.devices.flat[0].platform
+        pallas, ref = kernel_fns(interpret=platform not in ("gpu", "cuda", "tpu"))
+        args = (S((config.kernel_vocab, d), jnp.float32, sharding=alone),
+                S((config.kernel_bags, config.bag), jnp.int32, sharding=alone))
+        for name, fn in (("kernel/pallas", pallas), ("kernel/reference", ref)):
+            out.append(Program(name, fn, args, one, kind="forward", tokens=config.kernel_bags,
+                               note=f"embedding bag [{config.kernel_vocab}, {d}] x "
+                                    f"{config.kernel_bags} bags of {config.bag}, one device"))
+    return out
+
+
+def main(config, run: RunContext) -> dict:
+    mesh = config.mesh.make()
+    st = make_steps(config, mesh)
+    emb, capacity, bucket = st.emb, st.capacity, st.bucket
+    n_dev = mesh.shape["data"]
+    specs = list(emb.plan.specs)
+    names = [s.name for s in specs]
+    gen = SyntheticCriteo(SyntheticConfig(vocab_sizes=config.table_rows(),
                                           multi_hot=config.bag, zipf_a=config.zipf_a), seed=config.seed)
     rng = np.random.default_rng(config.seed)
     batches = []
@@ -159,35 +275,25 @@ def main(config, run: RunContext) -> dict:
         ids = {n: sparse[f"c{i}"] for i, n in enumerate(names)}
         w = {n: rng.standard_normal((config.batch_size, config.dim)).astype(np.float32) for n in names}
         batches.append((ids, w))
-    local_b = config.batch_size // n_dev
-    capacity = config.capacity or local_b * config.bag * config.num_tables
-    opt = make_sparse_optimizer("rowwise_adagrad", config.learning_rate)
-    bucket = config.bucket_capacity or min(capacity, -(-2 * capacity // n_dev))
-    emb = ShardedEmbeddings(specs, mesh, opt, capacity=capacity, bucket_capacity=bucket)
-
-    def loss_fn(params, outputs, w):
-        return regression_loss(outputs, w) / local_b, {}
-
-    step_a = make_train_step(emb, loss_fn)
+    step_a, step_b, step_c = st.jaxflow, st.dense, st.sparse
     state_a = {"emb": emb.init(config.seed), "dense": {}}
     tables0, _ = emb.to_dense(state_a["emb"])
     row_sharding = NamedSharding(mesh, P("data"))
-    # the baseline's tables are row-sharded like ours when the vocabulary divides evenly
-    table_sharding = row_sharding if config.vocab_size % n_dev == 0 else NamedSharding(mesh, P())
+    table_sharding = st.table_sharding
     tables_b = jax.device_put(tables0, table_sharding)
-    accum_b = jax.device_put({n: np.zeros(config.vocab_size, np.float32) for n in names}, table_sharding)
-    step_b = dense_baseline_step(specs, mesh, config.learning_rate)
-    step_c = sparse_baseline_step(specs, config.learning_rate)
+    accum_b = jax.device_put({s.name: np.zeros(s.vocab_size, np.float32) for s in specs},
+                             table_sharding)
     placed = [jax.device_put(b, row_sharding) for b in batches]
     one = jax.devices()[0]
     on_one = [jax.device_put(b, one) for b in batches]
     ids_per_step = [sum(int((v >= 0).sum()) for v in ids.values()) for ids, _ in batches]
-    run.info(f"{config.num_tables} tables x {config.vocab_size:,} rows x {config.dim} on {n_dev} devices; "
+    run.info(f"{config.num_tables} tables x {sum(config.table_rows()):,} rows in all x {config.dim} "
+             f"on {n_dev} devices; "
              f"batch {config.batch_size} x bag <= {config.bag}; capacity {capacity}, per owner {bucket}")
 
     # path -> (step, state, batches): jaxflow; dense take; sparse take on the same mesh
     # (XLA partitions the gather and the scatter); sparse take with the tables on one device
-    zeros = {n: np.zeros(config.vocab_size, np.float32) for n in names}
+    zeros = {s.name: np.zeros(s.vocab_size, np.float32) for s in specs}
     paths = {"jaxflow": (lambda st, i, w: step_a(st, i, w), state_a, placed),
              "dense": (lambda st, i, w: step_b(*st, i, w),
                        (tables_b, accum_b), placed),
@@ -241,7 +347,7 @@ def main(config, run: RunContext) -> dict:
            "max_abs_diff_vs_dense": diff["dense"], "max_abs_diff_vs_sparse": diff["sparse"],
            "max_abs_diff_vs": diff,
            "max_unique_per_device": int(stats["max_unique"]),
-           "table_bytes": config.num_tables * config.vocab_size * config.dim * 4}
+           "table_bytes": sum(config.table_rows()) * config.dim * 4}
     if config.kernel_pairs:
         out.update(bench_kernel(config, run))
     return out

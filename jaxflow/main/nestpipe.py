@@ -35,11 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxflow.compile_only.program import Program
 from jaxflow.embeddings import TableSpec, make_sparse_optimizer
 from jaxflow.embeddings.host import HostTable
 from jaxflow.experiment import RunContext, to_jsonable
+from jaxflow.main.dlrm_train import dense_model_flops
 from jaxflow.mesh import experiment_devices, require_divisible
 from jaxflow.nestpipe.clustering import CLUSTER_METHODS, shard_micro_batch_transfers
 from jaxflow.nestpipe.pipelines import PIPELINES, STAGES, Parts, run_pipeline
@@ -90,49 +93,124 @@ def dense_optimizer(learning_rate: float) -> optax.GradientTransformation:
     return optax.adam(learning_rate)
 
 
+def table_specs(config) -> list[TableSpec]:
+    """The host tables' specs: ``c0 ..`` (the generator's feature names), ``vocab_sizes`` rows
+    of ``embed_dim``, row-wise, sum-pooled."""
+    return [TableSpec(f"c{i}", v, config.embed_dim, "row_wise", "sum")
+            for i, v in enumerate(config.vocab_sizes)]
+
+
+def sparse_optimizer(config):
+    """The tables' row-wise Adagrad at ``sparse_lr``."""
+    return make_sparse_optimizer("rowwise_adagrad", config.sparse_lr)
+
+
+def dense_model(config, num_dense: int, *, abstract: bool = False):
+    """(params, apply) of the DLRM (``recsys.models.functional``); ``abstract``: the params as
+    ``jax.ShapeDtypeStruct`` leaves (``nnx.eval_shape``, nothing allocated)."""
+    def make():
+        return build_model("dlrm", num_dense, len(config.vocab_sizes), config.embed_dim,
+                           seed=config.seed, bottom=config.bottom, top=config.top)
+
+    return functional(nnx.eval_shape(make) if abstract else make())
+
+
+def stage_key(config, pipeline: str) -> tuple[int, str]:
+    """(micro-batches, frozen_exchange) of the stage programs ``pipeline`` runs: 1 and the
+    config's schedule without a window, N and ``window`` for the whole window (sync_accum),
+    N and the config's schedule for the frozen window (fwp / dbp+fwp)."""
+    _, window = PIPELINES[pipeline]
+    # "whole" (sync_accum) routes the window at once: the batch-level capacities, and
+    # clustering (which only shrinks per-micro-batch dedup) would change nothing
+    return (config.micro_batches if window else 1,
+            "window" if window == "whole" else config.frozen_exchange)
+
+
+def make_stages(config, specs, mesh: Mesh, optimizer, apply, pipeline: str) -> MeshStages:
+    """The ``MeshStages`` of ``pipeline`` (:func:`stage_key`) on ``mesh``, with the capacities
+    of :func:`capacities` (per micro-batch buckets for the frozen window)."""
+    n, exchange = stage_key(config, pipeline)
+    per_micro_batch = PIPELINES[pipeline][1] == "frozen"
+    caps = capacities(config, mesh.devices.size)
+    return MeshStages(specs, mesh, optimizer, apply, batch_size=config.batch_size,
+                      multi_hot=config.multi_hot, micro_batches=n, capacity=caps["capacity"],
+                      bucket_capacity=(caps["micro_bucket_capacity"] if per_micro_batch
+                                       else caps["bucket_capacity"]),
+                      owner_capacity=caps["owner_capacity"], frozen_exchange=exchange,
+                      pooling_backend=config.pooling_backend)
+
+
 def build(config):
     """(generator, specs, host tables, initial dense ``TrainState`` (replicated; its ``tx`` the
     dense Adam), apply, parts factory)."""
     gen = SyntheticCriteo(SyntheticConfig(vocab_sizes=tuple(config.vocab_sizes),
                                           multi_hot=config.multi_hot, zipf_a=config.zipf_a,
                                           drift_period=config.drift_period), seed=config.seed)
-    names = gen.table_names
-    specs = [TableSpec(n, v, config.embed_dim, "row_wise", "sum")
-             for n, v in zip(names, config.vocab_sizes)]
-    opt = make_sparse_optimizer("rowwise_adagrad", config.sparse_lr)
+    specs = table_specs(config)
+    opt = sparse_optimizer(config)
     rng = np.random.default_rng([config.seed, 11])
     tables = {s.name: HostTable(s, opt, (0.05 * rng.standard_normal((s.vocab_size, s.dim)))
                                 .astype(np.float32)) for s in specs}
-    model = build_model("dlrm", gen.config.num_dense, len(specs), config.embed_dim, seed=config.seed,
-                        bottom=config.bottom, top=config.top)
-    params, apply = functional(model)
+    params, apply = dense_model(config, gen.config.num_dense)
     tx = dense_optimizer(config.dense_lr)
     mesh = resolve_meshes(config)["data"]
-    caps = capacities(config, mesh.devices.size)
     replicated = NamedSharding(mesh, PartitionSpec())
     dense = TrainState.create(tx, params, jax.tree.map(lambda _: replicated, params))
     programs = {}  # (micro-batches, frozen_exchange) -> MeshStages
 
     def parts_for(pipeline: str, tables) -> Parts:
-        schedule, window = PIPELINES[pipeline]
-        n = config.micro_batches if window else 1
-        # "whole" (sync_accum) routes the window at once: the batch-level capacities, and
-        # clustering (which only shrinks per-micro-batch dedup) would change nothing
-        exchange = "window" if window == "whole" else config.frozen_exchange
-        per_micro_batch = window == "frozen"
-        if (n, exchange) not in programs:
-            programs[n, exchange] = MeshStages(
-                specs, mesh, opt, apply, batch_size=config.batch_size,
-                multi_hot=config.multi_hot, micro_batches=n, capacity=caps["capacity"],
-                bucket_capacity=(caps["micro_bucket_capacity"] if per_micro_batch
-                                 else caps["bucket_capacity"]),
-                owner_capacity=caps["owner_capacity"], frozen_exchange=exchange)
-        return Parts(gen, specs, tables, programs[n, exchange], config.batch_size,
-                     cluster=per_micro_batch and config.cluster,
+        key = stage_key(config, pipeline)
+        if key not in programs:
+            programs[key] = make_stages(config, specs, mesh, opt, apply, pipeline)
+        return Parts(gen, specs, tables, programs[key], config.batch_size,
+                     cluster=PIPELINES[pipeline][1] == "frozen" and config.cluster,
                      cluster_method=config.cluster_method)
 
     parts_for.programs = programs
     return gen, specs, tables, dense, apply, parts_for
+
+
+def compile_programs(config, meshes) -> list[Program]:
+    """Every device program the pipelines of ``config.pipelines`` run, with abstract arguments
+    on ``meshes["data"]``: for each distinct (micro-batches, frozen_exchange) of
+    :func:`stage_key`, the ``MeshStages`` the run builds (:func:`make_stages`) and its
+    ``abstract_calls``: ``route`` (dedup, All2All of keys, owner dedup), ``exchange`` +
+    ``compute`` (one routed unit) or ``frozen`` (the frozen window: row All2Alls inside),
+    and ``patch`` where a dbp schedule uses it. Named ``N{n}-{exchange}/{stage}``. The host
+    tables are not part of any program (stage 4 is host threads); the dense state is an
+    abstract replicated ``TrainState``. Nothing is allocated."""
+    mesh = meshes["data"]
+    specs, opt = table_specs(config), sparse_optimizer(config)
+    num_dense = SyntheticConfig(vocab_sizes=tuple(config.vocab_sizes)).num_dense
+    params, apply = dense_model(config, num_dense, abstract=True)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    dense = TrainState.abstract(dense_optimizer(config.dense_lr), params,
+                                jax.tree.map(lambda _: replicated, params))
+    users: dict[tuple[int, str], list[str]] = {}
+    stages = {}
+    for p in ("sync",) + tuple(p for p in config.pipelines if p != "sync"):
+        key = stage_key(config, p)
+        if key not in stages:
+            stages[key] = make_stages(config, specs, mesh, opt, apply, p)
+        users.setdefault(key, []).append(p)
+    b = config.batch_size
+    flops = dense_model_flops("dlrm", params, b, len(specs), config.embed_dim, train=True)
+    out = []
+    for key, st in stages.items():
+        calls = st.abstract_calls(dense, multi_hot=config.multi_hot, num_dense=num_dense)
+        if not any(PIPELINES[p][0] == "dbp" for p in users[key]):
+            del calls["patch"]
+        note = (f"{', '.join(users[key])}: {len(specs)} host tables row-wise over "
+                f"data={st.num_shards} ({sum(s.vocab_size for s in specs):,} rows), owner "
+                f"buffers of {st.owner_capacity} rows split over data; batch {b} split over "
+                f"data ({key[0]} micro-batch(es), {key[1]}); capacity {st.capacity}, per owner "
+                f"{st.bucket_capacity}; DLRM replicated; pooling {config.pooling_backend}")
+        for stage, (fn, args) in calls.items():
+            train = stage in ("compute", "frozen")
+            out.append(Program(f"N{key[0]}-{key[1]}/{stage}", fn, args, mesh,
+                               kind="train" if train else "embedding",
+                               model_flops=flops if train else None, tokens=b, note=note))
+    return out
 
 
 def programs_of(parts_for) -> dict:

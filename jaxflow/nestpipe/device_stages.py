@@ -69,6 +69,7 @@ class MeshLayout:
     dim: int  # D
     global_batch: int  # B
     axis: str = AXIS
+    pooling_backend: str = "xla"  # embeddings.pooling.PoolingBackend value of the bag pooling
 
 
 def split_micro_batches(x: jax.Array, n: int) -> jax.Array:
@@ -145,10 +146,11 @@ def sample_loss_sum(lay: MeshLayout, apply: ApplyFn, params: Any, unique_emb: ja
                     routing: Routing, ids: dict[str, jax.Array], dense: jax.Array,
                     label: jax.Array) -> jax.Array:
     """Forward: unique rows [C, D] pooled per table by ``routing`` (sum bags of
-    ``ids {table: int32[b, L]}``), the DLRM on ``dense`` f32[b, F], binary cross-entropy with
-    ``label`` f32[b], summed over the b samples / B (so the per-device values sum to the
-    global-batch mean). Reads only ``routing.inverse`` and the ids' shapes."""
-    pooled = group_pool(lay.plan, lay.group, unique_emb, GroupContext(routing, None), ids)
+    ``ids {table: int32[b, L]}``, by ``lay.pooling_backend``), the DLRM on ``dense`` f32[b, F],
+    binary cross-entropy with ``label`` f32[b], summed over the b samples / B (so the
+    per-device values sum to the global-batch mean). Reads only ``routing.inverse`` and the ids' shapes."""
+    pooled = group_pool(lay.plan, lay.group, unique_emb, GroupContext(routing, None), ids,
+                        lay.pooling_backend)
     emb = jnp.stack([pooled[k] for k in lay.tables], axis=1)
     loss = optax.sigmoid_binary_cross_entropy(apply(params, dense, emb), label)
     return jnp.sum(loss) / lay.global_batch

@@ -38,6 +38,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -112,13 +113,15 @@ class MeshStages:
     ``apply``: the dense model, ``apply(params, dense f32[b, F], emb f32[b, T, D]) -> logits
     f32[b]``; its optimizer is the dense state's (``TrainState.tx``, passed to ``compute``).
     ``layout`` (a ``device_stages.MeshLayout``) holds the sizes every stage program reads.
+    ``pooling_backend``: the bag pooling of the compute programs (an
+    ``embeddings.pooling.PoolingBackend`` value; "auto" = the Pallas kernel on GPU / TPU).
     """
 
     def __init__(self, specs: list[TableSpec], mesh: Mesh, optimizer: SparseOptimizer,
                  apply: ApplyFn, *, batch_size: int,
                  multi_hot: int, micro_batches: int = 1, capacity: int = 0,
                  bucket_capacity: int = 0, owner_capacity: int = 0,
-                 frozen_exchange: str = "per_micro_batch"):
+                 frozen_exchange: str = "per_micro_batch", pooling_backend: str = "xla"):
         self.frozen_exchange = frozen_exchange = check_frozen_exchange(frozen_exchange)
         if tuple(mesh.axis_names) != (AXIS,):
             raise ValueError(f"mesh axes {mesh.axis_names}; NestPipe wants one axis {AXIS!r}")
@@ -149,7 +152,8 @@ class MeshStages:
         self._sharded = NamedSharding(mesh, P(AXIS))
         self.layout = MeshLayout(self.plan, self.group.name, tuple(s.name for s in self.specs),
                                  p, micro_batches, self.route_units, self.capacity,
-                                 self.bucket_capacity, self.owner_capacity, self.dim, batch_size)
+                                 self.bucket_capacity, self.owner_capacity, self.dim, batch_size,
+                                 pooling_backend=pooling_backend)
         self._build(apply)
 
     # ---- host <-> device helpers -----------------------------------------------------------
@@ -186,6 +190,42 @@ class MeshStages:
             self._frozen = program(functools.partial(frozen_local, lay, apply, self.optimizer,
                                                      batched), (rep,) + (sh,) * 7, out)
         self._patch = program(patch_local, (sh,) * 6, (sh, sh))
+
+    def abstract_calls(self, dense_state: TrainState, *, multi_hot: int,
+                       num_dense: int) -> dict[str, tuple]:
+        """Every stage program with abstract arguments (``jax.ShapeDtypeStruct`` with the
+        shardings the run gives them; nothing allocated), for compile-only: ``{"route": (fn,
+        args), "exchange" and "compute" (one routed unit) or "frozen" (the frozen window),
+        "patch"}``. ``dense_state``: an abstract replicated ``TrainState``
+        (``TrainState.abstract``); the batch is ``ids {table: int32[B, multi_hot]}``, ``dense``
+        f32[B, num_dense], ``label`` f32[B], split over the mesh, the owner buffers [P*Co, D]
+        (and the optimizer state of Co rows per shard) split the same way."""
+        S, p, co, d, b = (jax.ShapeDtypeStruct, self.num_shards, self.owner_capacity, self.dim,
+                          self.global_batch)
+
+        def split(x):
+            return S(x.shape, x.dtype, sharding=self._sharded)
+
+        ids = {s.name: S((b, multi_hot), jnp.int32, sharding=self._sharded)
+               for s in self.specs}
+        dense = S((b, num_dense), jnp.float32, sharding=self._sharded)
+        label = S((b,), jnp.float32, sharding=self._sharded)
+        routing, owner_inverse = jax.tree.map(split, jax.eval_shape(self._route, ids)[:2])
+        rows = S((p * co, d), jnp.float32, sharding=self._sharded)
+        opt = {k: S((p * co,) + v.shape[1:], v.dtype, sharding=self._sharded)
+               for k, v in jax.eval_shape(lambda: self.optimizer.init(co, d)).items()}
+        calls = {"route": (self._route, (ids,))}
+        if self.separate_exchange:
+            calls["exchange"] = (self._exchange, (rows, owner_inverse, routing))
+            unique = split(jax.eval_shape(self._exchange, rows, owner_inverse, routing))
+            calls["compute"] = (self._compute, (dense_state, rows, opt, owner_inverse, routing,
+                                                unique, ids, dense, label))
+        else:
+            calls["frozen"] = (self._frozen, (dense_state, rows, opt, owner_inverse, routing,
+                                              ids, dense, label))
+        slots = S((p, co), jnp.int32, sharding=self._sharded)
+        calls["patch"] = (self._patch, (rows, opt, rows, opt, slots, slots))
+        return calls
 
     # ---- stage calls -----------------------------------------------------------------------
     def route(self, ids: dict[str, jax.Array]) -> Routed:
