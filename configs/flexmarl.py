@@ -4,7 +4,7 @@ solver / verifier workflow; same samples in lockstep and strict.
 
     python -m jaxflow.run --exp=flexmarl --variant=quick      # ~1-2 min on 2 CPU cores
     python -m jaxflow.run --exp=flexmarl --variant=default    # ~3 min
-    python -m jaxflow.run --exp=flexmarl --variant=full       # bigger agents, 2-digit sums
+    python -m jaxflow.run --exp=flexmarl --variant=full --compile-only --target=tpu-v5p:4x4x4
     python -m jaxflow.run --exp=flexmarl --variant=quick --set runs=3   # README figures
     python -m jaxflow.run --exp=flexmarl --variant=quick \
         --set calibration_out=jaxflow/marl/simulate/data/flexmarl_quick.json
@@ -13,6 +13,16 @@ solver / verifier workflow; same samples in lockstep and strict.
 also gives each agent its own trainer devices in proportion to its size (agent-centric
 allocation, see jaxflow.marl.meshes.agent_centric_meshes); 1 colocates everything. On a GPU /
 TPU the same split runs over the accelerators present.
+
+``full`` is the production size: a Qwen3-8B solver and a Qwen3-4B-shaped verifier (Qwen3-8B's
+config.json with the 4B's width 2560, MLP 9728, head dim 128 and tied embeddings; both keep the
+151,936-token vocabulary, the character tokenizer uses its first ids), bf16 compute on float32
+master weights, every block rematerialised; 16 inputs x 8 samples per version and agent,
+1,024-token responses, micro-batches of 4 inputs (32 rows), rollout calls of 4 inputs.
+Sharding: meshes data x model with 8-way tensor parallelism (heads / mlp / vocab by the logical
+rules); on a v5p:4x4x4 pod the rollout role has 32 chips (4 x 8, both agents' engines) and each
+agent's trainer 16 (2 x 8). On fewer devices the model axis shrinks to what the blocks allow
+(8 GPUs: rollout 1 x 4, each trainer 1 x 2).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.models.architectures import shipped_config
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
 
@@ -61,12 +72,20 @@ class Config:
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=0)
     # write the simulator's calibration file here (flexmarl_scale reads it; see its config)
     calibration_out: str = ""
+    # Tensor-parallel caps: the "model" axis of each trainer / the rollout mesh is the largest
+    # divisor of these its devices allow (jaxflow.marl.meshes); 1 = data parallel only.
+    trainer_model: int = 1
+    rollout_model: int = 1
 
     def __post_init__(self):
         if self.runs < 1 or self.reps < 1 or self.probe_rounds < 1 or self.probe_steps < 0:
             raise ValueError(f"runs={self.runs}, reps={self.reps}, probe_rounds="
                              f"{self.probe_rounds}, probe_steps={self.probe_steps}; need >= 1 "
                              "(probe_steps >= 0)")
+        for name in ("trainer_model", "rollout_model"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}; valid: an integer >= 1")
 
 
 def _quick() -> Config:
@@ -74,14 +93,18 @@ def _quick() -> Config:
 
 
 def _full() -> Config:
-    base = Config()
-    wide = dict(vocab_size=base.solver.vocab_size, max_seq_len=64)
-    return Config(solver=TransformerConfig(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
-                                           d_ff=768, **wide),
-                  verifier=TransformerConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                                             d_ff=384, **wide),
-                  max_digits=2, solver_tokens=8, verifier_tokens=2, n_inputs=16, steps=200,
-                  reps=10, micro_inputs=4, etas=(1, 2, 4), bench_tokens=48, bench_rows=128)
+    """Qwen3-8B solver + Qwen3-4B-shaped verifier at production sizes (module docstring)."""
+    qwen8 = shipped_config("qwen3-8b", dtype="float32", remat=True)
+    qwen4 = dataclasses.replace(qwen8, d_model=2560, d_ff=9728, head_dim_override=128,
+                                tie_embeddings=True)
+    bf16 = dict(dtype="bfloat16")  # compute dtype; the parameters stay float32
+    return Config(solver=dataclasses.replace(qwen8, **bf16),
+                  verifier=dataclasses.replace(qwen4, **bf16), group_size=8, max_digits=2,
+                  solver_tokens=1024, verifier_tokens=1024, n_inputs=16, steps=20, reps=3,
+                  probe_rounds=2, micro_inputs=4, rollout_batch=4, engine_chunk=64,
+                  etas=(1, 2), bench_tokens=1024, bench_rows=32, bench_chunk=64,
+                  entropy_coef=0.0,  # the exact entropy materialises [rows, 1024, 151936]
+                  optim=OptimConfig(lr=1e-6, warmup_steps=0), trainer_model=8, rollout_model=8)
 
 
 get_config = Variants(quick=_quick, default=Config, full=_full)

@@ -10,6 +10,18 @@ another count):
     python -m jaxflow.run --exp=flowtrain --variant=quick
     python -m jaxflow.run --exp=flowtrain --variant=default
     python -m jaxflow.run --exp=flowtrain --variant=quick --set flow.run_ahead=1
+    python -m jaxflow.run --exp=flowtrain --variant=full --compile-only --target=tpu-v5p:4x4x4
+
+``full`` is the production size: a ViT-L/14 encoder (24 blocks, width 1024, 16 heads, SwiGLU
+MLP 4096; grayscale digits at 112-336 px, so 64-576 patches per image, a 336 px image like
+ViT-L/14-336) feeding Meta-Llama-3-8B (its config.json, vocabulary included; the character
+tokenizer uses its first ids), both computing in bf16 on float32 master weights with every block
+rematerialised; 256 samples per step packed into rows of up to 4096 tokens (image tokens
+included). Sharding (``mesh`` data x model, TP over heads / mlp / vocab by the logical rules):
+the monolithic baselines run on all devices as data x 8-way model (on a v5p:4x4x4 pod 8 x 8,
+on 8 GPUs 1 x 8); the decoupled candidates give the encoder 4 or 8 devices (data parallel,
+replicated weights) and the backbone the rest as data x 4 or data x 8 (64 chips: 4 + 15x4,
+8 + 14x4, 8 + 7x8; 8 GPUs: 4 + 1x4). It needs a multiple of 8 devices.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from jaxflow.flow.batching import PackingConfig
 from jaxflow.flow.digits_data import FLOW_ALPHABET, DigitsConfig
 from jaxflow.flow.vit import ViTConfig
 from jaxflow.mesh import MeshConfig
+from jaxflow.models.architectures import shipped_config
 from jaxflow.models.attention_backends import ATTENTION_BACKENDS
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
@@ -97,6 +110,10 @@ class Config:
         if self.vit.out_dim != self.model.d_model:
             raise ValueError(f"vit.out_dim={self.vit.out_dim} must equal model.d_model="
                              f"{self.model.d_model}")
+        if self.vit.patch_size != self.data.patch_size or self.vit.max_grid < self.data.max_grid:
+            raise ValueError(f"vit.patch_size={self.vit.patch_size}, vit.max_grid="
+                             f"{self.vit.max_grid}: need data.patch_size={self.data.patch_size} "
+                             f"and max_grid >= {self.data.max_grid} (the largest image's grid)")
 
 
 def _quick() -> Config:
@@ -115,14 +132,22 @@ def _default() -> Config:
 
 
 def _full() -> Config:
-    base = Config()
-    return dataclasses.replace(
-        base,
-        model=dataclasses.replace(base.model, d_model=128, n_layers=4, d_ff=384),
-        vit=dataclasses.replace(base.vit, d_model=64, n_layers=2, d_ff=128, out_dim=128),
-        allocator=dataclasses.replace(base.allocator, backbone_model_degrees=(1, 2)),
-        train=dataclasses.replace(base.train, batch_size=64, rounds=300, block_steps=3,
-                                  eval_examples=512))
+    """ViT-L/14 + Llama-3-8B at production sizes (see the module docstring)."""
+    llama = shipped_config("llama-3-8b", dtype="float32", remat=True)
+    return Config(
+        data=DigitsConfig(patch_size=14, sizes=(112, 168, 224, 280, 336),
+                          size_weights=(4.0, 3.0, 2.0, 1.5, 1.0)),
+        vit=ViTConfig(patch_size=14, max_grid=24, d_model=1024, n_layers=24, n_heads=16,
+                      d_ff=4096, out_dim=llama.d_model, dtype="bfloat16", remat=True),
+        model=dataclasses.replace(llama, dtype="bfloat16"),  # bf16 compute, f32 master weights
+        packing=PackingConfig(token_budget=4096, row_granularity=512),
+        flow=FlowConfig(pool_capacity=512),
+        allocator=AllocatorConfig(encoder_candidates=(4, 8), backbone_model_degrees=(4, 8),
+                                  profile_repeats=2),
+        train=TrainConfig(batch_size=256, warmup_rounds=1, rounds=20, block_steps=2,
+                          eval_examples=256),
+        optim=OptimConfig(lr=2e-5, warmup_steps=10),
+        mesh=MeshConfig(axes=("data", "model"), shape=(-1, 8)))
 
 
 get_config = Variants(quick=_quick, default=_default, full=_full)

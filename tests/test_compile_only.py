@@ -206,6 +206,48 @@ def test_a_failing_compile_exits_1_with_the_report(capsys, tmp_path, cpu_target,
     assert entry["status"] == "failed" and entry["error_kind"] == "lowering"
 
 
+def test_compile_ahead_gives_the_compiled_output_shardings_and_is_reused():
+    from jaxflow.compile_only import compile as compile_lib
+    from jaxflow.compile_only.program import compile_ahead
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    arg = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P()))
+    fn = jax.jit(lambda x: (x * 2, x.sum()), out_shardings=(NamedSharding(mesh, P("data")),
+                                                             NamedSharding(mesh, P())))
+    program, (doubled, total) = compile_ahead(Program("a/step", fn, (arg,), mesh, "forward"))
+    assert program.compiled is not None and set(program.seconds) == {"lower", "compile"}
+    assert (doubled.shape, total.shape) == ((8, 4), ())
+    assert doubled.sharding.spec == P("data") and total.sharding.spec == P()
+
+    class NoLowering:  # the compile step must reuse the executable, not lower again
+        def lower(self, *args, **kwargs):
+            raise AssertionError("lowered twice")
+
+    entry = compile_lib.compile_program(dataclasses.replace(program, fn=NoLowering()),
+                                        targets.CHIPS["v5p"])
+    assert entry["status"] == "ok" and entry["seconds"] == program.seconds
+
+    bad = Program("b/step", _RefusesToCompile(jax.jit(lambda x: x + 1)), (arg,), mesh, "forward")
+    same, out = compile_ahead(bad)  # refused: uncompiled, outputs replicated by default
+    assert same is bad and same.compiled is None
+    assert out.shape == (8, 4) and out.sharding == NamedSharding(mesh, P())
+    _, got = compile_ahead(bad, fallback=lambda shapes: ("fallback", shapes.shape))
+    assert got == ("fallback", (8, 4))
+
+
+class _RefusesToCompile:
+    """A jitted function whose compile the compiler refuses (as when it does not fit)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def lower(self, *args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+
 # ---- the HLO reader ---------------------------------------------------------------------------
 
 def test_collectives_of_a_sharded_cpu_program():

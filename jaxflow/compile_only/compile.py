@@ -74,6 +74,8 @@ def compile_program(program, chip: targets.Chip) -> dict:
     """Lowers and compiles ``program`` for ``chip`` and returns its report entry; a compile
     the compiler refuses is an entry with ``status`` "does_not_fit" (RESOURCE_EXHAUSTED: HBM)
     or "failed", never an exception."""
+    if program.compiled is not None:  # compiled ahead (program.compile_ahead)
+        return _entry_of(program, chip, program.compiled, program.seconds)
     start = time.perf_counter()
     lowered_at = None
     try:
@@ -89,11 +91,13 @@ def compile_program(program, chip: targets.Chip) -> dict:
         kind = targets.error_kind(str(err)) if lowered_at else "lowering"
         return program_entry(program, chip, error=text, error_kind=kind, seconds=seconds)
     done = time.perf_counter()
-    memory = Memory.of(compiled)
-    cost = cost_of(compiled)
-    summary = hlo_lib.summarize(compiled.as_text())
-    return program_entry(program, chip, memory=memory, cost=cost, hlo=summary,
-                         seconds={"lower": lowered_at - start, "compile": done - lowered_at})
+    return _entry_of(program, chip, compiled,
+                     {"lower": lowered_at - start, "compile": done - lowered_at})
+
+
+def _entry_of(program, chip: targets.Chip, compiled, seconds: dict) -> dict:
+    return program_entry(program, chip, memory=Memory.of(compiled), cost=cost_of(compiled),
+                         hlo=hlo_lib.summarize(compiled.as_text()), seconds=seconds)
 
 
 def compile_all(programs, chip: targets.Chip, *, workers: int = MAX_PARALLEL

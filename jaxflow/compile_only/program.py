@@ -11,10 +11,13 @@ by the same builder: ``make_train_step``, ``compiled_functions``, ...) with
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
-from jax.sharding import Mesh
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 #: Program kinds: "train" steps get an MFU estimate from ``model_flops``.
 KINDS = ("train", "forward", "sample", "sync", "embedding")
@@ -31,7 +34,8 @@ class Program:
     :data:`KINDS`; model_flops: analytic FLOPs of one call (training: 6 x params x tokens +
     attention) for the MFU estimate, since ``cost_analysis`` counts Pallas calls as ~0;
     tokens: tokens (or rows) one call processes, for throughput; note: the sharding stated
-    in words ("data 8 x model 8, TP over heads / mlp / vocab")."""
+    in words ("data 8 x model 8, TP over heads / mlp / vocab"); compiled / seconds: set by
+    :func:`compile_ahead` when a later program's arguments are this one's outputs."""
 
     name: str
     fn: Callable
@@ -42,6 +46,10 @@ class Program:
     model_flops: float | None = None
     tokens: int | None = None
     note: str = ""
+    # an executable already compiled for the chip (:func:`compile_ahead`) and its
+    # {"lower": s, "compile": s}: the compile step reuses it instead of compiling again
+    compiled: Any = None
+    seconds: dict | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -62,8 +70,44 @@ def transformer_train_flops(n_params: float, tokens: int, *, n_layers: int, seq_
 
 def count_params(tree: Any) -> int:
     """Elements in a pytree of arrays / ShapeDtypeStructs."""
-    import math
-
-    import jax
-
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def sds(shape, dtype, sharding) -> Any:
+    """``jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)``."""
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def compile_ahead(program: Program, fallback: Callable[[Any], Any] | None = None
+                  ) -> tuple[Program, Any]:
+    """Compiles ``program`` now (under ``jax.set_mesh(program.mesh)``, as the compile step
+    would) and returns it holding the executable, with its outputs as ``jax.ShapeDtypeStruct``
+    in the shardings the compiler gave them: what the run's next program receives (pi_old
+    statistics, gradient sums, the decode carry, vjp residuals). jax 0.10's persistent cache
+    cannot read deviceless executables back, so the compile step reuses this one instead of
+    compiling twice. When the compiler refuses (e.g. the program does not fit), the program
+    comes back uncompiled (the compile step reports the refusal) and the outputs are
+    ``fallback(eval_shape outputs)`` (default: replicated on the program's mesh)."""
+    start = time.perf_counter()
+    try:
+        with jax.set_mesh(program.mesh):
+            lowered = program.fn.lower(*program.args, **program.kwargs)
+            lowered_at = time.perf_counter()
+            compiled = lowered.compile()
+    except Exception:  # noqa: BLE001 - compile_program reports it
+        with jax.set_mesh(program.mesh):
+            shapes = jax.eval_shape(program.fn, *program.args, **program.kwargs)
+        rep = NamedSharding(program.mesh, PartitionSpec())
+        default = jax.tree.map(lambda x: sds(x.shape, x.dtype, rep), shapes)
+        return program, (default if fallback is None else fallback(shapes))
+    seconds = {"lower": lowered_at - start, "compile": time.perf_counter() - lowered_at}
+    outputs = jax.tree.map(lambda i, s: sds(i.shape, i.dtype, s), compiled.out_info,
+                           compiled.output_shardings)
+    return dataclasses.replace(program, compiled=compiled, seconds=seconds), outputs
+
+
+def mesh_note(mesh: Mesh, tp: str = "TP over heads / kv heads / mlp / vocab",
+              dp: str = "data parallel") -> str:
+    """The sharding in words: "data 8 x model 8 (TP over ...)" / "data 8 (data parallel)"."""
+    words = tp if dict(mesh.shape).get("model", 1) > 1 else dp
+    return " x ".join(f"{k} {v}" for k, v in mesh.shape.items()) + f" ({words})"

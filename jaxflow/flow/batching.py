@@ -109,3 +109,13 @@ def loss_tokens(samples: Sequence) -> np.float32:
 
 def zeros_like_arrays(arrays: dict) -> dict:
     return {k: np.zeros_like(v) for k, v in arrays.items()}
+
+
+def eval_layout(samples: Sequence, vit: ViTConfig, row_multiple: int, cost: CostModel
+                ) -> tuple[PatchBatch, RowsLayout]:
+    """(patches, padded layout) of held-out ``samples`` in rows of a multiple of
+    ``row_multiple`` (the backbone mesh's "data" size): what evaluation feeds its step."""
+    patches = encoder_patches(samples, vit, row_multiple)
+    lay = layout_rows(samples, "padded", encoder_image_base(samples, patches),
+                      packing=PackingConfig(), cost=cost, row_multiple=row_multiple)
+    return patches, lay

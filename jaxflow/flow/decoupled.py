@@ -40,14 +40,31 @@ from jaxflow.train.loop import last_row, run_steps
 from jaxflow.train.state import TrainState
 
 
+def row_sharding(mesh, axis: str = "data") -> NamedSharding:
+    """Leading (row) dimension over ``axis`` when the mesh has it, else replicated."""
+    return NamedSharding(mesh, PartitionSpec(axis if axis in mesh.shape else None))
+
+
 def put_rows(arrays: dict, mesh, axis: str = "data") -> dict:
     """Host arrays -> device arrays sharded over their leading (row) dimension."""
-    sharding = NamedSharding(mesh, PartitionSpec(axis if axis in mesh.shape else None))
+    sharding = row_sharding(mesh, axis)
     return {k: jax.device_put(v, sharding) for k, v in arrays.items()}
 
 
 def put_replicated(x, mesh):
     return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+
+
+def abstract_rows(arrays: dict, mesh, axis: str = "data") -> dict:
+    """What :func:`put_rows` would place, as ``jax.ShapeDtypeStruct`` (compile-only)."""
+    sharding = row_sharding(mesh, axis)
+    return {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=sharding)
+            for k, v in arrays.items()}
+
+
+def abstract_replicated(shape: tuple[int, ...], dtype, mesh) -> jax.ShapeDtypeStruct:
+    """What :func:`put_replicated` would place for a ``shape`` / ``dtype`` host array."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
 
 def pool_entries(samples: Sequence, patches, flat: np.ndarray) -> list[np.ndarray]:
@@ -83,12 +100,16 @@ def scatter_cotangent(samples: Sequence, patches, d_buffer: np.ndarray,
     return cot
 
 
+#: Rows of the backbone's image-embedding buffer are bucketed to multiples of this (few shapes).
+BUFFER_GRANULARITY = 256
+
+
 class DecoupledTrainer:
     """``run(steps)`` trains on ``[(step, samples), ...]`` and returns per-step metrics."""
 
     def __init__(self, sides: Sides, enc_state: TrainState, bb_state: TrainState, *,
                  packing: PackingConfig, cost: CostModel, run_ahead: int = 0,
-                 pool_capacity: int = 256, buffer_granularity: int = 256):
+                 pool_capacity: int = 256, buffer_granularity: int = BUFFER_GRANULARITY):
         if run_ahead < 0:
             raise ValueError(f"flow.run_ahead={run_ahead}; must be >= 0")
         self.sides, self.enc_state, self.bb_state = sides, enc_state, bb_state

@@ -183,3 +183,14 @@ def eval_correct(sides: Sides, enc_params, bb_params, patches: dict, rows: dict)
     _, aux = backbone_loss(sides.bb.module(bb_params), emb, rows, jnp.float32(1.0),
                            backend=sides.backend)
     return aux["correct"]
+
+
+@_cached
+def make_eval_step(sides: Sides):
+    """jitted ``(enc_params, bb_params, patches, rows) -> correct [R, T] bool`` (teacher-forced
+    argmax == target on loss tokens, :func:`eval_correct`); under the backbone mesh's context
+    when both sides share it (so ``auto`` attention can pick its kernel)."""
+    def fn(e, b, p, r):
+        return eval_correct(sides, e, b, p, r)
+
+    return jit_on(sides.bb.mesh, fn) if sides.enc.mesh == sides.bb.mesh else jax.jit(fn)

@@ -29,11 +29,17 @@ class ViTConfig:
     n_heads: int = 2
     d_ff: int = 64
     out_dim: int = 64  # the LM's d_model
+    # The blocks' compute dtype ("float32" | "bfloat16"; parameters stay float32) and whether
+    # each block is rematerialised in the backward pass (the encoder's vjp then keeps only the
+    # block inputs as residuals).
+    dtype: str = "float32"
+    remat: bool = False
 
     def block_config(self) -> TransformerConfig:
         return TransformerConfig(vocab_size=1, d_model=self.d_model, n_layers=self.n_layers,
                                  n_heads=self.n_heads, n_kv_heads=self.n_heads, d_ff=self.d_ff,
-                                 max_seq_len=self.max_grid**2)
+                                 max_seq_len=self.max_grid**2, dtype=self.dtype,
+                                 remat=self.remat)
 
     @property
     def patch_dim(self) -> int:
@@ -78,10 +84,19 @@ class ViTEncoder(nnx.Module):
         [R, L] int grid coordinates. Returns [R, L, out_dim] f32 (empty slots meaningless)."""
         x = patches @ self.patch_embed[...]
         x = x + self.row_embed[...][rows] + self.col_embed[...][cols]
+        block_cfg = self.config.block_config()
+        x = x.astype(block_cfg.compute_dtype)  # the residual stream in the blocks' dtype
         mask = bidirectional_segment_mask(segment_ids)
         positions = rows * self.config.max_grid + cols
+
+        def forward(block, h):
+            return block(h, positions, mask)
+
+        if block_cfg.remat:
+            forward = nnx.remat(forward, policy=getattr(jax.checkpoint_policies,
+                                                        block_cfg.remat_policy))
         for block in self.blocks:
-            x = block(x, positions, mask)
+            x = forward(block, x)
         x = self.norm(x)
         return jax.nn.gelu(x @ self.proj_in[...]) @ self.proj_out[...]
 

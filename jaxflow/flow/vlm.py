@@ -153,6 +153,11 @@ class SideFunctions:
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state)
 
+    def abstract_params(self) -> Any:
+        """Pure-dict ``jax.ShapeDtypeStruct`` params in their shardings (compile-only)."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            nnx.to_pure_dict(self.abstract_state), self.param_shardings)
+
 
 def side_functions(factory: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh,
                    rules: LogicalRules = DEFAULT_RULES) -> SideFunctions:
@@ -171,12 +176,25 @@ def state_shardings(fns: SideFunctions, tx: optax.GradientTransformation) -> Tra
     return TrainState.shardings(tx, nnx.to_pure_dict(fns.abstract_state), fns.param_shardings)
 
 
-def init_side_state(fns: SideFunctions, factory: Callable[[nnx.Rngs], nnx.Module],
-                    tx: optax.GradientTransformation, key: jax.Array) -> TrainState:
-    """A fresh :class:`TrainState` (params a pure dict) created directly in the side's
-    shardings: one jitted init, no device ever holds an unsharded copy."""
+def abstract_side_state(fns: SideFunctions, tx: optax.GradientTransformation) -> TrainState:
+    """The side's :class:`TrainState` as ``jax.ShapeDtypeStruct`` in :func:`state_shardings`
+    (what ``Sides.place`` gives a trainer; nothing allocated)."""
+    return TrainState.abstract(tx, fns.abstract_params(), fns.param_shardings)
+
+
+def make_side_init(fns: SideFunctions, factory: Callable[[nnx.Rngs], nnx.Module],
+                   tx: optax.GradientTransformation) -> Callable[[jax.Array], TrainState]:
+    """The jitted init ``key [] -> TrainState`` whose outputs are the side's state shardings
+    (:func:`init_side_state` calls it; ``--compile-only`` compiles it)."""
 
     def init(k):
         return TrainState.create(tx, nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(params=k)))))
 
-    return jax.jit(init, out_shardings=state_shardings(fns, tx))(key)
+    return jax.jit(init, out_shardings=state_shardings(fns, tx))
+
+
+def init_side_state(fns: SideFunctions, factory: Callable[[nnx.Rngs], nnx.Module],
+                    tx: optax.GradientTransformation, key: jax.Array) -> TrainState:
+    """A fresh :class:`TrainState` (params a pure dict) created directly in the side's
+    shardings: one jitted init, no device ever holds an unsharded copy."""
+    return make_side_init(fns, factory, tx)(key)

@@ -41,11 +41,13 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 
+from jaxflow.compile_only.program import Program
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.experiment import to_jsonable
 from jaxflow.marl.engine import RolloutEngine, row_keys
 from jaxflow.marl.meshes import agent_centric_meshes
 from jaxflow.marl.pipeline import AgentRuntime, PipelineConfig, RunResult, relative_param_diff, run_pipeline, run_sync
+from jaxflow.marl.programs import agent_programs, engine_programs, padded_decode_program
 from jaxflow.marl.simulate import sync_counts, write_calibration_from_run
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import solver_verifier_workflow
@@ -120,13 +122,19 @@ def _bit_equal(a, b) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def bench_engine(config, wf, mesh) -> RolloutEngine:
+    """The engine benchmark's solver engine on the rollout ``mesh``."""
+    return RolloutEngine(config.solver, mesh, max_new_tokens=config.bench_tokens,
+                         temperature=1.0, task=wf.task("solver"), tokenizer=CharTokenizer(),
+                         chunk=config.bench_chunk)
+
+
 def engine_benchmark(config, wf, meshes, params, run) -> dict:
     """Compacted vs padded batch decode of the solver on the same rows and keys (alternating,
     medians): row-steps saved, time ratio, and whether the outputs are bit-identical."""
     rt_task = wf.task("solver")
     tok = CharTokenizer()
-    eng = RolloutEngine(config.solver, meshes["rollout"], max_new_tokens=config.bench_tokens,
-                        temperature=1.0, task=rt_task, tokenizer=tok, chunk=config.bench_chunk)
+    eng = bench_engine(config, wf, meshes["rollout"])
     texts = rt_task.prompts(np.random.default_rng([config.seed, 0xE6]), config.bench_rows)
     prompts, lengths = encode_prompts(tok, texts, eng.prompt_width)
     keys = row_keys(jax.random.key(config.seed), len(texts))
@@ -173,23 +181,35 @@ def _workflow(config):
                                     verifier_tokens=config.verifier_tokens)
 
 
+def _agent_meshes(config, wf, devices=None) -> dict[str, dict]:
+    devices = list(jax.devices() if devices is None else devices)
+    return agent_centric_meshes(wf, len(devices), devices=devices,
+                                trainer_model=config.trainer_model,
+                                rollout_model=config.rollout_model)
+
+
 def resolve_meshes(config, devices=None) -> dict:
-    """``{"AGENT/ROLE": mesh}`` (roles ``trainer`` / ``rollout``) on ``devices``, a prefix of
-    ``jax.devices()`` (default: all of them, so the accelerators present), split agent-centrically
-    by :func:`~jaxflow.marl.meshes.agent_centric_meshes`."""
-    n_dev = len(jax.devices() if devices is None else devices)
-    meshes = agent_centric_meshes(_workflow(config), n_dev)
+    """``{"AGENT/ROLE": mesh}`` (roles ``trainer`` / ``rollout``) on ``devices`` (default
+    ``jax.devices()``, so the accelerators present), split agent-centrically by
+    :func:`~jaxflow.marl.meshes.agent_centric_meshes` with the config's model-axis caps."""
+    meshes = _agent_meshes(config, _workflow(config), devices)
     return {f"{a}/{role}": m for a, by_role in meshes.items() for role, m in by_role.items()}
+
+
+def build_runtimes(config, wf, meshes: Mapping[str, dict]) -> dict[str, AgentRuntime]:
+    """Each agent's :class:`AgentRuntime` (compiled GRPO functions, optimizer, engine) on its
+    ``{"trainer": mesh, "rollout": mesh}``: what the run trains with."""
+    return {a.name: AgentRuntime(a, wf, meshes[a.name], config.optim,
+                                 n_inputs=config.n_inputs, total_steps=config.steps + 1,
+                                 entropy_coef=config.entropy_coef,
+                                 engine_chunk=config.engine_chunk) for a in wf.agents}
 
 
 def main(config, run) -> dict:
     wf = _workflow(config)
     n_dev = len(jax.devices())
-    meshes = agent_centric_meshes(wf, n_dev)
-    runtimes = {a.name: AgentRuntime(a, wf, meshes[a.name], config.optim,
-                                     n_inputs=config.n_inputs, total_steps=config.steps + 1,
-                                     entropy_coef=config.entropy_coef,
-                                     engine_chunk=config.engine_chunk) for a in wf.agents}
+    meshes = _agent_meshes(config, wf)
+    runtimes = build_runtimes(config, wf, meshes)
     meshes = meshes[wf.order()[0]]
     init = {n: jax.device_get(init_params(rt.fns, rt.spec.model, jax.random.key(i)))
             for i, (n, rt) in enumerate(runtimes.items())}
@@ -357,3 +377,32 @@ def main(config, run) -> dict:
             experiment=run.name, variant=run.variant, devices=n_dev)
         run.info(f"wrote calibration {summary['calibration_written']}")
     return summary
+
+
+# -- compile-only ------------------------------------------------------------------------
+
+
+def compile_programs(config, meshes: Mapping) -> list[Program]:
+    """``--compile-only``: a run's jitted programs on ``meshes`` (:func:`resolve_meshes`' on the
+    target's devices), built by :func:`build_runtimes` / :func:`bench_engine`: per agent its
+    trainer programs (:func:`jaxflow.marl.programs.agent_programs`) and its engine's prefill and
+    decode chunk on one rollout call's rows; the engine benchmark's padded decode (and its prefill
+    and chunk when its shapes differ from the solver's rollout)."""
+    wf = _workflow(config)
+    by_agent = {a: {"trainer": meshes[f"{a}/trainer"], "rollout": meshes[f"{a}/rollout"]}
+                for a in wf.order()}
+    runtimes = build_runtimes(config, wf, by_agent)
+    programs, decode_args = [], {}
+    for name, rt in runtimes.items():
+        programs += agent_programs(rt, n_inputs=config.n_inputs, micro_inputs=config.micro_inputs)
+        engine, decode_args[name] = engine_programs(f"{name}/rollout", rt.engine, rt.spec.model,
+                                                    config.rollout_batch * rt.spec.group_size)
+        programs += engine
+    bench, solver = bench_engine(config, wf, by_agent["solver"]["rollout"]), runtimes["solver"]
+    args = decode_args["solver"]
+    if not (bench.config == solver.engine.config and bench.chunk == solver.engine.chunk
+            and config.bench_rows == config.rollout_batch * solver.spec.group_size):
+        engine, args = engine_programs("solver/bench", bench, config.solver, config.bench_rows)
+        programs += engine
+    return programs + [padded_decode_program("solver/bench", bench, config.solver,
+                                             config.bench_rows, args)]

@@ -8,6 +8,10 @@
    time ratios.
 3. Held-out accuracy: teacher-forced exact match of the answer on samples built only from
    held-out digit images.
+
+``compile_programs`` (``--compile-only``) lists every jitted program of a run on its meshes,
+built by the run's own builders (:func:`make_sides`, the ``jaxflow.flow.steps`` makers,
+:func:`make_eval_step`) with the shapes of step 0's samples.
 """
 
 from __future__ import annotations
@@ -20,14 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxflow.compile_only.program import Program
 from jaxflow.experiment import RunContext
 from jaxflow.flow.allocator import Allocation, ParallelConfig, allocate, candidates, measure_throughput
-from jaxflow.flow.batching import PackingConfig, encoder_image_base, encoder_patches, layout_rows, pooled_image_base
-from jaxflow.flow.decoupled import DecoupledTrainer, put_replicated, put_rows
+from jaxflow.flow.batching import encoder_patches, eval_layout, layout_rows, pooled_image_base
+from jaxflow.flow.decoupled import BUFFER_GRANULARITY, DecoupledTrainer, put_replicated, put_rows
 from jaxflow.flow.digits_data import heldout_samples, step_samples
 from jaxflow.flow.monolithic import MonolithicTrainer
 from jaxflow.flow.packing import CostModel
-from jaxflow.flow.steps import Sides, build_sides, eval_correct, make_backbone_step, make_encoder_fns
+from jaxflow.flow.programs import monolithic_programs, split_programs, step_flops
+from jaxflow.flow.steps import Sides, build_sides, make_backbone_step, make_encoder_fns, make_eval_step
 from jaxflow.flow.vlm import bucket, resolve_backend
 from jaxflow.mesh import MeshError, experiment_devices, make_mesh, role_meshes
 from jaxflow.models.transformer import param_count
@@ -109,8 +115,8 @@ def profile_sides(config, sides: Sides, enc_host: TrainState, bb_host: TrainStat
     base, offsets = pooled_image_base(samples)
     layout = layout_rows(samples, "packed", base, packing=config.packing, cost=cost,
                          row_multiple=bb_rows)
-    buf = put_replicated(np.zeros((bucket(max(int(offsets[-1]), 1), 256), sides.lm.d_model),
-                                  np.float32), sides.bb.mesh)
+    n_buf = bucket(max(int(offsets[-1]), 1), BUFFER_GRANULARITY)
+    buf = put_replicated(np.zeros((n_buf, sides.lm.d_model), np.float32), sides.bb.mesh)
     rows = put_rows(layout.rows, sides.bb.mesh)
     denom = put_replicated(np.float32(1.0), sides.bb.mesh)
 
@@ -123,16 +129,22 @@ def profile_sides(config, sides: Sides, enc_host: TrainState, bb_host: TrainStat
     return measure_throughput(enc_step, n, repeats=r), measure_throughput(bb_step_once, n, repeats=r)
 
 
+def run_total_steps(config) -> int:
+    """Optimizer steps of every mode in a run (the schedules' horizon)."""
+    return (config.train.warmup_rounds + config.train.rounds) * config.train.block_steps
+
+
+def make_sides(config, enc_mesh: Mesh, bb_mesh: Mesh, backend) -> Sides:
+    """The run's :class:`Sides` on these meshes (monolithic: the same mesh twice)."""
+    return build_sides(config.vit, config.model, enc_mesh, bb_mesh, config.optim,
+                       run_total_steps(config), backend)
+
+
 def heldout_accuracy(sides: Sides, enc_params, bb_params, samples: list, cost) -> float:
     """Fraction of held-out samples whose every answer token is the argmax (teacher forcing)."""
     mesh = sides.bb.mesh
-    rows_multiple = mesh.shape["data"]
-    patches = encoder_patches(samples, sides.vit, rows_multiple)
-    lay = layout_rows(samples, "padded", encoder_image_base(samples, patches),
-                      packing=PackingConfig(), cost=cost, row_multiple=rows_multiple)
-    if "eval" not in sides.jitted:
-        sides.jitted["eval"] = jax.jit(lambda e, b, p, r: eval_correct(sides, e, b, p, r))
-    fn = sides.jitted["eval"]
+    patches, lay = eval_layout(samples, sides.vit, mesh.shape["data"], cost)
+    fn = make_eval_step(sides)
     correct = np.asarray(fn(jax.device_put(enc_params, sides.enc.param_shardings),
                             jax.device_put(bb_params, sides.bb.param_shardings),
                             put_rows(patches.arrays(), mesh), put_rows(lay.rows, mesh)))
@@ -154,17 +166,6 @@ def measured_peak_flops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / float(np.median(times))
 
 
-def model_flops(config, samples: list, n_enc_params: int, n_bb_params: int) -> float:
-    """Useful training flops of one step (no padding): 6 * params * tokens + attention."""
-    lm, vit = config.model, config.vit
-    bb_matmul = n_bb_params - lm.vocab_size * lm.d_model  # the embedding table is a gather
-    tokens = sum(s.length for s in samples)
-    patches = sum(s.n_image_tokens for s in samples)
-    attn = 6 * lm.n_layers * 2 * lm.d_model * sum(s.length**2 / 2 for s in samples)
-    attn += 6 * vit.n_layers * 2 * vit.d_model * sum(n**2 for s in samples for n in s.image_tokens)
-    return 6.0 * (bb_matmul * tokens + n_enc_params * patches) + attn
-
-
 def _persistent_compile_cache(run: RunContext) -> None:
     """Compiled programs are cached under runs/.jax_cache: a rerun (quick, then default)
     skips most of the compilation that dominates short runs on a loaded 2-core CPU."""
@@ -180,12 +181,11 @@ def main(config, run: RunContext) -> dict[str, Any]:
     n_dev = len(devices)
     backend = resolve_backend(config.flow.attention)
     cost = CostModel.for_width(config.model.d_model, config.packing.encoder_cost_per_patch)
-    total_steps = (tc.warmup_rounds + tc.rounds) * tc.block_steps
+    total_steps = run_total_steps(config)
     steps = [(k, step_samples(config.data, seed=config.seed, step=k, batch_size=tc.batch_size))
              for k in range(total_steps)]
     full = config.mesh.make(devices)
-    mono_sides = build_sides(config.vit, config.model, full, full, config.optim, total_steps,
-                             backend)
+    mono_sides = make_sides(config, full, full, backend)
     enc0, bb0 = mono_sides.init(jax.random.key(config.seed))
     enc_host, bb_host = _host_copy(enc0), _host_copy(bb0)
     n_enc, n_bb = param_count(enc_host.params), param_count(bb_host.params)
@@ -198,9 +198,8 @@ def main(config, run: RunContext) -> dict[str, Any]:
     def sides_for(e: int, b: int, model: int) -> Sides:
         if (e, b, model) not in split_sides:
             meshes = _split_meshes(e, b, model, devices)
-            split_sides[(e, b, model)] = build_sides(
-                config.vit, config.model, meshes["encoder"], meshes["backbone"], config.optim,
-                total_steps, backend)
+            split_sides[(e, b, model)] = make_sides(config, meshes["encoder"],
+                                                    meshes["backbone"], backend)
         return split_sides[(e, b, model)]
 
     profile_rows = []
@@ -271,7 +270,7 @@ def main(config, run: RunContext) -> dict[str, Any]:
     t = {m: np.asarray(times[m]) for m in MODES}
     ratios = {m: t["monolithic_padded"] / t[m] for m in MODES}
     timed = [s for k, s in steps[tc.warmup_rounds * tc.block_steps:]]
-    flops = float(np.mean([model_flops(config, s, n_enc, n_bb) for s in timed]))
+    flops = float(np.mean([sum(step_flops(mono_sides, s)) for s in timed]))  # no padding
     peak = measured_peak_flops()
     samples_per_s = {m: per_sample / float(np.median(t[m])) for m in MODES}
     held = heldout_samples(config.data, seed=config.seed, n=tc.eval_examples)
@@ -325,3 +324,28 @@ def main(config, run: RunContext) -> dict[str, Any]:
     run.info(f"samples/s {({m: round(v, 2) for m, v in samples_per_s.items()})}; "
              f"speedup {summary['speedup_vs_monolithic_padded']}")
     return summary
+
+
+# -- compile-only ------------------------------------------------------------------------
+
+
+def compile_programs(config, meshes: dict[str, Mesh]) -> list[Program]:
+    """Every jitted program of a run on ``meshes`` (what :func:`resolve_meshes` builds), built
+    by the run's own builders with abstract arguments in the run's shardings and the shapes of
+    step 0's samples (held-out samples for eval): on the monolithic mesh
+    :func:`jaxflow.flow.programs.monolithic_programs`, per candidate split ``E+B``
+    :func:`jaxflow.flow.programs.split_programs`."""
+    mono = meshes["monolithic"]
+    with jax.set_mesh(mono):  # the target's platform decides which names are valid
+        backend = resolve_backend(config.flow.attention)
+    cost = CostModel.for_width(config.model.d_model, config.packing.encoder_cost_per_patch)
+    samples = step_samples(config.data, seed=config.seed, step=0,
+                           batch_size=config.train.batch_size)
+    held = heldout_samples(config.data, seed=config.seed, n=config.train.eval_examples)
+    programs = monolithic_programs(make_sides(config, mono, mono, backend), samples, held,
+                                   config.packing, cost)
+    for name in [k for k in meshes if k.startswith("encoder/")]:
+        split = name[len("encoder/"):]
+        sides = make_sides(config, meshes[name], meshes[f"backbone/{split}"], backend)
+        programs += split_programs(sides, split, samples, config.packing, cost)
+    return programs

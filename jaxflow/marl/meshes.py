@@ -2,32 +2,61 @@
 
 Agent-centric allocation (FlexMARL): the rollout role takes half the devices and the trainer
 devices are split over agents in proportion to their parameter counts, so agents train on
-disjoint devices.
+disjoint devices. Tensor parallelism: ``trainer_model`` / ``rollout_model`` cap the "model"
+axis of each mesh (heads / mlp / vocab sharded by the logical rules); each mesh takes the
+largest divisor of its cap that its devices allow (1: data parallel only, no "model" axis).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
+
+import jax
 
 from jaxflow.marl.balance import allocate_workers
 from jaxflow.mesh import role_meshes
 
 
-def agent_centric_meshes(wf, n_dev: int) -> dict[str, dict]:
-    """Per agent: {"trainer": mesh, "rollout": mesh}. 1 device: everything colocated. 2: the
-    trainer / rollout halves. >= 3: rollout gets n // 2 devices and the trainer devices are
-    split over agents in proportion to their parameter counts (agent-centric allocation,
-    :func:`~jaxflow.marl.balance.allocate_workers`), so agents train on disjoint devices."""
+def _degree(cap: int, n_devices: int, units: int = 1) -> int:
+    """The largest divisor d of ``cap`` with ``n_devices % d == 0`` and
+    ``n_devices // d >= units`` (1 always qualifies)."""
+    return max(d for d in range(1, cap + 1)
+               if cap % d == 0 and n_devices % d == 0 and n_devices // d >= units)
+
+
+def _axes(model: int) -> dict[str, int]:
+    return {"data": -1} if model == 1 else {"data": -1, "model": model}
+
+
+def agent_centric_meshes(wf, n_dev: int, *, devices: Sequence | None = None,
+                         trainer_model: int = 1, rollout_model: int = 1) -> dict[str, dict]:
+    """Per agent: {"trainer": mesh, "rollout": mesh} on the first ``n_dev`` of ``devices``
+    (default ``jax.devices()``). 1 device: everything colocated. Otherwise the rollout role
+    gets n // 2 devices (one mesh all agents share); with fewer trainer devices than agents
+    one trainer mesh is shared, else the trainer devices are split over agents in proportion
+    to their parameter counts (agent-centric allocation,
+    :func:`~jaxflow.marl.balance.allocate_workers`, in blocks of the trainers' model degree),
+    so agents train on disjoint devices. Meshes are data x model with the model degree
+    :func:`_degree` of the caps (see module doc)."""
     names = wf.order()
+    devices = list(jax.devices() if devices is None else devices)[:n_dev]
     if n_dev == 1:
-        mesh = role_meshes({"trainer": 1})["trainer"]
+        mesh = role_meshes({"trainer": 1}, devices=devices)["trainer"]
         return {n: {"trainer": mesh, "rollout": mesh} for n in names}
     n_roll = n_dev // 2
     n_train = n_dev - n_roll
+    roll_axes = _axes(_degree(rollout_model, n_roll))
     if n_train < len(names):
-        m = role_meshes({"trainer": n_train, "rollout": n_roll})
+        m = role_meshes({"trainer": n_train, "rollout": n_roll},
+                        {"trainer": _axes(_degree(trainer_model, n_train)), "rollout": roll_axes},
+                        devices=devices)
         return {n: m for n in names}
+    tp = _degree(trainer_model, n_train, units=len(names))
     sizes = {n: float(_n_params(wf.agent(n).model)) for n in names}
-    split = allocate_workers(sizes, n_train)
-    m = role_meshes({f"trainer/{n}": split[n] for n in names} | {"rollout": n_roll})
+    split = allocate_workers(sizes, n_train // tp)
+    axes = {f"trainer/{n}": _axes(tp) for n in names} | {"rollout": roll_axes}
+    m = role_meshes({f"trainer/{n}": split[n] * tp for n in names} | {"rollout": n_roll}, axes,
+                    devices=devices)
     return {n: {"trainer": m[f"trainer/{n}"], "rollout": m["rollout"]} for n in names}
 
 

@@ -1,0 +1,115 @@
+"""Compile gate: every program of FlowTrain's and FlexMARL's ``compile_programs`` compiles for
+abstract TPU v5e (``v5e:2x2``, 4 chips) and 2 H100s with the real compilers, and fits the chip.
+
+Each experiment runs a small variant (``quick`` with one layer, one candidate split for
+FlowTrain, micro-batches as large as the version for FlexMARL, the engine benchmark on the
+rollout's own shapes): small enough that each program compiles in seconds, with every program
+kind the production variant has. Programs are built on the meshes
+``jaxflow.run_meshes.resolve_meshes`` gives for the target's devices, lowered under
+``jax.set_mesh(program.mesh)`` and compiled; their per-device bytes (arguments + outputs +
+temporaries - aliased) must fit the chip's HBM. Their abstract arguments carry shardings on
+their mesh, and the steps whose attention is ``auto`` contain the platform's kernel (splash on
+TPU, Triton flash on GPU; GRPO also the fused log-probs kernels).
+
+The heads are 64 wide in FlexMARL's small models: XLA:GPU (jaxlib 0.10.2) fails to compile the
+KV-cache prefill of ``quick``'s 16-wide heads ("Couldn't find output tile sizes"), a compiler
+limit at toy widths that the production widths (128) do not hit.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+
+import jax
+import pytest
+from jax.sharding import NamedSharding
+
+from jaxflow.compile_only.kernels import pallas_calls
+from jaxflow.config import apply_overrides, experiments
+from jaxflow.run_meshes import resolve_meshes
+from pallas_kernels import targets
+
+TARGETS = {"v5e-2x2": ("v5e", "v5e:2x2"), "h100x2": ("h100", "1x1x2")}
+WIDE_HEADS = ["solver.head_dim_override=64", "verifier.d_model=64", "verifier.d_ff=128",
+              "verifier.n_heads=4", "verifier.n_kv_heads=4", "verifier.head_dim_override=64"]
+SMALL = {
+    "flowtrain": ["model.n_layers=1", "train.batch_size=8", "train.eval_examples=8",
+                  "allocator.encoder_candidates=1"],
+    "flexmarl": ["solver.n_layers=1", "micro_inputs=4", "bench_tokens=6", "bench_rows=4",
+                 "bench_chunk=2", *WIDE_HEADS],
+}
+ATTENTION = {"tpu": "splash_mha_fwd", "gpu": "mha_forward"}
+
+
+def _programs(exp: str, target: str):
+    spec = experiments()[exp]
+    config = apply_overrides(spec.get_config("quick"), SMALL[exp])
+    chip, topology = TARGETS[target]
+    devices = targets.devices(chip, topology)
+    meshes = resolve_meshes(spec, config, devices)
+    driver = importlib.import_module(spec.entry.partition(":")[0])
+    return targets.chip(chip), devices, driver.compile_programs(config, meshes)
+
+
+def _expected_names(exp: str, chip) -> set[str]:
+    if exp == "flowtrain":
+        split = "1(1x1)+1(1x1)" if chip.platform == "gpu" else "1(1x1)+3(3x1)"
+        return ({"init/encoder", "init/backbone", "monolithic_padded/step",
+                 "monolithic_packed/step", "eval"}
+                | {f"encoder/{split}/forward", f"encoder/{split}/update",
+                   f"backbone/{split}/step"})
+    per_agent = ("old_stats", "update", "accumulate_apply", "rollout/prefill", "rollout/decode")
+    return {f"{a}/{p}" for a in ("solver", "verifier") for p in per_agent} | {
+        "solver/bench/decode_padded"}
+
+
+def _kernel_steps(exp: str, name: str) -> bool:
+    """Programs whose attention is ``auto`` over packed rows (the KV-cache engine and the ViT's
+    bidirectional mask use XLA attention)."""
+    if exp == "flowtrain":
+        return name.endswith("/step") or name == "eval"
+    return name.split("/")[-1] in ("old_stats", "update", "accumulate_apply")
+
+
+def _abstract_on(tree, mesh) -> bool:
+    """Every leaf a ShapeDtypeStruct whose NamedSharding is on ``mesh``'s devices (ints are
+    static arguments, None an absent input)."""
+    devices = set(mesh.devices.flat)
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, int):
+            continue
+        if not isinstance(leaf, jax.ShapeDtypeStruct) or not isinstance(leaf.sharding,
+                                                                         NamedSharding):
+            return False
+        if set(leaf.sharding.mesh.devices.flat) != devices:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("exp", sorted(SMALL))
+def test_every_program_compiles_and_fits(exp, target):
+    chip, devices, programs = _programs(exp, target)
+    names = [p.name for p in programs]
+    assert len(names) == len(set(names)), names
+    assert set(names) == _expected_names(exp, chip), names
+    for p in programs:
+        assert set(p.mesh.devices.flat) <= set(devices), p.name
+        assert _abstract_on((p.args, p.kwargs), p.mesh), p.name
+        with jax.set_mesh(p.mesh):
+            traced = p.fn.trace(*p.args, **p.kwargs)
+            compiled = traced.lower().compile()
+        result = targets.compile_result(chip.name, compiled)
+        assert 0 < result.total_bytes <= chip.hbm_bytes, (p.name, result)
+        if p.kind == "train":
+            assert p.model_flops and p.model_flops > 0 and p.tokens, p.name
+        calls = collections.Counter()
+        for kernel, n in pallas_calls(traced).items():  # splash_mha_fwd_segmented_residuals
+            calls[kernel.split("_segmented")[0]] += n
+        if _kernel_steps(exp, p.name):
+            assert calls[ATTENTION[chip.platform]] >= 1, (p.name, dict(calls))
+            if exp == "flexmarl":
+                assert calls["fused_logprobs_fwd"] >= 1, (p.name, dict(calls))
+        else:
+            assert not calls, (p.name, dict(calls))
