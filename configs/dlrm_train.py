@@ -59,6 +59,9 @@ class DataConfig:
     def __post_init__(self):
         if self.source not in ("synthetic", "criteo", "movielens"):
             raise ValueError(f"data.source={self.source!r}; valid: synthetic, criteo, movielens")
+        if self.source != "synthetic" and not self.path:
+            raise ValueError(f"data.source={self.source!r} needs data.path=<file> (a "
+                             f"{'Criteo TSV' if self.source == 'criteo' else 'MovieLens ratings'} file)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants, require_positive
+from jaxflow.data.arithmetic import AdditionTask
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.architectures import shipped_config
 from jaxflow.models.transformer import TransformerConfig
@@ -39,6 +40,7 @@ class DataConfig:
     def __post_init__(self):
         if self.loss_on not in ("answer", "all"):
             raise ValueError(f"data.loss_on={self.loss_on!r}; valid: answer, all")
+        AdditionTask(max_digits=self.max_digits, heldout_mod=self.heldout_mod)  # their ranges
 
 
 @dataclasses.dataclass(frozen=True)

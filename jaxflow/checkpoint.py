@@ -23,9 +23,10 @@ from etils import epath
 
 from jaxflow import signals
 from jaxflow.experiment import is_local, run_path
+from jaxflow.errors import UserError
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing or unreadable; the message names it and how to go on."""
 
 

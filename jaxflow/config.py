@@ -21,8 +21,10 @@ import types
 import typing
 from typing import Any, Callable
 
+from jaxflow.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A user error in choosing or overriding a config; the message is one readable line."""
 
 
@@ -265,13 +267,28 @@ def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
             group = sorted(f.name for f in dataclasses.fields(group_type))
             off = f" (or {key}=none)" if optional else ""
             raise ConfigError(f"--set {key}: is a group; set one of {', '.join(group)}{off}")
-        changes[name] = parse_value(text, hints.get(name, type(current)), key)
+        changes[name] = _check_known_range(name, parse_value(text, hints.get(name, type(current)),
+                                                             key), key, text)
         texts.append(f"{key}={text}")
     try:
         return dataclasses.replace(typing.cast(Any, obj), **changes)
     except (ValueError, TypeError) as e:  # __post_init__ validation
         where = " ".join(texts) or prefix.rstrip(".")
         raise ConfigError(f"--set {where}: {e}") from None
+
+
+#: Seeds become ``jax.random.key`` / numpy ``SeedSequence`` words: unsigned 32-bit.
+SEED_RANGE = (0, 2**32 - 1)
+
+
+def _check_known_range(name: str, value: Any, key: str, text: str) -> Any:
+    """``value`` of field ``name`` when it is in the range every config shares for that kind of
+    field (a seed: :data:`SEED_RANGE`); ConfigError naming the ``--set`` otherwise."""
+    if (name == "seed" or name.endswith("_seed")) and isinstance(value, int) \
+            and not isinstance(value, bool) and not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+        raise ConfigError(f"--set {key}={text!r}: a seed is an unsigned 32-bit integer; valid: "
+                          f"{SEED_RANGE[0]}..{SEED_RANGE[1]}")
+    return value
 
 
 def _tree_texts(tree: dict) -> list[str]:

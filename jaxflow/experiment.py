@@ -24,6 +24,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from etils import epath
 
+from jaxflow.errors import UserError
+
 
 def run_path(location: "str | os.PathLike") -> epath.Path:
     """A run directory as an ``etils.epath.Path``: a local path, a ``file://`` URI (made local),
@@ -46,7 +48,7 @@ def is_local(path: epath.Path) -> bool:
     return "://" not in str(path)
 
 
-class MissingExtraError(RuntimeError):
+class MissingExtraError(UserError, RuntimeError):
     """An optional dependency (a ``pyproject.toml`` extra) is not installed; the message holds
     the install command. The runner turns it into exit code 2 and that one line."""
 

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxflow.errors import UserError
+
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 #: Default rules for the LM: data parallel over "data", tensor parallel over "model".
@@ -32,7 +34,7 @@ DEFAULT_RULES: LogicalRules = (
 )
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
     """A mesh that cannot be built from the devices at hand, or conflicting sharding rules."""
 
 

@@ -42,15 +42,16 @@ from typing import Any, Sequence
 from etils import epath
 
 from jaxflow import contract
-from jaxflow.config import ConfigError, apply_overrides, experiments, get_experiment
-from jaxflow.experiment import MissingExtraError, is_local, run_path
+from jaxflow.config import apply_overrides, experiments, get_experiment
+from jaxflow.errors import UserError, one_line
+from jaxflow.experiment import is_local, run_path
 from jaxflow.run_meshes import default_devices, resolve_meshes  # noqa: F401  (re-exported)
 
 PROG = "python -m jaxflow.run"
 
 
-class UsageError(Exception):
-    """A user error: printed as one line, exit code 2."""
+class UsageError(UserError):
+    """A user error in the flags: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -212,8 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (worker := _supervised_worker(argv)) is not None:
             return worker()
         return _main(argv)
-    except (UsageError, ConfigError, MissingExtraError) as e:
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+    except UserError as e:  # config, mesh, checkpoint, file, data, missing extra, flags
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted (SIGINT) before the run started; nothing was written",
@@ -370,9 +371,7 @@ def _execute(plan: _Plan, started: bool) -> int:
     import jax
 
     from jaxflow import distributed, signals
-    from jaxflow.checkpoint import CheckpointError
     from jaxflow.experiment import RunContext
-    from jaxflow.mesh import MeshError
     from jaxflow.train.loop import Fault
 
     args = plan.args
@@ -397,11 +396,11 @@ def _execute(plan: _Plan, started: bool) -> int:
     start = time.time()
     try:
         result = dict(plan.spec.entry_fn()(plan.config, run) or {})
-    except (ConfigError, MeshError, MissingExtraError, CheckpointError) as e:
+    except UserError:  # raised anywhere inside the experiment: exit 2, one line (main)
         run.close()
         if not args.resume and primary:
             _roll_back(out_dir, existed)
-        raise UsageError(str(e)) from None
+        raise
     except signals.RunStopped as stop:
         run.close()
         how = (f"checkpoint at step {stop.step} saved; resume: {PROG} --resume --out {out_dir}"

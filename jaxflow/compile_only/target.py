@@ -17,6 +17,7 @@ import dataclasses
 import math
 import re
 
+from jaxflow.errors import UserError
 from pallas_kernels import targets
 
 _TPU = re.compile(r"tpu-(?P<chip>[a-z0-9]+):(?P<topology>[A-Za-z0-9x_\-]+)")
@@ -24,7 +25,7 @@ _GPU = re.compile(r"gpu-(?P<chip>[a-z0-9]+?)x(?P<n>[0-9]+)")
 _DIMS = re.compile(r"[0-9]+(x[0-9]+)*")
 
 
-class TargetError(ValueError):
+class TargetError(UserError, ValueError):
     """A ``--target`` the runner cannot compile for; the message names the valid forms."""
 
 

@@ -40,6 +40,7 @@ import numpy as np
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.decorate.rating import CRITERIA
 from jaxflow.decorate.tagging import TagHierarchy
+from jaxflow.errors import FileFormatError
 
 #: The tokenizer every token count uses: characters of ALPHABET, ids 0/1/2 = PAD/BOS/EOS.
 ALPHABET = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")
@@ -361,13 +362,14 @@ class ReadStats:
 
 def _decode(raw: bytes, where: str, errors: str, stats: ReadStats) -> str:
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")  # a byte-order mark (file start) is not text
     except UnicodeDecodeError as e:
         if errors != "replace":
-            raise ValueError(f"{where}: byte offset {e.start} is not UTF-8 ({raw[e.start:e.start + 4]!r}); "
-                             "fix the file or read it with errors='replace'") from None
+            raise FileFormatError(f"{where}: byte offset {e.start} is not UTF-8 "
+                                  f"({raw[e.start:e.start + 4]!r}); fix the file or read it "
+                                  "with errors='replace'") from None
         stats.replaced_bytes += 1
-        return raw.decode("utf-8", errors="replace")
+        return raw.decode("utf-8-sig", errors="replace")
 
 
 def _emit(doc_id: str, text: str, max_chars: int, stats: ReadStats) -> Iterator[Document]:
@@ -405,9 +407,9 @@ def read_jsonl(path: str | pathlib.Path, *, max_chars: int, text_key: str = "tex
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
+                raise FileFormatError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
             if not isinstance(row, dict) or text_key not in row:
-                raise ValueError(f"{path}:{lineno}: needs a {text_key!r} field")
+                raise FileFormatError(f"{path}:{lineno}: needs a {text_key!r} field")
             doc_id = str(row.get(id_key, lineno))
             if set(row) & {"source", "leaf", "latent"}:
                 text = normalize_text(row[text_key]).strip()

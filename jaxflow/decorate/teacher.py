@@ -48,6 +48,7 @@ import numpy as np
 from jaxflow.decorate.editing import DELETE, KEEP, LOWER, apply_ops
 from jaxflow.decorate.rating import CRITERIA
 from jaxflow.decorate.tagging import TagHierarchy, validate_tags
+from jaxflow.errors import FileFormatError, text_lines
 
 
 class Annotator(Protocol):
@@ -304,18 +305,22 @@ class LabelFileAnnotator:
 
         self.hierarchy = hierarchy
         self._rows: dict[str, dict] = {}
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
+        for lineno, line in text_lines(path, what="label file"):
+            if not line.strip():
+                continue
+            try:
                 row = json.loads(line)
-                if "text" not in row:
-                    raise ValueError(f"{path}:{lineno}: label row needs a 'text' field")
-                if "tag" in row:
-                    validate_tags(np.asarray([row["tag"]]), hierarchy)
-                if "scores" in row and len(row["scores"]) != len(CRITERIA):
-                    raise ValueError(f"{path}:{lineno}: 'scores' needs {len(CRITERIA)} values")
-                self._rows[row["text"]] = row
+            except json.JSONDecodeError as e:
+                raise FileFormatError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise FileFormatError(f"{path}:{lineno}: label row needs a 'text' string field")
+            if "tag" in row:
+                validate_tags(np.asarray([row["tag"]]), hierarchy)
+            if "scores" in row and (not isinstance(row["scores"], list)
+                                    or len(row["scores"]) != len(CRITERIA)):
+                raise FileFormatError(f"{path}:{lineno}: 'scores' needs a list of "
+                                      f"{len(CRITERIA)} values")
+            self._rows[row["text"]] = row
 
     def _get(self, text: str, field: str):
         row = self._rows.get(text)

@@ -46,6 +46,9 @@ class DigitsConfig:
     heldout_mod: int = 5
 
     def __post_init__(self):
+        if not isinstance(self.heldout_mod, int) or self.heldout_mod < 2:
+            raise ValueError(f"heldout_mod={self.heldout_mod!r}; valid: an int >= 2 (1 would "
+                             "hold out every sample)")
         bad = [s for s in self.sizes if s % self.patch_size or s < self.patch_size]
         if bad:
             raise ValueError(f"image sizes {bad} are not positive multiples of "

@@ -31,6 +31,9 @@ class VerifyAdditionTask:
     max_digits: int = 2
     name: str = "verify_addition"
 
+    def __post_init__(self):
+        self._solver  # noqa: B018  (checks max_digits: 1..9)
+
     @property
     def _solver(self) -> AdditionRLTask:
         return AdditionRLTask(max_digits=self.max_digits)

@@ -18,6 +18,7 @@ import json
 import math
 from typing import Any
 
+from jaxflow.errors import FileFormatError
 from jaxflow.models.rope import RopeScaling
 from jaxflow.models.transformer import TransformerConfig
 
@@ -40,7 +41,7 @@ _MODELLED = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FileFormatError):
     """A checkpoint directory jaxflow cannot load (names the file, key or tensor)."""
 
 

@@ -23,21 +23,23 @@ import json
 import pathlib
 from collections.abc import Sequence
 
+from jaxflow.errors import FileFormatError, text_lines
 from jaxflow.prune.capabilities import Example
 
 
-class TaskFileError(ValueError):
+class TaskFileError(FileFormatError):
     """A task or calibration file that cannot be used (names file, line and value)."""
 
 
 def _lines(path: str):
-    p = pathlib.Path(path)
-    if not p.is_file():
+    if not pathlib.Path(path).is_file():
         raise TaskFileError(f"{path}: no such file")
-    with p.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    try:
+        for number, line in text_lines(path, what="task file"):
             if line.strip():
                 yield number, line
+    except FileFormatError as e:
+        raise TaskFileError(str(e)) from None
 
 
 def _parse(path: str, number: int, line: str) -> dict:

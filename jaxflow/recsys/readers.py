@@ -9,9 +9,12 @@ slices batches from them. ``read_atomic_file`` reads RecBole's atomic files (``.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 
 import numpy as np
+
+from jaxflow.errors import DataError, FileFormatError, text_lines
 
 
 def read_criteo_tsv(path: str | pathlib.Path, vocab_sizes: tuple[int, ...], *,
@@ -24,23 +27,27 @@ def read_criteo_tsv(path: str | pathlib.Path, vocab_sizes: tuple[int, ...], *,
     """
     num_cat = len(vocab_sizes)
     labels, dense, cats = [], [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if max_rows is not None and len(labels) >= max_rows:
-                break
-            line = line.rstrip("\n")
-            if not line:
-                continue
-            parts = line.split("\t")
-            if len(parts) != 1 + num_dense + num_cat:
-                raise ValueError(f"{path}:{lineno}: {len(parts)} tab-separated fields, expected "
-                                 f"{1 + num_dense + num_cat} (label, {num_dense} dense, {num_cat} categorical)")
+    for lineno, line in text_lines(path, what="Criteo file"):
+        if max_rows is not None and len(labels) >= max_rows:
+            break
+        line = line.rstrip("\r\n")
+        if not line:
+            continue
+        parts = line.split("\t")
+        if len(parts) != 1 + num_dense + num_cat:
+            raise FileFormatError(
+                f"{path}:{lineno}: {len(parts)} tab-separated fields, expected "
+                f"{1 + num_dense + num_cat} (label, {num_dense} dense, {num_cat} categorical)")
+        try:
             labels.append(float(parts[0]))
             dense.append([float(x) if x else 0.0 for x in parts[1:1 + num_dense]])
             cats.append([int(x, 16) % v if x else -1
                          for x, v in zip(parts[1 + num_dense:], vocab_sizes)])
+        except ValueError:
+            raise FileFormatError(f"{path}:{lineno}: cannot parse {line[:80]!r}; valid: a numeric "
+                                  "label, decimal dense counts, hex categorical values") from None
     if not labels:
-        raise ValueError(f"{path}: no rows")
+        raise FileFormatError(f"{path}: no rows")
     cat = np.asarray(cats, np.int64)
     return {"dense": np.log1p(np.maximum(np.asarray(dense, np.float64), 0)).astype(np.float32),
             "label": np.asarray(labels, np.float32),
@@ -54,32 +61,49 @@ def read_movielens(path: str | pathlib.Path, *, max_rows: int | None = None) -> 
     Returns int64 ``user``, ``item``, ``timestamp`` and f32 ``rating`` arrays.
     """
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if max_rows is not None and len(rows) >= max_rows:
+    for lineno, line in text_lines(path, what="MovieLens ratings file"):
+        if max_rows is not None and len(rows) >= max_rows:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        for sep in ("::", "\t", ","):
+            if sep in line:
+                parts = line.split(sep)
                 break
-            line = line.strip()
-            if not line:
-                continue
-            for sep in ("::", "\t", ","):
-                if sep in line:
-                    parts = line.split(sep)
-                    break
-            else:
-                parts = line.split()
-            if len(parts) < 4:
-                raise ValueError(f"{path}:{lineno}: {len(parts)} fields; expected user item rating timestamp")
-            try:
-                rows.append((int(parts[0]), int(parts[1]), float(parts[2]), int(float(parts[3]))))
-            except ValueError:
-                if lineno == 1:
-                    continue  # header
-                raise ValueError(f"{path}:{lineno}: cannot parse {line!r} as user item rating timestamp") from None
+        else:
+            parts = line.split()
+        if len(parts) < 4:
+            if lineno == 1 and not _numeric(parts[0]):
+                continue  # a header naming fewer columns
+            raise FileFormatError(f"{path}:{lineno}: {len(parts)} fields in {line[:80]!r}; "
+                                  "expected user item rating timestamp")
+        try:
+            rows.append((int(parts[0]), int(parts[1]), float(parts[2]), int(float(parts[3]))))
+        except (ValueError, OverflowError):
+            if lineno == 1:
+                continue  # header
+            raise FileFormatError(f"{path}:{lineno}: cannot parse {line[:80]!r} as user item "
+                                  "rating timestamp (integers, a number, an integer)") from None
     if not rows:
-        raise ValueError(f"{path}: no ratings")
+        raise FileFormatError(f"{path}: no ratings")
     arr = list(zip(*rows))
+    high = int(np.iinfo(np.int32).max)  # ids index int32 embedding rows
+    for column, values in (("user", arr[0]), ("item", arr[1])):
+        if min(values) < 0 or max(values) > high:
+            row = next(i for i, v in enumerate(values) if not 0 <= v <= high)
+            raise DataError(f"{path}: {column} id {values[row]} (rating {row + 1}) is out of "
+                            f"range; valid: 0..{high} (ids index int32 embedding rows)")
     return {"user": np.asarray(arr[0], np.int64), "item": np.asarray(arr[1], np.int64),
             "rating": np.asarray(arr[2], np.float32), "timestamp": np.asarray(arr[3], np.int64)}
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 ATOMIC_TYPES = ("token", "token_seq", "float", "float_seq")
@@ -108,24 +132,27 @@ def read_atomic_file(path: str | pathlib.Path, *, columns: tuple[str, ...] | Non
       ``list[float]`` (float_seq).
 
     Raises:
-      ValueError: a header field without a known type, a missing requested column, a row
+      FileFormatError (a ValueError): the file is missing or not in ``encoding``, a header
+        field without a known type, a missing requested column, a row
         with more fields than the header or an unparsable float (naming the line).
     """
     path = pathlib.Path(path)
-    with open(path, encoding=encoding) as f:
+    if encoding.lower().replace("-", "").replace("_", "") in ("utf8", "utf8sig"):
+        encoding = "utf-8-sig"  # a leading byte-order mark is not part of the first column's name
+    with _text_errors(path, encoding), open(path, encoding=encoding) as f:
         header = f.readline().rstrip("\r\n").split("\t")
         names, types = [], []
         for field in header:
             name, _, kind = field.rpartition(":")
             if not name or kind not in ATOMIC_TYPES:
-                raise ValueError(f"{path}: header field {field!r} is not name:type with type in "
+                raise FileFormatError(f"{path}: header field {field!r} is not name:type with type in "
                                  f"{ATOMIC_TYPES} (RecBole atomic-file header)")
             names.append(name)
             types.append(kind)
         want = names if columns is None else list(columns)
         missing = [c for c in want if c not in names]
         if missing:
-            raise ValueError(f"{path}: header {header} lacks columns {missing}")
+            raise FileFormatError(f"{path}: header {header} lacks columns {missing}")
         rows = []
         for lineno, line in enumerate(f, 2):
             line = line.rstrip("\r\n")
@@ -133,7 +160,7 @@ def read_atomic_file(path: str | pathlib.Path, *, columns: tuple[str, ...] | Non
                 continue
             parts = line.split("\t")
             if len(parts) > len(names):
-                raise ValueError(f"{path}:{lineno}: {len(parts)} tab-separated fields, the header "
+                raise FileFormatError(f"{path}:{lineno}: {len(parts)} tab-separated fields, the header "
                                  f"has {len(names)}")
             rows.append((lineno, parts + [""] * (len(names) - len(parts))))
     convert = {"token": str.strip, "token_seq": str.split,
@@ -148,9 +175,21 @@ def read_atomic_file(path: str | pathlib.Path, *, columns: tuple[str, ...] | Non
             out[c] = [fn(parts[i]) for _, parts in rows]
         except ValueError:
             lineno, parts = next((n, p) for n, p in rows if not _parses(fn, p[i]))
-            raise ValueError(f"{path}:{lineno}: column {c!r} ({kind}) cannot parse "
+            raise FileFormatError(f"{path}:{lineno}: column {c!r} ({kind}) cannot parse "
                              f"{parts[i].strip()!r}") from None
     return out
+
+
+@contextlib.contextmanager
+def _text_errors(path: pathlib.Path, encoding: str):
+    """A missing file or undecodable text as FileFormatError naming ``path``."""
+    if not path.is_file():
+        raise FileFormatError(f"{str(path)!r} does not exist or is not a file")
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        raise FileFormatError(f"{str(path)!r} is not {encoding} text ({e.reason} at byte "
+                              f"{e.start} of a block); valid: {encoding} text") from None
 
 
 def _parses(fn, value) -> bool:

@@ -73,6 +73,9 @@ class AdditionRLTask:
     heldout_mod: int = 20
     name: str = "addition"
 
+    def __post_init__(self):
+        self._base  # noqa: B018  (AdditionTask checks max_digits 1..9 and heldout_mod >= 2)
+
     @property
     def _base(self) -> AdditionTask:
         return AdditionTask(max_digits=self.max_digits, heldout_mod=self.heldout_mod)

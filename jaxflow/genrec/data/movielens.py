@@ -36,6 +36,7 @@ import zlib
 import jax
 import numpy as np
 
+from jaxflow.errors import DataError, FileFormatError, text_lines
 from jaxflow.genrec.data.requests import SCENARIOS, RecData, Requests, instruction_tokens, pad_histories
 from jaxflow.genrec.semantic_ids import kmeans
 from jaxflow.recsys.readers import ATOMIC_TYPES, read_atomic_file, read_movielens
@@ -49,25 +50,32 @@ def read_ratings(path) -> dict:
     """int64 user / item / timestamp and f32 rating arrays, in file order."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ValueError(f"ratings file {str(path)!r} does not exist")
+        raise FileFormatError(f"ratings file {str(path)!r} does not exist")
     if path.suffix != ".inter":
         return read_movielens(path)
     need = ("user_id", "item_id", "rating", "timestamp")
     cols = read_atomic_file(path, columns=need)
     if not cols["user_id"]:
-        raise ValueError(f"{path}: no ratings")
+        raise FileFormatError(f"{path}: no ratings")
     try:
         user = np.asarray(cols["user_id"], np.int64)
         item = np.asarray(cols["item_id"], np.int64)
-    except ValueError:
-        bad = next(v for v in cols["user_id"] + cols["item_id"] if not v.lstrip("-").isdigit())
-        raise ValueError(f"{path}: user / item token {bad!r} is not an integer id "
-                         "(MovieLens ids are integers)") from None
+    except (ValueError, OverflowError):
+        bad = next((v for v in cols["user_id"] + cols["item_id"]
+                    if not v.lstrip("-").isdigit() or abs(int(v)) > np.iinfo(np.int64).max), "?")
+        raise FileFormatError(f"{path}: user / item token {bad!r} is not an integer id in "
+                              f"0..{np.iinfo(np.int32).max} (MovieLens ids)") from None
+    high = int(np.iinfo(np.int32).max)  # ids index int32 embedding rows
+    for column, ids in (("user_id", user), ("item_id", item)):
+        if ids.size and (ids.min() < 0 or ids.max() > high):
+            row = int(np.flatnonzero((ids < 0) | (ids > high))[0])
+            raise DataError(f"{path}:{row + 2}: {column} {int(ids[row])} is out of range; "
+                            f"valid: 0..{high}")
     rating = np.asarray(cols["rating"], np.float64)
     ts = np.asarray(cols["timestamp"], np.float64)
     bad = np.flatnonzero(~np.isfinite(rating) | ~np.isfinite(ts))
     if len(bad):
-        raise ValueError(f"{path}:{int(bad[0]) + 2}: missing rating or timestamp")
+        raise FileFormatError(f"{path}:{int(bad[0]) + 2}: missing rating or timestamp")
     return {"user": user, "item": item, "rating": rating.astype(np.float32),
             "timestamp": ts.astype(np.int64)}
 
@@ -76,7 +84,7 @@ def _first_column(header_names, candidates, path, what):
     for c in candidates:
         if c in header_names:
             return c
-    raise ValueError(f"{path}: no {what} column (one of {list(candidates)}) in the header")
+    raise FileFormatError(f"{path}: no {what} column (one of {list(candidates)}) in the header")
 
 
 def _is_atomic(path) -> bool:
@@ -92,8 +100,8 @@ def read_recbole_items(path) -> tuple[dict[int, tuple[str, int | None, list[str]
     from a RecBole ``.item`` atomic file; a year field without 4 digits (ml-100k has
     ``unkonwn``) is None."""
     path = pathlib.Path(path)
-    with open(path, encoding="utf-8") as f:
-        names = [h.rpartition(":")[0] for h in f.readline().rstrip("\r\n").split("\t")]
+    first = next(text_lines(path, what="RecBole item file"), (1, ""))[1]
+    names = [h.rpartition(":")[0] for h in first.rstrip("\r\n").split("\t")]
     title = _first_column(names, ("movie_title", "title"), path, "title")
     year = _first_column(names, ("release_year", "year"), path, "year")
     genre = _first_column(names, ("class", "genre", "genres"), path, "genre")
@@ -104,7 +112,7 @@ def read_recbole_items(path) -> tuple[dict[int, tuple[str, int | None, list[str]
         try:
             item = int(iid)
         except ValueError:
-            raise ValueError(f"{path}:{row}: item id {iid!r} is not an int") from None
+            raise FileFormatError(f"{path}:{row}: item id {iid!r} is not an int") from None
         t = " ".join(t) if isinstance(t, list) else str(t)
         y = " ".join(y) if isinstance(y, list) else str(y)
         gs = gs if isinstance(gs, list) else str(gs).split()
@@ -112,7 +120,7 @@ def read_recbole_items(path) -> tuple[dict[int, tuple[str, int | None, list[str]
         items[item] = (t, int(m.group(1)) if m else None, list(gs))
         genre_names += [g for g in gs if g not in genre_names]
     if not items:
-        raise ValueError(f"{path}: no items")
+        raise FileFormatError(f"{path}: no items")
     return items, tuple(genre_names)
 
 
@@ -121,7 +129,7 @@ def read_items(path) -> tuple[dict[int, tuple[str, int | None, list[str]]], tupl
     (recognised by its typed header), u.item or movies.dat."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ValueError(f"items file {str(path)!r} does not exist")
+        raise FileFormatError(f"items file {str(path)!r} does not exist")
     if _is_atomic(path):
         return read_recbole_items(path)
     items: dict[int, tuple[str, int | None, list[str]]] = {}
@@ -135,8 +143,8 @@ def read_items(path) -> tuple[dict[int, tuple[str, int | None, list[str]]], tupl
             if pipe:
                 parts = line.split("|")
                 if len(parts) < 5 + len(ML100K_GENRES):
-                    raise ValueError(f"{path}:{lineno}: {len(parts)} '|' fields; u.item has "
-                                     f"{5 + len(ML100K_GENRES)}")
+                    raise FileFormatError(f"{path}:{lineno}: {len(parts)} '|' fields; u.item has "
+                                          f"{5 + len(ML100K_GENRES)}")
                 flags = parts[5:5 + len(ML100K_GENRES)]
                 genres = [g for g, f_ in zip(ML100K_GENRES, flags) if f_.strip() == "1"]
                 title, date = parts[1], parts[2]
@@ -144,8 +152,8 @@ def read_items(path) -> tuple[dict[int, tuple[str, int | None, list[str]]], tupl
             else:
                 parts = line.split("::")
                 if len(parts) < 3:
-                    raise ValueError(f"{path}:{lineno}: {len(parts)} '::' fields; movies.dat "
-                                     "has id::title::genres")
+                    raise FileFormatError(f"{path}:{lineno}: {len(parts)} '::' fields; movies.dat "
+                                          "has id::title::genres")
                 title, genres = parts[1], [g for g in parts[2].split("|") if g]
                 year = re.search(r"\((\d{4})\)\s*$", title)
                 for g in genres:
@@ -154,10 +162,10 @@ def read_items(path) -> tuple[dict[int, tuple[str, int | None, list[str]]], tupl
             try:
                 item = int(parts[0])
             except ValueError:
-                raise ValueError(f"{path}:{lineno}: item id {parts[0]!r} is not an int") from None
+                raise FileFormatError(f"{path}:{lineno}: item id {parts[0]!r} is not an int") from None
             items[item] = (title, int(year.group(1)) if year else None, genres)
     if not items:
-        raise ValueError(f"{path}: no items")
+        raise FileFormatError(f"{path}: no items")
     return items, tuple(genre_names)
 
 
@@ -234,18 +242,17 @@ def read_embedding_file(path, item_ids) -> np.ndarray:
       ValueError: unparsable lines, rows of different widths, or rated items without a row.
     """
     table: dict[int, list[float]] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            parts = line.replace(",", " ").split()
-            if not parts:
-                continue
-            try:
-                table[int(parts[0])] = [float(x) for x in parts[1:]]
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: expected 'item_id v_1 ... v_D'") from None
+    for lineno, line in text_lines(path, what="item feature file"):
+        parts = line.replace(",", " ").split()
+        if not parts:
+            continue
+        try:
+            table[int(parts[0])] = [float(x) for x in parts[1:]]
+        except ValueError:
+            raise FileFormatError(f"{path}:{lineno}: expected 'item_id v_1 ... v_D'") from None
     widths = {len(v) for v in table.values()}
     if len(widths) != 1 or 0 in widths:
-        raise ValueError(f"{path}: embedding rows have widths {sorted(widths)}; need one D >= 1")
+        raise FileFormatError(f"{path}: embedding rows have widths {sorted(widths)}; need one D >= 1")
     missing = [int(i) for i in item_ids if int(i) not in table]
     if missing:
         raise ValueError(f"items {missing[:5]} ({len(missing)} in all) have no row in {path}")
