@@ -21,6 +21,14 @@ holds, and a crash mid-append loses only that unfinished line. One writer per st
 with :class:`StoreLockedError` naming the holder. :meth:`open` rejects unknown records and
 statuses, names damaged files; a damaged row file is reported (``damaged``) and its row left
 out, so the producer can put it again, while the rest stays usable.
+
+Replaying the index is idempotent: a record read twice (a duplicated line, the header
+included) leaves the same state as read once. A ``put`` of a key already in the table is the
+re-put of a row whose file was damaged while still unconsumed (the only way :meth:`put` takes
+a key twice): the row stays "ready" with the newer of the two versions. A ``put`` of a key
+already consumed is a no-op, so a consumed row is never made "ready" again; a ``commit`` marks
+rows consumed whatever came before it, and the consumer state is the one named by the commit
+with the highest sequence number (``seq``), wherever its line is.
 """
 
 from __future__ import annotations
@@ -251,7 +259,7 @@ class ExperienceStore:
             raise StoreError(f"{log_path}: the first line is not a {FORMAT} header")
         store = cls(records[0]["agents"], path, _reopen=True)
         try:
-            store._replay(records[1:], log_path)
+            store._replay(records[1:], log_path, records[0])
         except BaseException:
             store.close()
             raise
@@ -267,9 +275,13 @@ class ExperienceStore:
                           stacklevel=2)
         return store
 
-    def _replay(self, records: list, log_path: str) -> None:
-        last_state: dict[str, str] = {}
+    def _replay(self, records: list, log_path: str, header: dict) -> None:
+        """Rebuilds the tables from the index records after the header (idempotent: see the
+        module docstring)."""
+        last_state: dict[str, tuple[int, str]] = {}  # agent -> (commit seq, state file)
         for number, rec in enumerate(records, 2):
+            if rec == header:
+                continue  # a duplicated header line changes nothing
             op = rec.get("op") if isinstance(rec, dict) else None
             if op not in LOGGED_STATUSES:
                 raise StoreError(f"{log_path} line {number}: unknown record {rec!r}; valid ops: "
@@ -285,18 +297,29 @@ class ExperienceStore:
                                  f"{', '.join(self.agents)}")
             table = self._tables[agent]
             if op == "put":
-                sid = _parse_key(rec["key"], log_path, number)
-                table[sid] = Row(sid, int(rec["version"]), "ready", None)
-                continue
-            for key in rec["keys"]:
+                sid = _parse_key(rec.get("key"), log_path, number)
+                version = _parse_int(rec.get("version"), "version", log_path, number)
+                row = table.get(sid)
+                if row is None:
+                    table[sid] = Row(sid, version, "ready", None)
+                elif row.status == "ready":  # a re-put after a damaged row file, or a duplicate
+                    row.version = max(row.version, version)
+                continue  # a put of a consumed row never makes it ready again
+            keys = rec.get("keys")
+            if not isinstance(keys, list):
+                raise StoreError(f"{log_path} line {number}: commit without a list of 'keys' "
+                                 f"({keys!r}); valid: a list of 'input-turn-trajectory' keys")
+            for key in keys:
                 sid = _parse_key(key, log_path, number)
                 if sid not in table:
                     raise StoreError(f"{log_path} line {number}: commit of {agent}/{key}, "
                                      "which was never put")
                 table[sid].status = "consumed"
-            if rec.get("state") is not None:
-                last_state[agent] = rec["state"]
-            self._commit_seq = max(self._commit_seq, int(rec.get("seq", 0)))
+            seq = _parse_int(rec.get("seq", 0), "seq", log_path, number)
+            if rec.get("state") is not None and (agent not in last_state
+                                                 or seq >= last_state[agent][0]):
+                last_state[agent] = (seq, rec["state"])
+            self._commit_seq = max(self._commit_seq, seq)
         for agent, table in self._tables.items():
             for sid, row in list(table.items()):
                 try:
@@ -307,8 +330,8 @@ class ExperienceStore:
                         row.payload = {}  # its experience is in the committed consumer state
                     else:
                         del table[sid]
-        self._state_files = dict(last_state)
-        for agent, name in last_state.items():
+        self._state_files = {agent: name for agent, (_, name) in last_state.items()}
+        for agent, name in self._state_files.items():
             file = os.path.join(self.path, name)
             try:
                 self._consumer_state[agent] = _load_npz(file)
@@ -393,6 +416,12 @@ def _parse_key(key: str, log_path: str, number: int) -> SampleId:
     except (TypeError, ValueError, AttributeError):
         raise StoreError(f"{log_path} line {number}: bad sample key {key!r}; valid: "
                          "'input-turn-trajectory'") from None
+
+
+def _parse_int(value: Any, field: str, log_path: str, number: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise StoreError(f"{log_path} line {number}: bad {field} {value!r}; valid: an integer")
+    return value
 
 
 def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
+from jaxflow.errors import one_line
 from jaxflow.sync import sender as sender_fns
 from jaxflow.sync.payload import FRESH, Payload, PayloadError
 from jaxflow.sync.receiver import apply, check_applicable
@@ -35,6 +36,14 @@ from jaxflow.sync.wire import PATHS, on_accelerator, resolve_path, to_bf16, tree
 
 class VersionMismatch(RuntimeError):
     """A rollout found its replica at another version than the trainer published."""
+
+
+class SyncAllError(RuntimeError):
+    """A link raised an error that is not a link failure; ``report``: every link's outcome."""
+
+    def __init__(self, message: str, report: list[dict]):
+        super().__init__(message)
+        self.report = report
 
 
 def is_full(payload: Payload) -> bool:
@@ -238,17 +247,42 @@ class SyncSender:
 
     def sync_all(self, links: Sequence[Link]) -> list[dict]:
         """Fan-out: syncs every link; a failing link is reported (and left behind, to be
-        caught up next time) instead of stopping the others."""
-        report = []
+        caught up next time) instead of stopping the others.
+
+        Returns one entry per link, in order: ``{"link": i, "ok": True, "version", "route"}``
+        or ``{"link": i, "ok": False, "error": "<ExceptionType>: <message>"}`` (one line). A
+        link fails with an OSError (connection, timeout, or a malformed reply: ``TcpLink``
+        raises a FrameError naming the replica and what is wrong with its reply), PayloadError
+        or VersionMismatch.
+
+        Raises:
+          SyncAllError: a link raised anything else (a link breaking its contract, or a bug);
+            raised only after every link was tried, naming the first such link and its error
+            in one line, with the full report as ``.report``.
+        """
+        report, unexpected = [], None
         for i, link in enumerate(links):
             try:
                 version, _ = self.sync(link)
                 report.append({"link": i, "ok": True, "version": version,
                                "route": self.routes[-1]})
             except (OSError, PayloadError, VersionMismatch, TimeoutError) as e:
-                report.append({"link": i, "ok": False, "error": repr(e)})
+                report.append({"link": i, "ok": False, "error": _one_line_error(e)})
+            except Exception as e:  # noqa: BLE001 -- re-raised below, after the other links
+                report.append({"link": i, "ok": False, "error": _one_line_error(e)})
+                unexpected = unexpected or (i, link, e)
+        if unexpected is not None:
+            i, link, e = unexpected
+            synced = [r["link"] for r in report if r["ok"]]
+            raise SyncAllError(
+                f"sync_all: link {i} ({getattr(link, 'name', type(link).__name__)}) raised "
+                f"{_one_line_error(e)}; links synced: {synced}", report) from e
         return report
 
 
-__all__ = ["FRESH", "PATHS", "Link", "PublishStats", "Replica", "SenderState", "SyncSender",
-           "VersionMismatch", "is_full", "resolve_path", "to_bf16", "tree_digest"]
+def _one_line_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {one_line(e)}"
+
+
+__all__ = ["FRESH", "PATHS", "Link", "PublishStats", "Replica", "SenderState", "SyncAllError",
+           "SyncSender", "VersionMismatch", "is_full", "resolve_path", "to_bf16", "tree_digest"]

@@ -16,6 +16,14 @@ one peer sends (a bad frame, a stall, an exception) ends only that peer's connec
 connection that dies mid-DATA leaves the replica untouched (nothing is applied before the
 whole payload arrived and its checksum verified).
 
+Slow or silent peers cannot hold the server's slots (``jaxflow.sync.transport.tcp_guard``):
+a frame must be complete within ``frame_deadline_s`` of its first byte (plus its length at
+``min_bytes_per_s``), a connection must start its next frame within ``idle_timeout_s``, and
+when every slot is busy a new peer evicts the quietest connection (one that never completed a
+frame first, then the longest quiet), so a real sync gets through. On the trainer's side a
+reply that is not the expected JSON object is a :class:`FrameError` naming the replica and
+what is wrong with the reply, so ``SyncSender.sync_all`` reports that link and goes on.
+
     python -m jaxflow.sync.transport.tcp --template=params.pkl --port-file=port.txt
 """
 
@@ -25,16 +33,20 @@ import argparse
 import json
 import pathlib
 import pickle
+import select
 import socket
 import struct
 import sys
 import threading
+import time
 from typing import Callable, Mapping
 
 from jaxflow.sync import payload as payload_format
 from jaxflow.sync.diff import tree_layout
 from jaxflow.sync.payload import PayloadError
 from jaxflow.sync.replica import FRESH, Replica
+from jaxflow.sync.transport import tcp_guard
+from jaxflow.sync.transport.tcp_guard import DeadlineError, Peer, PeerTable
 
 HEADER = struct.Struct("<4sQ")
 CHUNK_BYTES = 1 << 20
@@ -70,6 +82,16 @@ def recv_frame(sock: socket.socket, *, max_bytes: int | Mapping[bytes, int] = CO
     (kinds missing from it get ``CONTROL_BYTES``); checked before the body is allocated."""
     head = bytearray(HEADER.size)
     _recv_exact(sock, memoryview(head), HEADER.size)
+    kind, length = parse_header(head, max_bytes)
+    body = bytearray(length)
+    _recv_exact(sock, memoryview(body), chunk_bytes)
+    return kind, body
+
+
+def parse_header(head: bytes | bytearray,
+                 max_bytes: int | Mapping[bytes, int]) -> tuple[bytes, int]:
+    """(kind, body length) of a frame header; FrameError for an unknown kind or a body above
+    ``max_bytes`` (as in :func:`recv_frame`)."""
     kind, length = HEADER.unpack(head)
     if kind not in KINDS:
         raise FrameError(f"unknown frame kind {kind!r}; valid: {KINDS}")
@@ -78,13 +100,42 @@ def recv_frame(sock: socket.socket, *, max_bytes: int | Mapping[bytes, int] = CO
         what = "max_payload_bytes" if kind == b"DATA" else f"the {kind.decode().strip()} limit"
         raise FrameError(f"{kind.decode().strip()} frame of {length} bytes exceeds {what}="
                          f"{limit}")
-    body = bytearray(length)
-    _recv_exact(sock, memoryview(body), chunk_bytes)
-    return kind, body
+    return kind, length
 
 
-def _json(body) -> dict:
-    return json.loads(bytes(body).decode())
+_REPLY_FIELDS = {b"VERS": ("version", "digest"), b"ACK ": ("version", "digest"),
+                 b"ERR ": ("version", "error")}
+
+
+def parse_reply(kind: bytes, body, replica: str) -> dict:
+    """The JSON object of a VERS / ACK / ERR reply from ``replica`` (a name for messages),
+    checked: ``version`` an int, ``digest`` / ``error`` a string.
+
+    Raises:
+      FrameError: one line naming the replica, the reply kind, a short excerpt of the body and
+        what is wrong (not UTF-8 JSON, not an object, a field missing or of the wrong type).
+    """
+    fields = _REPLY_FIELDS[kind]
+    valid = "valid: a JSON object {" + ", ".join(
+        f'"{f}": {"int" if f == "version" else "str"}' for f in fields) + "}"
+
+    def bad(problem: str) -> FrameError:
+        return FrameError(f"replica {replica} sent a malformed {kind.decode().strip()} reply "
+                          f"{bytes(body[:80])!r}: {problem}; {valid}")
+
+    try:
+        reply = json.loads(bytes(body).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"not JSON ({e})") from None
+    if not isinstance(reply, dict):
+        raise bad(f"a JSON {type(reply).__name__}, not an object")
+    for field in fields:
+        if field not in reply:
+            raise bad(f"no {field!r}")
+        value, want = reply[field], (int if field == "version" else str)
+        if isinstance(value, bool) or not isinstance(value, want):
+            raise bad(f"{field} {value!r} is not {'an int' if want is int else 'a string'}")
+    return reply
 
 
 class ReplicaServer:
@@ -93,27 +144,50 @@ class ReplicaServer:
     time), and replica updates are serialised by a lock.
 
     Args:
+      timeout_s: the limit on each socket operation inside a frame and on each reply sent.
       max_payload_bytes: the largest DATA frame accepted; default: ``max_payload_bytes`` of
         the replica's tree (its size + the header bound), so a frame announcing more is
         refused before anything is allocated.
+      max_connections: connections served at once; when all are taken, a new peer evicts a
+        slow one (``tcp_guard.PeerTable``) or waits in the accept backlog.
+      idle_timeout_s: a connection whose next frame has not started this many seconds after
+        it was accepted or after the previous reply is closed (default 30 s).
+      frame_deadline_s: a frame (header and body) must be complete this many seconds after
+        its first byte, plus ``length / min_bytes_per_s`` for its body, else the connection
+        is closed (default 30 s), so a peer trickling bytes cannot hold a slot.
+      min_bytes_per_s: the slowest transfer the body allowance and eviction accept (default
+        1 MiB/s).
+
+    ``errors`` lists, as ``repr`` strings, why each dropped connection ended (a
+    ``tcp_guard.DeadlineError`` for a slow, silent or evicted peer).
     """
 
     def __init__(self, replica: Replica, *, host: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = 30.0, max_payload_bytes: int | None = None,
-                 max_connections: int = 8):
+                 max_connections: int = 8, idle_timeout_s: float = tcp_guard.IDLE_TIMEOUT_S,
+                 frame_deadline_s: float = tcp_guard.FRAME_DEADLINE_S,
+                 min_bytes_per_s: float = tcp_guard.MIN_BYTES_PER_S):
+        tcp_guard.check_deadlines(idle_timeout_s, frame_deadline_s, min_bytes_per_s)
         if max_payload_bytes is None:
             treedef, _, specs = tree_layout(replica.params)
             max_payload_bytes = payload_format.max_payload_bytes(treedef, specs)
         self.replica, self.timeout_s, self.max_payload_bytes = replica, timeout_s, max_payload_bytes
+        self.idle_timeout_s, self.frame_deadline_s = idle_timeout_s, frame_deadline_s
+        self.min_bytes_per_s = min_bytes_per_s
         self._limits = {b"DATA": int(max_payload_bytes)}
+        self._peers = PeerTable(max_connections, min_bytes_per_s=min_bytes_per_s)
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(0.2)
         self.address = self._sock.getsockname()[:2]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(max_connections)
         self.errors: list[str] = []
+
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now."""
+        return len(self._peers)
 
     def start(self) -> "ReplicaServer":
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
@@ -125,44 +199,83 @@ class ReplicaServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._sock.close()
+        self._peers.close_all()
 
     def serve_forever(self) -> None:
         while not self._stop.is_set():
-            if not self._slots.acquire(timeout=0.2):
-                continue  # every slot busy: leave new peers in the accept backlog
+            try:
+                pending, _, _ = select.select([self._sock], [], [], 0.2)
+            except (OSError, ValueError):
+                return  # the listening socket was closed
+            if not pending or not self._peers.make_room(timeout=0.2):
+                continue  # every slot busy with fast peers: leave the new one in the backlog
             try:
                 conn, _ = self._sock.accept()
-            except socket.timeout:
-                self._slots.release()
+            except (BlockingIOError, socket.timeout):
                 continue
             except OSError:
-                self._slots.release()
                 return
-            threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
+            peer = Peer(conn, timeout_s=self.timeout_s)
+            self._peers.add(peer)
+            threading.Thread(target=self._serve_connection, args=(peer,), daemon=True).start()
 
-    def _serve_connection(self, conn: socket.socket) -> None:
+    def _serve_connection(self, peer: Peer) -> None:
         try:
-            with conn:
-                conn.settimeout(self.timeout_s)
+            with peer.conn:
                 try:
-                    self._handle(conn)
+                    self._handle(peer)
                 except Exception as e:  # noqa: BLE001 -- one peer's failure ends only its link
                     self.errors.append(repr(e))  # recorded before the connection closes
         finally:
-            self._slots.release()
+            self._peers.remove(peer)
 
     def _status(self) -> bytes:
         return json.dumps({"version": self.replica.version,
                            "digest": self.replica.digest()}).encode()
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _recv(self, peer: Peer) -> tuple[bytes, bytearray] | None:
+        """One frame within the idle limit and the frame deadline; None on a clean close
+        between frames."""
+        head = memoryview(bytearray(HEADER.size))
+        got = peer.recv_into(head, peer.quiet_since + self.idle_timeout_s, lambda: (
+            f"idle connection: no frame within idle_timeout_s={self.idle_timeout_s:g}"),
+            within_frame=False)
+        if got == 0:
+            return None
+        first_byte = time.monotonic()
+        deadline, allowance = first_byte + self.frame_deadline_s, ""
+
+        def late(total: int) -> Callable[[], str]:
+            return lambda: (f"frame not complete {time.monotonic() - first_byte:.2f}s after its "
+                            f"first byte: {got} of {total} bytes, deadline frame_deadline_s="
+                            f"{self.frame_deadline_s:g}{allowance}")
+
+        while got < HEADER.size:
+            n = peer.recv_into(head[got:], deadline, late(HEADER.size))
+            if n == 0:
+                raise FrameError(f"connection closed after {got} of {HEADER.size} header bytes")
+            got += n
+        kind, length = parse_header(head, self._limits)
+        deadline += length / self.min_bytes_per_s
+        allowance = f" + {length} body bytes at min_bytes_per_s={self.min_bytes_per_s:.0f}"
+        body = bytearray(length)
+        view, got = memoryview(body), 0
+        while got < length:
+            n = peer.recv_into(view[got: got + CHUNK_BYTES], deadline, late(length))
+            if n == 0:
+                raise FrameError(f"connection closed after {got} of {length} bytes")
+            got += n
+        return kind, body
+
+    def _handle(self, peer: Peer) -> None:
+        conn = peer.conn
         while not self._stop.is_set():
-            try:
-                kind, body = recv_frame(conn, max_bytes=self._limits)
-            except FrameError as e:
-                if "after 0 of" in str(e):
-                    return  # clean close between frames
-                raise
+            frame = self._recv(peer)
+            if frame is None:
+                return  # clean close between frames
+            kind, body = frame
+            self._peers.start_serving(peer)
+            conn.settimeout(self.timeout_s)
             if kind == b"VERQ":
                 with self._lock:
                     status = self._status()
@@ -179,14 +292,21 @@ class ReplicaServer:
                 send_frame(conn, reply, status)
             else:
                 raise FrameError(f"unexpected frame {kind!r} from the sender")
+            self._peers.done_serving(peer)
 
 
 class TcpLink:
-    """The trainer's side of one ReplicaServer."""
+    """The trainer's side of one ReplicaServer. A reply that is not what the protocol says
+    (not JSON, not an object, a version that is not an int, no digest) is a FrameError naming
+    this replica and the problem: it ends this sync only."""
 
     def __init__(self, host: str, port: int, *, timeout_s: float = 30.0,
                  chunk_bytes: int = CHUNK_BYTES):
         self.address, self.timeout_s, self.chunk_bytes = (host, int(port)), timeout_s, chunk_bytes
+
+    @property
+    def name(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
 
     def _connect(self) -> socket.socket:
         return socket.create_connection(self.address, timeout=self.timeout_s)
@@ -195,9 +315,9 @@ class TcpLink:
         send_frame(sock, b"VERQ")
         kind, body = recv_frame(sock)
         if kind != b"VERS":
-            raise FrameError(f"expected VERS, got {kind!r}")
-        status = _json(body)
-        return int(status["version"]), str(status["digest"])
+            raise FrameError(f"replica {self.name}: expected VERS, got {kind!r}")
+        status = parse_reply(kind, body, self.name)
+        return status["version"], status["digest"]
 
     def status(self) -> tuple[int, str]:
         with self._connect() as sock:
@@ -209,14 +329,18 @@ class TcpLink:
             for data in plan(version):
                 send_frame(sock, b"DATA", data, chunk_bytes=self.chunk_bytes)
                 kind, body = recv_frame(sock)
-                reply = _json(body)
+                if kind not in (b"ACK ", b"ERR "):
+                    raise FrameError(f"replica {self.name}: expected ACK, got {kind!r}")
+                reply = parse_reply(kind, body, self.name)
                 if kind == b"ERR ":
                     raise PayloadError(f"replica {self.address} rejected a payload (still at "
                                        f"version {reply['version']}): {reply['error']}")
-                if kind != b"ACK ":
-                    raise FrameError(f"expected ACK, got {kind!r}")
-                version, digest = int(reply["version"]), str(reply["digest"])
+                version, digest = reply["version"], reply["digest"]
             return version, digest
+
+
+__all__ = ["CHUNK_BYTES", "CONTROL_BYTES", "HEADER", "KINDS", "DeadlineError", "FrameError",
+           "ReplicaServer", "TcpLink", "parse_header", "parse_reply", "recv_frame", "send_frame"]
 
 
 def main(argv=None) -> None:
@@ -226,9 +350,13 @@ def main(argv=None) -> None:
     p.add_argument("--template", required=True)
     p.add_argument("--port-file", required=True)
     p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--idle-timeout-s", type=float, default=tcp_guard.IDLE_TIMEOUT_S)
+    p.add_argument("--frame-deadline-s", type=float, default=tcp_guard.FRAME_DEADLINE_S)
     args = p.parse_args(argv)
     template = pickle.loads(pathlib.Path(args.template).read_bytes())
-    server = ReplicaServer(Replica(template, version=FRESH), timeout_s=args.timeout_s)
+    server = ReplicaServer(Replica(template, version=FRESH), timeout_s=args.timeout_s,
+                           idle_timeout_s=args.idle_timeout_s,
+                           frame_deadline_s=args.frame_deadline_s)
     tmp = pathlib.Path(args.port_file + ".tmp")
     tmp.write_text(str(server.address[1]))
     tmp.rename(args.port_file)  # the parent never reads a half-written port
