@@ -16,9 +16,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Any
 
-from jaxflow.errors import FileFormatError
+import numpy as np
+
+from jaxflow.config import ConfigError
+from jaxflow.errors import FileFormatError, one_line, read_text
 from jaxflow.models.rope import RopeScaling
 from jaxflow.models.transformer import TransformerConfig
 
@@ -45,75 +49,252 @@ class CheckpointError(FileFormatError):
     """A checkpoint directory jaxflow cannot load (names the file, key or tensor)."""
 
 
-def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
+#: The dtypes a checkpoint loads into (parameters and compute), as TransformerConfig names them.
+LOAD_DTYPES = ("float32", "bfloat16")
+
+_REQUIRED = object()
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+               float: "number", type(None): "null"}
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed JSON value's type ("object", "array", "string", ...)."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def dtype_name(dtype: Any, *, what: str = "dtype") -> str | None:
+    """``dtype`` as its name in :data:`LOAD_DTYPES` ("float32" | "bfloat16"); None stays None.
+
+    Accepts the name, a jnp / numpy scalar type (``jnp.float32``, ``np.float32``,
+    ``jnp.bfloat16``) or a ``np.dtype``. ConfigError naming ``what`` and the valid names
+    otherwise."""
+    if dtype is None:
+        return None
+    name = dtype if isinstance(dtype, str) else None
+    if name is None:
+        try:
+            name = np.dtype(dtype).name
+        except (TypeError, ValueError, KeyError, AttributeError):
+            name = None
+    if name not in LOAD_DTYPES:
+        raise ConfigError(f"{what}={dtype!r} is not a supported dtype; valid: "
+                          f"{', '.join(LOAD_DTYPES)} (as a string, a jnp / numpy dtype or a "
+                          "np.dtype)")
+    return name
+
+
+def read_json_object(path: str, *, what: str) -> dict[str, Any]:
+    """The JSON object in file ``path`` (read as UTF-8, a byte-order mark dropped).
+
+    Raises:
+      CheckpointError: ``path`` missing, not UTF-8, not JSON (names the line and column), or
+        not a JSON object at the top level.
+    """
+    try:
+        text = read_text(path, what=what)
+    except FileFormatError as e:
+        raise CheckpointError(str(e)) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{what} {path!r} is not valid JSON: {e.msg} at line {e.lineno} "
+                              f"column {e.colno}") from None
+    except RecursionError:
+        raise CheckpointError(f"{what} {path!r} is nested too deeply to parse") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} {path!r} holds a JSON {json_type(data)} at "
+                              "the top level; valid: a JSON object ({...})")
+    return data
+
+
+def _show(value: Any) -> str:
+    """A config value as JSON, cut to keep messages one short line."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _lookup(cfg: dict, key: str, default: Any) -> tuple[bool, Any]:
+    """(found, value): null counts as absent when there is a default."""
+    if key not in cfg or (cfg[key] is None and default is not _REQUIRED):
+        return False, default
+    return True, cfg[key]
+
+
+def _int(cfg: dict, key: str, source: str, default: Any = _REQUIRED, *, minimum: int = 1,
+         label: str | None = None) -> int:
+    """``cfg[key]`` as an int >= ``minimum`` (``default`` when absent or null)."""
+    label = label or key
+    found, value = _lookup(cfg, key, default)
+    if not found and default is _REQUIRED:
+        raise CheckpointError(f"{source} lacks {label}; valid: an integer >= {minimum}")
+    if found and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise CheckpointError(f"{source} {label}={_show(value)}; valid: an integer >= {minimum}")
+    return value
+
+
+def _positive(cfg: dict, key: str, source: str, default: Any = _REQUIRED, *,
+              label: str | None = None) -> float:
+    """``cfg[key]`` as a finite float > 0 (``default`` when absent or null)."""
+    label = label or key
+    found, value = _lookup(cfg, key, default)
+    if not found and default is _REQUIRED:
+        raise CheckpointError(f"{source} lacks {label}; valid: a finite number > 0")
+    if found and (isinstance(value, bool) or not isinstance(value, (int, float))
+                  or not math.isfinite(value) or value <= 0):
+        raise CheckpointError(f"{source} {label}={_show(value)}; valid: a finite number > 0")
+    return float(value)
+
+
+def _bool(cfg: dict, key: str, source: str, default: bool) -> bool:
+    found, value = _lookup(cfg, key, default)
+    if found and not isinstance(value, bool):
+        raise CheckpointError(f"{source} {key}={_show(value)}; valid: true or false")
+    return value
+
+
+def _rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) from either the classic rope_theta / rope_scaling keys or the newer
     rope_parameters dict."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise CheckpointError(f"{source} {key}={_show(cfg[key])}; valid: an object or null")
     params = cfg.get("rope_parameters") or {}
+    where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     scaling = cfg.get("rope_scaling") or params
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if "rope_theta" in params:
+        theta = _positive(params, "rope_theta", source, label="rope_parameters.rope_theta")
+    else:
+        theta = _positive(cfg, "rope_theta", source, 10000.0)
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise CheckpointError(f"config.json rope scaling type {kind!r} is not supported; "
+        raise CheckpointError(f"{source} rope scaling type {_show(kind)} is not supported; "
                               "supported: 'default', 'llama3'")
-    return theta, RopeScaling(
-        kind="llama3", factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_len=int(scaling["original_max_position_embeddings"]))
+    values = {key: _positive(scaling, key, source, label=f"{where}.{key}")
+              for key in ("factor", "low_freq_factor", "high_freq_factor")}
+    original = _int(scaling, "original_max_position_embeddings", source,
+                    label=f"{where}.original_max_position_embeddings")
+    try:
+        return theta, RopeScaling(kind="llama3", original_max_len=original, **values)
+    except ValueError as e:
+        raise CheckpointError(f"{source} {where}: {one_line(e)}") from None
 
 
-def config_from_hf(cfg: dict[str, Any], *, dtype: str | None = None) -> TransformerConfig:
-    """TransformerConfig for a parsed config.json; CheckpointError for what is unsupported.
+def _moe_fields(cfg: dict, source: str, n_layers: int) -> dict[str, Any]:
+    """The TransformerConfig MoE fields of a Qwen3MoeForCausalLM config.json."""
+    key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    n_experts = _int(cfg, key, source, label="num_experts (or num_local_experts)")
+    per_token = _int(cfg, "num_experts_per_tok", source)
+    if per_token > n_experts:
+        raise CheckpointError(f"{source} num_experts_per_tok={per_token} exceeds {key}="
+                              f"{n_experts}; valid: 1..{n_experts}")
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers for i in dense):
+        raise CheckpointError(f"{source} mlp_only_layers={_show(dense)}; valid: a list of "
+                              f"layer indices in 0..{n_layers - 1}")
+    return dict(n_experts=n_experts, n_experts_per_token=per_token,
+                d_ff_expert=_int(cfg, "moe_intermediate_size", source),
+                norm_topk_prob=_bool(cfg, "norm_topk_prob", source, False),
+                moe_every=_int(cfg, "decoder_sparse_step", source, 1),
+                dense_layers=tuple(dense))
 
-    ``dtype`` ("float32" | "bfloat16") sets param and compute dtype; None: the checkpoint's
-    ``torch_dtype`` / ``dtype`` when it is one of those, else float32.
-    """
-    archs = cfg.get("architectures") or []
+
+def _architecture(cfg: dict, source: str) -> str:
+    """The supported "architectures" entry of a config.json."""
+    archs = cfg.get("architectures")
+    archs = [] if archs is None else archs
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"{source} architectures={_show(archs)}; valid: a list of class "
+                              f"names, supported: {sorted(ARCHITECTURES)}")
     names = [a for a in archs if a in ARCHITECTURES]
     if not names:
         raise CheckpointError(
-            f"config.json architectures={archs!r} (model_type {cfg.get('model_type')!r}) is not "
-            f"supported; supported: {sorted(ARCHITECTURES)}")
-    arch = ARCHITECTURES[names[0]]
+            f"{source} architectures={archs!r} (model_type {cfg.get('model_type')!r}) is not "
+            f"supported; supported: {sorted(ARCHITECTURES)} (model_type "
+            f"{', '.join(sorted(_HF_CLASS))})")
+    return names[0]
+
+
+def config_from_hf(cfg: dict[str, Any], *, dtype: Any = None,
+                   source: str = "config.json") -> TransformerConfig:
+    """TransformerConfig for a parsed config.json; CheckpointError for what is unsupported or
+    invalid (a missing, non-integer or non-positive size, sizes that do not divide), naming
+    ``source`` (the file) and the field.
+
+    ``dtype`` ("float32" | "bfloat16", or the jnp / numpy dtype) sets param and compute dtype;
+    None: the checkpoint's ``torch_dtype`` / ``dtype`` when it is one of those, else float32.
+    """
+    dtype = dtype_name(dtype)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source} holds a JSON {json_type(cfg)} at "
+                              "the top level; valid: a JSON object ({...})")
+    hf_class = _architecture(cfg, source)
+    arch = ARCHITECTURES[hf_class]
     for key, bad in (("attention_bias", True), ("mlp_bias", True), ("use_sliding_window", True)):
         if cfg.get(key) == bad:
-            raise CheckpointError(f"config.json {key}={bad} is not supported for {names[0]}")
+            raise CheckpointError(f"{source} {key}={bad} is not supported for {hf_class}")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"config.json hidden_act={cfg['hidden_act']!r}; only 'silu' "
+        raise CheckpointError(f"{source} hidden_act={_show(cfg['hidden_act'])}; only 'silu' "
                               "(SwiGLU) is supported")
     if dtype is None:
         stored = cfg.get("dtype") or cfg.get("torch_dtype")
-        dtype = stored if stored in ("float32", "bfloat16") else "float32"
-    theta, scaling = _rope(cfg)
-    n_heads = int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim")
-    d_model = int(cfg["hidden_size"])
-    moe = {}
-    if arch == "qwen3_moe":
-        n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-        if n_experts is None:
-            raise CheckpointError("config.json of Qwen3MoeForCausalLM lacks num_experts")
-        moe = dict(n_experts=int(n_experts),
-                   n_experts_per_token=int(cfg["num_experts_per_tok"]),
-                   d_ff_expert=int(cfg["moe_intermediate_size"]),
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                   moe_every=int(cfg.get("decoder_sparse_step", 1)),
-                   dense_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
+        dtype = stored if stored in LOAD_DTYPES else "float32"
+    theta, scaling = _rope(cfg, source)
+    sizes = {key: _int(cfg, key, source) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads")}
+    d_model, n_heads = sizes["hidden_size"], sizes["num_attention_heads"]
+    n_kv_heads = _int(cfg, "num_key_value_heads", source, n_heads)
+    if n_heads % n_kv_heads:
+        raise CheckpointError(f"{source} num_key_value_heads={n_kv_heads} does not divide "
+                              f"num_attention_heads={n_heads}; valid: a divisor of {n_heads}")
+    head_dim = _int(cfg, "head_dim", source, None)
+    if head_dim is None and d_model % n_heads:
+        raise CheckpointError(f"{source} hidden_size={d_model} is not divisible by "
+                              f"num_attention_heads={n_heads} and there is no head_dim; valid: "
+                              "a multiple of num_attention_heads, or a head_dim")
+    if (head_dim or d_model // n_heads) % 2:
+        raise CheckpointError(f"{source} head dim {head_dim or d_model // n_heads} "
+                              f"({'head_dim' if head_dim else 'hidden_size / num_attention_heads'})"
+                              " is odd; valid: an even head dim (RoPE rotates pairs)")
+    n_layers = sizes["num_hidden_layers"]
+    moe = _moe_fields(cfg, source, n_layers) if arch == "qwen3_moe" else {}
     extra = tuple(sorted((k, json.dumps(v)) for k, v in cfg.items() if k not in _MODELLED))
-    return TransformerConfig(
-        vocab_size=int(cfg["vocab_size"]), d_model=d_model,
-        n_layers=int(cfg["num_hidden_layers"]), n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        d_ff=int(cfg["intermediate_size"]),
-        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
-        rope_theta=theta, rope_scaling=scaling, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        dtype=dtype, param_dtype=dtype,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        head_dim_override=(int(head_dim) if head_dim and int(head_dim) != d_model // n_heads
-                           else None),
-        qk_norm=arch in ("qwen3", "qwen3_moe"), architecture=arch, hf_extra=extra, **moe)
+    override = head_dim if head_dim and (head_dim != d_model // n_heads or d_model % n_heads) \
+        else None
+    fields = dict(max_seq_len=_int(cfg, "max_position_embeddings", source, 2048),
+                  norm_eps=_positive(cfg, "rms_norm_eps", source, 1e-6),
+                  tie_embeddings=_bool(cfg, "tie_word_embeddings", source, False))
+    try:
+        return TransformerConfig(
+            vocab_size=sizes["vocab_size"], d_model=d_model, n_layers=n_layers,
+            n_heads=n_heads, n_kv_heads=n_kv_heads, d_ff=sizes["intermediate_size"],
+            rope_theta=theta, rope_scaling=scaling, dtype=dtype, param_dtype=dtype,
+            head_dim_override=override, qk_norm=arch in ("qwen3", "qwen3_moe"),
+            architecture=arch, hf_extra=extra, **fields, **moe)
+    except ValueError as e:  # what the checks above do not cover, still naming the file
+        raise CheckpointError(f"{source}: {one_line(e)}") from None
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """Parsed ``path/config.json``; CheckpointError naming the file when absent or bad."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file} does not exist; a checkpoint directory needs config.json "
+                              "and *.safetensors files")
+    return read_json_object(file, what="checkpoint config")
+
+
+def read_transformer_config(path: str, *, dtype: Any = None) -> TransformerConfig:
+    """The TransformerConfig of checkpoint directory ``path`` (its config.json through
+    :func:`config_from_hf`); CheckpointError naming the file and the field when it is bad."""
+    return config_from_hf(read_config(path), dtype=dtype,
+                          source=os.path.join(path, "config.json"))
 
 
 def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
@@ -225,7 +406,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SHIPPED_CONFIGS = ("qwen3-8b", "llama-3-8b")
 
 
-def shipped_config(name: str, *, dtype: str | None = None, **changes) -> TransformerConfig:
+def shipped_config(name: str, *, dtype: Any = None, **changes) -> TransformerConfig:
     """The TransformerConfig of a config.json kept in ``configs/hf/NAME.json`` (values as
     published with the checkpoint: Qwen3-8B, Meta-Llama-3-8B), through :func:`config_from_hf`;
     ``changes`` replace fields after (e.g. ``n_layers=2``, ``max_seq_len``, ``remat=True``)."""

@@ -10,8 +10,9 @@ slices its own devices hold, and no host ever holds a whole sharded tensor. Each
 opened (memory-mapped) for one parameter at a time and closed after it, so resident memory
 grows by the loaded parameters plus one tensor's pages.
 
-Everything is validated before any tensor data is read: the architecture, every expected
-tensor present, no unexpected one, every shape as config.json implies. Paths only, no network.
+Everything is validated before any tensor data is read: config.json (architecture, sizes),
+the index, every safetensors header, every expected tensor present, no unexpected one, every
+dtype floating point, every shape as config.json implies. Paths only, no network.
 """
 from __future__ import annotations
 
@@ -28,20 +29,27 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxflow.errors import one_line
 from jaxflow.mesh import LogicalRules, shardings_from_logical
 from jaxflow.models.architectures import (
     IGNORED_SUFFIXES,
     CheckpointError,
     TensorSource,
-    config_from_hf,
+    dtype_name,
     hf_config_from,
     hf_shape,
+    read_config,  # noqa: F401 (kept importable from here)
+    read_json_object,
+    read_transformer_config,
     tensor_map,
 )
 from jaxflow.models.sharding import FSDP_TP_RULES
 from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
 
 INDEX_FILE = "model.safetensors.index.json"
+
+#: safetensors dtype codes a weight may be stored in (converted to the load dtype on reading).
+WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
 @dataclasses.dataclass
@@ -54,31 +62,34 @@ class LoadStats:
     seconds: float = 0.0
 
 
-def read_config(path: str) -> dict[str, Any]:
-    """Parsed ``path/config.json``; CheckpointError naming the file when absent or bad."""
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{file} does not exist; a checkpoint directory needs config.json "
-                              "and *.safetensors files")
+def _open(file: str):
+    """``safe_open(file)``; CheckpointError naming the file when it is not a safetensors file
+    (truncated, garbage header, unreadable)."""
+    from safetensors import SafetensorError, safe_open
+
     try:
-        with open(file) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+        return safe_open(file, framework="np")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"safetensors file {file!r} cannot be read ({one_line(e)}); "
+                              "valid: a complete safetensors file (8-byte header size, JSON "
+                              "header, tensor data)") from None
 
 
 def _weight_map(path: str) -> dict[str, str]:
     """{tensor name -> safetensors file path} from the index, or by listing every file."""
-    from safetensors import safe_open
-
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            mapping = json.load(f).get("weight_map")
+        mapping = read_json_object(index, what="safetensors index").get("weight_map")
         if not isinstance(mapping, dict):
-            raise CheckpointError(f"{index} has no 'weight_map' object")
+            raise CheckpointError(f"{index} has no 'weight_map' object; valid: "
+                                  '{"weight_map": {tensor name: safetensors file name}}')
         out = {}
         for name, file in mapping.items():
+            if (not isinstance(file, str) or not file or os.path.isabs(file)
+                    or os.path.normpath(file).split(os.sep)[0] == os.pardir):
+                raise CheckpointError(f"{index} weight_map maps tensor {name!r} to {file!r}; "
+                                      "valid: a safetensors file name inside the checkpoint "
+                                      "directory")
             full = os.path.join(path, file)
             if not os.path.isfile(full):
                 raise CheckpointError(f"{index} maps tensor {name!r} to {file!r}, which does "
@@ -91,7 +102,7 @@ def _weight_map(path: str) -> dict[str, str]:
     out = {}
     for file in files:
         full = os.path.join(path, file)
-        with safe_open(full, framework="np") as f:
+        with _open(full) as f:
             for name in f.keys():
                 if name in out:
                     raise CheckpointError(f"tensor {name!r} is in both {out[name]} and {full}")
@@ -99,49 +110,66 @@ def _weight_map(path: str) -> dict[str, str]:
     return out
 
 
-def _checkpoint_shapes(weight_map: dict[str, str]) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
+def _searched(path: str, weight_map: dict[str, str]) -> str:
+    """The file(s) a tensor was looked for in: the index, else the safetensors files."""
+    if os.path.isfile(os.path.join(path, INDEX_FILE)):
+        return os.path.join(path, INDEX_FILE)
+    names = sorted({os.path.basename(f) for f in weight_map.values()})
+    return f"{', '.join(names) or '*.safetensors'} in {path}"
 
-    shapes = {}
+
+def _checkpoint_tensors(weight_map: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor name: (shape, safetensors dtype code)} from the files' headers (no data read)."""
+    tensors = {}
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
-        with safe_open(file, framework="np") as f:
+        with _open(file) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
                     raise CheckpointError(f"the index maps tensor {name!r} to {file}, which "
                                           "does not contain it")
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
+                sl = f.get_slice(name)
+                tensors[name] = (tuple(sl.get_shape()), str(sl.get_dtype()))
+    return tensors
 
 
 def _validate(config: TransformerConfig, sources: dict, abstract: dict,
-              shapes: dict[str, tuple[int, ...]]) -> None:
-    """Missing / extra tensors and shape mismatches -> one CheckpointError naming the tensor."""
+              tensors: dict[str, tuple[tuple[int, ...], str]], weight_map: dict[str, str],
+              searched: str) -> None:
+    """Missing / extra tensors, dtypes that are not floating point, shape mismatches -> one
+    CheckpointError naming the tensor and the file."""
     expected: dict[str, tuple[int, ...]] = {}
     for path, src in sources.items():
         block = tuple(abstract[path].shape[1:] if src.stacked else abstract[path].shape)
         for name in src.hf_names:
             expected[name] = hf_shape(src, block)
-    missing = [n for n in expected if n not in shapes]
+    missing = [n for n in expected if n not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint lacks tensor {missing[0]!r}{more}, which the "
-                              f"{config.architecture} architecture in config.json needs")
+                              f"{config.architecture} architecture in config.json needs; "
+                              f"searched: {searched}")
     allowed_extra = {"lm_head.weight"} if config.tie_embeddings else set()
-    extra = [n for n in shapes if n not in expected and n not in allowed_extra
+    extra = [n for n in tensors if n not in expected and n not in allowed_extra
              and not n.endswith(IGNORED_SUFFIXES)]
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise CheckpointError(f"checkpoint has unexpected tensor {extra[0]!r}{more}, not used "
-                              f"by the {config.architecture} architecture in config.json")
-    if "lm_head.weight" in shapes and config.tie_embeddings:
+        raise CheckpointError(f"checkpoint has unexpected tensor {extra[0]!r}{more} (in "
+                              f"{weight_map[extra[0]]}), not used by the {config.architecture} "
+                              "architecture in config.json")
+    if "lm_head.weight" in tensors and config.tie_embeddings:
         expected["lm_head.weight"] = (config.vocab_size, config.d_model)
     for name, want in expected.items():
-        if name in shapes and shapes[name] != want:
-            raise CheckpointError(f"tensor {name!r} has shape {shapes[name]} in the checkpoint; "
+        shape, dtype = tensors[name]
+        if dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {weight_map[name]} has dtype {dtype}; "
+                                  "valid weight dtypes: "
+                                  f"{', '.join(f'{k} ({v})' for k, v in WEIGHT_DTYPES.items())}")
+        if shape != want:
+            raise CheckpointError(f"tensor {name!r} has shape {shape} in {weight_map[name]}; "
                                   f"config.json implies {want}")
 
 
@@ -173,11 +201,9 @@ class _Reader:
         self._files.clear()
 
     def _slice(self, name: str):
-        from safetensors import safe_open
-
         file = self.weight_map[name]
         if file not in self._files:
-            self._files[file] = self._stack.enter_context(safe_open(file, framework="np"))
+            self._files[file] = self._stack.enter_context(_open(file))
         return self._files[file].get_slice(name)
 
     def _count(self, arr: np.ndarray) -> np.ndarray:
@@ -194,14 +220,12 @@ class _Reader:
         if len(index) != 2 or math.prod(lengths) * itemsize <= self.chunk_bytes:
             arr = self._count(sl[index]).astype(self.dtype, copy=False)
             return np.ascontiguousarray(arr.T) if transpose else arr
-        from safetensors import safe_open
-
         (r0, r1, _), (c0, c1, _) = shape
         rows_per_chunk = max(1, self.chunk_bytes // max(1, lengths[1] * itemsize))
         out = np.empty(lengths[::-1] if transpose else lengths, self.dtype)
         for a in range(r0, r1, rows_per_chunk):
             b = min(a + rows_per_chunk, r1)
-            with safe_open(self.weight_map[name], framework="np") as f:
+            with _open(self.weight_map[name]) as f:
                 chunk = self._count(f.get_slice(name)[a:b, c0:c1]).astype(self.dtype,
                                                                           copy=False)
             if transpose:
@@ -281,7 +305,8 @@ def load_hf_params(path: str, config: TransformerConfig, *, mesh: Mesh | None = 
         raise AssertionError(f"tensor_map and the model disagree: "
                              f"{sorted(set(sources) ^ set(flat_abstract))}")
     weight_map = _weight_map(path)
-    _validate(config, sources, flat_abstract, _checkpoint_shapes(weight_map))
+    _validate(config, sources, flat_abstract, _checkpoint_tensors(weight_map), weight_map,
+              _searched(path, weight_map))
     shardings = {}
     if mesh is not None:
         axes = nnx.to_pure_dict(logical_axes(nnx.state(abstract, nnx.Param)))
@@ -312,7 +337,7 @@ def load_hf_params(path: str, config: TransformerConfig, *, mesh: Mesh | None = 
     return pure, stats
 
 
-def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = None,
+def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: Any = None,
                     rules: LogicalRules = FSDP_TP_RULES, **overrides) -> Transformer:
     """A Transformer holding a local Hugging Face checkpoint (Llama, Qwen3, Qwen3-MoE).
 
@@ -321,8 +346,9 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
       mesh: shard parameters over this mesh by the logical-axis ``rules`` (FSDP over "fsdp",
         tensor parallel over "model", experts over "expert"; axes the mesh lacks are
         replicated). None: one device.
-      dtype: "float32" | "bfloat16" for parameters and compute; None: the checkpoint's dtype
-        when it is one of those, else float32.
+      dtype: "float32" | "bfloat16" (or ``jnp.float32``, ``np.float32``, ``jnp.bfloat16``, a
+        ``np.dtype``) for parameters and compute; None: the checkpoint's dtype when it is one
+        of those, else float32.
       overrides: TransformerConfig fields to replace (``remat=True``, ``moe_impl="dispatch"``,
         ``max_seq_len=...``).
 
@@ -331,9 +357,15 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
       positions 0..T-1.
 
     Raises:
-      CheckpointError: unknown architecture, missing / unexpected tensors, shape mismatch.
+      CheckpointError: a config.json, index or safetensors file that is not valid (names the
+        file and the field or tensor): unknown architecture, bad sizes, missing / unexpected
+        tensors, non-floating dtypes, shape mismatch; all before any tensor data is read.
+      ConfigError: ``dtype`` (or a dtype override) that is not float32 / bfloat16.
     """
-    config = config_from_hf(read_config(path), dtype=dtype)
+    for key in ("dtype", "param_dtype"):
+        if key in overrides:
+            overrides[key] = dtype_name(overrides[key], what=key)
+    config = read_transformer_config(path, dtype=dtype)
     if overrides:
         config = dataclasses.replace(config, **overrides)
     params, _ = load_hf_params(path, config, mesh=mesh, rules=rules)

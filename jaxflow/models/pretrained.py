@@ -9,8 +9,8 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules
-from jaxflow.models.architectures import config_from_hf
-from jaxflow.models.hf_checkpoint import load_hf_params, read_config
+from jaxflow.models.architectures import CheckpointError, read_transformer_config
+from jaxflow.models.hf_checkpoint import load_hf_params
 from jaxflow.models.tokenizer_hf import HFTokenizer
 from jaxflow.models.transformer import TransformerConfig
 
@@ -29,14 +29,19 @@ class HFSource:
 
 
 def load_policy(hf_path: str, mesh: Mesh, *, rules: LogicalRules = DEFAULT_RULES,
-                dtype: str = "float32") -> tuple[TransformerConfig, Any, HFTokenizer]:
+                dtype: Any = "float32") -> tuple[TransformerConfig, Any, HFTokenizer]:
     """(config, params pure dict laid out by ``rules`` on ``mesh`` - the trainers' layout -,
-    the checkpoint's tokenizer). RL trainers keep f32 parameters, hence the default dtype."""
-    config = dataclasses.replace(config_from_hf(read_config(hf_path), dtype=dtype),
-                                 hf_path=hf_path)
+    the checkpoint's tokenizer). RL trainers keep f32 parameters, hence the default dtype
+    ("float32" | "bfloat16", or the jnp / numpy dtype).
+
+    Raises CheckpointError naming the file and field for a bad config.json, tokenizer or
+    weights; everything but the tensor data is checked before any weight is read."""
+    config = dataclasses.replace(read_transformer_config(hf_path, dtype=dtype), hf_path=hf_path)
     tokenizer = HFTokenizer.from_pretrained(hf_path)
     if config.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"{hf_path}: model vocab_size={config.vocab_size} < the tokenizer's "
-                         f"{tokenizer.vocab_size}")
+        raise CheckpointError(
+            f"{os.path.join(hf_path, 'config.json')} vocab_size={config.vocab_size} is smaller "
+            f"than the {tokenizer.vocab_size} tokens of {os.path.join(hf_path, 'tokenizer.json')}"
+            "; valid: vocab_size >= the tokenizer's vocabulary")
     params, _ = load_hf_params(hf_path, config, mesh=mesh, rules=rules)
     return config, params, tokenizer

@@ -10,20 +10,69 @@ checkpoints) and exposes what jaxflow's RL tasks, samplers and pruning study use
 """
 from __future__ import annotations
 
-import json
 import os
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from jaxflow.data.tokenizer import pad_token_lists
-from jaxflow.models.architectures import CheckpointError
+from jaxflow.errors import one_line
+from jaxflow.models.architectures import CheckpointError, json_type, read_json_object
+
+_SPECIALS = ("bos", "eos", "pad")
+#: tokenizer.json model types -> the JSON container of their "vocab".
+_MODEL_VOCAB = {"BPE": dict, "WordPiece": dict, "WordLevel": dict, "Unigram": list}
 
 
-def _token_string(value) -> str | None:
-    if isinstance(value, dict):  # {"content": "<|endoftext|>", ...} in older configs
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+def _token_string(value: Any, file: str, key: str) -> str | None:
+    """A tokenizer_config.json special token: a string, ``{"content": string, ...}`` (older
+    configs) or null; CheckpointError naming the file and key otherwise."""
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is None or isinstance(text, str):
+        return text
+    raise CheckpointError(f"{file} {key}={value!r}; valid: a token string, "
+                          '{"content": token string} or null')
+
+
+def _token_id(value: Any, file: str, key: str) -> int | None:
+    """A config.json special token id: an int >= 0, a list of them (the first counts), or
+    null; CheckpointError naming the file and key otherwise."""
+    if value is None or value == []:
+        return None
+    items = value if isinstance(value, list) else [value]
+    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items):
+        return items[0]
+    raise CheckpointError(f"{file} {key}={value!r}; valid: a token id >= 0, a list of them, "
+                          "or null")
+
+
+def _load_tokenizer(file: str):
+    """``tokenizers.Tokenizer`` of tokenizer.json ``file``; CheckpointError naming the file
+    (and the field) when it is not UTF-8, not JSON, or not a tokenizer."""
+    from tokenizers import Tokenizer
+
+    data = read_json_object(file, what="tokenizer")
+    model = data.get("model")
+    if not isinstance(model, dict):
+        raise CheckpointError(f"tokenizer {file!r} has no 'model' object (the vocabulary); "
+                              'valid: a tokenizers tokenizer.json ({"model": {"type": "BPE", '
+                              "...}, ...})")
+    kind = model.get("type")
+    if kind is not None and (not isinstance(kind, str) or kind not in _MODEL_VOCAB):
+        raise CheckpointError(f"tokenizer {file!r} model.type={kind!r}; valid: "
+                              f"{', '.join(_MODEL_VOCAB)}")
+    for field, value, want in (("model.vocab", model.get("vocab"), _MODEL_VOCAB.get(kind)),
+                               ("added_tokens", data.get("added_tokens"), list)):
+        if value is not None and want is not None and not isinstance(value, want):
+            raise CheckpointError(f"tokenizer {file!r} {field} is a JSON {json_type(value)}; "
+                                  f"valid: a JSON {'object' if want is dict else 'array'}")
+    with open(file, encoding="utf-8-sig") as f:  # read again: known to be UTF-8 JSON now
+        text = f.read()
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception naming the field and line
+        raise CheckpointError(f"tokenizer {file!r} is not a valid tokenizers tokenizer.json: "
+                              f"{one_line(e)}") from None
 
 
 class HFTokenizer:
@@ -39,29 +88,28 @@ class HFTokenizer:
     def from_pretrained(cls, path: str) -> "HFTokenizer":
         """Reads ``path/tokenizer.json`` (+ tokenizer_config.json / config.json for specials).
 
-        Raises CheckpointError naming the missing file or special token."""
-        from tokenizers import Tokenizer
-
+        Raises CheckpointError naming the file and the field: a file missing, not UTF-8, not
+        JSON or of the wrong structure, a special token of the wrong type or not in the
+        vocabulary."""
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             raise CheckpointError(f"{file} does not exist (the checkpoint's fast tokenizer)")
-        tok = Tokenizer.from_file(file)
-        ids: dict[str, int | None] = {"bos": None, "eos": None, "pad": None}
-        for name in ("config.json", "generation_config.json"):
+        tok = _load_tokenizer(file)
+        ids: dict[str, int | None] = {key: None for key in _SPECIALS}
+        for name, what in (("config.json", "checkpoint config"),
+                           ("generation_config.json", "generation config")):
             cfg_file = os.path.join(path, name)
             if os.path.isfile(cfg_file):
-                cfg = json.load(open(cfg_file))
+                cfg = read_json_object(cfg_file, what=what)
                 for key in ids:
-                    value = cfg.get(f"{key}_token_id")
-                    if isinstance(value, list):
-                        value = value[0] if value else None
-                    if ids[key] is None and isinstance(value, int):
+                    value = _token_id(cfg.get(f"{key}_token_id"), cfg_file, f"{key}_token_id")
+                    if ids[key] is None and value is not None:
                         ids[key] = value
         tok_cfg = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(tok_cfg):
-            cfg = json.load(open(tok_cfg))
+            cfg = read_json_object(tok_cfg, what="tokenizer config")
             for key in ids:
-                text = _token_string(cfg.get(f"{key}_token"))
+                text = _token_string(cfg.get(f"{key}_token"), tok_cfg, f"{key}_token")
                 if text is None:
                     continue
                 token_id = tok.token_to_id(text)
