@@ -86,6 +86,9 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}; valid: an integer >= 1")
+        if isinstance(self.max_digits, bool) or not isinstance(self.max_digits, int) \
+                or not 1 <= self.max_digits <= 9:
+            raise ValueError(f"max_digits={self.max_digits!r}; valid: 1..9")
 
 
 def _quick() -> Config:
