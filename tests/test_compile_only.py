@@ -438,3 +438,16 @@ def test_pretrain_rules_are_the_default_rules_on_a_data_model_mesh(shape):
     assert jax.tree.map(lambda s: s.spec, built.fns.param_shardings) == \
         jax.tree.map(lambda s: s.spec, before)
     assert built.batch_sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+
+
+def test_compiles_at_a_time_from_the_environment(monkeypatch):
+    from jaxflow.compile_only import compile as compile_lib
+
+    monkeypatch.delenv(compile_lib.WORKERS_ENV, raising=False)
+    assert compile_lib.parallel_compiles() == compile_lib.MAX_PARALLEL == 2
+    monkeypatch.setenv(compile_lib.WORKERS_ENV, "1")
+    assert compile_lib.parallel_compiles() == 1
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv(compile_lib.WORKERS_ENV, bad)
+        with pytest.raises(ValueError, match=f"JAXFLOW_COMPILE_WORKERS={bad!r}; valid: an integer >= 1"):
+            compile_lib.parallel_compiles()

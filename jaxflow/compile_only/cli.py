@@ -153,14 +153,19 @@ def run(plan, out, *, git_commit: str, prog: str) -> int:
     from jaxflow.compile_only import compile as compile_lib
     from jaxflow.compile_only import report as report_lib
 
+    try:
+        workers = compile_lib.parallel_compiles()
+    except ValueError as e:
+        raise CompileOnlyUsageError(str(e)) from None
     cache = compile_lib.cache_dir()
     start = time.time()
     with compile_lib.persistent_cache(cache) as events:
         programs, n_devices = build_programs(plan, target, driver)
         print(f"[jaxflow] {plan.name} [{plan.variant}] --compile-only for {target.text} "
               f"({n_devices} x {target.chip.device_kind}): {len(programs)} program(s), "
-              f"{compile_lib.MAX_PARALLEL} compiles at a time -> {out}", flush=True)
-        entries, notes, unreadable = compile_lib.compile_all(programs, target.chip)
+              f"{workers} compile(s) at a time -> {out}", flush=True)
+        entries, notes, unreadable = compile_lib.compile_all(programs, target.chip,
+                                                             workers=workers)
     chip = target.chip
     report = {
         "experiment": plan.name, "variant": plan.variant, "overrides": plan.overrides,

@@ -28,8 +28,26 @@ from jaxflow.compile_only import hlo as hlo_lib
 from jaxflow.compile_only.report import Memory, cost_of, program_entry
 from pallas_kernels import targets
 
-#: Compiles at a time (each 8B-class compile holds a few GiB of host memory and one core).
+#: Compiles at a time by default (each holds one core and host memory: an 8B-class training
+#: step for 64 TPU chips up to ~10 GiB, so two of them fit a 24 GiB host only just).
 MAX_PARALLEL = 2
+#: Environment variable overriding :data:`MAX_PARALLEL` (e.g. 1 on a small host).
+WORKERS_ENV = "JAXFLOW_COMPILE_WORKERS"
+
+
+def parallel_compiles() -> int:
+    """Compiles at a time: ``$JAXFLOW_COMPILE_WORKERS`` (an integer >= 1), else
+    :data:`MAX_PARALLEL`.
+
+    Raises:
+      ValueError: the variable is set to something else (names it and what is valid).
+    """
+    text = os.environ.get(WORKERS_ENV, "").strip()
+    if not text:
+        return MAX_PARALLEL
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{WORKERS_ENV}={text!r}; valid: an integer >= 1 (compiles at a time)")
+    return int(text)
 CACHE_ENV = "JAXFLOW_COMPILATION_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "jaxflow", "xla")
 _UNREADABLE = "Error reading persistent compilation cache entry"
@@ -100,11 +118,12 @@ def _entry_of(program, chip: targets.Chip, compiled, seconds: dict) -> dict:
                          hlo=hlo_lib.summarize(compiled.as_text()), seconds=seconds)
 
 
-def compile_all(programs, chip: targets.Chip, *, workers: int = MAX_PARALLEL
+def compile_all(programs, chip: targets.Chip, *, workers: int | None = None
                 ) -> tuple[list[dict], list[str], int]:
-    """Every program compiled, ``workers`` at a time: (entries in program order, the warnings
-    raised meanwhile as text, how many of them were unreadable persistent-cache entries - those
-    are counted, not listed)."""
+    """Every program compiled, ``workers`` (default :func:`parallel_compiles`) at a time:
+    (entries in program order, the warnings raised meanwhile as text, how many of them were
+    unreadable persistent-cache entries - those are counted, not listed)."""
+    workers = parallel_compiles() if workers is None else workers
     with warnings.catch_warnings(record=True) as caught:
         warnings.filterwarnings("always", message=_UNREADABLE)  # each one counted
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
