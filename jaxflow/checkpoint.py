@@ -22,8 +22,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxflow import signals
-from jaxflow.experiment import is_local, run_path
 from jaxflow.errors import UserError
+from jaxflow.experiment import is_local, run_path
 
 
 class CheckpointError(UserError, RuntimeError):
