@@ -22,3 +22,16 @@ def run_cli(args, *, env_extra=None, timeout=300) -> subprocess.CompletedProcess
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "jaxflow.run", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(capsys, argv) -> str:
+    """Runs the CLI in-process on ``argv``; asserts exit 2 with one stderr line and no traceback;
+    returns that line."""
+    from jaxflow import run as runner
+
+    code = runner.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, (code, err[-2000:])
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err

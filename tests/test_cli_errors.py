@@ -19,7 +19,7 @@ from jaxflow import run as runner
 from jaxflow import signals
 from jaxflow.checkpoint import Checkpointer
 from jaxflow.plots import read_metrics
-from tests._cli import TINY_LM
+from tests._cli import TINY_LM, one_line_error
 
 LM = ["--exp=lm_pretrain", "--variant=quick", *TINY_LM, "--set", "train.log_every=1"]
 STEPS = ["--set", "train.steps=4", "--set", "train.checkpoint_every=3", "--set", "train.eval_every=4"]
@@ -34,16 +34,6 @@ def snapshot(path) -> dict:
             with open(p, "rb") as fh:
                 out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
     return out
-
-
-def one_line_error(capsys, argv) -> str:
-    code = runner.main(argv)
-    captured = capsys.readouterr()
-    err = captured.err.strip()
-    assert code == 2, (code, err[-2000:])
-    assert len(err.splitlines()) == 1, err
-    assert "Traceback" not in err
-    return err
 
 
 @pytest.fixture(scope="module")

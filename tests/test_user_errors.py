@@ -12,15 +12,7 @@ import pytest
 from jaxflow import run as runner
 from jaxflow.errors import DataError, FileFormatError, UserError, read_text, text_lines
 from jaxflow.recsys.readers import read_atomic_file, read_criteo_tsv, read_movielens
-
-
-def one_line_error(capsys, argv) -> str:
-    code = runner.main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2, (code, err[-2000:])
-    assert len(err.splitlines()) == 1, err
-    assert "Traceback" not in err
-    return err
+from tests._cli import one_line_error
 
 
 def test_every_user_error_class_is_a_user_error_and_keeps_its_builtin_base():
