@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any
+import weakref
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -43,6 +44,25 @@ def finalized_steps(directory: "str | os.PathLike") -> list[epath.Path]:
         elif child.is_dir() and not child.name.isdigit() and "orbax-checkpoint-tmp" not in child.name:
             found.extend(finalized_steps(child))
     return found
+
+
+_OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+def wait_for_saves() -> None:
+    """Waits until every open :class:`Checkpointer`'s pending save is committed."""
+    for ckpt in list(_OPEN):
+        ckpt.wait()
+
+
+def has_progress(out: "str | os.PathLike") -> bool:
+    """Whether run directory ``out`` holds something to resume from: a complete checkpoint
+    under ``out/checkpoints`` or an experiment's own progress record (a ``*.jsonl`` other than
+    metrics.jsonl, e.g. finished study cells)."""
+    path = run_path(out)
+    if finalized_steps(path / "checkpoints"):
+        return True
+    return any(p.name.endswith(".jsonl") and p.name != "metrics.jsonl" for p in path.iterdir())
 
 
 class Checkpointer:
@@ -76,6 +96,8 @@ class Checkpointer:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._last_saved: int | None = None
+        self._loop_state: Callable[[], Any] | None = None
+        _OPEN.add(self)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
@@ -84,16 +106,34 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
+    def attach_loop_state(self, get: Callable[[], Any] | None) -> None:
+        """``get()``: a JSON-able object saved beside the state in every later save (the
+        training loop's metric window, read back by :meth:`loop_state`); None: nothing."""
+        self._loop_state = get
+
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
-        """Starts saving ``state`` at ``step`` (async); returns whether a save was started."""
+        """Starts saving ``state`` at ``step`` (async); returns whether a save was started.
+
+        Signals wait while it runs (``signals.deferred``): a stop never interrupts a save."""
         if self._last_saved == int(step):
             return False
-        saved = self._manager.save(
-            int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=force
-        )
+        with signals.deferred():
+            items = {"state": ocp.args.StandardSave(state)}
+            if self._loop_state is not None and (force or self._manager.should_save(int(step))):
+                if (loop := self._loop_state()) is not None:
+                    items["loop"] = ocp.args.JsonSave(loop)
+            saved = self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
         if saved:
             self._last_saved = int(step)
         return saved
+
+    def loop_state(self, step: int) -> Any | None:
+        """What :meth:`attach_loop_state` saved at ``step``; None when that save had none."""
+        try:
+            return self._manager.restore(int(step), args=ocp.args.Composite(
+                loop=ocp.args.JsonRestore()))["loop"]
+        except KeyError:
+            return None
 
     def stop_if_requested(self, step: int, state: Any) -> None:
         """Call after each step. On a stop signal (or, with several processes, a preemption
@@ -111,8 +151,9 @@ class Checkpointer:
             if requested is None:
                 return
             signum = requested
-        self.save(step, state, force=True)
-        self.close()
+        with signals.deferred():  # a second signal waits for the checkpoint to be complete
+            self.save(step, state, force=True)
+            self.close()
         raise signals.RunStopped(signum, int(step))
 
     def restore(self, step: int, abstract_state: Any) -> Any:
@@ -135,11 +176,16 @@ class Checkpointer:
         return restored["state"]
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        """Waits for the pending async save to be committed (signals wait meanwhile)."""
+        with signals.deferred():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the pending save, then releases the manager (signals wait meanwhile)."""
+        _OPEN.discard(self)
+        with signals.deferred():
+            self._manager.wait_until_finished()
+            self._manager.close()
 
 
 def abstract_like(state: Any) -> Any:

@@ -23,7 +23,9 @@ that cannot be resumed, meshes the devices cannot form, a missing optional extra
 2 and one line naming the bad value and the valid choices; nothing is written to the run
 directory before the run is known to start (a fresh run that fails that way leaves none).
 SIGINT / SIGTERM: the step in flight finishes, a checkpoint is written where the experiment
-keeps them, one line gives the resume command; exit 130 / 143. A lost peer: exit 75, one line.
+keeps them, one line gives the resume command; exit 130 / 143 (``jaxflow.signals``). Before
+the run starts (imports, flags, JAX start-up) the same exit codes and one line, nothing
+written. A lost peer: exit 75, one line.
 """
 
 from __future__ import annotations
@@ -39,13 +41,18 @@ import sys
 import time
 from typing import Any, Sequence
 
-from etils import epath
+from jaxflow import signals
 
-from jaxflow import contract
-from jaxflow.config import apply_overrides, experiments, get_experiment
-from jaxflow.errors import UserError, one_line
-from jaxflow.experiment import is_local, run_path
-from jaxflow.run_meshes import default_devices, resolve_meshes  # noqa: F401  (re-exported)
+if __name__ == "__main__":  # before the heavy imports below
+    signals.exit_before_start("python -m jaxflow.run")
+
+from etils import epath  # noqa: E402
+
+from jaxflow import contract  # noqa: E402
+from jaxflow.config import apply_overrides, experiments, get_experiment  # noqa: E402
+from jaxflow.errors import UserError, one_line  # noqa: E402
+from jaxflow.experiment import is_local, run_path  # noqa: E402
+from jaxflow.run_meshes import default_devices, resolve_meshes  # noqa: E402, F401 (re-exported)
 
 PROG = "python -m jaxflow.run"
 
@@ -123,16 +130,6 @@ def _read_saved_run(out: epath.Path) -> dict:
     return meta
 
 
-def _has_progress(out: epath.Path) -> bool:
-    """A complete checkpoint under ``out/checkpoints`` or an experiment's own progress record
-    (a ``*.jsonl`` other than metrics.jsonl, e.g. finished study cells)."""
-    from jaxflow.checkpoint import finalized_steps
-
-    if finalized_steps(out / "checkpoints"):
-        return True
-    return any(p.name.endswith(".jsonl") and p.name != "metrics.jsonl" for p in out.iterdir())
-
-
 def _resolve_run(args, out: epath.Path | None) -> tuple[str, str, list[str]]:
     """(experiment, variant, overrides); on --resume read from the run, which must match the
     flags given and hold something to resume from."""
@@ -149,7 +146,9 @@ def _resolve_run(args, out: epath.Path | None) -> tuple[str, str, list[str]]:
     if args.variant and args.variant != meta["variant"]:
         raise UsageError(f"--variant {args.variant!r} does not match the run in {str(out)!r} "
                          f"({meta['variant']!r}); drop --variant to resume it, or {_fresh_hint(out)}")
-    if not _has_progress(out):
+    from jaxflow.checkpoint import has_progress
+
+    if not has_progress(out):
         raise UsageError(f"--resume: {out / 'checkpoints'} holds no complete checkpoint, so the run "
                          f"would restart at step 0; {_fresh_hint(out)}")
     if args.devices is None:
@@ -220,6 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: interrupted (SIGINT) before the run started; nothing was written",
               file=sys.stderr)
         return 128 + signal.SIGINT
+    except signals.RunStopped as stop:  # --compile-only: nothing to resume
+        print(f"{PROG}: {stop}; nothing to resume", file=sys.stderr)
+        return stop.exit_code
 
 
 def _supervised_worker(argv: list[str]):
@@ -308,10 +310,13 @@ def _compile_only(plan: _Plan) -> int:
     out = _out_dir(plan.out, plan.name, False)
     if plan.out is None:
         _check_fresh_out(out)
+    restore_signals = signals.install()
     try:
         return cli.run(plan, out, git_commit=_git_commit(), prog=PROG)
     except cli.CompileOnlyUsageError as e:
         raise UsageError(str(e)) from None
+    finally:
+        restore_signals()
 
 
 def _plan(args: argparse.Namespace, argv: list[str]) -> _Plan:
@@ -347,6 +352,8 @@ def _start_runtime(plan: _Plan) -> bool:
         # (an in-process --dry-run after JAX started, e.g. from a test, resolves the meshes
         # on the devices already there: the count can no longer change)
         distributed.set_cpu_device_count(args.devices)
+    if args.coordinator is not None or args.distributed_auto:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # JAX's preemption service takes it
     peer_timeout = args.peer_timeout or distributed.DEFAULT_PEER_TIMEOUT_S
     try:
         return distributed.initialize(args.coordinator, args.num_processes, args.process_id,
@@ -370,7 +377,7 @@ def _execute(plan: _Plan, started: bool) -> int:
     """Runs the experiment in its run directory; writes summary.json; the exit code."""
     import jax
 
-    from jaxflow import distributed, signals
+    from jaxflow import distributed
     from jaxflow.experiment import RunContext
     from jaxflow.train.loop import Fault
 
@@ -379,45 +386,53 @@ def _execute(plan: _Plan, started: bool) -> int:
     if plan.out is None:
         _check_fresh_out(out_dir)
     primary = jax.process_index() == 0
-    fault = Fault(args.kill_after_checkpoint) if args.kill_after_checkpoint is not None else None
-    run = RunContext(name=plan.name, variant=plan.variant, out_dir=out_dir, is_primary=primary,
-                     resume=args.resume, seed=contract.config_seed(plan.config), fault=fault)
-    saved_config = {"experiment": plan.name, "variant": plan.variant, "overrides": plan.overrides,
-                    "devices": args.devices, "config": plan.config}
-    existed = set(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else None
-    if args.resume:
-        run.write_json_later("config.json", saved_config)  # at the first new metrics row
-    else:
-        run.write_json("config.json", saved_config)
-    run.info(f"{plan.name} [{plan.variant}] -> {out_dir} ({jax.device_count()} "
-             f"{jax.default_backend()} devices, {jax.process_count()} process(es))")
     # With several processes JAX's preemption service owns SIGTERM (orbax reads it per step).
     restore_signals = signals.install(multi_process=jax.process_count() > 1)
-    start = time.time()
+    run, finished = None, False
     try:
-        result = dict(plan.spec.entry_fn()(plan.config, run) or {})
-    except UserError:  # raised anywhere inside the experiment: exit 2, one line (main)
+        fault = Fault(args.kill_after_checkpoint) if args.kill_after_checkpoint is not None else None
+        run = RunContext(name=plan.name, variant=plan.variant, out_dir=out_dir, is_primary=primary,
+                         resume=args.resume, seed=contract.config_seed(plan.config), fault=fault)
+        saved_config = {"experiment": plan.name, "variant": plan.variant,
+                        "overrides": plan.overrides, "devices": args.devices, "config": plan.config}
+        existed = set(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else None
+        if args.resume:
+            run.write_json_later("config.json", saved_config)  # at the first new metrics row
+        else:
+            run.write_json("config.json", saved_config)
+        run.info(f"{plan.name} [{plan.variant}] -> {out_dir} ({jax.device_count()} "
+                 f"{jax.default_backend()} devices, {jax.process_count()} process(es))")
+        start = time.time()
+        try:
+            result = dict(plan.spec.entry_fn()(plan.config, run) or {})
+        except UserError:  # raised anywhere inside the experiment: exit 2, one line (main)
+            run.close()
+            if not args.resume and primary:
+                _roll_back(out_dir, existed)
+            raise
+        except Exception:
+            if started:
+                distributed.await_lost_peer()  # exits with one line naming a lost peer, if one is
+            raise
         run.close()
-        if not args.resume and primary:
-            _roll_back(out_dir, existed)
-        raise
+        run.flush_pending()
+        _write_summary(plan, run, result, time.time() - start)
+        finished = True
+        if (signum := signals.requested()) is not None:  # after the experiment's last poll
+            raise signals.RunStopped(signum)
     except signals.RunStopped as stop:
-        run.close()
-        how = (f"checkpoint at step {stop.step} saved; resume: {PROG} --resume --out {out_dir}"
-               if stop.step is not None else
-               f"abandoned, no checkpoint to resume from (partial output stays in {out_dir}); "
-               "run it again with another --out")
-        print(f"[jaxflow] {stop}: {how}", file=sys.stderr, flush=True)
+        if run is not None:
+            run.close()
+        from jaxflow.checkpoint import has_progress
+
+        line = signals.outcome(stop, f"{PROG} --resume --out {out_dir}", out_dir, finished=finished,
+                               has_checkpoint=out_dir.is_dir() and has_progress(out_dir))
+        print(f"[jaxflow] {stop}: {line}", file=sys.stderr, flush=True)
         return stop.exit_code
-    except Exception:
-        if started:
-            distributed.await_lost_peer()  # exits with one line naming a lost peer, if one is
-        raise
     finally:
         restore_signals()
-        run.close()
-    run.flush_pending()
-    _write_summary(plan, run, result, time.time() - start)
+        if run is not None:
+            run.close()
     return 0
 
 
@@ -478,4 +493,7 @@ def _out_dir(out: epath.Path | None, name: str, multi_process: bool) -> epath.Pa
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # stopped: no interpreter teardown
+        signals.exit_now(code)
+    sys.exit(code)

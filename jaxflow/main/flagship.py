@@ -8,22 +8,40 @@ run's ``seed_index``; every ``eval.every`` rollouts the held-out pass@1. The sum
 figures (held-out pass@1 initial / final / gain, sync ratio) are means over the runs with a 95%
 t-interval under ``seed_interval`` (none for one run); per-run values under ``per_seed``.
 ``plots/flagship.png`` shows reward, held-out pass@1 and accept rate against the rollout.
+
+Stops and ``--resume``: everything trains through ``jaxflow.train.loop.run_steps``. A warm
+start missing from the cache trains in the run directory (``warm_start/seed<k>/``, checkpoints
+under ``checkpoints/seed<k>/warm_start``) and is cached once complete; the RL of run k
+checkpoints under ``checkpoints/seed<k>/rl`` (at a stop signal and at its end); finished runs
+are recorded in ``seeds.jsonl``. A resumed run gives the rows and figures of one that never
+stopped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import pathlib
+import shutil
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
+from jaxflow import signals
+from jaxflow.cache import build_once
+from jaxflow.checkpoint import Checkpointer
 from jaxflow.data.tokenizer import CharTokenizer
-from jaxflow.experiment import RunContext
+from jaxflow.experiment import RunContext, is_local, to_jsonable
 from jaxflow.mesh import trainer_rollout_meshes
 from jaxflow.rl.grpo import GRPOTrainer, rollout_row
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
 from jaxflow.stats import paired_interval
-from jaxflow.train.lm_state import lm_functions
+from jaxflow.train.lm_state import lm_functions, make_optimizer
 from jaxflow.train.loop import run_steps
+from jaxflow.train.pretrain import pretrain as train_warm_start
+from jaxflow.train.state import TrainState
 
 #: Summary keys that carry a mean and a 95% seed interval.
 HEADLINE_KEYS = ("heldout_pass_at_1_initial", "heldout_pass_at_1_final",
@@ -122,12 +140,80 @@ def plot_flagship(run: RunContext, runs: list[tuple[list[dict], list[tuple[int, 
     run.save_figure(fig, "flagship.png")
 
 
-def run_seed(config, run: RunContext, k: int, meshes, fns) -> tuple[dict, list, list]:
-    """Run ``k`` of the experiment: warm start ``pretrain.seed + k``, RL seed ``seed + k``.
-    Returns (its summary, its metric rows, its (rollout, pass@1) evaluations)."""
+def warm_start(config, run: RunContext, k: int, fns) -> tuple[Any, dict]:
+    """Run ``k``'s warm start (``pretrain.seed + k``): (params laid out with
+    ``fns.param_shardings``, the pretraining summary).
+
+    A cached entry (``jaxflow.rl.warm_start.cache_dir``) is loaded. Otherwise the warm start is
+    trained in this run's directory (``warm_start/seed<k>/``, checkpoints under
+    ``checkpoints/seed<k>/warm_start``) by the one training loop, so a stop signal checkpoints
+    it and ``--resume`` continues it; once complete it is copied into the cache."""
     pretrain = dataclasses.replace(config.pretrain, seed=config.pretrain.seed + k)
-    warm_params, pre_summary = load_pretrained_params(pretrain, config.cache_root, fns,
-                                                      log=run.info)
+    entry = cache_dir(pretrain, config.cache_root)
+    if (entry / "summary.json").exists():
+        return load_pretrained_params(pretrain, config.cache_root, fns, log=run.info)
+    out, ckpt_dir = run.out_dir / "warm_start" / f"seed{k}", run.checkpoint_dir / f"seed{k}" / "warm_start"
+    run.info(f"warm start: training lm_pretrain in {out} (then cached as {entry})")
+    ctx = RunContext(name="lm_pretrain", variant="warm_start", out_dir=out,
+                     is_primary=run.is_primary, resume=run.resume)
+    try:
+        ctx.write_json("config.json", {"experiment": "lm_pretrain", "variant": "warm_start",
+                                       "config": pretrain})
+        summary = train_warm_start(pretrain, ctx, checkpoint_dir=ckpt_dir)
+    finally:
+        ctx.close()
+    ctx.write_json("summary.json", summary)
+    if run.is_primary:
+        build_once(entry, lambda tmp: _copy_warm_start(out, ckpt_dir, tmp))
+    tx = make_optimizer(pretrain.optim, pretrain.train.steps)
+    ckpt = Checkpointer(ckpt_dir, async_save=False)
+    state = ckpt.restore(ckpt.latest_step(),
+                         TrainState.abstract(tx, fns.abstract_params(), fns.param_shardings))
+    ckpt.close()
+    return state.params, summary
+
+
+def _copy_warm_start(out, ckpt_dir, tmp: pathlib.Path) -> None:
+    """A cache entry (``jaxflow.rl.warm_start``'s layout) from a warm start trained in a run
+    directory: config.json, metrics.jsonl, checkpoints/, and summary.json last."""
+    def copy(src, dst: pathlib.Path):
+        if is_local(src):
+            shutil.copytree(os.fspath(src), dst) if src.is_dir() else shutil.copy(os.fspath(src), dst)
+            return
+        for f in [src] if src.is_file() else [f for f in src.rglob("*") if f.is_file()]:
+            target = dst if f == src else dst / os.path.relpath(str(f), str(src))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(f.read_bytes())
+
+    tmp.mkdir(parents=True)
+    copy(ckpt_dir, tmp / "checkpoints")
+    for name in ("config.json", "metrics.jsonl", "summary.json"):
+        copy(out / name, tmp / name)
+
+
+def _seed_rows(run: RunContext, k: int, upto: int) -> list[dict]:
+    """Seed ``k``'s metrics rows of rollouts 1..``upto`` as metrics.jsonl holds them."""
+    path = run.out_dir / "metrics.jsonl"
+    if upto == 0 or not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for r in rows if r.get("seed_index") == k and "rollout" in r and r["rollout"] <= upto]
+
+
+def _sync_records(rows: list[dict]) -> list:
+    """The publishes that went through the weight sync, from the rows (``jaxflow.sync``
+    ``SyncRecord``-like: ``stats.dense_bytes``, ``stats.payload_bytes``, ``bit_exact``)."""
+    return [SimpleNamespace(stats=SimpleNamespace(dense_bytes=int(r["sync_dense_bytes"]),
+                                                  payload_bytes=int(r["sync_payload_bytes"])),
+                            bit_exact=bool(r["sync_bit_exact"])) for r in rows if r.get("synced")]
+
+
+def run_seed(config, run: RunContext, k: int, meshes, fns) -> tuple[dict, list, list]:
+    """Run ``k`` of the experiment: warm start ``pretrain.seed + k``, RL seed ``seed + k``,
+    checkpointed under ``checkpoints/seed<k>/rl`` (at a stop signal and at the end) and resumed
+    from there. Returns (its summary, its metric rows, its (rollout, pass@1) evaluations); the
+    rows and figures of a resumed run are those of one that never stopped."""
+    warm_params, pre_summary = warm_start(config, run, k, fns)
     trainer = GRPOTrainer(config.pretrain.model, config.rl, config.optim, config.task,
                           CharTokenizer(), meshes, seed=config.seed + k,
                           total_rollouts=config.rollouts, sync=config.sync)
@@ -138,27 +224,33 @@ def run_seed(config, run: RunContext, k: int, meshes, fns) -> tuple[dict, list, 
 
     initial = pass_at_1(state)
     run.info(f"seed {k}: warm start held-out pass@1 {initial:.3f}")
-    records = []  # the SyncRecord of every publish that went through the weight sync
 
     def rl_step(state, step):
         state, metrics, record = trainer.step_with_sync(state)
-        if record is not None:
-            records.append(record)
+        if record is not None:  # the summary's sync totals are read from the rows
+            metrics["sync_dense_bytes"] = float(record.stats.dense_bytes)
         return state, {"rollout": step + 1, "seed_index": k, **metrics}
 
-    result = run_steps(rl_step, state, steps=config.rollouts, run=run, log_every=1,
-                       summarize=rollout_row,
+    ckpt = Checkpointer(run.checkpoint_dir / f"seed{k}" / "rl", save_every=config.rollouts,
+                        max_to_keep=1)
+    result = run_steps(rl_step, state, steps=config.rollouts, run=run, checkpointer=ckpt,
+                       log_every=1, summarize=rollout_row,
                        eval_fn=lambda st, done: {"heldout_pass_at_1": pass_at_1(st)},
                        eval_every=config.eval.every, step_offset=k * config.rollouts)
-    state, rows = result.state, result.rows
+    state = result.state
+    # the rows as logged (JSON), those before a resume read back: the same figures either way
+    rows = _seed_rows(run, k, result.start) + [json.loads(json.dumps(to_jsonable(r)))
+                                               for r in result.rows]
     evals = [(0, initial)] + [(r["rollout"], r["heldout_pass_at_1"]) for r in rows
                               if "heldout_pass_at_1" in r]
-    ws = trainer.weight_sync
+    ws = config.sync is not None
+    records = _sync_records(rows)
     ratio, dense, sent = sync_ratio_vs_dense(records)
     final = evals[-1][1]
     run.info(f"seed {k}: held-out pass@1 {initial:.3f} -> {final:.3f}" + (
         f"; sync ratio vs dense bf16 {ratio:.2f}x ({dense} / {sent} bytes)" if ws else ""))
     later = [r["accept_rate_later"] for r in rows if "accept_rate_later" in r]
+    pretrain = dataclasses.replace(config.pretrain, seed=config.pretrain.seed + k)
     summary = {
         "rl_seed": config.seed + k,
         "warm_start_seed": pretrain.seed,
@@ -181,6 +273,15 @@ def run_seed(config, run: RunContext, k: int, meshes, fns) -> tuple[dict, list, 
     return summary, rows, evals
 
 
+def _finished_seeds(run: RunContext) -> dict[int, dict]:
+    """On ``--resume``: the summaries of the seeds that had finished (``seeds.jsonl``)."""
+    path = run.out_dir / "seeds.jsonl"
+    if not run.resume or not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {r.pop("seed_index"): r for r in rows}
+
+
 def compile_programs(config, meshes) -> list:
     """``--compile-only``: the programs one RL step of run 0 executes (the trainer's own
     jitted functions, :func:`jaxflow.rl.programs.grpo_programs`) on ``meshes`` (trainer /
@@ -194,13 +295,30 @@ def compile_programs(config, meshes) -> list:
 
 
 def main(config, run: RunContext) -> dict:
+    """Every seed's warm start and RL; the summary over seeds. The whole run polls for stop
+    signals (``signals.polling``): a SIGINT / SIGTERM between steps (loading, compiling,
+    evaluating) takes effect at the end of the next warm-start or RL step, checkpointed."""
+    with signals.polling():
+        return _main(config, run)
+
+
+def _main(config, run: RunContext) -> dict:
     meshes, roles = trainer_rollout_meshes(config.roles)
     run.info(f"roles: {roles}")
     fns = lm_functions(config.pretrain.model, meshes["trainer"])
     run.set_total_steps(config.seeds * config.rollouts, "flagship")
+    done = _finished_seeds(run)
     per_seed, curves = [], []
     for k in range(config.seeds):
-        summary, rows, evals = run_seed(config, run, k, meshes, fns)
+        if k in done:  # --resume: a seed that had finished is not run again
+            summary = done[k]
+            rows = _seed_rows(run, k, config.rollouts)
+            evals = [tuple(e) for e in summary["heldout_pass_at_1_curve"]]
+        else:
+            summary, rows, evals = run_seed(config, run, k, meshes, fns)
+            if run.is_primary:
+                with (run.out_dir / "seeds.jsonl").open("a", encoding="utf-8") as f:
+                    f.write(json.dumps({"seed_index": k, **to_jsonable(summary)}) + "\n")
         per_seed.append(summary)
         curves.append((rows, evals))
     plot_flagship(run, curves)

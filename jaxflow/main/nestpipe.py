@@ -38,6 +38,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxflow import signals
 from jaxflow.compile_only.program import Program
 from jaxflow.embeddings import TableSpec, make_sparse_optimizer
 from jaxflow.embeddings.host import HostTable
@@ -286,6 +287,14 @@ def evaluate(config, gen, apply, dense, tables, specs) -> dict:
 
 
 def main(config, run: RunContext) -> dict:
+    """Runs every pipeline (exactness, timing, clustering); the summary. Nothing is
+    checkpointed: a stop signal ends the run between two pipeline steps (``signals.polling``),
+    so no compilation is left running when the process exits."""
+    with signals.polling():
+        return _main(config, run)
+
+
+def _main(config, run: RunContext) -> dict:
     gen, specs, tables0, dense0, apply, parts_for = build(config)
     n_dev = len(resolve_meshes(config)["data"].devices.flat)
     if capacities(config, n_dev)["capacity"] != config.capacity:

@@ -27,8 +27,10 @@
                  is left to overlap), measured beside it as what the window alone costs.
 
 ``run_pipeline`` returns the dense state (tables are updated in place on the host) and per-stage
-timings. On the CPU backend collectives are synchronous and the 2 cores are shared by all
-"devices", so the only real overlap is host work (numpy, threads) against XLA compute.
+timings. A stop signal (``jaxflow.signals``) ends it between two steps, never inside one: an
+abandoned step would leave its compilation running on XLA's threads. On the CPU backend
+collectives are synchronous and the 2 cores are shared by all "devices", so the only real
+overlap is host work (numpy, threads) against XLA compute.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any
 
 import jax
 
+from jaxflow import signals
 from jaxflow.embeddings.host import HostTable
 from jaxflow.embeddings.spec import TableSpec
 from jaxflow.nestpipe.buffers import patch_intersection_rows
@@ -165,6 +168,7 @@ def run_pipeline(schedule: str, parts: Parts, dense_state: TrainState, steps: in
     try:
         if schedule == "sync":
             for t in range(start, start + steps):
+                signals.abandon_if_requested()
                 pf = prefetch(parts, shards, t, times)
                 dense_state, rows, opt, loss = _compute(parts, dense_state, pf, times)
                 _write_back(shards, pf, rows, opt, times)
@@ -176,6 +180,7 @@ def run_pipeline(schedule: str, parts: Parts, dense_state: TrainState, steps: in
                 thread_times: dict = {}
                 nxt = pool.submit(prefetch_input, parts, start, thread_times)
                 for t in range(start, start + steps):
+                    signals.abandon_if_requested()
                     w0 = time.perf_counter()
                     routed, dev = nxt.result()
                     nxt = (pool.submit(prefetch_input, parts, t + 1, thread_times)
@@ -195,6 +200,7 @@ def run_pipeline(schedule: str, parts: Parts, dense_state: TrainState, steps: in
                 pf = prefetch(parts, shards, start, times)
                 exposed += sum(times.values())
                 for t in range(start, start + steps):
+                    signals.abandon_if_requested()
                     nxt = (pool.submit(prefetch, parts, shards, t + 1, thread_times)
                            if t + 1 < start + steps else None)
                     dense_state, rows, opt, loss = _compute(parts, dense_state, pf, times)

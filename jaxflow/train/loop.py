@@ -10,14 +10,19 @@ Every driver that trains hands :func:`run_steps` a step function and a state::
 The loop owns what is the same everywhere:
 
 - **resume**: with ``run.resume`` and a checkpoint in ``checkpointer``, the state is restored
-  (laid out like the fresh one) and the metrics file is cut back to that step;
+  (laid out like the fresh one) and the metrics file is cut back to that step (without one,
+  back to the loop's first step);
 - **rows**: the metrics of the steps since the last row are reduced by ``summarize`` every
   ``log_every`` steps (and at the last) and written with ``run.log``; an evaluation, every
   ``eval_every`` steps and at the last, joins the row of its step;
 - **checkpoints**: ``checkpointer.save`` after every step (it keeps its own cadence), forced at
-  the last step;
-- **signal stops**: after every step ``checkpointer.stop_if_requested`` (SIGINT / SIGTERM save
-  the step and raise ``signals.RunStopped``);
+  the last step; the metrics of the steps since the last row go into the checkpoint too
+  (``Checkpointer.attach_loop_state``), so a resumed run logs the same rows as one that never
+  stopped;
+- **signal stops**: the steps run in ``signals.polling`` and after every step
+  ``checkpointer.stop_if_requested`` (SIGINT / SIGTERM during a step, its compilation
+  included, save that step and raise ``signals.RunStopped``); when the loop is left any other
+  way, the save in flight is waited for (never a half-written checkpoint);
 - **faults**: ``fault.kill_after_checkpoint = N`` SIGKILLs the process right after the
   checkpoint of step N is committed (the resume tests' crash), a parameter of the run
   (``RunContext.fault``, the CLI's ``--kill-after-checkpoint``), never an environment variable.
@@ -25,6 +30,7 @@ The loop owns what is the same everywhere:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -128,47 +134,105 @@ def run_steps(step_fn: StepFn, state: Any, *, steps: int, run=None,
     Returns:
       a :class:`LoopResult`.
     """
+    with signals.polling():
+        return _run(step_fn, state, steps, run, checkpointer, log_every, summarize, eval_fn,
+                    eval_every, hooks, step_offset, row_fields, restore, fault)
+
+
+def _run(step_fn, state, steps, run, checkpointer, log_every, summarize, eval_fn, eval_every,
+         hooks, step_offset, row_fields, restore, fault) -> LoopResult:
     from jaxflow.checkpoint import abstract_like
 
     if fault is None and run is not None:
         fault = getattr(run, "fault", None)
     kill_at = fault.kill_after_checkpoint if fault is not None else None
     start = 0
+    window: list[Metrics] = []
     if checkpointer is not None and run is not None and run.resume:
         latest = checkpointer.latest_step()
         if latest is not None:
             state = (restore(checkpointer, latest, state) if restore is not None
                      else checkpointer.restore(latest, abstract_like(state)))
             start = int(latest)
+            saved = checkpointer.loop_state(latest) if hasattr(checkpointer, "loop_state") else None
+            window = decode_window(saved["window"]) if saved and saved.get("window") else []
             run.truncate_metrics_after(step_offset + start)
             run.info(f"resumed from checkpoint at step {start}")
+        else:  # rows an attempt logged without leaving a checkpoint are logged again
+            run.truncate_metrics_after(step_offset)
+    if hasattr(checkpointer, "attach_loop_state"):
+        checkpointer.attach_loop_state(lambda: {"window": encode_window(window)} if window else None)
     rows: list[dict] = []
-    window: list[Metrics] = []
     metrics: Metrics | None = None
-    for step in range(start, steps):
-        state, metrics = step_fn(state, step)
-        window.append(metrics)
-        done = step + 1
-        last = done == steps
-        evaluate = eval_fn is not None and (last or (eval_every and done % eval_every == 0))
-        if done % log_every == 0 or last or evaluate:
-            row = dict(row_fields or {})
-            row.update(summarize(window))
-            window = []
-            if evaluate and eval_fn is not None:
-                row.update(eval_fn(state, done))
-            if run is not None:
-                run.log(step_offset + done, row)
-            rows.append(row)
-            for hook in hooks:
-                hook(done, state, row)
-        if checkpointer is not None:
-            if checkpointer.save(done, state, force=last) and step_offset + done == kill_at:
-                checkpointer.wait()
-                os.kill(os.getpid(), signal.SIGKILL)
-            checkpointer.stop_if_requested(done, state)
-        elif (signum := signals.requested()) is not None:
-            raise signals.RunStopped(signum)
+    try:
+        for step in range(start, steps):
+            state, metrics = step_fn(state, step)
+            window.append(metrics)
+            done = step + 1
+            last = done == steps
+            evaluate = eval_fn is not None and (last or (eval_every and done % eval_every == 0))
+            if done % log_every == 0 or last or evaluate:
+                row = dict(row_fields or {})
+                row.update(summarize(window))
+                window = []
+                if evaluate and eval_fn is not None:
+                    row.update(eval_fn(state, done))
+                if run is not None:
+                    run.log(step_offset + done, row)
+                rows.append(row)
+                for hook in hooks:
+                    hook(done, state, row)
+            if checkpointer is not None:
+                if checkpointer.save(done, state, force=last) and step_offset + done == kill_at:
+                    checkpointer.wait()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                checkpointer.stop_if_requested(done, state)
+            elif (signum := signals.requested()) is not None:
+                raise signals.RunStopped(signum)
+    except BaseException:
+        if checkpointer is not None:  # the save in flight completes: no half-written step
+            with contextlib.suppress(Exception):
+                checkpointer.close()
+        raise
+    finally:
+        if hasattr(checkpointer, "attach_loop_state"):
+            checkpointer.attach_loop_state(None)
     if checkpointer is not None:
         checkpointer.close()
     return LoopResult(state, start, rows, metrics)
+
+
+def encode_window(window: Sequence[Metrics]) -> list | None:
+    """The metrics since the last row as JSON (arrays and numpy scalars keep their dtype and
+    shape, so :func:`decode_window` gives back values that summarize bit-identically); None
+    when a value is not a number, string, array or a list / dict of them."""
+    def enc(v):
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, Mapping):
+            return {"dict": [[str(k), enc(x)] for k, x in v.items()]}
+        if isinstance(v, (list, tuple)):
+            return {"list": [enc(x) for x in v]}
+        if hasattr(v, "dtype") and hasattr(v, "shape"):
+            a = np.asarray(jax.device_get(v))
+            return {"dtype": a.dtype.name, "shape": list(a.shape), "data": a.ravel().tolist()}
+        raise TypeError(type(v).__name__)
+
+    try:
+        return [enc(m) for m in window]
+    except TypeError:
+        return None  # then the window is not saved, and a resume starts a new one
+
+
+def decode_window(saved: list) -> list:
+    """The window :func:`encode_window` wrote (arrays as numpy arrays)."""
+    def dec(v):
+        if not isinstance(v, dict):
+            return v
+        if "dict" in v:
+            return {k: dec(x) for k, x in v["dict"]}
+        if "list" in v:
+            return [dec(x) for x in v["list"]]
+        return np.asarray(v["data"], dtype=np.dtype(v["dtype"])).reshape(v["shape"])
+
+    return [dec(m) for m in saved]
