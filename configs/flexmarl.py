@@ -17,7 +17,8 @@ TPU the same split runs over the accelerators present.
 ``full`` is the production size: a Qwen3-8B solver and a Qwen3-4B-shaped verifier (Qwen3-8B's
 config.json with the 4B's width 2560, MLP 9728, head dim 128 and tied embeddings; both keep the
 151,936-token vocabulary, the character tokenizer uses its first ids), bf16 compute on float32
-master weights, every block rematerialised; 16 inputs x 8 samples per version and agent,
+master weights, every block rematerialised and the blocks run as one scan over the layers
+(``scan_layers``: the same arithmetic, compiled once per layer body); 16 inputs x 8 samples per version and agent,
 1,024-token responses, micro-batches of 4 inputs (32 rows), rollout calls of 4 inputs.
 Sharding: meshes data x model with 8-way tensor parallelism (heads / mlp / vocab by the logical
 rules); on a v5p:4x4x4 pod the rollout role has 32 chips (4 x 8, both agents' engines) and each
@@ -97,7 +98,7 @@ def _quick() -> Config:
 
 def _full() -> Config:
     """Qwen3-8B solver + Qwen3-4B-shaped verifier at production sizes (module docstring)."""
-    qwen8 = shipped_config("qwen3-8b", dtype="float32", remat=True)
+    qwen8 = shipped_config("qwen3-8b", dtype="float32", remat=True, scan_layers=True)
     qwen4 = dataclasses.replace(qwen8, d_model=2560, d_ff=9728, head_dim_override=128,
                                 tie_embeddings=True)
     bf16 = dict(dtype="bfloat16")  # compute dtype; the parameters stay float32

@@ -334,6 +334,21 @@ def test_hlo_reader_on_async_loops_and_kernels():
     assert got.pallas_kernels == {"flash_fwd": 32, "mha_forward": 1}
     assert got.kernel_count == 33
     assert got.cudnn_calls == {"__cudnn$fmhaSoftmax": 1}
+    assert got.loop_trips == (32,)  # the compiler's cost counts that body once
+
+
+def test_a_program_with_loops_reports_its_bytes_as_a_lower_bound():
+    chip = targets.CHIPS["v5p"]
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    program = Program("rollout/decode", jax.jit(lambda x: x), (), mesh, kind="sample")
+    none = {k: {"count": 0, "bytes": 0} for k in hlo.COLLECTIVES}
+    looped, flat = (report.program_entry(
+        program, chip, memory=report.Memory(10, 20, 30, 5), hlo=hlo.HloSummary(none, {}, {}, t),
+        cost=(1e12, 1e9, "compiled.cost_analysis()")) for t in ((63,), ()))
+    assert looped["cost"]["bytes_lower_bound"] and looped["cost"]["loop_trips"] == [63]
+    assert not flat["cost"]["bytes_lower_bound"]
+    rows = [report.table([e]).splitlines()[1].split() for e in (looped, flat)]
+    assert rows[0][6] == ">=" + rows[1][6]
 
 
 @pytest.mark.parametrize("shape,nbytes", [

@@ -15,8 +15,10 @@ it is one device's, so collective bytes are per device.
 
 Counts are per call of the program: an op inside a ``while`` body counts its loop's
 ``known_trip_count`` times (once when the compiler recorded none), and both branches of a
-conditional count. An instruction may span several lines of the text (multi-line frontend
-attributes); continuation lines are joined to it.
+conditional count. The loops' trip counts are kept (``loop_trips``): XLA's cost analysis
+counts each loop body once, so a program with loops has a compiler cost that is a lower
+bound. An instruction may span several lines of the text (multi-line frontend attributes);
+continuation lines are joined to it.
 """
 
 from __future__ import annotations
@@ -142,11 +144,13 @@ def _multipliers(ins: list[Instruction]) -> dict[str, int]:
 class HloSummary:
     """collectives: {kind: {"count", "bytes"}} for every kind in :data:`COLLECTIVES` (bytes
     per device, per call); pallas_kernels: {kernel name: calls}; cudnn_calls: {custom-call
-    target: calls}."""
+    target: calls}; loop_trips: the known trip count of every while loop that runs more than
+    once per call (XLA's cost analysis counts a loop body once)."""
 
     collectives: dict
     pallas_kernels: dict
     cudnn_calls: dict
+    loop_trips: tuple[int, ...] = ()  # each while loop's executions per call (trip > 1 only)
 
     @property
     def collective_bytes(self) -> int:
@@ -196,4 +200,9 @@ def summarize(hlo_text: str) -> HloSummary:
                 pallas[_kernel_name(i)] += times
             elif target.startswith(CUDNN_PREFIX):
                 cudnn[target] += times
-    return HloSummary(collectives, dict(sorted(pallas.items())), dict(sorted(cudnn.items())))
+    trips = []
+    for i in ins:
+        if i.opcode == "while" and (m := _TRIP.search(i.attrs)) is not None and int(m[1]) > 1:
+            trips.append(int(m[1]))
+    return HloSummary(collectives, dict(sorted(pallas.items())), dict(sorted(cudnn.items())),
+                      tuple(sorted(trips, reverse=True)))

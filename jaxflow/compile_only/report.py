@@ -13,8 +13,11 @@ Roofline time of one call (seconds, per device, the same for every device of an 
                + collective_bytes / ici_bandwidth
 
 with flops = max(compiler flops, model_flops / n_devices) (``cost_analysis`` counts a Pallas
-call as ~0 flops, so the analytic count of :class:`~jaxflow.compile_only.program.Program`
-stands in where it is larger), bytes_accessed the compiler's HBM traffic, collective_bytes the
+call as ~0 flops, and a ``while`` body once however often it runs - a decode loop, layers run
+as one scan - so the analytic count of :class:`~jaxflow.compile_only.program.Program`
+stands in where it is larger), bytes_accessed the compiler's HBM traffic (a lower bound for a
+program with loops: ``cost.bytes_lower_bound``, the trips in ``cost.loop_trips``; the
+roofline's memory term is then optimistic), collective_bytes the
 result bytes of the collectives in the HLO (:mod:`jaxflow.compile_only.hlo`), and the chip
 figures of :data:`pallas_kernels.targets.CHIPS`. Collectives are not overlapped with compute:
 the estimate is pessimistic there and optimistic everywhere else (perfect overlap of compute
@@ -161,7 +164,8 @@ def program_entry(program, chip: targets.Chip, *, memory: Memory | None = None,
                 "capacity_bytes": capacity, "fits": fits},
         cost={"flops": flops, "bytes_accessed": bytes_accessed, "source": source,
               "scope": "per device", "model_flops_per_device": analytic,
-              "roofline_flops": used},
+              "roofline_flops": used, "loop_trips": list(hlo.loop_trips),
+              "bytes_lower_bound": bool(hlo.loop_trips)},
         collectives=hlo.collectives, collective_bytes=hlo.collective_bytes,
         kernels={"pallas": hlo.pallas_kernels, "pallas_count": hlo.kernel_count,
                  "cudnn": hlo.cudnn_calls, "cudnn_count": sum(hlo.cudnn_calls.values())},
@@ -208,7 +212,8 @@ _COLUMNS = ("program", "HBM GiB (total/cap)", "fits", "TFLOP", "coll MiB", "kern
 
 def table(entries: list[dict]) -> str:
     """One row per program: HBM total / capacity, fits, TFLOP (the roofline's, per device),
-    collective MiB, kernels (Pallas [+ cuDNN]), roofline ms, MFU."""
+    collective MiB, kernels (Pallas [+ cuDNN]), roofline ms (">=": a program with loops, whose
+    compiler bytes are a lower bound), MFU."""
     rows = [_COLUMNS]
     for e in entries:
         mem = e["memory"]
@@ -232,7 +237,8 @@ def table(entries: list[dict]) -> str:
         rows.append((e["name"], f"{total}/{cap}", "yes" if mem["fits"] else "no",
                      f"{e['cost']['roofline_flops'] / 1e12:.3f}",
                      f"{e['collective_bytes'] / MiB:.1f}", kernels,
-                     f"{e['roofline']['seconds'] * 1e3:.2f}",
+                     (">=" if e["cost"].get("bytes_lower_bound") else "")
+                     + f"{e['roofline']['seconds'] * 1e3:.2f}",
                      "-" if e["mfu"] is None else f"{e['mfu']:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -285,8 +285,11 @@ class Transformer(nnx.Module):
             return blk.forward(h, positions, segment_ids, attention=attention,
                                interpret=interpret)
 
-        if self.config.remat:
-            policy = getattr(jax.checkpoint_policies, self.config.remat_policy)
+        policy = (getattr(jax.checkpoint_policies, self.config.remat_policy)
+                  if self.config.remat else None)
+        if self.config.scan_layers:
+            return self.final_norm(scan_blocks(self.layers, forward, x, policy)), ()
+        if policy is not None:
             forward = nnx.remat(forward, policy=policy)
         stats = []
         for block in self.layers:
@@ -360,6 +363,33 @@ class Transformer(nnx.Module):
         new_index = index + valid.sum(axis=1, dtype=jnp.int32)
         return logits, KVCache(k=tuple(new_k), v=tuple(new_v), valid=key_valid,
                                index=new_index)
+
+
+def scan_blocks(blocks, forward, x: jax.Array, policy=None) -> jax.Array:
+    """``x`` through every block of ``blocks`` (dense, alike) as one ``lax.scan``.
+
+    Args:
+      blocks: the decoder's :class:`Block` s, stored per layer; their weights are stacked
+        ([n_layers, ...] per leaf) for the scan.
+      forward: ``(block, h) -> (h, None)``, one block's packed forward.
+      x: [B, T, d_model] the residual stream entering the first block.
+      policy: a ``jax.checkpoint_policies`` policy to rematerialise each block under, or None.
+
+    Returns:
+      [B, T, d_model] the residual stream after the last block (the same arithmetic as the
+      Python loop over ``blocks``; compiled once for the layer body).
+    """
+    graphdef, first = nnx.split(blocks[0])
+    treedef = jax.tree.structure(first)
+    stacked = [jnp.stack(leaves) for leaves in
+               zip(*(jax.tree.leaves(nnx.state(blk)) for blk in blocks))]
+
+    def body(h, leaves):
+        return forward(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), h)[0], None
+
+    if policy is not None:
+        body = jax.checkpoint(body, policy=policy)
+    return jax.lax.scan(body, x, stacked)[0]
 
 
 # -- parameter utilities ---------------------------------------------------------------

@@ -47,6 +47,11 @@ class TransformerConfig:
     # remat=True): "nothing_saveable" recomputes the whole block, "dots_saveable" keeps
     # every matmul output, "dots_with_no_batch_dims_saveable" the weight matmuls only.
     remat_policy: str = "nothing_saveable"
+    # Run the blocks of the packed forward (training, log-probs, the VLM backbone) as one
+    # ``lax.scan`` over their stacked weights instead of a Python loop: the same arithmetic,
+    # compiled once per layer body instead of n_layers times (MaxText's scan_layers). Dense
+    # models only; parameters stay stored per layer; KV-cache decoding still loops.
+    scan_layers: bool = False
     # Packed causal self-attention backend (jaxflow.models.attention_backends): "auto" is the
     # XLA reference on CPU and the platform's kernel on GPU / TPU where it builds. KV-cache
     # decoding always uses the XLA reference.
@@ -119,6 +124,9 @@ class TransformerConfig:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"TransformerConfig.remat_policy={self.remat_policy!r}; valid: "
                              f"{', '.join(REMAT_POLICIES)}")
+        if self.scan_layers and self.n_experts:
+            raise ValueError(f"TransformerConfig.scan_layers=True needs a dense model (every "
+                             f"layer alike); got n_experts={self.n_experts}")
         if self.remat_policy != REMAT_POLICIES[0] and not self.remat:
             raise ValueError(f"TransformerConfig.remat_policy={self.remat_policy!r} needs "
                              "remat=True (it says what a rematerialised block keeps)")
