@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxflow.compile_only.program import Program, count_params
+from jaxflow.distributed import to_host
 from jaxflow.embeddings import ShardedEmbeddings, TableSpec, check_stats, make_sparse_optimizer
 from jaxflow.embeddings.checkpoint import EmbeddingCheckpointer
 from jaxflow.embeddings.step import abstract_state, make_train_step
@@ -241,7 +242,7 @@ def evaluate(predict, state, data: DataSource, mesh, batches: int, batch_size: i
             oracle.append(b["true_logit"])
         ids, rest = place_batch(mesh, b)
         logits = predict(state["emb"]["tables"], state["dense"].params, ids, rest)
-        probs.append(np.asarray(jax.nn.sigmoid(logits)))
+        probs.append(to_host(jax.nn.sigmoid(logits)))  # every process: the global batch
         labels.append(b["label"])
     y, p = np.concatenate(labels), np.concatenate(probs)
     out = {"auc": roc_auc(y, p), "logloss": log_loss(y, p), "eval_ctr": float(y.mean())}
