@@ -16,7 +16,7 @@ another count):
 MLP 4096; grayscale digits at 112-336 px, so 64-576 patches per image, a 336 px image like
 ViT-L/14-336) feeding Meta-Llama-3-8B (its config.json, vocabulary included; the character
 tokenizer uses its first ids), both computing in bf16 on float32 master weights with every block
-rematerialised; 256 samples per step packed into rows of up to 4096 tokens (image tokens
+rematerialised (the backbone's blocks run as one scan over the layers, ``scan_layers``); 256 samples per step packed into rows of up to 4096 tokens (image tokens
 included). Sharding (``mesh`` data x model, TP over heads / mlp / vocab by the logical rules):
 the monolithic baselines run on all devices as data x 8-way model (on a v5p:4x4x4 pod 8 x 8,
 on 8 GPUs 1 x 8); the decoupled candidates give the encoder 4 or 8 devices (data parallel,
@@ -133,7 +133,7 @@ def _default() -> Config:
 
 def _full() -> Config:
     """ViT-L/14 + Llama-3-8B at production sizes (see the module docstring)."""
-    llama = shipped_config("llama-3-8b", dtype="float32", remat=True)
+    llama = shipped_config("llama-3-8b", dtype="float32", remat=True, scan_layers=True)
     return Config(
         data=DigitsConfig(patch_size=14, sizes=(112, 168, 224, 280, 336),
                           size_weights=(4.0, 3.0, 2.0, 1.5, 1.0)),
