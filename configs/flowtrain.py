@@ -12,16 +12,17 @@ another count):
     python -m jaxflow.run --exp=flowtrain --variant=quick --set flow.run_ahead=1
     python -m jaxflow.run --exp=flowtrain --variant=full --compile-only --target=tpu-v5p:4x4x4
 
-``full`` is the production size: a ViT-L/14 encoder (24 blocks, width 1024, 16 heads, SwiGLU
-MLP 4096; grayscale digits at 112-336 px, so 64-576 patches per image, a 336 px image like
+``full`` is the production size: a ViT-L/14 encoder (24 blocks, width 1024, 16 heads, SwiGLU MLP
+4096; grayscale digits at 112-336 px, so 64-576 patches per image, a 336 px image like
 ViT-L/14-336) feeding Meta-Llama-3-8B (its config.json, vocabulary included; the character
 tokenizer uses its first ids), both computing in bf16 on float32 master weights with every block
-rematerialised (the backbone's blocks run as one scan over the layers, ``scan_layers``); 256 samples per step packed into rows of up to 4096 tokens (image tokens
-included). Sharding (``mesh`` data x model, TP over heads / mlp / vocab by the logical rules):
-the monolithic baselines run on all devices as data x 8-way model (on a v5p:4x4x4 pod 8 x 8,
-on 8 GPUs 1 x 8); the decoupled candidates give the encoder 4 or 8 devices (data parallel,
-replicated weights) and the backbone the rest as data x 4 or data x 8 (64 chips: 4 + 15x4,
-8 + 14x4, 8 + 7x8; 8 GPUs: 4 + 1x4). It needs a multiple of 8 devices.
+rematerialised (the backbone's blocks run as one scan over the layers, ``scan_layers``); 256
+samples per step packed into rows of up to 4096 tokens (image tokens included). Sharding
+(``mesh`` data x model, TP over heads / mlp / vocab by the logical rules): the monolithic
+baselines run on all devices as data x 8-way model (on a v5p:4x4x4 pod 8 x 8, on 8 GPUs 1 x 8);
+the decoupled candidates give the encoder 4 or 8 devices (data parallel, replicated weights) and
+the backbone the rest as data x 4 or data x 8 (64 chips: 4 + 15x4, 8 + 14x4, 8 + 7x8; 8 GPUs: 4
++ 1x4). It needs a multiple of 8 devices.
 """
 
 from __future__ import annotations
