@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -15,11 +16,26 @@ TINY_LM = [
 ]
 
 
-def run_cli(args, *, env_extra=None, timeout=300) -> subprocess.CompletedProcess:
+def cli_env(**extra: str) -> dict:
+    """The environment of a ``python -m jaxflow.run`` child: this one without XLA_FLAGS (the
+    child sets its own device count), the repository first on PYTHONPATH, the CPU platform
+    unless one is set; then ``extra``."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("JAX_PLATFORMS", "cpu")
-    env.update(env_extra or {})
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a jax.distributed coordinator)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(args, *, env_extra=None, timeout=300) -> subprocess.CompletedProcess:
+    env = cli_env(**(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "jaxflow.run", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

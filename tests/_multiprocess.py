@@ -2,26 +2,15 @@
 (jax.distributed on 127.0.0.1, gloo) x 4 devices: the same global mesh."""
 
 import json
-import os
-import socket
 import subprocess
 import sys
 
 from jaxflow.plots import read_metrics
-from tests._cli import ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests._cli import ROOT, cli_env, free_port
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return cli_env(JAX_PLATFORMS="cpu")
 
 
 def single_and_two_processes(args: list[str], tmp_path, timeout: int = 600):

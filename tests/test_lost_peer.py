@@ -8,7 +8,7 @@ import sys
 import time
 
 from jaxflow.distributed import LOST_PEER_EXIT
-from tests._cli import ROOT
+from tests._cli import ROOT, free_port
 
 SCRIPT = r"""
 import os, sys, time
@@ -31,16 +31,10 @@ print("peer still alive?", flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_survivor_names_the_lost_process_and_exits_within_the_timeout():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(i), port], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
@@ -65,7 +59,7 @@ def _listening_socket():
 def test_supervisor_names_a_lost_coordinator_and_passes_other_outcomes_through(capsys):
     from jaxflow.supervise import supervise
 
-    port = _free_port()  # nothing listens there: the coordinator is gone
+    port = free_port()  # nothing listens there: the coordinator is gone
     abort = [sys.executable, "-c", "import os, resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); os.abort()"]
     assert supervise(abort, host="127.0.0.1", port=port, process_id=1) == LOST_PEER_EXIT
     assert capsys.readouterr().err.strip().splitlines() == [

@@ -4,7 +4,6 @@ sharded model's logits equal a single-process load, and save_pretrained from the
 processes writes the original tensors back."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,16 +12,10 @@ from safetensors.numpy import load_file
 
 from jaxflow.models import TransformerConfig, from_pretrained
 from jaxflow.models.hf_checkpoint import write_random_checkpoint
-from tests._cli import ROOT
+from tests._cli import ROOT, cli_env, free_port
 
 LLAMA = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4,
                           d_ff=64, max_seq_len=32, architecture="llama")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_each_process_reads_only_its_slices(tmp_path):
@@ -35,10 +28,8 @@ def test_each_process_reads_only_its_slices(tmp_path):
     norms = sum(t.nbytes for n, t in tensors.items() if n.endswith("norm.weight"))
     expected = (total - norms) // 2 + norms
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)
-    env["JAX_PLATFORMS"] = "cpu"
-    port = _free_port()
+    env = cli_env(JAX_PLATFORMS="cpu")
+    port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "tests._hf_load_worker", path, f"127.0.0.1:{port}", str(i),
          str(tmp_path / "saved")],

@@ -1,34 +1,23 @@
 """Two real processes (jax.distributed on 127.0.0.1, gloo) == one process on the same 8 devices."""
 
 import json
-import socket
 import subprocess
 import sys
 
 from jaxflow.plots import read_metrics
-from tests._cli import ROOT, TINY_LM, run_cli
+from tests._cli import ROOT, TINY_LM, cli_env, free_port, run_cli
 
 ARGS = ["--exp=lm_pretrain", "--variant=quick", "--set", "train.steps=4", "--set", "train.log_every=1",
         "--set", "train.eval_every=4", "--set", "mesh.shape=4,2", *TINY_LM]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_match_single_process_loss_curve(tmp_path):
     single = run_cli([*ARGS, "--devices=8", f"--out={tmp_path / 'single'}"])
     assert single.returncode == 0, single.stderr[-3000:]
 
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "multi"
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)
-    env["JAX_PLATFORMS"] = "cpu"
+    env = cli_env(JAX_PLATFORMS="cpu")
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "jaxflow.run", *ARGS, "--devices=4", f"--coordinator=127.0.0.1:{port}",

@@ -27,7 +27,7 @@ from jaxflow.plots import read_metrics
 from jaxflow.sync import tree_digest
 from jaxflow.train.loop import decode_window, encode_window, mean_rows, run_steps
 from jaxflow.train.state import TrainState
-from tests._cli import ROOT, TINY_LM
+from tests._cli import ROOT, TINY_LM, cli_env
 
 LM = ["--exp=lm_pretrain", "--variant=quick", *TINY_LM, "--set", "train.log_every=1",
       "--set", "train.steps=4", "--set", "train.checkpoint_every=3", "--set", "train.eval_every=4"]
@@ -56,10 +56,7 @@ def _step_fn(state, step):
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    return env
+    return cli_env()
 
 
 def _catches(pid: int, signum: int) -> bool:
