@@ -66,10 +66,12 @@ class AdditionTask:
 
     @staticmethod
     def prompt(a: int, b: int) -> str:
+        """The prompt text of ``a + b``: ``"a+b="``."""
         return f"{int(a)}+{int(b)}="
 
     @staticmethod
     def answer(a: int, b: int) -> str:
+        """The answer text of ``a + b``: the decimal sum."""
         return str(int(a) + int(b))
 
     def score(self, prompt: str, completion: str) -> float:
@@ -83,10 +85,12 @@ class AdditionTask:
 
     @property
     def max_prompt_len(self) -> int:
+        """Characters of the longest prompt (two ``max_digits`` operands, ``+`` and ``=``)."""
         return 2 * self.max_digits + 2
 
     @property
     def max_answer_len(self) -> int:
+        """Characters of the longest answer (``max_digits + 1``)."""
         return self.max_digits + 1
 
 

@@ -44,6 +44,7 @@ class CharTokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Token ids in use: the alphabet's characters plus the special tokens."""
         return len(self.alphabet) + _SPECIALS
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:

@@ -92,11 +92,13 @@ class Document:
     noise: float = 0.0
 
     def to_json(self) -> dict:
+        """The document as one JSONL row (``read_jsonl`` / ``from_json`` read it back)."""
         return {"id": self.id, "text": self.text, "source": self.source, "leaf": self.leaf,
                 "latent": list(self.latent), "noise": self.noise}
 
     @classmethod
     def from_json(cls, row: dict) -> "Document":
+        """A document from a JSONL row; only ``id`` and ``text`` are required."""
         return cls(id=str(row["id"]), text=row["text"], source=row.get("source", "user"),
                    leaf=int(row.get("leaf", -1)), latent=tuple(row.get("latent", ())),
                    noise=float(row.get("noise", 0.0)))

@@ -300,6 +300,8 @@ def _write_batch(table: dict, lo: int, rows: dict[str, np.ndarray]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DecorationStats:
+    """What one ``decorate_corpus`` call did: rows and batches written, the batch it resumed from, texts/s in the
+    steady state (the first, compiling batch excluded) and wall seconds."""
     rows: int
     batches: int
     resumed_from_batch: int

@@ -174,6 +174,7 @@ class TagHierarchy:
 
     @property
     def sizes(self) -> tuple[int, int, int]:
+        """The number of tags at each of the three levels."""
         return tuple(len(x) for x in self.names)  # type: ignore[return-value]
 
     def path(self, leaf: int) -> tuple[int, int, int]:

@@ -54,11 +54,15 @@ from jaxflow.errors import FileFormatError, text_lines
 class Annotator(Protocol):
     """What the decoration pipeline asks of a teacher."""
 
-    def compare(self, texts_a: Sequence[str], texts_b: Sequence[str]) -> np.ndarray: ...
+    def compare(self, texts_a: Sequence[str], texts_b: Sequence[str]) -> np.ndarray:
+        """Pairwise outcomes float32[n, len(CRITERIA)] in [0, 1] (1 = the first text is better) for ``texts_a[i]`` vs
+        ``texts_b[i]``."""
 
-    def tag(self, texts: Sequence[str]) -> np.ndarray: ...
+    def tag(self, texts: Sequence[str]) -> np.ndarray:
+        """Tags int[n, 3] (one per level of the tag tree) of each text."""
 
-    def edit(self, texts: Sequence[str]) -> list[str]: ...
+    def edit(self, texts: Sequence[str]) -> list[str]:
+        """The edited (cleaned) version of each text."""
 
 
 _JUNK = re.compile(r" ?(?:<br>|<div>|</p>|&nbsp;|&amp;|\[\[(?:ad|img|link)\]\])")
@@ -173,6 +177,7 @@ class ProgrammaticTeacher:
         return np.where(d > 0, 1.0, np.where(d < 0, 0.0, 0.5)).astype(np.float32)
 
     def compare(self, texts_a: Sequence[str], texts_b: Sequence[str]) -> np.ndarray:
+        """Pairwise outcomes float32[n, len(CRITERIA)] from the texts' measurable features."""
         if len(texts_a) != len(texts_b):
             raise ValueError(f"compare: {len(texts_a)} first texts vs {len(texts_b)} second texts")
         return self.compare_features(self.features(texts_a), self.features(texts_b))
@@ -203,9 +208,11 @@ class ProgrammaticTeacher:
     # -- editing -------------------------------------------------------------------------
 
     def edit_ops(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The teacher's per-character edit operations of each text (``teacher_edit_ops``)."""
         return [teacher_edit_ops(t) for t in texts]
 
     def edit(self, texts: Sequence[str]) -> list[str]:
+        """Each text with the teacher's edit operations applied."""
         return [apply_ops(t, teacher_edit_ops(t)) for t in texts]
 
 
@@ -229,6 +236,7 @@ class CallableAnnotator:
         return fn
 
     def compare(self, texts_a, texts_b):
+        """``compare_fn``'s outcomes, checked: shape [n, len(CRITERIA)], values in [0, 1]."""
         y = np.asarray(self._need(self._compare, "compare")(texts_a, texts_b), np.float32)
         if y.shape != (len(texts_a), len(CRITERIA)):
             raise ValueError(f"compare_fn returned shape {y.shape}; need ({len(texts_a)}, {len(CRITERIA)})")
@@ -237,12 +245,14 @@ class CallableAnnotator:
         return y
 
     def tag(self, texts):
+        """``tag_fn``'s tags, checked against the hierarchy."""
         tags = np.asarray(self._need(self._tag, "tag")(texts))
         if tags.shape[0] != len(texts):
             raise ValueError(f"tag_fn returned {tags.shape[0]} rows for {len(texts)} texts")
         return validate_tags(tags, self.hierarchy)
 
     def edit(self, texts):
+        """``edit_fn``'s edits, checked: one string per text."""
         out = list(self._need(self._edit, "edit")(texts))
         if len(out) != len(texts) or not all(isinstance(t, str) for t in out):
             raise ValueError(f"edit_fn must return {len(texts)} strings, got {len(out)} items")
@@ -329,12 +339,15 @@ class LabelFileAnnotator:
         return row[field]
 
     def compare(self, texts_a, texts_b):
+        """Outcomes from the stored scores: 1 where the first text scores higher, 0 lower, 0.5 tied."""
         sa = np.asarray([self._get(t, "scores") for t in texts_a], np.float64).reshape(-1, len(CRITERIA))
         sb = np.asarray([self._get(t, "scores") for t in texts_b], np.float64).reshape(-1, len(CRITERIA))
         return np.where(sa > sb, 1.0, np.where(sa < sb, 0.0, 0.5)).astype(np.float32)
 
     def tag(self, texts):
+        """The stored tags of each text, checked against the hierarchy."""
         return validate_tags(np.asarray([self._get(t, "tag") for t in texts]).reshape(-1, 3), self.hierarchy)
 
     def edit(self, texts):
+        """The stored edit of each text."""
         return [str(self._get(t, "edit")) for t in texts]

@@ -243,15 +243,18 @@ class ShardedEmbeddings:
 
     # -- state --
     def group_spec(self, group: str) -> P:
+        """The PartitionSpec of a group's packed table: replicated, or rows split over ``axis``."""
         return P() if self.plan.group(group).replicated else P(self.axis)
 
     def state_specs(self) -> dict:
+        """PartitionSpecs of the state ``init`` builds: ``{"tables", "opt", "step"}``."""
         opt = self.optimizer.init(1, 1)
         return {"tables": {g.name: self.group_spec(g.name) for g in self.plan.groups},
                 "opt": {g.name: {k: self.group_spec(g.name) for k in opt} for g in self.plan.groups},
                 "step": P()}
 
     def state_shardings(self) -> dict:
+        """NamedShardings on ``mesh`` of the state ``init`` builds."""
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs(),
                             is_leaf=lambda x: isinstance(x, P))
 
@@ -269,6 +272,7 @@ class ShardedEmbeddings:
         return out
 
     def init(self, seed: int) -> dict:
+        """The initial sharded state ``{"tables", "opt", "step"}`` (``init_dense`` values, placed once)."""
         return self.from_dense(self.init_dense(seed))
 
     def from_dense(self, tables: dict[str, np.ndarray], opt: dict[str, dict] | None = None,
@@ -315,6 +319,8 @@ class ShardedEmbeddings:
         return embs, ctxs
 
     def local_pool(self, embs: dict, ctxs: dict, ids: dict[str, jax.Array]) -> dict:
+        """Pooled embeddings ``{table: [B_local, D]}`` (``[B_local, L, D]`` unpooled) of this device's ids, from
+        ``local_forward``'s outputs; call inside shard_map."""
         out = {}
         for g in self.plan.groups:
             out.update(group_pool(self.plan, g.name, embs[g.name], ctxs[g.name],
@@ -333,6 +339,7 @@ class ShardedEmbeddings:
 
     # -- global (jitted) --
     def ids_spec(self) -> P:
+        """The PartitionSpec of the id batches: the batch split over ``axis``."""
         return P(self.axis)
 
     def lookup_fn(self):

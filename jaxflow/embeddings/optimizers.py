@@ -23,12 +23,15 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 
 @dataclasses.dataclass(frozen=True)
 class SparseOptimizer:
+    """A row-wise optimizer for embedding tables: ``init(num_rows, dim) -> state`` and ``apply(rows, grads,
+    state_rows, step) -> (rows, state_rows)`` on the rows a step touched (float32[R, D])."""
     name: str
     init: Callable[[int, int], dict[str, jax.Array]]
     apply: Callable[[jax.Array, jax.Array, dict[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
 
 
 def sgd(learning_rate: float) -> SparseOptimizer:
+    """Plain SGD on the touched rows: ``rows - learning_rate * grads``; no state."""
     def init(num_rows, dim):
         return {}
 
@@ -54,6 +57,7 @@ def rowwise_adagrad(learning_rate: float, eps: float = 1e-8,
 
 
 def adam(learning_rate: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> SparseOptimizer:
+    """Adam on the touched rows only: per-row first and second moments, bias correction by the global step."""
     def init(num_rows, dim):
         return {"m": jnp.zeros((num_rows, dim), jnp.float32), "v": jnp.zeros((num_rows, dim), jnp.float32)}
 
@@ -69,6 +73,8 @@ def adam(learning_rate: float, b1: float = 0.9, b2: float = 0.999, eps: float = 
 
 
 def make_sparse_optimizer(name: str, learning_rate: float, **kwargs: Any) -> SparseOptimizer:
+    """The sparse optimizer called ``name`` (``sgd``, ``rowwise_adagrad``, ``adam``); ValueError names the valid
+    ones."""
     if name == "sgd":
         return sgd(learning_rate)
     if name == "rowwise_adagrad":

@@ -27,6 +27,8 @@ from pallas_kernels.embedding_bag import (
 
 
 class PoolingBackend(str, enum.Enum):
+    """How bags are pooled: ``xla``, ``auto`` (the Pallas kernel where it builds, else XLA), ``pallas`` (interpret
+    mode on CPU) or ``pallas_forced`` (no fallback)."""
     XLA = "xla"
     AUTO = "auto"  # the kernel on GPU/TPU where it builds for these shapes, else XLA
     PALLAS = "pallas"  # interpret mode on CPU; off CPU like auto

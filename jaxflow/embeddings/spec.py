@@ -23,18 +23,22 @@ import numpy as np
 
 
 class Placement(str, enum.Enum):
+    """How a table is sharded: ``row_wise`` (rows over the devices), ``table_wise`` (whole tables per device) or
+    ``replicated``."""
     ROW_WISE = "row_wise"
     TABLE_WISE = "table_wise"
     REPLICATED = "replicated"
 
 
 class Pooling(str, enum.Enum):
+    """How a bag of ids becomes one vector: ``sum``, ``mean``, or ``none`` (an unpooled sequence feature [B, L, D])."""
     SUM = "sum"
     MEAN = "mean"
     NONE = "none"  # unpooled sequence feature: [B, L, D]
 
 
 class IdPolicy(str, enum.Enum):
+    """What an id outside ``[0, vocab)`` means: ``error`` (padding is -1) or ``hash_modulo`` (id % vocab)."""
     ERROR = "error"  # an id outside [0, vocab) is an error (padding is -1)
     HASH_MODULO = "hash_modulo"  # any id >= 0 maps to id % vocab
 
@@ -121,21 +125,25 @@ class EmbeddingPlan:
     groups: tuple[GroupLayout, ...]
 
     def table(self, name: str) -> TableLayout:
+        """The layout of table ``name``; KeyError names the tables."""
         for t in self.layouts:
             if t.spec.name == name:
                 return t
         raise KeyError(f"no table {name!r}; tables: {[t.spec.name for t in self.layouts]}")
 
     def group(self, name: str) -> GroupLayout:
+        """The layout of group ``name``; KeyError names the groups."""
         for g in self.groups:
             if g.name == name:
                 return g
         raise KeyError(f"no group {name!r}; groups: {[g.name for g in self.groups]}")
 
     def group_tables(self, group: str) -> tuple[TableLayout, ...]:
+        """The layouts of the tables packed into ``group``."""
         return tuple(self.table(n) for n in self.group(group).tables)
 
     def global_rows(self, name: str) -> np.ndarray:
+        """Where table ``name``'s rows live in its group's packed array: int[vocab] row indices."""
         t = self.table(name)
         return t.global_rows(self.num_shards, self.group(t.group).shard_rows)
 

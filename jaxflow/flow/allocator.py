@@ -22,6 +22,7 @@ class ParallelConfig:
 
     @property
     def devices(self) -> int:
+        """Devices this side uses: ``data * model``."""
         return self.data * self.model
 
     def __str__(self) -> str:
@@ -30,6 +31,7 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Allocation:
+    """The chosen split: each side's parallel config and its profiled throughput (samples/s)."""
     encoder: ParallelConfig
     backbone: ParallelConfig
     encoder_samples_per_s: float

@@ -62,6 +62,7 @@ class DigitsConfig:
 
     @property
     def max_grid(self) -> int:
+        """Patches per side of the largest image."""
         return max(self.sizes) // self.patch_size
 
 
@@ -90,10 +91,12 @@ class Sample:
 
     @property
     def length(self) -> int:
+        """Tokens in the sample's row (text and image placeholders)."""
         return int(self.inputs.shape[0])
 
     @property
     def n_image_tokens(self) -> int:
+        """Image placeholder tokens over all of the sample's images."""
         return int(sum(self.image_tokens))
 
 
@@ -182,4 +185,5 @@ def step_samples(cfg: DigitsConfig, *, seed: int, step: int, batch_size: int) ->
 
 
 def heldout_samples(cfg: DigitsConfig, *, seed: int, n: int) -> list[Sample]:
+    """``n`` samples of the held-out split (disjoint from the training draws)."""
     return [make_sample(cfg, seed=seed, index=i, split="heldout") for i in range(n)]

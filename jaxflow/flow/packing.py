@@ -43,6 +43,7 @@ class CostModel:
 
     @classmethod
     def for_width(cls, d_model: int, encoder: float = 0.0) -> "CostModel":
+        """The cost model of a backbone of width ``d_model``: ``a = 6 * d_model``, ``b = 1``."""
         return cls(a=6.0 * d_model, b=1.0, encoder=encoder)
 
     def __call__(self, length, n_patches=0):
@@ -209,6 +210,7 @@ def refine_lengths(bins: Sequence[Sequence[int]], costs: Sequence[float],
 
 @dataclasses.dataclass
 class Packing:
+    """A packing's result: item indices per bin, the algorithm, and each bin's cost and length."""
     bins: list[list[int]]  # item indices per bin; len(bins) is a multiple of bin_multiple
     algorithm: str
     bin_costs: np.ndarray

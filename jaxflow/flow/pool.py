@@ -19,6 +19,8 @@ class PoolClosed(RuntimeError):
 
 
 class EmbeddingPool:
+    """A bounded producer-consumer pool of encoder embeddings keyed by sample: ``put`` blocks while ``capacity``
+    items are held (backpressure), ``take`` blocks until a key arrives; ``close`` wakes every waiter."""
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"pool capacity={capacity!r}; must be >= 1")
@@ -38,6 +40,7 @@ class EmbeddingPool:
             return len(self._items)
 
     def close(self) -> None:
+        """Close the pool: blocked and later ``put`` / ``take`` calls raise ``PoolClosed``."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -92,9 +95,11 @@ class EmbeddingPool:
         return out
 
     def take(self, key: Hashable, *, timeout: float | None = None) -> Any:
+        """Remove and return the item of ``key``, waiting up to ``timeout`` seconds for it."""
         return self.take_many([key], timeout=timeout)[key]
 
     def stats(self) -> dict:
+        """Occupancy and wait counters: capacity, max occupancy, puts, takes, seconds blocked."""
         return {"capacity": self.capacity, "max_occupancy": self.max_occupancy,
                 "puts": self.puts, "takes": self.takes, "put_wait_s": self.put_wait_s,
                 "take_wait_s": self.take_wait_s}

@@ -22,6 +22,8 @@ from jaxflow.models.transformer import Block, RMSNorm, TransformerConfig
 
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
+    """The ViT encoder's size: patch size, largest grid, width, depth, heads, MLP width, output width (the LM's
+    ``d_model``), dtype and remat."""
     patch_size: int = 4
     max_grid: int = 8  # largest image = max_grid * patch_size pixels per side
     d_model: int = 32
@@ -36,6 +38,7 @@ class ViTConfig:
     remat: bool = False
 
     def block_config(self) -> TransformerConfig:
+        """The TransformerConfig of the encoder's blocks (bidirectional use of the LM's block)."""
         return TransformerConfig(vocab_size=1, d_model=self.d_model, n_layers=self.n_layers,
                                  n_heads=self.n_heads, n_kv_heads=self.n_heads, d_ff=self.d_ff,
                                  max_seq_len=self.max_grid**2, dtype=self.dtype,
@@ -43,6 +46,7 @@ class ViTConfig:
 
     @property
     def patch_dim(self) -> int:
+        """Pixels per patch (``patch_size ** 2``)."""
         return self.patch_size**2
 
     @property
@@ -125,11 +129,13 @@ class PatchBatch:
     image_slots: list[int]
 
     def arrays(self) -> dict[str, np.ndarray]:
+        """The batch's arrays by name: patches, segment_ids, rows, cols."""
         return {"patches": self.patches, "segment_ids": self.segment_ids, "rows": self.rows,
                 "cols": self.cols}
 
     @property
     def padding_waste(self) -> float:
+        """Fraction of patch slots that are padding (segment id 0)."""
         return float(1.0 - (self.segment_ids > 0).mean()) if self.segment_ids.size else 0.0
 
 

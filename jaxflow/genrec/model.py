@@ -66,6 +66,7 @@ class GenRecConfig:
 
     @property
     def encoder_length(self) -> int:
+        """Encoder positions: one query token, the instruction and the history."""
         return 1 + self.max_instruction + self.max_history
 
     def blocks(self) -> TransformerConfig:

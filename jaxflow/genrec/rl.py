@@ -45,6 +45,8 @@ from jaxflow.train.state import TrainState
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
+    """The SA-GCPO RL stage: steps, requests per step, group size, updates per batch, learning rate, the unified
+    reward's weights and the target-gated advantages' temperatures and target."""
     steps: int = 40
     batch_size: int = 32  # requests per step (each gives group_size samples)
     group_size: int = 8

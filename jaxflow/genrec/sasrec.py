@@ -25,6 +25,7 @@ from jaxflow.train.state import TrainState
 
 @dataclasses.dataclass(frozen=True)
 class SASRecConfig:
+    """The SASRec-style baseline: sequence length, model size and training schedule."""
     max_len: int = 33  # BOS + 32 history items
     d_model: int = 64
     n_layers: int = 2

@@ -75,10 +75,12 @@ class SemanticIds:
 
     @property
     def kmeans_levels(self) -> int:
+        """Residual k-means levels (the codebooks' first axis)."""
         return self.codebooks.shape[0]
 
     @property
     def width(self) -> int:
+        """Codes per level (the codebooks' second axis)."""
         return self.codebooks.shape[1]
 
     def item_of_code(self) -> dict[tuple[int, ...], int]:

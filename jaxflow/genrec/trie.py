@@ -27,6 +27,7 @@ class Trie:
 
     @property
     def width(self) -> int:
+        """Children slots per node (``W``)."""
         return self.children.shape[1]
 
 

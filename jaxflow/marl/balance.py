@@ -27,11 +27,13 @@ POLICIES = ("round_robin", "longest_first", "work_stealing")
 
 
 def round_robin(costs: Sequence[float], n_workers: int) -> list[int]:
+    """Worker per item in arrival order, cycling over the workers."""
     _check(costs, n_workers)
     return [i % n_workers for i in range(len(costs))]
 
 
 def longest_first(costs: Sequence[float], n_workers: int) -> list[int]:
+    """Worker per item by longest-processing-time-first greedy (each item to the least-loaded worker)."""
     _check(costs, n_workers)
     heap = [(0.0, w) for w in range(n_workers)]
     out = [0] * len(costs)
@@ -110,6 +112,7 @@ def assign(costs: Sequence[float], n_workers: int, policy: str) -> list[list[int
 
 
 def busy_fraction(costs: Sequence[float], span: float, n_workers: int) -> float:
+    """Mean worker utilisation: total cost over ``n_workers * span`` (1.0 for an empty span)."""
     return float(np.sum(costs)) / (n_workers * span) if span > 0 else 1.0
 
 

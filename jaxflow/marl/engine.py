@@ -57,6 +57,7 @@ class EngineStats:
     calls: int = 0
 
     def add(self, other: "EngineStats") -> None:
+        """Add another engine's counters to these, field by field (in place)."""
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -124,6 +125,7 @@ class RolloutEngine:
 
     @property
     def param_shardings(self) -> Any:
+        """The shardings the engine's parameters must have (on the rollout mesh)."""
         return self.fns.param_shardings
 
     def _put(self, x):

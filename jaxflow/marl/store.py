@@ -58,16 +58,19 @@ class StoreLockedError(StoreError):
 
 
 class SampleId(NamedTuple):
+    """A trajectory's identity: (input, turn, trajectory within the group)."""
     input_id: int
     turn: int
     trajectory: int
 
     def key(self) -> str:
+        """The id as a string key ``"input-turn-trajectory"``."""
         return f"{self.input_id}-{self.turn}-{self.trajectory}"
 
 
 @dataclasses.dataclass
 class Row:
+    """One stored trajectory: its id, the policy version that produced it, its status and its arrays."""
     sample_id: SampleId
     version: int
     status: str
@@ -171,10 +174,12 @@ class ExperienceStore:
             return rows
 
     def has(self, agent: str, sample_id: SampleId) -> bool:
+        """Whether ``agent``'s table holds ``sample_id``."""
         with self._cond:
             return SampleId(*map(int, sample_id)) in self._table(agent)
 
     def get(self, agent: str, sample_id: SampleId) -> Row:
+        """The row of ``sample_id`` in ``agent``'s table (KeyError if absent)."""
         with self._cond:
             return self._table(agent)[SampleId(*map(int, sample_id))]
 
@@ -208,10 +213,12 @@ class ExperienceStore:
             self._cond.notify_all()
 
     def consumer_state(self, agent: str) -> dict[str, np.ndarray] | None:
+        """The trainer state last committed with ``agent``'s consumed rows, or None."""
         with self._cond:
             return self._consumer_state.get(agent)
 
     def count(self, agent: str, status: str | None = None, version: int | None = None) -> int:
+        """Rows in ``agent``'s table, optionally only those of one status and / or version."""
         if status is not None and status not in STATUSES:
             raise ValueError(f"unknown status {status!r}; valid: {STATUSES}")
         with self._cond:

@@ -55,6 +55,7 @@ class AgentStateSwapper:
         self.swaps = 0
 
     def swap_out(self, agent: str, state: Any, *, version: int | None = None) -> None:
+        """Move ``agent``'s state to host memory, keeping its shardings for ``swap_in``."""
         t0 = time.perf_counter()
         shardings = jax.tree.map(lambda x: x.sharding, state)
         abstract = abstract_like(state)
@@ -68,6 +69,7 @@ class AgentStateSwapper:
         self._account(t0)
 
     def swap_in(self, agent: str) -> Any:
+        """Put ``agent``'s swapped-out state back on its devices (same shardings) and return it."""
         t0 = time.perf_counter()
         with self._lock:
             if agent not in self._host:
@@ -79,6 +81,7 @@ class AgentStateSwapper:
         return state
 
     def is_swapped(self, agent: str) -> bool:
+        """Whether ``agent``'s state is on the host."""
         with self._lock:
             return agent in self._host
 
@@ -91,6 +94,7 @@ class AgentStateSwapper:
         return ckpt.restore(version, self._abstract[agent])
 
     def close(self) -> None:
+        """Close the orbax checkpointers of the ``directory`` saves."""
         for c in self._ckpt.values():
             c.close()
 

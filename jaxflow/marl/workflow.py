@@ -41,10 +41,12 @@ class VerifyAdditionTask:
     @property
     def max_prompt_len(self) -> int:
         # "a+b" + ":" + the solver's answer (at most its max completion + 1 chars) + "="
+        """Characters of the longest prompt: the sum, ``:``, the solver's longest answer and ``=``."""
         return self._solver.max_prompt_len + self._solver.max_completion_len + 2
 
     @property
     def max_completion_len(self) -> int:
+        """One character: the verdict ``1`` or ``0``."""
         return 1
 
     def from_upstream(self, prompt: str, completion: str | None) -> str:
@@ -54,6 +56,7 @@ class VerifyAdditionTask:
 
     def prompts(self, rng, n: int) -> list[str]:
         # standalone use: half right, half wrong answers
+        """``n`` standalone prompts, half with a right and half with a wrong answer."""
         out = []
         for p in self._solver.prompts(rng, n):
             a, b = (int(x) for x in p.rstrip("=").split("+"))
@@ -61,10 +64,12 @@ class VerifyAdditionTask:
         return out
 
     def heldout_prompts(self, n: int, seed: int = 1234) -> list[str]:
+        """``n`` held-out standalone prompts (a fixed seed)."""
         import numpy as np
         return self.prompts(np.random.default_rng([seed, 0x7E21]), n)
 
     def score(self, prompt: str, completion: str) -> float:
+        """1.0 if the verdict matches whether the prompt's answer is right, else 0.0."""
         lhs, _, answer = prompt[:-1].partition(":")
         correct = self._solver.score(lhs + "=", answer) == 1.0
         return float(completion == ("1" if correct else "0"))
@@ -139,15 +144,18 @@ class Workflow:
                                  f"{a.reward!r} cannot build prompts from one")
 
     def agent(self, name: str) -> AgentSpec:
+        """The spec of agent ``name``; KeyError names the agents."""
         for a in self.agents:
             if a.name == name:
                 return a
         raise KeyError(f"unknown agent {name!r}; agents: {[a.name for a in self.agents]}")
 
     def upstream(self, name: str) -> Edge | None:
+        """The edge into agent ``name``, or None for a first-turn agent."""
         return next((e for e in self.edges if e.target == name), None)
 
     def turn(self, name: str) -> int:
+        """Agent ``name``'s turn: the length of its upstream chain (ValueError on a cycle)."""
         e = self.upstream(name)
         seen = {name}
         depth = 0
@@ -164,6 +172,7 @@ class Workflow:
         return tuple(sorted((a.name for a in self.agents), key=self.turn))
 
     def task(self, name: str) -> Task:
+        """The reward task of agent ``name``."""
         return make_reward_task(self.agent(name).reward, self.max_digits)
 
 

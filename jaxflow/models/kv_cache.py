@@ -24,6 +24,7 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
+        """Positions the cache holds."""
         return self.valid.shape[1]
 
 

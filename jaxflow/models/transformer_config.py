@@ -133,6 +133,7 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head (``head_dim_override`` or ``d_model // n_heads``)."""
         return self.head_dim_override or self.d_model // self.n_heads
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -142,10 +143,12 @@ class TransformerConfig:
 
     @property
     def compute_dtype(self) -> jnp.dtype:
+        """The activations' dtype (``dtype``)."""
         return _DTYPES[self.dtype]
 
     @property
     def params_dtype(self) -> jnp.dtype:
+        """The parameters' dtype (``param_dtype``)."""
         return _DTYPES[self.param_dtype]
 
 

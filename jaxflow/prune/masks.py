@@ -24,6 +24,7 @@ class SparsityPattern:
 
     @property
     def is_nm(self) -> bool:
+        """Whether the pattern is N:M (else unstructured)."""
         return self.m > 0
 
     def __str__(self) -> str:

@@ -46,6 +46,7 @@ class HessianState(NamedTuple):
 
 
 def hessian_init(dim: int) -> HessianState:
+    """An empty Hessian accumulator: float32[dim, dim] zeros and a zero sample count."""
     return HessianState(jnp.zeros((dim, dim), jnp.float32), jnp.zeros((), jnp.float32))
 
 

@@ -81,6 +81,8 @@ class DCNv2(nnx.Module):
 
 def build_model(arch: str, num_dense: int, num_sparse: int, embed_dim: int, *, seed: int = 0,
                 bottom=(64, 32), top=(64, 32), cross_layers: int = 2, deep=(64, 32)) -> nnx.Module:
+    """A ``dlrm`` or ``dcn_v2`` model over ``num_dense`` dense and ``num_sparse`` pooled sparse features of width
+    ``embed_dim``."""
     rngs = nnx.Rngs(seed)
     if arch == "dlrm":
         return DLRM(num_dense, num_sparse, embed_dim, bottom=bottom, top=top, rngs=rngs)

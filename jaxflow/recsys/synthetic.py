@@ -26,6 +26,8 @@ CRITEO_LIKE_VOCABS = (1460, 583, 100000, 50000, 305, 24, 12517, 633, 3, 93145, 5
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticConfig:
+    """The synthetic Criteo-like clicks: vocabularies, dense features, bag size, Zipf exponent, drift period and
+    click-signal parameters."""
     vocab_sizes: tuple[int, ...] = CRITEO_LIKE_VOCABS
     num_dense: int = 13
     multi_hot: int = 1  # ids per bag (max); bags are padded with -1
@@ -37,6 +39,8 @@ class SyntheticConfig:
 
 
 class SyntheticCriteo:
+    """A deterministic stream of Criteo-like batches (``batch(index, batch_size)``): Zipf ids, a drifting click
+    model, labels drawn from it."""
     def __init__(self, config: SyntheticConfig, seed: int = 0):
         self.config, self.seed = config, seed
         rng = np.random.default_rng([seed, 7])
@@ -50,6 +54,7 @@ class SyntheticCriteo:
 
     @property
     def table_names(self) -> tuple[str, ...]:
+        """The sparse tables' names, ``c0``, ``c1``, ..."""
         return tuple(f"c{i}" for i in range(len(self.config.vocab_sizes)))
 
     def batch(self, step: int, batch_size: int) -> dict:
@@ -76,4 +81,5 @@ class SyntheticCriteo:
         return {"dense": dense, "label": label, "sparse": sparse, "true_logit": logit.astype(np.float32)}
 
     def eval_batch(self, index: int, batch_size: int) -> dict:
+        """Held-out batch ``index`` (drawn from an index range training never uses)."""
         return self.batch(EVAL_OFFSET + index, batch_size)

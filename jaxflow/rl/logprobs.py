@@ -53,6 +53,8 @@ DEFAULT_VOCAB_TILE = 2048
 
 
 class LogprobBackend(enum.Enum):
+    """How token log-probs are computed: ``auto``, ``xla`` (chunked), ``pallas`` (the fused kernel) or ``reference``
+    (full logits)."""
     AUTO = "auto"
     XLA = "xla"
     PALLAS = "pallas"

@@ -129,6 +129,7 @@ class RolloutWorker:
 
     @property
     def param_shardings(self) -> Any:
+        """The shardings the worker's parameters must have (on the rollout mesh)."""
         return self.fns.param_shardings
 
     def _place(self, x: np.ndarray) -> jax.Array:

@@ -43,10 +43,12 @@ class Task(Protocol):
 
     @property
     def max_prompt_len(self) -> int:  # characters, BOS excluded
+        """Characters of the longest prompt, BOS excluded."""
         ...
 
     @property
     def max_completion_len(self) -> int:  # characters of a correct answer, EOS excluded
+        """Characters of the longest correct answer, EOS excluded."""
         ...
 
     def prompts(self, rng: np.random.Generator, n: int) -> list[str]:
@@ -82,22 +84,27 @@ class AdditionRLTask:
 
     @property
     def max_prompt_len(self) -> int:
+        """Characters of the longest prompt."""
         return self._base.max_prompt_len
 
     @property
     def max_completion_len(self) -> int:
+        """Characters of the longest correct answer."""
         return self._base.max_answer_len
 
     def prompts(self, rng: np.random.Generator, n: int) -> list[str]:
+        """``n`` training prompts drawn with ``rng``."""
         a, b = self._base.sample(rng, n)
         return [AdditionTask.prompt(x, y) for x, y in zip(a, b)]
 
     def heldout_prompts(self, n: int, seed: int = 1234) -> list[str]:
         # The same draw as jaxflow.data.arithmetic.eval_prompts (lm_pretrain's evaluator).
+        """``n`` held-out prompts (the draw of ``jaxflow.data.arithmetic.eval_prompts``)."""
         a, b = self._base.sample(np.random.default_rng([seed, 0xE7A1]), n, heldout=True)
         return [AdditionTask.prompt(x, y) for x, y in zip(a, b)]
 
     def score(self, prompt: str, completion: str) -> float:
+        """1.0 for the exact sum, else 0.0."""
         return self._base.score(prompt, completion)
 
 
@@ -191,12 +198,14 @@ class CountdownTask:
 
     @property
     def max_prompt_len(self) -> int:
+        """Characters of the longest prompt (the numbers and the target)."""
         n = len(str(self.max_number))
         return self.num_count * (n + 1) + len(str(self.max_target)) + 1
 
     @property
     def max_completion_len(self) -> int:
         # numbers, operators and one pair of parentheses around each operator
+        """Characters of the longest expression using every number once."""
         return self.num_count * len(str(self.max_number)) + 3 * (self.num_count - 1)
 
     def _is_heldout(self, prompt: str) -> bool:
@@ -222,9 +231,11 @@ class CountdownTask:
         return out
 
     def prompts(self, rng: np.random.Generator, n: int) -> list[str]:
+        """``n`` training prompts drawn with ``rng``."""
         return self._sample(rng, n, heldout=False)
 
     def heldout_prompts(self, n: int, seed: int = 1234) -> list[str]:
+        """``n`` held-out prompts (a fixed seed, disjoint from training)."""
         return self._sample(np.random.default_rng([seed, 0xC0DE]), n, heldout=True)
 
     def score(self, prompt: str, completion: str) -> float:

@@ -115,6 +115,7 @@ class Payload:
 
     @property
     def num_bytes(self) -> int:
+        """Size of the serialised payload on the wire."""
         return len(self.to_bytes())
 
     @property
@@ -167,6 +168,7 @@ class Payload:
         return self
 
     def to_bytes(self) -> bytes:
+        """The wire format (docs/sync_payload_format.md): magic, header, section streams, blake2b checksum."""
         head = header_bytes(self.base_version, self.version, self.base_digest, self.codec,
                             self.treedef, self.leaves,
                             [(s.kind, s.leaves, s.meta, [len(b) for b in s.streams])

@@ -82,13 +82,16 @@ class Replica:
 
     @property
     def version(self) -> int:
+        """The version of the parameters the replica holds."""
         return self._version
 
     @property
     def params(self) -> Any:
+        """The replica's current bf16 parameters."""
         return self._params
 
     def digest(self) -> str:
+        """``tree_digest`` of the replica's parameters."""
         return tree_digest(self._params)
 
     def receive(self, data: bytes | bytearray | memoryview | Payload, *,
@@ -169,30 +172,37 @@ class SyncSender:
 
     @property
     def version(self) -> int:
+        """The version of the last published snapshot."""
         return self._state.version
 
     @property
     def snapshot(self) -> Any:
+        """The bf16 tree at ``version`` (what the replicas hold once in sync)."""
         return self._state.snapshot
 
     @property
     def codec(self) -> str:
+        """The payload codec (one of ``CODECS``)."""
         return self._state.codec
 
     @property
     def history(self) -> int:
+        """How many step payloads are kept for replicas catching up."""
         return self._state.history
 
     @property
     def path(self) -> str:
+        """Where the diff runs: ``host`` or ``device`` (resolved, never ``auto``)."""
         return self._state.path
 
     @property
     def backend(self) -> str:
+        """The device path's compaction backend."""
         return self._state.backend
 
     @property
     def interpret(self) -> bool:
+        """Whether the device path's Pallas kernel runs in interpret mode."""
         return self._state.interpret
 
     def digest(self) -> str:

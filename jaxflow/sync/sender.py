@@ -60,10 +60,12 @@ class PublishStats:
 
     @property
     def changed_fraction(self) -> float:
+        """Changed bf16 elements over all elements."""
         return self.changed / max(self.elements, 1)
 
     @property
     def ratio_vs_dense(self) -> float:
+        """Dense bf16 bytes over the payload's bytes."""
         return self.dense_bytes / max(self.payload_bytes, 1)
 
 

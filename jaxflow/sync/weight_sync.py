@@ -150,9 +150,11 @@ class WeightSync:
 
     @property
     def version(self) -> int:
+        """The version last published."""
         return self.sender.version
 
     def due(self, step: int) -> bool:
+        """Whether training step ``step`` publishes (every ``config.every`` steps)."""
         return step % self.config.every == 0
 
     def publish(self, params: Any, *, version: int,

@@ -63,17 +63,23 @@ class Fault:
 class LoopCheckpointer(Protocol):
     """What the loop needs of a checkpointer (``jaxflow.checkpoint.Checkpointer`` has it)."""
 
-    def latest_step(self) -> int | None: ...
+    def latest_step(self) -> int | None:
+        """The newest committed checkpoint's step, or None."""
 
-    def restore(self, step: int, abstract_state: Any) -> Any: ...
+    def restore(self, step: int, abstract_state: Any) -> Any:
+        """The state saved at ``step``, laid out like ``abstract_state``."""
 
-    def save(self, step: int, state: Any, *, force: bool = False) -> bool: ...
+    def save(self, step: int, state: Any, *, force: bool = False) -> bool:
+        """Save ``state`` at ``step`` if due (always with ``force``); whether it saved."""
 
-    def stop_if_requested(self, step: int, state: Any) -> None: ...
+    def stop_if_requested(self, step: int, state: Any) -> None:
+        """Checkpoint and stop the run if a signal asked for it."""
 
-    def wait(self) -> None: ...
+    def wait(self) -> None:
+        """Block until pending asynchronous saves are committed."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Wait for pending saves and release the checkpointer."""
 
 
 @dataclasses.dataclass

@@ -46,6 +46,7 @@ class Requests:
         return Requests(**{f.name: getattr(self, f.name)[idx] for f in dataclasses.fields(self)})
 
     def of_scenario(self, s: int) -> "Requests":
+        """The requests of scenario ``s``."""
         return self.take(np.flatnonzero(self.scenario == s))
 
 
@@ -75,10 +76,12 @@ class RecData:
 
     @property
     def n_items(self) -> int:
+        """Items in the catalogue."""
         return int(self.item_features.shape[0])
 
     @property
     def instruction_vocab(self) -> int:
+        """Instruction token ids: padding, one per scenario, one per genre."""
         return 1 + len(self.scenarios) + len(self.genre_names)
 
 

@@ -29,6 +29,8 @@ from jaxflow.genrec.data.requests import SCENARIOS, RecData, Requests, instructi
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticGenRecConfig:
+    """The synthetic multi-scenario catalogue and users: genres x sub-genres of items, new-item share, users, history
+    lengths, favourite-genre and popularity (Zipf) parameters."""
     n_genres: int = 6
     n_sub: int = 4
     items_per_cell: int = 20

@@ -139,6 +139,7 @@ class PipelinePlan:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The agents' names in turn order."""
         return self.config.names
 
     def sample_id(self, name: str, version: int, i: int, t: int) -> SampleId:

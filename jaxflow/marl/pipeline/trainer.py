@@ -63,6 +63,7 @@ class AgentTrainer:
 
     @property
     def done(self) -> bool:
+        """Whether the trainer has taken all of the run's steps."""
         return self.version >= self.plan.config.steps
 
     def micro_batch_ids(self) -> list:

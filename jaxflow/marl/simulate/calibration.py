@@ -61,6 +61,7 @@ class MeasuredRun:
 
     @classmethod
     def from_values(cls, values: Mapping, where: str = "values") -> "MeasuredRun":
+        """A MeasuredRun from a mapping with every field; ValueError names the missing ones and ``where``."""
         names = [f.name for f in dataclasses.fields(cls)]
         missing = [n for n in names if n not in values]
         if missing:

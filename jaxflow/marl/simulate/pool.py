@@ -92,6 +92,7 @@ class RolloutPool:
         return started
 
     def idle(self) -> bool:
+        """Whether no replica has an active or queued request."""
         return not self.n_active.any() and not self.queued_work.any()
 
     # -- public
@@ -134,6 +135,7 @@ class RolloutPool:
                 self._schedule(int(r))
 
     def next_time(self) -> float:
+        """The time of the next pending event (inf when there is none)."""
         while self.events and self.events[0][2] != self.stamp[self.events[0][1]]:
             heapq.heappop(self.events)
         return self.events[0][0] if self.events else math.inf

@@ -16,6 +16,8 @@ AGENT_SPLITS = ("equal", "load")
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
+    """One simulated schedule: colocated lockstep or disaggregated, the agent device split, the request policy, the
+    staleness bound ``eta`` and the trainer micro-batch."""
     name: str
     disaggregated: bool  # False: colocated lockstep (the sync baseline)
     agent_split: str = "load"  # "equal" | "load"
@@ -53,6 +55,7 @@ class SimResult:
 
     @property
     def samples_per_s(self) -> float:
+        """Throughput: samples over wall seconds."""
         return self.samples / self.wall_s
 
     def utilisation(self) -> dict[str, float]:

@@ -182,5 +182,6 @@ def simulate_flexmarl(agents: Sequence[AgentLoad], costs: dict[str, AgentCosts],
 def simulate(agents: Sequence[AgentLoad], costs: dict[str, AgentCosts],
              lengths: dict[str, np.ndarray], *, devices: int, slots: int,
              schedule: Schedule) -> SimResult:
+    """Simulate one schedule: ``simulate_flexmarl`` when it is disaggregated, else ``simulate_sync``."""
     fn = simulate_flexmarl if schedule.disaggregated else simulate_sync
     return fn(agents, costs, lengths, devices=devices, slots=slots, schedule=schedule)

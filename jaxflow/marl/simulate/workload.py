@@ -40,6 +40,8 @@ class AgentCosts:
 
 
 def check_agents(agents: Sequence[AgentLoad]) -> None:
+    """Raise ValueError unless the agents have distinct names, valid sizes and lengths, and each upstream names an
+    earlier agent."""
     names = [a.name for a in agents]
     if not agents or len(set(names)) != len(names):
         raise ValueError(f"agents {names}: need >= 1 agent with distinct names")

@@ -35,6 +35,8 @@ class Cluster:
 
     def op(self, stage: str, resource: str, mean: float, deps: Sequence[np.ndarray] = (),
            collective: bool = False) -> np.ndarray:
+        """Schedule one stage on ``resource`` for every worker after ``deps``; returns the end times float[n] (a
+        collective ends for all at the slowest worker)."""
         d = self._durations(mean)
         ready = np.maximum.reduce(list(deps)) if deps else np.zeros(self.n)
         if resource == "host":

@@ -61,6 +61,7 @@ class StageModel:
     unit_ms: float = 1.0  # milliseconds per step unit
 
     def costs(self, n: int) -> dict[str, float]:
+        """Mean per-worker cost of each stage at ``n`` workers (step units), by the scale laws."""
         lookup0 = self.route + self.retrieve
         scale = (lookup0 + self.lookup_per_peer * (n - self.n0)) / lookup0 if lookup0 > 0 else 1.0
         if scale < 0:

@@ -196,6 +196,7 @@ class StorageChannel:
         raise PayloadError(f"replica stays at version {replica.version}: {errors}")
 
     def status(self, replica: Replica) -> tuple[int, str]:
+        """``replica``'s (version, digest)."""
         return replica.version, replica.digest()
 
 

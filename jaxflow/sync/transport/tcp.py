@@ -190,11 +190,13 @@ class ReplicaServer:
         return len(self._peers)
 
     def start(self) -> "ReplicaServer":
+        """Serve on a daemon thread; returns the server."""
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Stop serving: join the thread, close the socket and every peer connection."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -202,6 +204,7 @@ class ReplicaServer:
         self._peers.close_all()
 
     def serve_forever(self) -> None:
+        """Accept and serve peers until ``stop`` (blocks)."""
         while not self._stop.is_set():
             try:
                 pending, _, _ = select.select([self._sock], [], [], 0.2)
@@ -306,6 +309,7 @@ class TcpLink:
 
     @property
     def name(self) -> str:
+        """``host:port`` of the replica."""
         return f"{self.address[0]}:{self.address[1]}"
 
     def _connect(self) -> socket.socket:
@@ -320,10 +324,12 @@ class TcpLink:
         return status["version"], status["digest"]
 
     def status(self) -> tuple[int, str]:
+        """Ask the replica for its (version, digest)."""
         with self._connect() as sock:
             return self._ask(sock)
 
     def sync(self, plan: Callable[[int], list[bytes]]) -> tuple[int, str]:
+        """Send ``plan(replica version)``'s payloads, each acknowledged; returns the new (version, digest)."""
         with self._connect() as sock:
             version, digest = self._ask(sock)
             for data in plan(version):
