@@ -14,3 +14,22 @@ Modules (one idea each):
 
 The ``flowtrain`` and ``bench_packing`` experiments live in ``jaxflow/main/``.
 """
+
+from jaxflow.flow.allocator import Allocation, ParallelConfig, allocate
+from jaxflow.flow.batching import LAYOUTS, PackingConfig
+from jaxflow.flow.decoupled import DecoupledTrainer
+from jaxflow.flow.digits_data import DigitsConfig, Sample, heldout_samples, step_samples
+from jaxflow.flow.monolithic import MonolithicTrainer
+from jaxflow.flow.packing import ALGORITHMS, CostModel, OverBudgetError, Packing, pack
+from jaxflow.flow.pool import EmbeddingPool, PoolClosed
+from jaxflow.flow.vit import PatchBatch, ViTConfig, ViTEncoder, pack_patches
+
+__all__ = [
+    "DigitsConfig", "Sample", "heldout_samples", "step_samples",
+    "ViTConfig", "ViTEncoder", "PatchBatch", "pack_patches",
+    "ALGORITHMS", "CostModel", "OverBudgetError", "Packing", "pack",
+    "LAYOUTS", "PackingConfig",
+    "EmbeddingPool", "PoolClosed",
+    "MonolithicTrainer", "DecoupledTrainer",
+    "Allocation", "ParallelConfig", "allocate",
+]
