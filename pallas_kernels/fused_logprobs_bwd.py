@@ -4,8 +4,8 @@ With z = (h @ W) / T, lse the row logsumexp from the forward pass and g [N, L] t
 of the log-probs at the padded id columns (column 0 = the target, then the given top-K ids,
 then padding ids -1 that never match):
 
-  dz[n, v] = (sum_k g[n, k] [v == ids[n, k]] - G_n softmax(z)[n, v]) / T,
-  G_n = sum_k g[n, k];   dh = dz @ W^T;   dW = h^T @ dz.
+    dz[n, v] = (sum_k g[n, k] [v == ids[n, k]] - G_n softmax(z)[n, v]) / T,
+    G_n = sum_k g[n, k];   dh = dz @ W^T;   dW = h^T @ dz.
 
 TPU (Mosaic): ``dh`` on a grid (row blocks, vocab tiles), vocab sequential, accumulating in
 f32 while the vocab axis runs; ``dW`` on a grid (vocab tiles, row blocks), rows sequential,
@@ -63,7 +63,7 @@ def mask_logits(z, col0, vocab, temperature):
 
 
 def scatter_ids(cols, g_of, id_of, num_ids, *, unroll):
-    """sum_k g[:, k] [cols == ids[:, k]] over the first num_ids columns, [bn, bv] f32.
+    """``sum_k g[:, k] [cols == ids[:, k]]`` over the first num_ids columns, [bn, bv] f32.
 
     ``g_of(k)`` / ``id_of(k)`` return column k as [bn, 1] (a static slice on TPU, a ref load
     on GPU, where value slices do not lower); ``unroll`` as in ``gather_ids``.

@@ -180,9 +180,11 @@ def distill(fns: StudentFunctions, *, tokens: np.ndarray, valid: np.ndarray, rat
     """Trains a fresh student on teacher labels; returns (params, last metrics).
 
     Args:
-      tokens, valid: [N, T] encoded texts; ratings: [N, K] teacher scores (z-scored here);
-      tags: [N, 3]; ops: [N, T] edit-op targets. Minibatches are drawn with a seeded
-      permutation per epoch from ``key``.
+      tokens, valid: [N, T] encoded texts.
+      ratings: [N, K] teacher scores (z-scored here).
+      tags: [N, 3].
+      ops: [N, T] edit-op targets.
+      key: seeds the permutation per epoch that minibatches are drawn with.
     """
     n = tokens.shape[0]
     if batch_size > n:

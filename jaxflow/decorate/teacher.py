@@ -266,8 +266,8 @@ def annotate(annotator: Annotator, texts: Sequence[str], *, min_comparisons: int
 
     Returns:
       {"pairs" [P, 2], "outcomes" [P, 8], "scores" [N, 8] Bradley-Terry, "uniform" [N, 8]
-       0-100 rank scores, "tags" [N, 3], "edits" list[str], "ops" list of [len(text)] int8,
-       "unrepresentable" (target characters edit ops cannot express, for free-form edits)}.
+        0-100 rank scores, "tags" [N, 3], "edits" list[str], "ops" list of [len(text)] int8,
+        "unrepresentable" (target characters edit ops cannot express, for free-form edits)}.
     """
     from jaxflow.decorate.editing import ops_from_edit
     from jaxflow.decorate.rating import fit_bradley_terry, sample_pairs, uniform_scores
