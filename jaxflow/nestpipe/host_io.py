@@ -52,6 +52,7 @@ class HostShards:
                                         thread_name_prefix="nestpipe-retrieve")
 
     def close(self):
+        """Stop the host worker threads (waits for running tasks)."""
         self._pool.shutdown(wait=True)
 
     def retrieve(self, routed: Routed) -> OwnerBuffer:

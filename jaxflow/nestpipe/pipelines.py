@@ -77,6 +77,7 @@ class Parts:
 
     @property
     def micro_batches(self) -> int:
+        """Micro-batches per step (the stages' ``n``)."""
         return self.stages.n
 
 

@@ -127,15 +127,18 @@ class GRPOConfig:
 
     @property
     def rollout_spec(self) -> RolloutSpec:
+        """The rollout settings of this config (group size, temperature, max new tokens, mismatch)."""
         return RolloutSpec(group_size=self.group_size, temperature=self.temperature,
                            max_new_tokens=self.max_new_tokens, mismatch=self.mismatch)
 
     @property
     def rollout_size(self) -> int:
+        """Responses per rollout: prompts x group size."""
         return self.prompts_per_rollout * self.group_size
 
     @property
     def minibatch_size(self) -> int:
+        """Responses per update: the rollout split into ``lag`` minibatches."""
         return self.rollout_size // self.lag
 
     @property

@@ -192,6 +192,7 @@ class PolicyLossConfig:
 
     @property
     def uses_sis(self) -> bool:
+        """Whether the correction is one of the SIS variants."""
         return self.correction.startswith("sis")
 
     @property
@@ -207,6 +208,7 @@ class PolicyLossConfig:
 
     @property
     def needs_behaviour_logp(self) -> bool:
+        """Whether the loss needs the sampler's (behaviour policy's) log-probs."""
         return self.behaviour_correction is not None or self.uses_rs
 
 
