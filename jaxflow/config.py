@@ -7,7 +7,9 @@ SyncConfig | None = None``) is switched on by setting one of its fields (``--set
 and off by ``--set sync=none``. A float override is never
 NaN. Config classes validate their own values where they are declared (``__post_init__`` with
 :func:`require_positive` / :func:`require_finite` / :func:`require_range`); those errors reach the
-user as one line naming the ``--set`` that caused them.
+user as one line naming the ``--set`` that caused them. An unknown key's error suggests the closest
+full dotted key (``train.stepz`` -> ``train.steps``); :func:`describe_keys` lists every key with
+its type and value (the runner's ``--exp NAME --help``).
 """
 
 from __future__ import annotations
@@ -232,10 +234,10 @@ def apply_overrides(config: Any, overrides: list[str]) -> Any:
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: {part!r} is set as a value and as a group")
         node[leaf] = (text, key)
-    return _apply_tree(config, tree, "")
+    return _apply_tree(config, tree, "", config)
 
 
-def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
+def _apply_tree(obj: Any, tree: dict, prefix: str, root: Any) -> Any:
     if not dataclasses.is_dataclass(obj):
         raise ConfigError(f"--set {prefix.rstrip('.')}: is not a config group")
     fields = {f.name: f for f in dataclasses.fields(obj)}
@@ -244,17 +246,18 @@ def _apply_tree(obj: Any, tree: dict, prefix: str) -> Any:
     for name, sub in tree.items():
         full_key = f"{prefix}{name}"
         if name not in fields:
-            valid = sorted(fields)
+            typed = sub[1] if not isinstance(sub, dict) else _tree_texts(sub)[0].partition("=")[0]
+            where = f" (in --set {typed})" if typed != full_key else ""
             raise ConfigError(
-                f"unknown config key {full_key!r}; valid keys here: {', '.join(valid)}"
-                f"{_did_you_mean(name, valid)}"
+                f"unknown config key {full_key!r}{where}; valid keys here: {', '.join(sorted(fields))}"
+                f"{_did_you_mean_key(typed, root)}"
             )
         current = getattr(obj, name)
         group_type, optional = _strip_optional(hints.get(name, type(current)))
         if isinstance(sub, dict):
             if current is None and optional and dataclasses.is_dataclass(group_type):
                 current = typing.cast(Any, group_type)()  # an optional group switched on by setting a field
-            changes[name] = _apply_tree(current, sub, full_key + ".")
+            changes[name] = _apply_tree(current, sub, full_key + ".", root)
             texts.extend(_tree_texts(sub))
             continue
         text, key = sub
@@ -312,3 +315,90 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def _fields_of(config: Any) -> list[tuple[str, Any, Any, bool]]:
+    """(name, declared type, value, optional group switched off) of each field of ``config``;
+    an optional group that is None is described by its class's defaults."""
+    hints = typing.get_type_hints(type(config))
+    out = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        tp = hints.get(f.name, type(value))
+        group, optional = _strip_optional(tp)
+        off = value is None and optional and dataclasses.is_dataclass(group)
+        out.append((f.name, tp, typing.cast(Any, group)() if off else value, off))
+    return out
+
+
+def describe(config: Any, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(dotted key, type, value)`` for every field ``--set`` can reach in ``config``: the leaves
+    of nested groups, and each optional group (``sync: SyncConfig | None``) with its own
+    keys (when it is off, their class defaults, and the value says ``--set KEY=none`` is its
+    current state). Values are written as ``--set`` takes them (``2,4``, ``true``, ``none``)."""
+    rows = []
+    for name, tp, value, off in _fields_of(config):
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(value):
+            _, optional = _strip_optional(tp)
+            if optional:
+                state = "none (setting one of its keys switches it on)" if off else "on (KEY=none: off)"
+                rows.append((key, type_name(tp), state))
+            rows.extend(describe(value, key + "."))
+        else:
+            rows.append((key, type_name(tp), format_value(value)))
+    return rows
+
+
+def describe_keys(config: Any) -> str:
+    """:func:`describe` as aligned lines ``  KEY  TYPE  VALUE``."""
+    rows = describe(config)
+    wk = max((len(k) for k, _, _ in rows), default=0)
+    wt = min(max((len(t) for _, t, _ in rows), default=0), 40)
+    return "\n".join(f"  {k:<{wk}}  {t:<{wt}}  {v}".rstrip() for k, t, v in rows)
+
+
+def type_name(tp: Any) -> str:
+    """A declared field type as text: ``int``, ``tuple[int, ...]``, ``'xla' | 'flash'``,
+    ``float | None``, ``SyncConfig | None``."""
+    inner, optional = _strip_optional(tp)
+    if optional:
+        return f"{type_name(inner)} | None"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if origin is tuple:
+        if args and args[-1] is Ellipsis:
+            return f"tuple[{type_name(args[0])}, ...]"
+        return f"tuple[{', '.join(type_name(a) for a in args)}]" if args else "tuple"
+    if tp is type(None):
+        return "None"
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def format_value(value: Any) -> str:
+    """``value`` as ``--set`` would take it: ``none``, ``true`` / ``false``, comma lists, ``""``."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return ",".join(format_value(v) for v in value) if value else '""'
+    if isinstance(value, str):
+        return value if value else '""'
+    return repr(value)
+
+
+def _did_you_mean_key(typed: str, root: Any) -> str:
+    """`` (did you mean 'a.b'?)`` for the full dotted key of ``root`` closest to ``typed``: by
+    the whole key, else by its last part (``stepz`` -> ``train.steps``); "" when none is close."""
+    keys = [k for k, _, _ in describe(root)]
+    close = difflib.get_close_matches(typed, keys, n=1, cutoff=0.6)
+    if not close:
+        leaf = typed.rpartition(".")[2]
+        leaves = difflib.get_close_matches(leaf, sorted({k.rpartition(".")[2] for k in keys}), n=1, cutoff=0.6)
+        same = [k for k in keys if leaves and k.rpartition(".")[2] == leaves[0]]
+        close = difflib.get_close_matches(typed, same, n=1, cutoff=0.0)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -4,6 +4,8 @@ An experiment is `configs/NAME.py` (``get_config(variant)`` -> frozen dataclass)
 function ``main(config, run: RunContext) -> dict`` named by the config module's ``ENTRY``.
 The entry function does the work and returns its summary keys; the runner adds the common
 keys of experiments/CONVENTIONS.md, writes ``summary.json`` and plots ``metrics.jsonl``.
+Metric rows go through ``jaxflow.metric_writers`` (``metrics.jsonl``, TensorBoard event files
+under ``tensorboard/``, optionally W&B).
 
 Only process 0 (``run.is_primary``) writes to the run directory; ``RunContext`` methods are
 no-ops elsewhere, so entry functions call them unconditionally.
@@ -138,6 +140,10 @@ class RunContext:
       seed: the run's base seed (the config's ``seed`` field if present, else 0).
       fault: a deliberate failure for resume tests (``jaxflow.train.loop.Fault``, from the
         CLI's ``--kill-after-checkpoint``), read by ``jaxflow.train.loop.run_steps``; None.
+      tensorboard: rows also go to TensorBoard event files under ``out_dir/tensorboard``
+        (the CLI's ``--tensorboard`` / ``--no-tensorboard``; on by default).
+      wandb_project: rows also go to this Weights & Biases project (``--wandb=PROJECT``).
+      config: the run's config (W&B records it); None.
     """
 
     name: str
@@ -147,8 +153,11 @@ class RunContext:
     resume: bool = False
     seed: int = 0
     fault: Any = None
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    config: Any = None
     _progress: _Progress | None = None
-    _metrics_file: Any = None
+    _writer: Any = None
     _pending: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -165,32 +174,33 @@ class RunContext:
         """Starts the progress display for ``total`` steps."""
         self._progress.set_total(total, desc or self.name)
 
+    @property
+    def metric_writer(self):
+        """The run's ``jaxflow.metric_writers.MultiWriter`` (process 0; built at first use)."""
+        if self._writer is None:
+            from jaxflow.metric_writers import run_writers
+
+            self._writer = run_writers(self.out_dir, name=f"{self.name}-{self.variant}",
+                                       tensorboard=self.tensorboard,
+                                       wandb_project=self.wandb_project, config=self.config)
+        return self._writer
+
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Appends ``{"step": step, **metrics}`` to metrics.jsonl and updates the progress."""
+        """Writes the row ``{"step": step, **metrics}`` (JSON types) to the metric writers
+        (metrics.jsonl, TensorBoard, W&B) and updates the progress."""
         row = {"step": int(step), **{k: to_jsonable(v) for k, v in metrics.items()}}
         self._progress.update(int(step), row)
         if not self.is_primary:
             return
         self.flush_pending()
-        if self._metrics_file is None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = (self.out_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self._metrics_file.write(json.dumps(row) + "\n")
-        self._metrics_file.flush()
+        self.metric_writer.write(int(step), row)
 
     def truncate_metrics_after(self, step: int) -> None:
-        """On resume: drops metrics rows logged after ``step`` (they will be logged again)."""
+        """On resume: forgets metrics rows logged after ``step`` (they will be logged again):
+        dropped from metrics.jsonl, marked as restarted in the TensorBoard events."""
         if not self.is_primary:
             return
-        path = self.out_dir / "metrics.jsonl"
-        if not path.exists():
-            return
-        keep = [
-            line
-            for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", -1) <= step
-        ]
-        path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        self.metric_writer.rewind(int(step))
 
     def write_json(self, filename: str, obj: Any) -> None:
         """Writes ``obj`` as JSON to ``out_dir/filename`` (process 0 only)."""
@@ -227,9 +237,8 @@ class RunContext:
 
     def close(self) -> None:
         self._progress.close()
-        if self._metrics_file is not None:
-            self._metrics_file.close()
-            self._metrics_file = None
+        if self._writer is not None:
+            self._writer.close()
 
 
 EntryFn = Callable[[Any, RunContext], Mapping[str, Any]]

@@ -1,10 +1,16 @@
-"""PNG plots of the curves in a run's metrics.jsonl (one file per numeric metric)."""
+"""PNG plots of the curves in a run's metrics.jsonl (one file per numeric metric, counters left
+out; see :func:`is_counter`)."""
 
 from __future__ import annotations
 
 import json
 import math
 import pathlib
+from typing import Sequence
+
+#: Names that are counters or identifiers whatever their values.
+COUNTER_NAMES = ("step", "seed", "epoch")
+COUNTER_SUFFIXES = ("_index", "_seed", "_version")
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
@@ -15,33 +21,66 @@ def read_metrics(path: str | pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def plot_metrics(run_dir: str | pathlib.Path, max_plots: int = 24) -> list[pathlib.Path]:
-    """Writes ``run_dir/plots/<metric>.png`` for every numeric metric logged at >= 2 steps."""
+def is_counter(key: str, values: Sequence[float]) -> bool:
+    """True when the field ``key`` with these logged ``values`` (in row order) counts or
+    identifies rather than measures, so it is not plotted:
+
+    - its name is ``step``, ``seed`` or ``epoch``, or ends in ``_index``, ``_seed`` or
+      ``_version`` (identifiers); or
+    - every value is a whole number and the values never decrease, except by going back to the
+      first value (a counter restarted per seed or sweep cell: ``rollout`` 1..N, 1..N; a
+      constant flag such as ``sync_bit_exact`` = 1.0 counts too).
+
+    A whole-number series that ever drops below where it was, other than back to its start, is
+    a measurement (e.g. correct answers per batch) and is plotted; so is a ``*_count`` that does.
+    """
+    if key in COUNTER_NAMES or key.endswith(COUNTER_SUFFIXES):
+        return True
+    if not values or not all(float(v).is_integer() for v in values):
+        return False
+    return all(b >= a or b == values[0] for a, b in zip(values, values[1:]))
+
+
+def _title(run_dir: pathlib.Path) -> str:
+    """The experiment's name from the run's config.json, else the directory's name."""
+    try:
+        return str(json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["experiment"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return run_dir.name
+
+
+def plot_metrics(run_dir: str | pathlib.Path, max_plots: int = 24, *,
+                 title: str | None = None) -> list[pathlib.Path]:
+    """Writes ``run_dir/plots/<metric>.png`` for every numeric metric logged at >= 2 steps that
+    is not a counter (:func:`is_counter`), at most ``max_plots``; each titled ``"<title>:
+    <metric>"`` (``title``: the experiment's name; default from ``run_dir/config.json``), its
+    step axis with integer ticks. Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     run_dir = pathlib.Path(run_dir)
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    title = _title(run_dir) if title is None else title
     series: dict[str, list[tuple[float, float]]] = {}
-    for row in rows:
+    for row in read_metrics(run_dir / "metrics.jsonl"):
         step = row.get("step")
         for key, value in row.items():
             if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             if math.isfinite(value):
                 series.setdefault(key, []).append((step, value))
+    curves = {k: p for k, p in series.items() if len(p) >= 2 and not is_counter(k, [v for _, v in p])}
     written = []
-    for key, points in list(series.items())[:max_plots]:
-        if len(points) < 2:
-            continue
+    for key, points in list(curves.items())[:max_plots]:
         fig, ax = plt.subplots(figsize=(5, 3.2), dpi=90)
         xs, ys = zip(*points)
         ax.plot(xs, ys, lw=1.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("step")
         ax.set_ylabel(key)
-        ax.set_title(f"{run_dir.parent.name}: {key}", fontsize=9)
+        ax.set_title(f"{title}: {key}", fontsize=9)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         out = run_dir / "plots" / f"{key.replace('/', '_')}.png"

@@ -1,6 +1,9 @@
 """The experiment runner: ``python -m jaxflow.run --exp=NAME [--variant=quick] [--set k=v ...]``.
 
   --list                       every experiment, its description and variants
+  --exp NAME [--variant V] --help
+                               the flags, then the experiment's config keys (``--set`` names)
+                               with their types and the variant's values
   --dry-run                    resolve the config (overrides applied) and its meshes on the
                                devices present, print them as one JSON line, run nothing
   --exp NAME --variant V       run configs/NAME.py's get_config(V)
@@ -17,6 +20,9 @@
   --compile-only --target T    compile every program of the experiment for T's abstract chips
                                (tpu-v5p:4x4x4, gpu-h100x8, ...; jaxflow.compile_only), run
                                nothing; a table, and compile_report.json in the run directory
+  --no-tensorboard             no TensorBoard event files (default: under RUN_DIR/tensorboard;
+                               metrics.jsonl is always written, ``jaxflow.metric_writers``)
+  --wandb PROJECT              also log the metric rows to this W&B project (pip install wandb)
 
 User errors (unknown names, unparsable or out-of-range values, a bad --out or --coordinator, a run
 that cannot be resumed, meshes the devices cannot form, a missing optional extra) exit with code
@@ -32,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import signal
@@ -49,16 +54,13 @@ if __name__ == "__main__":  # before the heavy imports below
 from etils import epath  # noqa: E402
 
 from jaxflow import contract  # noqa: E402
-from jaxflow.config import apply_overrides, experiments, get_experiment  # noqa: E402
+from jaxflow.config import apply_overrides, describe_keys, experiments, get_experiment  # noqa: E402
 from jaxflow.errors import UserError, one_line  # noqa: E402
 from jaxflow.experiment import is_local, run_path  # noqa: E402
+from jaxflow.run_dirs import UsageError, check_fresh_out, out_dir_for, resolve_run, roll_back  # noqa: E402
 from jaxflow.run_meshes import default_devices, resolve_meshes  # noqa: E402, F401 (re-exported)
 
 PROG = "python -m jaxflow.run"
-
-
-class UsageError(UserError):
-    """A user error in the flags: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,13 +69,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Run a jaxflow experiment.")
+    p = _Parser(prog=PROG, description="Run a jaxflow experiment.", add_help=False)
+    p.add_argument("-h", "--help", action="store_true",
+                   help="show this help (with --exp NAME: also its config keys) and exit")
     p.add_argument("--list", action="store_true", help="list experiments and exit")
     p.add_argument("--dry-run", action="store_true",
                    help="resolve the config and its meshes, print them, run nothing")
     p.add_argument("--exp", help="experiment name (see --list)")
     p.add_argument("--variant", default=None, help="quick | default | full (default: default)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (repeatable); --exp NAME --help lists the keys")
     p.add_argument("--out", help="run directory or URI (default runs/NAME/<timestamp>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--devices", type=int, help="number of fake CPU devices per process")
@@ -89,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-only", action="store_true",
                    help="compile every program for --target's chips, run nothing")
     p.add_argument("--target", help="tpu-v5e:2x2 | tpu-v5p:4x4x4 | gpu-h100x8 | ...")
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="TensorBoard event files under RUN_DIR/tensorboard (default: on)")
+    p.add_argument("--wandb", metavar="PROJECT", help="also log metrics to this W&B project")
     return p
 
 
@@ -106,75 +114,6 @@ def _git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001
         return "unknown"
-
-
-def _fresh_hint(out) -> str:
-    return f"start fresh with another --out (without --resume), or remove {str(out)!r}"
-
-
-def _read_saved_run(out: epath.Path) -> dict:
-    """config.json of the run in ``out``, checked field by field (UsageError otherwise)."""
-    saved = out / "config.json"
-    if not saved.exists():
-        raise UsageError(f"--resume: {saved} does not exist; is {str(out)!r} a jaxflow run directory?")
-    try:
-        meta = json.loads(saved.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        reason = " ".join(str(e).split())[:120]
-        raise UsageError(f"--resume: {saved} is not readable JSON ({reason}); {_fresh_hint(out)}") from None
-    missing = [k for k in ("experiment", "variant", "overrides")
-               if not isinstance(meta, dict) or k not in meta]
-    if missing or not isinstance(meta.get("overrides"), list):
-        raise UsageError(f"--resume: {saved} lacks {', '.join(missing) or 'a list of overrides'}; "
-                         f"{_fresh_hint(out)}")
-    return meta
-
-
-def _resolve_run(args, out: epath.Path | None) -> tuple[str, str, list[str]]:
-    """(experiment, variant, overrides); on --resume read from the run, which must match the
-    flags given and hold something to resume from."""
-    if not args.resume:
-        if not args.exp:
-            raise UsageError("--exp NAME is required (or --list to see the experiments)")
-        return args.exp, args.variant or "default", list(args.overrides)
-    if out is None:
-        raise UsageError("--resume needs --out DIR (the run directory to continue)")
-    meta = _read_saved_run(out)
-    if args.exp and args.exp != meta["experiment"]:
-        raise UsageError(f"--exp {args.exp!r} does not match the run in {str(out)!r} "
-                         f"({meta['experiment']!r}); drop --exp to resume it, or {_fresh_hint(out)}")
-    if args.variant and args.variant != meta["variant"]:
-        raise UsageError(f"--variant {args.variant!r} does not match the run in {str(out)!r} "
-                         f"({meta['variant']!r}); drop --variant to resume it, or {_fresh_hint(out)}")
-    from jaxflow.checkpoint import has_progress
-
-    if not has_progress(out):
-        raise UsageError(f"--resume: {out / 'checkpoints'} holds no complete checkpoint, so the run "
-                         f"would restart at step 0; {_fresh_hint(out)}")
-    if args.devices is None:
-        args.devices = meta.get("devices")
-    return meta["experiment"], meta["variant"], list(meta["overrides"]) + list(args.overrides)
-
-
-def _check_fresh_out(out: epath.Path) -> None:
-    """--out for a new run: not a file, not a run already, and writable (before anything is
-    written)."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {str(out)!r} is a file; valid: a directory (new or empty)")
-    if (out / "config.json").exists():
-        raise UsageError(f"--out {str(out)!r} already holds a run; add --resume to continue it "
-                         "or pick another directory")
-    if not is_local(out):
-        return
-    probe = os.path.abspath(os.fspath(out))
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise UsageError(f"--out {str(out)!r}: {probe!r} is a file, so the directory cannot be "
-                         "created; valid: a path under a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {str(out)!r}: cannot write under {probe!r} (permission denied); "
-                         "valid: a writable location")
 
 
 def _check_flags(args) -> None:
@@ -285,6 +224,9 @@ def _main(argv: list[str]) -> int:
     if args.list:
         print(list_experiments())
         return 0
+    if args.help:
+        print(help_text(args))
+        return 0
     plan = _plan(args, argv)
     if args.compile_only:
         return _compile_only(plan)
@@ -303,13 +245,24 @@ def _main(argv: list[str]) -> int:
     return _execute(plan, started)
 
 
+def help_text(args: argparse.Namespace) -> str:
+    """``--help``: the flags; with ``--exp`` also that experiment's config keys, types and the
+    values of ``--variant`` (default ``default``) with the ``--set`` overrides given applied."""
+    text = build_parser().format_help()
+    if not args.exp:
+        return text + "\nWith --exp NAME [--variant V] --help: that experiment's config keys too."
+    variant = args.variant or "default"
+    config = apply_overrides(get_experiment(args.exp).get_config(variant), list(args.overrides))
+    return f"{text}\nconfig keys of {args.exp} [{variant}] (--set KEY=VALUE):\n{describe_keys(config)}"
+
+
 def _compile_only(plan: _Plan) -> int:
     """``--compile-only``: the programs compiled for ``--target`` (``jaxflow.compile_only.cli``)."""
     from jaxflow.compile_only import cli
 
-    out = _out_dir(plan.out, plan.name, False)
+    out = out_dir_for(plan.out, plan.name, False)
     if plan.out is None:
-        _check_fresh_out(out)
+        check_fresh_out(out)
     restore_signals = signals.install()
     try:
         return cli.run(plan, out, git_commit=_git_commit(), prog=PROG)
@@ -331,11 +284,15 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> _Plan:
     except ImportError as e:
         raise UsageError(f"--out {args.out!r} needs a filesystem package: {e} (for gs://: "
                          "pip install gcsfs)") from None
-    name, variant, overrides = _resolve_run(args, out)
+    name, variant, overrides = resolve_run(args, out)
+    if args.wandb:
+        from jaxflow.metric_writers import import_wandb
+
+        import_wandb()  # missing: exit 2 before anything is written
     spec = get_experiment(name)
     config = apply_overrides(spec.get_config(variant), overrides)
     if out is not None and not args.resume:
-        _check_fresh_out(out)
+        check_fresh_out(out)
     return _Plan(args, argv, name, variant, overrides, spec, config, out)
 
 
@@ -382,9 +339,9 @@ def _execute(plan: _Plan, started: bool) -> int:
     from jaxflow.train.loop import Fault
 
     args = plan.args
-    out_dir = _out_dir(plan.out, plan.name, started)
+    out_dir = out_dir_for(plan.out, plan.name, started)
     if plan.out is None:
-        _check_fresh_out(out_dir)
+        check_fresh_out(out_dir)
     primary = jax.process_index() == 0
     # With several processes JAX's preemption service owns SIGTERM (orbax reads it per step).
     restore_signals = signals.install(multi_process=jax.process_count() > 1)
@@ -392,7 +349,8 @@ def _execute(plan: _Plan, started: bool) -> int:
     try:
         fault = Fault(args.kill_after_checkpoint) if args.kill_after_checkpoint is not None else None
         run = RunContext(name=plan.name, variant=plan.variant, out_dir=out_dir, is_primary=primary,
-                         resume=args.resume, seed=contract.config_seed(plan.config), fault=fault)
+                         resume=args.resume, seed=contract.config_seed(plan.config), fault=fault,
+                         tensorboard=args.tensorboard, wandb_project=args.wandb, config=plan.config)
         saved_config = {"experiment": plan.name, "variant": plan.variant,
                         "overrides": plan.overrides, "devices": args.devices, "config": plan.config}
         existed = set(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else None
@@ -408,7 +366,7 @@ def _execute(plan: _Plan, started: bool) -> int:
         except UserError:  # raised anywhere inside the experiment: exit 2, one line (main)
             run.close()
             if not args.resume and primary:
-                _roll_back(out_dir, existed)
+                roll_back(out_dir, existed)
             raise
         except Exception:
             if started:
@@ -463,33 +421,9 @@ def _write_summary(plan: _Plan, run, result: dict, wall_seconds: float) -> None:
         if is_local(run.out_dir):
             from jaxflow.plots import plot_metrics
 
-            plot_metrics(run.out_dir)
+            plot_metrics(run.out_dir, title=plan.name)
         run.info("summary: " + json.dumps(to_jsonable(headline)))
         run.info(f"wrote {run.out_dir}/summary.json")
-
-
-def _roll_back(out_dir: epath.Path, existed: set[str] | None) -> None:
-    """A fresh run that stopped on a user error leaves no trace: what it created goes."""
-    if existed is None:
-        if out_dir.exists():
-            out_dir.rmtree()
-        return
-    for child in out_dir.iterdir():
-        if child.name not in existed:
-            child.rmtree() if child.is_dir() else child.unlink()
-
-
-def _out_dir(out: epath.Path | None, name: str, multi_process: bool) -> epath.Path:
-    if out is not None:
-        return out
-    stamp = int(time.time() * 1000)
-    if multi_process:  # every process must agree on the directory
-        import numpy as np
-        from jax.experimental import multihost_utils
-
-        stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
-    when = datetime.datetime.fromtimestamp(stamp / 1000).strftime("%Y%m%d-%H%M%S")
-    return run_path(os.path.join("runs", name, when))
 
 
 if __name__ == "__main__":
