@@ -236,3 +236,133 @@ def test_ruff_is_clean():
     res = subprocess.run([*cmd, "check", "--no-cache", *PACKAGES, "tests"], cwd=ROOT,
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+
+
+# --- The public API: ``__all__`` in every package, a docstring on everything it names ----------
+
+def _packages() -> list[str]:
+    """Every package under jaxflow/ and pallas_kernels/ as a dotted name."""
+    return sorted(_module_name(p) for d in ("jaxflow", "pallas_kernels") for p in (ROOT / d).rglob("__init__.py"))
+
+
+def _submodule_doc(package: str, name: str) -> str | None:
+    """The docstring of ``package.name`` read from its source (no import), or None if no such file."""
+    base = ROOT.joinpath(*package.split("."), name)
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.exists():
+            return ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
+    return None
+
+
+def _own_doc(obj) -> str:
+    """``obj``'s own docstring: not one inherited from a base class (``str``'s for a str enum), not a
+    dataclass's or namedtuple's generated ``Name(field, ...)`` signature, not ``partial``'s."""
+    import functools
+    import re
+
+    if isinstance(obj, functools.partial):
+        obj = obj.func
+    if isinstance(obj, type):
+        doc = (obj.__dict__.get("__doc__") or "").strip()
+        if re.fullmatch(re.escape(obj.__name__) + r"\([^\n]*\)", doc):
+            return ""
+        return doc
+    return (getattr(obj, "__doc__", None) or "").strip()
+
+
+def _members(cls) -> list[tuple[str, object]]:
+    """The public methods and properties ``cls`` defines itself (inherited ones are the base's)."""
+    found = []
+    for name, value in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, (classmethod, staticmethod)):
+            value = value.__func__
+        elif isinstance(value, property):
+            value = value.fget
+        if callable(value) and getattr(value, "__qualname__", "").startswith(cls.__qualname__ + "."):
+            found.append((name, value))
+    return found
+
+
+def undocumented_public_objects(packages) -> tuple[list[str], int]:
+    """(names of the public objects without a docstring of their own, how many objects were checked).
+
+    Public objects: what each package's ``__all__`` names (modules, classes, enums, functions; data
+    such as ``ALGOS`` tuples cannot carry a docstring), and the public methods and properties of
+    those classes."""
+    import importlib
+    import inspect
+
+    missing, seen = [], set()
+    for package in packages:
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            qual = f"{package}.{name}"
+            if (doc := _submodule_doc(package, name)) is not None and not hasattr(module, name) or \
+                    inspect.ismodule(getattr(module, name, None)):
+                if not (doc if doc is not None else _own_doc(getattr(module, name))):
+                    missing.append(qual)
+                continue
+            obj = getattr(module, name)
+            if not (inspect.isclass(obj) or inspect.isroutine(obj) or callable(obj) and hasattr(obj, "__wrapped__")):
+                continue  # data
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if not _own_doc(obj):
+                missing.append(qual)
+            if inspect.isclass(obj):
+                missing += [f"{qual}.{m}" for m, fn in _members(obj) if not _own_doc(fn)]
+    return missing, len(seen)
+
+
+def test_every_package_has_all_and_it_resolves():
+    import importlib
+
+    without = [p for p in _packages() if not hasattr(importlib.import_module(p), "__all__")]
+    assert not without, f"packages without __all__ (help() would list their imports as API): {without}"
+    unresolved = [f"{p}.{n}" for p in _packages() for n in importlib.import_module(p).__all__
+                  if not hasattr(importlib.import_module(p), n) and _submodule_doc(p, n) is None]
+    assert not unresolved, f"__all__ names nothing of that name: {unresolved}"
+
+
+def test_every_public_object_has_a_docstring():
+    missing, checked = undocumented_public_objects(_packages())
+    assert checked > 300, checked
+    assert not missing, f"public objects without a docstring of their own ({len(missing)}): {missing}"
+
+
+def test_docstring_check_catches_inherited_and_generated_docstrings():
+    import dataclasses
+    import enum
+
+    class Mode(str, enum.Enum):
+        A = "a"
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        x: int = 1
+
+    class Documented(str, enum.Enum):
+        """A documented enum."""
+
+    assert _own_doc(Mode) == "" and _own_doc(Config) == "" and _own_doc(Documented) == "A documented enum."
+
+
+def test_top_level_docstring_and_all_name_every_subpackage_and_module():
+    """``jaxflow`` (its docstring and ``__all__``), ``jaxflow.main`` and ``pallas_kernels`` (their
+    ``__all__``) name every subpackage / public module they hold."""
+    import jaxflow
+    import jaxflow.main
+    import pallas_kernels
+
+    def children(pkg: pathlib.Path) -> set[str]:
+        return {p.stem for p in pkg.glob("*.py") if not p.stem.startswith("_")} | \
+            {p.parent.name for p in pkg.glob("*/__init__.py")}
+
+    for module, path in ((jaxflow, PKG), (jaxflow.main, PKG / DRIVERS), (pallas_kernels, ROOT / "pallas_kernels")):
+        absent = sorted(children(path) - set(module.__all__))
+        assert not absent, f"{module.__name__}.__all__ lacks {absent}"
+    unnamed = sorted(c for c in children(PKG) if f"jaxflow.{c} " not in jaxflow.__doc__)
+    assert not unnamed, f"the jaxflow docstring does not name {unnamed}"
