@@ -298,13 +298,12 @@ def undocumented_public_objects(packages) -> tuple[list[str], int]:
     for package in packages:
         module = importlib.import_module(package)
         for name in module.__all__:
-            qual = f"{package}.{name}"
-            if (doc := _submodule_doc(package, name)) is not None and not hasattr(module, name) or \
-                    inspect.ismodule(getattr(module, name, None)):
-                if not (doc if doc is not None else _own_doc(getattr(module, name))):
+            qual, obj = f"{package}.{name}", getattr(module, name, None)
+            if obj is None or inspect.ismodule(obj):  # a submodule, imported or not: read its source
+                doc = _submodule_doc(package, name)
+                if not (doc if doc is not None else _own_doc(obj)):
                     missing.append(qual)
                 continue
-            obj = getattr(module, name)
             if not (inspect.isclass(obj) or inspect.isroutine(obj) or callable(obj) and hasattr(obj, "__wrapped__")):
                 continue  # data
             if id(obj) in seen:
@@ -366,3 +365,16 @@ def test_top_level_docstring_and_all_name_every_subpackage_and_module():
         assert not absent, f"{module.__name__}.__all__ lacks {absent}"
     unnamed = sorted(c for c in children(PKG) if f"jaxflow.{c} " not in jaxflow.__doc__)
     assert not unnamed, f"the jaxflow docstring does not name {unnamed}"
+
+
+def test_docstring_check_names_what_lacks_one(tmp_path, monkeypatch):
+    pkg = tmp_path / "docless_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        '"""A package."""\nimport enum\n\n__all__ = ["f", "g", "C", "Mode", "LIMIT"]\nLIMIT = 3\n\n\n'
+        'def f():\n    return 1\n\n\ndef g():\n    """Documented."""\n\n\n'
+        'class C:\n    """Documented."""\n\n    def m(self):\n        return 1\n\n    @property\n'
+        '    def p(self):\n        """Documented."""\n\n\nclass Mode(str, enum.Enum):\n    A = "a"\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    missing, checked = undocumented_public_objects(["docless_pkg"])
+    assert sorted(missing) == ["docless_pkg.C.m", "docless_pkg.Mode", "docless_pkg.f"] and checked == 4
