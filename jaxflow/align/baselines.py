@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxflow.rl.masks import as_bool_mask
+
 
 def _check_2d(name: str, x, ref_shape=None) -> None:
     if not hasattr(x, "ndim") or x.ndim != 2:
@@ -23,17 +25,19 @@ def _check_2d(name: str, x, ref_shape=None) -> None:
 
 
 def sequence_logp(logp: jax.Array, mask: jax.Array) -> jax.Array:
-    """[B, T] token log-probs -> [B] sums over unmasked tokens (masked entries ignored)."""
+    """[B, T] token log-probs -> [B] sums over unmasked tokens (masked entries ignored;
+    ``mask`` [B, T] bool or numeric, nonzero = True)."""
     _check_2d("logp", logp)
     _check_2d("mask", mask, logp.shape)
-    return jnp.sum(jnp.where(mask.astype(bool), logp, 0.0), axis=-1)
+    return jnp.sum(jnp.where(as_bool_mask(mask), logp, 0.0), axis=-1)
 
 
 def sft_loss(logp: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
-    """Token-mean NLL over unmasked tokens of [B, T] ``logp`` (0 when all are masked)."""
+    """Token-mean NLL over unmasked tokens of [B, T] ``logp`` (0 when all are masked);
+    ``mask`` [B, T] bool or numeric, nonzero = True (not a weight)."""
     _check_2d("logp", logp)
     _check_2d("mask", mask, logp.shape)
-    keep = mask.astype(bool)
+    keep = as_bool_mask(mask)
     n = jnp.sum(keep)
     loss = -jnp.sum(jnp.where(keep, logp, 0.0)) / jnp.maximum(n, 1)
     return loss, {"tokens": n}

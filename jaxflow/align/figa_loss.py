@@ -37,6 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxflow.rl.masks import as_bool_mask
+
 WEIGHTINGS = ("figa", "constant")
 
 
@@ -81,6 +83,7 @@ def _validate(logp, marks, mask, revised) -> None:
         if not hasattr(x, "shape") or tuple(x.shape) != tuple(logp.shape):
             raise ValueError(f"{name} shape {getattr(x, 'shape', None)} does not match logp "
                              f"shape {logp.shape} [B, T]")
+    as_bool_mask(mask)  # dtype check: bool or numeric
     if not jnp.issubdtype(marks.dtype, jnp.integer):
         raise ValueError(f"marks must be integers in {{-1, 0, 1}}, got dtype {marks.dtype}")
     if not hasattr(revised, "shape") or tuple(revised.shape) != tuple(logp.shape[:1]):
@@ -94,9 +97,10 @@ def _validate(logp, marks, mask, revised) -> None:
 
 def figa_token_weights(nll: jax.Array, marks: jax.Array, mask: jax.Array, revised: jax.Array,
                        *, config: FigaConfig) -> jax.Array:
-    """[B, T] weights w_t (see the module doc); 0 where masked; no gradient."""
+    """[B, T] weights w_t (see the module doc); 0 where masked (``mask`` [B, T] bool or
+    numeric, nonzero = True); no gradient."""
     nll = jax.lax.stop_gradient(nll)
-    keep = mask.astype(bool)
+    keep = as_bool_mask(mask)
     rev = revised.astype(bool)[:, None]
     dtype = jnp.promote_types(nll.dtype, jnp.float32)
     if config.weighting == "constant":
@@ -116,7 +120,8 @@ def figa_loss(logp: jax.Array, marks: jax.Array, mask: jax.Array, revised: jax.A
     Args:
       logp: [B, T] log-probs of each row's response tokens (differentiated).
       marks: [B, T] int, +1 / -1 / 0 from :func:`jaxflow.align.marking.figa_marks`.
-      mask: [B, T] bool or 0/1, the response tokens (masked entries may hold anything).
+      mask: [B, T] the response tokens, bool or any numeric dtype: nonzero = True, never a
+        weight (:func:`jaxflow.rl.masks.as_bool_mask`); masked entries may hold anything.
       revised: [B] bool, True for revision rows, False for original rows.
       config: a :class:`FigaConfig`.
 
@@ -130,7 +135,7 @@ def figa_loss(logp: jax.Array, marks: jax.Array, mask: jax.Array, revised: jax.A
       ValueError: shapes that do not match, non-integer marks or marks outside {-1, 0, 1}.
     """
     _validate(logp, marks, mask, revised)
-    keep = mask.astype(bool)
+    keep = as_bool_mask(mask)
     dtype = jnp.promote_types(logp.dtype, jnp.float32)
     nll = jnp.where(keep, -logp.astype(dtype), jnp.zeros((), dtype))
     w = figa_token_weights(nll, marks, keep, revised, config=config)

@@ -3,6 +3,7 @@ and out (Llama-3, Qwen3, Qwen3-MoE)."""
 from jaxflow.models.architectures import CheckpointError, config_from_hf, hf_config_from
 from jaxflow.models.hf_checkpoint import from_pretrained, load_hf_params, save_pretrained
 from jaxflow.models.kv_cache import KVCache
+from jaxflow.models.logprobs import predicted_mask, token_logprobs
 from jaxflow.models.rope import RopeScaling
 from jaxflow.models.sampler import SampleOutput, SamplingConfig, make_sampler, sample
 from jaxflow.models.tokenizer_hf import HFTokenizer
@@ -32,5 +33,7 @@ __all__ = [
     "logical_axes",
     "make_sampler",
     "param_count",
+    "predicted_mask",
     "sample",
+    "token_logprobs",
 ]

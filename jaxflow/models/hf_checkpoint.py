@@ -44,6 +44,7 @@ from jaxflow.models.architectures import (
     tensor_map,
 )
 from jaxflow.models.sharding import FSDP_TP_RULES
+from jaxflow.models.tokenizer_hf import HFTokenizer, check_tokenizer_fits
 from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -403,18 +404,22 @@ def hf_tensors(model_or_params: Any, config: TransformerConfig | None = None):
 
 
 def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 5 * 2**30,
-                    params: Any = None) -> None:
+                    params: Any = None, tokenizer: HFTokenizer | None = None) -> None:
     """Writes ``model`` as a Hugging Face checkpoint directory (config.json + safetensors).
 
     Tensors are written in the parameter dtype, in files of at most ``max_shard_bytes``
     (several files get a ``model.safetensors.index.json``). ``params`` (a pure dict) replaces
-    the model's own parameters, e.g. a trainer's. On several processes every process must call
-    it (sharded parameters are gathered); process 0 writes.
+    the model's own parameters, e.g. a trainer's. ``tokenizer`` (an :class:`HFTokenizer`,
+    e.g. the checkpoint's own) adds ``tokenizer.json``, ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` (:meth:`HFTokenizer.save_pretrained`); without one no tokenizer
+    file is written. On several processes every process must call it (sharded parameters are
+    gathered); process 0 writes.
     """
     from safetensors.numpy import save_file
 
     config = model.config
     hf_config = hf_config_from(config)
+    check_tokenizer_fits(tokenizer, config.vocab_size)
     tensors = hf_tensors(model if params is None else params, None if params is None else config)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -429,6 +434,8 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 5 *
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     if len(shards) == 1:
         save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         return

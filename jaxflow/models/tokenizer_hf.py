@@ -10,6 +10,7 @@ checkpoints) and exposes what jaxflow's RL tasks, samplers and pruning study use
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Iterable, Sequence
 
@@ -122,6 +123,39 @@ class HFTokenizer:
                                   "(eos_token_id) names one")
         return cls(tok, eos_id=ids["eos"], bos_id=ids["bos"], pad_id=ids["pad"])
 
+    def save_pretrained(self, path: str) -> list[str]:
+        """Writes the files Hugging Face's fast tokenizers write into ``path``:
+        ``tokenizer.json`` (the ``tokenizers`` model, as is), ``tokenizer_config.json``
+        (``tokenizer_class`` PreTrainedTokenizerFast and the bos / eos / pad token strings,
+        null where there is none) and ``special_tokens_map.json``. :meth:`from_pretrained`
+        and ``transformers.AutoTokenizer`` read them back with the same ids.
+
+        Returns:
+          The paths written.
+
+        Raises:
+          ValueError: a special id the tokenizer does not know (no token string to write).
+        """
+        specials: dict[str, str | None] = {}
+        for key in _SPECIALS:
+            token_id = getattr(self, f"{key}_id")
+            text = None if token_id is None else self.tokenizer.id_to_token(token_id)
+            if token_id is not None and text is None:
+                raise ValueError(f"{key}_id={token_id} is not a token of this tokenizer "
+                                 f"(vocab size {self.vocab_size}); valid: an id it can decode")
+            specials[f"{key}_token"] = text
+        os.makedirs(path, exist_ok=True)
+        files = [os.path.join(path, name) for name in
+                 ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")]
+        self.tokenizer.save(files[0])
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+                  "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+        present = {k: v for k, v in specials.items() if v is not None}
+        for file, data in zip(files[1:], (config, present)):
+            with open(file, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=2, ensure_ascii=False)
+        return files
+
     @property
     def vocab_size(self) -> int:
         """Ids the tokenizer can emit (added tokens included); a model's vocab may be larger."""
@@ -147,3 +181,18 @@ class HFTokenizer:
                   length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Right-pads token lists with ``pad_id``: (tokens [B, L] int32, lengths [B] int32)."""
         return pad_token_lists(seqs, self.pad_id, length)
+
+
+def check_tokenizer_fits(tokenizer: Any, vocab_size: int) -> None:
+    """None, or an :class:`HFTokenizer` whose ids all fit a model of ``vocab_size``; a
+    ValueError naming what is wrong otherwise (checked before a checkpoint is written)."""
+    if tokenizer is None:
+        return
+    if not isinstance(tokenizer, HFTokenizer):
+        raise ValueError(f"tokenizer={type(tokenizer).__name__}; valid: None or an HFTokenizer "
+                         "(HFTokenizer.from_pretrained(dir), or HFTokenizer(tokenizers.Tokenizer, "
+                         "eos_id=...)): the character tokenizer has no tokenizer.json form")
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                         f"vocab_size is {vocab_size}; valid: a tokenizer of at most vocab_size "
+                         "tokens (the loader refuses a larger one)")

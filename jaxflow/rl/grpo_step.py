@@ -22,6 +22,7 @@ from jaxflow.mesh import jit_on
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl import corrections
 from jaxflow.rl.logprobs import fused_logprobs
+from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.rollout import RolloutBatch, RolloutSpec
@@ -218,7 +219,8 @@ def old_stats(fns: LMFunctions, params: Any, ref_params: Any | None, mb: MiniBat
 
 
 def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(mask > 0, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+    keep = as_bool_mask(mask)
+    return jnp.sum(jnp.where(keep, x, 0.0)) / jnp.maximum(jnp.sum(keep), 1.0)
 
 
 def grpo_loss(params: Any, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
@@ -236,15 +238,16 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
         new_topk_logp=out.topk_logp, behaviour_logp=mb.behaviour_logp)
     metrics = dict(metrics)
     metrics["policy_loss"] = loss
-    mask = mb.mask
+    given = as_bool_mask(mb.mask)
+    mask = given
     if loss_cfg.uses_rs:  # RS tokens leave the mask of every term, as verl's response_mask
         low, high = loss_cfg.rs_bounds
-        mask = mask * corrections.rs_keep_mask(jnp.where(mb.mask > 0, old.logp, 0.0),
-                                               jnp.where(mb.mask > 0, mb.behaviour_logp, 0.0),
-                                               low, high).astype(mask.dtype)
+        mask = given & corrections.rs_keep_mask(jnp.where(given, old.logp, 0.0),
+                                                jnp.where(given, mb.behaviour_logp, 0.0),
+                                                low, high)
     delta = jax.lax.stop_gradient(logp - old.logp)
-    metrics["max_abs_log_ratio"] = jnp.max(jnp.where(mb.mask > 0, jnp.abs(delta), 0.0))
-    metrics["behaviour_gap"] = _masked_mean(jnp.abs(old.logp - mb.behaviour_logp), mb.mask)
+    metrics["max_abs_log_ratio"] = jnp.max(jnp.where(given, jnp.abs(delta), 0.0))
+    metrics["behaviour_gap"] = _masked_mean(jnp.abs(old.logp - mb.behaviour_logp), given)
     if config.kl_coef > 0:
         log_r = old.ref_logp - logp  # log pi_ref / pi_theta on tokens sampled ~ pi
         per_token = -log_r if config.kl_estimator == "k1" else jnp.exp(log_r) - log_r - 1.0

@@ -1,7 +1,8 @@
 """Diagnostics of the policy loss (:func:`jaxflow.rl.policy_loss.policy_loss`'s ``metrics``).
 
 Everything here is a pure function of stop-gradient arrays of shape [B, T] (B sequences, T
-response positions) and a [B, T] bool mask; each returns a scalar.
+response positions) and a [B, T] mask (bool or any numeric dtype, nonzero = True:
+:func:`jaxflow.rl.masks.as_bool_mask`); each returns a scalar.
 
 The cumulative-deviation diagnostics come in three forms (``log_w`` is the log ratio clipped to
 ``+-log_ratio_clip``, 20 by default; in the ``d_sis*`` member of each pair a token SIS accepted
@@ -23,11 +24,15 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxflow.rl.masks import as_bool_mask
+
 
 def masked_percentile(values: jax.Array, mask: jax.Array, q: float) -> jax.Array:
     """Linear-interpolated percentile (numpy's default) over ``values[mask]``; 0 if empty.
 
-    ``values``, ``mask``: same shape (any); ``q`` in [0, 100]. Returns a scalar."""
+    ``values``, ``mask``: same shape (any; mask bool or numeric, nonzero = True); ``q`` in
+    [0, 100]. Returns a scalar."""
+    mask = as_bool_mask(mask, shape=values.shape)
     flat = jnp.where(mask, values, -jnp.inf).reshape(-1)
     ordered = jnp.sort(flat)
     n = jnp.sum(mask)
@@ -44,7 +49,7 @@ def masked_percentile(values: jax.Array, mask: jax.Array, q: float) -> jax.Array
 def _row_means(values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """([B] each row's token mean of ``values`` over its unmasked tokens (0 for an empty row),
     [B] whether the row has an unmasked token)."""
-    maskf = mask.astype(values.dtype)
+    maskf = as_bool_mask(mask).astype(values.dtype)
     count = jnp.sum(maskf, axis=-1)
     return jnp.sum(values * maskf, axis=-1) / jnp.maximum(count, 1.0), count > 0
 
@@ -76,7 +81,7 @@ def fork_d_seq(log_w: jax.Array, accept: jax.Array, mask: jax.Array,
     Args:
       log_w: [B, T] log ratios (already clipped to +-log_ratio_clip).
       accept: [B, T] bool, SIS accepted (all False without SIS).
-      mask: [B, T] bool response mask.
+      mask: [B, T] response mask (bool or numeric, nonzero = True).
       eps: (eps_low, eps_high) of the base algorithm's clip.
     """
     low, high = ppo_log_range(eps)
@@ -97,9 +102,10 @@ def loss_metrics(log_w: jax.Array, accept: jax.Array, clip_active: jax.Array,
       accept, clip_active, dual_active: [B, T] bool (SIS accepted; the clip / dual clip changed
         the token's loss).
       weights: [B, T] the ratio value the loss uses after SIS times the TIS / MIS weight.
-      mask: [B, T] bool, the tokens the loss uses.
+      mask: [B, T] the tokens the loss uses (bool or numeric, nonzero = True).
       eps: the base algorithm's (eps_low, eps_high).
     """
+    mask = as_bool_mask(mask)
     log_w = jax.lax.stop_gradient(log_w)
     weights = jax.lax.stop_gradient(weights)
     maskf = mask.astype(log_w.dtype)

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 
 from jaxflow.rl import advantages as advantages_lib
 from jaxflow.rl import corrections, sis
+from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.metrics import loss_metrics, masked_percentile  # noqa: F401  (API: re-export)
 
 ALGOS = ("grpo", "dapo", "gspo", "cispo", "sa_gcpo")
@@ -247,8 +248,7 @@ def _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_
     if not hasattr(mask, "shape") or mask.shape != logp.shape:
         raise ValueError(f"mask shape {getattr(mask, 'shape', None)} does not match logp shape "
                          f"{logp.shape} [B, T]")
-    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.number)):
-        raise ValueError(f"mask must be bool or numeric, got dtype {mask.dtype}")
+    as_bool_mask(mask)  # dtype check: bool or numeric
     if not hasattr(advantages, "shape") or advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"advantages shape {getattr(advantages, 'shape', None)} must be [B] = "
                          f"{logp.shape[:1]} or [B, T] = {logp.shape}")
@@ -353,8 +353,10 @@ def _cispo(ratio, logp, adv, accept, eps):
 
 
 def aggregate(token_loss: jax.Array, mask: jax.Array, agg: str) -> jax.Array:
-    """Reduces [B, T] token losses (already zero where masked) with ``agg`` (see AGGS)."""
-    maskf = mask.astype(token_loss.dtype)
+    """Reduces [B, T] token losses (already zero where masked) with ``agg`` (see AGGS).
+
+    ``mask`` [B, T]: bool or any numeric dtype, nonzero = the token counts (not a weight)."""
+    maskf = as_bool_mask(mask).astype(token_loss.dtype)
     if agg == "token-mean":
         return jnp.sum(token_loss * maskf) / jnp.maximum(jnp.sum(maskf), 1.0)
     if agg not in AGGS:
@@ -392,7 +394,9 @@ def policy_loss(
       old_logp: [B, T] pi_old's log-prob of the same tokens: the trainer's own recomputation at
         the start of the rollout's updates (treated as data: no gradient).
       advantages: [B] per sequence or [B, T] per token.
-      mask: [B, T] bool (or 0/1) response mask; masked entries may hold anything (even inf).
+      mask: [B, T] response mask, bool or any numeric dtype (e.g. the sampler's float32
+        ``out.mask``): nonzero = the token counts, never a weight (0.5 counts as 1;
+        :func:`jaxflow.rl.masks.as_bool_mask`); masked entries may hold anything (even inf).
       config: a :class:`PolicyLossConfig` (static).
       key: PRNG key for the SIS uniforms (needed when ``config.correction`` has "sis"); the
         uniforms are ``sis.sis_uniforms(key, logp.shape)``.
@@ -429,7 +433,7 @@ def policy_loss(
     _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_topk_logp,
               behaviour_logp, uniforms, rewards, target_reward)
     dtype = jnp.promote_types(logp.dtype, jnp.float32)
-    given = mask.astype(bool)
+    given = as_bool_mask(mask)
 
     def clean(x, m):  # masked entries -> 0 so inf/nan padding can't reach the loss or grad
         return jnp.where(m, x.astype(dtype), jnp.zeros((), dtype))

@@ -17,6 +17,7 @@ are carried whole, bit-exact, when any bit changed (always, for ``dense``).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -43,9 +44,24 @@ def encode(old_params, new_params, *, base_version: int, version: int, codec: st
     where the old leaves live -- or ``base_digest`` when the caller already knows it (a
     sender carries it from publish to publish, ``SyncSender.base_digest``; a wrong one makes
     every receiver refuse the payload).
+
+    When no element changed and ``codec`` is not ``"dense"`` it warns (``UserWarning`` naming
+    the 0 changed elements) and still returns the valid empty delta (it moves a receiver
+    from ``base_version`` to ``version``; the format is unchanged). The usual cause is taking
+    ``old_params`` as ``nnx.state(model)`` and then ``nnx.update(model, ...)``: that state
+    holds the model's variables, so it follows the update; snapshot with
+    ``nnx.to_pure_dict(nnx.state(model))`` (or ``jaxflow.sync.to_bf16``) before updating.
+    Wrap the call in ``warnings.catch_warnings()`` where an empty delta is intended.
     """
     _check_versions(base_version, version)
     treedef, specs, diffs = diff_tree(old_params, new_params)
+    if codec != "dense" and not any(d.count for d in diffs):
+        warnings.warn(
+            f"sync.encode: 0 of {sum(s.size for s in specs)} elements changed between "
+            f"old_params and new_params (an empty delta, version {base_version} -> {version}). "
+            "If new_params should differ, old_params is probably the same live tree: "
+            "nnx.state(model) follows a later nnx.update(model, ...); take the snapshot with "
+            "nnx.to_pure_dict(nnx.state(model)) before updating.", UserWarning, stacklevel=2)
     if codec == "dense":
         base_digest = None
     elif base_digest is None:
