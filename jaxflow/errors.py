@@ -14,7 +14,7 @@ experiment; a fresh run that fails that way removes what it created.
       FileFormatError    (here)                  a user-given file: HF checkpoint, tokenizer,
                                                  task file, ratings file, corpus
       DataError          (here)                  values out of range for what holds them
-      MissingExtraError  (jaxflow.experiment)    an optional dependency not installed
+      MissingExtraError  (here)                  an optional dependency not installed
 
 Library code keeps the builtin base it had (``ValueError`` for bad values, ``RuntimeError`` for
 state) as a second base, so ``except ValueError`` in a notebook still catches it.
@@ -37,6 +37,11 @@ class FileFormatError(UserError, ValueError):
 class DataError(UserError, ValueError):
     """Values outside the range of what will hold or use them (e.g. an id that does not fit
     int32, a negative id); the message names the value, where it came from and the valid range."""
+
+
+class MissingExtraError(UserError, RuntimeError):
+    """An optional dependency (a ``pyproject.toml`` extra) is not installed; the message holds
+    the install command. The runner turns it into exit code 2 and that one line."""
 
 
 def one_line(message: object) -> str:

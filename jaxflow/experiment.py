@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from etils import epath
 
-from jaxflow.errors import UserError
+from jaxflow.errors import MissingExtraError  # noqa: F401 (re-exported)
 
 
 def run_path(location: "str | os.PathLike") -> epath.Path:
@@ -48,11 +48,6 @@ def run_path(location: "str | os.PathLike") -> epath.Path:
 def is_local(path: epath.Path) -> bool:
     """True when ``path`` is on the local filesystem (no URI scheme)."""
     return "://" not in str(path)
-
-
-class MissingExtraError(UserError, RuntimeError):
-    """An optional dependency (a ``pyproject.toml`` extra) is not installed; the message holds
-    the install command. The runner turns it into exit code 2 and that one line."""
 
 
 def to_jsonable(value: Any) -> Any:

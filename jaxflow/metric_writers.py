@@ -26,7 +26,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from etils import epath
 
-from jaxflow.experiment import MissingExtraError
+from jaxflow.errors import MissingExtraError
 
 Row = Mapping[str, Any]
 
