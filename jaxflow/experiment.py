@@ -138,7 +138,7 @@ class RunContext:
       tensorboard: rows also go to TensorBoard event files under ``out_dir/tensorboard``
         (the CLI's ``--tensorboard`` / ``--no-tensorboard``; on by default).
       wandb_project: rows also go to this Weights & Biases project (``--wandb=PROJECT``).
-      config: the run's config (W&B records it); None.
+      config: the run's config (W&B records it, as JSON); None.
     """
 
     name: str
@@ -177,7 +177,8 @@ class RunContext:
 
             self._writer = run_writers(self.out_dir, name=f"{self.name}-{self.variant}",
                                        tensorboard=self.tensorboard,
-                                       wandb_project=self.wandb_project, config=self.config)
+                                       wandb_project=self.wandb_project,
+                                       config=None if self.config is None else to_jsonable(self.config))
         return self._writer
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:

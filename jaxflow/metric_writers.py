@@ -8,7 +8,8 @@ JSON types: numbers, strings, lists; a non-finite float is the string ``"nan"`` 
   summaries and resumes read it);
 - :class:`TensorBoardWriter`: TensorBoard event files under ``<run_dir>/tensorboard/``, one
   scalar per numeric field (on by default; the runner's ``--no-tensorboard`` turns it off);
-- :class:`WandbWriter`: a Weights & Biases run (``--wandb=PROJECT``; needs ``pip install wandb``).
+- :class:`WandbWriter`: a Weights & Biases run, its files under ``<run_dir>/wandb/``
+  (``--wandb=PROJECT``; needs ``pip install wandb``).
 
 Only process 0 writes (``RunContext.is_primary``); the other processes build no writer.
 
@@ -151,9 +152,10 @@ class TensorBoardWriter:
 
 
 class WandbWriter:
-    """A Weights & Biases run in ``project`` (``wandb.init`` at the first row, files under
-    ``dir``); each row's :func:`scalars` go to ``wandb.log(..., step=step)``. Rewinding is not
-    possible (W&B drops rows whose step is below its last)."""
+    """A Weights & Biases run in ``project`` (``wandb.init`` at the first row; W&B keeps its
+    files in ``dir/wandb``); each row's :func:`scalars` go to ``wandb.log(..., step=step)``.
+    Rewinding is not possible (W&B drops rows whose step is below its last); a resumed jaxflow
+    run is a new W&B run."""
 
     def __init__(self, project: str, *, name: str, dir: epath.Path, config: Any = None):
         self.project, self.name, self.dir, self.config = project, name, dir, config
@@ -162,7 +164,6 @@ class WandbWriter:
     def write(self, step: int, row: Row) -> None:
         if self._run is None:
             wandb = import_wandb()
-            self.dir.mkdir(parents=True, exist_ok=True)
             self._run = wandb.init(project=self.project, name=self.name, dir=str(self.dir),
                                    config=self.config)
         self._run.log(scalars(row), step=int(step))
@@ -220,5 +221,5 @@ def run_writers(out_dir: epath.Path, *, name: str, tensorboard: bool = True,
     if tensorboard:
         writers.append(TensorBoardWriter(out_dir / "tensorboard"))
     if wandb_project:
-        writers.append(WandbWriter(wandb_project, name=name, dir=out_dir / "wandb", config=config))
+        writers.append(WandbWriter(wandb_project, name=name, dir=out_dir, config=config))
     return MultiWriter(writers)

@@ -119,11 +119,11 @@ def test_wandb_writer_logs_each_rows_scalars(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     run = RunContext(name="exp", variant="quick", out_dir=tmp_path, tensorboard=False,
-                     wandb_project="proj", config={"lr": 0.1})
+                     wandb_project="proj", config=ToyConfig(steps=5))
     run.log(3, {"loss": 0.5, "name": "x", "bad": float("inf")})
     run.close()
-    assert calls == [("init", {"project": "proj", "name": "exp-quick", "dir": str(tmp_path / "wandb"),
-                               "config": {"lr": 0.1}}),
+    assert calls == [("init", {"project": "proj", "name": "exp-quick", "dir": str(tmp_path),
+                               "config": {"steps": 5}}),
                      ("log", 3, {"loss": 0.5, "bad": float("inf")}), ("finish",)]
 
 
