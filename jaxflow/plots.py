@@ -22,21 +22,27 @@ def read_metrics(path: str | pathlib.Path) -> list[dict]:
 
 
 def is_counter(key: str, values: Sequence[float]) -> bool:
-    """True when the field ``key`` with these logged ``values`` (in row order) counts or
-    identifies rather than measures, so it is not plotted:
+    """True when the field ``key`` with these logged ``values`` (in row order, as read from the
+    JSON: ints stay ints) counts or identifies rather than measures, so it is not plotted:
 
     - its name is ``step``, ``seed`` or ``epoch``, or ends in ``_index``, ``_seed`` or
       ``_version`` (identifiers); or
-    - every value is a whole number and the values never decrease, except by going back to the
-      first value (a counter restarted per seed or sweep cell: ``rollout`` 1..N, 1..N; a
-      constant flag such as ``sync_bit_exact`` = 1.0 counts too).
+    - every value was logged as an integer (averaged metrics are floats) and the values never
+      decrease, except by going back to the first value (a counter restarted per seed or sweep
+      cell: ``rollout`` 1..N, 1..N; ``tokens_seen``); or
+    - every value is the same whole number (a flag or size that never changed:
+      ``sync_bit_exact`` = 1.0).
 
-    A whole-number series that ever drops below where it was, other than back to its start, is
-    a measurement (e.g. correct answers per batch) and is plotted; so is a ``*_count`` that does.
+    An integer series that drops other than back to its start (correct answers per batch), and
+    any float series that varies, whole-numbered or not (``sync_payload_bytes``), are plotted.
     """
     if key in COUNTER_NAMES or key.endswith(COUNTER_SUFFIXES):
         return True
-    if not values or not all(float(v).is_integer() for v in values):
+    if not values:
+        return False
+    if all(v == values[0] for v in values) and float(values[0]).is_integer():
+        return True
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         return False
     return all(b >= a or b == values[0] for a, b in zip(values, values[1:]))
 

@@ -179,6 +179,8 @@ def test_counter_rule():
     assert is_counter("trainer_version", [0, 3, 1]) and is_counter("seed", [5, 2])  # by name
     assert not is_counter("correct", [0, 3, 1]) and not is_counter("loss", [1.0, 0.5, 0.75])
     assert not is_counter("loss", [2.0, 1.5]) and not is_counter("nonzero_count", [4, 2, 3])
+    assert not is_counter("sync_payload_bytes", [100.0, 200.0, 300.0])  # floats that vary measure
+    assert not is_counter("rollout", [1.0, 2.0, 3.0])  # ... even when they climb like a counter
 
 
 def test_plots_titled_by_experiment_without_counters_integer_step_ticks(tmp_path, monkeypatch):
