@@ -21,7 +21,8 @@
                                (tpu-v5p:4x4x4, gpu-h100x8, ...; jaxflow.compile_only), run
                                nothing; a table, and compile_report.json in the run directory
   --no-tensorboard             no TensorBoard event files (default: under RUN_DIR/tensorboard;
-                               metrics.jsonl is always written, ``jaxflow.metric_writers``)
+                               --resume keeps the run's choice; metrics.jsonl is always written,
+                               ``jaxflow.metric_writers``)
   --wandb PROJECT              also log the metric rows to this W&B project (pip install wandb)
 
 User errors (unknown names, unparsable or out-of-range values, a bad --out or --coordinator, a run
@@ -94,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-only", action="store_true",
                    help="compile every program for --target's chips, run nothing")
     p.add_argument("--target", help="tpu-v5e:2x2 | tpu-v5p:4x4x4 | gpu-h100x8 | ...")
-    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
-                   help="TensorBoard event files under RUN_DIR/tensorboard (default: on)")
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="TensorBoard event files under RUN_DIR/tensorboard (default: on; "
+                        "--resume: as the run had it)")
     p.add_argument("--wandb", metavar="PROJECT", help="also log metrics to this W&B project")
     return p
 
@@ -351,8 +353,8 @@ def _execute(plan: _Plan, started: bool) -> int:
         run = RunContext(name=plan.name, variant=plan.variant, out_dir=out_dir, is_primary=primary,
                          resume=args.resume, seed=contract.config_seed(plan.config), fault=fault,
                          tensorboard=args.tensorboard, wandb_project=args.wandb, config=plan.config)
-        saved_config = {"experiment": plan.name, "variant": plan.variant,
-                        "overrides": plan.overrides, "devices": args.devices, "config": plan.config}
+        saved_config = {"experiment": plan.name, "variant": plan.variant, "overrides": plan.overrides,
+                        "devices": args.devices, "tensorboard": args.tensorboard, "config": plan.config}
         existed = set(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else None
         if args.resume:
             run.write_json_later("config.json", saved_config)  # at the first new metrics row

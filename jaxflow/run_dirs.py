@@ -44,10 +44,13 @@ def read_saved_run(out: epath.Path) -> dict:
 
 def resolve_run(args, out: epath.Path | None) -> tuple[str, str, list[str]]:
     """(experiment, variant, overrides); on --resume read from the run, which must match the
-    flags given and hold something to resume from."""
+    flags given and hold something to resume from. Sets the flags left unset to the run's
+    (``--devices``, ``--tensorboard``; a fresh run: TensorBoard on)."""
     if not args.resume:
         if not args.exp:
             raise UsageError("--exp NAME is required (or --list to see the experiments)")
+        if args.tensorboard is None:
+            args.tensorboard = True
         return args.exp, args.variant or "default", list(args.overrides)
     if out is None:
         raise UsageError("--resume needs --out DIR (the run directory to continue)")
@@ -65,6 +68,8 @@ def resolve_run(args, out: epath.Path | None) -> tuple[str, str, list[str]]:
                          f"would restart at step 0; {fresh_hint(out)}")
     if args.devices is None:
         args.devices = meta.get("devices")
+    if args.tensorboard is None:
+        args.tensorboard = bool(meta.get("tensorboard", True))
     return meta["experiment"], meta["variant"], list(meta["overrides"]) + list(args.overrides)
 
 

@@ -210,3 +210,20 @@ def test_plots_titled_by_experiment_without_counters_integer_step_ticks(tmp_path
     assert seen["loss.png"][0] == "myexp: loss"
     assert all(float(t).is_integer() for t in seen["loss.png"][1]), seen
     assert plot_metrics(run_dir, title="other")[0].exists() and seen["loss.png"][0] == "other: loss"
+
+
+def test_resume_keeps_the_runs_tensorboard_choice(tmp_path, monkeypatch, capsys, toy_experiment):
+    import jaxflow.checkpoint
+    from jaxflow.run_dirs import resolve_run
+
+    assert runner.main(["--exp=toy", "--no-tensorboard", f"--out={tmp_path}"]) == 0
+    assert json.loads((tmp_path / "config.json").read_text())["tensorboard"] is False
+    monkeypatch.setattr(jaxflow.checkpoint, "has_progress", lambda out: True)  # as if checkpointed
+    parse = runner.build_parser().parse_args
+    for flags, expected in (([], False), (["--tensorboard"], True), (["--no-tensorboard"], False)):
+        args = parse(["--resume", f"--out={tmp_path}", *flags])
+        resolve_run(args, runner.run_path(str(tmp_path)))
+        assert args.tensorboard is expected, flags
+    fresh = parse(["--exp=toy"])
+    resolve_run(fresh, None)
+    assert fresh.tensorboard is True
