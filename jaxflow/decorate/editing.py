@@ -21,6 +21,7 @@ import difflib
 
 import jax
 import jax.numpy as jnp
+import Levenshtein
 import numpy as np
 from flax import nnx
 
@@ -75,23 +76,8 @@ def ops_from_edit(source: str, target: str) -> tuple[np.ndarray, int]:
 
 
 def levenshtein(a: str, b: str) -> int:
-    """Character edit distance (insert, delete, substitute, cost 1), numpy row recurrence."""
-    if len(a) < len(b):
-        a, b = b, a
-    if not b:
-        return len(a)
-    bb = np.frombuffer(b.encode("utf-32-le"), np.uint32)
-    prev = np.arange(len(b) + 1, dtype=np.int64)
-    ar = np.arange(len(b) + 1, dtype=np.int64)
-    for i, ca in enumerate(a, 1):
-        sub = prev[:-1] + (bb != ord(ca))
-        cur = np.empty_like(prev)
-        cur[0] = i
-        cur[1:] = np.minimum(sub, prev[1:] + 1)
-        # insertions: cur[j] = min_k<=j cur[k] + (j - k)
-        cur = np.minimum.accumulate(cur - ar) + ar
-        prev = cur
-    return int(prev[-1])
+    """Character edit distance (insert, delete, substitute, cost 1): ``Levenshtein.distance``."""
+    return int(Levenshtein.distance(a, b))
 
 
 def edit_similarity(a: str, b: str) -> float:

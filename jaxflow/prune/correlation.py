@@ -9,50 +9,53 @@ a correlation keeps its sign across model sizes and sparsities.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from scipy import stats
 
-
-def _ranks(v: np.ndarray) -> np.ndarray:
-    order = np.argsort(v, kind="stable")
-    r = np.empty(len(v))
-    r[order] = np.arange(len(v), dtype=np.float64)
-    for value in np.unique(v):
-        same = v == value
-        r[same] = r[same].mean()
-    return r
+from jaxflow.stats import bootstrap_rng_kwargs
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman rank correlation of x [N] and y [N] (average ranks for ties); nan when either
-    side is constant or holds a nan (e.g. the retention of a capability the dense model
-    never solves)."""
+    """Spearman rank correlation of x [N] and y [N] (``scipy.stats.spearmanr``: average ranks
+    for ties); nan when either side is constant or holds a nan (e.g. the retention of a
+    capability the dense model never solves)."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    if np.isnan(x).any() or np.isnan(y).any():
-        return float("nan")
-    rx, ry = _ranks(x), _ranks(y)
-    if rx.std() == 0 or ry.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(rx, ry)[0, 1])
+    with warnings.catch_warnings():  # a constant side: scipy warns, the answer is nan
+        warnings.simplefilter("ignore", stats.ConstantInputWarning)
+        return float(stats.spearmanr(x, y).statistic)
 
 
 def bootstrap_spearman(x: Sequence[float], y: Sequence[float], *, n_boot: int = 2000,
                        level: float = 0.95, seed: int = 0) -> dict[str, float]:
     """Spearman rho of x [N] vs y [N] with a percentile bootstrap interval over the N items.
 
-    Each replicate draws N indices with replacement; replicates where either side is constant
-    (rho undefined) are dropped and counted. Returns {"rho", "lo", "hi", "n", "n_boot",
-    "n_undefined", "p_positive"}: ``p_positive`` is the share of defined replicates with
-    rho > 0 (a bootstrap view of how sure the sign is)."""
+    ``scipy.stats.bootstrap`` (paired: the N (x, y) items are resampled together, with
+    replacement, by ``np.random.default_rng(seed)``) gives the ``n_boot`` replicate rhos;
+    replicates where either side is constant (rho undefined) are dropped and counted, and the
+    interval is the percentile interval of the defined ones (scipy's own interval would be nan
+    as soon as one replicate is). Returns {"rho", "lo", "hi", "n", "n_boot", "n_undefined",
+    "p_positive"}: ``p_positive`` is the share of defined replicates with rho > 0 (a bootstrap
+    view of how sure the sign is)."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     if x.shape != y.shape or x.ndim != 1:
         raise ValueError(f"x and y must be 1-D of one length; got {x.shape} and {y.shape}")
     if not 0 < level < 1:
         raise ValueError(f"level={level!r}: must be in (0, 1)")
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(x), size=(n_boot, len(x)))
-    reps = np.array([spearman(x[i], y[i]) for i in idx])
+    if n_boot < 1:
+        raise ValueError(f"n_boot={n_boot!r}: must be >= 1")
+    if len(x) < 2:  # every replicate is one repeated item: rho undefined (scipy refuses)
+        reps = np.full(n_boot, np.nan)
+    else:
+        with warnings.catch_warnings():  # undefined replicates make scipy's own interval nan
+            warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+            res = stats.bootstrap((x, y), spearman, paired=True, vectorized=False,
+                                  n_resamples=n_boot, confidence_level=level,
+                                  method="percentile",
+                                  **bootstrap_rng_kwargs(np.random.default_rng(seed)))
+        reps = np.asarray(res.bootstrap_distribution, np.float64)
     defined = reps[~np.isnan(reps)]
     tail = (1 - level) / 2
     lo, hi = (np.quantile(defined, [tail, 1 - tail]) if defined.size else (np.nan, np.nan))
