@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 
 from jaxflow.embeddings.lookup import (
     GroupContext,
@@ -70,6 +71,9 @@ class MeshLayout:
     global_batch: int  # B
     axis: str = AXIS
     pooling_backend: str = "xla"  # embeddings.pooling.PoolingBackend value of the bag pooling
+    # the cross-device sums (dense gradients, loss) as all-gather + a left-to-right sum in
+    # device order instead of psum (``all_reduce_sum``; MeshStages sets it on the CPU)
+    ordered_sums: bool = False
 
 
 def split_micro_batches(x: jax.Array, n: int) -> jax.Array:
@@ -270,16 +274,39 @@ def apply_update(lay: MeshLayout, optimizer: SparseOptimizer, dense_state: Train
                  recv_grads: jax.Array, loss: jax.Array):
     """The update: row gradients summed per owner slot (:func:`owner_slot_grads`), the sparse
     optimizer on the owner buffer [Co, D] (and ``owner_opt`` {name: [Co, ...]}) at step
-    ``dense_state.step + 1``; the dense gradient AllReduced (``psum``) and applied by
-    ``dense_state.apply_gradients`` (the same on every device).
+    ``dense_state.step + 1``; the dense gradient AllReduced (:func:`all_reduce_sum`) and
+    applied by ``dense_state.apply_gradients`` (the same on every device).
 
-    Returns ``(dense_state, owner_rows, owner_opt, loss psum'd over the axis)``.
+    Returns ``(dense_state, owner_rows, owner_opt, loss summed over the axis)``.
     """
     step = dense_state.step + 1
     g_rows = owner_slot_grads(lay, owner_inverse, recv_grads)
     new_rows, new_opt = optimizer.apply(owner_rows, g_rows, owner_opt, step)
-    dense_state = dense_state.apply_gradients(jax.lax.psum(g_params, lay.axis))
-    return dense_state, new_rows, new_opt, jax.lax.psum(loss, lay.axis)
+    g_params, loss = all_reduce_sum(lay, (g_params, loss))
+    dense_state = dense_state.apply_gradients(g_params)
+    return dense_state, new_rows, new_opt, loss
+
+
+def all_reduce_sum(lay: MeshLayout, tree: Any) -> Any:
+    """Every leaf summed over the mesh axis (the same on every device): ``psum``, or with
+    ``lay.ordered_sums`` one all-gather of all leaves (raveled together) and
+    ``x_0 + x_1 + ... + x_{P-1}`` in device order.
+
+    ``psum`` on the CPU adds in an order that depends on how the devices are spread over
+    processes (in one process XLA's in-process AllReduce, across processes gloo's ring), so
+    1 x 8 and 2 x 4 devices differ in the last bits. The ordered form is the same arithmetic
+    however the devices are spread (the all-gather only moves data): a 2-process CPU run equals
+    the 1-process one bit for bit. It moves P times the gradient bytes: meant for the small
+    dense models of CPU runs (``MeshStages`` sets it on the CPU only).
+    """
+    if not lay.ordered_sums:
+        return jax.lax.psum(tree, lay.axis)
+    flat, unravel = ravel_pytree(tree)
+    parts = jax.lax.all_gather(flat, lay.axis)  # [P, n]: one collective for every leaf
+    out = parts[0]
+    for i in range(1, lay.num_shards):
+        out = out + parts[i]
+    return unravel(out)
 
 
 # ---- the compute programs ---------------------------------------------------------------------

@@ -5,6 +5,12 @@ at local rows ``off_a + i % R_a`` of the group. The route stage hands each owner
 local rows, sorted — so each table's rows form one contiguous run of them. One host thread per
 shard reads its rows and optimizer state, pads to the owner capacity and puts them on that
 shard's device; a shard that received no ids gets an all-padding buffer.
+
+Across processes (a mesh over several processes' devices) every process holds a full copy of
+the host tables but reads, places and writes back only the owner buffers of its own devices
+(``MeshStages.local_shards``): during a run each process's copy is current in its own shards'
+row blocks only, and ``HostShards.merge`` (at the end of a run, on every process at the same
+point) gathers every block from the process that owns it, so all copies are equal again.
 """
 
 from __future__ import annotations
@@ -56,25 +62,47 @@ class HostShards:
         self._pool.shutdown(wait=True)
 
     def retrieve(self, routed: Routed) -> OwnerBuffer:
-        """Stage 4: every owner's rows (+ optimizer state) into its device's buffer."""
+        """Stage 4: every owner's rows (+ optimizer state) into its device's buffer (this
+        process's owners only when the mesh spans several processes)."""
         st = self.stages
-        parts = list(self._pool.map(
+        local = st.local_shards
+        parts = dict(zip(local, self._pool.map(
             lambda p: _read_shard(st, self.tables, self._opt_template, routed.owner_ids[p],
                                   int(routed.owner_counts[p]), p),
-            range(st.num_shards)))
-        rows = st.from_shards([r for r, _ in parts])
-        opt = {k: st.from_shards([o[k] for _, o in parts]) for k in parts[0][1]}
+            local)))
+        rows = st.from_shards({p: r for p, (r, _) in parts.items()})
+        opt = {k: st.from_shards({p: o[k] for p, (_, o) in parts.items()})
+               for k in self._opt_template}
         return OwnerBuffer(rows, opt, routed.owner_ids, routed.owner_counts)
 
     def write_back(self, buf: OwnerBuffer, rows, opt) -> None:
-        """Stores each owner's updated rows (only its real ones) and optimizer state."""
+        """Stores each owner's updated rows (only its real ones) and optimizer state (this
+        process's owners only when the mesh spans several processes: no collective)."""
         st = self.stages
-        co = st.owner_capacity
-        rows = np.asarray(rows)
-        opt = {k: np.asarray(v) for k, v in opt.items()}
-        for p in range(st.num_shards):
+        rows = st.local_blocks(rows)
+        opt = {k: st.local_blocks(v) for k, v in opt.items()}
+        for p in st.local_shards:
             n = int(buf.owner_counts[p])
-            base = p * co
             for name, pos, table_rows in _table_runs(st, buf.owner_ids[p][:n], p):
-                sl = slice(base + pos.start, base + pos.stop)
-                self.tables[name].write_rows(table_rows, rows[sl], {k: v[sl] for k, v in opt.items()})
+                self.tables[name].write_rows(table_rows, rows[p][pos],
+                                             {k: v[p][pos] for k, v in opt.items()})
+
+    def merge(self) -> None:
+        """Across processes: every table's row blocks from the processes that own them (one
+        all-gather per table), so every process's copy equals the single-process tables. Call
+        it on every process at the same point (no other collective in flight); a no-op in one
+        process."""
+        st = self.stages
+        if not st.multiprocess:
+            return
+        for layout in st.plan.group_tables(st.group.name):
+            table, r = self.tables[layout.spec.name], layout.rows_per_shard
+            values, state = table.to_numpy()
+            v = values.shape[0]
+
+            def pad(a):  # [V, ...] -> [P*R, ...]: block p = rows [p*R, (p+1)*R)
+                return np.concatenate([a, np.zeros((st.num_shards * r - v,) + a.shape[1:],
+                                                   a.dtype)])
+
+            full = st.gather_blocks({"table": pad(values), **{k: pad(a) for k, a in state.items()}})
+            table.load(full.pop("table")[:v], {k: a[:v] for k, a in full.items()})

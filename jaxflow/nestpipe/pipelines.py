@@ -26,6 +26,17 @@
                  collectives of sync plus gradient accumulation, no clustering; NOT FWP (nothing
                  is left to overlap), measured beside it as what the window alone costs.
 
+Across processes (a mesh over several processes' devices, ``MeshStages.multiprocess``): the
+collectives of the programs one process launches are matched with the other processes' in
+launch order (gloo on CPU), so the key routing that a host thread launches for batch t+1
+(stage 3: an All2All) must come at the same point of every process's sequence. There a
+``LaunchOrder`` holds it until the main thread has launched batch t's compute (per step:
+exchange t, compute t, route t+1), costing the overlap of route t+1 (and, for dbp /
+semi_sync, of retrieval t+1) with compute t; stages 1-2 of t+1 still overlap it. In one
+process the thread launches at once, as before. Each process reads and writes back its own
+devices' owner buffers only; ``HostShards.merge`` makes every copy of the tables whole after
+the run (outside the timed wall).
+
 ``run_pipeline`` returns the dense state (tables are updated in place on the host) and per-stage
 timings. A stop signal (``jaxflow.signals``) ends it between two steps, never inside one: an
 abandoned step would leave its compilation running on XLA's threads. On the CPU backend
@@ -35,7 +46,9 @@ overlap is host work (numpy, threads) against XLA compute.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -88,6 +101,37 @@ class Prefetched:
         self.buf, self.routed, self.dev = buf, routed, dev
 
 
+class LaunchOrder:
+    """The host thread's route launch at a fixed point of the main thread's sequence.
+
+    ``enabled`` (several processes): :meth:`wait_turn` (the thread, before it launches stage 3)
+    blocks until the main thread calls :meth:`allow` (after it launched batch t's compute);
+    one allowance per launch. Disabled (one process): nothing waits. :meth:`close` releases a
+    waiting thread with an error (the run is ending; launching then could mismatch the other
+    processes' collectives).
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._turns = threading.Semaphore(0)
+        self._closed = False
+
+    def allow(self) -> None:
+        if self.enabled:
+            self._turns.release()
+
+    def wait_turn(self) -> None:
+        if self.enabled:
+            self._turns.acquire()
+            if self._closed:
+                raise RuntimeError("pipeline ended before this prefetch's route launch")
+
+    def close(self) -> None:
+        if self.enabled:
+            self._closed = True
+            self._turns.release()
+
+
 def _block(tree):
     return jax.block_until_ready(tree)
 
@@ -96,8 +140,10 @@ def _add(times: dict, key: str, dt: float):
     times[key] = times.get(key, 0.0) + dt
 
 
-def prefetch_input(parts: Parts, step: int, times: dict) -> tuple[Routed, DeviceBatch]:
-    """Stages 1-3 for batch ``step`` (load, h2d, key routing), each timed into ``times``."""
+def prefetch_input(parts: Parts, step: int, times: dict,
+                   order: LaunchOrder | None = None) -> tuple[Routed, DeviceBatch]:
+    """Stages 1-3 for batch ``step`` (load, h2d, key routing), each timed into ``times``;
+    ``order``: the route waits for its turn (a host thread, several processes)."""
     st = parts.stages
     t0 = time.perf_counter()
     host = load_batch(parts.gen, step, parts.batch_size)
@@ -106,6 +152,8 @@ def prefetch_input(parts: Parts, step: int, times: dict) -> tuple[Routed, Device
                                                  parts.cluster_method))
     t1 = time.perf_counter()
     dev = _block(to_device(host, st.shard))
+    if order is not None:
+        order.wait_turn()  # not timed: the wait is the schedule's, not stage 3's
     t2 = time.perf_counter()
     routed = st.route(dev.ids)  # fetches owner ids to the host: synchronous
     t3 = time.perf_counter()
@@ -121,13 +169,15 @@ def _retrieve(shards: HostShards, routed: Routed, times: dict) -> OwnerBuffer:
     return buf
 
 
-def prefetch(parts: Parts, shards: HostShards, step: int, times: dict) -> Prefetched:
+def prefetch(parts: Parts, shards: HostShards, step: int, times: dict,
+             order: LaunchOrder | None = None) -> Prefetched:
     """Stages 1-4 for batch ``step``, each timed (seconds added into ``times``)."""
-    routed, dev = prefetch_input(parts, step, times)
+    routed, dev = prefetch_input(parts, step, times, order)
     return Prefetched(_retrieve(shards, routed, times), routed, dev)
 
 
-def _compute(parts: Parts, dense_state, pf: Prefetched, times: dict):
+def _compute(parts: Parts, dense_state, pf: Prefetched, times: dict,
+             launched: LaunchOrder | None = None):
     st = parts.stages
     if st.separate_exchange:
         t0 = time.perf_counter()
@@ -136,8 +186,10 @@ def _compute(parts: Parts, dense_state, pf: Prefetched, times: dict):
     else:
         emb = None  # the frozen window exchanges inside its compute program
     t0 = time.perf_counter()
-    out = _block(st.compute(dense_state, pf.buf, pf.routed, emb, pf.dev.ids, pf.dev.dense,
-                            pf.dev.label))
+    out = st.compute(dense_state, pf.buf, pf.routed, emb, pf.dev.ids, pf.dev.dense, pf.dev.label)
+    if launched is not None:
+        launched.allow()  # the thread's route of the next batch may launch now
+    out = _block(out)
     _add(times, "compute", time.perf_counter() - t0)
     return out
 
@@ -165,6 +217,7 @@ def run_pipeline(schedule: str, parts: Parts, dense_state: TrainState, steps: in
         raise ValueError(f"schedule={schedule!r}; valid: sync, dbp, semi_sync, sparse_dist")
     times, losses, exposed, patched, owner_rows = {}, [], 0.0, 0, 0
     shards = HostShards(parts.stages, parts.tables)
+    order = LaunchOrder(parts.stages.multiprocess)
     wall0 = time.perf_counter()
     try:
         if schedule == "sync":
@@ -177,34 +230,37 @@ def run_pipeline(schedule: str, parts: Parts, dense_state: TrainState, steps: in
                 owner_rows = owner_rows + pf.buf.owner_counts
             exposed = sum(times.get(k, 0.0) for k in HOST_STAGES)
         elif schedule == "sparse_dist":
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nestpipe-input") as pool:
+            with (ThreadPoolExecutor(max_workers=1, thread_name_prefix="nestpipe-input") as pool,
+                  contextlib.closing(order)):
                 thread_times: dict = {}
-                nxt = pool.submit(prefetch_input, parts, start, thread_times)
+                nxt = pool.submit(prefetch_input, parts, start, thread_times, order)
+                order.allow()  # nothing of this run launched yet
                 for t in range(start, start + steps):
                     signals.abandon_if_requested()
                     w0 = time.perf_counter()
                     routed, dev = nxt.result()
-                    nxt = (pool.submit(prefetch_input, parts, t + 1, thread_times)
+                    nxt = (pool.submit(prefetch_input, parts, t + 1, thread_times, order)
                            if t + 1 < start + steps else None)
                     # rows read after t-1's write back: never stale
                     pf = Prefetched(_retrieve(shards, routed, times), routed, dev)
                     exposed += time.perf_counter() - w0
-                    dense_state, rows, opt, loss = _compute(parts, dense_state, pf, times)
+                    dense_state, rows, opt, loss = _compute(parts, dense_state, pf, times, order)
                     _write_back(shards, pf, rows, opt, times)
                     losses.append(loss)
                     owner_rows = owner_rows + pf.buf.owner_counts
                 for k, v in thread_times.items():
                     _add(times, k, v)
         else:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nestpipe-prefetch") as pool:
+            with (ThreadPoolExecutor(max_workers=1, thread_name_prefix="nestpipe-prefetch") as pool,
+                  contextlib.closing(order)):
                 thread_times: dict = {}
                 pf = prefetch(parts, shards, start, times)
                 exposed += sum(times.values())
                 for t in range(start, start + steps):
                     signals.abandon_if_requested()
-                    nxt = (pool.submit(prefetch, parts, shards, t + 1, thread_times)
+                    nxt = (pool.submit(prefetch, parts, shards, t + 1, thread_times, order)
                            if t + 1 < start + steps else None)
-                    dense_state, rows, opt, loss = _compute(parts, dense_state, pf, times)
+                    dense_state, rows, opt, loss = _compute(parts, dense_state, pf, times, order)
                     losses.append(loss)
                     owner_rows = owner_rows + pf.buf.owner_counts
                     if nxt is None:
@@ -229,6 +285,7 @@ def run_pipeline(schedule: str, parts: Parts, dense_state: TrainState, steps: in
     finally:
         shards.close()
     wall = time.perf_counter() - wall0
+    shards.merge()  # several processes: every copy of the tables whole again (not timed)
     stats = {"losses": [float(x) for x in jax.device_get(losses)],
              "stage_seconds": {k: v / steps for k, v in times.items()},
              "exposed_seconds": exposed / steps, "step_seconds": wall / steps,

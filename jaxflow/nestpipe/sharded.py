@@ -115,13 +115,17 @@ class MeshStages:
     ``layout`` (a ``device_stages.MeshLayout``) holds the sizes every stage program reads.
     ``pooling_backend``: the bag pooling of the compute programs (an
     ``embeddings.pooling.PoolingBackend`` value; "auto" = the Pallas kernel on GPU / TPU).
+    ``multiprocess``: None = whether the mesh spans several processes; True in one process
+    runs the multi-process path there (per-shard placement, replicated routing outputs, the
+    launch order, ordered sums on CPU): the same values, for tests.
     """
 
     def __init__(self, specs: list[TableSpec], mesh: Mesh, optimizer: SparseOptimizer,
                  apply: ApplyFn, *, batch_size: int,
                  multi_hot: int, micro_batches: int = 1, capacity: int = 0,
                  bucket_capacity: int = 0, owner_capacity: int = 0,
-                 frozen_exchange: str = "per_micro_batch", pooling_backend: str = "xla"):
+                 frozen_exchange: str = "per_micro_batch", pooling_backend: str = "xla",
+                 multiprocess: bool | None = None):
         self.frozen_exchange = frozen_exchange = check_frozen_exchange(frozen_exchange)
         if tuple(mesh.axis_names) != (AXIS,):
             raise ValueError(f"mesh axes {mesh.axis_names}; NestPipe wants one axis {AXIS!r}")
@@ -150,34 +154,84 @@ class MeshStages:
         self.dim = self.group.dim
         self.global_batch = batch_size
         self._sharded = NamedSharding(mesh, P(AXIS))
+        me, local = jax.process_index(), list(range(p))
+        if jax.process_count() > 1:  # (compile-only meshes of abstract chips: one process)
+            local = [q for q, dev in enumerate(mesh.devices.flat) if dev.process_index == me]
+        self._local = local
+        #: the mesh spans several processes (multi-controller): see ``pipelines.LaunchOrder``
+        self.multiprocess = len(local) < p if multiprocess is None else bool(multiprocess)
         self.layout = MeshLayout(self.plan, self.group.name, tuple(s.name for s in self.specs),
                                  p, micro_batches, self.route_units, self.capacity,
                                  self.bucket_capacity, self.owner_capacity, self.dim, batch_size,
-                                 pooling_backend=pooling_backend)
+                                 pooling_backend=pooling_backend,
+                                 ordered_sums=self._on_cpu(mesh))
         self._build(apply)
+
+    @staticmethod
+    def _on_cpu(mesh: Mesh) -> bool:
+        return next(iter(mesh.devices.flat)).platform == "cpu"
 
     # ---- host <-> device helpers -----------------------------------------------------------
     def shard(self, x):
-        return jax.device_put(x, self._sharded)
+        """``x`` (a pytree of arrays, the same on every process) split over the mesh's axis.
+        Across processes each process places only its own devices' slices (no collective:
+        ``jax.device_put`` of host data onto devices of several processes all-gathers it to
+        check that every process passed the same value)."""
+        if not self.multiprocess:
+            return jax.device_put(x, self._sharded)
+        return jax.tree.map(lambda a: jax.make_array_from_callback(
+            np.shape(a), self._sharded, lambda idx, a=np.asarray(a): a[idx]), x)
 
-    def from_shards(self, parts: list[np.ndarray]) -> jax.Array:
-        """One array per shard (same shape) -> their concatenation, split over the mesh; each
-        part goes straight to its device (no host concat)."""
+    @property
+    def local_shards(self) -> list[int]:
+        """The shard positions (0..P-1) whose devices belong to this process: all of them in one
+        process; with several processes each one reads, places and writes back only these."""
+        return self._local
+
+    def from_shards(self, parts: dict[int, np.ndarray]) -> jax.Array:
+        """``{shard position: array}`` for every shard of :attr:`local_shards` (same shapes) ->
+        the global concatenation over all P shards, split over the mesh; each part goes
+        straight to its device (no host concat)."""
         devices = list(self.mesh.devices.flat)
-        shape = (len(parts) * parts[0].shape[0],) + parts[0].shape[1:]
-        arrays = [jax.device_put(x, d) for x, d in zip(parts, devices)]
+        first = next(iter(parts.values()))
+        shape = (self.num_shards * first.shape[0],) + first.shape[1:]
+        arrays = [jax.device_put(parts[p], devices[p]) for p in self._local]
         return jax.make_array_from_single_device_arrays(shape, self._sharded, arrays)
+
+    def local_blocks(self, x: jax.Array) -> dict[int, np.ndarray]:
+        """A global array split over the mesh (leading dim P*k) -> ``{shard position: its k
+        rows}`` for this process's shards (host copies; no collective)."""
+        k = x.shape[0] // self.num_shards
+        return {s.index[0].start // k if s.index[0].start is not None else 0: np.asarray(s.data)
+                for s in x.addressable_shards}
+
+    def gather_blocks(self, blocks: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Across processes: ``{name: host array [P*k, ...]}`` whose row block p (k rows) is
+        authoritative on the process owning shard p -> the same arrays on every process with
+        every block from its owner (one all-gather program; call it at the same point of the
+        launch sequence on every process)."""
+        glob = {k: jax.make_array_from_callback(v.shape, self._sharded, lambda idx, v=v: v[idx])
+                for k, v in blocks.items()}
+        return {k: np.asarray(v) for k, v in self._replicate(glob).items()}
 
     # ---- the programs ----------------------------------------------------------------------
     def _build(self, apply):
         """Jits the ``shard_map`` programs: each composes the pure stages of ``device_stages``."""
         lay, sh, rep = self.layout, P(AXIS), P()
 
-        def program(fn, in_specs, out_specs):
+        def program(fn, in_specs, out_specs, **jit_kw):
             return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs,
-                                         out_specs=out_specs, check_vma=False))
+                                         out_specs=out_specs, check_vma=False), **jit_kw)
 
-        self._route = program(functools.partial(route_local, lay), (sh,), (sh, sh, sh, sh, rep))
+        # across processes every process needs every owner's distinct rows and counts (the
+        # dual-buffer patch and the per-owner figures): the route program returns them
+        # replicated (an all-gather inside it, no second program); one process fetches them
+        split, replicated = self._sharded, NamedSharding(self.mesh, P())
+        route_kw = ({"out_shardings": (split, split, replicated, replicated, replicated)}
+                    if self.multiprocess else {})
+        self._route = program(functools.partial(route_local, lay), (sh,), (sh, sh, sh, sh, rep),
+                              **route_kw)
+        self._replicate = jax.jit(lambda x: x, out_shardings=replicated)
         self._exchange = program(functools.partial(exchange_local, lay), (sh, sh, sh), sh)
         out = (rep, sh, sh, rep)  # dense state, owner rows, owner opt, loss
         if self.separate_exchange:  # one routed unit: the exchange is a program of its own
