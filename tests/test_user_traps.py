@@ -1,4 +1,4 @@
-"""The traps a notebook user hit composing the README's APIs (issue 39), each closed and tested:
+"""The traps a notebook user hit composing the README's APIs, each closed and tested:
 per-token log-probs of a live model (``jaxflow.models.token_logprobs``, the RL code's
 numbers), masks of any dtype (the sampler's float32 ``out.mask`` straight into the losses),
 ``save_pretrained`` writing the tokenizer, ``from_pretrained`` taking jnp / numpy dtypes, and

@@ -1,5 +1,5 @@
-"""Decoder-only LM (flax nnx), its jitted KV-cache sampler, and Hugging Face checkpoints in
-and out (Llama-3, Qwen3, Qwen3-MoE)."""
+"""Decoder-only LM (flax nnx), its jitted KV-cache sampler, per-token log-probs of a sequence
+(``token_logprobs``), and Hugging Face checkpoints in and out (Llama-3, Qwen3, Qwen3-MoE)."""
 from jaxflow.models.architectures import CheckpointError, config_from_hf, hf_config_from
 from jaxflow.models.hf_checkpoint import from_pretrained, load_hf_params, save_pretrained
 from jaxflow.models.kv_cache import KVCache

@@ -2,10 +2,11 @@
 computes): ``token_logprobs(model, tokens)``.
 
 It composes the same two pieces the GRPO trainer uses (:func:`jaxflow.rl.grpo.response_hidden`
-then :func:`jaxflow.rl.logprobs.fused_logprobs`): the model's final hidden states and its LM
-head, with the log-softmax taken by ``fused_logprobs`` (f32 logits ``(hidden @ head) / T``,
-never holding [B, T, V] logits on the fused backends). So a response's log-probs read off
-``token_logprobs(model, prompt ++ response)`` are the trainer's ``old_stats(...).logp``.
+then :func:`jaxflow.models.fused_logprobs.fused_logprobs`, also ``jaxflow.rl.fused_logprobs``):
+the model's final hidden states and its LM head, with the log-softmax taken by
+``fused_logprobs`` (f32 logits ``(hidden @ head) / T``, never holding [B, T, V] logits on the
+fused backends). So a response's log-probs read off ``token_logprobs(model, prompt ++
+response)`` are the trainer's ``old_stats(...).logp``, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from jaxflow.models.fused_logprobs import fused_logprobs
 
 
 def predicted_mask(tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
@@ -63,8 +66,6 @@ def token_logprobs(model: Any, tokens: jax.Array, *, positions: jax.Array | None
       ValueError: tokens not [B, T >= 2] integers, positions / segment_ids of another shape,
         or temperature <= 0 (each naming the value).
     """
-    from jaxflow.rl.logprobs import fused_logprobs  # jaxflow.rl imports jaxflow.models
-
     if not hasattr(tokens, "shape") or len(tokens.shape) != 2 or tokens.shape[1] < 2:
         raise ValueError(f"tokens shape {getattr(tokens, 'shape', None)}; valid: [B, T] with "
                          "T >= 2 (position t is scored from positions < t)")

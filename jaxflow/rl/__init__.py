@@ -7,6 +7,7 @@ Modules (one idea each):
   advantages    GRPO group normalisation (with / without std), RLOO, SA-GCPO's target gate
   reward_mapping  unified reward: several business rewards -> one scalar, per-scenario weights
   logprobs      fused log-probs from hidden states + LM head, never holding [B, T, V] logits
+  masks         as_bool_mask: response masks of any bool / numeric dtype as bool (nonzero = True)
   exact_gradient  exact moments of the gradient estimators on an enumerable toy policy
   tasks         verifiable tasks (prompt source + score): addition, countdown
   rollout       G responses per prompt on the rollout sub-mesh; train/inference mismatch knobs
@@ -39,6 +40,7 @@ from jaxflow.rl.grpo import (
     update_step,
 )
 from jaxflow.rl.logprobs import FusedLogprobsOutput, LogprobBackend, fused_logprobs
+from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.policy_loss import AGGS, ALGOS, CORRECTIONS, DEFAULT_CLIP_EPS, PolicyLossConfig, policy_loss, sapo_gate
 from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.reward_mapping import unified_reward
@@ -58,7 +60,7 @@ from jaxflow.rl.warm_start import load_pretrained_params
 
 __all__ = [
     "AGGS", "ALGOS", "CORRECTIONS", "DEFAULT_CLIP_EPS",
-    "PolicyLossConfig", "policy_loss", "sapo_gate",
+    "PolicyLossConfig", "policy_loss", "sapo_gate", "as_bool_mask",
     "sis_accept", "sis_log_envelope", "sis_log_ratio", "sis_uniforms",
     "tis_weights", "mis_weights", "rs_keep_mask",
     "grpo_advantages", "rloo_advantages", "sa_gcpo_advantages", "zero_positive_below_target",
