@@ -65,7 +65,8 @@ class SampleOutput(NamedTuple):
               actually drawn from: log_softmax(logits / T), restricted and renormalised to
               the top-k / top-p set when those are on. For greedy (T = 0) it is
               log_softmax(raw logits)[token]. 0 where mask == 0.
-    mask:     [B, N] float32, 1 for generated tokens up to and including the first eos.
+    mask:     [B, N] float32, 1 for generated tokens up to and including the first eos
+              (the losses take it as is: any mask dtype, nonzero = True).
     lengths:  [B] int32, number of generated tokens (including eos) = mask.sum(-1).
     """
 
