@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxflow.models import lora
 from jaxflow.models.attention import (
     apply_rope,
     cache_causal_mask,
@@ -74,7 +75,7 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """Multi-head (grouped-query) self-attention with RoPE; projections without bias."""
 
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
         d, h, k, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
         pdt = config.params_dtype
         out_std = (h * hd) ** -0.5 / math.sqrt(2 * config.n_layers)
@@ -82,6 +83,7 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (d, k, hd), d**-0.5, ("embed", "kv_heads", "head_dim"), pdt)
         self.wv = _param(rngs, (d, k, hd), d**-0.5, ("embed", "kv_heads", "head_dim"), pdt)
         self.wo = _param(rngs, (h, hd, d), out_std, ("heads", "head_dim", "embed"), pdt)
+        lora.attach(self, config.lora, layer, "attn")  # no-op unless config.lora.rank > 0
         if config.qk_norm:
             self.q_norm = RMSNorm(config, hd)
             self.k_norm = RMSNorm(config, hd)
@@ -100,9 +102,9 @@ class Attention(nnx.Module):
         Public so other attention implementations (segment-id Pallas kernels, pruning hooks)
         can reuse this layer's projections."""
         dt = self.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        q = jnp.einsum("btd,dhk->bthk", x, lora.weight(self, "wq").astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, lora.weight(self, "wk").astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x, lora.weight(self, "wv").astype(dt))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = np.asarray(self.rope_inv_freq, np.float32)
@@ -112,7 +114,7 @@ class Attention(nnx.Module):
 
     def project_out(self, attn: jax.Array) -> jax.Array:
         """Output projection: attn [B, T, n_heads, head_dim] -> [B, T, d]."""
-        return jnp.einsum("bthk,hkd->btd", attn, self.wo[...].astype(self.dtype))
+        return jnp.einsum("bthk,hkd->btd", attn, lora.weight(self, "wo").astype(self.dtype))
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
         """Attention under an explicit mask [B, T, T] (XLA reference): x [B, T, d] -> [B, T, d]."""
@@ -142,19 +144,20 @@ class Attention(nnx.Module):
 class SwiGLU(nnx.Module):
     """down(silu(x @ gate) * (x @ up)), no biases."""
 
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
         d, f, pdt = config.d_model, config.d_ff, config.params_dtype
         self.w_gate = _param(rngs, (d, f), d**-0.5, ("embed", "mlp"), pdt)
         self.w_up = _param(rngs, (d, f), d**-0.5, ("embed", "mlp"), pdt)
         self.w_down = _param(rngs, (f, d), f**-0.5 / math.sqrt(2 * config.n_layers),
                              ("mlp", "embed"), pdt)
         self.dtype = config.compute_dtype
+        lora.attach(self, config.lora, layer, "mlp")  # no-op unless config.lora.rank > 0
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        gate = x @ self.w_gate[...].astype(dt)
-        up = x @ self.w_up[...].astype(dt)
-        return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(dt)
+        gate = x @ lora.weight(self, "w_gate").astype(dt)
+        up = x @ lora.weight(self, "w_up").astype(dt)
+        return (jax.nn.silu(gate) * up) @ lora.weight(self, "w_down").astype(dt)
 
 
 class Block(nnx.Module):
@@ -163,10 +166,10 @@ class Block(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
         self.attn_norm = RMSNorm(config)
-        self.attn = Attention(config, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs, layer=layer)
         self.mlp_norm = RMSNorm(config)
         self.is_moe = config.is_moe_layer(layer)
-        self.mlp = MoE(config, rngs=rngs) if self.is_moe else SwiGLU(config, rngs=rngs)
+        self.mlp = MoE(config, rngs=rngs) if self.is_moe else SwiGLU(config, rngs=rngs, layer=layer)
 
     def forward(self, x, positions, segment_ids, *, attention: str | None = None,
                 interpret: bool = False) -> tuple[jax.Array, MoEStats | None]:

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflow.models.attention_backends import ATTENTION_BACKENDS
+from jaxflow.models.lora import TARGETS as LORA_TARGETS
+from jaxflow.models.lora import LoraConfig
 from jaxflow.models.moe import MOE_IMPLS
 from jaxflow.models.rope import RopeScaling
 
@@ -72,6 +74,8 @@ class TransformerConfig:
     # architecture, weights and tokenizer instead (jaxflow.models.pretrained). The model
     # itself never reads it.
     hf_path: str = ""
+    # Low-rank adapters on the blocks' projections (jaxflow.models.lora); rank 0 = off.
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -127,6 +131,12 @@ class TransformerConfig:
         if self.scan_layers and self.n_experts:
             raise ValueError(f"TransformerConfig.scan_layers=True needs a dense model (every "
                              f"layer alike); got n_experts={self.n_experts}")
+        if not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"TransformerConfig.lora={self.lora!r}: need a LoraConfig")
+        mlp_targets = [t for t in self.lora.targets if LORA_TARGETS[t][0] == "mlp"]
+        if self.lora.enabled and self.n_experts and mlp_targets:
+            raise ValueError(f"TransformerConfig.lora.targets={self.lora.targets!r}: an MoE model "
+                             f"takes attention adapters only; drop {', '.join(mlp_targets)}")
         if self.remat_policy != REMAT_POLICIES[0] and not self.remat:
             raise ValueError(f"TransformerConfig.remat_policy={self.remat_policy!r} needs "
                              "remat=True (it says what a rematerialised block keeps)")

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxflow.config import require_finite, require_positive, require_range
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules, jit_on, shardings_from_logical
+from jaxflow.models import lora
 from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
 from jaxflow.train.state import TrainState
 
@@ -57,6 +58,13 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     )
 
 
+def model_optimizer(tx: optax.GradientTransformation,
+                    model_cfg: TransformerConfig) -> optax.GradientTransformation:
+    """``tx`` as it trains ``model_cfg``'s params: itself, or with LoRA on the adapters only
+    (:func:`jaxflow.models.lora.trainable_only`: no moments and zero updates for the base)."""
+    return lora.trainable_only(tx) if model_cfg.lora.enabled else tx
+
+
 @dataclasses.dataclass(frozen=True)
 class LMFunctions:
     """The model's static half: ``graphdef`` + abstract params, and how to rebuild the model."""
@@ -72,8 +80,9 @@ class LMFunctions:
         return state
 
     def model(self, params: Any) -> Transformer:
-        """The nnx model for a pure-dict ``params`` (inside or outside jit)."""
-        return nnx.merge(self.graphdef, self.nnx_state(params))
+        """The nnx model for a pure-dict ``params`` (inside or outside jit). With LoRA adapters
+        in ``params`` the base leaves are behind ``stop_gradient`` (:func:`jaxflow.models.lora.freeze_base`)."""
+        return nnx.merge(self.graphdef, self.nnx_state(lora.freeze_base(params)))
 
     def abstract_params(self) -> Any:
         """Pure-dict ``jax.ShapeDtypeStruct`` leaves with their trainer shardings (what

@@ -30,6 +30,7 @@ from jaxflow.train.lm_state import (
     lm_functions,
     make_optimizer,
     make_train_step,
+    model_optimizer,
 )
 from jaxflow.train.loop import run_steps
 from jaxflow.train.state import TrainState
@@ -77,7 +78,7 @@ def build_train_step(config, mesh: Mesh) -> PretrainStep:
     """The train step ``pretrain`` runs for ``config`` on ``mesh`` (its devices may be abstract
     topology devices: nothing is allocated), built by :func:`make_train_step`."""
     fns = lm_functions(config.model, mesh, RULES)
-    tx = make_optimizer(config.optim, config.train.steps)
+    tx = model_optimizer(make_optimizer(config.optim, config.train.steps), config.model)
     shardings = TrainState.shardings(tx, fns.abstract_params(), fns.param_shardings)
     batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), RULES, mesh))
     return PretrainStep(mesh, fns, tx, shardings, batch_sharding,

@@ -148,5 +148,6 @@ def opt_state_shardings(tx: optax.GradientTransformation, params: Any, param_sha
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
-                                 transform_non_params=lambda _: replicated)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  (optax.masked / multi_transform)
+    return optax.tree_map_params(tx, lambda p, s: p if masked(p) else s, abstract_opt, param_shardings,
+                                 transform_non_params=lambda _: replicated, is_leaf=masked)
