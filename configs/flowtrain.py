@@ -12,6 +12,13 @@ another count):
     python -m jaxflow.run --exp=flowtrain --variant=quick --set flow.run_ahead=1
     python -m jaxflow.run --exp=flowtrain --variant=full --compile-only --target=tpu-v5p:4x4x4
 
+Across processes (``--coordinator`` / ``--num-processes`` / ``--process-id``, one per host) the
+same run spans the global device set: each process gives the encoder and the backbone the same
+number of its own devices (jaxflow.mesh.process_role_meshes), so the allocator only considers
+encoder counts that are multiples of the process count, and it picks process 0's measured
+split on every process. 2 processes x 4 CPU devices give the figures of 1 x 8 (the losses
+within f32 rounding: gloo sums the cross-process all-reduces in another order).
+
 ``full`` is the production size: a ViT-L/14 encoder (24 blocks, width 1024, 16 heads, SwiGLU MLP
 4096; grayscale digits at 112-336 px, so 64-576 patches per image, a 336 px image like
 ViT-L/14-336) feeding Meta-Llama-3-8B (its config.json, vocabulary included; the character

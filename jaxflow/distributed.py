@@ -221,3 +221,97 @@ def global_batch(np_batch: dict, sharding) -> dict:
         k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
         for k, v in np_batch.items()
     }
+
+
+_AGREE_COUNTS: dict[str, int] = {}
+_AGREE_LOCK = threading.Lock()
+
+
+def agree(name: str, value: float | int, *, timeout_s: float = 600.0) -> float | int:
+    """Process 0's ``value`` on every process (one process: ``value`` itself).
+
+    For decisions taken from a clock (which split or mode is fastest): each process measures
+    its own, but all must then run the same programs. The n-th call with ``name`` on each
+    process returns process 0's n-th value for ``name``, through the coordination service's
+    key-value store (no device collective, so a thread may call it while others run programs).
+
+    Raises:
+      TypeError: ``value`` is neither an int nor a float.
+    """
+    import numpy as np
+
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"agree({name!r}, {value!r}): an int or a float")
+    if jax.process_count() == 1:
+        return value
+    from jax._src import distributed as _jd  # the live coordination-service client
+
+    with _AGREE_LOCK:
+        n = _AGREE_COUNTS[name] = _AGREE_COUNTS.get(name, -1) + 1
+    key, client = f"jaxflow/agree/{name}/{n}", _jd.global_state.client
+    if jax.process_index() == 0:
+        is_int = isinstance(value, (int, np.integer))
+        client.key_value_set(key, f"i{int(value)}" if is_int else f"f{float(value)!r}")
+        return value
+    text = client.blocking_key_value_get(key, int(timeout_s * 1000))
+    return int(text[1:]) if text[0] == "i" else float(text[1:])
+
+
+def connect_collectives(mesh) -> None:
+    """Sets up ``mesh``'s cross-process collectives now (multi-process CPU runs; else nothing).
+
+    gloo connects the processes of a device group the first time a program reduces over it and
+    gives them 30 s to meet; a process still compiling a large program (minutes on a loaded
+    host) misses that and the run fails ("Gloo context initialization failed: Connect
+    timeout"). Once connected, a collective waits as long as XLA's collective timeout. So every
+    process runs one tiny all-reduce over the whole mesh and over each of its axes (the groups
+    data- and tensor-parallel programs reduce over) right after building the mesh, when the
+    processes are in step. Every process must call it for the same meshes in the same order.
+    """
+    if jax.process_count() == 1 or mesh.devices.flat[0].platform != "cpu":
+        return
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    names = tuple(mesh.axis_names)
+    spec = P(*names)
+    groups = [names] + [(a,) for a in names if len(names) > 1 and mesh.shape[a] > 1]
+
+    def body(x):
+        return tuple(jax.lax.psum(x, g) for g in groups)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec,
+                               out_specs=tuple(spec for _ in groups), check_vma=False))
+    x = jax.device_put(np.ones(mesh.devices.shape, np.float32), NamedSharding(mesh, spec))
+    jax.block_until_ready(fn(x))
+
+
+def put(tree, shardings):
+    """``jax.device_put`` of host data that holds the same value on every process, without
+    JAX's cross-process equality check.
+
+    ``jax.device_put`` of a numpy array onto a sharding that spans several processes first
+    all-gathers it over every device to check that the processes agree: a collective, started
+    by whichever thread places data, which interleaves with other threads' collectives in a
+    different order on each process (gloo then fails with "Received data size doesn't match").
+    Here each process puts its own devices' slices (``jax.make_array_from_callback``). Fully
+    addressable shardings, and arrays already on the target's device set, go to
+    ``jax.device_put``.
+
+    Args:
+      tree: a pytree of numpy arrays / scalars / jax Arrays.
+      shardings: one ``jax.sharding.Sharding`` for every leaf, or a matching pytree of them.
+    """
+    import numpy as np
+
+    def one(x, s):
+        if s.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            return jax.device_put(x, s)
+        x = np.asarray(x)
+        x = x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
+        return jax.make_array_from_callback(x.shape, s, lambda idx: np.asarray(x[idx]))
+
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: one(x, shardings), tree)
+    return jax.tree.map(one, tree, shardings)

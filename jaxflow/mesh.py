@@ -155,6 +155,56 @@ def role_meshes(
     return out
 
 
+def process_role_meshes(
+    roles: Mapping[str, int],
+    axes: Mapping[str, Mapping[str, int]] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> dict[str, Mesh]:
+    """:func:`role_meshes` that spans every process alike (multi-controller JAX).
+
+    Every process runs each program whose mesh holds one of its devices, and only those; a
+    role on one process's devices would leave the others out of its programs, and JAX moves
+    arrays across processes only between shardings of one device set. So across P processes
+    each process gives ``count / P`` of its own devices to each role, in ``roles`` order
+    (process 0's block, then process 1's, ... within a role's mesh): every role spans every
+    process and host data placed on it arrives on every process's own devices; each mesh's
+    cross-process collectives are connected at once (:func:`jaxflow.distributed.connect_collectives`,
+    so every process must build the same meshes in the same order). One process: exactly
+    :func:`role_meshes`.
+
+    Raises:
+      MeshError: a role's count is not a multiple of the process count, or a process has too
+        few devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if jax.process_count() == 1:
+        return role_meshes(roles, axes, devices)
+    groups: dict[int, list] = {}
+    for d in devices:
+        groups.setdefault(d.process_index, []).append(d)
+    n_proc = len(groups)
+    counts = resolve_axis_sizes(dict(roles), len(devices)) if -1 in roles.values() else dict(roles)
+    bad = {r: c for r, c in counts.items() if c % n_proc}
+    if bad:
+        raise MeshError(f"roles {bad} across {n_proc} processes: each role needs a multiple of "
+                        f"{n_proc} devices (the same count on every process)")
+    need = sum(counts.values()) // n_proc
+    if any(len(g) < need for g in groups.values()):
+        raise MeshError(f"roles {dict(counts)} need {need} devices per process; processes have "
+                        f"{[len(g) for g in groups.values()]}")
+    out, start = {}, 0
+    for role, count in counts.items():
+        k = count // n_proc
+        out[role] = make_mesh((axes or {}).get(role, {"data": -1}),
+                              [d for g in groups.values() for d in g[start:start + k]])
+        start += k
+    from jaxflow.distributed import connect_collectives
+
+    for mesh in out.values():
+        connect_collectives(mesh)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RolesConfig:
     """Devices per RL role (the RL experiments' ``roles``): ``rollout_devices`` for the

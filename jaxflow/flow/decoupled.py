@@ -12,6 +12,15 @@ Strict (``run_ahead=0``, default): the producer encodes step k only after the en
 of step k-1, so each update equals the monolithic one for the same samples. ``run_ahead=d``
 lets the encoder run up to d steps ahead; the gradients it then receives were computed from
 embeddings of parameters ``staleness`` updates old (reported per step).
+
+Across processes (multi-controller JAX, both sub-meshes spanning every process, see
+``jaxflow.main.flowtrain._split_meshes``) each process runs this same producer / consumer pair,
+and the encoder sub-mesh's programs must start in the same order on every process: the
+hand-offs are gathers on each side's own devices (``jaxflow.distributed.to_host``), and with
+``run_ahead=d > 0`` the consumer applies the encoder update of block step k only after the
+producer has encoded block step k + d (or its last), so the order is fwd 0..d, update 0,
+fwd d+1, update 1, ... on every process (staleness exactly min(k, d)). Strict mode is ordered
+by its data dependencies already.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxflow.distributed import put, to_host
 from jaxflow.flow.batching import (
     PackingConfig,
     encoder_patches,
@@ -48,11 +58,11 @@ def row_sharding(mesh, axis: str = "data") -> NamedSharding:
 def put_rows(arrays: dict, mesh, axis: str = "data") -> dict:
     """Host arrays -> device arrays sharded over their leading (row) dimension."""
     sharding = row_sharding(mesh, axis)
-    return {k: jax.device_put(v, sharding) for k, v in arrays.items()}
+    return {k: put(v, sharding) for k, v in arrays.items()}
 
 
 def put_replicated(x, mesh):
-    return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    return put(x, NamedSharding(mesh, PartitionSpec()))
 
 
 def abstract_rows(arrays: dict, mesh, axis: str = "data") -> dict:
@@ -124,6 +134,9 @@ class DecoupledTrainer:
         self._cond = threading.Condition()
         self.version = 0  # encoder updates applied
         self._inflight: dict[int, tuple] = {}
+        # Across processes the encoder's programs start in one fixed order (module doc).
+        self._ordered = jax.process_count() > 1 and run_ahead > 0
+        self._encoded = -1  # block index of the last step the producer encoded (this run)
         self._error: BaseException | None = None
         self.timers = {"encoder_fwd_s": 0.0, "backbone_s": 0.0, "encoder_bwd_s": 0.0}
 
@@ -173,10 +186,12 @@ class DecoupledTrainer:
                 t0 = time.perf_counter()
                 patches = encoder_patches(samples, self.sides.vit, self.enc_rows)
                 flat, vjp_fn = self._encode(params, put_rows(patches.arrays(), self.enc_mesh))
-                flat = np.asarray(flat)
+                flat = to_host(flat)  # a gather on the encoder's devices, every process
                 self.timers["encoder_fwd_s"] += time.perf_counter() - t0
                 with self._cond:
                     self._inflight[step] = (vjp_fn, patches, version, flat.shape)
+                    self._encoded = k
+                    self._cond.notify_all()
                 for s, emb in zip(samples, pool_entries(samples, patches, flat)):
                     self.pool.put(s.uid, (emb, version))
         except PoolClosed:
@@ -189,9 +204,11 @@ class DecoupledTrainer:
 
     # -- consumer ----------------------------------------------------------------------
 
-    def _consume(self, bb_state: TrainState, step: int, samples: list) -> tuple[TrainState, dict]:
+    def _consume(self, bb_state: TrainState, step: int, samples: list, index: int = 0,
+                 n_steps: int = 1) -> tuple[TrainState, dict]:
         """One training step of the backbone (its state passed along) and of the encoder (its
-        state ``self.enc_state``, shared with the producer under ``self._cond``)."""
+        state ``self.enc_state``, shared with the producer under ``self._cond``); ``index`` of
+        ``n_steps``: its place in the current ``run`` (the cross-process launch order)."""
         got = self.pool.take_many([s.uid for s in samples])
         t0 = time.perf_counter()
         embs = [got[s.uid][0] for s in samples]
@@ -202,11 +219,16 @@ class DecoupledTrainer:
         bb_state, d_buffer, metrics = self._bb_step(
             bb_state, put_replicated(buffer, self.bb_mesh),
             put_rows(layout.rows, self.bb_mesh), put_replicated(denom, self.bb_mesh))
-        d_buffer = np.asarray(d_buffer)
+        d_buffer = to_host(d_buffer)
         t1 = time.perf_counter()
         self.timers["backbone_s"] += t1 - t0
 
         with self._cond:
+            if self._ordered:  # see the module doc: the same encoder launch order everywhere
+                last = min(index + self.run_ahead, n_steps - 1)
+                self._cond.wait_for(lambda: self._encoded >= last or self._error is not None)
+                if self._error is not None:
+                    raise PoolClosed("the encoder producer failed")
             vjp_fn, patches, version, flat_shape = self._inflight.pop(step)
         cot = scatter_cotangent(samples, patches, d_buffer, flat_shape)
         enc_state, enc_norm = self._enc_update(self.enc_state, vjp_fn,
@@ -228,13 +250,19 @@ class DecoupledTrainer:
         The consumer is :func:`jaxflow.train.loop.run_steps` over the backbone state; each
         row is one step's result (metrics, layout, staleness)."""
         steps = list(steps)
+        need = (self.run_ahead - 1) * max((len(s) for _, s in steps), default=0)
+        if self._ordered and self.pool.capacity < need:
+            raise ValueError(f"flow.pool_capacity={self.pool.capacity} across processes with "
+                             f"run_ahead={self.run_ahead}: the encoder must be able to run "
+                             f"{self.run_ahead} steps ahead; valid: >= {need}")
+        self._encoded = -1
         producer = threading.Thread(target=self._produce, args=(steps, self.version),
                                     name="flow-encoder", daemon=True)
         producer.start()
 
         def step_fn(bb_state, k):
             try:
-                return self._consume(bb_state, *steps[k])
+                return self._consume(bb_state, *steps[k], k, len(steps))
             except PoolClosed:
                 raise RuntimeError("the encoder producer failed") from self._error
 

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from jaxflow.distributed import put, to_host
 from jaxflow.flow.vit import ViTConfig, ViTEncoder
 from jaxflow.flow.vlm import (
     AttentionBackend,
@@ -60,10 +61,12 @@ class Sides:
     def place(self, enc_state: TrainState, bb_state: TrainState) -> tuple[TrainState, TrainState]:
         """Fresh device copies of (host or device) states in these sides' state shardings, with
         these sides' optimizers (the states may come from other ``Sides`` of the same configs)."""
-        return (jax.device_put(jax.tree.map(np.array, enc_state.replace(tx=self.enc_tx)),
-                               self.enc_state_shardings),
-                jax.device_put(jax.tree.map(np.array, bb_state.replace(tx=self.bb_tx)),
-                               self.bb_state_shardings))
+        def host(x):  # also a state on other processes' devices: gathered on every process
+            return np.array(to_host(x))
+
+        return (put(jax.tree.map(host, enc_state.replace(tx=self.enc_tx)),
+                    self.enc_state_shardings),
+                put(jax.tree.map(host, bb_state.replace(tx=self.bb_tx)), self.bb_state_shardings))
 
     def init(self, key: jax.Array) -> tuple[TrainState, TrainState]:
         k_enc, k_bb = jax.random.split(key)

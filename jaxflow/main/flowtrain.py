@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxflow.compile_only.program import Program
+from jaxflow.distributed import agree, connect_collectives, put, to_host
 from jaxflow.experiment import RunContext
 from jaxflow.flow.allocator import Allocation, ParallelConfig, allocate, candidates, measure_throughput
 from jaxflow.flow.batching import encoder_patches, eval_layout, layout_rows, pooled_image_base
@@ -35,7 +36,7 @@ from jaxflow.flow.packing import CostModel
 from jaxflow.flow.programs import monolithic_programs, split_programs, step_flops
 from jaxflow.flow.steps import Sides, build_sides, make_backbone_step, make_encoder_fns, make_eval_step
 from jaxflow.flow.vlm import bucket, resolve_backend
-from jaxflow.mesh import MeshError, experiment_devices, make_mesh, role_meshes
+from jaxflow.mesh import MeshError, experiment_devices, make_mesh, process_role_meshes
 from jaxflow.models.transformer import param_count
 from jaxflow.train.state import TrainState
 
@@ -43,37 +44,66 @@ MODES = ("monolithic_padded", "monolithic_packed", "decoupled")
 
 
 def _host_copy(state: TrainState) -> TrainState:
-    return jax.tree.map(np.array, state)
+    """Numpy copy of a (possibly multi-process) device state, the same on every process."""
+    return jax.tree.map(lambda x: np.array(to_host(x)), state)
 
 
 def _split_meshes(encoder: int, backbone: int, model: int = 1, devices=None):
     """Disjoint sub-meshes: encoder data-parallel; backbone data x model (tensor) parallel.
-    On a single device both sides share it (colocated)."""
+    On a single device both sides share it (colocated).
+
+    Across processes (:func:`jaxflow.mesh.process_role_meshes`) each process gives
+    ``encoder / P`` of its devices to the encoder and ``backbone / P`` to the backbone, so both
+    sub-meshes span every process alike: each process launches every program of both sides in
+    the same order, the hand-offs (encoder output to the host, d loss / d embeddings back) are
+    gathers on the side's own devices followed by host-to-device puts, and tensor-parallel
+    groups stay within a process when ``model`` divides ``backbone / P``. (A side on one
+    process's devices would need MPMD, programs launched by only some processes, and a
+    cross-process activation transfer, which JAX's CPU and GPU runtimes do not do between
+    different device sets.) One process: the first ``encoder`` devices, then ``backbone``.
+
+    Raises:
+      MeshError: across P processes, ``encoder`` or ``backbone`` is not a multiple of P.
+    """
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) == 1:
         mesh = make_mesh({"data": 1}, devices)
         return {"encoder": mesh, "backbone": mesh}
-    return role_meshes({"encoder": encoder, "backbone": backbone},
-                       axes={"encoder": {"data": encoder},
-                             "backbone": {"data": backbone // model, "model": model}},
-                       devices=devices)
+    return process_role_meshes({"encoder": encoder, "backbone": backbone},
+                               axes={"encoder": {"data": encoder},
+                                     "backbone": {"data": backbone // model, "model": model}},
+                               devices=devices)
 
 
-def split_candidates(config, n_dev: int) -> tuple[list[ParallelConfig], list[ParallelConfig]]:
+def split_candidates(config, n_dev: int, processes: int = 1
+                     ) -> tuple[list[ParallelConfig], list[ParallelConfig]]:
     """(encoder, backbone) allocator candidates on ``n_dev`` devices: the configured encoder
-    counts that leave the backbone a device; on one device the single colocated pair.
+    counts that leave the backbone a device; on one device the single colocated pair. Across
+    ``processes`` processes only the counts that both sides split evenly over them
+    (:func:`_split_meshes`).
 
     Raises:
-      MeshError: no configured encoder count fits ``n_dev`` devices.
+      MeshError: no configured encoder count fits ``n_dev`` devices (and ``processes``).
     """
     if n_dev == 1 and not config.flow.encoder_devices:
         return [ParallelConfig(1)], [ParallelConfig(1)]
+
+    def even(e: int) -> bool:
+        return e % processes == 0 and (n_dev - e) % processes == 0
+
     if config.flow.encoder_devices:
-        return candidates(n_dev, [config.flow.encoder_devices], (1,))
-    fit = [e for e in config.allocator.encoder_candidates if 1 <= e < n_dev]
+        e = config.flow.encoder_devices
+        if not even(e):
+            raise MeshError(f"flow.encoder_devices={e} across {processes} processes x "
+                            f"{n_dev // processes} devices; valid: a multiple of {processes} "
+                            f"in 1..{n_dev - 1}")
+        return candidates(n_dev, [e], (1,))
+    fit = [e for e in config.allocator.encoder_candidates if 1 <= e < n_dev and even(e)]
     if not fit:
+        per = f" split evenly over {processes} processes" if processes > 1 else ""
         raise MeshError(f"allocator.encoder_candidates={config.allocator.encoder_candidates}: none "
-                        f"leaves the backbone a device of {n_dev}; valid: counts in 1..{n_dev - 1}")
+                        f"leaves the backbone a device of {n_dev}{per}; valid: counts in "
+                        f"1..{n_dev - 1}" + (f" that are multiples of {processes}" if per else ""))
     return candidates(n_dev, fit, config.allocator.backbone_model_degrees)
 
 
@@ -108,7 +138,7 @@ def profile_sides(config, sides: Sides, enc_host: TrainState, bb_host: TrainStat
 
     def enc_step():
         flat, vjp_fn = encode(state["enc"].params, enc_in)
-        np.asarray(flat)
+        to_host(flat)  # the decoupled hand-off: on every process
         state["enc"], norm = update(state["enc"], vjp_fn, jnp.zeros_like(flat))
         jax.block_until_ready(norm)
 
@@ -122,11 +152,18 @@ def profile_sides(config, sides: Sides, enc_host: TrainState, bb_host: TrainStat
 
     def bb_step_once():
         state["bb"], d_buf, _ = bb_step(state["bb"], buf, rows, denom)
-        np.asarray(d_buf)
+        to_host(d_buf)
 
     r = config.allocator.profile_repeats
     n = len(samples)
     return measure_throughput(enc_step, n, repeats=r), measure_throughput(bb_step_once, n, repeats=r)
+
+
+def agreed(values: tuple[float, ...]) -> tuple[float, ...]:
+    """Process 0's ``values`` on every process (each process times its own profile; the
+    allocator must pick one split everywhere, or the processes would launch different
+    programs): :func:`jaxflow.distributed.agree`."""
+    return tuple(agree("flowtrain_profile", float(v)) for v in values)
 
 
 def run_total_steps(config) -> int:
@@ -145,9 +182,11 @@ def heldout_accuracy(sides: Sides, enc_params, bb_params, samples: list, cost) -
     mesh = sides.bb.mesh
     patches, lay = eval_layout(samples, sides.vit, mesh.shape["data"], cost)
     fn = make_eval_step(sides)
-    correct = np.asarray(fn(jax.device_put(enc_params, sides.enc.param_shardings),
-                            jax.device_put(bb_params, sides.bb.param_shardings),
-                            put_rows(patches.arrays(), mesh), put_rows(lay.rows, mesh)))
+    # parameters via the host: they may live on another mesh (a decoupled sub-mesh)
+    enc_params, bb_params = (jax.tree.map(to_host, p) for p in (enc_params, bb_params))
+    correct = to_host(fn(put(enc_params, sides.enc.param_shardings),
+                         put(bb_params, sides.bb.param_shardings),
+                         put_rows(patches.arrays(), mesh), put_rows(lay.rows, mesh)))
     need = lay.rows["loss_mask"].sum(axis=1)
     got = correct.sum(axis=1)
     return float(np.mean(got[:len(samples)] == need[:len(samples)]))
@@ -185,6 +224,7 @@ def main(config, run: RunContext) -> dict[str, Any]:
     steps = [(k, step_samples(config.data, seed=config.seed, step=k, batch_size=tc.batch_size))
              for k in range(total_steps)]
     full = config.mesh.make(devices)
+    connect_collectives(full)  # across processes: before any long compile (see its doc)
     mono_sides = make_sides(config, full, full, backend)
     enc0, bb0 = mono_sides.init(jax.random.key(config.seed))
     enc_host, bb_host = _host_copy(enc0), _host_copy(bb0)
@@ -203,12 +243,12 @@ def main(config, run: RunContext) -> dict[str, Any]:
         return split_sides[(e, b, model)]
 
     profile_rows = []
-    enc_c, bb_c = split_candidates(config, n_dev)
+    enc_c, bb_c = split_candidates(config, n_dev, jax.process_count())
     enc_prof, bb_prof = {}, {}
     for e in enc_c:
         for b in [b for b in bb_c if n_dev == 1 or b.devices == n_dev - e.devices]:
             sides = sides_for(e.devices, b.devices, b.model)
-            te, tb = profile_sides(config, sides, enc_host, bb_host, steps[0][1], cost)
+            te, tb = agreed(profile_sides(config, sides, enc_host, bb_host, steps[0][1], cost))
             enc_prof[e] = max(enc_prof.get(e, 0.0), te)
             bb_prof[b] = tb
             profile_rows.append({"encoder": str(e), "backbone": str(b),
