@@ -54,6 +54,8 @@ policy lag N is supported.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -62,6 +64,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.mesh import jit_on
+from jaxflow.models import lora
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.advantages import grpo_advantages
 from jaxflow.rl.dynamic_sampling import fill_groups
@@ -74,6 +78,7 @@ from jaxflow.rl.grpo_step import (  # noqa: F401
     grpo_loss,
     make_rl_optimizer,
     old_stats,
+    policy_config,
     response_hidden,
     summarize,
     update_step,
@@ -84,7 +89,7 @@ from jaxflow.rl.rollout import RolloutBatch, RolloutWorker, batch_sharding
 from jaxflow.rl.tasks import Task
 from jaxflow.sync.replica import Link
 from jaxflow.sync.weight_sync import SyncConfig, SyncRecord, WeightSync
-from jaxflow.train.lm_state import OptimConfig
+from jaxflow.train.lm_state import OptimConfig, lm_functions
 from jaxflow.train.state import TrainState
 
 __all__ = ["GRPOTrainer", "GRPOConfig", "MiniBatch", "OldStats", "compiled_functions",
@@ -111,6 +116,7 @@ class GRPOTrainer:
                  task: Task, tokenizer: CharTokenizer, meshes: dict[str, Mesh], *, seed: int,
                  total_rollouts: int = 100, sync: SyncConfig | None = None,
                  sync_links: Sequence[Link] = ()):
+        model_cfg = policy_config(model_cfg, config)  # with rl.lora: the adapters' model
         self.model_cfg, self.config, self.optim, self.seed = model_cfg, config, optim, seed
         self.task, self.tokenizer = task, tokenizer
         self.sync_config = sync
@@ -126,12 +132,40 @@ class GRPOTrainer:
         (self.fns, self.tx, self.shardings, self._old_stats,
          self._update) = compiled_functions(model_cfg, self.trainer_mesh, config, optim,
                                             total_rollouts * config.lag)
-        self.worker = RolloutWorker(model_cfg, self.rollout_mesh, config.rollout_spec, task,
-                                    tokenizer)
+        self.worker = RolloutWorker(dataclasses.replace(model_cfg, lora=lora.LoraConfig()),
+                                    self.rollout_mesh, config.rollout_spec, task, tokenizer)
+        self._lora_setup(model_cfg.lora)
         self.publisher: Publisher = (
-            DensePublisher(self.worker.param_shardings, staleness=config.staleness)
-            if sync is None else SyncPublisher(self.worker.param_shardings, sync,
+            DensePublisher(self.published_shardings, staleness=config.staleness)
+            if sync is None else SyncPublisher(self.published_shardings, sync,
                                                links=sync_links))
+
+    def _lora_setup(self, cfg: lora.LoraConfig) -> None:
+        """What the publisher carries with LoRA (``cfg.publish``): base + adapters, merged on
+        the rollout mesh before sampling ("adapters"), or the trainer's merge ("merged")."""
+        self.published_shardings = self.worker.param_shardings  # base-shaped, the sampler's
+        self._merge_trainer = self._merge_rollout = None
+        if not cfg.enabled:
+            return
+        merge = functools.partial(lora.merge, lora=cfg)
+        if cfg.publish == "adapters":
+            self.published_shardings = lm_functions(self.model_cfg, self.rollout_mesh).param_shardings
+            self._merge_rollout = jit_on(self.rollout_mesh, merge,
+                                         out_shardings=self.worker.param_shardings)
+        else:
+            base = dataclasses.replace(self.model_cfg, lora=lora.LoraConfig())
+            self._merge_trainer = jit_on(self.trainer_mesh, merge, out_shardings=lm_functions(
+                base, self.trainer_mesh).param_shardings)
+
+    def published_tree(self, params: Any) -> Any:
+        """What the publisher sends for the trainer's ``params``: themselves, or with LoRA
+        publish="merged" the merged base-shaped params."""
+        return params if self._merge_trainer is None else self._merge_trainer(params)
+
+    def sampler_params(self, published: Any) -> Any:
+        """The base-shaped params the sampler uses for a published tree (LoRA "adapters":
+        merged on the rollout mesh)."""
+        return published if self._merge_rollout is None else self._merge_rollout(published)
 
     @property
     def weight_sync(self) -> WeightSync | None:
@@ -145,13 +179,15 @@ class GRPOTrainer:
         start): ``{"policy": TrainState, "published", "published_version",
         "published_origin", "rollout": int32 [], "rng": key data [2]}`` (+ ``"ref_params"``
         with KL). The reference policy (KL) is a frozen copy of ``params``."""
+        if self.model_cfg.lora.enabled and not lora.has_adapters(params):
+            params = lora.add_adapters(params, self.model_cfg)  # B = 0: exactly the warm start
         params = jax.device_put(params, self.fns.param_shardings)
         # the policy gets its own buffers: its updates donate them, the reference keeps these
         policy = TrainState.create(self.tx, jax.tree.map(jnp.copy, params),
                                    self.fns.param_shardings)
         replicated = NamedSharding(self.trainer_mesh, PartitionSpec())
         origin = params_origin(params)
-        published, versions = self.publisher.init(policy.params, origin)
+        published, versions = self.publisher.init(self.published_tree(policy.params), origin)
         state = {
             "policy": policy,
             "published": published,
@@ -182,8 +218,8 @@ class GRPOTrainer:
         """The params this step's rollout samples with (on the rollout mesh): the oldest
         queued published weights; with weight sync, the serving replica's bf16 params after
         the version check, upcast to f32 (exact)."""
-        return self.publisher.rollout_params(state["published"], state["published_version"],
-                                             state["published_origin"])
+        return self.sampler_params(self.publisher.rollout_params(
+            state["published"], state["published_version"], state["published_origin"]))
 
     def _generation_batch(self, params: Any, rollout: int, gen_batch: int,
                           sample_key: jax.Array) -> tuple[RolloutBatch, np.ndarray]:
@@ -267,7 +303,8 @@ class GRPOTrainer:
         new = dict(state)
         new["policy"] = policy
         new["published"], new["published_version"], sent = self.publisher.publish(
-            state["published"], state["published_version"], policy.params, policy.step,
+            state["published"], state["published_version"], self.published_tree(policy.params),
+            policy.step,
             rollout=rollout, origin=state["published_origin"])
         new["rollout"] = state["rollout"] + 1
         return new, history, sent
@@ -302,7 +339,10 @@ class GRPOTrainer:
     def heldout_accuracy(self, state: dict, n: int, *, samples: int = 0) -> float:
         """Held-out accuracy of the current trainer params (published fresh): greedy, or
         sampled pass@1 averaged over ``samples`` per prompt (see RolloutWorker)."""
-        params = publish_weights(state["policy"].params, self.worker.param_shardings)
+        params = state["policy"].params
+        if self.model_cfg.lora.enabled:
+            params = lora.merge(params, self.model_cfg.lora)
+        params = publish_weights(params, self.worker.param_shardings)
         return self.worker.heldout_accuracy(params, n, samples=samples)
 
 

@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxflow.mesh import jit_on
+from jaxflow.models.lora import LoraConfig
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl import corrections
 from jaxflow.rl.logprobs import fused_logprobs
@@ -26,7 +27,7 @@ from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.rollout import RolloutBatch, RolloutSpec
-from jaxflow.train.lm_state import LMFunctions, OptimConfig, lm_functions, make_optimizer
+from jaxflow.train.lm_state import LMFunctions, OptimConfig, lm_functions, make_optimizer, model_optimizer
 from jaxflow.train.state import TrainState
 
 KL_ESTIMATORS = ("k1", "k3")
@@ -66,6 +67,11 @@ class GRPOConfig:
       overlong_buffer: DAPO's overlong reward shaping (:mod:`jaxflow.rl.reward_shaping`,
         verl's ``reward_model.overlong_buffer``) against ``max_new_tokens``; None = off.
         ``--set rl.overlong_buffer.len=2`` switches it on.
+      lora: low-rank adapters trained over the frozen policy (``--set rl.lora.rank=8``;
+        :mod:`jaxflow.models.lora`): the warm start's weights stay frozen, fresh adapters
+        (B = 0: step 0 is the warm start) are the only trainable params, and the sampler gets
+        the merged weights (``lora.publish``: adapters merged on the rollout side, or merged
+        on the trainer). Rank 0 (default): full fine-tuning, or the model config's own LoRA.
     """
 
     loss: PolicyLossConfig = PolicyLossConfig()
@@ -87,6 +93,7 @@ class GRPOConfig:
     max_num_gen_batches: int = 10
     gen_batch_size: int | None = None
     overlong_buffer: OverlongBufferConfig | None = None
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         if not isinstance(self.loss, PolicyLossConfig):
@@ -146,6 +153,17 @@ class GRPOConfig:
     def prompts_per_gen_batch(self) -> int:
         """Prompts per generation batch (dynamic sampling may draw several per rollout)."""
         return self.gen_batch_size or self.prompts_per_rollout
+
+
+def policy_config(model_cfg: TransformerConfig, config: GRPOConfig) -> TransformerConfig:
+    """The trained policy's architecture: ``model_cfg`` with ``config.lora`` when that is on
+    (ValueError when both set different adapters)."""
+    if not config.lora.enabled:
+        return model_cfg
+    if model_cfg.lora.enabled and model_cfg.lora != config.lora:
+        raise ValueError(f"rl.lora={config.lora!r} and the model's own lora={model_cfg.lora!r} "
+                         "differ; set one of them")
+    return dataclasses.replace(model_cfg, lora=config.lora)
 
 
 def make_rl_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
@@ -286,7 +304,7 @@ def compiled_functions(model_cfg: TransformerConfig, mesh: Mesh, config: GRPOCon
     The policy shardings are a ``TrainState`` of ``NamedSharding`` (optimizer moments sharded
     like their params); ``update(policy, mb, old, key=)`` donates ``policy``."""
     fns = lm_functions(model_cfg, mesh)
-    tx = make_rl_optimizer(optim, total_steps)
+    tx = model_optimizer(make_rl_optimizer(optim, total_steps), model_cfg)
     shardings = TrainState.shardings(tx, fns.abstract_params(), fns.param_shardings)
     old_fn = jit_on(mesh, functools.partial(old_stats, fns, config=config))
     update = jit_on(mesh, functools.partial(update_step, fns=fns, config=config),
