@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 
 from jaxflow.errors import one_line
 from jaxflow.mesh import LogicalRules, shardings_from_logical
+from jaxflow.models import lora
 from jaxflow.models.architectures import (
     IGNORED_SUFFIXES,
     CheckpointError,
@@ -407,19 +408,21 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 5 *
                     params: Any = None, tokenizer: HFTokenizer | None = None) -> None:
     """Writes ``model`` as a Hugging Face checkpoint directory (config.json + safetensors).
 
-    Tensors are written in the parameter dtype, in files of at most ``max_shard_bytes``
-    (several files get a ``model.safetensors.index.json``). ``params`` (a pure dict) replaces
-    the model's own parameters, e.g. a trainer's. ``tokenizer`` (an :class:`HFTokenizer`,
-    e.g. the checkpoint's own) adds ``tokenizer.json``, ``tokenizer_config.json`` and
-    ``special_tokens_map.json`` (:meth:`HFTokenizer.save_pretrained`); without one no tokenizer
+    Tensors are written in the parameter dtype, in files of at most ``max_shard_bytes`` (several
+    files get a ``model.safetensors.index.json``). ``params`` (a pure dict) replaces the model's
+    own parameters, e.g. a trainer's. With LoRA the weights written are merged and ``path/adapter``
+    is a PEFT adapter (:func:`jaxflow.models.lora.save_adapter`). ``tokenizer`` (an
+    :class:`HFTokenizer`, e.g. the checkpoint's own) adds ``tokenizer.json``, ``tokenizer_config.json``
+    and ``special_tokens_map.json`` (:meth:`HFTokenizer.save_pretrained`); without one no tokenizer
     file is written. On several processes every process must call it (sharded parameters are
-    gathered); process 0 writes.
-    """
+    gathered); process 0 writes."""
     from safetensors.numpy import save_file
 
     config = model.config
     hf_config = hf_config_from(config)
     check_tokenizer_fits(tokenizer, config.vocab_size)
+    if config.lora.enabled:  # LoRA: the merged weights here, a PEFT adapter in path/adapter
+        params = lora.save_adapter(model if params is None else params, config, os.path.join(path, "adapter"), _host)
     tensors = hf_tensors(model if params is None else params, None if params is None else config)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
