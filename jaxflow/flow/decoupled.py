@@ -14,13 +14,13 @@ lets the encoder run up to d steps ahead; the gradients it then receives were co
 embeddings of parameters ``staleness`` updates old (reported per step).
 
 Across processes (multi-controller JAX, both sub-meshes spanning every process, see
-``jaxflow.main.flowtrain._split_meshes``) each process runs this same producer / consumer pair,
-and the encoder sub-mesh's programs must start in the same order on every process: the
-hand-offs are gathers on each side's own devices (``jaxflow.distributed.to_host``), and with
-``run_ahead=d > 0`` the consumer applies the encoder update of block step k only after the
-producer has encoded block step k + d (or its last), so the order is fwd 0..d, update 0,
-fwd d+1, update 1, ... on every process (staleness exactly min(k, d)). Strict mode is ordered
-by its data dependencies already.
+``jaxflow.main.flowtrain._split_meshes``) every process must start the same programs in the
+same order, and the CPU / GPU runtimes start one collective program at a time in launch order:
+two threads launching in a timing-dependent order could deadlock. So there producer and
+consumer run on the caller's thread in one fixed order, fwd 0..d, then per block step k:
+backbone k, encoder update k, fwd k + d + 1 (staleness exactly min(k, d); JAX's asynchronous
+dispatch still overlaps the two sides' programs). The hand-offs are gathers on each side's own
+devices (``jaxflow.distributed.to_host``).
 """
 
 from __future__ import annotations
@@ -134,9 +134,6 @@ class DecoupledTrainer:
         self._cond = threading.Condition()
         self.version = 0  # encoder updates applied
         self._inflight: dict[int, tuple] = {}
-        # Across processes the encoder's programs start in one fixed order (module doc).
-        self._ordered = jax.process_count() > 1 and run_ahead > 0
-        self._encoded = -1  # block index of the last step the producer encoded (this run)
         self._error: BaseException | None = None
         self.timers = {"encoder_fwd_s": 0.0, "backbone_s": 0.0, "encoder_bwd_s": 0.0}
 
@@ -173,6 +170,18 @@ class DecoupledTrainer:
 
     # -- producer ----------------------------------------------------------------------
 
+    def _encode_step(self, step: int, samples: list, params, version: int) -> None:
+        """Encoder forward of one step's samples; their embeddings go into the pool."""
+        t0 = time.perf_counter()
+        patches = encoder_patches(samples, self.sides.vit, self.enc_rows)
+        flat, vjp_fn = self._encode(params, put_rows(patches.arrays(), self.enc_mesh))
+        flat = to_host(flat)  # a gather on the encoder's devices, on every process
+        self.timers["encoder_fwd_s"] += time.perf_counter() - t0
+        with self._cond:
+            self._inflight[step] = (vjp_fn, patches, version, flat.shape)
+        for s, emb in zip(samples, pool_entries(samples, patches, flat)):
+            self.pool.put(s.uid, (emb, version))
+
     def _produce(self, steps: Sequence[tuple[int, list]], first_index: int) -> None:
         try:
             for k, (step, samples) in enumerate(steps):
@@ -183,17 +192,7 @@ class DecoupledTrainer:
                     if self._error is not None:
                         return
                     params, version = self.enc_state.params, self.version
-                t0 = time.perf_counter()
-                patches = encoder_patches(samples, self.sides.vit, self.enc_rows)
-                flat, vjp_fn = self._encode(params, put_rows(patches.arrays(), self.enc_mesh))
-                flat = to_host(flat)  # a gather on the encoder's devices, every process
-                self.timers["encoder_fwd_s"] += time.perf_counter() - t0
-                with self._cond:
-                    self._inflight[step] = (vjp_fn, patches, version, flat.shape)
-                    self._encoded = k
-                    self._cond.notify_all()
-                for s, emb in zip(samples, pool_entries(samples, patches, flat)):
-                    self.pool.put(s.uid, (emb, version))
+                self._encode_step(step, samples, params, version)
         except PoolClosed:
             pass
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
@@ -204,11 +203,9 @@ class DecoupledTrainer:
 
     # -- consumer ----------------------------------------------------------------------
 
-    def _consume(self, bb_state: TrainState, step: int, samples: list, index: int = 0,
-                 n_steps: int = 1) -> tuple[TrainState, dict]:
+    def _consume(self, bb_state: TrainState, step: int, samples: list) -> tuple[TrainState, dict]:
         """One training step of the backbone (its state passed along) and of the encoder (its
-        state ``self.enc_state``, shared with the producer under ``self._cond``); ``index`` of
-        ``n_steps``: its place in the current ``run`` (the cross-process launch order)."""
+        state ``self.enc_state``, shared with the producer under ``self._cond``)."""
         got = self.pool.take_many([s.uid for s in samples])
         t0 = time.perf_counter()
         embs = [got[s.uid][0] for s in samples]
@@ -224,11 +221,6 @@ class DecoupledTrainer:
         self.timers["backbone_s"] += t1 - t0
 
         with self._cond:
-            if self._ordered:  # see the module doc: the same encoder launch order everywhere
-                last = min(index + self.run_ahead, n_steps - 1)
-                self._cond.wait_for(lambda: self._encoded >= last or self._error is not None)
-                if self._error is not None:
-                    raise PoolClosed("the encoder producer failed")
             vjp_fn, patches, version, flat_shape = self._inflight.pop(step)
         cot = scatter_cotangent(samples, patches, d_buffer, flat_shape)
         enc_state, enc_norm = self._enc_update(self.enc_state, vjp_fn,
@@ -250,19 +242,15 @@ class DecoupledTrainer:
         The consumer is :func:`jaxflow.train.loop.run_steps` over the backbone state; each
         row is one step's result (metrics, layout, staleness)."""
         steps = list(steps)
-        need = (self.run_ahead - 1) * max((len(s) for _, s in steps), default=0)
-        if self._ordered and self.pool.capacity < need:
-            raise ValueError(f"flow.pool_capacity={self.pool.capacity} across processes with "
-                             f"run_ahead={self.run_ahead}: the encoder must be able to run "
-                             f"{self.run_ahead} steps ahead; valid: >= {need}")
-        self._encoded = -1
+        if jax.process_count() > 1:
+            return self._run_inline(steps)
         producer = threading.Thread(target=self._produce, args=(steps, self.version),
                                     name="flow-encoder", daemon=True)
         producer.start()
 
         def step_fn(bb_state, k):
             try:
-                return self._consume(bb_state, *steps[k], k, len(steps))
+                return self._consume(bb_state, *steps[k])
             except PoolClosed:
                 raise RuntimeError("the encoder producer failed") from self._error
 
@@ -280,4 +268,32 @@ class DecoupledTrainer:
             producer.join()
         if self._error is not None:
             raise RuntimeError("the encoder producer failed") from self._error
+        return result.rows
+
+    def _run_inline(self, steps: list[tuple[int, list]]) -> list[dict]:
+        """:meth:`run` on the caller's thread in the fixed cross-process order (module doc).
+
+        Raises:
+          ValueError: the pool cannot hold ``run_ahead + 1`` steps' samples (one thread cannot
+            wait for a consumer)."""
+        need = (self.run_ahead + 1) * max((len(s) for _, s in steps), default=0)
+        if self.pool.capacity < need:
+            raise ValueError(f"flow.pool_capacity={self.pool.capacity} across processes with "
+                             f"run_ahead={self.run_ahead}: the pool must hold {self.run_ahead + 1} "
+                             f"steps' samples; valid: >= {need}")
+
+        def encode(j: int) -> None:
+            self._encode_step(*steps[j], self.enc_state.params, self.version)
+
+        for j in range(min(self.run_ahead + 1, len(steps))):
+            encode(j)
+
+        def step_fn(bb_state, k):
+            out = self._consume(bb_state, *steps[k])
+            if k + self.run_ahead + 1 < len(steps):
+                encode(k + self.run_ahead + 1)
+            return out
+
+        result = run_steps(step_fn, self.bb_state, steps=len(steps), summarize=last_row)
+        self.bb_state = result.state
         return result.rows
