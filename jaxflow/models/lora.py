@@ -63,6 +63,12 @@ class LoraConfig:
       publish: how an RL trainer hands LoRA weights to its sampler: ``"adapters"`` publishes
         base + adapters (through SparseRL-Sync only the adapters change) and merges on the
         rollout side; ``"merged"`` merges on the trainer and publishes base-shaped weights.
+        A sync of adapters is bounded by the adapters' size; a merged delta changes the bf16
+        bits of a share of every adapted matrix that grows with the learning rate and with
+        training. Measured on the flagship quick model (85k params, rank 8 = 17k adapter
+        params, 4 RL steps): 23.5 KB (adapters) vs 15.2 KB (merged) per publish at lr 1e-4,
+        28.0 KB vs 44.4 KB at lr 1e-3 (a dense bf16 copy: 170 KB). At real sizes the adapters
+        are well under 1% of the weights, so "adapters" is the default.
     """
 
     rank: int = 0

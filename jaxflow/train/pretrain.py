@@ -21,6 +21,7 @@ from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.distributed import global_batch
 from jaxflow.experiment import RunContext
 from jaxflow.mesh import LogicalRules, assert_params_sufficiently_sharded, logical_to_spec
+from jaxflow.models import lora
 from jaxflow.models.transformer import param_count
 from jaxflow.sync.replica import tree_digest
 from jaxflow.train.evaluate import ExactMatchEvaluator
@@ -120,7 +121,9 @@ def pretrain(config, run: RunContext, *, checkpoint_dir=None) -> dict:
     ckpt = Checkpointer(run.checkpoint_dir if checkpoint_dir is None else checkpoint_dir,
                         save_every=tc.checkpoint_every, max_to_keep=tc.keep_checkpoints)
     assert_params_sufficiently_sharded(state.params, mesh)  # no-op without a "model" axis
-    run.info(f"model params: {param_count(state.params):,}; mesh {dict(mesh.shape)}")
+    trainable = (f" ({param_count(lora.adapters(state.params)):,} trainable: LoRA adapters)"
+                 if config.model.lora.enabled else "")
+    run.info(f"model params: {param_count(state.params):,}{trainable}; mesh {dict(mesh.shape)}")
 
     def step_fn(state, step):
         host = host_batch(config, task, tokenizer, step)
