@@ -12,6 +12,11 @@ the trainer's weights reach the sampler's bf16 replica as a sparse SparseRL-Sync
     python -m jaxflow.run --exp=flagship --variant=quick      # ~1.5 min on 2 cores, warm start incl.; 1 seed
     python -m jaxflow.run --exp=flagship --variant=default    # 3 seeds x 100 rollouts, 512 held-out prompts
     python -m jaxflow.run --exp=flagship --set rl.loss.correction=none --set sync=none
+    python -m jaxflow.run --exp=flagship --set rl.lora.rank=8 --set optim.lr=1e-3  # LoRA over the warm start
+
+``rl.lora`` (:mod:`jaxflow.models.lora`) trains rank-r adapters over the frozen warm start (not
+``pretrain.model.lora``, which would pretrain adapters over a random base); the sampler gets the
+merged weights, and SparseRL-Sync carries the adapters (``rl.lora.publish=adapters``).
 
 pass@1 (every summary): the mean reward over ``eval.prompts`` fixed held-out prompts x
 ``eval.samples`` samples each at the RL temperature (``rl.temperature``), fixed sampling key.
@@ -35,6 +40,7 @@ from jaxflow.models.architectures import shipped_config
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.rl.policy_loss import PolicyLossConfig
+from jaxflow.rl.remote.protocol import RemoteConfig
 from jaxflow.sync.weight_sync import SyncConfig
 from jaxflow.train.lm_state import OptimConfig
 
@@ -103,9 +109,17 @@ class Config:
     eval: EvalConfig = EvalConfig()
     roles: RolesConfig = RolesConfig()
     sync: SyncConfig | None = SyncConfig(codec="auto", every=1)
+    # trainer and rollout as two jobs (jaxflow.rl.remote): role local | trainer | rollout
+    remote: RemoteConfig = RemoteConfig()
+    checkpoint_every: int | None = None  # RL checkpoints every this many rollouts (None: at the end)
 
     def __post_init__(self):
         require_positive(self, "rollouts", "seeds")
+        if self.checkpoint_every is not None:
+            require_positive(self, "checkpoint_every")
+        if self.remote.role != "local" and self.sync is None:
+            raise ValueError("remote.role=" + self.remote.role + " joins the jobs only through "
+                             "SparseRL-Sync: sync must not be none")
         if self.devices is not None:
             require_positive(self, "devices")
         task = self.task

@@ -15,6 +15,16 @@ under ``checkpoints/seed<k>/warm_start``) and is cached once complete; the RL of
 checkpoints under ``checkpoints/seed<k>/rl`` (at a stop signal and at its end); finished runs
 are recorded in ``seeds.jsonl``. A resumed run gives the rows and figures of one that never
 stopped.
+
+Two jobs (``remote.role``, :mod:`jaxflow.rl.remote`): ``--set remote.role=rollout --set
+remote.listen=HOST:PORT`` runs only the rollout side (its own ``jax.distributed`` job, every
+device of it a rollout device), and ``--set remote.role=trainer --set
+remote.rollout=HOST:PORT[,...]`` trains on every device of its job and gets its rollouts from
+that job; the weights cross only as SparseRL-Sync payloads over TCP. The held-out pass@1 is
+then evaluated on the trainer's devices (with the trainer's f32 params, as the rollout mesh
+does in one job). A rollout job that stays lost for ``remote.timeout_s`` ends the trainer with
+exit 75 and one line naming it; ``--resume`` continues from the last RL checkpoint
+(``checkpoint_every`` rollouts).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,8 +44,9 @@ from jaxflow import signals
 from jaxflow.cache import build_once
 from jaxflow.checkpoint import Checkpointer
 from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.distributed import LOST_PEER_EXIT
 from jaxflow.experiment import RunContext, is_local, to_jsonable
-from jaxflow.mesh import trainer_rollout_meshes
+from jaxflow.mesh import make_mesh, trainer_rollout_meshes
 from jaxflow.rl.grpo import GRPOTrainer, rollout_row
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
 from jaxflow.stats import paired_interval
@@ -155,7 +167,7 @@ def warm_start(config, run: RunContext, k: int, fns) -> tuple[Any, dict]:
     out, ckpt_dir = run.out_dir / "warm_start" / f"seed{k}", run.checkpoint_dir / f"seed{k}" / "warm_start"
     run.info(f"warm start: training lm_pretrain in {out} (then cached as {entry})")
     ctx = RunContext(name="lm_pretrain", variant="warm_start", out_dir=out,
-                     is_primary=run.is_primary, resume=run.resume)
+                     is_primary=run.is_primary, resume=run.resume, tensorboard=run.tensorboard)
     try:
         ctx.write_json("config.json", {"experiment": "lm_pretrain", "variant": "warm_start",
                                        "config": pretrain})
@@ -208,7 +220,7 @@ def _sync_records(rows: list[dict]) -> list:
                             bit_exact=bool(r["sync_bit_exact"])) for r in rows if r.get("synced")]
 
 
-def run_seed(config, run: RunContext, k: int, meshes, fns) -> tuple[dict, list, list]:
+def run_seed(config, run: RunContext, k: int, meshes, fns, remote=None) -> tuple[dict, list, list]:
     """Run ``k`` of the experiment: warm start ``pretrain.seed + k``, RL seed ``seed + k``,
     checkpointed under ``checkpoints/seed<k>/rl`` (at a stop signal and at the end) and resumed
     from there. Returns (its summary, its metric rows, its (rollout, pass@1) evaluations); the
@@ -216,7 +228,7 @@ def run_seed(config, run: RunContext, k: int, meshes, fns) -> tuple[dict, list, 
     warm_params, pre_summary = warm_start(config, run, k, fns)
     trainer = GRPOTrainer(config.pretrain.model, config.rl, config.optim, config.task,
                           CharTokenizer(), meshes, seed=config.seed + k,
-                          total_rollouts=config.rollouts, sync=config.sync)
+                          total_rollouts=config.rollouts, sync=config.sync, remote=remote)
     state = trainer.init_state(warm_params)
 
     def pass_at_1(st) -> float:
@@ -231,8 +243,8 @@ def run_seed(config, run: RunContext, k: int, meshes, fns) -> tuple[dict, list, 
             metrics["sync_dense_bytes"] = float(record.stats.dense_bytes)
         return state, {"rollout": step + 1, "seed_index": k, **metrics}
 
-    ckpt = Checkpointer(run.checkpoint_dir / f"seed{k}" / "rl", save_every=config.rollouts,
-                        max_to_keep=1)
+    ckpt = Checkpointer(run.checkpoint_dir / f"seed{k}" / "rl",
+                        save_every=config.checkpoint_every or config.rollouts, max_to_keep=1)
     result = run_steps(rl_step, state, steps=config.rollouts, run=run, checkpointer=ckpt,
                        log_every=1, summarize=rollout_row,
                        eval_fn=lambda st, done: {"heldout_pass_at_1": pass_at_1(st)},
@@ -294,17 +306,77 @@ def compile_programs(config, meshes) -> list:
     return grpo_programs(trainer)
 
 
+def resolve_meshes(config, devices=None) -> dict:
+    """The run's meshes: ``{"trainer", "rollout"}`` sub-meshes in one job (``remote.role=local``,
+    :func:`jaxflow.mesh.trainer_rollout_meshes`), or every device of this job as the trainer
+    mesh (``trainer``; it also evaluates) or as the rollout mesh (``rollout``)."""
+    import jax
+
+    devices = list(jax.devices() if devices is None else devices)
+    role = config.remote.role
+    if role == "local":
+        return trainer_rollout_meshes(config.roles, devices)[0]
+    mesh = make_mesh(config.roles.axes("trainer" if role == "trainer" else "rollout"), devices)
+    return {"trainer": mesh, "rollout": mesh} if role == "trainer" else {"rollout": mesh}
+
+
 def main(config, run: RunContext) -> dict:
     """Every seed's warm start and RL; the summary over seeds. The whole run polls for stop
     signals (``signals.polling``): a SIGINT / SIGTERM between steps (loading, compiling,
-    evaluating) takes effect at the end of the next warm-start or RL step, checkpointed."""
+    evaluating) takes effect at the end of the next warm-start or RL step, checkpointed.
+    ``remote.role=rollout``: serves rollouts to the trainer job until it is done."""
+    if config.remote.role == "rollout":
+        return serve_rollout_job(config, run)
+    from jaxflow.rl.remote.protocol import RolloutLost
+
     with signals.polling():
-        return _main(config, run)
+        try:
+            return _main(config, run)
+        except RolloutLost as e:  # the rollout job is gone: say so, keep the checkpoints
+            run.info(f"stopping: {e}")
+            print(f"flagship: {e}; rerun with --resume once the rollout job is back",
+                  file=sys.stderr, flush=True)
+            signals.exit_now(LOST_PEER_EXIT)
+            raise  # not reached
+
+
+def serve_rollout_job(config, run: RunContext) -> dict:
+    """``remote.role=rollout``: this job's devices sample for the trainer job (process i
+    listens on ``remote.listen``'s port + i) until it says DONE; returns what was served."""
+    import jax
+
+    from jaxflow.rl.remote.protocol import parse_endpoint
+    from jaxflow.rl.remote.server import RolloutService
+    from jaxflow.rl.rollout import RolloutWorker
+
+    mesh = resolve_meshes(config)["rollout"]
+    worker = RolloutWorker(config.pretrain.model, mesh, config.rl.rollout_spec, config.task,
+                           CharTokenizer())
+    host, port = parse_endpoint(config.remote.listen, "remote.listen")
+    service = RolloutService(worker, host=host, port=port + jax.process_index() if port else 0,
+                             timeout_s=config.remote.timeout_s,
+                             start_timeout_s=config.remote.start_timeout_s, log=run.info)
+    served = service.serve()
+    run.info(f"rollout job: served {served['rollouts_served']} rollouts; replica at version "
+             f"{served['replica_version']}")
+    return {"role": "rollout", **served, "devices": mesh.devices.size}
 
 
 def _main(config, run: RunContext) -> dict:
-    meshes, roles = trainer_rollout_meshes(config.roles)
+    meshes = resolve_meshes(config)
+    if config.remote.role == "local":
+        roles = trainer_rollout_meshes(config.roles)[1]
+    else:
+        roles = (f"trainer job: {meshes['trainer'].devices.size} device(s); rollouts from the "
+                 f"rollout job at {config.remote.rollout}")
     run.info(f"roles: {roles}")
+    remote = None
+    if config.remote.role == "trainer":
+        from jaxflow.rl.remote.client import RemoteRollout
+
+        remote = RemoteRollout(config.remote.endpoints(), config.rl.rollout_spec, config.task,
+                               CharTokenizer(), config.sync, timeout_s=config.remote.timeout_s,
+                               start_timeout_s=config.remote.start_timeout_s, log=run.info)
     fns = lm_functions(config.pretrain.model, meshes["trainer"])
     run.set_total_steps(config.seeds * config.rollouts, "flagship")
     done = _finished_seeds(run)
@@ -315,12 +387,14 @@ def _main(config, run: RunContext) -> dict:
             rows = _seed_rows(run, k, config.rollouts)
             evals = [tuple(e) for e in summary["heldout_pass_at_1_curve"]]
         else:
-            summary, rows, evals = run_seed(config, run, k, meshes, fns)
+            summary, rows, evals = run_seed(config, run, k, meshes, fns, remote)
             if run.is_primary:
                 with (run.out_dir / "seeds.jsonl").open("a", encoding="utf-8") as f:
                     f.write(json.dumps({"seed_index": k, **to_jsonable(summary)}) + "\n")
         per_seed.append(summary)
         curves.append((rows, evals))
+    if remote is not None:
+        remote.close()  # DONE: the rollout job exits 0
     plot_flagship(run, curves)
     head = summarize_seeds(per_seed)
     if config.seeds > 1:

@@ -110,12 +110,16 @@ class GRPOTrainer:
       total_rollouts: for the optimizer schedule (``total_rollouts * lag`` steps).
       sync: weight sync to bf16 rollout replicas (module doc); None: the dense f32 publish.
       sync_links: extra links (e.g. TCP replica processes) that receive every sync too.
+      remote: the rollouts come from a separate rollout job (a
+        :class:`jaxflow.rl.remote.RemoteRollout`: publisher and sampler in one, weights only
+        as SparseRL-Sync payloads); ``meshes["rollout"]`` then only evaluates (held-out pass@1
+        with the trainer's f32 params, as the in-process rollout mesh does).
     """
 
     def __init__(self, model_cfg: TransformerConfig, config: GRPOConfig, optim: OptimConfig,
                  task: Task, tokenizer: CharTokenizer, meshes: dict[str, Mesh], *, seed: int,
                  total_rollouts: int = 100, sync: SyncConfig | None = None,
-                 sync_links: Sequence[Link] = ()):
+                 sync_links: Sequence[Link] = (), remote: Any = None):
         model_cfg = policy_config(model_cfg, config)  # with rl.lora: the adapters' model
         self.model_cfg, self.config, self.optim, self.seed = model_cfg, config, optim, seed
         self.task, self.tokenizer = task, tokenizer
@@ -126,6 +130,13 @@ class GRPOTrainer:
                 "rollout replica holds one version, so async staleness k > 0 is not supported "
                 f"with weight sync; use staleness=0 (sync.every={sync.every} already delays "
                 "the sampler's weights by whole rollouts) or sync=None")
+        if remote is not None and (sync is None or sync_links):
+            raise ValueError("a remote rollout job is reached only through SparseRL-Sync: it needs "
+                             "sync (not none) and no extra sync_links")
+        if remote is not None and model_cfg.lora.rank:
+            raise ValueError(f"rl.lora.rank={model_cfg.lora.rank} with a remote rollout job: the "
+                             "rollout job samples base-shaped bf16 replicas; LoRA runs use the "
+                             "one-job roles (remote.role=local) for now")
         if sync_links and sync is None:
             raise ValueError("sync_links given but weight sync is off (sync=None)")
         self.trainer_mesh, self.rollout_mesh = meshes["trainer"], meshes["rollout"]
@@ -136,9 +147,11 @@ class GRPOTrainer:
                                     self.rollout_mesh, config.rollout_spec, task, tokenizer)
         self._lora_setup(model_cfg.lora)
         self.publisher: Publisher = (
-            DensePublisher(self.published_shardings, staleness=config.staleness)
+            remote if remote is not None
+            else DensePublisher(self.published_shardings, staleness=config.staleness)
             if sync is None else SyncPublisher(self.published_shardings, sync,
                                                links=sync_links))
+        self.sampler = remote if remote is not None else self.worker  # who generates rollouts
 
     def _lora_setup(self, cfg: lora.LoraConfig) -> None:
         """What the publisher carries with LoRA (``cfg.publish``): base + adapters, merged on
@@ -225,7 +238,7 @@ class GRPOTrainer:
                           sample_key: jax.Array) -> tuple[RolloutBatch, np.ndarray]:
         """One generation batch, rewards shaped; returns it and the task scores [B]."""
         key = sample_key if gen_batch == 0 else jax.random.fold_in(sample_key, gen_batch)
-        batch = self.worker.generate(params, self.rollout_prompts(rollout, gen_batch), key)
+        batch = self.sampler.generate(params, self.rollout_prompts(rollout, gen_batch), key)
         scores = batch.rewards
         buffer = self.config.overlong_buffer
         if buffer is not None:

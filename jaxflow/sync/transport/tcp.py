@@ -77,24 +77,26 @@ def _recv_exact(sock: socket.socket, view: memoryview, chunk_bytes: int) -> None
 
 
 def recv_frame(sock: socket.socket, *, max_bytes: int | Mapping[bytes, int] = CONTROL_BYTES,
-               chunk_bytes: int = CHUNK_BYTES) -> tuple[bytes, bytearray]:
+               chunk_bytes: int = CHUNK_BYTES, kinds: tuple[bytes, ...] = KINDS
+               ) -> tuple[bytes, bytearray]:
     """Reads one frame. ``max_bytes``: the largest body accepted, or a per-kind mapping
-    (kinds missing from it get ``CONTROL_BYTES``); checked before the body is allocated."""
+    (kinds missing from it get ``CONTROL_BYTES``); checked before the body is allocated.
+    ``kinds``: the frame kinds accepted (another protocol on the same framing passes its own)."""
     head = bytearray(HEADER.size)
     _recv_exact(sock, memoryview(head), HEADER.size)
-    kind, length = parse_header(head, max_bytes)
+    kind, length = parse_header(head, max_bytes, kinds)
     body = bytearray(length)
     _recv_exact(sock, memoryview(body), chunk_bytes)
     return kind, body
 
 
-def parse_header(head: bytes | bytearray,
-                 max_bytes: int | Mapping[bytes, int]) -> tuple[bytes, int]:
-    """(kind, body length) of a frame header; FrameError for an unknown kind or a body above
-    ``max_bytes`` (as in :func:`recv_frame`)."""
+def parse_header(head: bytes | bytearray, max_bytes: int | Mapping[bytes, int],
+                 kinds: tuple[bytes, ...] = KINDS) -> tuple[bytes, int]:
+    """(kind, body length) of a frame header; FrameError for a kind not in ``kinds`` or a body
+    above ``max_bytes`` (as in :func:`recv_frame`)."""
     kind, length = HEADER.unpack(head)
-    if kind not in KINDS:
-        raise FrameError(f"unknown frame kind {kind!r}; valid: {KINDS}")
+    if kind not in kinds:
+        raise FrameError(f"unknown frame kind {kind!r}; valid: {kinds}")
     limit = max_bytes.get(kind, CONTROL_BYTES) if isinstance(max_bytes, Mapping) else max_bytes
     if length > limit:
         what = "max_payload_bytes" if kind == b"DATA" else f"the {kind.decode().strip()} limit"

@@ -1,0 +1,154 @@
+"""The wire between a GRPO trainer job and a rollout job (two separate ``jax.distributed`` jobs).
+
+Weights cross ONLY as SparseRL-Sync payloads (``jaxflow.sync.transport.tcp``: each rollout
+process runs a :class:`~jaxflow.sync.transport.tcp.ReplicaServer` holding its bf16 replica).
+Beside it each rollout process serves this small control protocol on its ``listen`` address,
+frames as in the sync transport (``kind (4 bytes) | length (u64 LE) | body``)::
+
+    trainer -> rollout   STAT                     rollout -> trainer  OK   {"sync_port", "version", ...}
+    trainer -> rollout   RSET {"origin", "version"}                    OK   {"version", "reset"}
+    trainer -> rollout   ROLL {"version", "digest", "prompts", "key"}  BTCH <header json> <npz>
+    trainer -> rollout   DONE                                          OK   {"rollouts_served", ...}
+                                                              or       ERR  {"error"}
+
+RSET starts a new lineage: the replica goes back to FRESH (so the next sync is a full payload)
+when the trainer's ``origin`` (the digest of the params its run started from) is not the one
+the replica holds, or when the replica is ahead of the trainer's ``version`` (a trainer that
+resumed from an older checkpoint). ROLL samples G responses per prompt with the replica at
+exactly ``version`` whose digest must be ``digest`` (else ERR): the rollout's tokens depend only
+on the replica's bits, the prompts and the key. A BTCH body is a 4-byte little-endian header
+length, the JSON header (version, digest, array names / shapes / dtypes) and the arrays as an
+``.npz``; the trainer checks every shape and dtype against what it asked for before using it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import struct
+
+import numpy as np
+
+from jaxflow.config import ConfigError
+
+ROLES = ("local", "trainer", "rollout")
+#: frame kinds of the control protocol (the sync frames are the transport's own)
+KINDS = (b"STAT", b"RSET", b"ROLL", b"DONE", b"OK  ", b"BTCH", b"ERR ")
+#: the arrays of a rollout batch, in :class:`jaxflow.rl.rollout.RolloutBatch` order
+BATCH_FIELDS = ("prompts", "prompt_lengths", "tokens", "mask", "behaviour_logp", "rewards")
+_LEN = struct.Struct("<I")
+
+
+class RolloutLost(ConnectionError):
+    """A rollout endpoint did not answer within the trainer's ``remote.timeout_s``."""
+
+
+class RolloutRefused(RuntimeError):
+    """A rollout endpoint answered ERR (e.g. its replica is not at the asked version)."""
+
+
+def parse_endpoint(text: str, what: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` -> (host, port); ConfigError naming ``what`` and the bad text."""
+    host, sep, port_text = text.strip().rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{what}={text!r}: expected HOST:PORT with a port in 0-65535, "
+                          "e.g. 127.0.0.1:7100")
+    return host.strip("[]"), int(port_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteConfig:
+    """Where the flagship's roles run (``--set remote.role=...``).
+
+    Attributes:
+      role: "local" (trainer and rollout sub-meshes in this job, the default), "trainer"
+        (this job trains; the rollouts come from the rollout job at ``rollout``) or
+        "rollout" (this job samples; it serves ``listen`` until the trainer says DONE).
+      rollout: trainer role: every rollout process's control address, comma-separated
+        ``HOST:PORT,HOST:PORT`` (one per process of the rollout job, in process order).
+      listen: rollout role: ``HOST:PORT`` this job's process i listens on at ``PORT + i``
+        (its SparseRL-Sync replica server takes any free port, announced by STAT).
+      timeout_s: how long either side waits for a lost peer (a killed rollout job restarting,
+        a trainer resuming) before exiting 75 naming it.
+      start_timeout_s: how long either side waits for the other at the start (the trainer's
+        warm start, JAX start-up, compiles) before exiting 75 naming it.
+    """
+
+    role: str = "local"
+    rollout: str = ""
+    listen: str = ""
+    timeout_s: float = 120.0
+    start_timeout_s: float = 900.0
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ConfigError(f"remote.role={self.role!r}; valid: {', '.join(ROLES)}")
+        for name in ("timeout_s", "start_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"remote.{name}={getattr(self, name)!r}: need > 0 seconds")
+        if self.role == "trainer":
+            if not self.rollout.strip():
+                raise ConfigError("remote.role=trainer needs remote.rollout=HOST:PORT[,HOST:PORT...]"
+                                  " (the rollout job's control addresses)")
+            self.endpoints()
+        if self.role == "rollout":
+            if not self.listen.strip():
+                raise ConfigError("remote.role=rollout needs remote.listen=HOST:PORT")
+            parse_endpoint(self.listen, "remote.listen")
+
+    def endpoints(self) -> list[tuple[str, int]]:
+        """The rollout processes' control addresses (trainer role)."""
+        return [parse_endpoint(t, "remote.rollout") for t in self.rollout.split(",") if t.strip()]
+
+
+def json_body(obj: dict) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def parse_json(body, who: str) -> dict:
+    """A JSON object from a control frame body; RolloutRefused naming ``who`` otherwise."""
+    try:
+        obj = json.loads(bytes(body).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RolloutRefused(f"{who}: reply is not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise RolloutRefused(f"{who}: reply is not a JSON object")
+    return obj
+
+
+def encode_batch(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    """A BTCH body: header (with each array's shape and dtype added) and the arrays."""
+    head = dict(header, arrays={k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()})
+    head_bytes = json_body(head)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return _LEN.pack(len(head_bytes)) + head_bytes + buf.getvalue()
+
+
+def decode_batch(body, expected: dict[str, tuple[tuple[int, ...], str]], who: str
+                 ) -> tuple[dict, dict[str, np.ndarray]]:
+    """(header, arrays) of a BTCH body whose arrays must be exactly ``expected`` (name ->
+    (shape, dtype)); RolloutRefused naming ``who`` and the first difference otherwise."""
+    view = memoryview(body)
+    if view.nbytes < _LEN.size:
+        raise RolloutRefused(f"{who}: batch frame of {view.nbytes} bytes has no header")
+    (n,) = _LEN.unpack(view[:_LEN.size])
+    header = parse_json(view[_LEN.size:_LEN.size + n], who)
+    try:
+        with np.load(io.BytesIO(view[_LEN.size + n:]), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (ValueError, OSError, EOFError) as e:
+        raise RolloutRefused(f"{who}: batch arrays unreadable ({e})") from None
+    if set(arrays) != set(expected):
+        raise RolloutRefused(f"{who}: batch has arrays {sorted(arrays)}, expected {sorted(expected)}")
+    for name, (shape, dtype) in expected.items():
+        got = arrays[name]
+        if tuple(got.shape) != tuple(shape) or str(got.dtype) != dtype:
+            raise RolloutRefused(f"{who}: batch array {name!r} is {got.dtype}{list(got.shape)}, "
+                                 f"expected {dtype}{list(shape)}")
+    return header, arrays
+
+
+__all__ = ["BATCH_FIELDS", "KINDS", "ROLES", "RemoteConfig", "RolloutLost", "RolloutRefused",
+           "decode_batch", "encode_batch", "parse_endpoint"]
