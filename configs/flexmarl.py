@@ -12,7 +12,10 @@ solver / verifier workflow; same samples in lockstep and strict.
 ``--devices=N`` (fake CPU devices): 2 gives the trainer and rollout roles disjoint halves; >= 3
 also gives each agent its own trainer devices in proportion to its size (agent-centric
 allocation, see jaxflow.marl.meshes.agent_centric_meshes); 1 colocates everything. On a GPU /
-TPU the same split runs over the accelerators present.
+TPU the same split runs over the accelerators present. Across processes (``--coordinator`` ...)
+every mesh spans every process alike (trainer blocks of lcm(model degree, processes) devices),
+every run is inline (bounded: a fixed lag of eta versions), timing decisions are process 0's
+(jaxflow.marl.processes), and ``rollout_workers`` must be 1.
 
 ``full`` is the production size: a Qwen3-8B solver and a Qwen3-4B-shaped verifier (Qwen3-8B's
 config.json with the 4B's width 2560, MLP 9728, head dim 128 and tied embeddings; both keep the

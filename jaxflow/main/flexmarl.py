@@ -29,6 +29,11 @@ device seconds, which the calibration reads), per-step reward means of the first
 ``strict_max_param_diff`` (max over steps and agents of the per-leaf relative difference
 strict vs sync), the observed staleness of bounded runs, decode row-steps saved by compaction
 vs a padded batch decode, and a strict run with agent state swapping (bit-exact).
+
+Across processes (``--coordinator`` ...; :mod:`jaxflow.marl.processes`) every mesh spans every
+process alike, every run is inline on one thread (``strict_threads`` too; bounded rollouts use
+exactly version v - eta, see :attr:`~jaxflow.marl.pipeline.plan.PipelineConfig.inline`), the
+swaps stay in host memory, and every timing figure and the auto probe's choice are process 0's.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from jaxflow.experiment import to_jsonable
 from jaxflow.marl.engine import RolloutEngine, row_keys
 from jaxflow.marl.meshes import agent_centric_meshes
 from jaxflow.marl.pipeline import AgentRuntime, PipelineConfig, RunResult, relative_param_diff, run_pipeline, run_sync
+from jaxflow.marl.processes import agree, host_tree, multi_process
 from jaxflow.marl.programs import agent_programs, engine_programs, padded_decode_program
 from jaxflow.marl.simulate import sync_counts, write_calibration_from_run
 from jaxflow.marl.swap import AgentStateSwapper
@@ -211,7 +217,7 @@ def main(config, run) -> dict:
     meshes = _agent_meshes(config, wf)
     runtimes = build_runtimes(config, wf, meshes)
     meshes = meshes[wf.order()[0]]
-    init = {n: jax.device_get(init_params(rt.fns, rt.spec.model, jax.random.key(i)))
+    init = {n: host_tree(init_params(rt.fns, rt.spec.model, jax.random.key(i)))
             for i, (n, rt) in enumerate(runtimes.items())}
 
     def policies():
@@ -250,7 +256,9 @@ def main(config, run) -> dict:
             r = modes[m](steps)
             if keep:
                 results[m].append(r)
-            return r.wall_s
+            # across processes process 0's seconds everywhere: the auto probe's choice and
+            # every timing figure are decided once (jaxflow.marl.processes)
+            return agree("flexmarl_wall_s", r.wall_s)
         return call
 
     candidates = [*LOCKSTEP, "strict"]  # the staleness-free modes
@@ -291,7 +299,8 @@ def main(config, run) -> dict:
     def rate(m):
         return statistics.median(r.samples / r.wall_s for r in results[m])
 
-    swapper = AgentStateSwapper(tempfile.mkdtemp(prefix="flexmarl_swap_"))
+    # durable swaps (orbax) write one directory per process; across processes host memory only
+    swapper = AgentStateSwapper(None if multi_process() else tempfile.mkdtemp(prefix="flexmarl_swap_"))
     swapped = pipeline(config.steps, mode="strict", swapper=swapper)
     swapper.close()
     bounded = {m[len("bounded_"):]: {

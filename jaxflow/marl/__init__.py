@@ -1,6 +1,7 @@
 """FlexMARL-style multi-agent RL: workflow as data, experience store, micro-batch pipeline
 (strict / bounded staleness), rollout engine with hierarchical load balancing, agent state
-swapping (see each module's doc)."""
+swapping (see each module's doc). Across processes every mesh spans every process alike and
+``jaxflow.marl.processes`` keeps the processes in step."""
 
 from jaxflow.marl.balance import (
     allocate_workers,

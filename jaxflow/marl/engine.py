@@ -31,6 +31,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.distributed import put
+from jaxflow.marl.processes import host_tree, put_global
 from jaxflow.models.sampler import SamplingConfig, make_decoder
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.rollout import RolloutBatch, batch_sharding
@@ -129,7 +131,7 @@ class RolloutEngine:
         return self.fns.param_shardings
 
     def _put(self, x):
-        return jax.device_put(x, batch_sharding(self.mesh, x.shape[0]))
+        return put(x, batch_sharding(self.mesh, x.shape[0]))
 
     def _state(self, params):
         """nnx state of ``params``, cached for the last params object (a published version is
@@ -151,12 +153,12 @@ class RolloutEngine:
         b = prompts.shape[0]
         state = self._state(params)
         lengths = self._put(np.asarray(lengths, np.int32))
-        keys = jax.device_put(keys, NamedSharding(self.mesh, PartitionSpec()))
+        keys = put_global(keys, NamedSharding(self.mesh, PartitionSpec()))
         carry, (token, logp, live) = self._prefill(state, self._put(prompts), lengths, keys)
         tokens = np.full((b, n), cfg.pad_id, np.int32)
         logps = np.zeros((b, n), np.float32)
         mask = np.zeros((b, n), np.float32)
-        tokens[:, 0], logps[:, 0], mask[:, 0], done_h = jax.device_get(
+        tokens[:, 0], logps[:, 0], mask[:, 0], done_h = host_tree(
             (token, logp, live, carry.done))
         stats = EngineStats(padded_row_steps=b * (n - 1), calls=1)
         slots = np.arange(b)  # original row of each batch slot; -1: padding
@@ -176,7 +178,7 @@ class RolloutEngine:
                     slots = np.where(pad, -1, slots[idx])
             steps = min(chunk, n - t)
             carry, out = self._decode(state, carry, lengths, keys, jnp.int32(t), steps)
-            (tok, lp, lv), done_h = jax.device_get((out, carry.done))  # [steps, slots]
+            (tok, lp, lv), done_h = host_tree((out, carry.done))  # [steps, slots]
             real = slots >= 0
             rows = slots[real]
             tokens[rows, t:t + steps] = tok[:, real].T
@@ -196,8 +198,8 @@ class RolloutEngine:
         steps = sorted({min(chunk, n - t) for t in range(1, n, chunk)})
         prompts = np.full((batch, self.prompt_width), self.config.pad_id, np.int32)
         lengths = self._put(np.ones((batch,), np.int32))
-        keys = jax.device_put(row_keys(jax.random.key(0), batch),
-                              NamedSharding(self.mesh, PartitionSpec()))
+        keys = put_global(row_keys(jax.random.key(0), batch),
+                          NamedSharding(self.mesh, PartitionSpec()))
         state = self._state(params)
         carry, _ = self._prefill(state, self._put(prompts), lengths, keys)
         sizes = sorted({bucket(m, batch) for m in range(1, batch + 1)})

@@ -9,12 +9,13 @@ largest divisor of its cap that its devices allow (1: data parallel only, no "mo
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
 
 from jaxflow.marl.balance import allocate_workers
-from jaxflow.mesh import role_meshes
+from jaxflow.mesh import process_role_meshes, role_meshes
 
 
 def _degree(cap: int, n_devices: int, units: int = 1) -> int:
@@ -37,26 +38,40 @@ def agent_centric_meshes(wf, n_dev: int, *, devices: Sequence | None = None,
     to their parameter counts (agent-centric allocation,
     :func:`~jaxflow.marl.balance.allocate_workers`, in blocks of the trainers' model degree),
     so agents train on disjoint devices. Meshes are data x model with the model degree
-    :func:`_degree` of the caps (see module doc)."""
+    :func:`_degree` of the caps (see module doc).
+
+    Across P processes (multi-controller JAX) every mesh spans every process alike
+    (:func:`jaxflow.mesh.process_role_meshes`): each process gives each role ``count / P`` of
+    its devices, so every process runs every agent's programs in the same order, and the
+    trainer blocks are lcm(model degree, P) devices (with 2 processes x 4 devices the quick
+    config's trainers get 2 + 2 devices where one process gives 3 + 1).
+
+    Raises:
+      MeshError: across processes, a role's devices cannot be split evenly over them.
+    """
     names = wf.order()
     devices = list(jax.devices() if devices is None else devices)[:n_dev]
     if n_dev == 1:
         mesh = role_meshes({"trainer": 1}, devices=devices)["trainer"]
         return {n: {"trainer": mesh, "rollout": mesh} for n in names}
+    n_proc = jax.process_count()
     n_roll = n_dev // 2
     n_train = n_dev - n_roll
     roll_axes = _axes(_degree(rollout_model, n_roll))
-    if n_train < len(names):
-        m = role_meshes({"trainer": n_train, "rollout": n_roll},
-                        {"trainer": _axes(_degree(trainer_model, n_train)), "rollout": roll_axes},
-                        devices=devices)
+    if n_train < len(names) * n_proc:
+        m = process_role_meshes({"trainer": n_train, "rollout": n_roll},
+                                {"trainer": _axes(_degree(trainer_model, n_train)),
+                                 "rollout": roll_axes}, devices=devices)
         return {n: m for n in names}
-    tp = _degree(trainer_model, n_train, units=len(names))
+    # the largest model degree whose blocks (lcm with the process count) give every agent one
+    tp = max(d for d in range(1, trainer_model + 1) if trainer_model % d == 0
+             and n_train % d == 0 and n_train // math.lcm(d, n_proc) >= len(names))
+    unit = math.lcm(tp, n_proc)
     sizes = {n: float(_n_params(wf.agent(n).model)) for n in names}
-    split = allocate_workers(sizes, n_train // tp)
+    split = allocate_workers(sizes, n_train // unit)
     axes = {f"trainer/{n}": _axes(tp) for n in names} | {"rollout": roll_axes}
-    m = role_meshes({f"trainer/{n}": split[n] * tp for n in names} | {"rollout": n_roll}, axes,
-                    devices=devices)
+    m = process_role_meshes({f"trainer/{n}": split[n] * unit for n in names} | {"rollout": n_roll},
+                            axes, devices=devices)
     return {n: {"trainer": m[f"trainer/{n}"], "rollout": m["rollout"]} for n in names}
 
 

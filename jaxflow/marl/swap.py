@@ -20,11 +20,12 @@ import jax
 import numpy as np
 
 from jaxflow.checkpoint import Checkpointer, abstract_like
+from jaxflow.distributed import put, to_host
 
 
 def swap_out(state: Any) -> Any:
     """Device pytree -> host numpy pytree; the device buffers are deleted."""
-    host = jax.tree.map(lambda x: np.array(jax.device_get(x)), state)
+    host = jax.tree.map(lambda x: np.array(to_host(x)), state)  # also a multi-process array
     for x in jax.tree.leaves(state):
         if isinstance(x, jax.Array) and not x.is_deleted():
             x.delete()
@@ -33,7 +34,7 @@ def swap_out(state: Any) -> Any:
 
 def swap_in(host: Any, shardings: Any) -> Any:
     """Host pytree -> device pytree laid out by ``shardings`` (a matching pytree)."""
-    return jax.tree.map(lambda x, s: jax.device_put(x, s), host, shardings)
+    return put(host, shardings)
 
 
 class AgentStateSwapper:

@@ -16,6 +16,7 @@ import numpy as np
 from jaxflow.marl.pipeline.accumulate import group_rows, stack_rows
 from jaxflow.marl.pipeline.plan import RunResult, engine_snapshot, engine_stats_since
 from jaxflow.marl.pipeline.runtime import AgentRuntime, chunks, input_prompts, loss_key, rollout_inputs, split_batch
+from jaxflow.marl.processes import host_tree
 from jaxflow.marl.workflow import Workflow
 from jaxflow.train.state import TrainState
 
@@ -63,7 +64,7 @@ def run_sync(workflow: Workflow, runtimes: Mapping[str, AgentRuntime],
             if block_stages:
                 jax.block_until_ready(policies[n].params)
             busy[f"train/{n}"] += time.perf_counter() - t0
-        out_params.append({n: jax.device_get(policies[n].params) for n in names})
+        out_params.append({n: host_tree(policies[n].params) for n in names})
         out_rewards.append({n: float(np.mean([r["reward"] for r in rows[n]])) for n in names})
     wall = time.perf_counter() - start
     samples = steps * n_inputs * sum(runtimes[n].spec.group_size for n in names)

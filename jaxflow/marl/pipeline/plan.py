@@ -26,6 +26,7 @@ from jaxflow.marl.engine import EngineStats
 from jaxflow.marl.pipeline.accumulate import Accumulator, group_rows
 from jaxflow.marl.pipeline.runtime import AgentRuntime
 from jaxflow.marl.pipeline.versions import VersionBoard
+from jaxflow.marl.processes import multi_process
 from jaxflow.marl.store import ExperienceStore, SampleId
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import Workflow
@@ -113,7 +114,15 @@ class PipelineConfig:
 
     @property
     def inline(self) -> bool:
-        """Whether the run uses the inline driver ("auto": strict with one rollout worker)."""
+        """Whether the run uses the inline driver ("auto": strict with one rollout worker).
+
+        Across processes always: the CPU / GPU runtimes start one collective program at a time
+        in launch order, so threads that launch programs in a timing-dependent order would do it
+        in a different order on each process and deadlock. Bounded runs there roll out batch v
+        with version max(v - eta, first) exactly (:func:`~jaxflow.marl.pipeline.threads.bounded_weights`),
+        deterministic on every process; strict runs give the threads driver's bits anyway."""
+        if multi_process():
+            return True
         if self.driver == "auto":
             return self.mode == "strict" and self.rollout_workers == 1
         return self.driver == "inline"

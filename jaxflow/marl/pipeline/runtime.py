@@ -17,8 +17,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.distributed import put
 from jaxflow.marl.engine import RolloutEngine, row_keys
 from jaxflow.marl.pipeline.accumulate import accumulate, accumulate_apply, weighted_grad
+from jaxflow.marl.processes import host_tree, multi_process
 from jaxflow.marl.workflow import AgentSpec, Workflow
 from jaxflow.mesh import jit_on
 from jaxflow.rl.grpo import GRPOConfig, MiniBatch, compiled_functions
@@ -65,17 +67,22 @@ class AgentRuntime:
     def init_policy(self, params: Any) -> TrainState:
         """A fresh train state (step 0) around ``params`` (host or device pytree), on the
         trainer mesh in its own buffers (the updates donate them)."""
-        params = jax.device_put(params, self.fns.param_shardings)
+        params = put(host_tree(params), self.fns.param_shardings)
         return TrainState.create(self.tx, jax.tree.map(jnp.copy, params),
                                  self.fns.param_shardings)
 
     def place(self, mb: MiniBatch) -> MiniBatch:
         """A host micro-batch [rows, ...] onto the trainer mesh (rows sharded)."""
         sharding = batch_sharding(self.mesh, mb.tokens.shape[0])
-        return MiniBatch(*jax.device_put(tuple(mb), sharding))  # one batched transfer
+        return MiniBatch(*put(tuple(mb), sharding))
 
     def publish(self, policy: TrainState) -> Any:
-        """A copy of ``policy.params`` laid out for the rollout engine."""
+        """A copy of ``policy.params`` laid out for the rollout engine; across processes, when
+        the trainer and rollout meshes differ, through the host (JAX reshards across processes
+        only within one device set; :mod:`jaxflow.marl.processes`)."""
+        if multi_process() and (set(self.mesh.devices.flat)
+                                != set(self.engine.mesh.devices.flat)):
+            return put(host_tree(policy.params), self.engine.param_shardings)
         return publish_weights(policy.params, self.engine.param_shardings)
 
 

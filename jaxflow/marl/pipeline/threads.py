@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Callable
 
+import jax
 import numpy as np
 
 from jaxflow.marl.balance import allocate_workers
@@ -39,6 +40,7 @@ from jaxflow.marl.pipeline.runtime import (
 )
 from jaxflow.marl.pipeline.trainer import AgentTrainer
 from jaxflow.marl.pipeline.versions import VersionBoard
+from jaxflow.marl.processes import multi_process
 from jaxflow.marl.store import ExperienceStore
 from jaxflow.marl.workflow import Workflow
 from jaxflow.rl.tasks import completion_text
@@ -244,6 +246,21 @@ def rollout_parallel(plan: PipelinePlan, allocation: dict[str, int], version: in
     return sum(rq.agent_busy.values()), allocation
 
 
+def bounded_weights(plan: PipelinePlan, version: int) -> tuple[int, dict]:
+    """(w, {agent: params}) for batch ``version``'s bounded rollouts: the newest complete
+    version w >= version - eta. Across processes (always inline, see
+    :attr:`~jaxflow.marl.pipeline.plan.PipelineConfig.inline`) exactly w = max(version - eta,
+    first), the same on every process whatever the timing: the rollout does not wait for the
+    newer versions its trainers are still computing; the board keeps every version >= w (its
+    floor)."""
+    lowest = version - plan.config.eta
+    if not multi_process():
+        return plan.board.get_at_least(lowest, plan.wait_s)
+    w = max(lowest, plan.first)
+    plan.board.raise_floor(w)
+    return w, {n: plan.board.get_agent(w, n, plan.wait_s) for n in plan.names}
+
+
 def rollout_thread(plan: PipelinePlan, allocation: dict[str, int]
                    ) -> tuple[float, dict[str, int]]:
     """Rolls out every version's missing inputs with the newest weights the mode allows
@@ -259,7 +276,7 @@ def rollout_thread(plan: PipelinePlan, allocation: dict[str, int]
         if cfg.mode == "strict":  # each agent's own version v, when it needs it
             wver, weights = v, Weights(plan.board, v, plan.wait_s)
         else:  # the newest complete version the staleness bound allows, for every agent
-            wver, published = plan.board.get_at_least(v - cfg.eta, plan.wait_s)
+            wver, published = bounded_weights(plan, v)
             weights = Weights(plan.board, wver, plan.wait_s, published)
         prompts = input_prompts(cfg.workflow, cfg.seed, v, cfg.n_inputs)
         if cfg.rollout_workers > 1:
@@ -349,6 +366,18 @@ def _restore(config: PipelineConfig, store: ExperienceStore, policies: dict[str,
     return resumed
 
 
+def check_processes(config: PipelineConfig) -> None:
+    """Across processes every process must start the programs in the same order, so the run
+    is inline (one thread) and has one rollout worker.
+
+    Raises:
+      ValueError: ``rollout_workers`` > 1 across processes."""
+    if multi_process() and config.rollout_workers > 1:
+        raise ValueError(f"rollout_workers={config.rollout_workers} across "
+                         f"{jax.process_count()} processes: worker threads would start programs "
+                         "in a timing-dependent order; valid: 1")
+
+
 def run_pipeline(config: PipelineConfig, policies: dict[str, TrainState],
                  store: ExperienceStore | None = None) -> RunResult:
     """FlexMARL pipeline (see the package doc and :class:`PipelineConfig`).
@@ -362,7 +391,8 @@ def run_pipeline(config: PipelineConfig, policies: dict[str, TrainState],
     """
     names, runtimes = config.names, config.runtimes
     store = ExperienceStore(names) if store is None else store
-    board = VersionBoard(names)
+    check_processes(config)
+    board = VersionBoard(names, floor=0 if multi_process() else None)
     stats0 = engine_snapshot(runtimes)
     resumed = _restore(config, store, policies)
     start_version = {n: resumed[n].version if n in resumed else 0 for n in names}

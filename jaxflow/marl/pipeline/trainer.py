@@ -28,6 +28,7 @@ import numpy as np
 from jaxflow.marl.pipeline.accumulate import Accumulator, flatten_accumulator, stack_rows
 from jaxflow.marl.pipeline.plan import PipelinePlan
 from jaxflow.marl.pipeline.runtime import loss_key
+from jaxflow.marl.processes import host_tree
 from jaxflow.train.state import TrainState
 
 
@@ -140,7 +141,7 @@ class AgentTrainer:
     def _fetch(self) -> None:
         if self._unfetched is not None:
             v, params = self._unfetched
-            self.params[v] = jax.device_get(params)
+            self.params[v] = host_tree(params)
             self._unfetched = None
 
     def finish(self) -> TrainState:

@@ -3,8 +3,9 @@
 Trainers put agent ``name``'s weights of version v as they step; a version is *complete* when
 every agent has published it. Rollouts ask for the newest complete version >= a minimum
 (``v - eta`` under bounded staleness, ``v`` when strict) and block until one exists. Versions
-older than the newest complete one are dropped. ``halt`` wakes every waiter and makes it raise,
-so one failing thread stops the others.
+older than the newest complete one are dropped, except, with a ``floor`` (multi-process bounded
+runs, where process 0 picks the version every process's rollout uses), those >= the floor.
+``halt`` wakes every waiter and makes it raise, so one failing thread stops the others.
 """
 
 from __future__ import annotations
@@ -16,9 +17,25 @@ from typing import Any, Sequence
 class VersionBoard:
     """Published weights per (version, agent); thread-safe (see module doc)."""
 
-    def __init__(self, names: Sequence[str]):
+    def __init__(self, names: Sequence[str], floor: int | None = None):
         self.names, self.by_version, self.cond = tuple(names), {}, threading.Condition()
         self.stop = False
+        self.floor = floor  # None: keep only the newest complete version and newer
+
+    def raise_floor(self, version: int) -> None:
+        """Versions >= ``version`` stay on the board (no-op without a floor); the floor only
+        rises."""
+        with self.cond:
+            if self.floor is not None:
+                self.floor = max(self.floor, version)
+                self._prune()
+
+    def _prune(self) -> None:
+        done = self._complete()
+        if done:
+            keep = max(done) if self.floor is None else min(max(done), self.floor)
+            for v in [v for v in self.by_version if v < keep]:
+                del self.by_version[v]
 
     def _complete(self) -> list[int]:
         return [v for v, d in self.by_version.items() if len(d) == len(self.names)]
@@ -27,10 +44,7 @@ class VersionBoard:
         """Agent ``name`` publishes ``params`` as ``version``."""
         with self.cond:
             self.by_version.setdefault(version, {})[name] = params
-            done = self._complete()
-            if done:
-                for v in [v for v in self.by_version if v < max(done)]:
-                    del self.by_version[v]
+            self._prune()
             self.cond.notify_all()
 
     def get_at_least(self, version: int, timeout: float) -> tuple[int, dict[str, Any]]:
