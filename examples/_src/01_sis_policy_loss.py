@@ -116,6 +116,7 @@ for step in range(4):
 # %%
 assert history[0]["accept_rate"] == 1.0 and history[0]["d_original"] < 1e-5  # f32 rounding (jit vs eager)
 assert history[-1]["accept_rate"] < 1.0, history
+# eager, like `old` above: the same ops give the same log-probs, so every log-ratio is exactly 0
 g_sis = jax.grad(lambda p: loss_fn(p, jax.random.key(9), loss_cfg)[0])(start_params)
 g_grpo = jax.grad(lambda p: loss_fn(p, jax.random.key(9), PolicyLossConfig(algo="grpo"))[0])(start_params)
 for a, b in zip(jax.tree.leaves(g_sis), jax.tree.leaves(g_grpo)):
