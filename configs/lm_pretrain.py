@@ -4,6 +4,7 @@
     python -m jaxflow.run --exp=lm_pretrain --variant=default --set train.steps=3000
     python -m jaxflow.run --exp=lm_pretrain --variant=quick --devices=8 --set mesh.shape=4,2
     python -m jaxflow.run --exp=lm_pretrain --variant=full --compile-only --target=tpu-v5p:4x4x4
+    python -m jaxflow.run --exp=lm_pretrain --variant=quick --set model.lora.rank=8   # LoRA adapters only
 
 ``full`` is Meta-Llama-3-8B (bf16, remat per block) on 256 sequences of 4096 tokens per step,
 sharded ZeRO-3 style over "fsdp" (every device): the batch, and the MLP-hidden and vocab
