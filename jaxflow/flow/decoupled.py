@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxflow.config import ConfigError
 from jaxflow.distributed import put, to_host
 from jaxflow.flow.batching import (
     PackingConfig,
@@ -274,11 +275,11 @@ class DecoupledTrainer:
         """:meth:`run` on the caller's thread in the fixed cross-process order (module doc).
 
         Raises:
-          ValueError: the pool cannot hold ``run_ahead + 1`` steps' samples (one thread cannot
+          ConfigError: the pool cannot hold ``run_ahead + 1`` steps' samples (one thread cannot
             wait for a consumer)."""
         need = (self.run_ahead + 1) * max((len(s) for _, s in steps), default=0)
         if self.pool.capacity < need:
-            raise ValueError(f"flow.pool_capacity={self.pool.capacity} across processes with "
+            raise ConfigError(f"flow.pool_capacity={self.pool.capacity} across processes with "
                              f"run_ahead={self.run_ahead}: the pool must hold {self.run_ahead + 1} "
                              f"steps' samples; valid: >= {need}")
 

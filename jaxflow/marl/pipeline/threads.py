@@ -27,6 +27,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from jaxflow.config import ConfigError
 from jaxflow.marl.balance import allocate_workers
 from jaxflow.marl.pipeline.accumulate import unflatten_accumulator
 from jaxflow.marl.pipeline.plan import PipelineConfig, PipelinePlan, RunResult, engine_snapshot, engine_stats_since
@@ -371,9 +372,9 @@ def check_processes(config: PipelineConfig) -> None:
     is inline (one thread) and has one rollout worker.
 
     Raises:
-      ValueError: ``rollout_workers`` > 1 across processes."""
+      ConfigError: ``rollout_workers`` > 1 across processes."""
     if multi_process() and config.rollout_workers > 1:
-        raise ValueError(f"rollout_workers={config.rollout_workers} across "
+        raise ConfigError(f"rollout_workers={config.rollout_workers} across "
                          f"{jax.process_count()} processes: worker threads would start programs "
                          "in a timing-dependent order; valid: 1")
 
