@@ -86,3 +86,10 @@ def test_sync_sends_adapter_deltas_or_whole_merged_matrices(meshes, publish):
     # the sampler's weights are the bf16 replica's, merged on the rollout side or before the sync
     sampled = _flat(trainer.rollout_params(state))
     assert sampled.keys() == _flat(warm).keys()
+
+
+def test_remote_rollout_job_needs_the_merged_publish(meshes):
+    with pytest.raises(ValueError, match="a remote rollout job samples a base-shaped replica: use "
+                                         "rl.lora.publish=merged"):
+        GRPOTrainer(MODEL, dataclasses.replace(BASE, lora=LORA), OptimConfig(), StopTask(),
+                    CharTokenizer(), meshes, seed=0, sync=SyncConfig(codec="auto"), remote=object())
