@@ -88,8 +88,8 @@ def test_sync_sends_adapter_deltas_or_whole_merged_matrices(meshes, publish):
     assert sampled.keys() == _flat(warm).keys()
 
 
-def test_remote_rollout_job_needs_the_merged_publish(meshes):
-    with pytest.raises(ValueError, match="a remote rollout job samples a base-shaped replica: use "
-                                         "rl.lora.publish=merged"):
+def test_lora_with_a_remote_rollout_job_is_refused_with_the_reason(meshes):
+    with pytest.raises(ValueError, match="rl.lora.rank=4 with a remote rollout job: the rollout job "
+                                         "samples base-shaped bf16 replicas"):
         GRPOTrainer(MODEL, dataclasses.replace(BASE, lora=LORA), OptimConfig(), StopTask(),
                     CharTokenizer(), meshes, seed=0, sync=SyncConfig(codec="auto"), remote=object())

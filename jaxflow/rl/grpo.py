@@ -137,9 +137,6 @@ class GRPOTrainer:
             raise ValueError(f"rl.lora.rank={model_cfg.lora.rank} with a remote rollout job: the "
                              "rollout job samples base-shaped bf16 replicas; LoRA runs use the "
                              "one-job roles (remote.role=local) for now")
-        if remote is not None and model_cfg.lora.enabled and model_cfg.lora.publish == "adapters":
-            raise ValueError("rl.lora.publish=adapters merges on the in-process rollout mesh; a remote "
-                             "rollout job samples a base-shaped replica: use rl.lora.publish=merged")
         if sync_links and sync is None:
             raise ValueError("sync_links given but weight sync is off (sync=None)")
         self.trainer_mesh, self.rollout_mesh = meshes["trainer"], meshes["rollout"]
