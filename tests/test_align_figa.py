@@ -112,6 +112,17 @@ def test_loss_equals_numpy(seed):
     np.testing.assert_allclose(float(loss2), ref2, rtol=1e-6)
 
 
+def test_loss_with_marks_captured_by_a_jitted_function():
+    """Concrete marks closed over by a jitted caller are validated on the host (they used to
+    be turned into tracers by the range check: ConcretizationTypeError)."""
+    logp, marks, mask, revised = (jnp.asarray(x) for x in _random_rows(0))
+    loss = jax.jit(lambda lp: figa_loss(lp, marks, mask, revised)[0])(logp)
+    assert float(loss) == pytest.approx(float(figa_loss(logp, marks, mask, revised)[0]), rel=1e-6)
+    bad = marks * 2  # concrete, out of range: still refused under jit
+    with pytest.raises(ValueError, match="marks must lie in"):
+        jax.jit(lambda lp: figa_loss(lp, bad, mask, revised)[0])(logp)
+
+
 def test_constant_weighting_equals_numpy():
     logp, marks, mask, revised = _random_rows(2)
     cfg = FigaConfig(weighting="constant")

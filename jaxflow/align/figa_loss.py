@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxflow.rl.masks import as_bool_mask
 
@@ -89,8 +90,10 @@ def _validate(logp, marks, mask, revised) -> None:
     if not hasattr(revised, "shape") or tuple(revised.shape) != tuple(logp.shape[:1]):
         raise ValueError(f"revised shape {getattr(revised, 'shape', None)} must be [B] = "
                          f"{logp.shape[:1]} (True for revision rows, False for originals)")
-    if not isinstance(marks, jax.core.Tracer):
-        lo, hi = int(jnp.min(marks)), int(jnp.max(marks))
+    if not isinstance(marks, jax.core.Tracer) and getattr(marks, "is_fully_addressable", True):
+        # numpy, not jnp: concrete marks captured by a jitted caller must not become tracers here
+        host = np.asarray(marks)
+        lo, hi = (int(host.min()), int(host.max())) if host.size else (0, 0)
         if lo < -1 or hi > 1:
             raise ValueError(f"marks must lie in {{-1, 0, 1}}, got range [{lo}, {hi}]")
 

@@ -1,9 +1,12 @@
 """Decoder-only LM (flax nnx), its jitted KV-cache sampler, per-token log-probs of a sequence
-(``token_logprobs``), and Hugging Face checkpoints in and out (Llama-3, Qwen3, Qwen3-MoE)."""
+(``token_logprobs``), LoRA adapters on its projections (``LoraConfig``, ``merge``), and Hugging
+Face checkpoints in and out (Llama-3, Qwen3, Qwen3-MoE; a LoRA run also writes a PEFT adapter)."""
 from jaxflow.models.architectures import CheckpointError, config_from_hf, hf_config_from
 from jaxflow.models.hf_checkpoint import from_pretrained, load_hf_params, save_pretrained
 from jaxflow.models.kv_cache import KVCache
 from jaxflow.models.logprobs import predicted_mask, token_logprobs
+from jaxflow.models.lora import LoraConfig
+from jaxflow.models.lora import merge as merge_lora
 from jaxflow.models.rope import RopeScaling
 from jaxflow.models.sampler import SampleOutput, SamplingConfig, make_sampler, sample
 from jaxflow.models.tokenizer_hf import HFTokenizer
@@ -25,6 +28,8 @@ __all__ = [
     "load_hf_params",
     "save_pretrained",
     "KVCache",
+    "LoraConfig",
+    "merge_lora",
     "PRESETS",
     "SampleOutput",
     "SamplingConfig",
