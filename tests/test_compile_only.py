@@ -337,6 +337,23 @@ def test_hlo_reader_on_async_loops_and_kernels():
     assert got.loop_trips == (32,)  # the compiler's cost counts that body once
 
 
+def test_hlo_reader_reads_the_trip_count_of_a_tpu_loop_from_the_loop():
+    """XLA:TPU leaves no known_trip_count on a compiled scan: the trip count is N - K from its
+    condition (counter < constant N) and the counter's initial constant K (through a copy)."""
+    text = HLO_TEXT.replace(',\n backend_config={"known_trip_count":{"n":"32"}}', "")
+    text = text.replace("%init = (s32[], bf16[256,128]{1,0}) parameter(1)",
+                        "%b = bf16[256,128]{1,0} parameter(1)\n  %k = s32[] constant(4)\n"
+                        "  %k.copy = s32[] copy(%k)\n"
+                        "  %init = (s32[], bf16[256,128]{1,0}) tuple(%k.copy, %b)")
+    assert "known_trip_count" not in text
+    got = hlo.summarize(text)
+    assert got.loop_trips == (28,) and got.pallas_kernels["flash_fwd"] == 28
+    # a loop whose counter does not start at a constant is counted once (unknown)
+    unknown = text.replace("tuple(%k.copy, %b)", "tuple(%j.0, %b)").replace(
+        "%k = s32[] constant(4)", "%j.0 = s32[] parameter(2)")
+    assert hlo.summarize(unknown).loop_trips == ()
+
+
 def test_a_program_with_loops_reports_its_bytes_as_a_lower_bound():
     chip = targets.CHIPS["v5p"]
     mesh = Mesh(np.array(jax.devices()), ("data",))

@@ -14,8 +14,11 @@ it is one device's, so collective bytes are per device.
   apart, by target.
 
 Counts are per call of the program: an op inside a ``while`` body counts its loop's
-``known_trip_count`` times (once when the compiler recorded none), and both branches of a
-conditional count. The loops' trip counts are kept (``loop_trips``): XLA's cost analysis
+``known_trip_count`` times, and both branches of a conditional count. XLA:TPU records no
+``known_trip_count`` on its compiled loops: there the trip count is read from the loop itself
+when it has the shape every ``lax.scan`` / ``fori_loop`` lowers to (the condition's root is
+``counter < constant N`` and the counter enters the loop as a constant K: N - K trips); a loop
+of any other shape counts once. The loops' trip counts are kept (``loop_trips``): XLA's cost analysis
 counts each loop body once, so a program with loops has a compiler cost that is a lower
 bound. An instruction may span several lines of the text (multi-line frontend attributes);
 continuation lines are joined to it.
@@ -58,6 +61,7 @@ class Instruction:
     operands: tuple[str, ...]
     attrs: str
     computation: str
+    args: str = ""  # the text inside the opcode's parentheses (a constant's literal)
 
 
 def shape_bytes(shape: str) -> int:
@@ -94,7 +98,8 @@ def _parse(name: str, rest: str, computation: str) -> Instruction | None:
     open_at = m.end() - 1
     close = _balanced(tail, open_at)
     operands = tuple(_REF.findall(tail[open_at:close]))
-    return Instruction(name, shape, m["op"], operands, tail[close:], computation)
+    return Instruction(name, shape, m["op"], operands, tail[close:], computation,
+                       tail[open_at + 1:close - 1])
 
 
 def instructions(hlo_text: str) -> list[Instruction]:
@@ -115,15 +120,60 @@ def instructions(hlo_text: str) -> list[Instruction]:
     return out
 
 
+_CONDITION = re.compile(r"\bcondition=%([\w.\-]+)")
+_GTE_INDEX = re.compile(r"\bindex=(\d+)")
+_INT_LITERAL = re.compile(r"^-?\d+$")
+_PASS_THROUGH = ("copy", "copy-start", "copy-done", "bitcast")
+
+
+def _trip_count(loop: Instruction, by_name: dict[str, Instruction],
+                roots: dict[str, Instruction]) -> int:
+    """Executions of ``loop``'s body per execution of the loop: its ``known_trip_count``, else
+    N - K when its condition's root is ``get-tuple-element(i) < constant(N)`` and element i of
+    its initial tuple is ``constant(K)`` (the counter of a lowered scan / fori_loop, as XLA:TPU
+    leaves it); 1 when neither can be read."""
+    if (m := _TRIP.search(loop.attrs)) is not None:
+        return int(m.group(1))
+    cond = _CONDITION.search(loop.attrs)
+    root = roots.get(cond.group(1)) if cond else None
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs \
+            or len(root.operands) != 2:
+        return 1
+    counter, bound = (by_name.get(n) for n in root.operands)
+    init = by_name.get(loop.operands[0]) if loop.operands else None
+    if counter is None or bound is None or init is None or counter.opcode != "get-tuple-element" \
+            or bound.opcode != "constant" or init.opcode != "tuple" \
+            or (index := _GTE_INDEX.search(counter.attrs)) is None:
+        return 1
+    k = int(index.group(1))
+    start = by_name.get(init.operands[k]) if k < len(init.operands) else None
+    while start is not None and start.opcode in _PASS_THROUGH and start.operands:
+        start = by_name.get(start.operands[0])  # XLA:TPU copies the counter's initial value
+    if start is None or start.opcode != "constant" or not _INT_LITERAL.match(start.args.strip()) \
+            or not _INT_LITERAL.match(bound.args.strip()):
+        return 1
+    return max(int(bound.args) - int(start.args), 1)
+
+
+def _loop_trips(ins: list[Instruction]) -> dict[str, int]:
+    """{while instruction name: trips} (:func:`_trip_count`)."""
+    by_name = {i.name: i for i in ins}  # HLO instruction names are unique in a module
+    roots: dict[str, Instruction] = {}
+    for i in ins:
+        roots[i.computation] = i  # the last instruction of a computation is its ROOT
+    return {i.name: _trip_count(i, by_name, roots) for i in ins if i.opcode == "while"}
+
+
 def _multipliers(ins: list[Instruction]) -> dict[str, int]:
     """Executions of each computation per call of the entry one (while bodies and conditions
-    times their known trip count)."""
+    times their trip count, :func:`_trip_count`)."""
     computations = {i.computation for i in ins}
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    loop_trips = _loop_trips(ins)
     for i in ins:
         trip = 1
-        if i.opcode == "while" and (m := _TRIP.search(i.attrs)) is not None:
-            trip = int(m.group(1))
+        if i.opcode == "while":
+            trip = loop_trips[i.name]
         for callee in set(_REF.findall(i.attrs)):
             if callee in computations and callee != i.computation:
                 calls[callee].append((i.computation, trip if i.opcode == "while" else 1))
@@ -200,9 +250,6 @@ def summarize(hlo_text: str) -> HloSummary:
                 pallas[_kernel_name(i)] += times
             elif target.startswith(CUDNN_PREFIX):
                 cudnn[target] += times
-    trips = []
-    for i in ins:
-        if i.opcode == "while" and (m := _TRIP.search(i.attrs)) is not None and int(m[1]) > 1:
-            trips.append(int(m[1]))
+    trips = [t for t in _loop_trips(ins).values() if t > 1]
     return HloSummary(collectives, dict(sorted(pallas.items())), dict(sorted(cudnn.items())),
                       tuple(sorted(trips, reverse=True)))
