@@ -101,6 +101,7 @@ def test_trainer_and_rollout_jobs_equal_the_one_job_run(single):
     assert served["rollouts_served"] == 3 and served["replica_version"] == rows2[-1]["trainer_version"] + 2
 
 
+@pytest.mark.multiprocess
 def test_a_restarted_rollout_job_catches_up_and_the_run_is_unchanged(single):
     tmp, s1, rows1 = single
     (tcode, tout, terr), (rcode, _, rerr) = _two_jobs(tmp, "restart", kill_rollout_after=1)
@@ -111,6 +112,7 @@ def test_a_restarted_rollout_job_catches_up_and_the_run_is_unchanged(single):
     assert "waiting up to" in (tout + terr)  # the trainer reported the lost job and waited
 
 
+@pytest.mark.multiprocess
 def test_a_rollout_job_that_stays_lost_ends_the_trainer_with_75(single):
     tmp, _, _ = single
     (tcode, _, terr), _ = _two_jobs(tmp, "lost", kill_rollout_after=1, restart=False, timeout_s=3)
