@@ -13,6 +13,10 @@ rows. Held-out accuracy (greedy, and pass@1 at temperature 1) every ``train.eval
     python -m jaxflow.run --exp=figa --variant=default
     python -m jaxflow.run --exp=figa --variant=quick --set methods=sft,figa,figa_constant
     python -m jaxflow.run --exp=figa --variant=quick --set figa.neg_nll_min=0.6 --set figa.neg_nll_max=1.0
+    python -m jaxflow.run --exp=figa --variant=quick --set lora.rank=8     # LoRA over the warm start
+
+``lora`` (:mod:`jaxflow.models.lora`) trains rank-r adapters over the frozen warm start in every
+method (not ``pretrain.model.lora``, which would pretrain adapters over a random base).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from configs.lm_pretrain import Config as PretrainConfig
 from configs.sis_offpolicy import WARM_START
 from jaxflow.align.figa_loss import FigaConfig
 from jaxflow.config import Variants
+from jaxflow.models.lora import LoraConfig
 
 DESCRIPTION = "FIGA vs SFT-on-revisions vs DPO on the model's own oracle-revised samples (addition)"
 ENTRY = "jaxflow.main.figa:main"
@@ -85,6 +90,11 @@ class Config:
       dpo_beta: DPO's beta.
       figa: FIGA's constants (:class:`jaxflow.align.FigaConfig`); ``weighting`` is set per
         method.
+      lora: low-rank adapters trained over the frozen warm start by every method
+        (``--set lora.rank=8``; :mod:`jaxflow.models.lora`): fresh adapters (B = 0, so step 0
+        and DPO's reference are exactly the warm start), optimizer moments for the adapters
+        only, held-out evaluation on the merged weights (``lora.publish`` is unused here).
+        Rank 0 (default): full fine-tuning, as without this field.
     """
 
     seed: int = 0
@@ -96,6 +106,7 @@ class Config:
     figa: FigaConfig = FigaConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         bad = [m for m in self.methods if m not in METHODS]
@@ -103,6 +114,12 @@ class Config:
             raise ValueError(f"methods={self.methods!r} has unknown {bad}; valid: {METHODS}")
         if self.seeds < 1 or not self.dpo_beta > 0:
             raise ValueError(f"seeds={self.seeds!r} (>= 1) / dpo_beta={self.dpo_beta!r} (> 0)")
+        if not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"lora={self.lora!r}: need a jaxflow.models.lora.LoraConfig")
+        if self.lora.enabled and self.pretrain.model.lora.enabled:
+            raise ValueError(f"lora.rank={self.lora.rank} with pretrain.model.lora.rank="
+                             f"{self.pretrain.model.lora.rank}: the warm start already has adapters; "
+                             "set one of them (lora.rank trains adapters over the full warm start)")
 
 
 def _default() -> Config:

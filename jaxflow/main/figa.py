@@ -10,6 +10,9 @@ seeds. Only the loss differs:
   dpo            DPO on (revised, original) sequence log-probs, frozen warm start as reference
   figa           :func:`jaxflow.align.figa_loss` (the paper's weights)
   figa_constant  the same with the reference code's constant weights
+
+With ``lora.rank > 0`` (:func:`lora_policy`) every method trains fresh LoRA adapters over the
+frozen warm start instead of all of its weights; evaluation samples the merged weights.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -40,14 +43,50 @@ from jaxflow.align import (
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.experiment import RunContext
 from jaxflow.mesh import make_mesh
+from jaxflow.models import lora
+from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import response_hidden
 from jaxflow.rl.logprobs import fused_logprobs
 from jaxflow.rl.rollout import RolloutSpec, RolloutWorker
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
-from jaxflow.train.lm_state import LMFunctions, lm_functions
+from jaxflow.train.lm_state import LMFunctions, lm_functions, model_optimizer
 from jaxflow.train.loop import run_steps
 from jaxflow.train.state import TrainState
+
+
+class Policy(NamedTuple):
+    """What every method trains (:func:`lora_policy`).
+
+    Attributes:
+      model_cfg: the trained model (the warm start's, with ``lora`` when on).
+      fns: its :class:`LMFunctions` (the losses' forward; with adapters the base is frozen).
+      params: the initial params (pure dict): the warm start, or it plus fresh adapters (B = 0).
+      tx: the optimizer (with LoRA: moments and updates for the adapter leaves only).
+      to_sampler: trained params -> the base-shaped params the warm start's sampler takes
+        (identity, or the jitted :func:`jaxflow.models.lora.merge`).
+    """
+
+    model_cfg: TransformerConfig
+    fns: LMFunctions
+    params: Any
+    tx: optax.GradientTransformation
+    to_sampler: Callable[[Any], Any]
+
+
+def lora_policy(model_cfg: TransformerConfig, lora_cfg: lora.LoraConfig, fns: LMFunctions, warm: Any,
+                tx: optax.GradientTransformation, replicated: NamedSharding) -> Policy:
+    """The :class:`Policy` for ``lora_cfg``: rank 0 returns ``model_cfg``, ``fns``, ``warm`` and
+    ``tx`` themselves (full fine-tuning, unchanged); otherwise ``model_cfg`` with those adapters,
+    ``warm`` plus fresh adapters (B = 0: it computes exactly the warm start, so it also serves
+    as DPO's frozen reference), ``tx`` on the adapters only, and a merge for the sampler (all
+    placed ``replicated``)."""
+    if not lora_cfg.enabled:
+        return Policy(model_cfg, fns, warm, tx, lambda params: params)
+    cfg = dataclasses.replace(model_cfg, lora=lora_cfg)
+    params = jax.device_put(lora.add_adapters(warm, cfg), replicated)
+    merge = jax.jit(functools.partial(lora.merge, lora=lora_cfg), out_shardings=replicated)
+    return Policy(cfg, lm_functions(cfg, replicated.mesh), params, model_optimizer(tx, cfg), merge)
 
 
 def sample_pairs(worker: RolloutWorker, params: Any, task: AdditionRLTask,
@@ -212,9 +251,17 @@ def main(config, run: RunContext) -> dict[str, Any]:
     warm_eval = evaluate(warm)
     run.info(f"warm start held-out: {warm_eval}")
     tx = optax.chain(optax.clip_by_global_norm(tcfg.grad_clip), optax.adam(tcfg.lr))
-    steps = {m: _compiled_step(fns, m, config.dpo_beta, config.figa, replicated)
+    policy = lora_policy(model_cfg, config.lora, fns, warm, tx, replicated)
+    lora_info = _lora_info(policy) if config.lora.enabled else None
+    if lora_info:
+        run.info(f"LoRA: {lora_info}")
+    steps = {m: _compiled_step(policy.fns, m, config.dpo_beta, config.figa, replicated)
              for m in config.methods}
-    warm_shardings = jax.tree.map(lambda _: replicated, warm)
+    init_shardings = jax.tree.map(lambda _: replicated, policy.params)
+
+    def evaluate_policy(params) -> dict:  # the sampler gets base-shaped (merged) weights
+        return evaluate(policy.to_sampler(params))
+
     run.set_total_steps(config.seeds * len(config.methods) * tcfg.steps, "figa")
     records, pools, global_step = [], [], 0
     for s in range(config.seed, config.seed + config.seeds):
@@ -225,10 +272,11 @@ def main(config, run: RunContext) -> dict[str, Any]:
         schedule = batch_schedule(stats["pairs"], tcfg.steps, tcfg.pairs_per_batch, s)
         for method in config.methods:
             curve, first_metrics = train_method(
-                steps[method], TrainState.create(tx, warm, warm_shardings),
+                steps[method], TrainState.create(policy.tx, policy.params, init_shardings),
                 lambda i: Rows(*(jax.device_put(x, replicated)
                                  for x in interleave_rows(data, schedule[i]))),
-                ref_params=warm, evaluate=evaluate, steps=tcfg.steps, log_every=tcfg.log_every,
+                ref_params=policy.params, evaluate=evaluate_policy, steps=tcfg.steps,
+                log_every=tcfg.log_every,
                 eval_every=tcfg.eval_every, run=run, step_offset=global_step,
                 row_fields={"seed": s, "method": method})
             global_step += tcfg.steps
@@ -243,6 +291,7 @@ def main(config, run: RunContext) -> dict[str, Any]:
     plot_curves(run, records, config.methods)
     return {
         "results": results,
+        **({"lora": lora_info} if lora_info else {}),
         "table": table,
         "warm_start": {"cache": cache_dir(config.pretrain, config.cache_root).name,
                        "pretrain_heldout_accuracy": pre_summary.get("heldout_accuracy"),
@@ -251,6 +300,15 @@ def main(config, run: RunContext) -> dict[str, Any]:
         "seeds": config.seeds,
         "study_seconds": time.time() - start,
     }
+
+
+def _lora_info(policy: Policy) -> dict:
+    """The adapters' size: rank, alpha, targets, trainable (adapter) and frozen (base) params."""
+    cfg = policy.model_cfg.lora
+    count = lambda tree: int(sum(x.size for x in jax.tree.leaves(tree)))  # noqa: E731
+    return {"rank": cfg.rank, "alpha": cfg.alpha, "targets": list(cfg.targets),
+            "adapter_params": count(lora.adapters(policy.params)),
+            "base_params": count(lora.strip(policy.params))}
 
 
 def aggregate(records: list[dict], methods) -> list[dict]:
