@@ -45,7 +45,6 @@ from jaxflow.rl.tasks import encode_prompts
 from jaxflow.sync.replica import SyncSender
 from jaxflow.sync.transport.tcp import FrameError, TcpLink, recv_frame, send_frame
 from jaxflow.sync.weight_sync import SyncConfig, SyncRecord
-from jaxflow.sync.wire import to_bf16, tree_digest
 
 
 class RemoteParams(NamedTuple):
@@ -306,7 +305,9 @@ def _replicated(x: jax.Array, like: Any) -> jax.Array:
 
     sharding = getattr(jax.tree.leaves(like)[0], "sharding", None)
     if isinstance(sharding, NamedSharding):
-        return jax.device_put(x, NamedSharding(sharding.mesh, PartitionSpec()))
+        from jaxflow.distributed import put
+
+        return put(np.asarray(x), NamedSharding(sharding.mesh, PartitionSpec()))
     return x
 
 
@@ -319,9 +320,4 @@ def _broadcast(tree: Any) -> Any:
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
 
 
-def bf16_digest(params: Any) -> str:
-    """The digest a replica holding ``params``' bf16 cast reports (``tree_digest``)."""
-    return tree_digest(to_bf16(params))
-
-
-__all__ = ["RemoteParams", "RemoteRollout", "bf16_digest"]
+__all__ = ["RemoteParams", "RemoteRollout"]
