@@ -64,6 +64,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.distributed import put
 from jaxflow.mesh import jit_on
 from jaxflow.models import lora
 from jaxflow.models.transformer import TransformerConfig
@@ -206,8 +207,9 @@ class GRPOTrainer:
             "published": published,
             "published_version": versions,
             "published_origin": origin,
-            "rollout": jax.device_put(jnp.zeros((), jnp.int32), replicated),
-            "rng": jax.device_put(jax.random.key_data(jax.random.key(self.seed)), replicated),
+            # host values placed per process (distributed.put): the trainer mesh may span processes
+            "rollout": put(np.zeros((), np.int32), replicated),
+            "rng": put(np.asarray(jax.random.key_data(jax.random.key(self.seed))), replicated),
         }
         if self.config.kl_coef > 0:
             state["ref_params"] = params
@@ -289,7 +291,7 @@ class GRPOTrainer:
         out = []
         for j in range(self.config.lag):
             rows = slice(j * size, (j + 1) * size)
-            out.append(MiniBatch(*(jax.device_put(x[rows], sharding) for x in (
+            out.append(MiniBatch(*(put(x[rows], sharding) for x in (
                 batch.prompts, batch.prompt_lengths, batch.tokens, batch.mask,
                 batch.behaviour_logp, adv.astype(np.float32)))))
         return out

@@ -188,7 +188,9 @@ def _versions(zeros: jax.Array, like: Any) -> jax.Array:
 
     sharding = getattr(jax.tree.leaves(like)[0], "sharding", None)
     if isinstance(sharding, NamedSharding):
-        return jax.device_put(zeros, NamedSharding(sharding.mesh, PartitionSpec()))
+        from jaxflow.distributed import put
+
+        return put(np.asarray(zeros), NamedSharding(sharding.mesh, PartitionSpec()))
     return zeros
 
 

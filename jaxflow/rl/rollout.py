@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.tokenizer import CharTokenizer
-from jaxflow.distributed import to_host
+from jaxflow.distributed import put, to_host
 from jaxflow.models.sampler import SampleOutput, SamplingConfig, make_sampler
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.tasks import Task, encode_prompts, score_completions
@@ -133,13 +133,18 @@ class RolloutWorker:
         return self.fns.param_shardings
 
     def _place(self, x: np.ndarray) -> jax.Array:
-        return jax.device_put(x, batch_sharding(self.mesh, x.shape[0]))
+        return put(x, batch_sharding(self.mesh, x.shape[0]))
+
+    def _put_key(self, key: jax.Array) -> jax.Array:
+        """``key`` replicated on the mesh, placed per process (the mesh may span processes)."""
+        data = np.asarray(jax.random.key_data(key))
+        return jax.random.wrap_key_data(put(data, NamedSharding(self.mesh, PartitionSpec())))
 
     def sample(self, params: Any, prompts: np.ndarray, prompt_lengths: np.ndarray,
                key: jax.Array) -> SampleOutput:
         """Raw sampler call (device arrays) on token prompts [B, P]."""
         state = self._sampler_fns.nnx_state(params)
-        key = jax.device_put(key, NamedSharding(self.mesh, PartitionSpec()))
+        key = self._put_key(key)
         return self._sample(state, self._place(prompts), self._place(prompt_lengths), key)
 
     def generate(self, params: Any, prompt_texts: Sequence[str], key: jax.Array) -> RolloutBatch:
@@ -169,7 +174,7 @@ class RolloutWorker:
         """
         texts, prompts, lengths = self._heldout_batch(n, max(samples, 1))
         fn = self._greedy if samples == 0 else self._eval_sample
-        key = jax.device_put(jax.random.key(0), NamedSharding(self.mesh, PartitionSpec()))
+        key = self._put_key(jax.random.key(0))
         out = fn(self.fns.nnx_state(params), prompts, lengths, key)
         rewards = score_completions(self.task, self.tokenizer, texts, to_host(out.tokens))
         return float(np.mean(rewards))
