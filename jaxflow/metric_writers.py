@@ -117,12 +117,30 @@ class TensorBoardWriter:
             raise MissingExtraError(f"TensorBoard logging needs the tensorboard package ({e}): "
                                     "pip install tensorboard, or run with --no-tensorboard") from None
         self._event, self._summary = event_pb2, summary_pb2
+        self._after_existing_files()
         self._writer = EventFileWriter(str(self.logdir), flush_secs=self._flush_secs)
         if self._restart_at is not None:
             self._writer.add_event(self._event.Event(
                 wall_time=time.time(), step=self._restart_at,
                 session_log=self._event.SessionLog(status=self._event.SessionLog.START)))
             self._restart_at = None
+
+    def _after_existing_files(self) -> None:
+        """Waits (under a second) until the clock is past the newest event file's second.
+        TensorBoard reads a directory's event files in name order, and a name is
+        ``events.out.tfevents.<second>.<host>.<pid>.<n>``: within one second, files of one
+        process order by ``n`` as text (``10`` before ``9``), so a file opened in the same second
+        as an earlier one (a resume straight after a stop) could be read before it, and the
+        restart marker would then drop the wrong rows."""
+        try:
+            names = [p.name for p in self.logdir.iterdir()] if self.logdir.exists() else []
+        except OSError:
+            return
+        seconds = [int(n.split(".")[3]) for n in names
+                   if n.startswith("events.out.tfevents.") and n.split(".")[3].isdigit()]
+        if seconds:
+            while int(time.time()) <= max(seconds):
+                time.sleep(0.05)
 
     def write(self, step: int, row: Row) -> None:
         values = scalars(row)

@@ -75,6 +75,15 @@ def test_tensorboard_events_equal_the_jsonl_rows(tmp_path):
 
 
 def test_resume_rewinds_jsonl_and_tensorboard(tmp_path):
+    # tensorboard numbers the event files a process opens (a name's last field): the run's two
+    # files get 10^k - 1 and 10^k here ("10" sorts before "9" as text: read first, if opened in
+    # the same second)
+    from tensorboard.summary.writer import event_file_writer
+
+    counter = event_file_writer._global_uid
+    target = 10 ** len(str(counter._value + 1)) - 1
+    while counter._value < target:
+        counter.get()
     first = RunContext(name="t", variant="quick", out_dir=tmp_path)
     for step, metrics in _rows([1, 2, 3, 4]):
         first.log(step, metrics)
