@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow import signals
 from jaxflow.compile_only.program import Program
+from jaxflow.distributed import connect_collectives
 from jaxflow.embeddings import TableSpec, make_sparse_optimizer
 from jaxflow.embeddings.host import HostTable
 from jaxflow.experiment import RunContext, to_jsonable
@@ -163,6 +164,7 @@ def build(config):
     params, apply = dense_model(config, gen.config.num_dense)
     tx = dense_optimizer(config.dense_lr)
     mesh = resolve_meshes(config)["data"]
+    connect_collectives(mesh)  # across processes: gloo's groups meet before any long compile
     replicated = NamedSharding(mesh, PartitionSpec())
     dense = TrainState.create(tx, params, jax.tree.map(lambda _: replicated, params))
     programs = {}  # (micro-batches, frozen_exchange) -> MeshStages
