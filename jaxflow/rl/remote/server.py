@@ -17,6 +17,7 @@ trainer when none is connected for ``timeout_s``.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -95,7 +96,6 @@ class RolloutService:
                     print(f"rollout job: no trainer connected for {limit:g} s "
                           f"(remote.{name}); exiting", file=sys.stderr, flush=True)
                     sys.stdout.flush()
-                    import os
                     os._exit(LOST_PEER_EXIT)
                 with conn:
                     if self._session(conn):
@@ -138,11 +138,11 @@ class RolloutService:
 
     def _handle(self, kind: bytes, body) -> tuple[bytes, bytes]:
         if kind == b"STAT":
-            with self.replica_server._lock:
+            with self.replica_server.lock:
                 return b"OK  ", P.json_body(self.status())
         if kind == b"RSET":
             req = P.parse_json(body, "RSET")
-            with self.replica_server._lock:
+            with self.replica_server.lock:
                 reset = (req.get("origin") != self.origin
                          or self.replica.version > int(req.get("version", 0)))
                 if reset:
@@ -155,7 +155,7 @@ class RolloutService:
 
     def _params(self, version: int, digest: str) -> Any:
         """The replica at ``version`` laid out on the mesh, f32 (cached per version)."""
-        with self.replica_server._lock:
+        with self.replica_server.lock:
             rep = self.replica
             if rep.version != version:
                 raise P.RolloutRefused(f"replica is at version {rep.version}, the trainer asked "

@@ -187,6 +187,11 @@ class ReplicaServer:
         self.errors: list[str] = []
 
     @property
+    def lock(self) -> threading.Lock:
+        """Held while the replica is read or updated (hold it to read or swap ``replica``)."""
+        return self._lock
+
+    @property
     def open_connections(self) -> int:
         """Connections being served now."""
         return len(self._peers)
