@@ -1,0 +1,1 @@
+"""Rollout engine for RL: paged KV cache, continuous batching, shared prefixes."""
