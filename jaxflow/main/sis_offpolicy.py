@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -37,21 +38,35 @@ from jaxflow.train.loop import run_steps
 
 
 class Cell(NamedTuple):
+    """One RL run. ``lr_scale`` multiplies ``optim.lr``; ``prompts`` > 0 replaces
+    ``rl.prompts_per_rollout`` (rows = prompts x group size), 0 keeps it."""
+
     algo: str
     correction: str
     mismatch: str
     lag: int
     staleness: int
     seed: int
+    lr_scale: float = 1.0
+    prompts: int = 0
 
     @property
     def label(self) -> str:
+        extra = (f"-lr{self.lr_scale:g}" if self.lr_scale != 1.0 else "") + (
+            f"-p{self.prompts}" if self.prompts else "")
         return (f"{self.algo}-{self.correction}-{self.mismatch}-lag{self.lag}-k{self.staleness}"
-                f"-s{self.seed}")
+                f"{extra}-s{self.seed}")
 
     @property
     def group(self) -> tuple:
-        return self[:5]
+        return (*self[:5], self.lr_scale, self.prompts)
+
+
+def _group_key(rec: dict) -> tuple:
+    """(algo, correction, mismatch, lag, staleness, lr_scale, prompts) of a cells.jsonl record
+    (records written before the last two fields existed have the defaults)."""
+    return (rec["algo"], rec["correction"], rec["mismatch"], rec["lag"], rec["staleness"],
+            rec.get("lr_scale", 1.0), rec.get("prompts", 0))
 
 
 def grid_cells(grid) -> list[Cell]:
@@ -98,15 +113,22 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
     sched = config.train
     loss = dataclasses.replace(config.rl.loss, algo=cell.algo, correction=cell.correction)
     rl = dataclasses.replace(config.rl, loss=loss, mismatch=cell.mismatch, lag=cell.lag,
-                             staleness=cell.staleness)
-    trainer = GRPOTrainer(config.pretrain.model, rl, config.optim, _task(config), _tokenizer(config),
+                             staleness=cell.staleness,
+                             prompts_per_rollout=cell.prompts or config.rl.prompts_per_rollout)
+    optim = dataclasses.replace(config.optim, lr=config.optim.lr * cell.lr_scale)
+    started = time.perf_counter()
+    trainer = GRPOTrainer(config.pretrain.model, rl, optim, _task(config), _tokenizer(config),
                           meshes, seed=config.seed * 1000 + cell.seed,
                           total_rollouts=sched.rollouts, sync=config.sync)
     ckpt = Checkpointer(run.checkpoint_dir / cell.label, save_every=sched.checkpoint_every,
                         max_to_keep=1)
 
+    step_seconds: list[float] = []
+
     def rl_step(state, step):
+        t0 = time.perf_counter()
         state, metrics = trainer.step(state)
+        step_seconds.append(time.perf_counter() - t0)
         return state, {"rollout": step + 1, **metrics}
 
     def evaluate(state, done):
@@ -145,6 +167,12 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
         "clip_fraction": mean_of("clip_fraction", history),
         "d_original": mean_of("d_original", history),
         "d_sis": mean_of("d_sis", history),
+        "sis_accept_expected": mean_of("sis_accept_expected", history),
+        # wall seconds of this process's rollouts (sample + update; evaluation excluded), the
+        # first rollout (compile) dropped: median per rollout, and the cell's total
+        "rollout_seconds_median": (float(np.median(step_seconds[1:])) if len(step_seconds) > 1
+                                   else None),
+        "cell_seconds": time.perf_counter() - started,
         "reward_first": history[0]["reward_mean"] if history else None,
         "reward_last": history[-1]["reward_mean"] if history else None,
         # fresh training prompts every rollout: an unbiased train-distribution pass rate
@@ -161,10 +189,9 @@ def aggregate(records: list[dict]) -> list[dict]:
     (ddof=1; 0.0 for one seed)."""
     groups: dict[tuple, list[dict]] = {}
     for rec in records:
-        key = (rec["algo"], rec["correction"], rec["mismatch"], rec["lag"], rec["staleness"])
-        groups.setdefault(key, []).append(rec)
+        groups.setdefault(_group_key(rec), []).append(rec)
     rows = []
-    for (algo, corr, mismatch, lag, k), recs in groups.items():
+    for (algo, corr, mismatch, lag, k, lr_scale, prompts), recs in groups.items():
         accs = np.array([r["final_accuracy"] for r in recs], np.float64)
         greedy = np.array([r["final_greedy_accuracy"] for r in recs], np.float64)
 
@@ -174,7 +201,7 @@ def aggregate(records: list[dict]) -> list[dict]:
 
         rows.append({
             "algo": algo, "correction": corr, "mismatch": mismatch, "lag": lag, "staleness": k,
-            "seeds": len(recs),
+            "lr_scale": lr_scale, "prompts": prompts, "seeds": len(recs),
             "acc_mean": float(accs.mean()),
             "acc_std": float(accs.std(ddof=1)) if len(accs) > 1 else 0.0,
             "acc_per_seed": accs.tolist(),
@@ -185,6 +212,9 @@ def aggregate(records: list[dict]) -> list[dict]:
             "accept_rate": avg("accept_rate") if corr.startswith("sis") else None,
             "accept_rate_later": avg("accept_rate_later") if corr.startswith("sis") else None,
             "clip_fraction": avg("clip_fraction"),
+            "d_original": avg("d_original"),
+            "sis_accept_expected": avg("sis_accept_expected"),
+            "rollout_seconds_median": avg("rollout_seconds_median"),
             "reward_first": avg("reward_first"),
             "reward_last": avg("reward_last"),
             "reward_last5": avg("reward_last5"),
@@ -210,10 +240,11 @@ def paired_differences(records: list[dict], *, control: str = "none",
     (:func:`jaxflow.stats.paired_interval`)."""
     by: dict[tuple, dict[str, dict[int, dict]]] = {}
     for rec in records:
-        key = (rec["algo"], rec["mismatch"], rec["lag"], rec["staleness"])
-        by.setdefault(key, {}).setdefault(rec["correction"], {})[rec["seed"]] = rec
+        algo, corr, mismatch, lag, k, lr_scale, prompts = _group_key(rec)
+        key = (algo, mismatch, lag, k, lr_scale, prompts)
+        by.setdefault(key, {}).setdefault(corr, {})[rec["seed"]] = rec
     rows = []
-    for (algo, mismatch, lag, k), corrs in by.items():
+    for (algo, mismatch, lag, k, lr_scale, prompts), corrs in by.items():
         if control not in corrs:
             continue
         for corr, recs in corrs.items():
@@ -221,7 +252,8 @@ def paired_differences(records: list[dict], *, control: str = "none",
             if corr == control or not seeds:
                 continue
             row = {"algo": algo, "correction": corr, "control": control, "mismatch": mismatch,
-                   "lag": lag, "staleness": k, "pairs": len(seeds)}
+                   "lag": lag, "staleness": k, "lr_scale": lr_scale, "prompts": prompts,
+                   "pairs": len(seeds)}
             for name, value in (("final", _final_accuracy), ("auc", _auc)):
                 iv = paired_interval([value(recs[s]) for s in seeds],
                                      [value(corrs[control][s]) for s in seeds], level=level)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jaxflow.mesh import jit_on
 from jaxflow.models.lora import LoraConfig
 from jaxflow.models.transformer import TransformerConfig
-from jaxflow.rl import corrections
+from jaxflow.rl import corrections, sis
 from jaxflow.rl.logprobs import fused_logprobs
 from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
@@ -52,6 +52,10 @@ class GRPOConfig:
       entropy_coef: bonus on the exact per-token entropy (materialises [B, T, V]; the vocab
         here is tiny).
       sis_topk: K of pi_old's top-K kept for the SIS envelope (vocab size = exact envelope).
+      sis_diagnostics: also log ``sis_accept_expected``, the probability SIS would accept a
+        token, min(1, w / M) (1 where log_w == 0), averaged over the response tokens, whatever
+        the correction (an uncorrected run reports the accept rate SIS would have had). Costs
+        one more top-K gather per mini-batch; training is unchanged.
       normalize_std: GRPO advantages divided by the group std (False: Dr. GRPO).
       logprob_backend: :func:`jaxflow.rl.logprobs.fused_logprobs` backend.
       filter_groups: DAPO's dynamic sampling (:mod:`jaxflow.rl.dynamic_sampling`, verl's
@@ -86,6 +90,7 @@ class GRPOConfig:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     sis_topk: int = 8
+    sis_diagnostics: bool = False
     normalize_std: bool = True
     logprob_backend: str = "auto"
     filter_groups: bool = False
@@ -241,6 +246,22 @@ def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(keep, x, 0.0)) / jnp.maximum(jnp.sum(keep), 1.0)
 
 
+def _expected_sis_accept(hidden: jax.Array, head: jax.Array, mb: MiniBatch, old: OldStats,
+                         config: GRPOConfig, given: jax.Array) -> jax.Array:
+    """Token mean of min(1, w / M) (1 where log_w == 0): the probability that SIS accepts each
+    response token, from the current policy's log-probs at pi_old's top-K (no gradient)."""
+    hidden, head = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(head)
+    out = fused_logprobs(hidden, head, mb.tokens, old.topk_indices,
+                         temperature=config.temperature, backend=config.logprob_backend)
+    clip = config.loss.log_ratio_clip
+    log_w = sis.clipped_log_ratio(jnp.where(given, out.target_logp, 0.0),
+                                  jnp.where(given, old.logp, 0.0), clip)
+    log_m = sis.sis_log_envelope(log_w, jnp.where(given[..., None], out.topk_logp, 0.0),
+                                 jnp.where(given[..., None], old.topk_logp, 0.0), clip)
+    prob = jnp.where(log_w == 0, 1.0, jnp.exp(jnp.minimum(log_w - log_m, 0.0)))
+    return _masked_mean(prob, given)
+
+
 def grpo_loss(params: Any, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
               config: GRPOConfig, key: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Policy loss (+ KL to the reference, - entropy bonus) of one mini-batch, and metrics."""
@@ -257,6 +278,8 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
     metrics = dict(metrics)
     metrics["policy_loss"] = loss
     given = as_bool_mask(mb.mask)
+    if config.sis_diagnostics:
+        metrics["sis_accept_expected"] = _expected_sis_accept(hidden, head, mb, old, config, given)
     mask = given
     if loss_cfg.uses_rs:  # RS tokens leave the mask of every term, as verl's response_mask
         low, high = loss_cfg.rs_bounds

@@ -9,6 +9,8 @@ always runs in f32):
   "bf16"        the sampler's activations / matmuls run in bfloat16 (params cast on the fly).
   "noise<s>"    Gaussian noise of std ``s`` is added to the raw logits at every sampled step
                 (e.g. "noise0.1"); behaviour log-probs are those of the noisy distribution.
+  "bf16+noise<s>" both: a bf16 sampler whose logits get the noise (an inference engine whose
+                kernels and numerics differ from the trainer's by more than the cast).
 
 Temperature: the sampler divides the logits by ``temperature``; the trainer must use the same
 value (``jaxflow.rl.grpo`` passes one number to both).
@@ -33,18 +35,19 @@ from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.tasks import Task, encode_prompts, score_completions
 from jaxflow.train.lm_state import lm_functions
 
-_NOISE = re.compile(r"^noise([0-9]*\.?[0-9]+)$")
+_NOISE = re.compile(r"^(bf16\+)?noise([0-9]*\.?[0-9]+)$")
 
 
 def parse_mismatch(mismatch: str) -> tuple[str, float]:
-    """``"none"`` / ``"bf16"`` / ``"noise<std>"`` -> (kind, noise std)."""
+    """``"none"`` / ``"bf16"`` / ``"noise<std>"`` / ``"bf16+noise<std>"`` -> (kind, noise std);
+    kind is the string up to the std ("none", "bf16", "noise" or "bf16+noise")."""
     if mismatch in ("none", "bf16"):
         return mismatch, 0.0
     m = _NOISE.match(mismatch)
-    if m and float(m.group(1)) > 0:
-        return "noise", float(m.group(1))
-    raise ValueError(f"unknown mismatch {mismatch!r}; valid: 'none', 'bf16', 'noise<std>' with "
-                     "std > 0 (e.g. 'noise0.1')")
+    if m and float(m.group(2)) > 0:
+        return ("bf16+noise" if m.group(1) else "noise"), float(m.group(2))
+    raise ValueError(f"unknown mismatch {mismatch!r}; valid: 'none', 'bf16', 'noise<std>' or "
+                     "'bf16+noise<std>' with std > 0 (e.g. 'noise0.1', 'bf16+noise0.5')")
 
 
 class RolloutBatch(NamedTuple):
@@ -112,11 +115,11 @@ class RolloutWorker:
         sampling = SamplingConfig(max_new_tokens=spec.max_new_tokens,
                                   temperature=spec.temperature, eos_id=tokenizer.eos_id,
                                   pad_id=tokenizer.pad_id)
-        if kind == "bf16":
+        if kind.startswith("bf16"):
             self._sampler_fns = lm_functions(dataclasses.replace(model_cfg, dtype="bfloat16"), mesh)
         else:
             self._sampler_fns = self.fns
-        if kind == "noise":
+        if noise > 0:
             self._sample = make_noisy_sampler(self._sampler_fns.graphdef, sampling, noise)
         else:
             self._sample = make_sampler(self._sampler_fns.graphdef, sampling)
