@@ -1,8 +1,23 @@
-"""Paged decode attention == the static sampler's attention on a contiguous cache.
+"""Paged attention == the static sampler's attention on a contiguous cache; kernels == XLA.
 
 The XLA backend must be bit-identical to ``dot_product_attention`` over a contiguous cache that
 holds the same tokens at the same slots (the static sampler's ``Attention.decode``), whatever the
 pages' order in the pool, the garbage in unused slots / pages, and the contiguous cache's length.
+
+The upstream decode kernels run here in Pallas interpret mode (TPU: the TPU interpreter; GPU:
+the generic one). Tolerances:
+* f32, GPU kernel: atol 1e-6 (same f32 logits and softmax, reassociated by the online softmax;
+  seen: 2.4e-7 on outputs of size ~1).
+* f32, TPU kernel: the kernel rounds K and V to bf16 after loading them (its
+  ``_maybe_dequantize``), so it is compared with the reference on bf16-rounded K/V, atol 1e-6
+  (seen: 1.8e-7).
+* bf16: |got - ref| <= 2^-7 * max|V|. The reference rounds each probability to bf16 before P.V
+  (relative error <= u = 2^-8, so <= u * max|V| on the sum) and both round the output (<= u *
+  max|V|); the kernels keep f32 probabilities. A wrong mask, scale or page gives O(1) errors.
+The ragged TPU kernel does not run in the TPU interpreter of jax 0.10.2 (its reshaped VMEM refs:
+``'ReshapeTransform' object has no attribute 'indices'``); its XLA reference is checked against
+upstream's own ``ref_ragged_paged_attention`` and the decode path, and the kernel is compiled by
+the gate (``tests/aot/test_rollout_paged_attention_gate.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +28,7 @@ import numpy as np
 import pytest
 
 from jaxflow.models.attention import cache_causal_mask, dot_product_attention
+from jaxflow.rollout import paged_attention as pa
 from jaxflow.rollout.paged_attention import gather_pages, paged_attention
 
 B, H, KVH, D = 4, 8, 2, 16
@@ -75,6 +91,8 @@ def test_auto_is_xla_on_cpu_and_bad_input_is_named():
     q, pk, pv, lengths, table, *_ = _problem(jnp.float32)
     np.testing.assert_array_equal(paged_attention(q, pk, pv, lengths, table),
                                   paged_attention(q, pk, pv, lengths, table, backend="xla"))
+    with pytest.raises(ValueError, match="runs on tpu only.*valid here: auto, xla"):
+        paged_attention(q, pk, pv, lengths, table, backend="tpu")
     with pytest.raises(ValueError, match="'nope'"):
         paged_attention(q, pk, pv, lengths, table, backend="nope")
     with pytest.raises(ValueError, match="KVH dividing H"):
@@ -83,3 +101,88 @@ def test_auto_is_xla_on_cpu_and_bad_input_is_named():
         paged_attention(q, pk, pv, lengths.astype(jnp.float32), table)
     with pytest.raises(ValueError, match="page_table must be int"):
         paged_attention(q, pk, pv, lengths, table[:2])
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_decode_kernels_match_xla_f32_interpret(backend):
+    q, pk, pv, lengths, table, *_ = _problem(jnp.float32)
+    got = paged_attention(q, pk, pv, lengths, table, backend=backend, interpret=True)
+    if backend == "tpu":  # the kernel computes with bf16 K/V (see the module docstring)
+        pk, pv = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (pk, pv))
+    want = paged_attention(q, pk, pv, lengths, table, backend="xla")
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_decode_kernels_match_xla_bf16_interpret(backend):
+    q, pk, pv, lengths, table, *_ = _problem(jnp.bfloat16)
+    got = paged_attention(q, pk, pv, lengths, table, backend=backend, interpret=True)
+    want = paged_attention(q, pk, pv, lengths, table, backend="xla")
+    assert got.dtype == jnp.bfloat16
+    tol = 2.0**-7 * float(jnp.abs(pv.astype(jnp.float32)).max())
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=0, atol=tol)
+
+
+def _ragged(dtype, seed=1):
+    """A ragged batch over the combined pool: a decode row (1 query, 17 tokens), a chunk of 5
+    continuing a 4-token prefix, a fresh 3-token prefill, then one unused row; 2 padding
+    query tokens. D = 128: the ragged kernel's minimum."""
+    rng = np.random.default_rng(seed)
+    h, kvh, d, s, pool = 4, 2, 128, 8, 24
+    q = jnp.asarray(rng.normal(size=(11, h, d)), dtype)
+    kp, vp = (jnp.asarray(rng.normal(size=(kvh, pool, s, d)), dtype) for _ in range(2))
+    table = jnp.asarray(rng.permutation(pool)[:16].reshape(4, 4), jnp.int32)
+    cu = jnp.asarray([0, 1, 6, 9, 9], jnp.int32)
+    kv_lens = jnp.asarray([17, 9, 3, 0], jnp.int32)
+    return q, kp, vp, kv_lens, table, cu, jnp.asarray([3], jnp.int32)
+
+
+def test_combined_pool_round_trip():
+    _, kp, vp, *_ = _ragged(jnp.float32)
+    kv = pa.combine_kv_pages(kp, vp)
+    assert kv.shape == (24, 8, 4, 128)
+    np.testing.assert_array_equal(kv[:, :, 2], kp[1])  # K of head 1
+    np.testing.assert_array_equal(kv[:, :, 3], vp[1])
+    k, v = pa.split_kv_pages(kv)
+    np.testing.assert_array_equal(k, kp)
+    np.testing.assert_array_equal(v, vp)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_xla_matches_upstream_reference(dtype):
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    q, kp, vp, kv_lens, table, cu, n = _ragged(dtype)
+    kv = pa.combine_kv_pages(kp, vp)
+    got = pa.ragged_paged_attention(q, kv, kv_lens, table, cu, n)  # auto: xla on CPU
+    want = ref_ragged_paged_attention(q, kv, kv_lens, table, cu, n, sm_scale=128**-0.5)
+    assert got.shape == q.shape and got.dtype == jnp.dtype(dtype)
+    # upstream's reference: same f32 logits and softmax, with repeated K/V heads and an additive
+    # mask (reassociated sums: f32 atol 1e-6; bf16 as the decode kernels, 2^-7 * max|V|)
+    tol = 1e-6 if dtype == jnp.float32 else 2.0**-7 * float(jnp.abs(vp.astype(jnp.float32)).max())
+    np.testing.assert_allclose(np.asarray(got[:9], np.float32), np.asarray(want, np.float32),
+                               rtol=0, atol=tol)
+    np.testing.assert_array_equal(np.asarray(got[9:], np.float32), 0.0)  # padding queries
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_decode_batch_is_paged_decode(dtype):
+    """A ragged batch of one query per row is the decode path, bit for bit (same arithmetic)."""
+    q, kp, vp, _, table, *_ = _ragged(dtype)
+    lengths = jnp.asarray([17, 9, 3, 30], jnp.int32)
+    dec = paged_attention(q[:4], kp, vp, lengths, table, backend="xla")
+    rag = pa.ragged_paged_attention(q[:4], pa.combine_kv_pages(kp, vp), lengths, table,
+                                    jnp.arange(5, dtype=jnp.int32), jnp.asarray([4], jnp.int32),
+                                    backend="xla")
+    np.testing.assert_array_equal(np.asarray(rag, np.float32), np.asarray(dec, np.float32))
+
+
+def test_ragged_bad_input_is_named():
+    q, kp, vp, kv_lens, table, cu, n = _ragged(jnp.float32)
+    kv = pa.combine_kv_pages(kp, vp)
+    with pytest.raises(ValueError, match="cu_q_lens must be int32 \\[5\\]"):
+        pa.ragged_paged_attention(q, kv, kv_lens, table, cu[:4], n)
+    with pytest.raises(ValueError, match="backend 'gpu'; valid: auto, xla, tpu"):
+        pa.ragged_paged_attention(q, kv, kv_lens, table, cu, n, backend="gpu")

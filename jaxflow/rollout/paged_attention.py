@@ -1,4 +1,4 @@
-"""Decode attention over a paged KV cache, by backend.
+"""Attention over a paged KV cache, by backend: decode (one token per row) and ragged batches.
 
 ``paged_attention(q, k_pages, v_pages, lengths, page_table)`` attends one new query token per
 row to that row's cached keys/values, which live in fixed-size pages of a shared pool:
@@ -8,29 +8,85 @@ row to that row's cached keys/values, which live in fixed-size pages of a shared
   v_pages     [KVH, P, S, D]
   lengths     [B] int32        valid tokens of each row, the current one included
   page_table  [B, pages_per_seq] int32   row b's token t lives in page page_table[b, t // S]
-                               at offset t % S; entries past the row's last page are ignored (any int32)
+                               at offset t % S; entries past the row's last page are ignored
+                               (any int32: the kernels read them clipped to [0, P))
 
-The pool layout is the one the upstream decode kernels take
-(``jax.experimental.pallas.ops.tpu.paged_attention``, ``...gpu.paged_attention``).
+The pool layout is the one the upstream decode kernels take. Backends (``PAGED_BACKENDS``):
 
-Backend "xla" gathers each row's pages with ``jnp.take`` into a contiguous [B, L, KVH, D]
-cache (L = pages_per_seq * S), masks positions >= length and calls
-:func:`jaxflow.models.attention.dot_product_attention` on it: the static sampler's arithmetic
-(``Attention.decode``), so a paged engine can match it bit for bit on CPU. Bit for bit needs
-the same cache length too: XLA:CPU's f32 reductions over a longer axis (masked zeros included)
-may round differently, so pass ``kv_len`` = the static cache's length (P + max_new_tokens) to
-reproduce the static sampler exactly; the gathered cache is cut or zero-padded to it (slots
-past a row's length are masked, so only the reduction's shape changes).
+  xla   gathers each row's pages with ``jnp.take`` into a contiguous [B, L, KVH, D] cache
+        (L = pages_per_seq * S), masks positions >= length and calls
+        :func:`jaxflow.models.attention.dot_product_attention`: the static sampler's arithmetic
+        (``Attention.decode``), so a paged engine can match it bit for bit on CPU. Bit for bit
+        needs the same cache length too: XLA:CPU's f32 reductions over a longer axis (masked
+        zeros included) may round differently, so pass ``kv_len`` = the static cache's length
+        (P + max_new_tokens); the gathered cache is cut or zero-padded to it.
+  tpu   ``jax.experimental.pallas.ops.tpu.paged_attention`` (Mosaic TPU decode kernel: per row
+        and K/V head, DMAs ``pages_per_compute_block`` pages at a time, online softmax in f32).
+  gpu   ``jax.experimental.pallas.ops.gpu.paged_attention`` (Triton: split-K over the page
+        table, ``k_splits`` partial softmaxes combined in XLA).
+  auto  per platform: CPU -> xla; TPU -> tpu; GPU -> gpu, each only where it builds for these
+        shapes (``pallas_kernels.dispatch.choose_kernel``; else one warning, then xla).
+
+Both kernels take unscaled logits: q is scaled by D^-0.5 in f32 and cast back before the call
+(as ``attention_backends.splash_attention`` does). Rows of length 0 give zeros in xla and gpu and
+are not written by the tpu kernel (meaningless). ``interpret=True`` runs a kernel in Pallas
+interpret mode on any platform (tpu: ``pltpu.force_tpu_interpret_mode``), without a verdict.
+
+``ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)`` is the mixed
+prefill + decode form (chunked prefill): a ragged batch of query tokens, sequence i owning
+tokens cu_q_lens[i]:cu_q_lens[i+1], the last q_len of its kv_lens[i] tokens (causal). Its pool
+is the combined layout of the upstream TPU kernel, ``kv_pages`` [P, S, 2*KVH, D] with K at even
+and V at odd heads (:func:`combine_kv_pages` / :func:`split_kv_pages` convert). Backends: xla
+(a per-token gather: O(T * L) memory, a reference for tests and small batches) and tpu
+(``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, the kernel behind tpu-inference).
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxflow.models.attention import dot_product_attention
+from pallas_kernels import dispatch
 
-__all__ = ["paged_attention", "xla_paged_attention", "gather_pages"]
+__all__ = ["PAGED_BACKENDS", "RAGGED_BACKENDS", "choose_paged_backend", "combine_kv_pages",
+           "gather_pages", "paged_attention", "ragged_paged_attention",
+           "resolve_paged_backend", "split_kv_pages", "xla_paged_attention",
+           "xla_ragged_paged_attention"]
+
+PAGED_BACKENDS = ("auto", "xla", "tpu", "gpu")
+RAGGED_BACKENDS = ("auto", "xla", "tpu")
+KERNEL_NAMES = {"tpu": "tpu_paged_attention", "gpu": "gpu_paged_attention"}
+TPU_BLOCK_TOKENS = 512  # tokens per DMA'd block of the TPU decode kernel (per K/V head)
+GPU_BLOCK_TOKENS = 64  # tokens per Triton block (block_k = pages_per_compute_block * S)
+GPU_K_SPLITS = 16  # partitions of the page table the GPU kernel softmaxes separately (at most)
+GPU_BLOCK_H = 16  # query heads per Triton program (the kernel's minimum; groups are padded)
+RAGGED_KV_BUFFER = 8 * 2**20  # bytes of one of the ragged kernel's two K/V VMEM buffers (at most)
+RAGGED_VMEM_LIMIT = 32 * 2**20  # its scoped VMEM limit (VMEM per core: 64 MiB v5p, 128 v5e/v6e)
+
+
+def _platform_name(platform: str) -> str:
+    return "gpu" if platform in ("gpu", "cuda") else platform
+
+
+def resolve_paged_backend(name: str, platform: str, *, valid=PAGED_BACKENDS) -> str:
+    """Validates a backend name for ``platform`` ("cpu", "gpu" / "cuda", "tpu").
+
+    Returns "xla", "tpu", "gpu", or "auto" on GPU / TPU; "auto" elsewhere resolves to "xla".
+    Raises ValueError for an unknown name or a kernel named off its platform."""
+    if name not in valid:
+        raise ValueError(f"paged attention backend {name!r}; valid: {', '.join(valid)}")
+    platform = _platform_name(platform)
+    if name == "auto":
+        return "auto" if platform in ("tpu", "gpu") and platform in valid else "xla"
+    if name in ("tpu", "gpu") and name != platform:
+        here = ("auto", "xla") + ((platform,) if platform in valid else ())
+        raise ValueError(f"paged attention backend {name!r} runs on {name} only, but the JAX "
+                         f"backend is {platform!r}; valid here: {', '.join(here)}")
+    return name
 
 
 def _check(q, k_pages, v_pages, lengths, page_table) -> None:
@@ -74,7 +130,7 @@ def _fit(x: jax.Array, kv_len: int) -> jax.Array:
     n = x.shape[1]
     if kv_len <= n:
         return x[:, :kv_len]
-    return jnp.pad(x, [(0, 0), (0, kv_len - n), (0, 0), (0, 0)])
+    return jnp.pad(x, [(0, 0), (0, kv_len - n)] + [(0, 0)] * (x.ndim - 2))
 
 
 def xla_paged_attention(q, k_pages, v_pages, lengths, page_table, *, kv_len: int | None = None,
@@ -90,8 +146,85 @@ def xla_paged_attention(q, k_pages, v_pages, lengths, page_table, *, kv_len: int
     kv_len = n if kv_len is None else int(kv_len)
     k = _fit(gather_pages(k_pages, page_table), kv_len)
     v = _fit(gather_pages(v_pages, page_table), kv_len)
-    valid = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
+    valid = jnp.arange(kv_len, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
     return dot_product_attention(q[:, None], k, v, valid[:, None, :])[:, 0]
+
+
+def _scaled(q: jax.Array) -> jax.Array:
+    return (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(c for c in range(1, max(1, min(n, at_most)) + 1) if n % c == 0)
+
+
+def _tpu_interpret(interpret: bool):
+    if not interpret:
+        return contextlib.nullcontext()
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.force_tpu_interpret_mode()
+
+
+def tpu_paged_attention(q, k_pages, v_pages, lengths, page_table, *, interpret: bool = False
+                        ) -> jax.Array:
+    """Upstream Mosaic TPU decode kernel: [B, H, D]. ``pages_per_compute_block``: the largest
+    divisor of pages_per_seq with at most ``TPU_BLOCK_TOKENS`` tokens."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
+
+    s = k_pages.shape[2]
+    block = _largest_divisor(page_table.shape[1], max(1, TPU_BLOCK_TOKENS // s))
+    table = jnp.clip(page_table.astype(jnp.int32), 0, k_pages.shape[1] - 1)
+    with _tpu_interpret(interpret):
+        out = kernel(_scaled(q), k_pages, v_pages, lengths.astype(jnp.int32), table,
+                     pages_per_compute_block=block)
+    return out.astype(q.dtype)
+
+
+def _gpu_blocks(pages_per_seq: int, page_size: int) -> tuple[int, int]:
+    """(k_splits, pages_per_compute_block) for the GPU kernel: both divide the table."""
+    splits = _largest_divisor(pages_per_seq, GPU_K_SPLITS)
+    per_split = pages_per_seq // splits
+    return splits, _largest_divisor(per_split, max(1, GPU_BLOCK_TOKENS // page_size))
+
+
+def gpu_paged_attention(q, k_pages, v_pages, lengths, page_table, *, interpret: bool = False
+                        ) -> jax.Array:
+    """Upstream Pallas (Triton) GPU decode kernel: [B, H, D]. The page table is split into
+    ``k_splits`` partitions (the largest divisor of pages_per_seq <= ``GPU_K_SPLITS``), read
+    ``pages_per_compute_block`` pages (about ``GPU_BLOCK_TOKENS`` tokens) at a time."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as kernel
+
+    splits, block = _gpu_blocks(page_table.shape[1], k_pages.shape[2])
+    table = jnp.clip(page_table.astype(jnp.int32), 0, k_pages.shape[1] - 1)
+    out = kernel(_scaled(q), k_pages, v_pages, table, lengths.astype(jnp.int32),
+                 block_h=GPU_BLOCK_H, pages_per_compute_block=block, k_splits=splits,
+                 interpret=interpret)
+    return out.astype(q.dtype)
+
+
+_CALLS = {"xla": xla_paged_attention, "tpu": tpu_paged_attention, "gpu": gpu_paged_attention}
+
+
+def choose_paged_backend(q, k_pages, v_pages, lengths, page_table, *, backend: str = "auto"
+                         ) -> str:
+    """The backend ``paged_attention`` runs for these arguments here: "xla", "tpu" or "gpu".
+
+    A named kernel is checked (ValueError off its platform, ``KernelUnavailable`` where it does
+    not build); "auto" takes the platform's kernel where it builds, else warns once -> "xla"."""
+    _check(q, k_pages, v_pages, lengths, page_table)
+    platform = _platform_name(dispatch.backend_platform())
+    resolved = resolve_paged_backend(backend, platform)
+    if resolved == "xla":
+        return "xla"
+    name = platform if resolved == "auto" else resolved
+    args = tuple(jax.ShapeDtypeStruct(jnp.shape(a), a.dtype)
+                 for a in (q, k_pages, v_pages, lengths, page_table))
+    blocked = dispatch.auto_partition_problem(platform) if name == "tpu" else None
+    use = dispatch.choose_kernel(KERNEL_NAMES[name], "auto" if resolved == "auto" else "pallas",
+                                 functools.partial(_CALLS[name], interpret=False), args,
+                                 blocked=blocked)
+    return name if use else "xla"
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
@@ -105,16 +238,144 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
       v_pages: [KVH, P, S, D] value pool.
       lengths: [B] int32 valid tokens per row, the current one included.
       page_table: [B, pages_per_seq] int32.
-      backend: "auto" or "xla".
-      interpret: run a Pallas kernel in interpret mode (ignored by "xla").
-      kv_len: "xla" only: attend over a contiguous cache of this many slots (>= max(lengths);
+      backend: one of ``PAGED_BACKENDS``.
+      interpret: with backend "tpu" or "gpu", run that kernel in Pallas interpret mode, on any
+        platform and without a build verdict (xla ignores it).
+      kv_len: xla only: attend over a contiguous cache of this many slots (>= max(lengths);
         default pages_per_seq * S), for bit-identity with a static cache of that length.
 
     Returns:
       [B, H, D] in q.dtype.
     """
-    _check(q, k_pages, v_pages, lengths, page_table)
-    if backend not in ("auto", "xla"):
-        raise ValueError(f"paged attention backend {backend!r}; valid: auto, xla")
-    return xla_paged_attention(q, k_pages, v_pages, lengths, page_table, kv_len=kv_len,
-                               interpret=interpret)
+    if interpret and backend in ("tpu", "gpu"):
+        _check(q, k_pages, v_pages, lengths, page_table)
+        return _CALLS[backend](q, k_pages, v_pages, lengths, page_table, interpret=True)
+    name = choose_paged_backend(q, k_pages, v_pages, lengths, page_table, backend=backend)
+    if name == "xla":
+        return xla_paged_attention(q, k_pages, v_pages, lengths, page_table, kv_len=kv_len)
+    return _CALLS[name](q, k_pages, v_pages, lengths, page_table)
+
+
+# -- ragged batches (chunked prefill + decode), the upstream TPU kernel's combined layout -------
+
+
+def combine_kv_pages(k_pages: jax.Array, v_pages: jax.Array) -> jax.Array:
+    """[KVH, P, S, D] key and value pools -> the combined [P, S, 2*KVH, D] pool (K at head 2h,
+    V at 2h+1) of ``ragged_paged_attention``."""
+    kvh, p, s, d = k_pages.shape
+    kv = jnp.stack([k_pages, v_pages], axis=1)  # [KVH, 2, P, S, D]
+    return jnp.transpose(kv, (2, 3, 0, 1, 4)).reshape(p, s, 2 * kvh, d)
+
+
+def split_kv_pages(kv_pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The combined [P, S, 2*KVH, D] pool -> ([KVH, P, S, D] keys, [KVH, P, S, D] values)."""
+    k = jnp.transpose(kv_pages[:, :, 0::2], (2, 0, 1, 3))
+    v = jnp.transpose(kv_pages[:, :, 1::2], (2, 0, 1, 3))
+    return k, v
+
+
+def _check_ragged(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs) -> None:
+    if q.ndim != 3 or kv_pages.ndim != 4 or kv_pages.shape[2] % 2 or kv_pages.shape[3] != q.shape[2]:
+        raise ValueError(f"ragged_paged_attention needs q [T, H, D] and kv_pages [P, S, 2*KVH, "
+                         f"D={q.shape[-1] if q.ndim == 3 else '?'}]; got q {q.shape}, kv_pages "
+                         f"{kv_pages.shape}")
+    if q.shape[1] % (kv_pages.shape[2] // 2):
+        raise ValueError(f"ragged_paged_attention: KVH={kv_pages.shape[2] // 2} must divide "
+                         f"H={q.shape[1]}")
+    n = page_table.shape[0] if page_table.ndim == 2 else -1
+    for name, a, shape in (("kv_lens", kv_lens, (n,)), ("cu_q_lens", cu_q_lens, (n + 1,)),
+                           ("num_seqs", num_seqs, (1,)), ("page_table", page_table, None)):
+        if (shape is not None and a.shape != shape) or a.dtype != jnp.int32 or n < 0:
+            raise ValueError(f"ragged_paged_attention: {name} must be int32 "
+                             f"{list(shape) if shape else '[N, pages_per_seq]'} (N = page_table "
+                             f"rows); got {a.dtype}{list(a.shape)}")
+
+
+def xla_ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
+                               interpret: bool = False) -> jax.Array:
+    """The reference for ragged batches: each query token gathers its sequence's pages and
+    attends causally (``dot_product_attention``'s arithmetic); [T, H, D]. Tokens past
+    cu_q_lens[num_seqs] give zeros. Memory O(T * pages_per_seq * S)."""
+    del interpret
+    t = q.shape[0]
+    tok = jnp.arange(t, dtype=jnp.int32)
+    n = page_table.shape[0]
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right").astype(jnp.int32) - 1, 0, n - 1)
+    real = (tok < cu_q_lens[num_seqs[0]]) & (seq < num_seqs[0])
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (tok - cu_q_lens[seq])  # the token's slot in its sequence
+    k_pages, v_pages = split_kv_pages(kv_pages)
+    k = gather_pages(k_pages, page_table[seq])  # [T, L, KVH, D]
+    v = gather_pages(v_pages, page_table[seq])
+    slots = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
+    mask = (slots <= pos[:, None]) & real[:, None]
+    return dot_product_attention(q[:, None], k, v, mask[:, None, :])[:, 0]
+
+
+def _ragged_blocks(q, kv_pages, pages_per_seq: int) -> tuple[int, int]:
+    """(num_kv_pages_per_block, num_queries_per_block): upstream's tuned table for the target
+    chip where it has the key, else its default (128, 32); K/V pages per block capped so one
+    of the two VMEM buffers holds at most ``RAGGED_KV_BUFFER`` bytes."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rk
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tb
+
+    t, h, d = q.shape
+    _, s, combined, _ = kv_pages.shape
+    qh, kvh = rk.get_min_heads_per_blk(h, combined, q.dtype, kv_pages.dtype)
+    key = tb.simplify_key((q.dtype, kv_pages.dtype, qh, kvh // 2, d, s, t, pages_per_seq))
+    device = " ".join(dispatch.target().device_kind.split()[:2])
+    bkv, bq = tb.TUNED_BLOCK_SIZES.get(device, {}).get(key, (128, 32))
+    per_page = s * kvh * d * jnp.dtype(kv_pages.dtype).itemsize
+    bkv = max(1, min(bkv, pages_per_seq, RAGGED_KV_BUFFER // per_page))
+    return bkv, max(1, min(bq, t))
+
+
+def tpu_ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
+                               interpret: bool = False) -> jax.Array:
+    """Upstream Mosaic TPU ragged paged attention (softmax scale D^-0.5): [T, H, D]."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    bkv, bq = _ragged_blocks(q, kv_pages, page_table.shape[1])
+    table = jnp.clip(page_table, 0, kv_pages.shape[0] - 1)
+    with _tpu_interpret(interpret):
+        return ragged_paged_attention(q, kv_pages, kv_lens, table, cu_q_lens, num_seqs,
+                                      sm_scale=q.shape[-1] ** -0.5, num_kv_pages_per_block=bkv,
+                                      num_queries_per_block=bq,
+                                      vmem_limit_bytes=RAGGED_VMEM_LIMIT)
+
+
+def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array,
+                           page_table: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
+                           backend: str = "auto", interpret: bool = False) -> jax.Array:
+    """Causal attention of a ragged batch of query tokens over a combined paged KV pool.
+
+    Args:
+      q: [T, H, D] query tokens of all sequences, concatenated (RoPE applied); T may exceed
+        the real tokens (padding at the end).
+      kv_pages: [P, S, 2*KVH, D] combined pool (``combine_kv_pages``), the new tokens' K/V
+        already written.
+      kv_lens: [N] int32 tokens of each sequence in the pool, its new ones included.
+      page_table: [N, pages_per_seq] int32.
+      cu_q_lens: [N + 1] int32: sequence i's queries are q[cu_q_lens[i]:cu_q_lens[i+1]], its
+        last q_len tokens (q_len <= kv_lens[i]).
+      num_seqs: [1] int32, the sequences in use (the first num_seqs rows).
+      backend: one of ``RAGGED_BACKENDS`` (auto: tpu on TPU where it builds, else xla).
+      interpret: with backend "tpu", run the kernel in TPU interpret mode (any platform).
+
+    Returns:
+      [T, H, D] in q.dtype; rows past the real tokens are meaningless (zeros in xla).
+    """
+    _check_ragged(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    args = (q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    if interpret and backend == "tpu":
+        return tpu_ragged_paged_attention(*args, interpret=True)
+    platform = _platform_name(dispatch.backend_platform())
+    resolved = resolve_paged_backend(backend, platform, valid=RAGGED_BACKENDS)
+    if resolved == "xla":
+        return xla_ragged_paged_attention(*args)
+    shapes = tuple(jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in args)
+    use = dispatch.choose_kernel("tpu_ragged_paged_attention",
+                                 "auto" if resolved == "auto" else "pallas",
+                                 tpu_ragged_paged_attention, shapes,
+                                 blocked=dispatch.auto_partition_problem(platform))
+    return tpu_ragged_paged_attention(*args) if use else xla_ragged_paged_attention(*args)
