@@ -1,0 +1,402 @@
+"""RolloutEngine: continuous batching over a paged KV cache, shared group prefixes, weights in place.
+
+    engine = RolloutEngine(model_cfg, params, EngineConfig(slots=8, page_size=16, num_pages=256,
+                           prefill_chunk=32), SamplingConfig(max_new_tokens=64, eos_id=2))
+    out = engine.generate(prompts, prompt_lengths, keys, group_size=8)   # EngineOutput
+
+or streaming: ``rid = engine.add_request(prompt, keys)``; ``engine.step()`` until
+``engine.idle()``; ``engine.result(rid)``. Each :meth:`RolloutEngine.step` runs at most one
+prefill chunk call (up to ``prefill_rows`` prompts) and one decode step of every running
+sequence; between steps the host scheduler (:mod:`jaxflow.rollout.scheduler`) retires finished
+sequences, frees their pages and admits waiting requests into the free slots.
+
+Sequence b of a request draws its token t with ``fold_in(keys[b], t)`` from the arithmetic of the
+static sampler (:func:`jaxflow.models.make_sampler` with ``per_row_keys=True``), so its tokens
+depend only on its own key and, on CPU, equal the static sampler's bit for bit.
+
+Weights: :meth:`RolloutEngine.update_weights` swaps the parameter tree the next step uses (no
+copy: the replica's arrays themselves); :meth:`RolloutEngine.follow` makes every step pick up
+the current params of a SparseRL-Sync :class:`jaxflow.sync.replica.Replica`. In-flight sequences
+continue with the new weights; every token records the version that produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxflow.errors import UserError
+from jaxflow.models.sampler import LogitsHook, SamplingConfig, _check_options
+from jaxflow.models.transformer import Transformer, TransformerConfig
+from jaxflow.rollout.model_step import empty_pools, make_steps
+from jaxflow.rollout.paged_attention import PAGED_BACKENDS
+from jaxflow.rollout.pages import pages_for
+from jaxflow.rollout.scheduler import Request, Scheduler
+from jaxflow.rollout.scheduler import Sequence as Seq
+
+
+class RolloutConfigError(UserError, ValueError):
+    """A bad engine config or request; the message names the value and what is valid."""
+
+
+def _int_at_least(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise RolloutConfigError(f"EngineConfig.{name}={value!r}: must be an int >= {low}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Shapes of the engine (fixed: the programs compile once).
+
+    Attributes:
+      slots: decode rows (sequences decoded together per step).
+      page_size: tokens per KV page.
+      num_pages: pages in the pool, the null page 0 included (KV memory = num_pages *
+        page_size tokens per layer).
+      prefill_chunk: prompt tokens per prefill row per step.
+      prefill_rows: prompts prefilled together per step.
+      max_seq_len: the longest sequence (prompt + new tokens) a row can hold; its page table
+        has ceil(max_seq_len / page_size) entries. None: the model's max_seq_len.
+      attention: decode attention backend of :func:`jaxflow.rollout.paged_attention.paged_attention`
+        (``PAGED_BACKENDS``: "xla" gathers the pages and runs the static sampler's masked
+        attention; "tpu" / "gpu" the upstream paged-attention kernels; "auto" the platform's).
+      interpret: run a Pallas attention kernel in interpret mode.
+      top_logprobs: K of the per-token top-K log-probs (0: none).
+    """
+
+    slots: int = 8
+    page_size: int = 16
+    num_pages: int = 256
+    prefill_chunk: int = 32
+    prefill_rows: int = 1
+    max_seq_len: int | None = None
+    attention: str = "auto"
+    interpret: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self):
+        _int_at_least("slots", self.slots, 1)
+        _int_at_least("page_size", self.page_size, 1)
+        _int_at_least("num_pages", self.num_pages, 2)
+        _int_at_least("prefill_chunk", self.prefill_chunk, 1)
+        _int_at_least("prefill_rows", self.prefill_rows, 1)
+        _int_at_least("top_logprobs", self.top_logprobs, 0)
+        if self.max_seq_len is not None:
+            _int_at_least("max_seq_len", self.max_seq_len, 2)
+        if self.attention not in PAGED_BACKENDS:
+            raise RolloutConfigError(f"EngineConfig.attention={self.attention!r}; valid: "
+                                     f"{PAGED_BACKENDS}")
+
+
+class RequestOutput(NamedTuple):
+    """One request's G sequences (host arrays), N = the request's max_new_tokens.
+
+    tokens [G, N] int32 (pad_id after EOS); logprobs [G, N] f32 of the distribution sampled from
+    (0 where masked); mask [G, N] f32 (1 up to and including EOS); lengths [G] int32;
+    versions [G, N] int32 (the weights version that drew each token, -1 where masked);
+    topk_logprobs [G, N, K] f32 and topk_indices [G, N, K] int32 (the model's top-K under
+    log_softmax of the raw logits, temperature 1; 0 where masked).
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    versions: np.ndarray
+    topk_logprobs: np.ndarray
+    topk_indices: np.ndarray
+
+
+class EngineOutput(RequestOutput):
+    """:meth:`RolloutEngine.generate`'s rows: request i's sequence g at row i * G + g (fields as
+    :class:`RequestOutput`, leading axis R * G; N = max_new_tokens)."""
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since construction: decode / prefill calls, row-steps executed by decode calls
+    (slots per call), tokens generated, page copies, peak pages in use."""
+
+    decode_calls: int = 0
+    prefill_calls: int = 0
+    decode_row_steps: int = 0
+    tokens: int = 0
+    page_copies: int = 0
+    peak_pages: int = 0
+
+
+def _graphdef_and_config(model) -> tuple[nnx.GraphDef, TransformerConfig | None, Any]:
+    """(graphdef, model config or None, a template nnx.State or None)."""
+    if isinstance(model, TransformerConfig):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))))
+        return graphdef, model, state
+    if isinstance(model, Transformer):
+        graphdef, state = nnx.split(model)
+        return graphdef, model.config, state
+    if isinstance(model, nnx.GraphDef):
+        return model, None, None
+    raise TypeError(f"model: need a TransformerConfig, Transformer or its nnx.GraphDef; got "
+                    f"{type(model).__name__}")
+
+
+class RolloutEngine:
+    """Continuous-batching sampler over a paged KV pool (see the module docstring).
+
+    Args:
+      model: a TransformerConfig, a Transformer, or the GraphDef half of ``nnx.split(model)``.
+      params: the state half of ``nnx.split(model)`` (an nnx.State) or its pure dict
+        (``nnx.to_pure_dict``; e.g. a SparseRL-Sync replica's bf16 tree). Held, not copied.
+      config: EngineConfig; sampling: SamplingConfig (``max_new_tokens`` is the output width).
+      logit_noise_std, logits_hook: as :func:`jaxflow.models.make_sampler`; the engine takes
+        stateless hooks only (``init`` and ``update`` None); ``apply`` gets ``step`` as [B]
+        (each row's own token index) and ``args`` None.
+      version: the version of ``params``.
+    """
+
+    def __init__(self, model, params: Any, config: EngineConfig = EngineConfig(),
+                 sampling: SamplingConfig = SamplingConfig(), *, logit_noise_std: float = 0.0,
+                 logits_hook: LogitsHook | None = None, version: int = 0):
+        _check_options(sampling, logit_noise_std, logits_hook)
+        if logits_hook is not None and (logits_hook.init is not None
+                                        or logits_hook.update is not None):
+            raise RolloutConfigError("logits_hook with init/update state: the engine takes "
+                                     "stateless hooks only (init=None, update=None)")
+        self.graphdef, model_cfg, template = _graphdef_and_config(model)
+        self.config, self.sampling = config, sampling
+        self._template = params if isinstance(params, nnx.State) else template
+        if self._template is None:
+            raise TypeError("params as a pure dict need the model as a TransformerConfig or "
+                            "Transformer (its structure); with a GraphDef pass an nnx.State")
+        self._state = self._as_state(params)
+        if model_cfg is None:
+            model_cfg = nnx.merge(self.graphdef, self._state).config
+        self.model_config = model_cfg
+        max_len = model_cfg.max_seq_len if config.max_seq_len is None else config.max_seq_len
+        if max_len > model_cfg.max_seq_len:
+            raise RolloutConfigError(f"EngineConfig.max_seq_len={max_len} exceeds the model's "
+                                     f"max_seq_len={model_cfg.max_seq_len}")
+        self.max_seq_len = max_len
+        width = pages_for(max_len, config.page_size)
+        if config.num_pages - 1 < width:
+            raise RolloutConfigError(
+                f"EngineConfig.num_pages={config.num_pages}: the pool must hold at least one "
+                f"sequence of max_seq_len={max_len} tokens, i.e. >= {width + 1} pages of "
+                f"page_size={config.page_size} (page 0 is reserved)")
+        self.version = int(version)
+        self.steps = make_steps(self.graphdef, sampling, page_size=config.page_size,
+                                attention=config.attention, interpret=config.interpret,
+                                top_logprobs=config.top_logprobs,
+                                logit_noise_std=float(logit_noise_std), logits_hook=logits_hook)
+        self.pools = empty_pools(n_layers=model_cfg.n_layers, n_kv_heads=model_cfg.n_kv_heads,
+                                 num_pages=config.num_pages, page_size=config.page_size,
+                                 head_dim=model_cfg.head_dim, dtype=model_cfg.compute_dtype)
+        self.scheduler = Scheduler(slots=config.slots, page_size=config.page_size,
+                                   num_pages=config.num_pages, pages_per_seq=width,
+                                   prefill_chunk=config.prefill_chunk,
+                                   prefill_rows=config.prefill_rows)
+        self.stats = EngineStats()
+        self._next_rid = 0
+        self._done: dict[int, Request] = {}
+        self._replica = None
+        self._key_shape: tuple[int, ...] | None = None
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def _as_state(self, params) -> nnx.State:
+        if isinstance(params, nnx.State):
+            return params
+        state = jax.tree.map(lambda x: x, self._template)
+        nnx.replace_by_pure_dict(state, params)
+        return state
+
+    def update_weights(self, params: Any, version: int) -> None:
+        """The params the next step uses (an nnx.State or pure dict of the same structure and
+        shapes; any float dtype the model casts, e.g. the bf16 replica). Not copied."""
+        state = self._as_state(params)
+        old = jax.tree.map(jnp.shape, self._state)
+        new = jax.tree.map(jnp.shape, state)
+        if old != new:
+            raise RolloutConfigError("update_weights: the params' structure or shapes differ "
+                                     "from the engine's model")
+        self._state, self.version = state, int(version)
+
+    def follow(self, replica) -> None:
+        """Every step uses ``replica``'s current params and version (a
+        :class:`jaxflow.sync.replica.Replica` that SparseRL-Sync's receiver advances in place);
+        None stops following."""
+        self._replica = replica
+        if replica is not None:
+            self._sync_replica()
+
+    def _sync_replica(self) -> None:
+        rep = self._replica
+        while True:
+            version = rep.version
+            params = rep.params
+            if rep.version == version:
+                break
+        if version != self.version:
+            self.update_weights(params, version)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(self, prompt, keys: jax.Array, *, max_new_tokens: int | None = None) -> int:
+        """Queues one prompt [L] int (L >= 1) sampled len(keys) times (a group sharing the
+        prompt's KV pages); ``keys`` [G] per-sequence PRNG keys. Returns the request id."""
+        prompt = np.asarray(prompt, np.int32).reshape(-1)
+        n_new = self.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or not (
+                1 <= n_new <= self.sampling.max_new_tokens):
+            raise RolloutConfigError(f"max_new_tokens={n_new!r}: must be an int in [1, "
+                                     f"{self.sampling.max_new_tokens}] (SamplingConfig's)")
+        if prompt.size < 1 or prompt.size + n_new > self.max_seq_len:
+            raise RolloutConfigError(
+                f"prompt length {prompt.size} + max_new_tokens {n_new} = {prompt.size + n_new}: "
+                f"must be in [{1 + n_new}, max_seq_len={self.max_seq_len}]")
+        keys = jnp.asarray(keys)
+        if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+            keys = jax.random.wrap_key_data(keys)
+        if keys.ndim != 1 or keys.shape[0] < 1:
+            raise RolloutConfigError(f"keys: need [G >= 1] per-sequence keys, got {keys.shape}")
+        key_data = np.asarray(jax.random.key_data(keys))
+        if self._key_shape is None:
+            self._key_shape = key_data.shape[1:]
+        rid = self._next_rid
+        req = Request(rid=rid, prompt=prompt, max_new_tokens=int(n_new), sequences=[])
+        req.sequences = [Seq(request=req, member=g, key_data=key_data[g])
+                         for g in range(key_data.shape[0])]
+        need = self.scheduler.admission_pages(req)
+        if need > self.scheduler.pages.capacity:
+            raise RolloutConfigError(
+                f"EngineConfig.num_pages={self.config.num_pages} too small for a prompt of "
+                f"{prompt.size} tokens + {n_new} new: one sequence needs {need} pages of "
+                f"{self.config.page_size} tokens (+1 null page)")
+        self._next_rid += 1
+        self.scheduler.add(req)
+        return rid
+
+    def idle(self) -> bool:
+        """No request waiting or in flight."""
+        return self.scheduler.idle()
+
+    def step(self) -> list[int]:
+        """One engine step: admit, one prefill chunk call, fill slots, one decode step of every
+        running sequence. Returns the ids of the requests that completed."""
+        if self._replica is not None:
+            self._sync_replica()
+        sched = self.scheduler
+        sched.admit()
+        batch = sched.prefill_batch()
+        if batch is not None:
+            reqs, tokens, start, n_valid, table = batch
+            self.pools = self.steps.prefill(self._state, self.pools, tokens, start, n_valid, table)
+            sched.finish_prefill(reqs)
+            self.stats.prefill_calls += 1
+        sched.assign_slots()
+        sched.admit()  # sequences that took slots make room in the prefill look-ahead
+        copies = sched.take_copies()
+        if copies:
+            self._copy(copies)
+        completed: list[Request] = []
+        if sched.running():
+            tokens, lengths, table, key_data, t = sched.decode_batch(
+                self.sampling.pad_id, self._key_shape)
+            self.pools, out = self.steps.decode(self._state, self.pools, tokens, lengths, table,
+                                                key_data, t)
+            out = jax.device_get(out)
+            n_running = len(sched.running())
+            completed = sched.finish_decode(out.token, out.logprob, out.topk_logprobs,
+                                            out.topk_indices, self.version,
+                                            self.sampling.eos_id)
+            self.stats.decode_calls += 1
+            self.stats.decode_row_steps += len(sched.slots)
+            self.stats.tokens += n_running
+        self.stats.peak_pages = sched.pages.peak_in_use
+        for req in completed:
+            self._done[req.rid] = req
+        return [req.rid for req in completed]
+
+    def _copy(self, copies: list[tuple[int, int]]) -> None:
+        b = len(self.scheduler.slots)
+        for i in range(0, len(copies), b):
+            part = copies[i:i + b]
+            src = np.zeros((b,), np.int32)
+            dst = np.zeros((b,), np.int32)
+            src[:len(part)] = [s for s, _ in part]
+            dst[:len(part)] = [d for _, d in part]
+            self.pools = self.steps.copy_pages(self.pools, src, dst)
+            self.stats.page_copies += len(part)
+
+    def run(self) -> None:
+        """Steps until idle."""
+        while not self.idle():
+            self.step()
+
+    def result(self, rid: int) -> RequestOutput:
+        """The outputs of a completed request (removed from the engine)."""
+        if rid not in self._done:
+            raise KeyError(f"request {rid} has not completed (or its result was taken)")
+        return self._output(self._done.pop(rid))
+
+    def _output(self, req: Request) -> RequestOutput:
+        g, n, k = len(req.sequences), req.max_new_tokens, self.config.top_logprobs
+        tokens = np.full((g, n), self.sampling.pad_id, np.int32)
+        logprobs = np.zeros((g, n), np.float32)
+        mask = np.zeros((g, n), np.float32)
+        versions = np.full((g, n), -1, np.int32)
+        top_lp = np.zeros((g, n, k), np.float32)
+        top_idx = np.zeros((g, n, k), np.int32)
+        for i, seq in enumerate(req.sequences):
+            m = len(seq.tokens)
+            tokens[i, :m], logprobs[i, :m], mask[i, :m] = seq.tokens, seq.logprobs, 1.0
+            versions[i, :m] = seq.versions
+            if k:
+                top_lp[i, :m], top_idx[i, :m] = seq.topk_logprobs, seq.topk_indices
+        return RequestOutput(tokens, logprobs, mask, mask.sum(1).astype(np.int32), versions,
+                             top_lp, top_idx)
+
+    def generate(self, prompts, prompt_lengths, keys: jax.Array, group_size: int = 1
+                 ) -> EngineOutput:
+        """Samples G = ``group_size`` continuations of each prompt.
+
+        Args:
+          prompts: [R, P] int32, right-padded; prompt_lengths: [R] int32 in [1, P].
+          keys: [R * G] per-row PRNG keys; row i * G + g (prompt i's sequence g) draws its
+            token t with ``fold_in(keys[i * G + g], t)`` (``make_sampler(per_row_keys=True)``
+            on the prompts repeated G times samples the same).
+          group_size: G, sequences per prompt sharing its prefilled KV pages.
+
+        Returns:
+          EngineOutput with leading axis R * G and N = max_new_tokens.
+        """
+        prompts = np.asarray(prompts)
+        lengths = np.asarray(prompt_lengths).reshape(-1)
+        if prompts.ndim != 2 or lengths.shape[0] != prompts.shape[0]:
+            raise RolloutConfigError(f"prompts {prompts.shape} / prompt_lengths {lengths.shape}: "
+                                     "need [R, P] and [R]")
+        g = _int_at_least("group_size", group_size, 1)
+        r = prompts.shape[0]
+        keys = jnp.asarray(keys)
+        if keys.shape[0] != r * g:
+            raise RolloutConfigError(f"keys: {keys.shape[0]} keys for {r} prompts x group_size "
+                                     f"{g}; need {r * g}")
+        bad = (lengths < 1) | (lengths > prompts.shape[1])
+        if bad.any():
+            raise RolloutConfigError(f"prompt_lengths={lengths[bad][0]}: must be in [1, "
+                                     f"{prompts.shape[1]}] (the prompts' width)")
+        rids = [self.add_request(prompts[i, :lengths[i]], keys[i * g:(i + 1) * g])
+                for i in range(r)]
+        self.run()
+        outs = [self.result(rid) for rid in rids]
+        return EngineOutput(*(np.concatenate([getattr(o, f) for o in outs])
+                              for f in RequestOutput._fields))
+
+
+__all__: Sequence[str] = ["EngineConfig", "EngineOutput", "EngineStats", "RequestOutput",
+                          "RolloutConfigError", "RolloutEngine"]

@@ -1,0 +1,160 @@
+"""The engine's jitted device programs over a paged KV pool: prefill chunk, decode step, page copy.
+
+Every program has one fixed shape per engine (``prefill_rows x prefill_chunk`` tokens, ``slots``
+decode rows, ``slots`` page copies), so an engine compiles three programs whatever its traffic.
+
+The arithmetic is the static sampler's (:func:`jaxflow.models.sampler.make_decoder`): the same
+projections, RoPE, masked attention (:func:`jaxflow.models.attention.dot_product_attention` over
+the row's pages gathered into a contiguous cache, token t at slot t), MLP and LM head, and the
+same draw (:func:`jaxflow.models.sampler._draw` with per-row keys, token t of a row drawn with
+``fold_in(row_key, t)``). Pools are donated, so page writes happen in place.
+
+Pool layout (the upstream paged-attention kernels'): per layer, keys and values
+``[n_kv_heads, num_pages, page_size, head_dim]`` in the model's compute dtype; token t of a row
+lives in page ``page_table[t // page_size]`` at offset ``t % page_size``. Padding tokens and
+empty slots write to the null page 0 (never read unmasked).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxflow.models.attention import dot_product_attention
+from jaxflow.models.sampler import LogitsHook, SamplingConfig, _draw
+from jaxflow.models.transformer import Transformer
+from jaxflow.rollout.paged_attention import gather_pages, paged_attention
+from jaxflow.rollout.pages import NULL_PAGE
+
+
+class Pools(NamedTuple):
+    """The paged KV pool: per layer k and v, each [n_kv_heads, num_pages, page_size, head_dim]."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def empty_pools(*, n_layers: int, n_kv_heads: int, num_pages: int, page_size: int,
+                head_dim: int, dtype) -> Pools:
+    """All-zero pools (zeros, not garbage: a masked NaN would poison the products)."""
+    shape = (n_kv_heads, num_pages, page_size, head_dim)
+    return Pools(tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
+                 tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)))
+
+
+class DecodeOut(NamedTuple):
+    """One decode step's draws per slot: token [B] int32, logprob [B] f32 (of the distribution
+    sampled from), topk_logprobs [B, K] f32 and topk_indices [B, K] int32 (K = 0: empty)."""
+
+    token: jax.Array
+    logprob: jax.Array
+    topk_logprobs: jax.Array
+    topk_indices: jax.Array
+
+
+class Steps(NamedTuple):
+    """Jitted programs (pools donated):
+
+    prefill(state, pools, tokens [R, C], start [R], n_valid [R], page_table [R, W]) -> pools
+        writes the keys/values of ``tokens[r, :n_valid[r]]`` at positions ``start[r] + i``.
+    decode(state, pools, tokens [B], lengths [B], page_table [B, W], key_data [B, ...], t [B])
+        -> (pools, DecodeOut): feeds ``tokens[b]`` at position ``lengths[b] - 1`` and draws token
+        ``t[b]`` of row b with ``fold_in(key_b, t[b])``. Empty slots: length 1, null pages.
+    copy_pages(pools, src [B], dst [B]) -> pools   page dst[i] := page src[i] in every layer.
+    """
+
+    prefill: Callable
+    decode: Callable
+    copy_pages: Callable
+
+
+def _write(pool: jax.Array, new: jax.Array, dest: jax.Array) -> jax.Array:
+    """pool [KVH, P, S, D] with new [B, T, KVH, D] written at flat slots dest [B, T] (page * S +
+    offset)."""
+    kvh, p, s, d = pool.shape
+    flat = pool.reshape(kvh, p * s, d)
+    update = jnp.transpose(new.reshape(-1, kvh, d), (1, 0, 2)).astype(pool.dtype)
+    return flat.at[:, dest.reshape(-1)].set(update).reshape(kvh, p, s, d)
+
+
+def _slots(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_size: int
+           ) -> jax.Array:
+    """Flat pool slots [R, T] of ``positions`` [R, T] under ``page_table`` [R, W]; the null page
+    where not ``valid``."""
+    width = page_table.shape[1]
+    page_idx = jnp.clip(positions // page_size, 0, width - 1)
+    pages = jnp.take_along_axis(page_table, page_idx, axis=1)
+    real = pages * page_size + positions % page_size
+    pad = NULL_PAGE * page_size + positions % page_size
+    return jnp.where(valid, real, pad)
+
+
+@functools.lru_cache(maxsize=32)
+def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: int,
+               attention: str = "auto", interpret: bool = False, top_logprobs: int = 0,
+               logit_noise_std: float = 0.0, logits_hook: LogitsHook | None = None) -> Steps:
+    """The engine's three programs for one model structure and sampling config (see Steps)."""
+
+    def prefill(state, pools: Pools, tokens, start, n_valid, page_table):
+        model: Transformer = nnx.merge(graphdef, state)
+        c = tokens.shape[1]
+        offs = jnp.arange(c, dtype=jnp.int32)
+        positions = start[:, None] + offs[None, :]
+        valid = offs[None, :] < n_valid[:, None]
+        dest = _slots(page_table, positions, valid, page_size)
+        keys_len = page_table.shape[1] * page_size
+        # Query at position p sees the keys at positions <= p: the static prefill's mask
+        # (cache_causal_mask) for real tokens, whose earlier positions are all real.
+        mask = jnp.arange(keys_len, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+        x = model._embed(tokens)
+        new_k, new_v = [], []
+        for block, kp, vp in zip(model.layers, pools.k, pools.v):
+            q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
+            kp, vp = _write(kp, k, dest), _write(vp, v, dest)
+            attn = dot_product_attention(q, gather_pages(kp, page_table),
+                                         gather_pages(vp, page_table), mask)
+            x = x + block.attn.project_out(attn)
+            x = x + block.mlp(block.mlp_norm(x))
+            new_k.append(kp)
+            new_v.append(vp)
+        return Pools(tuple(new_k), tuple(new_v))
+
+    def decode(state, pools: Pools, tokens, lengths, page_table, key_data, t):
+        model: Transformer = nnx.merge(graphdef, state)
+        positions = (lengths - 1)[:, None]
+        dest = _slots(page_table, positions, jnp.ones_like(positions, bool), page_size)
+        x = model._embed(tokens[:, None])
+        new_k, new_v = [], []
+        for block, kp, vp in zip(model.layers, pools.k, pools.v):
+            q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
+            kp, vp = _write(kp, k, dest), _write(vp, v, dest)
+            attn = paged_attention(q[:, 0], kp, vp, lengths, page_table, backend=attention,
+                                   interpret=interpret)
+            x = x + block.attn.project_out(attn[:, None])
+            x = x + block.mlp(block.mlp_norm(x))
+            new_k.append(kp)
+            new_v.append(vp)
+        logits = model._logits(model.final_norm(x))[:, 0]
+        keys = jax.random.wrap_key_data(key_data)
+        step_keys = jax.vmap(jax.random.fold_in)(keys, t)
+        token, logprob = _draw(logits, step_keys, sampling, logit_noise_std, True, logits_hook,
+                               None, t, None)
+        if top_logprobs:
+            top_lp, top_idx = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_logprobs)
+        else:
+            top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+            top_idx = jnp.zeros((logits.shape[0], 0), jnp.int32)
+        return Pools(tuple(new_k), tuple(new_v)), DecodeOut(token, logprob, top_lp,
+                                                            top_idx.astype(jnp.int32))
+
+    def copy_pages(pools: Pools, src, dst):
+        def one(pool):
+            return pool.at[:, dst].set(pool[:, src])
+        return Pools(tuple(map(one, pools.k)), tuple(map(one, pools.v)))
+
+    return Steps(jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1),
+                 jax.jit(copy_pages, donate_argnums=0))

@@ -1,0 +1,115 @@
+"""Host-side page allocator of the paged KV pool: free list, reference counts, reservations.
+
+The device pool (one ``[n_kv_heads, num_pages, page_size, head_dim]`` array per layer for keys
+and one for values) is indexed by page ids that this allocator hands out. Page 0 is the *null
+page*: never allocated, it is where the jitted steps write the keys/values of padding tokens
+and empty slots, and what unused page-table entries point at (always masked out).
+
+A page is freed when its last holder releases it (``decref`` to 0): a sequence's private pages
+when it ends; a prompt prefix shared by a GRPO group's sequences when the last of them ends.
+
+Reservations make admission safe without preemption: a request reserves the most pages it can
+ever need when it is admitted and draws its pages from that reservation as it grows, so an
+admitted request never finds the pool empty; :meth:`PageAllocator.available` is what new
+admissions may still reserve.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+NULL_PAGE = 0
+
+
+class PageAllocator:
+    """Page ids ``1 .. num_pages - 1`` (0 is the null page) with reference counts.
+
+    Attributes:
+      in_use: pages currently allocated; peak_in_use: the most ever allocated at once.
+      reserved: pages promised to admitted requests but not yet allocated.
+    """
+
+    def __init__(self, num_pages: int):
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 2:
+            raise ValueError(f"num_pages={num_pages!r}: need an int >= 2 (page 0 is the null page)")
+        self.num_pages = int(num_pages)
+        self._free = list(range(1, self.num_pages))  # a heap: lowest id first (deterministic)
+        self.refcount = np.zeros((self.num_pages,), np.int64)
+        self.reserved = 0
+        self.peak_in_use = 0
+
+    @property
+    def capacity(self) -> int:
+        """Allocatable pages (all but the null page)."""
+        return self.num_pages - 1
+
+    @property
+    def free(self) -> int:
+        """Pages not allocated."""
+        return len(self._free)
+
+    @property
+    def in_use(self) -> int:
+        """Pages allocated."""
+        return self.capacity - self.free
+
+    @property
+    def available(self) -> int:
+        """Free pages not promised to an admitted request (what a new admission may reserve)."""
+        return self.free - self.reserved
+
+    def reserve(self, n: int) -> None:
+        """Promises ``n`` pages to a request (``n <= available``)."""
+        if n < 0 or n > self.available:
+            raise RuntimeError(f"cannot reserve {n} pages: {self.available} available")
+        self.reserved += n
+
+    def unreserve(self, n: int) -> None:
+        """Returns ``n`` promised pages that will not be allocated (a sequence ended early)."""
+        if n < 0 or n > self.reserved:
+            raise RuntimeError(f"cannot unreserve {n} pages: {self.reserved} reserved")
+        self.reserved -= n
+
+    def alloc(self, *, reserved: bool = True) -> int:
+        """One page with reference count 1; by default drawn from a reservation."""
+        if reserved:
+            self.unreserve(1)
+        if not self._free:
+            raise RuntimeError("page pool exhausted (an allocation outside any reservation)")
+        page = heapq.heappop(self._free)
+        self.refcount[page] = 1
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return page
+
+    def incref(self, page: int) -> None:
+        """One more holder of an allocated ``page`` (a sequence sharing a prefix page)."""
+        if page == NULL_PAGE or self.refcount[page] < 1:
+            raise RuntimeError(f"incref of page {page}, which is not allocated")
+        self.refcount[page] += 1
+
+    def decref(self, page: int) -> None:
+        """One holder fewer; the page is freed when none is left."""
+        if page == NULL_PAGE or self.refcount[page] < 1:
+            raise RuntimeError(f"decref of page {page}, which is not allocated")
+        self.refcount[page] -= 1
+        if self.refcount[page] == 0:
+            heapq.heappush(self._free, page)
+
+    def release(self, pages) -> None:
+        """``decref`` every page of ``pages``."""
+        for page in pages:
+            self.decref(page)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold ``tokens`` tokens: ceil(tokens / page_size)."""
+    return -(-tokens // page_size)
+
+
+def page_table_row(pages, width: int) -> np.ndarray:
+    """[width] int32: ``pages`` then the null page."""
+    row = np.full((width,), NULL_PAGE, np.int32)
+    row[:len(pages)] = pages
+    return row

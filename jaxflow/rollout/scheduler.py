@@ -1,0 +1,258 @@
+"""Host scheduler of the rollout engine: requests, shared prompt prefixes, slots, page bookkeeping.
+
+A *request* is one prompt and G *sequences* sampled from it (G = 1, or a GRPO group). Its life:
+
+1. **waiting** -> **prefilling**: admitted when the pool can reserve the prompt prefix's pages
+   plus one sequence's pages (so every admitted request can make progress, and none is ever
+   preempted), and fewer than ``slots`` sequences are already queued for slots. The prompt's
+   first ``L - 1`` tokens are prefilled ONCE for the whole group, ``prefill_chunk`` tokens per
+   engine step (chunked prefill, interleaved with decode steps).
+2. **ready** -> **running**: each sequence takes a free decode slot (reserving its own pages then).
+   Copy-on-write of the prefix: the prefix's full pages are shared (reference-counted); the
+   partially filled last prefix page is copied into a private page for every sequence but the
+   last one to take a slot, which takes the request's page itself. A sequence's first decode
+   step feeds the prompt's last token (so each sequence writes only into its own pages) and
+   draws its token 0.
+3. **finished**: at EOS or after ``max_new_tokens``; its pages are released at once (shared
+   ones when the last sharer ends) and its slot is free for the next step.
+
+No jax here: the engine turns :meth:`Scheduler.prefill_batch` / :meth:`Scheduler.decode_batch`
+into device calls and hands the draws back to :meth:`Scheduler.finish_decode`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from jaxflow.rollout.pages import NULL_PAGE, PageAllocator, page_table_row, pages_for
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sampled continuation (host state)."""
+
+    request: "Request"
+    member: int
+    key_data: np.ndarray
+    pages: list = dataclasses.field(default_factory=list)
+    budget: int = 0            # reserved pages not yet allocated
+    length: int = 0            # tokens in the cache after the next step's write
+    next_token: int = 0
+    slot: int = -1
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+    topk_logprobs: list = dataclasses.field(default_factory=list)
+    topk_indices: list = dataclasses.field(default_factory=list)
+    done: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One prompt [L] and its G sequences."""
+
+    rid: int
+    prompt: np.ndarray
+    max_new_tokens: int
+    sequences: list
+    prefix_pages: list = dataclasses.field(default_factory=list)
+    prefilled: int = 0         # prefix tokens written
+    held: int = 0              # pages reserved at admission for the first sequence to run
+    unassigned: int = 0        # sequences that have not taken a slot yet
+    finished: int = 0
+
+    @property
+    def prefix_len(self) -> int:
+        """Tokens prefilled once for the group: all but the prompt's last."""
+        return len(self.prompt) - 1
+
+    def sequence_pages(self, page_size: int) -> int:
+        """Pages one sequence may allocate beyond the shared full prefix pages."""
+        total = pages_for(len(self.prompt) + self.max_new_tokens - 1, page_size)
+        return total - self.prefix_len // page_size
+
+
+class Scheduler:
+    """FIFO admission, chunked prefill, slot assignment and page accounting (see module doc)."""
+
+    def __init__(self, *, slots: int, page_size: int, num_pages: int, pages_per_seq: int,
+                 prefill_chunk: int, prefill_rows: int):
+        self.slots = [None] * slots
+        self.page_size, self.width = page_size, pages_per_seq
+        self.prefill_chunk, self.prefill_rows = prefill_chunk, prefill_rows
+        self.pages = PageAllocator(num_pages)
+        self.waiting: collections.deque = collections.deque()
+        self.prefilling: collections.deque = collections.deque()
+        self.ready: collections.deque = collections.deque()
+        self.copies: list[tuple[int, int]] = []   # (src, dst) page copies due before decode
+
+    # -- admission -------------------------------------------------------------------------
+
+    def admission_pages(self, request: Request) -> int:
+        """Pages reserved when ``request`` is admitted: its prefix and one sequence's."""
+        return pages_for(request.prefix_len, self.page_size) + request.sequence_pages(self.page_size)
+
+    def add(self, request: Request) -> None:
+        """Queues a request (validated by the engine)."""
+        request.unassigned = len(request.sequences)
+        self.waiting.append(request)
+
+    def _queued_sequences(self) -> int:
+        return len(self.ready) + sum(r.unassigned for r in self.prefilling)
+
+    def admit(self) -> None:
+        """Moves waiting requests to prefill while pages can be reserved and slots will follow."""
+        while self.waiting and self._queued_sequences() < len(self.slots):
+            request = self.waiting[0]
+            need = self.admission_pages(request)
+            if need > self.pages.available:
+                return
+            self.waiting.popleft()
+            self.pages.reserve(need)
+            request.prefix_pages = [self.pages.alloc()
+                                    for _ in range(pages_for(request.prefix_len, self.page_size))]
+            request.held = need - len(request.prefix_pages)
+            if request.prefilled == request.prefix_len:
+                self.ready.extend(request.sequences)
+            else:
+                self.prefilling.append(request)
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def prefill_batch(self):
+        """The next prefill call's inputs, or None: (requests, tokens [R, C] int32, start [R],
+        n_valid [R], page_table [R, W]); one chunk of each of the first R prefilling requests."""
+        if not self.prefilling:
+            return None
+        r, c = self.prefill_rows, self.prefill_chunk
+        tokens = np.zeros((r, c), np.int32)
+        start = np.zeros((r,), np.int32)
+        n_valid = np.zeros((r,), np.int32)
+        table = np.full((r, self.width), NULL_PAGE, np.int32)
+        batch = list(self.prefilling)[:r]
+        for i, req in enumerate(batch):
+            n = min(c, req.prefix_len - req.prefilled)
+            tokens[i, :n] = req.prompt[req.prefilled:req.prefilled + n]
+            start[i], n_valid[i] = req.prefilled, n
+            table[i] = page_table_row(req.prefix_pages, self.width)
+        return batch, tokens, start, n_valid, table
+
+    def finish_prefill(self, batch) -> None:
+        """Advances the requests of a prefill call; complete ones queue their sequences."""
+        for req in batch:
+            req.prefilled = min(req.prefix_len, req.prefilled + self.prefill_chunk)
+            if req.prefilled == req.prefix_len:
+                self.prefilling.remove(req)
+                self.ready.extend(req.sequences)
+
+    # -- slots -----------------------------------------------------------------------------
+
+    def assign_slots(self) -> None:
+        """Ready sequences into free slots (FIFO; one that cannot reserve its pages yet waits,
+        later ones with a reservation may pass it). Queues the copy-on-write page copies."""
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        for seq in list(self.ready):
+            if not free:
+                return
+            req = seq.request
+            need = req.sequence_pages(self.page_size)
+            if req.held:
+                seq.budget, req.held = req.held, 0
+            elif need <= self.pages.available:
+                self.pages.reserve(need)
+                seq.budget = need
+            else:
+                continue
+            self.ready.remove(seq)
+            self._take_prefix(seq)
+            seq.slot = free.pop(0)
+            self.slots[seq.slot] = seq
+
+    def _take_prefix(self, seq: Sequence) -> None:
+        req, s = seq.request, self.page_size
+        full = req.prefix_len // s
+        for page in req.prefix_pages[:full]:
+            self.pages.incref(page)
+        seq.pages = list(req.prefix_pages[:full])
+        req.unassigned -= 1
+        if req.prefix_len % s:
+            partial = req.prefix_pages[full]
+            if req.unassigned == 0:      # the last sharer takes the page itself
+                seq.pages.append(partial)
+                seq.budget -= 1
+                self.pages.unreserve(1)
+            else:                        # copy-on-write: a private copy to append to
+                copy = self.pages.alloc()
+                seq.budget -= 1
+                self.copies.append((partial, copy))
+                seq.pages.append(copy)
+        if req.unassigned == 0:          # the request's own references to the full pages go
+            self.pages.release(req.prefix_pages[:full])
+        seq.length = len(req.prompt)
+        seq.next_token = int(req.prompt[-1])
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The page copies queued since the last call (to run before the next decode)."""
+        copies, self.copies = self.copies, []
+        return copies
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def running(self) -> list[Sequence]:
+        """Sequences in slots."""
+        return [s for s in self.slots if s is not None]
+
+    def decode_batch(self, pad_id: int, key_shape: tuple[int, ...]):
+        """The next decode call's inputs for every slot (allocating each row's next page):
+        tokens [B], lengths [B], page_table [B, W], key_data [B, ...], t [B]."""
+        b = len(self.slots)
+        tokens = np.full((b,), pad_id, np.int32)
+        lengths = np.ones((b,), np.int32)
+        table = np.full((b, self.width), NULL_PAGE, np.int32)
+        key_data = np.zeros((b,) + key_shape, np.uint32)
+        t = np.zeros((b,), np.int32)
+        for i, seq in enumerate(self.slots):
+            if seq is None:
+                continue
+            if (seq.length - 1) // self.page_size == len(seq.pages):
+                seq.pages.append(self.pages.alloc())
+                seq.budget -= 1
+            tokens[i], lengths[i], t[i] = seq.next_token, seq.length, len(seq.tokens)
+            table[i] = page_table_row(seq.pages, self.width)
+            key_data[i] = seq.key_data
+        return tokens, lengths, table, key_data, t
+
+    def finish_decode(self, token, logprob, topk_lp, topk_idx, version: int,
+                      eos_id: int | None) -> list[Request]:
+        """Records one step's draws (host arrays [B], [B, K]); retires finished sequences.
+        Returns the requests completed by this step."""
+        completed = []
+        for i, seq in enumerate(self.slots):
+            if seq is None:
+                continue
+            tok = int(token[i])
+            seq.tokens.append(tok)
+            seq.logprobs.append(float(logprob[i]))
+            seq.versions.append(version)
+            seq.topk_logprobs.append(topk_lp[i])
+            seq.topk_indices.append(topk_idx[i])
+            req = seq.request
+            if tok == eos_id or len(seq.tokens) == req.max_new_tokens:
+                seq.done = True
+                self.slots[i] = None
+                self.pages.release(seq.pages)
+                self.pages.unreserve(seq.budget)
+                seq.pages, seq.budget = [], 0
+                req.finished += 1
+                if req.finished == len(req.sequences):
+                    completed.append(req)
+            else:
+                seq.next_token, seq.length = tok, seq.length + 1
+        return completed
+
+    def idle(self) -> bool:
+        """Nothing waiting, prefilling, ready or running."""
+        return not (self.waiting or self.prefilling or self.ready or self.running())
