@@ -168,3 +168,147 @@ def test_bad_input_names_the_value(split_model):
     with pytest.raises(RolloutConfigError, match=r"prompt_lengths=0"):
         eng.generate(np.ones((2, 4), np.int32), np.array([0, 4]), _keys(2))
     assert eng.idle()
+
+
+def _long_tailed(n, seed=0):
+    """n prompts (lengths 1..12) and per-request max_new_tokens: most short, a few at the cap."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, P + 1, n).astype(np.int32)
+    prompts = [rng.integers(1, TINY.vocab_size, int(m)).astype(np.int32) for m in lengths]
+    caps = np.where(rng.random(n) < 0.2, N, rng.integers(1, 6, n)).astype(np.int32)
+    return prompts, caps
+
+
+def _serve(eng, prompts, caps, order):
+    """Adds the requests in ``order`` (keys by request index), runs, returns outputs by index."""
+    rid = {i: eng.add_request(prompts[i], _keys(1, seed=100 + i), max_new_tokens=int(caps[i]))
+           for i in order}
+    eng.run()
+    return [eng.result(rid[i]) for i in range(len(prompts))]
+
+
+def test_pages_freed_and_reused(split_model):
+    """16 requests through 2 slots and a pool of 2 maximal sequences: every request is served,
+    pages are reused many times, the peak stays within the pool, and all pages come back."""
+    sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_id=EOS)
+    prompts, caps = _long_tailed(16)
+    width = (P + N) // 4
+    eng = _engine(split_model, sampling, slots=2, page_size=4, num_pages=1 + 2 * width)
+    outs = _serve(eng, prompts, caps, range(16))
+    pages = eng.scheduler.pages
+    assert all(o.lengths[0] >= 1 for o in outs)
+    assert pages.allocations > 2 * pages.capacity  # reused
+    assert pages.peak_in_use <= pages.capacity
+    assert pages.in_use == 0 and pages.reserved == 0 and eng.idle()
+    assert (pages.refcount == 0).all()
+
+
+def test_continuous_batching_independent_of_slots_and_order(split_model):
+    """More requests than slots, all served; a request's tokens do not depend on the slot count
+    or the admission order (log-probs within the f32 batch-shape tolerance, see module doc)."""
+    sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_id=EOS)
+    prompts, caps = _long_tailed(10, seed=1)
+    base = _serve(_engine(split_model, sampling, slots=4), prompts, caps, range(10))
+    for slots, order in ((4, range(9, -1, -1)), (1, range(10)), (3, [3, 1, 4, 0, 5, 9, 2, 6, 8, 7])):
+        eng = _engine(split_model, sampling, slots=slots, prefill_rows=2)
+        outs = _serve(eng, prompts, caps, order)
+        assert eng.stats.decode_calls >= sum(o.lengths[0] for o in outs) / slots
+        for a, b in zip(base, outs):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_array_equal(a.lengths, b.lengths)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_ATOL)
+    assert [o.tokens.shape[1] for o in base] == list(caps)
+
+
+def test_update_weights_mid_sequence(split_model, prompts):
+    """An update after step k: tokens 0..k-1 carry version 0, the rest version 1, and they equal
+    the static decoder run with the old weights up to token k-1 and the new ones after."""
+    graphdef, state_a = split_model
+    state_b = nnx.split(Transformer(TINY, rngs=nnx.Rngs(1)))[1]
+    sampling = SamplingConfig(max_new_tokens=N, temperature=1.0)
+    rows, k = [0, 3], 4
+    keys = _keys(2, seed=11)
+    eng = _engine(split_model, sampling, slots=2, prefill_rows=2, prefill_chunk=P)
+    rids = [eng.add_request(prompts[r, :LENGTHS[r]], keys[i:i + 1]) for i, r in enumerate(rows)]
+    for _ in range(k):  # step 1 prefills both prompts and draws token 0
+        eng.step()
+    eng.update_weights(state_b, version=1)
+    eng.run()
+    outs = [eng.result(rid) for rid in rids]
+    for o in outs:
+        np.testing.assert_array_equal(o.versions[0], [0] * k + [1] * (N - k))
+
+    dec = make_decoder(graphdef, sampling, per_row_keys=True)
+    lengths = LENGTHS[rows]
+    carry, (tok0, lp0, _) = jax.jit(dec.prefill)(state_a, prompts[rows], lengths, keys)
+    decode = jax.jit(dec.decode, static_argnums=6)
+    carry, (tok_a, lp_a, _) = decode(state_a, carry, lengths, keys, None, jnp.int32(1), k - 1)
+    _, (tok_b, lp_b, _) = decode(state_b, carry, lengths, keys, None, jnp.int32(k), N - k)
+    ref_tokens = np.concatenate([np.asarray(tok0)[None], tok_a, tok_b]).T
+    ref_lp = np.concatenate([np.asarray(lp0)[None], lp_a, lp_b]).T
+    got = np.concatenate([o.tokens for o in outs])
+    np.testing.assert_array_equal(got, ref_tokens)
+    np.testing.assert_allclose(np.concatenate([o.logprobs for o in outs]), ref_lp, rtol=0,
+                               atol=LOGPROB_ATOL)
+    only_a = make_sampler(graphdef, sampling, per_row_keys=True)(state_a, prompts[rows], lengths,
+                                                                 keys)
+    assert (np.asarray(only_a.tokens)[:, k:] != got[:, k:]).any()  # the update took effect
+    np.testing.assert_array_equal(np.asarray(only_a.tokens)[:, :k], got[:, :k])
+
+
+def test_follows_sync_replica_in_place(split_model, prompts):
+    """follow(replica): a SparseRL-Sync payload applied to the bf16 replica between steps is
+    picked up by the next step (the replica's arrays themselves, no copy), per-token versions
+    say so, and the tokens equal an engine given the same bf16 trees by update_weights."""
+    from jaxflow.sync.replica import Replica, SyncSender
+    from jaxflow.sync.wire import to_bf16
+
+    graphdef, state_a = split_model
+    pure_b = nnx.to_pure_dict(nnx.split(Transformer(TINY, rngs=nnx.Rngs(1)))[1])
+    bf16_a, bf16_b = to_bf16(nnx.to_pure_dict(state_a)), to_bf16(pure_b)
+    sender = SyncSender(bf16_a, version=0)
+    replica = Replica(jax.device_put(bf16_a), version=0, path="device")
+    sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, top_k=8)
+    keys = _keys(3, seed=5)
+
+    def run(follow: bool):
+        eng = RolloutEngine(Transformer(TINY, rngs=nnx.Rngs(0)), bf16_a if not follow else
+                            replica.params, EngineConfig(slots=2, page_size=8, num_pages=20,
+                                                         prefill_chunk=6, max_seq_len=P + N),
+                            sampling)
+        if follow:
+            eng.follow(replica)
+        rid = eng.add_request(prompts[0, :LENGTHS[0]], keys)
+        for _ in range(3):
+            eng.step()
+        if follow:
+            replica.receive(sender.publish(bf16_b, version=1).payload)
+        else:
+            eng.update_weights(bf16_b, version=1)
+        eng.run()
+        return eng, eng.result(rid)
+
+    eng, followed = run(True)
+    assert replica.version == 1 and eng.version == 1
+    leaf = jax.tree.leaves(replica.params)[0]
+    assert any(x is leaf for x in jax.tree.leaves(eng._state))  # the replica's array itself
+    _, updated = run(False)
+    np.testing.assert_array_equal(followed.tokens, updated.tokens)
+    np.testing.assert_array_equal(followed.logprobs, updated.logprobs)
+    np.testing.assert_array_equal(followed.versions, updated.versions)
+    assert set(np.unique(followed.versions[followed.mask > 0])) == {0, 1}
+
+
+def test_top_logprobs(split_model, prompts):
+    """Top-K log-probs: the model's log_softmax at the K most likely tokens (temperature 1, no
+    truncation: the sampled token's log-prob appears among them when it is in the top K)."""
+    sampling = SamplingConfig(max_new_tokens=N, temperature=1.0)
+    eng = _engine(split_model, sampling, top_logprobs=4)
+    out = eng.generate(prompts, LENGTHS, _keys(len(LENGTHS)))
+    assert out.topk_logprobs.shape == (len(LENGTHS), N, 4)
+    assert (np.diff(out.topk_logprobs, axis=-1) <= 0).all()
+    hit = out.topk_indices == out.tokens[..., None]
+    assert hit.any()
+    np.testing.assert_array_equal(out.topk_logprobs[hit], np.broadcast_to(
+        out.logprobs[..., None], hit.shape)[hit])
+    assert (out.topk_logprobs[..., 0] >= out.logprobs).all()

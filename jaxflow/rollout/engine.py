@@ -209,6 +209,10 @@ class RolloutEngine:
     # -- weights ---------------------------------------------------------------------------
 
     def _as_state(self, params) -> nnx.State:
+        """``params`` as an nnx.State of device arrays: jax leaves as they are (no copy), host
+        (numpy) leaves put on the device once here rather than on every step."""
+        params = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x),
+                              params)
         if isinstance(params, nnx.State):
             return params
         state = jax.tree.map(lambda x: x, self._template)

@@ -29,6 +29,7 @@ class PageAllocator:
     Attributes:
       in_use: pages currently allocated; peak_in_use: the most ever allocated at once.
       reserved: pages promised to admitted requests but not yet allocated.
+      allocations: pages handed out so far (a page reused counts each time).
     """
 
     def __init__(self, num_pages: int):
@@ -39,6 +40,7 @@ class PageAllocator:
         self.refcount = np.zeros((self.num_pages,), np.int64)
         self.reserved = 0
         self.peak_in_use = 0
+        self.allocations = 0
 
     @property
     def capacity(self) -> int:
@@ -80,6 +82,7 @@ class PageAllocator:
             raise RuntimeError("page pool exhausted (an allocation outside any reservation)")
         page = heapq.heappop(self._free)
         self.refcount[page] = 1
+        self.allocations += 1
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return page
 
