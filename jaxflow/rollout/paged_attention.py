@@ -38,13 +38,16 @@ tokens cu_q_lens[i]:cu_q_lens[i+1], the last q_len of its kv_lens[i] tokens (cau
 is the combined layout of the upstream TPU kernel, ``kv_pages`` [P, S, 2*KVH, D] with K at even
 and V at odd heads (:func:`combine_kv_pages` / :func:`split_kv_pages` convert). Backends: xla
 (a per-token gather: O(T * L) memory, a reference for tests and small batches) and tpu
-(``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, the kernel behind tpu-inference).
+(``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, the kernel behind tpu-inference;
+its page table, scalar-prefetched into SMEM, must fit ``TPU_SMEM_TABLE``: 256 sequences of 32k
+tokens need pages of >= 64 tokens, else auto falls back to xla with a warning).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +67,8 @@ TPU_BLOCK_TOKENS = 512  # tokens per DMA'd block of the TPU decode kernel (per K
 GPU_BLOCK_TOKENS = 64  # tokens per Triton block (block_k = pages_per_compute_block * S)
 GPU_K_SPLITS = 16  # partitions of the page table the GPU kernel softmaxes separately (at most)
 GPU_BLOCK_H = 16  # query heads per Triton program (the kernel's minimum; groups are padded)
+TPU_SMEM_TABLE = 512 * 2**10  # bytes of page table per TPU kernel call (scalar-prefetched into
+# SMEM, 1 MiB on v5e / v5p / v6e with the other prefetched scalars)
 RAGGED_KV_BUFFER = 8 * 2**20  # bytes of one of the ragged kernel's two K/V VMEM buffers (at most)
 RAGGED_VMEM_LIMIT = 32 * 2**20  # its scoped VMEM limit (VMEM per core: 64 MiB v5p, 128 v5e/v6e)
 
@@ -169,16 +174,22 @@ def _tpu_interpret(interpret: bool):
 def tpu_paged_attention(q, k_pages, v_pages, lengths, page_table, *, interpret: bool = False
                         ) -> jax.Array:
     """Upstream Mosaic TPU decode kernel: [B, H, D]. ``pages_per_compute_block``: the largest
-    divisor of pages_per_seq with at most ``TPU_BLOCK_TOKENS`` tokens."""
+    divisor of pages_per_seq with at most ``TPU_BLOCK_TOKENS`` tokens. The kernel prefetches
+    its whole page table into SMEM, so rows go through it in groups of at most
+    ``TPU_SMEM_TABLE`` bytes of table (256 sequences at 32k tokens in pages of 16 are 2 MiB)."""
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
 
-    s = k_pages.shape[2]
-    block = _largest_divisor(page_table.shape[1], max(1, TPU_BLOCK_TOKENS // s))
+    b, pps = page_table.shape
+    block = _largest_divisor(pps, max(1, TPU_BLOCK_TOKENS // k_pages.shape[2]))
     table = jnp.clip(page_table.astype(jnp.int32), 0, k_pages.shape[1] - 1)
+    q, lengths = _scaled(q), lengths.astype(jnp.int32)
+    rows = max(1, TPU_SMEM_TABLE // (4 * pps))
+    outs = []
     with _tpu_interpret(interpret):
-        out = kernel(_scaled(q), k_pages, v_pages, lengths.astype(jnp.int32), table,
-                     pages_per_compute_block=block)
-    return out.astype(q.dtype)
+        for r in range(0, b, rows):
+            outs.append(kernel(q[r:r + rows], k_pages, v_pages, lengths[r:r + rows],
+                               table[r:r + rows], pages_per_compute_block=block))
+    return jnp.concatenate(outs).astype(q.dtype) if len(outs) > 1 else outs[0].astype(q.dtype)
 
 
 def _gpu_blocks(pages_per_seq: int, page_size: int) -> tuple[int, int]:
@@ -374,8 +385,12 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     if resolved == "xla":
         return xla_ragged_paged_attention(*args)
     shapes = tuple(jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in args)
+    table_bytes = 4 * math.prod(page_table.shape)
+    too_big = (f"its page table ({table_bytes} bytes) is prefetched into SMEM, at most "
+               f"{TPU_SMEM_TABLE}: use larger pages or fewer sequences per call"
+               if table_bytes > TPU_SMEM_TABLE else None)
     use = dispatch.choose_kernel("tpu_ragged_paged_attention",
                                  "auto" if resolved == "auto" else "pallas",
                                  tpu_ragged_paged_attention, shapes,
-                                 blocked=dispatch.auto_partition_problem(platform))
+                                 blocked=too_big or dispatch.auto_partition_problem(platform))
     return tpu_ragged_paged_attention(*args) if use else xla_ragged_paged_attention(*args)
