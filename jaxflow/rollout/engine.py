@@ -5,10 +5,12 @@
     out = engine.generate(prompts, prompt_lengths, keys, group_size=8)   # EngineOutput
 
 or streaming: ``rid = engine.add_request(prompt, keys)``; ``engine.step()`` until
-``engine.idle()``; ``engine.result(rid)``. Each :meth:`RolloutEngine.step` runs at most one
-prefill chunk call (up to ``prefill_rows`` prompts) and one decode step of every running
-sequence; between steps the host scheduler (:mod:`jaxflow.rollout.scheduler`) retires finished
-sequences, frees their pages and admits waiting requests into the free slots.
+``engine.idle()``; ``engine.result(rid)``. Each :meth:`RolloutEngine.step` runs prefill chunk
+calls (``prefill_rows`` prompts each) while fewer prefilled sequences wait than slots are free,
+at most ``prefill_calls`` of them (so a long prompt does not stall decoding: chunked prefill),
+and one decode step of every running sequence; between steps the host scheduler
+(:mod:`jaxflow.rollout.scheduler`) retires finished sequences, frees their pages and admits
+waiting requests into the free slots.
 
 Sequence b of a request draws its token t with ``fold_in(keys[b], t)`` from the arithmetic of the
 static sampler (:func:`jaxflow.models.make_sampler` with ``per_row_keys=True``), so its tokens
@@ -60,7 +62,8 @@ class EngineConfig:
       num_pages: pages in the pool, the null page 0 included (KV memory = num_pages *
         page_size tokens per layer).
       prefill_chunk: prompt tokens per prefill row per step.
-      prefill_rows: prompts prefilled together per step.
+      prefill_rows: prompts prefilled together per prefill call.
+      prefill_calls: the most prefill calls per engine step.
       max_seq_len: the longest sequence (prompt + new tokens) a row can hold; its page table
         has ceil(max_seq_len / page_size) entries. None: the model's max_seq_len.
       attention: decode attention backend of :func:`jaxflow.rollout.paged_attention.paged_attention`
@@ -74,7 +77,8 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int = 256
     prefill_chunk: int = 32
-    prefill_rows: int = 1
+    prefill_rows: int = 4
+    prefill_calls: int = 2
     max_seq_len: int | None = None
     attention: str = "auto"
     interpret: bool = False
@@ -86,6 +90,7 @@ class EngineConfig:
         _int_at_least("num_pages", self.num_pages, 2)
         _int_at_least("prefill_chunk", self.prefill_chunk, 1)
         _int_at_least("prefill_rows", self.prefill_rows, 1)
+        _int_at_least("prefill_calls", self.prefill_calls, 1)
         _int_at_least("top_logprobs", self.top_logprobs, 0)
         if self.max_seq_len is not None:
             _int_at_least("max_seq_len", self.max_seq_len, 2)
@@ -250,9 +255,12 @@ class RolloutEngine:
 
     # -- requests --------------------------------------------------------------------------
 
-    def add_request(self, prompt, keys: jax.Array, *, max_new_tokens: int | None = None) -> int:
-        """Queues one prompt [L] int (L >= 1) sampled len(keys) times (a group sharing the
-        prompt's KV pages); ``keys`` [G] per-sequence PRNG keys. Returns the request id."""
+    def add_request(self, prompt, keys: jax.Array | np.ndarray, *,
+                    max_new_tokens: int | None = None) -> int:
+        """Queues one prompt [L] int (L >= 1) sampled G = len(keys) times (a group sharing the
+        prompt's KV pages). ``keys``: [G] per-sequence PRNG keys (typed keys, or their
+        ``jax.random.key_data`` [G, ...] uint32 for the default PRNG implementation). Returns
+        the request id."""
         prompt = np.asarray(prompt, np.int32).reshape(-1)
         n_new = self.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or not (
@@ -263,12 +271,7 @@ class RolloutEngine:
             raise RolloutConfigError(
                 f"prompt length {prompt.size} + max_new_tokens {n_new} = {prompt.size + n_new}: "
                 f"must be in [{1 + n_new}, max_seq_len={self.max_seq_len}]")
-        keys = jnp.asarray(keys)
-        if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
-            keys = jax.random.wrap_key_data(keys)
-        if keys.ndim != 1 or keys.shape[0] < 1:
-            raise RolloutConfigError(f"keys: need [G >= 1] per-sequence keys, got {keys.shape}")
-        key_data = np.asarray(jax.random.key_data(keys))
+        key_data = _key_data(keys)
         if self._key_shape is None:
             self._key_shape = key_data.shape[1:]
         rid = self._next_rid
@@ -296,9 +299,10 @@ class RolloutEngine:
             self._sync_replica()
         sched = self.scheduler
         sched.admit()
-        batch = sched.prefill_batch()
-        if batch is not None:
-            reqs, tokens, start, n_valid, table = batch
+        for _ in range(self.config.prefill_calls):
+            if not sched.prefilling or len(sched.ready) >= sched.free_slots():
+                break
+            reqs, tokens, start, n_valid, table = sched.prefill_batch()
             self.pools = self.steps.prefill(self._state, self.pools, tokens, start, n_valid, table)
             sched.finish_prefill(reqs)
             self.stats.prefill_calls += 1
@@ -386,7 +390,7 @@ class RolloutEngine:
                                      "need [R, P] and [R]")
         g = _int_at_least("group_size", group_size, 1)
         r = prompts.shape[0]
-        keys = jnp.asarray(keys)
+        keys = _key_data(keys)
         if keys.shape[0] != r * g:
             raise RolloutConfigError(f"keys: {keys.shape[0]} keys for {r} prompts x group_size "
                                      f"{g}; need {r * g}")
@@ -400,6 +404,17 @@ class RolloutEngine:
         outs = [self.result(rid) for rid in rids]
         return EngineOutput(*(np.concatenate([getattr(o, f) for o in outs])
                               for f in RequestOutput._fields))
+
+
+def _key_data(keys) -> np.ndarray:
+    """Host key data [G, ...] uint32 of typed keys [G] (or of key data given as such)."""
+    if isinstance(keys, jax.Array) and jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        keys = jax.random.key_data(keys)
+    data = np.asarray(keys)
+    if data.dtype != np.uint32 or data.ndim < 2 or data.shape[0] < 1:
+        raise RolloutConfigError(f"keys: need [G >= 1] PRNG keys (or their uint32 key data "
+                                 f"[G, ...]); got {data.dtype}{list(data.shape)}")
+    return data
 
 
 __all__: Sequence[str] = ["EngineConfig", "EngineOutput", "EngineStats", "RequestOutput",

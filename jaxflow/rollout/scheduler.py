@@ -201,6 +201,10 @@ class Scheduler:
 
     # -- decode ----------------------------------------------------------------------------
 
+    def free_slots(self) -> int:
+        """Slots without a sequence."""
+        return sum(s is None for s in self.slots)
+
     def running(self) -> list[Sequence]:
         """Sequences in slots."""
         return [s for s in self.slots if s is not None]
