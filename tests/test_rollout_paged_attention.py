@@ -127,6 +127,22 @@ def test_decode_kernels_match_xla_bf16_interpret(backend):
                                rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_kernels_under_a_mesh_split_heads_over_model(backend):
+    """Under ``jax.set_mesh`` the kernel runs per device on its own heads (model axis of 2)."""
+    q, pk, pv, lengths, table, *_ = _problem(jnp.float32)
+    if backend == "tpu":
+        pk, pv = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (pk, pv))
+    want = paged_attention(q, pk, pv, lengths, table, backend="xla")
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("model",))
+    with jax.set_mesh(mesh):
+        fn = jax.jit(lambda *a: paged_attention(*a, backend=backend, interpret=True))
+        text = fn.lower(q, pk, pv, lengths, table).as_text()
+        got = fn(q, pk, pv, lengths, table)
+    assert "shard_map" in text or "manual" in text
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+
+
 def _ragged(dtype, seed=1):
     """A ragged batch over the combined pool: a decode row (1 query, 17 tokens), a chunk of 5
     continuing a 4-token prefix, a fresh 3-token prefill, then one unused row; 2 padding

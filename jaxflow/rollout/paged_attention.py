@@ -32,6 +32,12 @@ Both kernels take unscaled logits: q is scaled by D^-0.5 in f32 and cast back be
 are not written by the tpu kernel (meaningless). ``interpret=True`` runs a kernel in Pallas
 interpret mode on any platform (tpu: ``pltpu.force_tpu_interpret_mode``), without a verdict.
 
+Under a mesh context (``jax.set_mesh``) the kernels run in a ``shard_map``: query and K/V
+heads over the "model" axis where it divides both (tensor parallelism: each device holds the
+pool of its own K/V heads), rows and pages replicated (page ids index the whole pool). The TPU
+page table is scalar-prefetched into SMEM, so the decode kernel takes rows in groups of at most
+``TPU_SMEM_TABLE`` bytes of table.
+
 ``ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)`` is the mixed
 prefill + decode form (chunked prefill): a ragged batch of query tokens, sequence i owning
 tokens cu_q_lens[i]:cu_q_lens[i+1], the last q_len of its kv_lens[i] tokens (causal). Its pool
@@ -51,8 +57,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jaxflow.models.attention import dot_product_attention
+from jaxflow.models.attention_backends import HEAD_AXIS
 from pallas_kernels import dispatch
 
 __all__ = ["PAGED_BACKENDS", "RAGGED_BACKENDS", "choose_paged_backend", "combine_kv_pages",
@@ -217,6 +226,46 @@ def gpu_paged_attention(q, k_pages, v_pages, lengths, page_table, *, interpret: 
 _CALLS = {"xla": xla_paged_attention, "tpu": tpu_paged_attention, "gpu": gpu_paged_attention}
 
 
+def _on_mesh(call, head_dims: tuple[int | None, ...], out_dim: int, *, combined: bool = False):
+    """``call`` as a trace under a mesh context runs it: in a ``shard_map`` with heads over
+    ``HEAD_AXIS`` (where it divides the query and K/V heads: each device attends with its own
+    heads, where tensor-parallel projections put them) and everything else replicated (page ids
+    index the whole pool, so rows cannot be split without splitting the pool). head_dims: the
+    head dimension of each argument (None: replicated); out_dim: the output's; combined: the
+    second argument is the combined [P, S, 2*KVH, D] pool (K/V pairs stay together)."""
+    context, mesh = dispatch.partition_context()
+    if context != "mesh":
+        return call
+
+    def sharded(*args):
+        tp = mesh.shape.get(HEAD_AXIS, 1)
+        heads = [a.shape[d] for a, d in zip(args, head_dims) if d is not None]
+        if combined:  # [P, S, 2*KVH, D]: a device must hold whole (K, V) pairs
+            heads.append(args[1].shape[2] // 2)
+        axis = HEAD_AXIS if tp > 1 and all(h % tp == 0 for h in heads) else None
+
+        def spec(ndim, dim):
+            return P(*[axis if i == dim else None for i in range(ndim)])
+
+        specs = tuple(spec(a.ndim, d) for a, d in zip(args, head_dims))
+        out_spec = spec(args[0].ndim, out_dim)
+        explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+        if explicit:  # shard_map wants explicitly sharded inputs laid out as its in_specs
+            args = tuple(jax.reshard(a, sp) for a, sp in zip(args, specs))
+        return jax.shard_map(call, in_specs=specs, out_specs=out_spec, check_vma=False)(*args)
+
+    return sharded
+
+
+DECODE_HEAD_DIMS = (1, 0, 0, None, None)  # q [B, H, D], pools [KVH, ...], lengths, table
+RAGGED_HEAD_DIMS = (1, 2, None, None, None, None)  # q [T, H, D], kv_pages [P, S, 2*KVH, D]
+
+
+def _kernel_call(name: str, interpret: bool):
+    call = functools.partial(_CALLS[name], interpret=interpret)
+    return call if name == "xla" else _on_mesh(call, DECODE_HEAD_DIMS, 1)
+
+
 def choose_paged_backend(q, k_pages, v_pages, lengths, page_table, *, backend: str = "auto"
                          ) -> str:
     """The backend ``paged_attention`` runs for these arguments here: "xla", "tpu" or "gpu".
@@ -232,8 +281,10 @@ def choose_paged_backend(q, k_pages, v_pages, lengths, page_table, *, backend: s
     args = tuple(jax.ShapeDtypeStruct(jnp.shape(a), a.dtype)
                  for a in (q, k_pages, v_pages, lengths, page_table))
     blocked = dispatch.auto_partition_problem(platform) if name == "tpu" else None
+    context, mesh = dispatch.partition_context()
+    options = (context, None if mesh is None else tuple(mesh.shape.items()))
     use = dispatch.choose_kernel(KERNEL_NAMES[name], "auto" if resolved == "auto" else "pallas",
-                                 functools.partial(_CALLS[name], interpret=False), args,
+                                 _kernel_call(name, False), args, options=options,
                                  blocked=blocked)
     return name if use else "xla"
 
@@ -260,11 +311,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
     """
     if interpret and backend in ("tpu", "gpu"):
         _check(q, k_pages, v_pages, lengths, page_table)
-        return _CALLS[backend](q, k_pages, v_pages, lengths, page_table, interpret=True)
+        return _kernel_call(backend, True)(q, k_pages, v_pages, lengths, page_table)
     name = choose_paged_backend(q, k_pages, v_pages, lengths, page_table, backend=backend)
     if name == "xla":
         return xla_paged_attention(q, k_pages, v_pages, lengths, page_table, kv_len=kv_len)
-    return _CALLS[name](q, k_pages, v_pages, lengths, page_table)
+    return _kernel_call(name, False)(q, k_pages, v_pages, lengths, page_table)
 
 
 # -- ragged batches (chunked prefill + decode), the upstream TPU kernel's combined layout -------
@@ -379,7 +430,8 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     _check_ragged(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
     args = (q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
     if interpret and backend == "tpu":
-        return tpu_ragged_paged_attention(*args, interpret=True)
+        return _on_mesh(functools.partial(tpu_ragged_paged_attention, interpret=True),
+                        RAGGED_HEAD_DIMS, 1, combined=True)(*args)
     platform = _platform_name(dispatch.backend_platform())
     resolved = resolve_paged_backend(backend, platform, valid=RAGGED_BACKENDS)
     if resolved == "xla":
@@ -389,8 +441,11 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     too_big = (f"its page table ({table_bytes} bytes) is prefetched into SMEM, at most "
                f"{TPU_SMEM_TABLE}: use larger pages or fewer sequences per call"
                if table_bytes > TPU_SMEM_TABLE else None)
+    kernel = _on_mesh(tpu_ragged_paged_attention, RAGGED_HEAD_DIMS, 1, combined=True)
+    context, mesh = dispatch.partition_context()
+    options = (context, None if mesh is None else tuple(mesh.shape.items()))
     use = dispatch.choose_kernel("tpu_ragged_paged_attention",
-                                 "auto" if resolved == "auto" else "pallas",
-                                 tpu_ragged_paged_attention, shapes,
+                                 "auto" if resolved == "auto" else "pallas", kernel, shapes,
+                                 options=options,
                                  blocked=too_big or dispatch.auto_partition_problem(platform))
-    return tpu_ragged_paged_attention(*args) if use else xla_ragged_paged_attention(*args)
+    return kernel(*args) if use else xla_ragged_paged_attention(*args)

@@ -162,6 +162,43 @@ def test_auto_takes_the_kernel(chip):
             assert KERNEL_CALL[platform] in hlo
 
 
+MESHES = {"v5p": ("v5p:2x2x1", 4), "h100": ("1x1x8", 8)}  # chip: (topology, model axis)
+
+
+@pytest.mark.parametrize("chip", sorted(MESHES))
+def test_auto_under_a_tensor_parallel_mesh(chip):
+    """Under a mesh of abstract chips with heads over "model", ``auto`` takes the kernel in a
+    shard_map: each device holds 1/tp of the pool (XLA's per-device argument bytes say so)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    topology, tp = MESHES[chip]
+    mesh = targets.mesh(chip, (1, tp), ("data", "model"), topology)
+    platform = targets.chip(chip).platform
+    specs = (P(None, "model"), P("model"), P("model"), P(), P())
+    args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, sp))
+                 for a, sp in zip(decode_args(4096, 128, 1), specs))
+    cases = [(pa.paged_attention, args)]
+    if platform == "tpu":
+        rspecs = (P(None, "model"), P(None, None, "model"), P(), P(), P(), P())
+        cases.append((pa.ragged_paged_attention, tuple(
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, sp))
+            for a, sp in zip(ragged_args(4096, 128, 1, BATCH), rspecs))))
+    for fn, a in cases:
+        dispatch.clear_cache()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            r = targets.compile_on(fn, a, chip, mesh=mesh, keep_hlo=True)
+        assert r.ok, f"{fn.__name__} on {chip} x{tp}: {r.error}"
+        assert KERNEL_CALL[platform] in r.hlo_text, fn.__name__
+        pool = 2 * BATCH * 4096 * KVH * D * 2
+        assert pool // tp <= r.argument_bytes < pool // tp + 2**20, (fn.__name__, r.argument_bytes)
+        _RESULTS[("mesh", fn.__name__, chip)] = dict(
+            kernel=fn.__name__, chip=chip, mesh=f"{topology} model={tp}", context=4096,
+            page_size=128, per_device_argument_bytes=r.argument_bytes,
+            per_device_temp_bytes=r.temp_bytes)
+
+
 @functools.cache
 def _weight_bytes() -> int:
     model = nnx.eval_shape(lambda: Transformer(MODEL, rngs=nnx.Rngs(0)))
@@ -208,7 +245,8 @@ def test_report():
         jax=jax.__version__, note=__doc__.split("With ``JAXFLOW")[0].strip(),
         roofline_note="tokens/s per chip = HBM bandwidth / (context * kv_bytes_per_token + "
                       "weight_bytes / batch); kv_only without the weights; at the full context",
-        compiled=compiled, roofline=rows)
+        compiled=compiled, tensor_parallel=[v for k, v in _RESULTS.items() if k[0] == "mesh"],
+        roofline=rows)
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, sort_keys=False) + "\n")
