@@ -141,9 +141,10 @@ def test_decode_step_and_prefill_bit_identical(split_model, prompts):
     _, (token, logprob, _) = jax.jit(dec.decode, static_argnums=6)(
         state, carry, LENGTHS, keys, None, jnp.int32(1), 1)
     _, out = steps.decode(state, pools, np.asarray(carry.token), LENGTHS + 1, table,
-                          np.asarray(jax.random.key_data(keys)), np.ones(b, np.int32))
-    np.testing.assert_array_equal(np.asarray(out.token), np.asarray(token[0]))
-    np.testing.assert_array_equal(np.asarray(out.logprob), np.asarray(logprob[0]))
+                          np.asarray(jax.random.key_data(keys)), np.ones(b, np.int32),
+                          np.full(b, N - 1, np.int32), 1)
+    np.testing.assert_array_equal(np.asarray(out.token[0]), np.asarray(token[0]))
+    np.testing.assert_array_equal(np.asarray(out.logprob[0]), np.asarray(logprob[0]))
 
 
 def test_bad_input_names_the_value(split_model):
@@ -204,15 +205,17 @@ def test_pages_freed_and_reused(split_model):
 
 
 def test_continuous_batching_independent_of_slots_and_order(split_model):
-    """More requests than slots, all served; a request's tokens do not depend on the slot count
-    or the admission order (log-probs within the f32 batch-shape tolerance, see module doc)."""
+    """More requests than slots, all served; a request's tokens do not depend on the slot count,
+    the admission order or the decode steps per call (log-probs within the f32 batch-shape
+    tolerance, see module doc)."""
     sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_id=EOS)
     prompts, caps = _long_tailed(10, seed=1)
     base = _serve(_engine(split_model, sampling, slots=4), prompts, caps, range(10))
-    for slots, order in ((4, range(9, -1, -1)), (1, range(10)), (3, [3, 1, 4, 0, 5, 9, 2, 6, 8, 7])):
-        eng = _engine(split_model, sampling, slots=slots, prefill_rows=2)
+    for slots, order, steps in ((4, range(9, -1, -1), 1), (1, range(10), 1),
+                                (3, [3, 1, 4, 0, 5, 9, 2, 6, 8, 7], 3)):
+        eng = _engine(split_model, sampling, slots=slots, prefill_rows=2, decode_steps=steps)
         outs = _serve(eng, prompts, caps, order)
-        assert eng.stats.decode_calls >= sum(o.lengths[0] for o in outs) / slots
+        assert eng.stats.tokens == sum(o.lengths[0] for o in outs) <= eng.stats.decode_row_steps
         for a, b in zip(base, outs):
             np.testing.assert_array_equal(a.tokens, b.tokens)
             np.testing.assert_array_equal(a.lengths, b.lengths)

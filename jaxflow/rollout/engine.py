@@ -8,9 +8,9 @@ or streaming: ``rid = engine.add_request(prompt, keys)``; ``engine.step()`` unti
 ``engine.idle()``; ``engine.result(rid)``. Each :meth:`RolloutEngine.step` runs prefill chunk
 calls (``prefill_rows`` prompts each) while fewer prefilled sequences wait than slots are free,
 at most ``prefill_calls`` of them (so a long prompt does not stall decoding: chunked prefill),
-and one decode step of every running sequence; between steps the host scheduler
-(:mod:`jaxflow.rollout.scheduler`) retires finished sequences, frees their pages and admits
-waiting requests into the free slots.
+and one decode call (``decode_steps`` steps) of every running sequence; between steps the host
+scheduler (:mod:`jaxflow.rollout.scheduler`) retires finished sequences, frees their pages and
+admits waiting requests into the free slots.
 
 Sequence b of a request draws its token t with ``fold_in(keys[b], t)`` from the arithmetic of the
 static sampler (:func:`jaxflow.models.make_sampler` with ``per_row_keys=True``), so its tokens
@@ -64,6 +64,8 @@ class EngineConfig:
       prefill_chunk: prompt tokens per prefill row per step.
       prefill_rows: prompts prefilled together per prefill call.
       prefill_calls: the most prefill calls per engine step.
+      decode_steps: decode steps per decode call (one host round trip); a sequence that ends
+        inside a call idles for the rest of it, and its slot is refilled after the call.
       max_seq_len: the longest sequence (prompt + new tokens) a row can hold; its page table
         has ceil(max_seq_len / page_size) entries. None: the model's max_seq_len.
       attention: decode attention backend of :func:`jaxflow.rollout.paged_attention.paged_attention`
@@ -79,6 +81,7 @@ class EngineConfig:
     prefill_chunk: int = 32
     prefill_rows: int = 4
     prefill_calls: int = 2
+    decode_steps: int = 1
     max_seq_len: int | None = None
     attention: str = "auto"
     interpret: bool = False
@@ -91,6 +94,7 @@ class EngineConfig:
         _int_at_least("prefill_chunk", self.prefill_chunk, 1)
         _int_at_least("prefill_rows", self.prefill_rows, 1)
         _int_at_least("prefill_calls", self.prefill_calls, 1)
+        _int_at_least("decode_steps", self.decode_steps, 1)
         _int_at_least("top_logprobs", self.top_logprobs, 0)
         if self.max_seq_len is not None:
             _int_at_least("max_seq_len", self.max_seq_len, 2)
@@ -126,7 +130,7 @@ class EngineOutput(RequestOutput):
 @dataclasses.dataclass
 class EngineStats:
     """Counters since construction: decode / prefill calls, row-steps executed by decode calls
-    (slots per call), tokens generated, page copies, peak pages in use."""
+    (slots x decode_steps per call), tokens generated, page copies, peak pages in use."""
 
     decode_calls: int = 0
     prefill_calls: int = 0
@@ -293,7 +297,7 @@ class RolloutEngine:
         return self.scheduler.idle()
 
     def step(self) -> list[int]:
-        """One engine step: admit, one prefill chunk call, fill slots, one decode step of every
+        """One engine step: admit, prefill chunk calls, fill slots, one decode call of every
         running sequence. Returns the ids of the requests that completed."""
         if self._replica is not None:
             self._sync_replica()
@@ -313,18 +317,14 @@ class RolloutEngine:
             self._copy(copies)
         completed: list[Request] = []
         if sched.running():
-            tokens, lengths, table, key_data, t = sched.decode_batch(
-                self.sampling.pad_id, self._key_shape)
-            self.pools, out = self.steps.decode(self._state, self.pools, tokens, lengths, table,
-                                                key_data, t)
+            n_steps = self.config.decode_steps
+            args = sched.decode_batch(self.sampling.pad_id, self._key_shape, n_steps)
+            self.pools, out = self.steps.decode(self._state, self.pools, *args, n_steps)
             out = jax.device_get(out)
-            n_running = len(sched.running())
-            completed = sched.finish_decode(out.token, out.logprob, out.topk_logprobs,
-                                            out.topk_indices, self.version,
-                                            self.sampling.eos_id)
+            completed = sched.finish_decode(out, self.version, self.sampling.eos_id)
             self.stats.decode_calls += 1
-            self.stats.decode_row_steps += len(sched.slots)
-            self.stats.tokens += n_running
+            self.stats.decode_row_steps += len(sched.slots) * n_steps
+            self.stats.tokens += int(out.live.sum())
         self.stats.peak_pages = sched.pages.peak_in_use
         for req in completed:
             self._done[req.rid] = req

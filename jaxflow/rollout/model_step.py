@@ -47,13 +47,15 @@ def empty_pools(*, n_layers: int, n_kv_heads: int, num_pages: int, page_size: in
 
 
 class DecodeOut(NamedTuple):
-    """One decode step's draws per slot: token [B] int32, logprob [B] f32 (of the distribution
-    sampled from), topk_logprobs [B, K] f32 and topk_indices [B, K] int32 (K = 0: empty)."""
+    """Draws per decode step and slot: token [n, B] int32 (pad_id where not live), logprob
+    [n, B] f32 (of the distribution sampled from; 0 where not live), topk_logprobs [n, B, K]
+    f32 and topk_indices [n, B, K] int32 (K = 0: empty), live [n, B] bool (a real token)."""
 
     token: jax.Array
     logprob: jax.Array
     topk_logprobs: jax.Array
     topk_indices: jax.Array
+    live: jax.Array
 
 
 class Steps(NamedTuple):
@@ -61,9 +63,12 @@ class Steps(NamedTuple):
 
     prefill(state, pools, tokens [R, C], start [R], n_valid [R], page_table [R, W]) -> pools
         writes the keys/values of ``tokens[r, :n_valid[r]]`` at positions ``start[r] + i``.
-    decode(state, pools, tokens [B], lengths [B], page_table [B, W], key_data [B, ...], t [B])
-        -> (pools, DecodeOut): feeds ``tokens[b]`` at position ``lengths[b] - 1`` and draws token
-        ``t[b]`` of row b with ``fold_in(key_b, t[b])``. Empty slots: length 1, null pages.
+    decode(state, pools, tokens [B], lengths [B], page_table [B, W], key_data [B, ...], t [B],
+           remaining [B], n_steps) -> (pools, DecodeOut [n_steps, B, ...]): up to ``n_steps``
+        (static) decode steps; row b feeds ``tokens[b]`` at position ``lengths[b] - 1``, draws
+        its token ``t[b]`` with ``fold_in(key_b, t[b])`` and feeds it back, while it has
+        ``remaining`` tokens to draw and has not drawn eos_id. Rows with remaining 0 (empty
+        slots) write the null page only. The page table must cover every position written.
     copy_pages(pools, src [B], dst [B]) -> pools   page dst[i] := page src[i] in every layer.
     """
 
@@ -123,10 +128,9 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
             new_v.append(vp)
         return Pools(tuple(new_k), tuple(new_v))
 
-    def decode(state, pools: Pools, tokens, lengths, page_table, key_data, t):
-        model: Transformer = nnx.merge(graphdef, state)
+    def one_step(model: Transformer, pools: Pools, tokens, lengths, page_table, keys, t, live):
         positions = (lengths - 1)[:, None]
-        dest = _slots(page_table, positions, jnp.ones_like(positions, bool), page_size)
+        dest = _slots(page_table, positions, live[:, None], page_size)
         x = model._embed(tokens[:, None])
         new_k, new_v = [], []
         for block, kp, vp in zip(model.layers, pools.k, pools.v):
@@ -139,7 +143,6 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
             new_k.append(kp)
             new_v.append(vp)
         logits = model._logits(model.final_norm(x))[:, 0]
-        keys = jax.random.wrap_key_data(key_data)
         step_keys = jax.vmap(jax.random.fold_in)(keys, t)
         token, logprob = _draw(logits, step_keys, sampling, logit_noise_std, True, logits_hook,
                                None, t, None)
@@ -148,13 +151,35 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
         else:
             top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
             top_idx = jnp.zeros((logits.shape[0], 0), jnp.int32)
-        return Pools(tuple(new_k), tuple(new_v)), DecodeOut(token, logprob, top_lp,
-                                                            top_idx.astype(jnp.int32))
+        out = DecodeOut(jnp.where(live, token, sampling.pad_id), jnp.where(live, logprob, 0.0),
+                        top_lp, top_idx.astype(jnp.int32), live)
+        return Pools(tuple(new_k), tuple(new_v)), out
+
+    def decode(state, pools: Pools, tokens, lengths, page_table, key_data, t, remaining,
+               n_steps: int):
+        model: Transformer = nnx.merge(graphdef, state)
+        keys = jax.random.wrap_key_data(key_data)
+
+        def body(carry, _):
+            pools, tokens, lengths, t, remaining, live = carry
+            pools, out = one_step(model, pools, tokens, lengths, page_table, keys, t, live)
+            remaining = remaining - 1
+            still = live & (remaining > 0)
+            if sampling.eos_id is not None:
+                still = still & (out.token != sampling.eos_id)
+            carry = (pools, jnp.where(still, out.token, tokens), lengths + still, t + still,
+                     remaining, still)
+            return carry, out
+
+        carry = (pools, tokens, lengths, t, remaining, remaining > 0)
+        carry, outs = jax.lax.scan(body, carry, None, length=n_steps)
+        return carry[0], outs
 
     def copy_pages(pools: Pools, src, dst):
         def one(pool):
             return pool.at[:, dst].set(pool[:, src])
         return Pools(tuple(map(one, pools.k)), tuple(map(one, pools.v)))
 
-    return Steps(jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1),
+    return Steps(jax.jit(prefill, donate_argnums=1),
+                 jax.jit(decode, donate_argnums=1, static_argnums=8),
                  jax.jit(copy_pages, donate_argnums=0))

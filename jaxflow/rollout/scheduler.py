@@ -209,42 +209,46 @@ class Scheduler:
         """Sequences in slots."""
         return [s for s in self.slots if s is not None]
 
-    def decode_batch(self, pad_id: int, key_shape: tuple[int, ...]):
-        """The next decode call's inputs for every slot (allocating each row's next page):
-        tokens [B], lengths [B], page_table [B, W], key_data [B, ...], t [B]."""
+    def decode_batch(self, pad_id: int, key_shape: tuple[int, ...], n_steps: int):
+        """The next decode call's inputs for every slot, allocating the pages its ``n_steps``
+        steps may write: tokens [B], lengths [B], page_table [B, W], key_data [B, ...], t [B],
+        remaining [B] (0 for empty slots)."""
         b = len(self.slots)
         tokens = np.full((b,), pad_id, np.int32)
         lengths = np.ones((b,), np.int32)
         table = np.full((b, self.width), NULL_PAGE, np.int32)
         key_data = np.zeros((b,) + key_shape, np.uint32)
         t = np.zeros((b,), np.int32)
+        remaining = np.zeros((b,), np.int32)
         for i, seq in enumerate(self.slots):
             if seq is None:
                 continue
-            if (seq.length - 1) // self.page_size == len(seq.pages):
+            left = seq.request.max_new_tokens - len(seq.tokens)
+            last = seq.length - 1 + min(n_steps, left) - 1  # the last position this call writes
+            while last // self.page_size >= len(seq.pages):
                 seq.pages.append(self.pages.alloc())
                 seq.budget -= 1
-            tokens[i], lengths[i], t[i] = seq.next_token, seq.length, len(seq.tokens)
+            tokens[i], lengths[i], t[i], remaining[i] = seq.next_token, seq.length, len(seq.tokens), left
             table[i] = page_table_row(seq.pages, self.width)
             key_data[i] = seq.key_data
-        return tokens, lengths, table, key_data, t
+        return tokens, lengths, table, key_data, t, remaining
 
-    def finish_decode(self, token, logprob, topk_lp, topk_idx, version: int,
-                      eos_id: int | None) -> list[Request]:
-        """Records one step's draws (host arrays [B], [B, K]); retires finished sequences.
-        Returns the requests completed by this step."""
+    def finish_decode(self, out, version: int, eos_id: int | None) -> list[Request]:
+        """Records a decode call's draws (host DecodeOut, fields [n, B, ...]); retires finished
+        sequences. Returns the requests completed by this call."""
         completed = []
+        counts = out.live.sum(axis=0)
         for i, seq in enumerate(self.slots):
             if seq is None:
                 continue
-            tok = int(token[i])
-            seq.tokens.append(tok)
-            seq.logprobs.append(float(logprob[i]))
-            seq.versions.append(version)
-            seq.topk_logprobs.append(topk_lp[i])
-            seq.topk_indices.append(topk_idx[i])
+            c = int(counts[i])
+            seq.tokens.extend(out.token[:c, i].tolist())
+            seq.logprobs.extend(out.logprob[:c, i].tolist())
+            seq.versions.extend([version] * c)
+            seq.topk_logprobs.extend(out.topk_logprobs[:c, i])
+            seq.topk_indices.extend(out.topk_indices[:c, i])
             req = seq.request
-            if tok == eos_id or len(seq.tokens) == req.max_new_tokens:
+            if seq.tokens[-1] == eos_id or len(seq.tokens) == req.max_new_tokens:
                 seq.done = True
                 self.slots[i] = None
                 self.pages.release(seq.pages)
@@ -254,7 +258,7 @@ class Scheduler:
                 if req.finished == len(req.sequences):
                     completed.append(req)
             else:
-                seq.next_token, seq.length = tok, seq.length + 1
+                seq.next_token, seq.length = seq.tokens[-1], len(req.prompt) + len(seq.tokens)
         return completed
 
     def idle(self) -> bool:
