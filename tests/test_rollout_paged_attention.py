@@ -127,6 +127,16 @@ def test_decode_kernels_match_xla_bf16_interpret(backend):
                                rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("backend", ["xla", "tpu", "gpu"])
+def test_free_slots_of_length_0_give_zeros(backend):
+    q, pk, pv, lengths, table, *_ = _problem(jnp.float32)
+    lengths = lengths.at[1].set(0)
+    got = np.asarray(paged_attention(q, pk, pv, lengths, table, backend=backend,
+                                     interpret=backend != "xla"))
+    np.testing.assert_array_equal(got[1], 0.0)
+    assert np.isfinite(got).all() and np.abs(got[[0, 2, 3]]).max() > 0
+
+
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_kernels_under_a_mesh_split_heads_over_model(backend):
     """Under ``jax.set_mesh`` the kernel runs per device on its own heads (model axis of 2)."""

@@ -28,8 +28,10 @@ The pool layout is the one the upstream decode kernels take. Backends (``PAGED_B
         shapes (``pallas_kernels.dispatch.choose_kernel``; else one warning, then xla).
 
 Both kernels take unscaled logits: q is scaled by D^-0.5 in f32 and cast back before the call
-(as ``attention_backends.splash_attention`` does). Rows of length 0 give zeros in xla and gpu and
-are not written by the tpu kernel (meaningless). ``interpret=True`` runs a kernel in Pallas
+(as ``attention_backends.splash_attention`` does). Rows of length 0 (free slots) give zeros in every
+backend (the tpu kernel skips them; its wrapper sets them to zero). The TPU decode kernel rounds K and
+V to bf16 after loading them (upstream's ``_maybe_dequantize``): with f32 pools its results are
+those of bf16 K/V. ``interpret=True`` runs a kernel in Pallas
 interpret mode on any platform (tpu: ``pltpu.force_tpu_interpret_mode``), without a verdict.
 
 Under a mesh context (``jax.set_mesh``) the kernels run in a ``shard_map``: query and K/V
@@ -198,7 +200,10 @@ def tpu_paged_attention(q, k_pages, v_pages, lengths, page_table, *, interpret: 
         for r in range(0, b, rows):
             outs.append(kernel(q[r:r + rows], k_pages, v_pages, lengths[r:r + rows],
                                table[r:r + rows], pages_per_compute_block=block))
-    return jnp.concatenate(outs).astype(q.dtype) if len(outs) > 1 else outs[0].astype(q.dtype)
+    out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+    # the kernel skips the K/V of rows of length 0 (free slots): their output is set to xla's
+    # zeros here rather than taken from a row the kernel did not compute
+    return jnp.where(lengths[:, None, None] > 0, out, 0).astype(q.dtype)
 
 
 def _gpu_blocks(pages_per_seq: int, page_size: int) -> tuple[int, int]:
