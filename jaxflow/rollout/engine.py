@@ -215,6 +215,14 @@ class RolloutEngine:
         self._replica = None
         self._key_shape: tuple[int, ...] | None = None
 
+    @property
+    def page_bytes(self) -> int:
+        """KV bytes of one page over all layers (keys and values): peak KV bytes of a run are
+        ``stats.peak_pages * page_bytes``; the pool's ``config.num_pages * page_bytes``."""
+        c = self.model_config
+        return (2 * c.n_layers * c.n_kv_heads * self.config.page_size * c.head_dim
+                * np.dtype(c.compute_dtype).itemsize)
+
     # -- weights ---------------------------------------------------------------------------
 
     def _as_state(self, params) -> nnx.State:
