@@ -28,11 +28,11 @@ The pool layout is the one the upstream decode kernels take. Backends (``PAGED_B
         shapes (``pallas_kernels.dispatch.choose_kernel``; else one warning, then xla).
 
 Both kernels take unscaled logits: q is scaled by D^-0.5 in f32 and cast back before the call
-(as ``attention_backends.splash_attention`` does). Rows of length 0 (free slots) give zeros in every
-backend (the tpu kernel skips them; its wrapper sets them to zero). The TPU decode kernel rounds K and
-V to bf16 after loading them (upstream's ``_maybe_dequantize``): with f32 pools its results are
-those of bf16 K/V. ``interpret=True`` runs a kernel in Pallas
-interpret mode on any platform (tpu: ``pltpu.force_tpu_interpret_mode``), without a verdict.
+(as ``attention_backends.splash_attention`` does). Rows of length 0 (free slots) give zeros in
+every backend (the tpu kernel skips them; its wrapper sets them to zero). The TPU decode kernel
+rounds K and V to bf16 after loading them (upstream's ``_maybe_dequantize``): with f32 pools its
+results are those of bf16 K/V. ``interpret=True`` runs a kernel in Pallas interpret mode on any
+platform (tpu: ``pltpu.force_tpu_interpret_mode``), without a verdict.
 
 Under a mesh context (``jax.set_mesh``) the kernels run in a ``shard_map``: query and K/V
 heads over the "model" axis where it divides both (tensor parallelism: each device holds the
@@ -67,9 +67,9 @@ from jaxflow.models.attention_backends import HEAD_AXIS
 from pallas_kernels import dispatch
 
 __all__ = ["PAGED_BACKENDS", "RAGGED_BACKENDS", "choose_paged_backend", "combine_kv_pages",
-           "gather_pages", "paged_attention", "ragged_paged_attention",
-           "resolve_paged_backend", "split_kv_pages", "xla_paged_attention",
-           "xla_ragged_paged_attention"]
+           "gather_pages", "gpu_paged_attention", "paged_attention", "ragged_paged_attention",
+           "resolve_paged_backend", "split_kv_pages", "tpu_paged_attention",
+           "tpu_ragged_paged_attention", "xla_paged_attention", "xla_ragged_paged_attention"]
 
 PAGED_BACKENDS = ("auto", "xla", "tpu", "gpu")
 RAGGED_BACKENDS = ("auto", "xla", "tpu")
