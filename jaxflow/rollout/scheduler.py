@@ -92,8 +92,16 @@ class Scheduler:
     # -- admission -------------------------------------------------------------------------
 
     def admission_pages(self, request: Request) -> int:
-        """Pages reserved when ``request`` is admitted: its prefix and one sequence's."""
-        return pages_for(request.prefix_len, self.page_size) + request.sequence_pages(self.page_size)
+        """Pages reserved when ``request`` is admitted: its prefix and its first sequence's."""
+        return (pages_for(request.prefix_len, self.page_size)
+                + self._sequence_need(request, len(request.sequences)))
+
+    def _sequence_need(self, request: Request, unassigned: int) -> int:
+        """Pages the next sequence of ``request`` to take a slot will allocate: all but the
+        shared full prefix pages, less the partial prefix page if it is the last sharer (it
+        takes that page over instead of copying it)."""
+        takeover = unassigned == 1 and request.prefix_len % self.page_size != 0
+        return request.sequence_pages(self.page_size) - takeover
 
     def add(self, request: Request) -> None:
         """Queues a request (validated by the engine)."""
@@ -158,8 +166,8 @@ class Scheduler:
             if not free:
                 return
             req = seq.request
-            need = req.sequence_pages(self.page_size)
-            if req.held:
+            need = self._sequence_need(req, req.unassigned)
+            if req.held:  # the first sequence of the request: reserved at admission
                 seq.budget, req.held = req.held, 0
             elif need <= self.pages.available:
                 self.pages.reserve(need)
@@ -182,8 +190,6 @@ class Scheduler:
             partial = req.prefix_pages[full]
             if req.unassigned == 0:      # the last sharer takes the page itself
                 seq.pages.append(partial)
-                seq.budget -= 1
-                self.pages.unreserve(1)
             else:                        # copy-on-write: a private copy to append to
                 copy = self.pages.alloc()
                 seq.budget -= 1
@@ -242,6 +248,8 @@ class Scheduler:
             if seq is None:
                 continue
             c = int(counts[i])
+            if c == 0:  # (a running row always draws; kept for callers feeding partial outputs)
+                continue
             seq.tokens.extend(out.token[:c, i].tolist())
             seq.logprobs.extend(out.logprob[:c, i].tolist())
             seq.versions.extend([version] * c)
