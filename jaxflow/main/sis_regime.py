@@ -258,7 +258,7 @@ def _run_cells(cells, config, run, done, state, *, meshes, warm_params, initial)
 
 
 def main(config, run: RunContext) -> dict:
-    from jaxflow.main.sis_regime_plot import plot_regime_map
+    from jaxflow.main._sis_regime_plot import plot_regime_map
 
     meshes, roles = trainer_rollout_meshes(RolesConfig(colocate=True))
     fns = lm_functions(config.pretrain.model, meshes["trainer"])
