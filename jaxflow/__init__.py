@@ -14,6 +14,7 @@ Subpackages (one idea each):
   jaxflow.nestpipe      NestPipe staleness-free embedding pipelines and their scaling simulator
   jaxflow.prune         SparseGPT, Wanda and magnitude pruning, sequential LM pruning, calibration
   jaxflow.recsys        DLRM and DCN-v2, Criteo / MovieLens readers, AUC and log loss
+  jaxflow.rollout       the RL rollout engine: paged KV cache, continuous batching, shared prefixes
   jaxflow.rl            policy losses (GRPO/DAPO/GSPO/CISPO/SA-GCPO with SIS/TIS/MIS/RS), GRPO trainer
   jaxflow.sync          SparseRL-Sync lossless sparse bf16 weight-delta codecs and transports
   jaxflow.train         sharded train state, the one training loop, LM pretraining
@@ -47,7 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "align", "compile_only", "data", "decorate", "embeddings", "flow", "genrec", "main", "marl",
-    "models", "nestpipe", "prune", "recsys", "rl", "sync", "train",
+    "models", "nestpipe", "prune", "recsys", "rl", "rollout", "sync", "train",
     "cache", "checkpoint", "config", "contract", "distributed", "errors", "experiment", "host_jit",
     "mesh", "metric_writers", "plots", "provenance", "run", "run_dirs", "run_meshes", "signals",
     "stats", "supervise", "timing",
