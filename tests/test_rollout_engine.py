@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from jaxflow.models import PRESETS, SamplingConfig, Transformer, make_sampler
-from jaxflow.models.sampler import make_decoder
+from jaxflow.models.sampler import LogitsHook, make_decoder
 from jaxflow.rollout import EngineConfig, RolloutConfigError, RolloutEngine
 from jaxflow.rollout.model_step import Pools, empty_pools, make_steps
 from jaxflow.rollout.paged_attention import gather_pages
@@ -76,6 +76,27 @@ def test_matches_static_sampler(split_model, prompts, sampling):
     _assert_same(out, ref)
     if sampling.eos_id is not None:  # the case is exercised: some rows end early
         assert (out.lengths < N).sum() >= 2, out.lengths
+
+
+def test_stateless_logits_hook_matches_static_sampler(split_model, prompts):
+    """A stateless LogitsHook (here: token 1 banned, logits shifted by the step index) is applied
+    per row with the row's own step, as the static sampler applies it per step."""
+    graphdef, state = split_model
+    hook = LogitsHook(apply=lambda logits, _, step, __: logits.at[:, 1].set(-jnp.inf)
+                      + 0.01 * jnp.reshape(step, (-1, 1)))
+    sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_id=EOS)
+    keys = _keys(len(LENGTHS), seed=9)
+    ref = make_sampler(graphdef, sampling, per_row_keys=True, logits_hook=hook)(
+        state, prompts, LENGTHS, keys)
+    eng = RolloutEngine(graphdef, state, EngineConfig(slots=3, page_size=8, num_pages=40,
+                                                      prefill_chunk=5, max_seq_len=P + N),
+                        sampling, logits_hook=hook)
+    out = eng.generate(prompts, LENGTHS, keys)
+    _assert_same(out, ref)
+    assert not (out.tokens[out.mask > 0] == 1).any()
+    with pytest.raises(RolloutConfigError, match="stateless hooks only"):
+        RolloutEngine(graphdef, state, EngineConfig(), sampling,
+                      logits_hook=LogitsHook(apply=hook.apply, update=lambda s, t, a: s))
 
 
 def test_shared_prefix_groups_match_static_sampler(split_model, prompts):

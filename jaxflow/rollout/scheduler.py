@@ -132,7 +132,8 @@ class Scheduler:
 
     def prefill_batch(self):
         """The next prefill call's inputs, or None: (requests, tokens [R, C] int32, start [R],
-        n_valid [R], page_table [R, W]); one chunk of each of the first R prefilling requests."""
+        n_valid [R], page_table [R, W] (W = :meth:`table_width` of the longest prefix)); one
+        chunk of each of the first R prefilling requests."""
         if not self.prefilling:
             return None
         r, c = self.prefill_rows, self.prefill_chunk
@@ -141,11 +142,12 @@ class Scheduler:
         n_valid = np.zeros((r,), np.int32)
         table = np.full((r, self.width), NULL_PAGE, np.int32)
         batch = list(self.prefilling)[:r]
+        table = table[:, :self.table_width(max(len(req.prefix_pages) for req in batch))]
         for i, req in enumerate(batch):
             n = min(c, req.prefix_len - req.prefilled)
             tokens[i, :n] = req.prompt[req.prefilled:req.prefilled + n]
             start[i], n_valid[i] = req.prefilled, n
-            table[i] = page_table_row(req.prefix_pages, self.width)
+            table[i] = page_table_row(req.prefix_pages, table.shape[1])
         return batch, tokens, start, n_valid, table
 
     def finish_prefill(self, batch) -> None:
@@ -207,6 +209,12 @@ class Scheduler:
 
     # -- decode ----------------------------------------------------------------------------
 
+    def table_width(self, pages: int) -> int:
+        """Page-table width of a call whose longest row holds ``pages`` pages: the next power of
+        two, at most ``pages_per_seq``. Attention then reads the pages the rows hold rather than
+        a whole maximal sequence, at a few compiled shapes (log2(pages_per_seq) + 1)."""
+        return min(self.width, 1 << max(0, pages - 1).bit_length())
+
     def free_slots(self) -> int:
         """Slots without a sequence."""
         return sum(s is None for s in self.slots)
@@ -217,12 +225,11 @@ class Scheduler:
 
     def decode_batch(self, pad_id: int, key_shape: tuple[int, ...], n_steps: int):
         """The next decode call's inputs for every slot, allocating the pages its ``n_steps``
-        steps may write: tokens [B], lengths [B], page_table [B, W], key_data [B, ...], t [B],
-        remaining [B] (0 for empty slots)."""
+        steps may write: tokens [B], lengths [B], page_table [B, W] (W = :meth:`table_width`
+        of the longest row), key_data [B, ...], t [B], remaining [B] (0 for empty slots)."""
         b = len(self.slots)
         tokens = np.full((b,), pad_id, np.int32)
         lengths = np.ones((b,), np.int32)
-        table = np.full((b, self.width), NULL_PAGE, np.int32)
         key_data = np.zeros((b,) + key_shape, np.uint32)
         t = np.zeros((b,), np.int32)
         remaining = np.zeros((b,), np.int32)
@@ -234,9 +241,15 @@ class Scheduler:
             while last // self.page_size >= len(seq.pages):
                 seq.pages.append(self.pages.alloc())
                 seq.budget -= 1
-            tokens[i], lengths[i], t[i], remaining[i] = seq.next_token, seq.length, len(seq.tokens), left
-            table[i] = page_table_row(seq.pages, self.width)
+            tokens[i], lengths[i], t[i] = seq.next_token, seq.length, len(seq.tokens)
+            remaining[i] = left
             key_data[i] = seq.key_data
+        width = self.table_width(max((len(s.pages) for s in self.slots if s is not None),
+                                     default=1))
+        table = np.full((b, width), NULL_PAGE, np.int32)
+        for i, seq in enumerate(self.slots):
+            if seq is not None:
+                table[i] = page_table_row(seq.pages, width)
         return tokens, lengths, table, key_data, t, remaining
 
     def finish_decode(self, out, version: int, eos_id: int | None) -> list[Request]:
