@@ -63,16 +63,20 @@ class RegimeGrid:
     lr_scales: tuple[float, ...] = (3.0, 10.0)
     lr_lags: tuple[int, ...] = (1, 8)
     stalenesses: tuple[int, ...] = (1, 2, 4, 8)
-    mismatches: tuple[str, ...] = ("bf16", "bf16+noise0.5", "bf16+noise1", "bf16+noise2")
+    mismatches: tuple[str, ...] = ("bf16", "bf16+noise0.5", "bf16+noise1", "bf16+noise2",
+                                   "bf16+noise4")
     seeds: int = 4
     threshold: float = 0.10
     compare_algos: tuple[str, ...] = ("grpo", "dapo")
     compare_corrections: tuple[str, ...] = ("none", "sis", "tis", "mis", "rs", "sis+tis")
     compare_seeds: int = 8
-    #: phase-2 settings: 0 / "auto" = chosen from the regime map; "off" / -1 = not compared
+    #: phase-2 settings: 0 / "auto" = chosen from the regime map; "off" / -1 = not compared.
+    #: The policy-lag comparison (none vs sis) is off by default: sis_study measured it at
+    #: N = 8 and 16 with 16 paired seeds; ``--set grid.compare_lag=0`` adds it at the lag
+    #: chosen from the map.
     compare_staleness: int = 0
     compare_mismatch: str = "auto"
-    compare_lag: int = 0
+    compare_lag: int = -1
     #: updates per rollout in the staleness / mismatch comparisons: SIS corrects pi_theta
     #: against pi_old, so at N = 1 it is an exact identity whatever the staleness or mismatch
     compare_inner_lag: int = 4
@@ -130,6 +134,10 @@ class Config:
     sync: SyncConfig | None = None  # the dense f32 publish, as sis_study
     model: HFSource = HFSource()  # (sis_offpolicy's cell runner reads model.hf_path)
     task_name: str = "worked addition, 3 digits (25-29 token answers)"
+    #: run directories of the same experiment whose finished cells (cells.jsonl) count as done
+    #: here (cells are deterministic: the same label is the same run), so processes can split
+    #: a study and one run can assemble it
+    reuse: tuple[str, ...] = ()
 
     def __post_init__(self):
         size = self.rl.prompts_per_rollout * self.rl.group_size

@@ -10,6 +10,8 @@ table, comparison table, overheads), ``summary.json`` and ``plots/sis_regime_map
 
 from __future__ import annotations
 
+import json
+import pathlib
 import shutil
 
 import numpy as np
@@ -257,6 +259,21 @@ def _run_cells(cells, config, run, done, state, *, meshes, warm_params, initial)
     return out
 
 
+def _reused(config, run: RunContext) -> dict[str, dict]:
+    """Finished cells of the run directories in ``config.reuse`` (by label)."""
+    out: dict[str, dict] = {}
+    for d in config.reuse:
+        path = pathlib.Path(d) / "cells.jsonl"
+        if not path.exists():
+            raise FileNotFoundError(f"reuse={d!r}: {path} does not exist; valid: run directories "
+                                    "of sis_regime holding cells.jsonl")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out.update({r["label"]: r for r in rows})
+    if out:
+        run.info(f"reusing {len(out)} finished cells from {', '.join(config.reuse)}")
+    return out
+
+
 def main(config, run: RunContext) -> dict:
     from jaxflow.main._sis_regime_plot import plot_regime_map
 
@@ -264,7 +281,11 @@ def main(config, run: RunContext) -> dict:
     fns = lm_functions(config.pretrain.model, meshes["trainer"])
     warm_params, pre_summary = load_pretrained_params(config.pretrain, config.cache_root, fns,
                                                       log=run.info)
-    done = grid_runner._load_done(run)
+    own = grid_runner._load_done(run)
+    reused = {k: v for k, v in _reused(config, run).items() if k not in own}
+    for record in reused.values():  # the run directory holds every record it reports
+        grid_runner._append_done(run, record)
+    done = reused | own
     first = phase1_cells(config)
     grid = config.grid
     estimate = len(first) + 2 * len(grid.compare_algos) * len(grid.compare_corrections) * (
