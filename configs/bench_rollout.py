@@ -1,0 +1,107 @@
+"""bench_rollout: the paged rollout engine vs the static sampler and the MARL engine's compacting
+decode: useful tokens/s and peak KV bytes at equal slots and KV budget.
+
+    python -m jaxflow.run --exp=bench_rollout --variant=quick     # ~2-3 min on 2 cores
+    python -m jaxflow.run --exp=bench_rollout --variant=default   # flagship + ~100M shape
+    python -m jaxflow.run --exp=bench_rollout --set large=none    # the flagship only
+
+Cases (``requests`` sequences each): ``equal`` (every answer ``max_new`` tokens), ``long_tail``
+(lognormal output lengths, median ``tail_median_frac * max_new``, log-std ``tail_sigma``, the
+mass above the cap at the cap), ``grpo`` (``requests / group_size`` prompts x G samples, the
+long-tailed lengths; the engine prefills each prompt once, the baselines every copy). Prompt
+lengths uniform in [P / 2, P]. Lengths are forced by a logits hook that gives EOS its hazard
+at every step, identically in every arm (random-init weights; see
+``jaxflow/main/_bench_rollout_arms.py``). Useful tokens: up to and including EOS. Every arm is
+run once untimed on the exact workload first (compiles every shape it hits); then ``pairs``
+alternated rounds (engine, static, marl; reversed every other round).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxflow.config import Variants, require_positive
+from jaxflow.models.transformer import TransformerConfig
+
+DESCRIPTION = ("paged rollout engine vs static sampler / MARL compacting decode: useful tokens/s, "
+               "peak KV bytes (equal / long-tailed / GRPO lengths)")
+ENTRY = "jaxflow.main.bench_rollout:main"
+
+#: The flagship's model (configs/flagship.py WARM_START.model), random init.
+FLAGSHIP = TransformerConfig(vocab_size=23, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
+                             d_ff=128, max_seq_len=80)
+#: A ~100M-parameter shape: d 768, 12 layers, 12 heads, SwiGLU 2048, vocab 8192 (98.6M).
+LARGE = TransformerConfig(vocab_size=8192, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
+                          d_ff=2048, max_seq_len=128)
+#: The quick variant's stand-in for LARGE: d 256, 4 layers (~3.6M).
+MEDIUM = TransformerConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4,
+                           d_ff=768, max_seq_len=128)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCase:
+    """One model and its shapes: prompts of P = ``prompt_len`` tokens at most, answers of N =
+    ``max_new`` at most, ``slots`` rows, ``page_size`` tokens per KV page, ``pairs`` rounds."""
+
+    name: str = "flagship"
+    model: TransformerConfig = FLAGSHIP
+    prompt_len: int = 16
+    max_new: int = 64
+    slots: int = 32
+    page_size: int = 8
+    pairs: int = 10
+
+    def __post_init__(self):
+        require_positive(self, "prompt_len", "max_new", "slots", "page_size", "pairs")
+        if self.prompt_len + self.max_new > self.model.max_seq_len:
+            raise ValueError(f"{self.name}: prompt_len {self.prompt_len} + max_new {self.max_new} "
+                             f"exceeds model.max_seq_len={self.model.max_seq_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    devices: int | None = 1
+    requests: int = 256  # sequences per case
+    group_size: int = 8  # G of the grpo case
+    cases: tuple[str, ...] = ("equal", "long_tail", "grpo")
+    flagship: ModelCase = ModelCase()
+    large: ModelCase | None = ModelCase(name="large_100m", model=LARGE, prompt_len=16,
+                                        max_new=32, slots=32, page_size=16, pairs=10)
+    tail_median_frac: float = 0.125  # long-tailed lengths: lognormal median / cap
+    tail_sigma: float = 1.0  # ... and its log-std
+    temperature: float = 1.0
+    prefill_rows: int = 8  # engine: prompts per prefill call
+    prefill_calls: int = 2  # engine: prefill calls per step at most
+    decode_steps: int = 4  # engine: decode steps per call
+    marl_chunk: int = 4  # MARL engine: decode steps between compactions
+
+    def __post_init__(self):
+        require_positive(self, "requests", "group_size", "prefill_rows", "prefill_calls",
+                         "decode_steps", "marl_chunk")
+        bad = set(self.cases) - {"equal", "long_tail", "grpo"}
+        if bad or not self.cases:
+            raise ValueError(f"cases={self.cases}: valid: equal, long_tail, grpo (at least one)")
+        if "grpo" in self.cases and self.requests % self.group_size:
+            raise ValueError(f"requests={self.requests} must be a multiple of "
+                             f"group_size={self.group_size}")
+        if not 0 < self.tail_median_frac <= 1 or self.tail_sigma <= 0:
+            raise ValueError(f"tail_median_frac={self.tail_median_frac} must be in (0, 1] and "
+                             f"tail_sigma={self.tail_sigma} > 0")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature}: must be > 0 (the hook forces "
+                             "lengths through the sampled distribution)")
+
+    def models(self) -> tuple[ModelCase, ...]:
+        """The model cases to run."""
+        return (self.flagship,) if self.large is None else (self.flagship, self.large)
+
+
+def _quick() -> Config:
+    return Config(requests=128, flagship=ModelCase(pairs=5),
+                  large=ModelCase(name="medium_standin", model=MEDIUM, prompt_len=16, max_new=32,
+                                  slots=32, page_size=16, pairs=3))
+
+
+get_config = Variants(quick=_quick, default=Config)
+VARIANTS = get_config.variants
