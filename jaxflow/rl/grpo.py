@@ -95,7 +95,7 @@ from jaxflow.train.state import TrainState
 
 __all__ = ["GRPOTrainer", "GRPOConfig", "MiniBatch", "OldStats", "compiled_functions",
            "grpo_loss", "make_rl_optimizer", "old_stats", "response_hidden", "rollout_row",
-           "summarize", "update_step", "KL_ESTIMATORS"]
+           "summarize", "update_step", "version_metrics", "KL_ESTIMATORS"]
 
 
 class GRPOTrainer:
@@ -236,11 +236,21 @@ class GRPOTrainer:
         return self.sampler_params(self.publisher.rollout_params(
             state["published"], state["published_version"], state["published_origin"]))
 
+    def _replica_to_follow(self) -> Any:
+        """The in-process SparseRL-Sync replica the engine samples from in place (sampler
+        "engine" with weight sync, in one job, without LoRA's rollout-side merge); else None."""
+        if (self.config.sampler != "engine" or self.sampler is not self.worker
+                or self._merge_rollout is not None or self.weight_sync is None):
+            return None
+        return self.weight_sync.replicas[0]
+
     def _generation_batch(self, params: Any, rollout: int, gen_batch: int,
-                          sample_key: jax.Array) -> tuple[RolloutBatch, np.ndarray]:
+                          sample_key: jax.Array, version: int
+                          ) -> tuple[RolloutBatch, np.ndarray]:
         """One generation batch, rewards shaped; returns it and the task scores [B]."""
         key = sample_key if gen_batch == 0 else jax.random.fold_in(sample_key, gen_batch)
-        batch = self.sampler.generate(params, self.rollout_prompts(rollout, gen_batch), key)
+        batch = self.sampler.generate(params, self.rollout_prompts(rollout, gen_batch), key,
+                                      version=version, replica=self._replica_to_follow())
         scores = batch.rewards
         buffer = self.config.overlong_buffer
         if buffer is not None:
@@ -257,14 +267,15 @@ class GRPOTrainer:
         rollout = int(state["rollout"])
         sample_key, _ = self._keys(state, rollout)
         params = self.rollout_params(state)
+        version = int(np.asarray(state["published_version"])[0])
         cfg = self.config
         if not cfg.filter_groups:
-            batch, scores = self._generation_batch(params, rollout, 0, sample_key)
+            batch, scores = self._generation_batch(params, rollout, 0, sample_key, version)
             return batch, {"score_mean": float(np.mean(scores))}
         scores_of = {}
 
         def generate(i):
-            batch, scores = self._generation_batch(params, rollout, i, sample_key)
+            batch, scores = self._generation_batch(params, rollout, i, sample_key, version)
             scores_of[i] = scores
             return batch, scores if cfg.filter_groups_metric == "acc" else batch.rewards
 
@@ -341,6 +352,7 @@ class GRPOTrainer:
         batch, generation = self.generate_with_stats(state)
         state, history, sent = self.train_on_rollout(state, batch)
         metrics = summarize(history, batch, sampler_version, trainer_version)
+        metrics.update(version_metrics(batch))
         if self.config.filter_groups or self.config.overlong_buffer is not None:
             metrics.update(generation)
         if self.sync_config is not None:  # did this step sync, and what did it send
@@ -359,6 +371,15 @@ class GRPOTrainer:
             params = lora.merge(params, self.model_cfg.lora)
         params = publish_weights(params, self.worker.param_shardings)
         return self.worker.heldout_accuracy(params, n, samples=samples)
+
+
+def version_metrics(batch: RolloutBatch) -> dict[str, int]:
+    """``sampler_version_min`` / ``_max``: the oldest and newest weights version that sampled a
+    response token of ``batch`` (its per-token ``versions`` over the mask; -1 when unknown)."""
+    seen = np.asarray(batch.versions)[np.asarray(batch.mask) > 0]
+    if seen.size == 0:
+        return {"sampler_version_min": -1, "sampler_version_max": -1}
+    return {"sampler_version_min": int(seen.min()), "sampler_version_max": int(seen.max())}
 
 
 def rollout_row(window: Sequence[Mapping[str, Any]]) -> dict:

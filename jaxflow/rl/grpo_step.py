@@ -26,7 +26,7 @@ from jaxflow.rl.logprobs import fused_logprobs
 from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
-from jaxflow.rl.rollout import RolloutBatch, RolloutSpec
+from jaxflow.rl.rollout import EngineSettings, RolloutBatch, RolloutSpec
 from jaxflow.train.lm_state import LMFunctions, OptimConfig, lm_functions, make_optimizer, model_optimizer
 from jaxflow.train.state import TrainState
 
@@ -45,6 +45,8 @@ class GRPOConfig:
       temperature: used by the sampler AND the trainer's log-probs (must be the same).
       max_new_tokens: response length cap.
       mismatch: sampler numerics, "none" | "bf16" | "noise<std>" (see jaxflow.rl.rollout).
+      sampler: "static" | "static_per_row" | "engine" (:data:`jaxflow.rl.rollout.SAMPLERS`;
+        "engine" samples through :class:`jaxflow.rollout.RolloutEngine`, ``engine`` its shapes).
       lag: N, mini-batches (= optimizer steps) per rollout; must divide the rollout size.
       staleness: k, rollouts sample with the weights published k rollouts earlier.
       kl_coef, kl_estimator: KL(pi_theta || pi_ref) to the frozen initial policy, "k1" or "k3"
@@ -84,6 +86,8 @@ class GRPOConfig:
     temperature: float = 1.0
     max_new_tokens: int = 4
     mismatch: str = "none"
+    sampler: str = "static"
+    engine: EngineSettings = EngineSettings()
     lag: int = 1
     staleness: int = 0
     kl_coef: float = 0.0
@@ -142,7 +146,8 @@ class GRPOConfig:
     def rollout_spec(self) -> RolloutSpec:
         """The rollout settings of this config (group size, temperature, max new tokens, mismatch)."""
         return RolloutSpec(group_size=self.group_size, temperature=self.temperature,
-                           max_new_tokens=self.max_new_tokens, mismatch=self.mismatch)
+                           max_new_tokens=self.max_new_tokens, mismatch=self.mismatch,
+                           sampler=self.sampler, engine=self.engine)
 
     @property
     def rollout_size(self) -> int:

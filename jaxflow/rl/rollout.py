@@ -14,6 +14,20 @@ always runs in f32):
 
 Temperature: the sampler divides the logits by ``temperature``; the trainer must use the same
 value (``jaxflow.rl.grpo`` passes one number to both).
+
+Samplers (``RolloutSpec.sampler``, ``--set rl.sampler=...``):
+
+  "static"          the static-batch sampler with one key per rollout (the historical stream).
+  "static_per_row"  the static sampler with per-row keys ``split(key, B)`` (row b's token t drawn
+                    with ``fold_in(keys[b], t)``): the engine's random stream, static arithmetic.
+  "engine"          :class:`jaxflow.rollout.RolloutEngine` with the same per-row keys: paged KV
+                    cache, continuous batching, the G responses of a prompt share its prefill
+                    (copy-on-write pages). Its tokens equal "static_per_row"'s; its log-probs
+                    agree to ~1e-6 (XLA:CPU f32 matmuls depend on the batch shape).
+
+Every :class:`RolloutBatch` carries ``versions`` [B, N]: the weights version that sampled each
+token (-1 where masked). The engine records it per token (an update between engine steps shows
+up mid-sequence); the static samplers stamp the version they were given.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.tasks import Task, encode_prompts, score_completions
 from jaxflow.train.lm_state import lm_functions
 
+SAMPLERS = ("static", "static_per_row", "engine")
 _NOISE = re.compile(r"^(bf16\+)?noise([0-9]*\.?[0-9]+)$")
 
 
@@ -50,20 +65,40 @@ def parse_mismatch(mismatch: str) -> tuple[str, float]:
                      "'bf16+noise<std>' with std > 0 (e.g. 'noise0.1', 'bf16+noise0.5')")
 
 
-class RolloutBatch(NamedTuple):
-    """One rollout, host numpy arrays; the G responses of a prompt are contiguous rows.
-
-    prompts [B, P] int32 (``[BOS] prompt`` right-padded), prompt_lengths [B] int32,
-    tokens [B, N] int32 (pad after EOS), mask [B, N] float32 (1 up to and including EOS),
-    behaviour_logp [B, N] float32 (sampler's log-probs, 0 where masked), rewards [B] float32.
-    """
-
+class _RolloutFields(NamedTuple):
     prompts: np.ndarray
     prompt_lengths: np.ndarray
     tokens: np.ndarray
     mask: np.ndarray
     behaviour_logp: np.ndarray
     rewards: np.ndarray
+    versions: np.ndarray
+
+
+class RolloutBatch(_RolloutFields):
+    """One rollout, host numpy arrays; the G responses of a prompt are contiguous rows.
+
+    prompts [B, P] int32 (``[BOS] prompt`` right-padded), prompt_lengths [B] int32,
+    tokens [B, N] int32 (pad after EOS), mask [B, N] float32 (1 up to and including EOS),
+    behaviour_logp [B, N] float32 (sampler's log-probs, 0 where masked), rewards [B] float32,
+    versions [B, N] int32 (the weights version that sampled each token, -1 where masked or
+    unknown; omitted: all -1).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, prompts, prompt_lengths, tokens, mask, behaviour_logp, rewards,
+                versions=None):
+        if versions is None:
+            versions = np.full(np.shape(tokens), -1, np.int32)
+        return super().__new__(cls, prompts, prompt_lengths, tokens, mask, behaviour_logp,
+                               rewards, versions)
+
+
+def stamp_versions(mask: np.ndarray, version: int) -> np.ndarray:
+    """[B, N] int32: ``version`` where ``mask`` > 0, -1 elsewhere (a static sampler's tokens
+    all come from the one version it was given)."""
+    return np.where(np.asarray(mask) > 0, np.int32(version), np.int32(-1)).astype(np.int32)
 
 
 @functools.lru_cache(maxsize=16)
@@ -84,13 +119,71 @@ def batch_sharding(mesh: Mesh, batch_size: int) -> NamedSharding:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """The rollout engine's shapes for ``sampler="engine"`` (``--set rl.engine.X=...``); see
+    :class:`jaxflow.rollout.EngineConfig`. None picks the static sampler's budget:
+
+    Attributes:
+      slots: decode rows; None = every row of a generation batch (prompts x G).
+      page_size: tokens per KV page.
+      num_pages: pages in the pool (null page included); None = ``slots`` sequences of the
+        static sampler's cache width (prompt width + max_new_tokens) + 1, i.e. the static
+        sampler's KV budget (the engine's peak is below it: prompts are shared, pages freed).
+      prefill_chunk: prompt tokens per prefill row per step; None = the prompt width (one chunk).
+      prefill_rows, prefill_calls, decode_steps, attention: as EngineConfig.
+    """
+
+    slots: int | None = None
+    page_size: int = 16
+    num_pages: int | None = None
+    prefill_chunk: int | None = None
+    prefill_rows: int = 4
+    prefill_calls: int = 2
+    decode_steps: int = 1
+    attention: str = "auto"
+
+    def __post_init__(self):
+        for name in ("slots", "num_pages", "prefill_chunk"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"engine.{name}={v!r}: need an int >= 1 or None")
+        for name in ("page_size", "prefill_rows", "prefill_calls", "decode_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"engine.{name}={v!r}: need an int >= 1")
+        from jaxflow.rollout.paged_attention import PAGED_BACKENDS
+
+        if self.attention not in PAGED_BACKENDS:
+            raise ValueError(f"engine.attention={self.attention!r}; valid: {PAGED_BACKENDS}")
+
+    def engine_config(self, rows: int, prompt_width: int, max_new_tokens: int):
+        """The :class:`jaxflow.rollout.EngineConfig` for generation batches of ``rows``
+        sequences, prompts ``prompt_width`` wide, ``max_new_tokens`` new tokens."""
+        from jaxflow.rollout import EngineConfig
+        from jaxflow.rollout.pages import pages_for
+
+        width = prompt_width + max_new_tokens
+        slots = rows if self.slots is None else self.slots
+        num_pages = (slots * pages_for(width, self.page_size) + 1 if self.num_pages is None
+                     else self.num_pages)
+        return EngineConfig(slots=slots, page_size=self.page_size, num_pages=num_pages,
+                            prefill_chunk=self.prefill_chunk or prompt_width,
+                            prefill_rows=self.prefill_rows, prefill_calls=self.prefill_calls,
+                            decode_steps=self.decode_steps, max_seq_len=width,
+                            attention=self.attention)
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutSpec:
-    """What a rollout samples: G responses per prompt, temperature, length, mismatch knob."""
+    """What a rollout samples: G responses per prompt, temperature, length, mismatch knob,
+    which sampler (:data:`SAMPLERS`, module doc) and the engine's settings."""
 
     group_size: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 5
     mismatch: str = "none"
+    sampler: str = "static"
+    engine: EngineSettings = EngineSettings()
 
     def __post_init__(self):
         if not isinstance(self.group_size, int) or self.group_size < 2:
@@ -98,6 +191,10 @@ class RolloutSpec:
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature!r}: need > 0 for RL sampling")
         parse_mismatch(self.mismatch)
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler={self.sampler!r}; valid: {', '.join(SAMPLERS)}")
+        if not isinstance(self.engine, EngineSettings):
+            raise ValueError(f"engine={self.engine!r}: need an EngineSettings")
 
 
 class RolloutWorker:
@@ -115,14 +212,21 @@ class RolloutWorker:
         sampling = SamplingConfig(max_new_tokens=spec.max_new_tokens,
                                   temperature=spec.temperature, eos_id=tokenizer.eos_id,
                                   pad_id=tokenizer.pad_id)
-        if kind.startswith("bf16"):
-            self._sampler_fns = lm_functions(dataclasses.replace(model_cfg, dtype="bfloat16"), mesh)
-        else:
-            self._sampler_fns = self.fns
-        if noise > 0:
+        sampler_cfg = dataclasses.replace(model_cfg, dtype="bfloat16") if kind.startswith(
+            "bf16") else model_cfg
+        self._sampler_fns = lm_functions(sampler_cfg, mesh) if kind.startswith("bf16") else self.fns
+        self._sampler_cfg, self._sampling, self._noise = sampler_cfg, sampling, noise
+        if spec.sampler == "static" and noise > 0:
             self._sample = make_noisy_sampler(self._sampler_fns.graphdef, sampling, noise)
         else:
-            self._sample = make_sampler(self._sampler_fns.graphdef, sampling)
+            self._sample = make_sampler(self._sampler_fns.graphdef, sampling, noise,
+                                        per_row_keys=spec.sampler != "static")
+        if spec.sampler == "engine" and jax.process_count() > 1:
+            raise ValueError(f"sampler='engine' runs in one process (its scheduler is host "
+                             f"state); this job has {jax.process_count()} processes: use "
+                             "sampler='static' or 'static_per_row'")
+        self.engine: Any = None  # the RolloutEngine (sampler="engine"), built at the first rollout
+        self._following: Any = None  # the replica the engine follows (None: given params)
         greedy = dataclasses.replace(sampling, temperature=0.0,
                                      max_new_tokens=task.max_completion_len + 1)
         self._greedy = make_sampler(self.fns.graphdef, greedy)
@@ -143,23 +247,84 @@ class RolloutWorker:
         data = np.asarray(jax.random.key_data(key))
         return jax.random.wrap_key_data(put(data, NamedSharding(self.mesh, PartitionSpec())))
 
+    def row_keys(self, key: jax.Array, rows: int) -> jax.Array:
+        """The per-row keys [rows] of a rollout key (samplers "static_per_row" and "engine"):
+        ``split(key, rows)``; row b draws its token t with ``fold_in(keys[b], t)``."""
+        return jax.random.split(key, rows)
+
     def sample(self, params: Any, prompts: np.ndarray, prompt_lengths: np.ndarray,
                key: jax.Array) -> SampleOutput:
-        """Raw sampler call (device arrays) on token prompts [B, P]."""
+        """Raw static-sampler call (device arrays) on token prompts [B, P]: one key with
+        sampler "static", per-row keys ``row_keys(key, B)`` otherwise."""
         state = self._sampler_fns.nnx_state(params)
-        key = self._put_key(key)
+        if self.spec.sampler == "static":
+            key = self._put_key(key)
+        else:
+            data = np.asarray(jax.random.key_data(self.row_keys(key, prompts.shape[0])))
+            key = jax.random.wrap_key_data(self._place(data))
         return self._sample(state, self._place(prompts), self._place(prompt_lengths), key)
 
-    def generate(self, params: Any, prompt_texts: Sequence[str], key: jax.Array) -> RolloutBatch:
-        """G samples per prompt (rows ``i*G .. i*G+G-1`` answer prompt ``i``), scored."""
+    def engine_for(self, params: Any, rows: int, *, version: int = 0) -> Any:
+        """The worker's :class:`jaxflow.rollout.RolloutEngine` (built once, for generation
+        batches of ``rows`` sequences; ``params`` its first weights)."""
+        from jaxflow.rollout import RolloutEngine
+
+        if self.engine is None:
+            cfg = self.spec.engine.engine_config(rows, self.prompt_width, self.spec.max_new_tokens)
+            self.engine = RolloutEngine(self._sampler_cfg, params, cfg, self._sampling,
+                                        logit_noise_std=self._noise, version=version)
+        return self.engine
+
+    def sample_engine(self, params: Any, prompts: np.ndarray, prompt_lengths: np.ndarray,
+                      key: jax.Array, *, version: int = 0, replica: Any = None) -> Any:
+        """The engine on token prompts [B, P] (rows ``i*G .. i*G+G-1`` the same prompt i, which
+        is prefilled once): keys ``row_keys(key, B)``. ``replica``: a
+        :class:`jaxflow.sync.replica.Replica` the engine follows in place (its params and
+        version; ``params`` / ``version`` unused); otherwise the engine samples ``params`` as
+        ``version``. Returns the engine's EngineOutput (host arrays [B, N])."""
+        g = self.spec.group_size
+        rows = prompts.shape[0]
+        if rows % g or not (prompts[::g].repeat(g, 0) == prompts).all():
+            raise ValueError(f"sample_engine: the {rows} rows are not groups of {g} equal prompts")
+        engine = self.engine_for(replica.params if replica is not None else params, rows,
+                                 version=version)
+        if replica is not None:
+            if self._following is not replica:
+                engine.follow(replica)
+        else:
+            if self._following is not None:
+                engine.follow(None)
+            engine.update_weights(params, version)
+        self._following = replica
+        keys = self.row_keys(key, rows)
+        return engine.generate(prompts[::g], prompt_lengths[::g], keys, group_size=g)
+
+    def generate(self, params: Any, prompt_texts: Sequence[str], key: jax.Array, *,
+                 version: int = -1, replica: Any = None) -> RolloutBatch:
+        """G samples per prompt (rows ``i*G .. i*G+G-1`` answer prompt ``i``), scored.
+
+        ``version``: the version of ``params``, recorded per token in ``versions`` (the engine
+        records the version of the weights each step used). ``replica`` (sampler "engine"
+        only): sample through the engine following this SparseRL-Sync replica in place.
+        """
         g = self.spec.group_size
         texts = [p for p in prompt_texts for _ in range(g)]
         prompts, lengths = encode_prompts(self.tokenizer, texts, self.prompt_width)
-        out = self.sample(params, prompts, lengths, key)
-        tokens, mask, logp = (to_host(x) for x in (out.tokens, out.mask, out.logprobs))
+        if self.spec.sampler == "engine":
+            out = self.sample_engine(params, prompts, lengths, key, version=version,
+                                     replica=replica)
+            tokens, mask, logp, versions = out.tokens, out.mask, out.logprobs, out.versions
+        else:
+            if replica is not None:
+                raise ValueError(f"generate(replica=...) needs sampler='engine'; this worker's "
+                                 f"is {self.spec.sampler!r}")
+            out = self.sample(params, prompts, lengths, key)
+            tokens, mask, logp = (to_host(x) for x in (out.tokens, out.mask, out.logprobs))
+            versions = stamp_versions(mask, version)
         rewards = score_completions(self.task, self.tokenizer, texts, tokens)
-        return RolloutBatch(prompts, lengths, tokens.astype(np.int32), mask.astype(np.float32),
-                            logp.astype(np.float32), rewards)
+        return RolloutBatch(prompts, lengths, np.asarray(tokens, np.int32),
+                            np.asarray(mask, np.float32), np.asarray(logp, np.float32), rewards,
+                            np.asarray(versions, np.int32))
 
     def _heldout_batch(self, n: int, repeats: int) -> tuple:
         if (n, repeats) not in self._heldout:

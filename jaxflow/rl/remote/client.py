@@ -253,12 +253,20 @@ class RemoteRollout:
         n = self.spec.max_new_tokens
         return {"prompts": ((rows, self.prompt_width), "int32"), "prompt_lengths": ((rows,), "int32"),
                 "tokens": ((rows, n), "int32"), "mask": ((rows, n), "float32"),
-                "behaviour_logp": ((rows, n), "float32"), "rewards": ((rows,), "float32")}
+                "behaviour_logp": ((rows, n), "float32"), "rewards": ((rows,), "float32"),
+                "versions": ((rows, n), "int32")}
 
-    def generate(self, params: RemoteParams, prompt_texts: Sequence[str], key: jax.Array
-                 ) -> RolloutBatch:
+    def generate(self, params: RemoteParams, prompt_texts: Sequence[str], key: jax.Array, *,
+                 version: int | None = None, replica: Any = None) -> RolloutBatch:
         """G samples per prompt from the rollout job's replica at ``params.version`` (rows
-        ``i*G .. i*G+G-1`` answer prompt ``i``), the same arrays as ``RolloutWorker.generate``."""
+        ``i*G .. i*G+G-1`` answer prompt ``i``), the same arrays as ``RolloutWorker.generate``
+        (``versions``: per token, as the rollout job's sampler recorded them). ``version`` must
+        be ``params.version`` when given; ``replica`` must be None (the replica is remote)."""
+        if version is not None and version != params.version:
+            raise ValueError(f"generate(version={version}) but the remote replica is asked for "
+                             f"version {params.version}")
+        if replica is not None:
+            raise ValueError("a remote rollout samples its own replica; replica must be None")
         rows = len(prompt_texts) * self.spec.group_size
         expected = self.expected_arrays(rows)
         if self.primary:

@@ -36,7 +36,8 @@ ROLES = ("local", "trainer", "rollout")
 #: frame kinds of the control protocol (the sync frames are the transport's own)
 KINDS = (b"STAT", b"RSET", b"ROLL", b"DONE", b"OK  ", b"BTCH", b"ERR ")
 #: the arrays of a rollout batch, in :class:`jaxflow.rl.rollout.RolloutBatch` order
-BATCH_FIELDS = ("prompts", "prompt_lengths", "tokens", "mask", "behaviour_logp", "rewards")
+BATCH_FIELDS = ("prompts", "prompt_lengths", "tokens", "mask", "behaviour_logp", "rewards",
+                "versions")
 _LEN = struct.Struct("<I")
 
 

@@ -67,6 +67,7 @@ class RolloutService:
         self.origin = ""  # the lineage the replica holds (hex digest of the run's start params)
         self.rollouts_served = 0
         self._placed: tuple[int, str, Any] | None = None  # (version, digest, f32 params on mesh)
+        self._checked: tuple[int, int, str] | None = None  # (replica id, version, digest) verified
         self._sock = socket.create_server((host, port))
         self.address = self._sock.getsockname()[:2]
 
@@ -147,24 +148,32 @@ class RolloutService:
                          or self.replica.version > int(req.get("version", 0)))
                 if reset:
                     self.replica_server.replica = Replica(self.template, version=FRESH)
-                    self.origin, self._placed = str(req.get("origin")), None
+                    self.origin, self._placed, self._checked = str(req.get("origin")), None, None
                 return b"OK  ", P.json_body({"version": self.replica.version, "reset": reset})
         if kind == b"ROLL":
             return b"BTCH", self._roll(P.parse_json(body, "ROLL"))
         raise P.RolloutRefused(f"unexpected frame {kind!r}; valid: STAT, RSET, ROLL, DONE")
 
+    def _check(self, version: int, digest: str) -> None:
+        """RolloutRefused unless the replica is at ``version`` with ``digest`` (the digest is
+        computed once per version; call under the replica server's lock)."""
+        rep = self.replica
+        if rep.version != version:
+            raise P.RolloutRefused(f"replica is at version {rep.version}, the trainer asked "
+                                   f"for {version} (sync first)")
+        if self._checked != (id(rep), version, digest):
+            got = tree_digest(rep.params)
+            if got != digest:
+                raise P.RolloutRefused(f"replica digest {got} at version {version} is not the "
+                                       f"trainer's {digest}")
+            self._checked = (id(rep), version, digest)
+
     def _params(self, version: int, digest: str) -> Any:
         """The replica at ``version`` laid out on the mesh, f32 (cached per version)."""
         with self.replica_server.lock:
-            rep = self.replica
-            if rep.version != version:
-                raise P.RolloutRefused(f"replica is at version {rep.version}, the trainer asked "
-                                       f"for {version} (sync first)")
+            self._check(version, digest)
             if self._placed is None or self._placed[:2] != (version, digest):
-                host = rep.params
-                if tree_digest(host) != digest:
-                    raise P.RolloutRefused(f"replica digest {tree_digest(host)} at version "
-                                           f"{version} is not the trainer's {digest}")
+                host = self.replica.params
                 placed = _place(host, self.worker.param_shardings)
                 self._placed = (version, digest, jax.tree.map(
                     lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
@@ -177,10 +186,15 @@ class RolloutService:
             prompts, key_data = list(req["prompts"]), np.asarray(req["key"], np.uint32)
         except (KeyError, TypeError, ValueError) as e:
             raise P.RolloutRefused(f"malformed ROLL request ({e!r})") from None
-        params = self._params(version, digest)
         key = jax.random.wrap_key_data(jnp.asarray(key_data))
         t0 = time.perf_counter()
-        batch = self.worker.generate(params, prompts, key)
+        if self.worker.spec.sampler == "engine":
+            with self.replica_server.lock:  # no payload lands while the engine samples
+                self._check(version, digest)
+                batch = self.worker.generate(None, prompts, key, replica=self.replica)
+        else:
+            params = self._params(version, digest)
+            batch = self.worker.generate(params, prompts, key, version=version)
         self.rollouts_served += 1
         arrays = dict(zip(P.BATCH_FIELDS, batch))
         return P.encode_batch({"version": version, "digest": digest,
