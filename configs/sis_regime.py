@@ -174,13 +174,18 @@ def _quick() -> Config:
 def _task2() -> Config:
     """Task 2 at the off-policy setting where task 1 degrades most (asynchronous staleness
     k = 8; see experiments/README.md ``sis_regime``): the lag-1 baseline, that setting, and
-    every correction there for GRPO (``--set grid.compare_algos=grpo,dapo`` adds DAPO)."""
+    none / sis / tis / sis+tis there for GRPO (``--set grid.compare_algos=grpo,dapo``
+    ``--set grid.compare_corrections=none,sis,tis,mis,rs,sis+tis`` is the full protocol), 20
+    rollouts, pass@1 on 256 x 4 held-out prompts at rollouts 10 and 20."""
     base = Config()
     rl = dataclasses.replace(base.rl, max_new_tokens=50)
     grid = dataclasses.replace(base.grid, lags=(1,), lr_scales=(), stalenesses=(8,),
                                mismatches=(), compare_algos=("grpo",), compare_staleness=8,
+                               compare_corrections=("none", "sis", "tis", "sis+tis"),
                                compare_mismatch="off", compare_lag=-1)
-    return dataclasses.replace(base, pretrain=TASK2_WARM_START, rl=rl, grid=grid,
+    train = ScheduleConfig(rollouts=20, eval_every=10, eval_examples=256, eval_samples=4,
+                           checkpoint_every=10)
+    return dataclasses.replace(base, pretrain=TASK2_WARM_START, rl=rl, grid=grid, train=train,
                                task_name="worked addition, 5 digits (40-49 token answers)")
 
 

@@ -143,6 +143,8 @@ def phase2_cells(config, chosen: dict[str, dict]) -> list[Cell]:
     none and sis corrections at a policy-lag setting; staleness and mismatch at
     ``grid.compare_inner_lag`` updates per rollout), and the lag-1 baseline to the same seeds."""
     grid = config.grid
+    if not chosen:
+        return []
     cells = [_cell(config, "lag", 1, algo=a, correction="none", seed=s)
              for a in grid.compare_algos for s in range(grid.compare_seeds)]
     for fam, pick in chosen.items():
