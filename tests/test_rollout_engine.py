@@ -11,6 +11,8 @@ engine runs a row in other batches (``slots`` rows per decode, ``prefill_chunk``
 prefill). On the same shapes its arithmetic is the static sampler's bit for bit
 (``test_decode_step_and_prefill_bit_identical``).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +52,8 @@ def _keys(n, seed=3):
 
 def _engine(split_model, sampling, **kw):
     graphdef, state = split_model
-    cfg = dict(slots=3, page_size=8, num_pages=40, prefill_chunk=5, max_seq_len=P + N)
+    cfg = dict(slots=3, page_size=8, num_pages=40, prefill_chunk=5, max_seq_len=P + N,
+               narrow_tables=False)  # one compiled width per program: fast tests
     cfg.update(kw)
     return RolloutEngine(graphdef, state, EngineConfig(**cfg), sampling)
 
@@ -72,7 +75,8 @@ def test_matches_static_sampler(split_model, prompts, sampling):
     graphdef, state = split_model
     keys = _keys(len(LENGTHS))
     ref = make_sampler(graphdef, sampling, per_row_keys=True)(state, prompts, LENGTHS, keys)
-    out = _engine(split_model, sampling).generate(prompts, LENGTHS, keys)
+    narrow = sampling.temperature == 1.0  # one case with page tables as wide as rows need
+    out = _engine(split_model, sampling, narrow_tables=narrow).generate(prompts, LENGTHS, keys)
     _assert_same(out, ref)
     if sampling.eos_id is not None:  # the case is exercised: some rows end early
         assert (out.lengths < N).sum() >= 2, out.lengths
@@ -89,7 +93,8 @@ def test_stateless_logits_hook_matches_static_sampler(split_model, prompts):
     ref = make_sampler(graphdef, sampling, per_row_keys=True, logits_hook=hook)(
         state, prompts, LENGTHS, keys)
     eng = RolloutEngine(graphdef, state, EngineConfig(slots=3, page_size=8, num_pages=40,
-                                                      prefill_chunk=5, max_seq_len=P + N),
+                                                      prefill_chunk=5, max_seq_len=P + N,
+                                                      narrow_tables=False),
                         sampling, logits_hook=hook)
     out = eng.generate(prompts, LENGTHS, keys)
     _assert_same(out, ref)
@@ -189,7 +194,10 @@ def test_bad_input_names_the_value(split_model):
         eng.generate(np.ones((3, 4), np.int32), np.full(3, 4), _keys(6), group_size=4)
     with pytest.raises(RolloutConfigError, match=r"prompt_lengths=0"):
         eng.generate(np.ones((2, 4), np.int32), np.array([0, 4]), _keys(2))
-    assert eng.idle()
+    other = nnx.split(Transformer(dataclasses.replace(TINY, n_layers=1), rngs=nnx.Rngs(0)))[1]
+    with pytest.raises(RolloutConfigError, match="update_weights: the params' tree structure"):
+        eng.update_weights(other, version=1)
+    assert eng.idle() and eng.version == 0
 
 
 def _long_tailed(n, seed=0):
@@ -234,7 +242,8 @@ def test_continuous_batching_independent_of_slots_and_order(split_model):
     base = _serve(_engine(split_model, sampling, slots=4), prompts, caps, range(10))
     for slots, order, steps in ((4, range(9, -1, -1), 1), (1, range(10), 1),
                                 (3, [3, 1, 4, 0, 5, 9, 2, 6, 8, 7], 3)):
-        eng = _engine(split_model, sampling, slots=slots, prefill_rows=2, decode_steps=steps)
+        eng = _engine(split_model, sampling, slots=slots, prefill_rows=2, decode_steps=steps,
+                      narrow_tables=steps > 1)
         outs = _serve(eng, prompts, caps, order)
         assert eng.stats.tokens == sum(o.lengths[0] for o in outs) <= eng.stats.decode_row_steps
         for a, b in zip(base, outs):
@@ -298,7 +307,8 @@ def test_follows_sync_replica_in_place(split_model, prompts):
     def run(follow: bool):
         eng = RolloutEngine(Transformer(TINY, rngs=nnx.Rngs(0)), bf16_a if not follow else
                             replica.params, EngineConfig(slots=2, page_size=8, num_pages=20,
-                                                         prefill_chunk=6, max_seq_len=P + N),
+                                                         prefill_chunk=6, max_seq_len=P + N,
+                                                         narrow_tables=False),
                             sampling)
         if follow:
             eng.follow(replica)

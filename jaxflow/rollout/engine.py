@@ -64,6 +64,9 @@ class EngineConfig:
       prefill_chunk: prompt tokens per prefill row per step.
       prefill_rows: prompts prefilled together per prefill call.
       prefill_calls: the most prefill calls per engine step.
+      narrow_tables: page tables only as wide as the call's longest row needs (the next power
+        of two pages): attention reads what the rows hold, at up to log2(pages_per_seq) + 1
+        compiled widths per program. False: always pages_per_seq wide (one shape each).
       decode_steps: decode steps per decode call (one host round trip); a sequence that ends
         inside a call idles for the rest of it, and its slot is refilled after the call.
       max_seq_len: the longest sequence (prompt + new tokens) a row can hold; its page table
@@ -82,6 +85,7 @@ class EngineConfig:
     prefill_rows: int = 4
     prefill_calls: int = 2
     decode_steps: int = 1
+    narrow_tables: bool = True
     max_seq_len: int | None = None
     attention: str = "auto"
     interpret: bool = False
@@ -208,7 +212,8 @@ class RolloutEngine:
         self.scheduler = Scheduler(slots=config.slots, page_size=config.page_size,
                                    num_pages=config.num_pages, pages_per_seq=width,
                                    prefill_chunk=config.prefill_chunk,
-                                   prefill_rows=config.prefill_rows)
+                                   prefill_rows=config.prefill_rows,
+                                   narrow_tables=config.narrow_tables)
         self.stats = EngineStats()
         self._next_rid = 0
         self._done: dict[int, Request] = {}
@@ -240,11 +245,11 @@ class RolloutEngine:
         """The params the next step uses (an nnx.State or pure dict of the same structure and
         shapes; any float dtype the model casts, e.g. the bf16 replica). Not copied."""
         state = self._as_state(params)
-        old = jax.tree.map(jnp.shape, self._state)
-        new = jax.tree.map(jnp.shape, state)
-        if old != new:
-            raise RolloutConfigError("update_weights: the params' structure or shapes differ "
-                                     "from the engine's model")
+        (old, old_def), (new, new_def) = (jax.tree.flatten(x) for x in (self._state, state))
+        if old_def != new_def or [np.shape(x) for x in old] != [np.shape(x) for x in new]:
+            raise RolloutConfigError("update_weights: the params' tree structure or leaf shapes "
+                                     "differ from the engine's model (need the same model's "
+                                     "params)")
         self._state, self.version = state, int(version)
 
     def follow(self, replica) -> None:

@@ -79,10 +79,11 @@ class Scheduler:
     """FIFO admission, chunked prefill, slot assignment and page accounting (see module doc)."""
 
     def __init__(self, *, slots: int, page_size: int, num_pages: int, pages_per_seq: int,
-                 prefill_chunk: int, prefill_rows: int):
+                 prefill_chunk: int, prefill_rows: int, narrow_tables: bool = True):
         self.slots = [None] * slots
         self.page_size, self.width = page_size, pages_per_seq
         self.prefill_chunk, self.prefill_rows = prefill_chunk, prefill_rows
+        self.narrow_tables = narrow_tables
         self.pages = PageAllocator(num_pages)
         self.waiting: collections.deque = collections.deque()
         self.prefilling: collections.deque = collections.deque()
@@ -212,7 +213,10 @@ class Scheduler:
     def table_width(self, pages: int) -> int:
         """Page-table width of a call whose longest row holds ``pages`` pages: the next power of
         two, at most ``pages_per_seq``. Attention then reads the pages the rows hold rather than
-        a whole maximal sequence, at a few compiled shapes (log2(pages_per_seq) + 1)."""
+        a whole maximal sequence, at a few compiled shapes (log2(pages_per_seq) + 1).
+        ``pages_per_seq`` without ``narrow_tables``."""
+        if not self.narrow_tables:
+            return self.width
         return min(self.width, 1 << max(0, pages - 1).bit_length())
 
     def free_slots(self) -> int:
