@@ -192,6 +192,10 @@ def test_bad_input_names_the_value(split_model):
         eng.add_request(np.ones(3, np.int32), _keys(1), max_new_tokens=21)
     with pytest.raises(RolloutConfigError, match="6 keys for 3 prompts x group_size 4"):
         eng.generate(np.ones((3, 4), np.int32), np.full(3, 4), _keys(6), group_size=4)
+    with pytest.raises(RolloutConfigError, match="PRNG implementation"):
+        eng.add_request(np.ones(3, np.int32), jax.random.split(jax.random.key(0, impl="rbg"), 2))
+    with pytest.raises(RolloutConfigError, match=r"keys: need \[G >= 1\] PRNG keys"):
+        eng.add_request(np.ones(3, np.int32), np.zeros((2, 2), np.int32))
     with pytest.raises(RolloutConfigError, match=r"prompt_lengths=0"):
         eng.generate(np.ones((2, 4), np.int32), np.array([0, 4]), _keys(2))
     other = nnx.split(Transformer(dataclasses.replace(TINY, n_layers=1), rngs=nnx.Rngs(0)))[1]

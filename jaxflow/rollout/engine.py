@@ -422,6 +422,10 @@ class RolloutEngine:
 def _key_data(keys) -> np.ndarray:
     """Host key data [G, ...] uint32 of typed keys [G] (or of key data given as such)."""
     if isinstance(keys, jax.Array) and jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        impl, default = jax.random.key_impl(keys), jax.random.key_impl(jax.random.key(0))
+        if str(impl) != str(default):
+            raise RolloutConfigError(f"keys of PRNG implementation {impl}: the engine draws with "
+                                     f"the default implementation {default}")
         keys = jax.random.key_data(keys)
     data = np.asarray(keys)
     if data.dtype != np.uint32 or data.ndim < 2 or data.shape[0] < 1:
