@@ -99,9 +99,38 @@ def test_stateless_logits_hook_matches_static_sampler(split_model, prompts):
     out = eng.generate(prompts, LENGTHS, keys)
     _assert_same(out, ref)
     assert not (out.tokens[out.mask > 0] == 1).any()
-    with pytest.raises(RolloutConfigError, match="stateless hooks only"):
+    with pytest.raises(RolloutConfigError, match="update but no init"):
         RolloutEngine(graphdef, state, EngineConfig(), sampling,
                       logits_hook=LogitsHook(apply=hook.apply, update=lambda s, t, a: s))
+
+
+def _seen(tokens, vocab):
+    return jax.nn.one_hot(tokens, vocab, dtype=jnp.bool_).any(axis=1)
+
+
+REPETITION_PENALTY = LogitsHook(  # a per-row state: the tokens seen so far [B, V]
+    apply=lambda logits, seen, step, args: logits - 3.0 * seen,
+    init=lambda prompts, valid, vocab, args: _seen(jnp.where(valid, prompts, 0), vocab)
+    & (jnp.arange(vocab) > 0),
+    update=lambda seen, token, args: seen | _seen(token[:, None], seen.shape[1]))
+
+
+def test_stateful_logits_hook_matches_static_sampler(split_model, prompts):
+    """A hook with per-row state (a repetition penalty): initialised from each sequence's prompt
+    when it takes a slot, updated with its own tokens; equal to the static sampler's."""
+    graphdef, state = split_model
+    sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_id=EOS)
+    keys = _keys(len(LENGTHS), seed=13)
+    ref = make_sampler(graphdef, sampling, per_row_keys=True, logits_hook=REPETITION_PENALTY)(
+        state, prompts, LENGTHS, keys)
+    eng = RolloutEngine(graphdef, state, EngineConfig(slots=3, page_size=8, num_pages=40,
+                                                      prefill_chunk=5, max_seq_len=P + N,
+                                                      narrow_tables=False, decode_steps=2),
+                        sampling, logits_hook=REPETITION_PENALTY)
+    out = eng.generate(prompts, LENGTHS, keys)
+    _assert_same(out, ref)
+    plain = make_sampler(graphdef, sampling, per_row_keys=True)(state, prompts, LENGTHS, keys)
+    assert (np.asarray(plain.tokens) != out.tokens).any()  # the penalty changed the samples
 
 
 def test_shared_prefix_groups_match_static_sampler(split_model, prompts):
@@ -166,9 +195,9 @@ def test_decode_step_and_prefill_bit_identical(split_model, prompts):
     pools = Pools(tuple(map(to_pool, carry.cache.k)), tuple(map(to_pool, carry.cache.v)))
     _, (token, logprob, _) = jax.jit(dec.decode, static_argnums=6)(
         state, carry, LENGTHS, keys, None, jnp.int32(1), 1)
-    _, out = steps.decode(state, pools, np.asarray(carry.token), LENGTHS + 1, table,
-                          np.asarray(jax.random.key_data(keys)), np.ones(b, np.int32),
-                          np.full(b, N - 1, np.int32), 1)
+    _, out, _ = steps.decode(state, pools, np.asarray(carry.token), LENGTHS + 1, table,
+                             np.asarray(jax.random.key_data(keys)), np.ones(b, np.int32),
+                             np.full(b, N - 1, np.int32), 1)
     np.testing.assert_array_equal(np.asarray(out.token[0]), np.asarray(token[0]))
     np.testing.assert_array_equal(np.asarray(out.logprob[0]), np.asarray(logprob[0]))
 

@@ -28,8 +28,11 @@ log-probs agree to ~2e-6 (f32 matmuls on XLA:CPU depend on the batch shape they 
 moves the static sampler itself by as much); on equal shapes the prefill and decode step are
 bit-identical to the static sampler's (``tests/test_rollout_engine.py``).
 
-Not supported yet: logits hooks with state (``LogitsHook.init`` / ``update``), preemption
-(admission reserves each sequence's worst case instead), prefix caching across requests.
+Logits hooks: ``apply`` gets each row's own step [B]; a hook state must be per row (leaves
+[B, ...]), initialised from a sequence's prompt when it takes a slot.
+
+Not supported yet: preemption (admission reserves each sequence's worst case instead), prefix
+caching across requests, ``hook_args``.
 """
 from jaxflow.rollout.engine import (
     EngineConfig,

@@ -166,9 +166,10 @@ class RolloutEngine:
       params: the state half of ``nnx.split(model)`` (an nnx.State) or its pure dict
         (``nnx.to_pure_dict``; e.g. a SparseRL-Sync replica's bf16 tree). Held, not copied.
       config: EngineConfig; sampling: SamplingConfig (``max_new_tokens`` is the output width).
-      logit_noise_std, logits_hook: as :func:`jaxflow.models.make_sampler`; the engine takes
-        stateless hooks only (``init`` and ``update`` None); ``apply`` gets ``step`` as [B]
-        (each row's own token index) and ``args`` None.
+      logit_noise_std, logits_hook: as :func:`jaxflow.models.make_sampler`. The hook's
+        ``apply`` gets ``step`` as [B] (each row's own token index) and ``args`` None; a state
+        (``init``) must be per row: every leaf [B, ...]. ``init`` runs when a sequence takes a
+        slot, on its prompt [1, max_seq_len] right-padded; ``update`` after each real token.
       version: the version of ``params``.
     """
 
@@ -176,10 +177,9 @@ class RolloutEngine:
                  sampling: SamplingConfig = SamplingConfig(), *, logit_noise_std: float = 0.0,
                  logits_hook: LogitsHook | None = None, version: int = 0):
         _check_options(sampling, logit_noise_std, logits_hook)
-        if logits_hook is not None and (logits_hook.init is not None
-                                        or logits_hook.update is not None):
-            raise RolloutConfigError("logits_hook with init/update state: the engine takes "
-                                     "stateless hooks only (init=None, update=None)")
+        if logits_hook is not None and logits_hook.update is not None and logits_hook.init is None:
+            raise RolloutConfigError("logits_hook with update but no init: the engine keeps a "
+                                     "per-row hook state, which init creates")
         self.graphdef, model_cfg, template = _graphdef_and_config(model)
         self.config, self.sampling = config, sampling
         self._template = params if isinstance(params, nnx.State) else template
@@ -205,7 +205,8 @@ class RolloutEngine:
         self.steps = make_steps(self.graphdef, sampling, page_size=config.page_size,
                                 attention=config.attention, interpret=config.interpret,
                                 top_logprobs=config.top_logprobs,
-                                logit_noise_std=float(logit_noise_std), logits_hook=logits_hook)
+                                logit_noise_std=float(logit_noise_std), logits_hook=logits_hook,
+                                vocab_size=model_cfg.vocab_size)
         self.pools = empty_pools(n_layers=model_cfg.n_layers, n_kv_heads=model_cfg.n_kv_heads,
                                  num_pages=config.num_pages, page_size=config.page_size,
                                  head_dim=model_cfg.head_dim, dtype=model_cfg.compute_dtype)
@@ -214,6 +215,11 @@ class RolloutEngine:
                                    prefill_chunk=config.prefill_chunk,
                                    prefill_rows=config.prefill_rows,
                                    narrow_tables=config.narrow_tables)
+        self.hook_state = None
+        if logits_hook is not None and logits_hook.init is not None:
+            self.hook_state = self.steps.init_hook_rows(
+                None, np.arange(config.slots, dtype=np.int32),
+                np.zeros((config.slots, max_len), np.int32), np.zeros((config.slots, max_len), bool))
         self.stats = EngineStats()
         self._next_rid = 0
         self._done: dict[int, Request] = {}
@@ -243,7 +249,10 @@ class RolloutEngine:
 
     def update_weights(self, params: Any, version: int) -> None:
         """The params the next step uses (an nnx.State or pure dict of the same structure and
-        shapes; any float dtype the model casts, e.g. the bf16 replica). Not copied."""
+        shapes; any float dtype the model casts, e.g. the bf16 replica). Not copied (host numpy
+        leaves are put on the device once). Sequences in flight continue with these weights
+        from their next token on; each token's version is in ``RequestOutput.versions``. A
+        change of leaf dtypes (f32 -> bf16) compiles the programs once more."""
         state = self._as_state(params)
         (old, old_def), (new, new_def) = (jax.tree.flatten(x) for x in (self._state, state))
         if old_def != new_def or [np.shape(x) for x in old] != [np.shape(x) for x in new]:
@@ -325,6 +334,9 @@ class RolloutEngine:
             self.stats.prefill_calls += 1
         sched.assign_slots()
         sched.admit()  # sequences that took slots make room in the prefill look-ahead
+        assigned = sched.take_assigned()
+        if assigned and self.hook_state is not None:
+            self._init_hook_rows(assigned)
         copies = sched.take_copies()
         if copies:
             self._copy(copies)
@@ -332,7 +344,8 @@ class RolloutEngine:
         if sched.running():
             n_steps = self.config.decode_steps
             args = sched.decode_batch(self.sampling.pad_id, self._key_shape, n_steps)
-            self.pools, out = self.steps.decode(self._state, self.pools, *args, n_steps)
+            self.pools, out, self.hook_state = self.steps.decode(
+                self._state, self.pools, *args, n_steps, self.hook_state)
             out = jax.device_get(out)
             completed = sched.finish_decode(out, self.version, self.sampling.eos_id)
             self.stats.decode_calls += 1
@@ -342,6 +355,16 @@ class RolloutEngine:
         for req in completed:
             self._done[req.rid] = req
         return [req.rid for req in completed]
+
+    def _init_hook_rows(self, assigned) -> None:
+        b, width = len(self.scheduler.slots), self.max_seq_len
+        rows = np.full((b,), b, np.int32)  # b: dropped
+        prompts = np.full((b, width), self.sampling.pad_id, np.int32)
+        valid = np.zeros((b, width), bool)
+        for i, seq in enumerate(assigned):
+            n = len(seq.request.prompt)
+            rows[i], prompts[i, :n], valid[i, :n] = seq.slot, seq.request.prompt, True
+        self.hook_state = self.steps.init_hook_rows(self.hook_state, rows, prompts, valid)
 
     def _copy(self, copies: list[tuple[int, int]]) -> None:
         b = len(self.scheduler.slots)

@@ -64,17 +64,22 @@ class Steps(NamedTuple):
     prefill(state, pools, tokens [R, C], start [R], n_valid [R], page_table [R, W]) -> pools
         writes the keys/values of ``tokens[r, :n_valid[r]]`` at positions ``start[r] + i``.
     decode(state, pools, tokens [B], lengths [B], page_table [B, W], key_data [B, ...], t [B],
-           remaining [B], n_steps) -> (pools, DecodeOut [n_steps, B, ...]): up to ``n_steps``
+           remaining [B], n_steps, hook_state=None) -> (pools, DecodeOut [n_steps, B, ...],
+           hook_state): up to ``n_steps``
         (static) decode steps; row b feeds ``tokens[b]`` at position ``lengths[b] - 1``, draws
         its token ``t[b]`` with ``fold_in(key_b, t[b])`` and feeds it back, while it has
         ``remaining`` tokens to draw and has not drawn eos_id. Rows with remaining 0 (empty
         slots) write the null page only. The page table must cover every position written.
     copy_pages(pools, src [B], dst [B]) -> pools   page dst[i] := page src[i] in every layer.
+    init_hook_rows(hook_state, rows [n], prompts [n, W], prompt_valid [n, W]) -> hook_state
+        the logits hook's ``init`` for n sequences written to rows ``rows`` of the per-slot
+        state (leaves [B, ...]; a row index >= B is dropped); hook_state None: the new state.
     """
 
     prefill: Callable
     decode: Callable
     copy_pages: Callable
+    init_hook_rows: Callable
 
 
 def _write(pool: jax.Array, new: jax.Array, dest: jax.Array) -> jax.Array:
@@ -101,8 +106,9 @@ def _slots(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_s
 @functools.lru_cache(maxsize=32)
 def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: int,
                attention: str = "auto", interpret: bool = False, top_logprobs: int = 0,
-               logit_noise_std: float = 0.0, logits_hook: LogitsHook | None = None) -> Steps:
-    """The engine's three programs for one model structure and sampling config (see Steps)."""
+               logit_noise_std: float = 0.0, logits_hook: LogitsHook | None = None,
+               vocab_size: int = 0) -> Steps:
+    """The engine's programs for one model structure and sampling config (see Steps)."""
 
     def prefill(state, pools: Pools, tokens, start, n_valid, page_table):
         model: Transformer = nnx.merge(graphdef, state)
@@ -128,7 +134,8 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
             new_v.append(vp)
         return Pools(tuple(new_k), tuple(new_v))
 
-    def one_step(model: Transformer, pools: Pools, tokens, lengths, page_table, keys, t, live):
+    def one_step(model: Transformer, pools: Pools, tokens, lengths, page_table, keys, t, live,
+                 hook_state):
         positions = (lengths - 1)[:, None]
         dest = _slots(page_table, positions, live[:, None], page_size)
         x = model._embed(tokens[:, None])
@@ -145,7 +152,7 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
         logits = model._logits(model.final_norm(x))[:, 0]
         step_keys = jax.vmap(jax.random.fold_in)(keys, t)
         token, logprob = _draw(logits, step_keys, sampling, logit_noise_std, True, logits_hook,
-                               None, t, None)
+                               hook_state, t, None)
         if top_logprobs:
             top_lp, top_idx = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_logprobs)
         else:
@@ -153,27 +160,39 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
             top_idx = jnp.zeros((logits.shape[0], 0), jnp.int32)
         out = DecodeOut(jnp.where(live, token, sampling.pad_id), jnp.where(live, logprob, 0.0),
                         top_lp, top_idx.astype(jnp.int32), live)
-        return Pools(tuple(new_k), tuple(new_v)), out
+        if logits_hook is not None and logits_hook.update is not None:
+            new_state = logits_hook.update(hook_state, out.token, None)
+            hook_state = jax.tree.map(  # rows without a real token keep their state
+                lambda new, old: jnp.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+                new_state, hook_state)
+        return Pools(tuple(new_k), tuple(new_v)), out, hook_state
 
     def decode(state, pools: Pools, tokens, lengths, page_table, key_data, t, remaining,
-               n_steps: int):
+               n_steps: int, hook_state=None):
         model: Transformer = nnx.merge(graphdef, state)
         keys = jax.random.wrap_key_data(key_data)
 
         def body(carry, _):
-            pools, tokens, lengths, t, remaining, live = carry
-            pools, out = one_step(model, pools, tokens, lengths, page_table, keys, t, live)
+            pools, tokens, lengths, t, remaining, live, hook_state = carry
+            pools, out, hook_state = one_step(model, pools, tokens, lengths, page_table, keys, t,
+                                              live, hook_state)
             remaining = remaining - 1
             still = live & (remaining > 0)
             if sampling.eos_id is not None:
                 still = still & (out.token != sampling.eos_id)
             carry = (pools, jnp.where(still, out.token, tokens), lengths + still, t + still,
-                     remaining, still)
+                     remaining, still, hook_state)
             return carry, out
 
-        carry = (pools, tokens, lengths, t, remaining, remaining > 0)
+        carry = (pools, tokens, lengths, t, remaining, remaining > 0, hook_state)
         carry, outs = jax.lax.scan(body, carry, None, length=n_steps)
-        return carry[0], outs
+        return carry[0], outs, carry[-1]
+
+    def init_hook_rows(hook_state, rows, prompts, prompt_valid):
+        new = logits_hook.init(prompts, prompt_valid, vocab_size, None)
+        if hook_state is None:
+            return new
+        return jax.tree.map(lambda old, x: old.at[rows].set(x, mode="drop"), hook_state, new)
 
     def copy_pages(pools: Pools, src, dst):
         def one(pool):
@@ -181,5 +200,6 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
         return Pools(tuple(map(one, pools.k)), tuple(map(one, pools.v)))
 
     return Steps(jax.jit(prefill, donate_argnums=1),
-                 jax.jit(decode, donate_argnums=1, static_argnums=8),
-                 jax.jit(copy_pages, donate_argnums=0))
+                 jax.jit(decode, donate_argnums=(1, 9), static_argnums=8),
+                 jax.jit(copy_pages, donate_argnums=0),
+                 jax.jit(init_hook_rows, donate_argnums=0))

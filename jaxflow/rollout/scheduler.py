@@ -89,6 +89,7 @@ class Scheduler:
         self.prefilling: collections.deque = collections.deque()
         self.ready: collections.deque = collections.deque()
         self.copies: list[tuple[int, int]] = []   # (src, dst) page copies due before decode
+        self.assigned: list[Sequence] = []         # sequences that took a slot since the last take
 
     # -- admission -------------------------------------------------------------------------
 
@@ -181,6 +182,7 @@ class Scheduler:
             self._take_prefix(seq)
             seq.slot = free.pop(0)
             self.slots[seq.slot] = seq
+            self.assigned.append(seq)
 
     def _take_prefix(self, seq: Sequence) -> None:
         req, s = seq.request, self.page_size
@@ -202,6 +204,11 @@ class Scheduler:
             self.pages.release(req.prefix_pages[:full])
         seq.length = len(req.prompt)
         seq.next_token = int(req.prompt[-1])
+
+    def take_assigned(self) -> list[Sequence]:
+        """The sequences that took a slot since the last call (to initialise per-slot state)."""
+        assigned, self.assigned = self.assigned, []
+        return assigned
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The page copies queued since the last call (to run before the next decode)."""
