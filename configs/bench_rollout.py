@@ -30,10 +30,10 @@ ENTRY = "jaxflow.main.bench_rollout:main"
 #: The flagship's model (configs/flagship.py WARM_START.model), random init.
 FLAGSHIP = TransformerConfig(vocab_size=23, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
                              d_ff=128, max_seq_len=80)
-#: A ~100M-parameter shape: d 768, 12 layers, 12 heads, SwiGLU 2048, vocab 8192 (98.6M).
+#: A ~100M-parameter shape: d 768, 12 layers, 12 heads, SwiGLU 2048, vocab 8192 (97.5M).
 LARGE = TransformerConfig(vocab_size=8192, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
                           d_ff=2048, max_seq_len=128)
-#: The quick variant's stand-in for LARGE: d 256, 4 layers (~3.6M).
+#: The quick variant's stand-in for LARGE: d 256, 4 layers (4.5M).
 MEDIUM = TransformerConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4,
                            d_ff=768, max_seq_len=128)
 
@@ -67,13 +67,13 @@ class Config:
     cases: tuple[str, ...] = ("equal", "long_tail", "grpo")
     flagship: ModelCase = ModelCase()
     large: ModelCase | None = ModelCase(name="large_100m", model=LARGE, prompt_len=16,
-                                        max_new=32, slots=32, page_size=16, pairs=10)
+                                        max_new=16, slots=32, page_size=8, pairs=10)
     tail_median_frac: float = 0.125  # long-tailed lengths: lognormal median / cap
     tail_sigma: float = 1.0  # ... and its log-std
     temperature: float = 1.0
-    prefill_rows: int = 8  # engine: prompts per prefill call
+    prefill_rows: int = 32  # engine: prompts per prefill call
     prefill_calls: int = 2  # engine: prefill calls per step at most
-    decode_steps: int = 4  # engine: decode steps per call
+    decode_steps: int = 8  # engine: decode steps per call
     marl_chunk: int = 4  # MARL engine: decode steps between compactions
 
     def __post_init__(self):
@@ -98,9 +98,9 @@ class Config:
 
 
 def _quick() -> Config:
-    return Config(requests=128, flagship=ModelCase(pairs=5),
-                  large=ModelCase(name="medium_standin", model=MEDIUM, prompt_len=16, max_new=32,
-                                  slots=32, page_size=16, pairs=3))
+    return Config(requests=64, flagship=ModelCase(max_new=32, slots=16, pairs=3),
+                  large=ModelCase(name="medium_standin", model=MEDIUM, prompt_len=16, max_new=16,
+                                  slots=16, page_size=8, pairs=3))
 
 
 get_config = Variants(quick=_quick, default=Config)

@@ -121,11 +121,19 @@ def make_workload(name: str, *, sequences: int, group_size: int, prompt_len: int
     lengths = rng.integers(max(1, prompt_len // 2), prompt_len + 1, r).astype(np.int32)
     prompts = rng.integers(FIRST_PROMPT_TOKEN, vocab, (r, prompt_len)).astype(np.int32)
     prompts[np.arange(prompt_len)[None, :] >= lengths[:, None]] = PAD_ID
-    pmf = length_pmf("equal" if name == "equal" else "long_tail", max_new,
-                     median_frac=median_frac, sigma=sigma)
+    kind = "equal" if name == "equal" else "long_tail"
+    pmf = length_pmf(kind, max_new, median_frac=median_frac, sigma=sigma)
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(seed),
                                                            jnp.arange(sequences))
-    return Workload(name, prompts, lengths, g, keys, pmf, forced_length_hook(hazard(pmf)))
+    return Workload(name, prompts, lengths, g, keys, pmf,
+                    _cached_hook(kind, max_new, median_frac, sigma))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_hook(kind: str, cap: int, median_frac: float, sigma: float) -> LogitsHook:
+    """One hook object per distribution: the samplers' programs are cached by the hook, so
+    cases sharing a distribution (long_tail, grpo) share their compiled programs."""
+    return forced_length_hook(hazard(length_pmf(kind, cap, median_frac=median_frac, sigma=sigma)))
 
 
 # -- arms -----------------------------------------------------------------------------------
@@ -253,10 +261,10 @@ class EngineArm:
         return ArmOutput(out.tokens, out.mask)
 
     def run_traced(self, w: Workload) -> ArmOutput:
-        """:meth:`run` step by step, recording after every step (prompt pages held, running
-        sequences, their prompt tokens) in ``prompt_trace``: the pages holding prompt tokens
-        are those of the running sequences' prompt positions and the prefix pages of requests
-        whose sequences have not all taken a slot."""
+        """:meth:`run` step by step, recording after every step in ``prompt_trace``: (pages
+        holding the running sequences' prompt tokens, those plus the prefix pages of requests
+        prefilled ahead whose sequences have not all taken a slot, running sequences, their
+        prompt tokens)."""
         engine = self.build(w)
         g = w.group_size
         rids = [engine.add_request(w.prompts[i, :w.prompt_lengths[i]], w.keys[i * g:(i + 1) * g])
@@ -269,12 +277,13 @@ class EngineArm:
             pages = set()
             for seq in running:
                 pages.update(seq.pages[:pages_for(len(seq.request.prompt), ps)])
+            ahead = set()
             pending = {id(s.request): s.request for s in sched.ready}
             pending.update({id(r): r for r in sched.prefilling})
             for req in pending.values():
                 if req.unassigned > 0:
-                    pages.update(req.prefix_pages)
-            self.prompt_trace.append((len(pages), len(running),
+                    ahead.update(req.prefix_pages)
+            self.prompt_trace.append((len(pages), len(pages | ahead), len(running),
                                       sum(len(s.request.prompt) for s in running)))
         self.last = engine
         outs = [engine.result(rid) for rid in rids]
