@@ -310,16 +310,14 @@ def test_update_weights_mid_sequence(split_model, prompts):
     decode = jax.jit(dec.decode, static_argnums=6)
     carry, (tok_a, lp_a, _) = decode(state_a, carry, lengths, keys, None, jnp.int32(1), k - 1)
     _, (tok_b, lp_b, _) = decode(state_b, carry, lengths, keys, None, jnp.int32(k), N - k)
+    _, (tok_only_a, _, _) = decode(state_a, carry, lengths, keys, None, jnp.int32(k), N - k)
     ref_tokens = np.concatenate([np.asarray(tok0)[None], tok_a, tok_b]).T
     ref_lp = np.concatenate([np.asarray(lp0)[None], lp_a, lp_b]).T
     got = np.concatenate([o.tokens for o in outs])
     np.testing.assert_array_equal(got, ref_tokens)
     np.testing.assert_allclose(np.concatenate([o.logprobs for o in outs]), ref_lp, rtol=0,
                                atol=LOGPROB_ATOL)
-    only_a = make_sampler(graphdef, sampling, per_row_keys=True)(state_a, prompts[rows], lengths,
-                                                                 keys)
-    assert (np.asarray(only_a.tokens)[:, k:] != got[:, k:]).any()  # the update took effect
-    np.testing.assert_array_equal(np.asarray(only_a.tokens)[:, :k], got[:, :k])
+    assert (np.asarray(tok_only_a).T != got[:, k:]).any()  # the update took effect
 
 
 def test_follows_sync_replica_in_place(split_model, prompts):
