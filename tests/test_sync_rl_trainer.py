@@ -58,7 +58,7 @@ def test_rollouts_sample_the_trainer_bf16_cast_at_every_sync(meshes):
         if r == 1:  # generate really samples from the served replica
             batch = trainer.generate(state)
             key, _ = trainer._keys(state, r)
-            want = trainer.worker.generate(served, trainer.rollout_prompts(r), key)
+            want = trainer.worker.generate(served, trainer.rollout_prompts(r), key, version=version)
             assert all(np.array_equal(a, b) for a, b in zip(batch, want))
         state, metrics = trainer.step(state)
         assert metrics["sampler_version"] == version and metrics["synced"] == 1.0
