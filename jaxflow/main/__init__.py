@@ -12,5 +12,5 @@ __all__ = [
     "bench_sparsegpt", "bench_sync_codec", "calibration_tradeoffs", "decoratelm", "dlrm_train",
     "figa", "flagship", "flexmarl", "flexmarl_scale", "flowtrain", "kernel_footprints",
     "lm_pretrain", "nestpipe", "nestpipe_scale", "oxygenrec", "sis_exact_gradient", "sis_offpolicy",
-    "sparse_sync", "sync_cost_model",
+    "sis_regime", "sparse_sync", "sync_cost_model",
 ]
