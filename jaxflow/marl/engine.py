@@ -107,11 +107,16 @@ class RolloutEngine:
       max_new_tokens, temperature: sampling shape (temperature > 0).
       task, tokenizer: prompt width and scoring.
       chunk: decode steps between compactions; compact: drop finished rows between chunks.
+      paged: sample through :class:`jaxflow.rollout.RolloutEngine` instead (paged KV cache,
+        continuous batching, the G rows of a prompt share its prefill; one process only): the
+        same per-row keys, so the same tokens and masks (log-probs within ~1e-6). ``paged`` is
+        a :class:`jaxflow.rl.rollout.EngineSettings` (True: its defaults); slots default to
+        the first call's rows. Calls are serialised (the engine's scheduler is host state).
     """
 
     def __init__(self, model_cfg: TransformerConfig, mesh: Mesh, *, max_new_tokens: int,
                  temperature: float, task: Task, tokenizer: CharTokenizer, chunk: int = 2,
-                 compact: bool = True):
+                 compact: bool = True, paged: Any = None):
         if chunk < 1:
             raise ValueError(f"chunk={chunk}: need >= 1")
         self.mesh, self.task, self.tokenizer = mesh, task, tokenizer
@@ -124,6 +129,15 @@ class RolloutEngine:
         self.stats = EngineStats()
         self._stats_lock = threading.Lock()  # several rollout workers may share an engine
         self._cached = None
+        self._model_cfg, self._paged_engine, self._paged_lock = model_cfg, None, threading.Lock()
+        if paged is True:
+            from jaxflow.rl.rollout import EngineSettings
+
+            paged = EngineSettings()
+        if paged not in (None, False) and jax.process_count() > 1:
+            raise ValueError(f"paged: the paged engine runs in one process; this job has "
+                             f"{jax.process_count()}")
+        self.paged = paged or None
 
     @property
     def param_shardings(self) -> Any:
@@ -147,6 +161,8 @@ class RolloutEngine:
                *, chunk: int | None = None, compact: bool | None = None
                ) -> tuple[Sampled, EngineStats]:
         """Samples ``max_new_tokens`` per row; ``keys`` [B] are the per-row keys."""
+        if self.paged is not None:
+            return self._sample_paged(params, prompts, lengths, keys, group_size=1)
         chunk = self.chunk if chunk is None else chunk
         compact = self.compact if compact is None else compact
         cfg, n = self.config, self.config.max_new_tokens
@@ -191,6 +207,27 @@ class RolloutEngine:
             self.stats.add(stats)
         return Sampled(tokens, logps, mask), stats
 
+    def _sample_paged(self, params: Any, prompts: np.ndarray, lengths: np.ndarray,
+                      keys: jax.Array, *, group_size: int) -> tuple[Sampled, EngineStats]:
+        """:meth:`sample` through the paged engine; rows ``i*G .. i*G+G-1`` share prompt i."""
+        from jaxflow.rollout import RolloutEngine
+
+        b, g, n = prompts.shape[0], group_size, self.config.max_new_tokens
+        with self._paged_lock:
+            if self._paged_engine is None:
+                cfg = self.paged.engine_config(b, self.prompt_width, n)
+                self._paged_engine = RolloutEngine(self._model_cfg, params, cfg, self.config)
+            eng = self._paged_engine
+            eng.update_weights(params, eng.version)
+            before = dataclasses.replace(eng.stats)
+            out = eng.generate(prompts[::g], np.asarray(lengths)[::g], keys, group_size=g)
+            stats = EngineStats(row_steps=eng.stats.decode_row_steps - before.decode_row_steps,
+                                padded_row_steps=b * (n - 1), calls=1,
+                                useful_row_steps=int(out.mask[:, 1:].sum()))
+        with self._stats_lock:
+            self.stats.add(stats)
+        return Sampled(out.tokens, out.logprobs, out.mask), stats
+
     def precompile(self, params: Any, batch: int) -> int:
         """Compiles every shape a ``batch``-row :meth:`sample` can hit (each compacted size and
         chunk length), so timed runs never compile. Returns the number of sizes."""
@@ -232,6 +269,9 @@ class RolloutEngine:
         if keys.shape[0] != len(texts):
             raise ValueError(f"{keys.shape[0]} row keys for {len(texts)} rows")
         prompts, lengths = encode_prompts(self.tokenizer, texts, self.prompt_width)
-        out, _ = self.sample(params, prompts, lengths, keys)
+        if self.paged is not None:  # G rows per prompt: one prefill each
+            out, _ = self._sample_paged(params, prompts, lengths, keys, group_size=group_size)
+        else:
+            out, _ = self.sample(params, prompts, lengths, keys)
         rewards = score_completions(self.task, self.tokenizer, texts, out.tokens)
         return RolloutBatch(prompts, lengths, out.tokens, out.mask, out.logprobs, rewards)
