@@ -17,7 +17,9 @@ top-8), every cell a fresh run from the warm start with paired seeds:
    value in the regime of each family, or ``grid.compare_staleness`` / ``grid.compare_mismatch``;
    the most degraded one when a family never reaches the regime, reported as such) every
    correction of ``grid.compare_corrections`` for every algorithm of ``grid.compare_algos``
-   with ``grid.compare_seeds`` paired seeds; in the policy-lag setting chosen the same way, none
+   with ``grid.compare_seeds`` paired seeds (the mismatch comparison for
+   ``grid.compare_mismatch_algos``); in the learning-rate setting where the lag (not the step
+   size) degrades the run (``grid.compare_lr``) and, when asked, in a policy-lag setting, none
    vs sis only (TIS / MIS / RS are identities when the behaviour policy is pi_old). The
    staleness and mismatch comparisons run at ``grid.compare_inner_lag`` updates per rollout
    (default 4): SIS corrects pi_theta against pi_old (the trainer's recomputed log-probs), so
@@ -53,6 +55,19 @@ DESCRIPTION = ("Off-policy regime map of uncorrected GRPO (lag, lr, staleness, m
 ENTRY = "jaxflow.main.sis_regime:main"
 
 
+def parse_lr_setting(text: str) -> tuple[float, int]:
+    """``"3x8"`` -> (3.0, 8): learning rate x3 at policy lag N = 8."""
+    try:
+        scale, lag = text.split("x")
+        out = float(scale), int(lag)
+    except ValueError:
+        out = (0.0, 0)
+    if not (out[0] > 0 and out[1] >= 1):
+        raise ValueError(f"grid.compare_lr={text!r}; valid: 'auto', 'off' or 'SCALExN' with "
+                         "SCALE > 0 and N >= 1 (e.g. '3x8')")
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RegimeGrid:
     """The knob sweep (phase 1) and the comparison (phase 2); see the module doc."""
@@ -77,6 +92,12 @@ class RegimeGrid:
     compare_staleness: int = 0
     compare_mismatch: str = "auto"
     compare_lag: int = -1
+    #: the learning-rate setting compared (none vs sis): "auto" = the smallest scale in the
+    #: regime at N > 1 whose N = 1 run is not (the lag, not the step size, degrades it),
+    #: "SxN" (e.g. "3x8"), or "off"
+    compare_lr: str = "auto"
+    #: algorithms of the mismatch comparison (empty: compare_algos)
+    compare_mismatch_algos: tuple[str, ...] = ("grpo",)
     #: updates per rollout in the staleness / mismatch comparisons: SIS corrects pi_theta
     #: against pi_old, so at N = 1 it is an exact identity whatever the staleness or mismatch
     compare_inner_lag: int = 4
@@ -95,6 +116,11 @@ class RegimeGrid:
             parse_mismatch(m)
         if self.compare_mismatch not in ("auto", "off"):
             parse_mismatch(self.compare_mismatch)
+        if self.compare_lr not in ("auto", "off"):
+            parse_lr_setting(self.compare_lr)
+        bad = [a for a in self.compare_mismatch_algos if a not in ALGOS]
+        if bad:
+            raise ValueError(f"grid.compare_mismatch_algos has unknown {bad}; valid: {ALGOS}")
         if not isinstance(self.compare_inner_lag, int) or self.compare_inner_lag < 1:
             raise ValueError(f"grid.compare_inner_lag={self.compare_inner_lag!r}: need an int >= 1")
         for field in ("lags", "lr_lags", "stalenesses"):
@@ -166,7 +192,7 @@ def _default() -> Config:
 def _quick() -> Config:
     grid = RegimeGrid(lags=(1, 8), lr_scales=(), stalenesses=(4,), mismatches=("bf16+noise1",),
                       seeds=2, compare_algos=("grpo",), compare_corrections=("none", "sis", "tis"),
-                      compare_seeds=2, compare_lag=-1)
+                      compare_seeds=2, compare_lag=-1, compare_lr="off")
     return Config(grid=grid, train=ScheduleConfig(rollouts=6, eval_every=3, eval_examples=64,
                                                   eval_samples=2, checkpoint_every=3))
 
@@ -182,7 +208,7 @@ def _task2() -> Config:
     grid = dataclasses.replace(base.grid, lags=(1,), lr_scales=(), stalenesses=(8,),
                                mismatches=(), compare_algos=("grpo",), compare_staleness=8,
                                compare_corrections=("none", "sis", "tis", "sis+tis"),
-                               compare_mismatch="off", compare_lag=-1)
+                               compare_mismatch="off", compare_lag=-1, compare_lr="off")
     train = ScheduleConfig(rollouts=20, eval_every=10, eval_examples=256, eval_samples=4,
                            checkpoint_every=10)
     return dataclasses.replace(base, pretrain=TASK2_WARM_START, rl=rl, grid=grid, train=train,

@@ -71,11 +71,34 @@ def test_regime_needs_the_gap_and_an_interval_excluding_zero():
     assert chosen["lag"]["value"] == 32
     # no mismatch setting reaches the regime: the most degraded one, marked as outside it
     assert chosen["mismatch"] == {"value": "bf16", "in_regime": False,
-                                  "why": "no setting in the regime: the most degraded"}
+                                  "why": "no setting in the regime: the largest knob value"}
+    assert "lr" not in chosen  # no lr rows at all
     fixed = dataclasses.replace(config, grid=dataclasses.replace(
         config.grid, compare_staleness=4, compare_mismatch="off", compare_lag=-1))
     chosen = regime.choose_settings(fixed, list(rows.values()))
     assert chosen == {"staleness": {"value": 4, "why": "configured", "in_regime": False}}
+
+
+def test_lr_setting_counts_only_where_the_lag_is_what_hurts():
+    config = get_config("default")
+    base = [0.90, 0.88, 0.89, 0.91]
+    finals = {("lag", 1): base,
+              ("lr", (3.0, 1)): [0.89, 0.87, 0.88, 0.90],   # x3 alone: fine
+              ("lr", (10.0, 1)): [0.2, 0.3, 0.1, 0.2],      # x10 alone blows up
+              ("lr", (3.0, 8)): [0.6, 0.55, 0.58, 0.57],    # x3 with lag 8: in, lag's fault
+              ("lr", (10.0, 8)): [0.0, 0.0, 0.01, 0.0]}     # in, but x10 alone is too
+    rows = regime.regime_rows(config, _records(config, finals))
+    chosen = regime.choose_settings(config, rows)
+    assert chosen["lr"] == {"value": [3.0, 8], "in_regime": True,
+                            "why": "smallest knob value in the regime"}
+    cells = regime.phase2_cells(config, {"lr": chosen["lr"]})
+    lr = [c for c in cells if c.lr_scale != 1.0]
+    assert {(c.lag, c.lr_scale, c.correction) for c in lr} == {(8, 3.0, "none"), (8, 3.0, "sis")}
+    # the phase-1 cells of that setting are among them (same labels: reused, not rerun)
+    assert {c.label for c in regime.phase1_cells(config) if c.lr_scale == 3.0 and c.lag == 8
+            } <= {c.label for c in lr}
+    late = dataclasses.replace(config, grid=dataclasses.replace(config.grid, compare_lr="off"))
+    assert "lr" not in regime.choose_settings(late, rows)
 
 
 def test_phase2_cells_compare_only_none_and_sis_under_pure_lag():
@@ -90,7 +113,8 @@ def test_phase2_cells_compare_only_none_and_sis_under_pure_lag():
     assert {c.correction for c in stale} == set(grid.compare_corrections)
     assert {c.lag for c in stale} == {grid.compare_inner_lag}
     assert {c.seed for c in stale} == set(range(grid.compare_seeds)) and grid.compare_seeds >= 8
-    assert {c.algo for c in cells} == {"grpo", "dapo"}
+    assert {c.algo for c in cells if c.mismatch == "none"} == {"grpo", "dapo"}
+    assert {c.algo for c in cells if c.mismatch != "none"} == set(grid.compare_mismatch_algos)
     base = [c for c in cells if c.lag == 1 and c.staleness == 0 and c.mismatch == "none"]
     assert {c.correction for c in base} == {"none"} and len(base) == 2 * grid.compare_seeds
 

@@ -113,28 +113,40 @@ def regime_rows(config, records: dict[str, dict]) -> list[dict]:
 
 
 def choose_settings(config, rows: list[dict]) -> dict[str, dict]:
-    """The phase-2 settings by family ("staleness", "mismatch", "lag"): the configured one, else
-    the smallest knob value in the regime, else (outside the regime) the most degraded."""
+    """The phase-2 settings by family ("staleness", "mismatch", "lr", "lag"): the configured
+    one, else the smallest knob value in the regime, else (no setting of the family in the
+    regime) the largest knob value, the most off-policy. For "lr" only settings at N > 1
+    whose N = 1 run at the same scale is outside the regime count (the lag degrades them)."""
+    from configs.sis_regime import parse_lr_setting
+
     grid = config.grid
     fixed = {"staleness": grid.compare_staleness, "mismatch": grid.compare_mismatch,
-             "lag": grid.compare_lag}
+             "lr": grid.compare_lr, "lag": grid.compare_lag}
+    on_policy_lr = {r["value"][0]: r["in_regime"] for r in rows
+                    if r["family"] == "lr" and r["value"][1] == 1}
     out = {}
     for fam, want in fixed.items():
         if want in (-1, "off"):
             continue
         cands = [r for r in rows if r["family"] == fam and not (fam == "lag" and r["value"] == 1)]
+        if fam == "lr":
+            cands = [r for r in cands if r["value"][1] > 1]
         if want not in (0, "auto"):
-            match = [r for r in cands if r["value"] == want]
-            out[fam] = {"value": want, "why": "configured",
+            value = list(parse_lr_setting(want)) if fam == "lr" else want
+            match = [r for r in cands if r["value"] == value]
+            out[fam] = {"value": value, "why": "configured",
                         "in_regime": bool(match and match[0]["in_regime"])}
             continue
+        inside = [r for r in cands if r["in_regime"] and not (
+            fam == "lr" and on_policy_lr.get(r["value"][0], False))]
+        if fam == "lr" and not inside:
+            continue  # no lr setting where the lag is what hurts
         if not cands:
             continue
-        inside = [r for r in cands if r["in_regime"]]
-        pick = inside[0] if inside else min(cands, key=lambda r: r["diff"])
+        pick = inside[0] if inside else cands[-1]
         out[fam] = {"value": pick["value"], "in_regime": pick["in_regime"],
                     "why": ("smallest knob value in the regime" if inside else
-                            "no setting in the regime: the most degraded")}
+                            "no setting in the regime: the largest knob value")}
     return out
 
 
@@ -148,11 +160,14 @@ def phase2_cells(config, chosen: dict[str, dict]) -> list[Cell]:
     cells = [_cell(config, "lag", 1, algo=a, correction="none", seed=s)
              for a in grid.compare_algos for s in range(grid.compare_seeds)]
     for fam, pick in chosen.items():
-        corrs = [c for c in grid.compare_corrections if fam != "lag" or c in ("none", "sis")]
+        pure_lag = fam in ("lag", "lr")  # TIS / MIS / RS are identities under pure policy lag
+        corrs = [c for c in grid.compare_corrections if not pure_lag or c in ("none", "sis")]
         inner = grid.compare_inner_lag if fam in ("staleness", "mismatch") else 1
-        cells += [_cell(config, fam, pick["value"], algo=a, correction=c, seed=s,
-                        inner_lag=inner)
-                  for a in grid.compare_algos for c in corrs for s in range(grid.compare_seeds)]
+        algos = (grid.compare_mismatch_algos or grid.compare_algos) if fam == "mismatch" else (
+            grid.compare_algos)
+        value = tuple(pick["value"]) if fam == "lr" else pick["value"]
+        cells += [_cell(config, fam, value, algo=a, correction=c, seed=s, inner_lag=inner)
+                  for a in algos for c in corrs for s in range(grid.compare_seeds)]
     return cells
 
 
