@@ -13,6 +13,10 @@ One RL step = one rollout then N optimizer steps on it:
    equal and samples further generation batches (prompts and keys a pure function of
    (seed, rollout, generation batch); batch 0 is exactly the unfiltered rollout) until the
    rollout is full again (:mod:`jaxflow.rl.dynamic_sampling`).
+   ``rl.sampler`` picks the sampler (:mod:`jaxflow.rl.rollout`); with "engine" the G
+   responses of a prompt share its prefill and, with weight sync, the engine follows the
+   serving bf16 replica in place. Every token's sampling version is in the batch
+   (``versions``) and the step's ``sampler_version_min`` / ``_max`` metrics.
 2. Group-normalised advantages over the whole rollout batch.
 3. The batch is split into N mini-batches (policy lag N). Before the first update the trainer
    recomputes ``old_logp`` (and pi_old's top-K for SIS, and the frozen reference policy's

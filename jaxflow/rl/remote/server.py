@@ -10,6 +10,11 @@ ROLL to every rollout process, which sample together on the rollout job's global
 out on the mesh once per version and upcast to f32 there (exact), as the in-process
 ``SyncPublisher`` does, so the same replica bits, prompts and key give the same tokens.
 
+With ``rl.sampler=engine`` the worker's :class:`jaxflow.rollout.RolloutEngine` follows the
+replica in place (``engine.follow``: each step reads the replica's current bf16 leaves and
+version; no f32 copy is made), under the replica server's lock while it samples, and every
+token's version crosses with the batch.
+
 Only the control socket's thread (the main one) launches JAX programs; the replica server's
 threads only write numpy. The job ends when the trainer sends DONE, or exits 75 naming the
 trainer when none is connected for ``timeout_s``.
