@@ -41,7 +41,11 @@ MEDIUM = TransformerConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=4, 
 @dataclasses.dataclass(frozen=True)
 class ModelCase:
     """One model and its shapes: prompts of P = ``prompt_len`` tokens at most, answers of N =
-    ``max_new`` at most, ``slots`` rows, ``page_size`` tokens per KV page, ``pairs`` rounds."""
+    ``max_new`` at most, ``slots`` rows, ``page_size`` tokens per KV page, ``pairs`` rounds; the
+    engine's ``decode_steps`` per decode call and ``prefill_rows`` prompts per prefill call
+    (many steps / rows where host overhead dominates, as on the flagship's tiny model; one step
+    and few rows where compute dominates: a finished row idles for the rest of a call, and a
+    prefill call computes all its rows)."""
 
     name: str = "flagship"
     model: TransformerConfig = FLAGSHIP
@@ -50,9 +54,12 @@ class ModelCase:
     slots: int = 32
     page_size: int = 8
     pairs: int = 10
+    decode_steps: int = 8
+    prefill_rows: int = 32
 
     def __post_init__(self):
-        require_positive(self, "prompt_len", "max_new", "slots", "page_size", "pairs")
+        require_positive(self, "prompt_len", "max_new", "slots", "page_size", "pairs",
+                         "decode_steps", "prefill_rows")
         if self.prompt_len + self.max_new > self.model.max_seq_len:
             raise ValueError(f"{self.name}: prompt_len {self.prompt_len} + max_new {self.max_new} "
                              f"exceeds model.max_seq_len={self.model.max_seq_len}")
@@ -65,20 +72,19 @@ class Config:
     requests: int = 256  # sequences per case
     group_size: int = 8  # G of the grpo case
     cases: tuple[str, ...] = ("equal", "long_tail", "grpo")
+    run_flagship: bool = True  # False: the large model only
     flagship: ModelCase = ModelCase()
     large: ModelCase | None = ModelCase(name="large_100m", model=LARGE, prompt_len=16,
-                                        max_new=16, slots=32, page_size=8, pairs=10)
+                                        max_new=16, slots=32, page_size=8, pairs=10,
+                                        decode_steps=1, prefill_rows=8)
     tail_median_frac: float = 0.125  # long-tailed lengths: lognormal median / cap
     tail_sigma: float = 1.0  # ... and its log-std
     temperature: float = 1.0
-    prefill_rows: int = 32  # engine: prompts per prefill call
     prefill_calls: int = 2  # engine: prefill calls per step at most
-    decode_steps: int = 8  # engine: decode steps per call
     marl_chunk: int = 4  # MARL engine: decode steps between compactions
 
     def __post_init__(self):
-        require_positive(self, "requests", "group_size", "prefill_rows", "prefill_calls",
-                         "decode_steps", "marl_chunk")
+        require_positive(self, "requests", "group_size", "prefill_calls", "marl_chunk")
         bad = set(self.cases) - {"equal", "long_tail", "grpo"}
         if bad or not self.cases:
             raise ValueError(f"cases={self.cases}: valid: equal, long_tail, grpo (at least one)")
@@ -94,13 +100,17 @@ class Config:
 
     def models(self) -> tuple[ModelCase, ...]:
         """The model cases to run."""
-        return (self.flagship,) if self.large is None else (self.flagship, self.large)
+        models = ((self.flagship,) if self.run_flagship else ()) + (
+            () if self.large is None else (self.large,))
+        if not models:
+            raise ValueError("run_flagship=False and large=None: no model to run")
+        return models
 
 
 def _quick() -> Config:
     return Config(requests=64, flagship=ModelCase(max_new=32, slots=16, pairs=3),
                   large=ModelCase(name="medium_standin", model=MEDIUM, prompt_len=16, max_new=16,
-                                  slots=16, page_size=8, pairs=3))
+                                  slots=16, page_size=8, pairs=3, decode_steps=2, prefill_rows=8))
 
 
 get_config = Variants(quick=_quick, default=Config)

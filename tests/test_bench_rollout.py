@@ -82,8 +82,8 @@ def test_engine_equals_static_sampler_in_bench_setup():
                                vocab=23, median_frac=cfg.tail_median_frac, sigma=cfg.tail_sigma,
                                seed=1)
         engine = arms.EngineArm(graphdef, state, sampling, slots=4, page_size=4, prompt_len=6,
-                                prefill_rows=cfg.prefill_rows, prefill_calls=cfg.prefill_calls,
-                                decode_steps=cfg.decode_steps).run(w)
+                                prefill_rows=CASE.prefill_rows, prefill_calls=cfg.prefill_calls,
+                                decode_steps=CASE.decode_steps).run(w)
         static = arms.StaticArm(graphdef, state, sampling, 4).run(w)
         np.testing.assert_array_equal(engine.tokens, static.tokens)
         np.testing.assert_array_equal(engine.mask, static.mask)

@@ -156,8 +156,8 @@ def run_model(config, mc, run: RunContext) -> dict[str, Any]:
     sampling = sampling_config(mc.max_new, config.temperature)
     arms = {
         "engine": EngineArm(graphdef, state, sampling, slots=mc.slots, page_size=mc.page_size,
-                            prompt_len=mc.prompt_len, prefill_rows=config.prefill_rows,
-                            prefill_calls=config.prefill_calls, decode_steps=config.decode_steps),
+                            prompt_len=mc.prompt_len, prefill_rows=mc.prefill_rows,
+                            prefill_calls=config.prefill_calls, decode_steps=mc.decode_steps),
         "static": StaticArm(graphdef, state, sampling, mc.slots),
         "marl": MarlArm(mc.model, nnx.to_pure_dict(state), sampling, mc.slots, config.marl_chunk,
                         mc.prompt_len),
