@@ -1,8 +1,8 @@
 """bench_rollout: the paged rollout engine vs the static sampler and the MARL engine's compacting
 decode: useful tokens/s and peak KV bytes at equal slots and KV budget.
 
-    python -m jaxflow.run --exp=bench_rollout --variant=quick     # ~2-3 min on 2 cores
-    python -m jaxflow.run --exp=bench_rollout --variant=default   # flagship + ~100M shape
+    python -m jaxflow.run --exp=bench_rollout --variant=quick     # 64 sequences; 4.5M stand-in for the large shape
+    python -m jaxflow.run --exp=bench_rollout --variant=default   # flagship + ~100M shape, 256 sequences
     python -m jaxflow.run --exp=bench_rollout --set large=none    # the flagship only
 
 Cases (``requests`` sequences each): ``equal`` (every answer ``max_new`` tokens), ``long_tail``
