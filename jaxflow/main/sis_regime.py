@@ -245,6 +245,38 @@ def format_regime_table(rows: list[dict], baseline: float | None) -> str:
     return "\n".join(lines)
 
 
+def record_setting(rec: dict) -> str:
+    """A record's off-policy setting in the regime map's words, e.g. "k=4, N=4"."""
+    parts = []
+    if rec.get("lr_scale", 1.0) != 1.0:
+        parts.append(f"lr x{rec['lr_scale']:g}")
+    if rec["staleness"]:
+        parts.append(f"k={rec['staleness']}")
+    if rec["mismatch"] != "none":
+        parts.append(rec["mismatch"])
+    parts.append(f"N={rec['lag']}")
+    return ", ".join(parts)
+
+
+def format_compare(rows: list[dict], paired: list[dict]) -> str:
+    """Markdown: per (algo, setting, correction) the seed-mean final pass@1 and AUC, and the
+    paired correction-minus-none differences (95% t-interval, bootstrap)."""
+    diffs = {(p["algo"], record_setting(p), p["correction"]): p for p in paired}
+    lines = ["| algo | setting | correction | seeds | final pass@1 (sd) | AUC | SIS accept "
+             "(mb > 1) | final - none (95% t) | bootstrap | AUC - none (95% t) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (record_setting(r), r["algo"])):
+        d = diffs.get((r["algo"], record_setting(r), r["correction"]))
+        acc = "-" if r["accept_rate_later"] is None else f"{r['accept_rate_later']:.3f}"
+        tail = ("- | - | -" if d is None else
+                f"{d['final_diff']:+.3f} +- {d['final_half_width']:.3f} | [{d['final_boot'][0]:+.3f}, "
+                f"{d['final_boot'][1]:+.3f}] | {d['auc_diff']:+.3f} +- {d['auc_half_width']:.3f}")
+        lines.append(f"| {r['algo']} | {record_setting(r)} | {r['correction']} | {r['seeds']} | "
+                     f"{r['acc_mean']:.3f} ({r['acc_std']:.3f}) | {r['auc_mean']:.3f} | {acc} | "
+                     f"{tail} |")
+    return "\n".join(lines)
+
+
 def format_overheads(rows: list[dict]) -> str:
     """Markdown: wall-time ratio of each correction to none."""
     lines = ["| algo | mismatch | N | k | correction | pairs | rollout time / none's (median) "
@@ -332,8 +364,8 @@ def main(config, run: RunContext) -> dict:
     if run.is_primary:
         tables = "\n\n".join([
             format_regime_table(regime, regime[0]["final_mean"] if regime else None),
-            format_degradation(degraded), grid_runner.format_table(rows),
-            grid_runner.format_paired_table(paired), format_overheads(times)]) + "\n"
+            format_degradation(degraded), format_compare(rows, paired),
+            format_overheads(times)]) + "\n"
         (run.out_dir / "results.md").write_text(tables)
         run.info("results:\n" + tables)
         plot_regime_map(run.out_dir / "plots", regime, compared, chosen)
