@@ -164,6 +164,9 @@ class Config:
     #: here (cells are deterministic: the same label is the same run), so processes can split
     #: a study and one run can assemble it
     reuse: tuple[str, ...] = ()
+    #: run no cell: report the finished ones (own and ``reuse``d) as they are (an interrupted
+    #: study's tables; cells still missing are listed in the summary's ``missing``)
+    report_only: bool = False
 
     def __post_init__(self):
         size = self.rl.prompts_per_rollout * self.rl.group_size

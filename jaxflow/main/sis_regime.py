@@ -293,6 +293,9 @@ def _run_cells(cells, config, run, done, state, *, meshes, warm_params, initial)
         if cell.label in done:
             out.append(done[cell.label])
             continue
+        if config.report_only:
+            state["missing"].append(cell.label)
+            continue
         index = state["index"]
         state["index"] += 1
         record = grid_runner.run_cell(cell, index, config, run, meshes=meshes,
@@ -343,7 +346,7 @@ def main(config, run: RunContext) -> dict:
     initial = grid_runner.warm_start_accuracy(config, meshes, warm_params)
     run.info(f"warm start held-out pass@1 {initial[0]:.3f}, greedy {initial[1]:.3f}")
     # a cell's global step is its position in the run (resumed cells keep theirs via labels)
-    state = {"index": len(done)}
+    state = {"index": len(done), "missing": []}
     kw = dict(meshes=meshes, warm_params=warm_params, initial=initial)
     records = _run_cells(first, config, run, done, state, **kw)
     by_label = {r["label"]: r for r in records}
@@ -353,6 +356,8 @@ def main(config, run: RunContext) -> dict:
                                                    else None))
     run.info(f"phase 2 settings: {chosen}")
     second = _run_cells(phase2_cells(config, chosen), config, run, done, state, **kw)
+    if state["missing"]:
+        run.info(f"report_only: {len(state['missing'])} cells not run (summary['missing'])")
     compared = list({r["label"]: r for r in second}.values())
     paired = grid_runner.paired_differences(compared)
     rows = grid_runner.aggregate(compared)
@@ -373,7 +378,7 @@ def main(config, run: RunContext) -> dict:
         "task": config.task_name,
         "regime": regime, "chosen": chosen, "compare": rows, "paired": paired,
         "control_degradation": degraded, "overheads": times, "pass_at_1": grid_runner.pass_at_1_definition(config),
-        "roles": roles, "cells_run": len(done),
+        "roles": roles, "cells_run": len(done), "missing": state["missing"],
         "warm_start": {"cache": cache_dir(config.pretrain, config.cache_root).name,
                        "pretrain_heldout_accuracy": pre_summary.get("heldout_accuracy"),
                        "heldout_accuracy": initial[0], "heldout_greedy_accuracy": initial[1]},
