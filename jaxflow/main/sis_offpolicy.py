@@ -214,7 +214,6 @@ def aggregate(records: list[dict]) -> list[dict]:
             "clip_fraction": avg("clip_fraction"),
             "d_original": avg("d_original"),
             "sis_accept_expected": avg("sis_accept_expected"),
-            "rollout_seconds_median": avg("rollout_seconds_median"),
             "reward_first": avg("reward_first"),
             "reward_last": avg("reward_last"),
             "reward_last5": avg("reward_last5"),
