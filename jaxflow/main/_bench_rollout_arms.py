@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.marl import engine as marl_engine
-from jaxflow.models.sampler import LogitsHook, SamplingConfig, make_decoder, make_sampler
+from jaxflow.models.sampler import LogitsHook, SamplingConfig, make_sampler
 from jaxflow.rollout import EngineConfig, RolloutEngine
 from jaxflow.rollout.pages import pages_for
 
@@ -180,23 +180,6 @@ class StaticArm:
             kv_bytes_per_token(model_cfg)
 
 
-@functools.lru_cache(maxsize=16)
-def _hooked_marl_functions(graphdef, config: SamplingConfig, hook: LogitsHook):
-    """``jaxflow.marl.engine._functions`` with a logits hook (the MARL engine takes none)."""
-    dec = make_decoder(graphdef, config, per_row_keys=True, logits_hook=hook)
-
-    def prefill(state, prompts, lengths, keys):
-        return dec.prefill(state, prompts, lengths, keys)
-
-    def decode(state, carry, lengths, keys, t0, n_steps):
-        return dec.decode(state, carry, lengths, keys, None, t0, n_steps)
-
-    def gather(tree, idx):
-        return jax.tree.map(lambda x: x[idx], tree)
-
-    return jax.jit(prefill), jax.jit(decode, static_argnums=5), jax.jit(gather)
-
-
 class MarlArm:
     """``jaxflow.marl.engine.RolloutEngine.sample`` (compaction between ``chunk``-step decode
     chunks) over waves of ``slots`` rows, its prefill / decode swapped for the hooked ones."""
@@ -216,7 +199,7 @@ class MarlArm:
     def run(self, w: Workload) -> ArmOutput:
         """Samples every sequence of ``w`` (host outputs)."""
         eng = self.engine
-        eng._prefill, eng._decode, eng._gather = _hooked_marl_functions(
+        eng._prefill, eng._decode, eng._gather = marl_engine._functions(
             eng.fns.graphdef, eng.config, w.hook)
         prompts, lengths = w.rows()
         keys = jax.device_put(w.keys, self.replicated)

@@ -82,10 +82,10 @@ def row_keys(key: jax.Array, n: int) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=32)
-def _functions(graphdef, config: SamplingConfig):
-    """Jitted prefill / chunked decode (the foundation sampler's, per-row keys) and a row
-    gather for compaction."""
-    dec = make_decoder(graphdef, config, per_row_keys=True)
+def _functions(graphdef, config: SamplingConfig, logits_hook=None):
+    """Jitted prefill / chunked decode (the foundation sampler's, per-row keys, optionally a
+    stateless ``LogitsHook``) and a row gather for compaction."""
+    dec = make_decoder(graphdef, config, per_row_keys=True, logits_hook=logits_hook)
 
     def prefill(state, prompts, lengths, keys):
         return dec.prefill(state, prompts, lengths, keys)
