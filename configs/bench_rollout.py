@@ -4,6 +4,12 @@ decode: useful tokens/s and peak KV bytes at equal slots and KV budget.
     python -m jaxflow.run --exp=bench_rollout --variant=quick     # 64 sequences; 4.5M stand-in for the large shape
     python -m jaxflow.run --exp=bench_rollout --variant=default   # flagship + ~100M shape, 256 sequences
     python -m jaxflow.run --exp=bench_rollout --set large=none    # the flagship only
+    python -m jaxflow.run --exp=bench_rollout --variant=full --compile-only --target=tpu-v5p:4x4x4
+
+``full`` runs the default's CPU cases and adds ``serve``, the production engine for
+``--compile-only``: one Qwen3-8B engine replica (``serve.model_parallel`` chips, K/V heads and
+weights tensor-parallel; a pod runs one such engine per group of chips), 256 slots of 4k tokens
+in 64-token pages, its prefill and decode programs compiled for the target's chips.
 
 Cases (``requests`` sequences each): ``equal`` (every answer ``max_new`` tokens), ``long_tail``
 (lognormal output lengths, median ``tail_median_frac * max_new``, log-std ``tail_sigma``, the
@@ -66,6 +72,35 @@ class ModelCase:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeCase:
+    """The production engine ``--compile-only`` compiles (variant ``full``): ``model`` (a
+    ``configs/hf`` name) on a mesh of ``model_parallel`` chips (weights and K/V heads over
+    "model"), ``slots`` sequences of ``prompt_len + max_new`` tokens in pages of ``page_size``,
+    a pool of exactly slots x pages_per_seq pages (+ the null page), ``prefill_rows`` x
+    ``prefill_chunk`` prefill calls, ``decode_steps`` per decode call, bf16 weights (the sync
+    replica), ``attention`` as EngineConfig; ``n_layers`` None: the model's (fewer: a quick
+    compile of the same widths, as the compile gate's tests do)."""
+
+    model: str = "qwen3-8b"
+    n_layers: int | None = None
+    model_parallel: int = 8
+    slots: int = 256
+    prompt_len: int = 1024
+    max_new: int = 3072
+    page_size: int = 64
+    prefill_rows: int = 8
+    prefill_chunk: int = 512
+    decode_steps: int = 1
+    attention: str = "auto"
+
+    def __post_init__(self):
+        require_positive(self, "model_parallel", "slots", "prompt_len", "max_new", "page_size",
+                         "prefill_rows", "prefill_chunk", "decode_steps")
+        if self.n_layers is not None:
+            require_positive(self, "n_layers")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
     devices: int | None = 1
@@ -82,6 +117,7 @@ class Config:
     temperature: float = 1.0
     prefill_calls: int = 2  # engine: prefill calls per step at most
     marl_chunk: int = 4  # MARL engine: decode steps between compactions
+    serve: ServeCase | None = None  # --compile-only's production engine (variant full)
 
     def __post_init__(self):
         require_positive(self, "requests", "group_size", "prefill_calls", "marl_chunk")
@@ -113,5 +149,9 @@ def _quick() -> Config:
                                   slots=16, page_size=8, pairs=3, decode_steps=2, prefill_rows=8))
 
 
-get_config = Variants(quick=_quick, default=Config)
+def _full() -> Config:
+    return Config(serve=ServeCase())
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full)
 VARIANTS = get_config.variants

@@ -377,3 +377,25 @@ def test_top_logprobs(split_model, prompts):
     np.testing.assert_array_equal(out.topk_logprobs[hit], np.broadcast_to(
         out.logprobs[..., None], hit.shape)[hit])
     assert (out.topk_logprobs[..., 0] >= out.logprobs).all()
+
+
+def test_engine_on_a_tensor_parallel_mesh(split_model, prompts):
+    """On a 2-device mesh (model 2) the pools hold each device's K/V heads only and the engine
+    samples what it samples on one device (tokens equal; log-probs within the tolerance:
+    the head-split projections sum in another order)."""
+    from jaxflow.mesh import make_mesh
+
+    graphdef, state = split_model
+    mesh = make_mesh({"model": 2}, jax.devices()[:2])
+    sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_id=EOS)
+    keys = _keys(len(LENGTHS) * 2, seed=11)
+    cfg = EngineConfig(slots=3, page_size=8, num_pages=40, prefill_chunk=5, max_seq_len=P + N,
+                       narrow_tables=False)
+    ref = RolloutEngine(graphdef, state, cfg, sampling).generate(prompts, LENGTHS, keys,
+                                                                  group_size=2)
+    eng = RolloutEngine(graphdef, state, cfg, sampling, mesh=mesh)
+    out = eng.generate(prompts, LENGTHS, keys, group_size=2)
+    _assert_same(out, ref)
+    for pool in eng.pools.k + eng.pools.v:  # [KVH=2, pages, S, D]: one head per device
+        assert pool.sharding.spec[0] == "model"
+        assert {s.data.shape[0] for s in pool.addressable_shards} == {1}

@@ -33,7 +33,9 @@ class Program:
     mesh: the mesh the program runs on (lowered under ``jax.set_mesh(mesh)``); kind: one of
     :data:`KINDS`; model_flops: analytic FLOPs of one call (training: 6 x params x tokens +
     attention) for the MFU estimate, since ``cost_analysis`` counts Pallas calls as ~0;
-    tokens: tokens (or rows) one call processes, for throughput; note: the sharding stated
+    model_bytes: analytic HBM bytes of one call over all devices (weights, KV cache read),
+    for the roofline's memory term, since ``cost_analysis`` counts a Pallas call's reads as ~0
+    and a loop body once; tokens: tokens (or rows) one call processes, for throughput; note: the sharding stated
     in words ("data 8 x model 8, TP over heads / mlp / vocab"); compiled / seconds: set by
     :func:`compile_ahead` when a later program's arguments are this one's outputs."""
 
@@ -45,6 +47,7 @@ class Program:
     kwargs: dict = dataclasses.field(default_factory=dict)
     model_flops: float | None = None
     tokens: int | None = None
+    model_bytes: float | None = None
     note: str = ""
     # an executable already compiled for the chip (:func:`compile_ahead`) and its
     # {"lower": s, "compile": s}: the compile step reuses it instead of compiling again

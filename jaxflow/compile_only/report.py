@@ -17,7 +17,9 @@ call as ~0 flops, and a ``while`` body once however often it runs - a decode loo
 as one scan - so the analytic count of :class:`~jaxflow.compile_only.program.Program`
 stands in where it is larger), bytes_accessed the compiler's HBM traffic (a lower bound for a
 program with loops: ``cost.bytes_lower_bound``, the trips in ``cost.loop_trips``; the
-roofline's memory term is then optimistic), collective_bytes the
+roofline's memory term is then optimistic) or the program's analytic ``model_bytes /
+n_devices`` where that is larger (a decode step's weights and paged KV reads, which a Pallas
+kernel hides from the cost analysis), collective_bytes the
 result bytes of the collectives in the HLO (:mod:`jaxflow.compile_only.hlo`), and the chip
 figures of :data:`pallas_kernels.targets.CHIPS`. Collectives are not overlapped with compute:
 the estimate is pessimistic there and optimistic everywhere else (perfect overlap of compute
@@ -40,8 +42,9 @@ from pallas_kernels import targets
 
 GiB = 2**30
 MiB = 2**20
-ROOFLINE_FORMULA = ("max(max(flops, model_flops / n_devices) / peak_flops, bytes_accessed / "
-                    "hbm_bandwidth) + collective_bytes / ici_bandwidth")
+ROOFLINE_FORMULA = ("max(max(flops, model_flops / n_devices) / peak_flops, max(bytes_accessed, "
+                    "model_bytes / n_devices) / hbm_bandwidth) + collective_bytes / "
+                    "ici_bandwidth")
 MFU_FORMULA = "(model_flops / n_devices / peak_flops) / roofline_seconds"
 _REQUIRED = re.compile(r"memory required for ([\w ]+?) \(([0-9.]+)([KMGT])?\) exceeds")
 _USED = re.compile(r"Used ([0-9.]+)([KMGT])? of ([0-9.]+)([KMGT])? hbm")
@@ -156,7 +159,8 @@ def program_entry(program, chip: targets.Chip, *, memory: Memory | None = None,
     flops, bytes_accessed, source = cost
     analytic = (program.model_flops or 0.0) / n
     used = max(flops, analytic)
-    line = roofline(used, bytes_accessed, hlo.collective_bytes, chip)
+    model_bytes = (getattr(program, "model_bytes", None) or 0.0) / n
+    line = roofline(used, max(bytes_accessed, model_bytes), hlo.collective_bytes, chip)
     fits = memory.total_bytes <= capacity
     entry.update(
         status="ok" if fits else "does_not_fit", error="", error_kind="",
@@ -164,7 +168,9 @@ def program_entry(program, chip: targets.Chip, *, memory: Memory | None = None,
                 "capacity_bytes": capacity, "fits": fits},
         cost={"flops": flops, "bytes_accessed": bytes_accessed, "source": source,
               "scope": "per device", "model_flops_per_device": analytic,
-              "roofline_flops": used, "loop_trips": list(hlo.loop_trips),
+              "roofline_flops": used, "model_bytes_per_device": model_bytes,
+              "roofline_bytes": max(bytes_accessed, model_bytes),
+              "loop_trips": list(hlo.loop_trips),
               "bytes_lower_bound": bool(hlo.loop_trips)},
         collectives=hlo.collectives, collective_bytes=hlo.collective_bytes,
         kernels={"pallas": hlo.pallas_kernels, "pallas_count": hlo.kernel_count,

@@ -190,3 +190,50 @@ def main(config, run: RunContext) -> dict[str, Any]:
     results["load_avg_end"] = list(os.getloadavg())
     run.write_json("results.json", results)
     return results
+
+
+def _serve(config):
+    from jaxflow.errors import UserError
+
+    if config.serve is None:
+        raise UserError("bench_rollout --compile-only compiles the `serve` engine: use "
+                        "--variant=full (or --set serve=ServeCase-fields)")
+    return config.serve
+
+
+def resolve_meshes(config, devices=None) -> dict:
+    """``{"rollout": mesh}``: one engine replica on the first ``serve.model_parallel`` devices
+    (axis "model"); a larger target runs one such engine per group of that many chips. Without
+    ``serve`` (the CPU benchmark) no mesh: the arms run on one device."""
+    from jaxflow.mesh import MeshError, make_mesh
+
+    if config.serve is None:
+        return {}
+    devices = list(jax.devices() if devices is None else devices)
+    tp = config.serve.model_parallel
+    if len(devices) < tp:
+        raise MeshError(f"serve.model_parallel={tp}: {len(devices)} devices present; the serve "
+                        f"engine needs {tp} (valid: serve.model_parallel in 1..{len(devices)})")
+    return {"rollout": make_mesh({"model": tp}, devices[:tp])}
+
+
+def compile_programs(config, meshes) -> list:
+    """``--compile-only``: the engine's prefill and decode programs
+    (:func:`jaxflow.rollout.programs.engine_programs`) for ``serve``'s model with bf16 weights
+    (SparseRL-Sync's replica) on ``meshes["rollout"]``."""
+    from jaxflow.models.architectures import shipped_config
+    from jaxflow.rollout import EngineConfig
+    from jaxflow.rollout.pages import pages_for
+    from jaxflow.rollout.programs import engine_programs
+
+    serve = _serve(config)
+    width = serve.prompt_len + serve.max_new
+    layers = {} if serve.n_layers is None else {"n_layers": serve.n_layers}
+    model = shipped_config(serve.model, max_seq_len=width, **layers)
+    engine = EngineConfig(slots=serve.slots, page_size=serve.page_size,
+                          num_pages=serve.slots * pages_for(width, serve.page_size) + 1,
+                          prefill_chunk=serve.prefill_chunk, prefill_rows=serve.prefill_rows,
+                          decode_steps=serve.decode_steps, max_seq_len=width,
+                          attention=serve.attention)
+    return engine_programs(model, meshes["rollout"], engine,
+                           sampling_config(serve.max_new, config.temperature), prompt_len=serve.prompt_len)

@@ -3,7 +3,9 @@
 :func:`grpo_programs` takes a constructed :class:`jaxflow.rl.grpo.GRPOTrainer` (constructing one
 allocates nothing: its jitted functions and shardings only) and returns the programs one RL
 step runs, each the trainer's own jitted function: pi_old's statistics and the update on the
-trainer mesh, the sampler (prefill + decode scan) on the rollout mesh, and SparseRL-Sync's
+trainer mesh, the sampler on the rollout mesh (the static prefill + decode scan, or with
+``rl.sampler=engine`` the paged engine's prefill and decode calls on bf16 weights:
+:func:`jaxflow.rollout.programs.engine_programs`), and SparseRL-Sync's
 device diff (cast + count over the whole tree, then the in-mesh compaction of the largest leaf)
 and the replica's scatter of that leaf's changes.
 """
@@ -83,11 +85,19 @@ def grpo_programs(trainer, *, prefix: str = "") -> list[Program]:
     state = worker._sampler_fns.nnx_state(worker.fns.abstract_params())
     rkey = _sds(key.shape, key.dtype, NamedSharding(rm, P()))
     sample_flops = 2.0 * n_params * rows * seq + 2.0 * model.n_layers * rows * seq * seq * d_attn
-    programs.append(Program(
-        prefix + "rollout/sample", worker._sample,
-        (state, _sds((rows, width), i32, rrow), _sds((rows,), i32, rrow), rkey), rm,
-        kind="sample", model_flops=sample_flops, tokens=rows * n,
-        note=note_r + f"; prefill + {n - 1}-step decode scan, {rows} sequences"))
+    if worker.spec.sampler == "engine":  # the paged engine's prefill and decode calls
+        from jaxflow.rollout.programs import engine_programs
+
+        engine_cfg = worker.spec.engine.engine_config(rows, width, n)
+        programs += engine_programs(worker._sampler_cfg, rm, engine_cfg, worker._sampling,
+                                    prompt_len=width, param_dtype=None,
+                                    prefix=prefix + "rollout/engine/")
+    else:
+        programs.append(Program(
+            prefix + "rollout/sample", worker._sample,
+            (state, _sds((rows, width), i32, rrow), _sds((rows,), i32, rrow), rkey), rm,
+            kind="sample", model_flops=sample_flops, tokens=rows * n,
+            note=note_r + f"; prefill + {n - 1}-step decode scan, {rows} sequences"))
     if trainer.sync_config is not None:
         programs += _sync_programs(params, fns.param_shardings, worker.param_shardings, tm, rm,
                                    prefix)

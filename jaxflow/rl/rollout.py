@@ -272,7 +272,8 @@ class RolloutWorker:
         if self.engine is None:
             cfg = self.spec.engine.engine_config(rows, self.prompt_width, self.spec.max_new_tokens)
             self.engine = RolloutEngine(self._sampler_cfg, params, cfg, self._sampling,
-                                        logit_noise_std=self._noise, version=version)
+                                        logit_noise_std=self._noise, version=version,
+                                        mesh=self.mesh)
         return self.engine
 
     def sample_engine(self, params: Any, prompts: np.ndarray, prompt_lengths: np.ndarray,

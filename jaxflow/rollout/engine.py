@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.errors import UserError
 from jaxflow.models.sampler import LogitsHook, SamplingConfig, _check_options
@@ -171,17 +172,23 @@ class RolloutEngine:
         (``init``) must be per row: every leaf [B, ...]. ``init`` runs when a sequence takes a
         slot, on its prompt [1, max_seq_len] right-padded; ``update`` after each real token.
       version: the version of ``params``.
+      mesh: run on this mesh (one tensor-parallel replica): K/V pools sharded over its "model"
+        axis by heads (:func:`jaxflow.rollout.model_step.pool_sharding`), ``auto`` attention
+        per shard; params as given (e.g. already on the mesh with the model's shardings; host
+        leaves are replicated). Decode rows are not split over other axes (they repeat the
+        work). None: the default device.
     """
 
     def __init__(self, model, params: Any, config: EngineConfig = EngineConfig(),
                  sampling: SamplingConfig = SamplingConfig(), *, logit_noise_std: float = 0.0,
-                 logits_hook: LogitsHook | None = None, version: int = 0):
+                 logits_hook: LogitsHook | None = None, version: int = 0,
+                 mesh: Mesh | None = None):
         _check_options(sampling, logit_noise_std, logits_hook)
         if logits_hook is not None and logits_hook.update is not None and logits_hook.init is None:
             raise RolloutConfigError("logits_hook with update but no init: the engine keeps a "
                                      "per-row hook state, which init creates")
         self.graphdef, model_cfg, template = _graphdef_and_config(model)
-        self.config, self.sampling = config, sampling
+        self.config, self.sampling, self.mesh = config, sampling, mesh
         self._template = params if isinstance(params, nnx.State) else template
         if self._template is None:
             raise TypeError("params as a pure dict need the model as a TransformerConfig or "
@@ -206,10 +213,11 @@ class RolloutEngine:
                                 attention=config.attention, interpret=config.interpret,
                                 top_logprobs=config.top_logprobs,
                                 logit_noise_std=float(logit_noise_std), logits_hook=logits_hook,
-                                vocab_size=model_cfg.vocab_size)
+                                vocab_size=model_cfg.vocab_size, mesh=mesh)
         self.pools = empty_pools(n_layers=model_cfg.n_layers, n_kv_heads=model_cfg.n_kv_heads,
                                  num_pages=config.num_pages, page_size=config.page_size,
-                                 head_dim=model_cfg.head_dim, dtype=model_cfg.compute_dtype)
+                                 head_dim=model_cfg.head_dim, dtype=model_cfg.compute_dtype,
+                                 mesh=mesh)
         self.scheduler = Scheduler(slots=config.slots, page_size=config.page_size,
                                    num_pages=config.num_pages, pages_per_seq=width,
                                    prefill_chunk=config.prefill_chunk,
@@ -238,9 +246,11 @@ class RolloutEngine:
 
     def _as_state(self, params) -> nnx.State:
         """``params`` as an nnx.State of device arrays: jax leaves as they are (no copy), host
-        (numpy) leaves put on the device once here rather than on every step."""
-        params = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x),
-                              params)
+        (numpy) leaves put on the device (replicated on the mesh) once here rather than on
+        every step."""
+        where = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        params = jax.tree.map(
+            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x, where), params)
         if isinstance(params, nnx.State):
             return params
         state = jax.tree.map(lambda x: x, self._template)

@@ -13,6 +13,13 @@ Pool layout (the upstream paged-attention kernels'): per layer, keys and values
 ``[n_kv_heads, num_pages, page_size, head_dim]`` in the model's compute dtype; token t of a row
 lives in page ``page_table[t // page_size]`` at offset ``t % page_size``. Padding tokens and
 empty slots write to the null page 0 (never read unmasked).
+
+On a mesh (``make_steps(..., mesh=)``) the programs are :class:`jaxflow.mesh.MeshJit`: every
+trace runs under ``jax.set_mesh(mesh)`` (so ``auto`` attention runs the platform's kernel per
+shard in a ``shard_map``) and the pools stay sharded as :func:`pool_sharding` says: K/V heads
+over the "model" axis where it divides them (tensor parallelism: each device holds the pages of
+its own heads), page ids global. Decode rows are not split over other axes: an engine is one
+tensor-parallel replica (a data-parallel rollout runs one engine per data group).
 """
 
 from __future__ import annotations
@@ -23,8 +30,11 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxflow.models.attention import dot_product_attention
+from jaxflow.models.attention_backends import HEAD_AXIS
 from jaxflow.models.sampler import LogitsHook, SamplingConfig, _draw
 from jaxflow.models.transformer import Transformer
 from jaxflow.rollout.paged_attention import gather_pages, paged_attention
@@ -38,12 +48,24 @@ class Pools(NamedTuple):
     v: tuple[jax.Array, ...]
 
 
+def pool_sharding(mesh: Mesh, n_kv_heads: int) -> NamedSharding:
+    """The sharding of every K / V pool [KVH, P, S, D] on ``mesh``: K/V heads over the "model"
+    axis when it is larger than 1 and divides ``n_kv_heads``; otherwise replicated."""
+    tp = mesh.shape.get(HEAD_AXIS, 1)
+    return NamedSharding(mesh, P(HEAD_AXIS) if tp > 1 and n_kv_heads % tp == 0 else P())
+
+
 def empty_pools(*, n_layers: int, n_kv_heads: int, num_pages: int, page_size: int,
-                head_dim: int, dtype) -> Pools:
-    """All-zero pools (zeros, not garbage: a masked NaN would poison the products)."""
+                head_dim: int, dtype, mesh: Mesh | None = None) -> Pools:
+    """All-zero pools (zeros, not garbage: a masked NaN would poison the products); on ``mesh``
+    sharded as :func:`pool_sharding` (each device allocates only its shard)."""
     shape = (n_kv_heads, num_pages, page_size, head_dim)
-    return Pools(tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
-                 tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)))
+    if mesh is None:
+        zeros = functools.partial(jnp.zeros, shape, dtype)
+    else:
+        zeros = jax.jit(functools.partial(jnp.zeros, shape, dtype),
+                        out_shardings=pool_sharding(mesh, n_kv_heads))
+    return Pools(tuple(zeros() for _ in range(n_layers)), tuple(zeros() for _ in range(n_layers)))
 
 
 class DecodeOut(NamedTuple):
@@ -107,8 +129,16 @@ def _slots(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_s
 def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: int,
                attention: str = "auto", interpret: bool = False, top_logprobs: int = 0,
                logit_noise_std: float = 0.0, logits_hook: LogitsHook | None = None,
-               vocab_size: int = 0) -> Steps:
-    """The engine's programs for one model structure and sampling config (see Steps)."""
+               vocab_size: int = 0, mesh: Mesh | None = None) -> Steps:
+    """The engine's programs for one model structure and sampling config (see Steps); on
+    ``mesh``: MeshJit programs keeping the pools sharded (module docstring)."""
+
+    def placed(pools: Pools) -> Pools:
+        if mesh is None:
+            return pools
+        sharding = pool_sharding(mesh, pools.k[0].shape[0])
+        return jax.lax.with_sharding_constraint(pools, Pools(*(
+            (sharding,) * len(pools.k) for _ in range(2))))
 
     def prefill(state, pools: Pools, tokens, start, n_valid, page_table):
         model: Transformer = nnx.merge(graphdef, state)
@@ -132,7 +162,7 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
             x = x + block.mlp(block.mlp_norm(x))
             new_k.append(kp)
             new_v.append(vp)
-        return Pools(tuple(new_k), tuple(new_v))
+        return placed(Pools(tuple(new_k), tuple(new_v)))
 
     def one_step(model: Transformer, pools: Pools, tokens, lengths, page_table, keys, t, live,
                  hook_state):
@@ -165,7 +195,7 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
             hook_state = jax.tree.map(  # rows without a real token keep their state
                 lambda new, old: jnp.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
                 new_state, hook_state)
-        return Pools(tuple(new_k), tuple(new_v)), out, hook_state
+        return placed(Pools(tuple(new_k), tuple(new_v))), out, hook_state
 
     def decode(state, pools: Pools, tokens, lengths, page_table, key_data, t, remaining,
                n_steps: int, hook_state=None):
@@ -197,9 +227,14 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
     def copy_pages(pools: Pools, src, dst):
         def one(pool):
             return pool.at[:, dst].set(pool[:, src])
-        return Pools(tuple(map(one, pools.k)), tuple(map(one, pools.v)))
+        return placed(Pools(tuple(map(one, pools.k)), tuple(map(one, pools.v))))
 
-    return Steps(jax.jit(prefill, donate_argnums=1),
-                 jax.jit(decode, donate_argnums=(1, 9), static_argnums=8),
-                 jax.jit(copy_pages, donate_argnums=0),
-                 jax.jit(init_hook_rows, donate_argnums=0))
+    jitted = Steps(jax.jit(prefill, donate_argnums=1),
+                   jax.jit(decode, donate_argnums=(1, 9), static_argnums=8),
+                   jax.jit(copy_pages, donate_argnums=0),
+                   jax.jit(init_hook_rows, donate_argnums=0))
+    if mesh is None:
+        return jitted
+    from jaxflow.mesh import MeshJit
+
+    return Steps(*(MeshJit(fn, mesh) for fn in jitted))
