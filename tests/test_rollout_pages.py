@@ -37,7 +37,9 @@ def _request(prompt_len, group, max_new):
 
 
 def _finish(sched, seq, eos=7):
-    """Feeds one decode call in which ``seq`` draws eos."""
+    """Feeds one decode call (row i = slot i) in which ``seq`` draws eos."""
+    sched.decode_rows = list(sched.slots)
+
     class Out:
         live = np.zeros((1, len(sched.slots)), bool)
         token = np.zeros((1, len(sched.slots)), np.int32)
@@ -91,3 +93,35 @@ def test_single_sequence_fits_a_pool_of_one_maximal_sequence():
     sched.assign_slots()
     assert sched.take_copies() == [] and sched.slots[0] is req.sequences[0]
     assert _finish(sched, req.sequences[0]) == [req] and sched.pages.in_use == 0
+
+
+def test_decode_and_prefill_rows_follow_the_sequences_in_flight():
+    """bucket_rows: a decode call carries the running sequences packed in slot order, padded to
+    the next power of two; a prefill call the prompts being prefilled, likewise; by_slot (a
+    per-slot hook state) or bucket_rows=False: every slot / prefill row."""
+    sched = Scheduler(slots=8, page_size=4, num_pages=80, pages_per_seq=8, prefill_chunk=16,
+                      prefill_rows=4)
+    reqs = [_request(5, 1, max_new=6) for _ in range(3)]
+    for r in reqs:
+        sched.add(r)
+    sched.admit()
+    batch, tokens, *_ = sched.prefill_batch()
+    assert len(batch) == 3 and tokens.shape == (4, 16)  # 3 prompts -> 4 rows (of at most 4)
+    sched.finish_prefill(batch)
+    sched.assign_slots()
+    tokens, lengths, table, *_ , remaining = sched.decode_batch(0, (2,), 1)
+    assert tokens.shape == (4,) and list(remaining) == [6, 6, 6, 0]
+    assert sched.decode_rows[:3] == [r.sequences[0] for r in reqs]
+    _finish(sched, reqs[0].sequences[0])  # slot 0 frees; slots 1 and 2 run on
+    tokens, *_ = sched.decode_batch(0, (2,), 1)
+    assert tokens.shape == (2,) and sched.decode_rows == [reqs[1].sequences[0],
+                                                          reqs[2].sequences[0]]
+    assert sched.decode_batch(0, (2,), 1, by_slot=True)[0].shape == (8,)
+    assert sched.decode_rows[0] is None and sched.decode_rows[1] is reqs[1].sequences[0]
+    fixed = Scheduler(slots=8, page_size=4, num_pages=80, pages_per_seq=8, prefill_chunk=16,
+                      prefill_rows=4, bucket_rows=False)
+    fixed.add(_request(5, 1, max_new=6))
+    fixed.admit()
+    assert fixed.prefill_batch()[1].shape == (4, 16)
+    assert [fixed.row_count(n, 8) for n in (1, 3, 8)] == [8, 8, 8]
+    assert [sched.row_count(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]

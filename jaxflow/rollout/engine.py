@@ -68,6 +68,11 @@ class EngineConfig:
       narrow_tables: page tables only as wide as the call's longest row needs (the next power
         of two pages): attention reads what the rows hold, at up to log2(pages_per_seq) + 1
         compiled widths per program. False: always pages_per_seq wide (one shape each).
+      bucket_rows: decode calls carry only the running sequences and prefill calls only the
+        prompts being prefilled, each padded to the next power of two (at most ``slots`` /
+        ``prefill_rows``; up to log2 + 1 compiled row counts per program), so a call's work
+        follows the sequences in flight. False: always ``slots`` / ``prefill_rows`` rows. A
+        logits hook with per-row state decodes all slots (its state is kept per slot).
       decode_steps: decode steps per decode call (one host round trip); a sequence that ends
         inside a call idles for the rest of it, and its slot is refilled after the call.
       max_seq_len: the longest sequence (prompt + new tokens) a row can hold; its page table
@@ -87,6 +92,7 @@ class EngineConfig:
     prefill_calls: int = 2
     decode_steps: int = 1
     narrow_tables: bool = True
+    bucket_rows: bool = True
     max_seq_len: int | None = None
     attention: str = "auto"
     interpret: bool = False
@@ -135,7 +141,7 @@ class EngineOutput(RequestOutput):
 @dataclasses.dataclass
 class EngineStats:
     """Counters since construction: decode / prefill calls, row-steps executed by decode calls
-    (slots x decode_steps per call), tokens generated, page copies, peak pages in use."""
+    (rows x decode_steps per call), tokens generated, page copies, peak pages in use."""
 
     decode_calls: int = 0
     prefill_calls: int = 0
@@ -222,7 +228,8 @@ class RolloutEngine:
                                    num_pages=config.num_pages, pages_per_seq=width,
                                    prefill_chunk=config.prefill_chunk,
                                    prefill_rows=config.prefill_rows,
-                                   narrow_tables=config.narrow_tables)
+                                   narrow_tables=config.narrow_tables,
+                                   bucket_rows=config.bucket_rows)
         self.hook_state = None
         if logits_hook is not None and logits_hook.init is not None:
             self.hook_state = self.steps.init_hook_rows(
@@ -353,13 +360,14 @@ class RolloutEngine:
         completed: list[Request] = []
         if sched.running():
             n_steps = self.config.decode_steps
-            args = sched.decode_batch(self.sampling.pad_id, self._key_shape, n_steps)
+            args = sched.decode_batch(self.sampling.pad_id, self._key_shape, n_steps,
+                                      by_slot=self.hook_state is not None)
             self.pools, out, self.hook_state = self.steps.decode(
                 self._state, self.pools, *args, n_steps, self.hook_state)
             out = jax.device_get(out)
             completed = sched.finish_decode(out, self.version, self.sampling.eos_id)
             self.stats.decode_calls += 1
-            self.stats.decode_row_steps += len(sched.slots) * n_steps
+            self.stats.decode_row_steps += len(args[0]) * n_steps
             self.stats.tokens += int(out.live.sum())
         self.stats.peak_pages = sched.pages.peak_in_use
         for req in completed:

@@ -79,11 +79,13 @@ class Scheduler:
     """FIFO admission, chunked prefill, slot assignment and page accounting (see module doc)."""
 
     def __init__(self, *, slots: int, page_size: int, num_pages: int, pages_per_seq: int,
-                 prefill_chunk: int, prefill_rows: int, narrow_tables: bool = True):
+                 prefill_chunk: int, prefill_rows: int, narrow_tables: bool = True,
+                 bucket_rows: bool = True):
         self.slots = [None] * slots
         self.page_size, self.width = page_size, pages_per_seq
         self.prefill_chunk, self.prefill_rows = prefill_chunk, prefill_rows
-        self.narrow_tables = narrow_tables
+        self.narrow_tables, self.bucket_rows = narrow_tables, bucket_rows
+        self.decode_rows: list = []  # the sequence of each row of the last decode batch
         self.pages = PageAllocator(num_pages)
         self.waiting: collections.deque = collections.deque()
         self.prefilling: collections.deque = collections.deque()
@@ -135,16 +137,17 @@ class Scheduler:
     def prefill_batch(self):
         """The next prefill call's inputs, or None: (requests, tokens [R, C] int32, start [R],
         n_valid [R], page_table [R, W] (W = :meth:`table_width` of the longest prefix)); one
-        chunk of each of the first R prefilling requests."""
+        chunk of each of the first ``prefill_rows`` prefilling requests, R = :meth:`row_count`
+        of them (rows past the requests are padding: n_valid 0)."""
         if not self.prefilling:
             return None
-        r, c = self.prefill_rows, self.prefill_chunk
+        batch = list(self.prefilling)[:self.prefill_rows]
+        r, c = self.row_count(len(batch), self.prefill_rows), self.prefill_chunk
         tokens = np.zeros((r, c), np.int32)
         start = np.zeros((r,), np.int32)
         n_valid = np.zeros((r,), np.int32)
-        table = np.full((r, self.width), NULL_PAGE, np.int32)
-        batch = list(self.prefilling)[:r]
-        table = table[:, :self.table_width(max(len(req.prefix_pages) for req in batch))]
+        width = self.table_width(max(len(req.prefix_pages) for req in batch))
+        table = np.full((r, width), NULL_PAGE, np.int32)
         for i, req in enumerate(batch):
             n = min(c, req.prefix_len - req.prefilled)
             tokens[i, :n] = req.prompt[req.prefilled:req.prefilled + n]
@@ -226,6 +229,13 @@ class Scheduler:
             return self.width
         return min(self.width, 1 << max(0, pages - 1).bit_length())
 
+    def row_count(self, n: int, cap: int) -> int:
+        """Rows of a call carrying ``n`` sequences (or prompts) at most ``cap``: the next power
+        of two (a few compiled shapes, log2(cap) + 1) with ``bucket_rows``; else ``cap``."""
+        if not self.bucket_rows:
+            return cap
+        return min(cap, 1 << max(0, n - 1).bit_length())
+
     def free_slots(self) -> int:
         """Slots without a sequence."""
         return sum(s is None for s in self.slots)
@@ -234,17 +244,28 @@ class Scheduler:
         """Sequences in slots."""
         return [s for s in self.slots if s is not None]
 
-    def decode_batch(self, pad_id: int, key_shape: tuple[int, ...], n_steps: int):
-        """The next decode call's inputs for every slot, allocating the pages its ``n_steps``
-        steps may write: tokens [B], lengths [B], page_table [B, W] (W = :meth:`table_width`
-        of the longest row), key_data [B, ...], t [B], remaining [B] (0 for empty slots)."""
-        b = len(self.slots)
+    def decode_batch(self, pad_id: int, key_shape: tuple[int, ...], n_steps: int, *,
+                     by_slot: bool = False):
+        """The next decode call's inputs, allocating the pages its ``n_steps`` steps may write:
+        tokens [B], lengths [B], page_table [B, W] (W = :meth:`table_width` of the longest
+        row), key_data [B, ...], t [B], remaining [B] (0 for padding rows). Rows: the running
+        sequences packed in slot order, B = :meth:`row_count` of them (``bucket_rows``), or
+        with ``by_slot`` (or without ``bucket_rows``) row i = slot i, B = slots (a per-slot
+        logits-hook state needs that). ``decode_rows`` holds each row's sequence (None: empty)."""
+        if by_slot or not self.bucket_rows:
+            rows = list(self.slots)
+        else:
+            running = self.running()
+            rows = running + [None] * (self.row_count(len(running), len(self.slots))
+                                       - len(running))
+        self.decode_rows = rows
+        b = len(rows)
         tokens = np.full((b,), pad_id, np.int32)
         lengths = np.ones((b,), np.int32)
         key_data = np.zeros((b,) + key_shape, np.uint32)
         t = np.zeros((b,), np.int32)
         remaining = np.zeros((b,), np.int32)
-        for i, seq in enumerate(self.slots):
+        for i, seq in enumerate(rows):
             if seq is None:
                 continue
             left = seq.request.max_new_tokens - len(seq.tokens)
@@ -255,20 +276,20 @@ class Scheduler:
             tokens[i], lengths[i], t[i] = seq.next_token, seq.length, len(seq.tokens)
             remaining[i] = left
             key_data[i] = seq.key_data
-        width = self.table_width(max((len(s.pages) for s in self.slots if s is not None),
-                                     default=1))
+        width = self.table_width(max((len(s.pages) for s in rows if s is not None), default=1))
         table = np.full((b, width), NULL_PAGE, np.int32)
-        for i, seq in enumerate(self.slots):
+        for i, seq in enumerate(rows):
             if seq is not None:
                 table[i] = page_table_row(seq.pages, width)
         return tokens, lengths, table, key_data, t, remaining
 
     def finish_decode(self, out, version: int, eos_id: int | None) -> list[Request]:
-        """Records a decode call's draws (host DecodeOut, fields [n, B, ...]); retires finished
-        sequences. Returns the requests completed by this call."""
+        """Records a decode call's draws (host DecodeOut, fields [n, B, ...], rows as
+        ``decode_rows``); retires finished sequences. Returns the requests completed by this
+        call."""
         completed = []
         counts = out.live.sum(axis=0)
-        for i, seq in enumerate(self.slots):
+        for i, seq in enumerate(self.decode_rows):
             if seq is None:
                 continue
             c = int(counts[i])
@@ -282,7 +303,7 @@ class Scheduler:
             req = seq.request
             if seq.tokens[-1] == eos_id or len(seq.tokens) == req.max_new_tokens:
                 seq.done = True
-                self.slots[i] = None
+                self.slots[seq.slot] = None
                 self.pages.release(seq.pages)
                 self.pages.unreserve(seq.budget)
                 seq.pages, seq.budget = [], 0
