@@ -14,10 +14,13 @@ Modules, one idea each:
 * ``scheduler``: requests (a prompt and its G sequences), FIFO admission, chunked prefill of
   each prompt ONCE per group, slot assignment with copy-on-write of the prompt's partial last
   page (the full pages are shared by reference count), retirement at EOS / max_new_tokens.
-* ``model_step``: the three jitted programs at fixed shapes (prefill chunk, decode of
-  ``decode_steps`` steps, page copy), the static sampler's arithmetic over the paged pool.
+* ``model_step``: the jitted programs (prefill chunk, decode of ``decode_steps`` steps, page
+  copy), the static sampler's arithmetic over the paged pool; rows bucketed to powers of two
+  (``bucket_rows``); on a mesh, pools sharded by K/V heads over "model".
 * ``paged_attention``: decode attention over the pool by backend (XLA gather on CPU, the
   upstream Pallas kernels on TPU / GPU).
+* ``programs``: the engine's prefill and decode programs with abstract arguments for
+  ``--compile-only`` (``bench_rollout --variant=full``; the flagship with ``rl.sampler=engine``).
 * ``engine``: :class:`RolloutEngine` (``generate``; streaming ``add_request`` / ``step`` /
   ``result``; ``update_weights`` / ``follow(replica)`` for SparseRL-Sync's bf16 replica, with a
   weights version recorded per token).

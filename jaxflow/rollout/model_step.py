@@ -1,7 +1,9 @@
 """The engine's jitted device programs over a paged KV pool: prefill chunk, decode step, page copy.
 
-Every program has one fixed shape per engine (``prefill_rows x prefill_chunk`` tokens, ``slots``
-decode rows, ``slots`` page copies), so an engine compiles three programs whatever its traffic.
+The programs take whatever row count and page-table width the scheduler gives them: at most
+``prefill_rows x prefill_chunk`` tokens and ``slots`` decode rows, in powers of two with
+``EngineConfig.bucket_rows`` / ``narrow_tables`` (a few compiled shapes per program), or
+exactly those (one shape each) without.
 
 The arithmetic is the static sampler's (:func:`jaxflow.models.sampler.make_decoder`): the same
 projections, RoPE, masked attention (:func:`jaxflow.models.attention.dot_product_attention` over
