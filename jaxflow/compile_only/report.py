@@ -159,7 +159,7 @@ def program_entry(program, chip: targets.Chip, *, memory: Memory | None = None,
     flops, bytes_accessed, source = cost
     analytic = (program.model_flops or 0.0) / n
     used = max(flops, analytic)
-    model_bytes = (getattr(program, "model_bytes", None) or 0.0) / n
+    model_bytes = (program.model_bytes or 0.0) / n
     line = roofline(used, max(bytes_accessed, model_bytes), hlo.collective_bytes, chip)
     fits = memory.total_bytes <= capacity
     entry.update(

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.marl import engine as marl_engine
 from jaxflow.models.sampler import LogitsHook, SamplingConfig, make_sampler
 from jaxflow.rollout import EngineConfig, RolloutEngine
-from jaxflow.rollout.pages import pages_for
+from jaxflow.rollout.pages import pages_for, pool_pages
 
 EOS_ID, PAD_ID = 2, 0
 FIRST_PROMPT_TOKEN = 3  # prompt tokens are drawn from [3, vocab): no PAD / BOS / EOS
@@ -225,7 +225,7 @@ class EngineArm:
         self.graphdef, self.state, self.sampling = graphdef, state, sampling
         max_len = prompt_len + sampling.max_new_tokens
         self.config = EngineConfig(
-            slots=slots, page_size=page_size, num_pages=1 + slots * pages_for(max_len, page_size),
+            slots=slots, page_size=page_size, num_pages=pool_pages(slots, max_len, page_size),
             prefill_chunk=prompt_len, prefill_rows=prefill_rows, prefill_calls=prefill_calls,
             decode_steps=decode_steps, max_seq_len=max_len, attention="xla")
         self.last: RolloutEngine | None = None

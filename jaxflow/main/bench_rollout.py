@@ -223,7 +223,7 @@ def compile_programs(config, meshes) -> list:
     (SparseRL-Sync's replica) on ``meshes["rollout"]``."""
     from jaxflow.models.architectures import shipped_config
     from jaxflow.rollout import EngineConfig
-    from jaxflow.rollout.pages import pages_for
+    from jaxflow.rollout.pages import pool_pages
     from jaxflow.rollout.programs import engine_programs
 
     serve = _serve(config)
@@ -231,9 +231,10 @@ def compile_programs(config, meshes) -> list:
     layers = {} if serve.n_layers is None else {"n_layers": serve.n_layers}
     model = shipped_config(serve.model, max_seq_len=width, **layers)
     engine = EngineConfig(slots=serve.slots, page_size=serve.page_size,
-                          num_pages=serve.slots * pages_for(width, serve.page_size) + 1,
+                          num_pages=pool_pages(serve.slots, width, serve.page_size),
                           prefill_chunk=serve.prefill_chunk, prefill_rows=serve.prefill_rows,
                           decode_steps=serve.decode_steps, max_seq_len=width,
                           attention=serve.attention)
-    return engine_programs(model, meshes["rollout"], engine,
-                           sampling_config(serve.max_new, config.temperature), prompt_len=serve.prompt_len)
+    sampling = sampling_config(serve.max_new, config.temperature)
+    return engine_programs(model, meshes["rollout"], engine, sampling,
+                           prompt_len=serve.prompt_len)

@@ -4,7 +4,7 @@
 allocates nothing: its jitted functions and shardings only) and returns the programs one RL
 step runs, each the trainer's own jitted function: pi_old's statistics and the update on the
 trainer mesh, the sampler on the rollout mesh (the static prefill + decode scan, or with
-``rl.sampler=engine`` the paged engine's prefill and decode calls on bf16 weights:
+``rl.sampler=engine`` the paged engine's prefill and decode calls on the published weights:
 :func:`jaxflow.rollout.programs.engine_programs`), and SparseRL-Sync's
 device diff (cast + count over the whole tree, then the in-mesh compaction of the largest leaf)
 and the replica's scatter of that leaf's changes.

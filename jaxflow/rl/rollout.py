@@ -160,11 +160,11 @@ class EngineSettings:
         """The :class:`jaxflow.rollout.EngineConfig` for generation batches of ``rows``
         sequences, prompts ``prompt_width`` wide, ``max_new_tokens`` new tokens."""
         from jaxflow.rollout import EngineConfig
-        from jaxflow.rollout.pages import pages_for
+        from jaxflow.rollout.pages import pool_pages
 
         width = prompt_width + max_new_tokens
         slots = rows if self.slots is None else self.slots
-        num_pages = (slots * pages_for(width, self.page_size) + 1 if self.num_pages is None
+        num_pages = (pool_pages(slots, width, self.page_size) if self.num_pages is None
                      else self.num_pages)
         return EngineConfig(slots=slots, page_size=self.page_size, num_pages=num_pages,
                             prefill_chunk=self.prefill_chunk or prompt_width,

@@ -21,7 +21,8 @@ trace runs under ``jax.set_mesh(mesh)`` (so ``auto`` attention runs the platform
 shard in a ``shard_map``) and the pools stay sharded as :func:`pool_sharding` says: K/V heads
 over the "model" axis where it divides them (tensor parallelism: each device holds the pages of
 its own heads), page ids global. Decode rows are not split over other axes: an engine is one
-tensor-parallel replica (a data-parallel rollout runs one engine per data group).
+tensor-parallel replica, and on a mesh with other axes (e.g. "data") every group along them
+repeats the same work.
 """
 
 from __future__ import annotations

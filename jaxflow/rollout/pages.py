@@ -111,6 +111,18 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def pool_pages(sequences: int, tokens: int, page_size: int) -> int:
+    """Pages of a pool holding ``sequences`` sequences of ``tokens`` tokens, plus the null page
+    (the KV budget of a static cache [sequences, tokens] + one page)."""
+    return sequences * pages_for(tokens, page_size) + 1
+
+
+def bucket(n: int, cap: int) -> int:
+    """The next power of two >= ``n``, at most ``cap``: a call's row count or page-table width
+    from a few compiled shapes (log2(cap) + 1)."""
+    return min(cap, 1 << max(0, n - 1).bit_length())
+
+
 def page_table_row(pages, width: int) -> np.ndarray:
     """[width] int32: ``pages`` then the null page."""
     row = np.full((width,), NULL_PAGE, np.int32)

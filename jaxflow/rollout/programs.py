@@ -21,21 +21,18 @@ from jaxflow.models.sampler import SamplingConfig
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rollout.engine import EngineConfig
 from jaxflow.rollout.model_step import Pools, make_steps, pool_sharding
-from jaxflow.rollout.pages import pages_for
+from jaxflow.rollout.pages import bucket, pages_for
 
 __all__ = ["engine_figures", "engine_programs"]
 
 
-def _table_width(pages: int, width: int) -> int:
-    return min(width, 1 << max(0, pages - 1).bit_length())
-
-
 def engine_figures(model: TransformerConfig, mesh: Mesh, config: EngineConfig,
-                   param_dtype=jnp.bfloat16) -> dict:
+                   param_dtype=jnp.bfloat16, *, n_params: int | None = None) -> dict:
     """Per-device sizes of an engine on ``mesh``: ``kv_bytes_per_token`` (all layers, K and V),
     ``pool_bytes`` (the whole pool) and ``pool_bytes_per_device`` (its head shard),
-    ``weights_bytes`` / ``weights_bytes_per_device`` (``param_dtype`` leaves over the
-    tensor-parallel axis), ``max_seq_len`` and ``pages_per_seq``."""
+    ``n_params`` (counted from the model when not given), ``weights_bytes`` /
+    ``weights_bytes_per_device`` (``param_dtype`` leaves over the tensor-parallel axis),
+    ``max_seq_len`` and ``pages_per_seq``."""
     max_len = config.max_seq_len or model.max_seq_len
     itemsize = jnp.dtype(model.compute_dtype).itemsize
     per_token = 2 * model.n_layers * model.n_kv_heads * model.head_dim * itemsize
@@ -43,8 +40,9 @@ def engine_figures(model: TransformerConfig, mesh: Mesh, config: EngineConfig,
     heads_here = pool_sharding(mesh, model.n_kv_heads).shard_shape(
         (model.n_kv_heads, 1, 1, 1))[0]
     tp = mesh.shape.get("model", 1)
-    weights = _n_params(model) * jnp.dtype(param_dtype).itemsize
-    return {"kv_bytes_per_token": per_token, "pool_bytes": pool,
+    n_params = _n_params(model) if n_params is None else n_params
+    weights = n_params * jnp.dtype(param_dtype).itemsize
+    return {"kv_bytes_per_token": per_token, "pool_bytes": pool, "n_params": n_params,
             "pool_bytes_per_device": pool * heads_here // model.n_kv_heads,
             "weights_bytes": weights, "weights_bytes_per_device": weights // tp,
             "max_seq_len": max_len, "pages_per_seq": pages_for(max_len, config.page_size)}
@@ -86,7 +84,8 @@ def engine_programs(model: TransformerConfig, mesh: Mesh, config: EngineConfig,
     steps = make_steps(fns.graphdef, sampling, page_size=config.page_size,
                        attention=config.attention, top_logprobs=config.top_logprobs,
                        vocab_size=model.vocab_size, mesh=mesh)
-    fig = engine_figures(model, mesh, config, param_dtype)
+    n_params = count_params(params)
+    fig = engine_figures(model, mesh, config, param_dtype, n_params=n_params)
     width = fig["pages_per_seq"]
     pool = sds((model.n_kv_heads, config.num_pages, config.page_size, model.head_dim),
                model.compute_dtype, pool_sharding(mesh, model.n_kv_heads))
@@ -94,14 +93,13 @@ def engine_programs(model: TransformerConfig, mesh: Mesh, config: EngineConfig,
     rep = NamedSharding(mesh, P())
     i32 = jnp.int32
     key_shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
-    n_params = _n_params(model)
     d_attn = model.n_heads * model.head_dim
     note = mesh_note(mesh) + (f"; {fig['pool_bytes_per_device'] / 2**30:.2f} GiB of KV pool "
                               f"and {fig['weights_bytes_per_device'] / 2**30:.2f} GiB of "
                               f"{jnp.dtype(param_dtype).name} weights per device")
 
     r, c = config.prefill_rows, config.prefill_chunk
-    pw = _table_width(pages_for(prompt_len, config.page_size), width)
+    pw = bucket(pages_for(prompt_len, config.page_size), width)
     prefill_tokens = r * c
     prefill = Program(
         prefix + "prefill", steps.prefill,

@@ -27,7 +27,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxflow.rollout.pages import NULL_PAGE, PageAllocator, page_table_row, pages_for
+from jaxflow.rollout.pages import NULL_PAGE, PageAllocator, bucket, page_table_row, pages_for
 
 
 @dataclasses.dataclass(eq=False)
@@ -225,16 +225,12 @@ class Scheduler:
         two, at most ``pages_per_seq``. Attention then reads the pages the rows hold rather than
         a whole maximal sequence, at a few compiled shapes (log2(pages_per_seq) + 1).
         ``pages_per_seq`` without ``narrow_tables``."""
-        if not self.narrow_tables:
-            return self.width
-        return min(self.width, 1 << max(0, pages - 1).bit_length())
+        return bucket(pages, self.width) if self.narrow_tables else self.width
 
     def row_count(self, n: int, cap: int) -> int:
         """Rows of a call carrying ``n`` sequences (or prompts) at most ``cap``: the next power
         of two (a few compiled shapes, log2(cap) + 1) with ``bucket_rows``; else ``cap``."""
-        if not self.bucket_rows:
-            return cap
-        return min(cap, 1 << max(0, n - 1).bit_length())
+        return bucket(n, cap) if self.bucket_rows else cap
 
     def free_slots(self) -> int:
         """Slots without a sequence."""
