@@ -2,7 +2,6 @@
 rollout sub-mesh, TCP over loopback, tensorstore file kvstore)."""
 
 import json
-import socket
 
 import jax
 import numpy as np
@@ -81,13 +80,15 @@ def test_tcp_killed_transfer_keeps_version_and_next_sync_recovers(server):
     sender.publish(trees[0])
     data = sender.plan(0)[0]
     before = server.replica.digest()
-    with socket.create_connection(server.address, timeout=5) as sock:  # dies mid-payload
-        sock.sendall(tcp.HEADER.pack(b"DATA", len(data)) + data[: len(data) // 2])
-    with socket.create_connection(server.address, timeout=5) as sock:  # corrupt payload
+    with tcp.Channel.connect(server.address, kinds=tcp.KINDS, timeout_s=5) as ch:  # dies mid-payload
+        ch.sock.sendall(tcp.HEADER.pack(b"DATA", len(data)) + data[: len(data) // 2])
+    with tcp.Channel.connect(server.address, kinds=tcp.KINDS, timeout_s=5) as ch:  # corrupt payload
         bad = bytearray(data)
         bad[len(bad) // 2] ^= 0xFF
-        tcp.send_frame(sock, b"DATA", bad)
-        kind, body = tcp.recv_frame(sock)
+        ch.send(b"VERQ")
+        assert ch.recv()[0] == b"VERS"
+        ch.send(b"DATA", bad)
+        kind, body = ch.recv()
         assert kind == b"ERR " and json.loads(body)["version"] == 0
     assert link.status() == (0, before)
     assert any("closed after" in e for e in server.errors)

@@ -2,7 +2,6 @@
 expects and one bad peer never stops it serving the others; the storage channel recovers from
 a damaged manifest by itself."""
 
-import socket
 import threading
 import time
 
@@ -41,15 +40,17 @@ def test_default_frame_cap_is_the_replicas_expected_payload_size(server):
 
 def test_huge_frame_refused_before_allocation_and_server_keeps_serving(server):
     before = server.replica.digest()
-    with socket.create_connection(server.address, timeout=5) as sock:
-        sock.sendall(tcp.HEADER.pack(b"DATA", (1 << 34) - 1))
-        assert sock.recv(1) == b""  # the server hung up on this peer
+    with tcp.Channel.connect(server.address, kinds=tcp.KINDS, timeout_s=5) as ch:
+        ch.send(b"VERQ")
+        assert ch.recv()[0] == b"VERS"  # authenticated: the payload limit applies
+        ch.sock.sendall(tcp.HEADER.pack(b"DATA", (1 << 34) - 1))
+        assert ch.sock.recv(1) == b""  # the server hung up on this peer
     assert server.errors[-1] == repr(tcp.FrameError(
         f"DATA frame of {(1 << 34) - 1} bytes exceeds max_payload_bytes="
         f"{server.max_payload_bytes}"))
-    with socket.create_connection(server.address, timeout=5) as sock:  # control frames too
-        sock.sendall(tcp.HEADER.pack(b"VERQ", tcp.CONTROL_BYTES + 1))
-        assert sock.recv(1) == b""
+    with tcp.Channel.connect(server.address, kinds=tcp.KINDS, timeout_s=5) as ch:  # control too
+        ch.sock.sendall(tcp.HEADER.pack(b"VERQ", tcp.CONTROL_BYTES + 1))
+        assert ch.sock.recv(1) == b""
     assert "VERQ frame of" in server.errors[-1] and "exceeds the VERQ limit" in server.errors[-1]
     sender = SyncSender(trainer_tree(), codec="auto")
     sender.publish(trajectory(1)[0])
@@ -61,9 +62,9 @@ def test_stalled_peer_does_not_block_the_others(server):
     sender = SyncSender(trainer_tree(), codec="entropy")
     sender.publish(trajectory(1)[0])
     data = sender.plan(0)[0]
-    stalled = socket.create_connection(server.address, timeout=5)
+    stalled = tcp.Channel.connect(server.address, kinds=tcp.KINDS, timeout_s=5)
     try:  # announces a payload, sends half, then stalls with the connection open
-        stalled.sendall(tcp.HEADER.pack(b"DATA", len(data)) + data[: len(data) // 2])
+        stalled.sock.sendall(tcp.HEADER.pack(b"DATA", len(data)) + data[: len(data) // 2])
         t0 = time.monotonic()
         assert sender.sync(TcpLink(*server.address, timeout_s=5)) == (1, sender.digest())
         assert time.monotonic() - t0 < 4  # well before the server's 5 s timeout ended it

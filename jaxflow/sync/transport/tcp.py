@@ -1,7 +1,12 @@
 """TCP transport: a ReplicaServer holds a Replica; a TcpLink on the trainer syncs it.
 
-Frames are ``kind (4 bytes) | length (u64 LE) | body``. One sync is one connection::
+Frames are ``kind (4 bytes) | length (u64 LE) | body | MAC`` (``jaxflow.sync.transport.frames``:
+a hello each way first, then every frame carries an HMAC of the job's secret over the two
+nonces, the link's session, the direction, the sequence number and the frame; a peer without
+the secret is answered DENY and dropped before anything it sent is parsed, and its first frame
+may not exceed ``CONTROL_BYTES``). One sync is one connection::
 
+    link -> server   HELO <nonce, session>      server -> link  HELO <nonce>
     link -> server   VERQ                       server -> link  VERS {"version", "digest"}
     link -> server   DATA <payload>  (repeat)   server -> link  ACK  {"version", "digest"}
                                                           or    ERR  {"error", "version"}
@@ -15,6 +20,10 @@ connection is served on its own thread (replica updates serialised by a lock), a
 one peer sends (a bad frame, a stall, an exception) ends only that peer's connection. A
 connection that dies mid-DATA leaves the replica untouched (nothing is applied before the
 whole payload arrived and its checksum verified).
+
+Versions are bound to the session that wrote them (a link's random session id): a payload from
+another session is applied only when it is newer than the replica (``exclusive=True``, as the
+rollout job runs it: only from the session its control socket bound with ``bind``).
 
 Slow or silent peers cannot hold the server's slots (``jaxflow.sync.transport.tcp_guard``):
 a frame must be complete within ``frame_deadline_s`` of its first byte (plus its length at
@@ -35,74 +44,43 @@ import pathlib
 import pickle
 import select
 import socket
-import struct
 import sys
 import threading
 import time
 from typing import Callable, Mapping
 
+from jaxflow import job_auth
+from jaxflow.job_auth import TAG_BYTES, AuthError, FrameMac
 from jaxflow.sync import payload as payload_format
 from jaxflow.sync.diff import tree_layout
-from jaxflow.sync.payload import PayloadError
+from jaxflow.sync.payload import Payload, PayloadError
 from jaxflow.sync.replica import FRESH, Replica
-from jaxflow.sync.transport import tcp_guard
+from jaxflow.sync.transport import frames, tcp_guard
+from jaxflow.sync.transport.frames import CHUNK_BYTES, CONTROL_BYTES, HEADER, HELLO, HELLO_BYTES, Channel, FrameError
 from jaxflow.sync.transport.tcp_guard import DeadlineError, Peer, PeerTable
 
-HEADER = struct.Struct("<4sQ")
-CHUNK_BYTES = 1 << 20
-CONTROL_BYTES = 1 << 20  # VERQ / VERS / ACK / ERR bodies (small JSON)
-_ERROR_CHARS = 1 << 14  # an ERR frame carries at most this much of the error message
 KINDS = (b"VERQ", b"VERS", b"DATA", b"ACK ", b"ERR ")
-
-
-class FrameError(ConnectionError):
-    """A malformed or truncated frame."""
+_ERROR_CHARS = 1 << 14  # an ERR frame carries at most this much of the error message
 
 
 def send_frame(sock: socket.socket, kind: bytes, body: bytes | bytearray | memoryview = b"",
-               *, chunk_bytes: int = CHUNK_BYTES) -> None:
-    view = memoryview(body).cast("B")
-    sock.sendall(HEADER.pack(kind, view.nbytes))
-    for start in range(0, view.nbytes, chunk_bytes):
-        sock.sendall(view[start: start + chunk_bytes])
-
-
-def _recv_exact(sock: socket.socket, view: memoryview, chunk_bytes: int) -> None:
-    got = 0
-    while got < view.nbytes:
-        n = sock.recv_into(view[got: got + chunk_bytes])
-        if n == 0:
-            raise FrameError(f"connection closed after {got} of {view.nbytes} bytes")
-        got += n
+               *, chunk_bytes: int = CHUNK_BYTES, mac: FrameMac | None = None) -> None:
+    """One frame (``frames.send_frame``)."""
+    frames.send_frame(sock, kind, body, chunk_bytes=chunk_bytes, mac=mac)
 
 
 def recv_frame(sock: socket.socket, *, max_bytes: int | Mapping[bytes, int] = CONTROL_BYTES,
-               chunk_bytes: int = CHUNK_BYTES, kinds: tuple[bytes, ...] = KINDS
-               ) -> tuple[bytes, bytearray]:
-    """Reads one frame. ``max_bytes``: the largest body accepted, or a per-kind mapping
-    (kinds missing from it get ``CONTROL_BYTES``); checked before the body is allocated.
-    ``kinds``: the frame kinds accepted (another protocol on the same framing passes its own)."""
-    head = bytearray(HEADER.size)
-    _recv_exact(sock, memoryview(head), HEADER.size)
-    kind, length = parse_header(head, max_bytes, kinds)
-    body = bytearray(length)
-    _recv_exact(sock, memoryview(body), chunk_bytes)
-    return kind, body
+               chunk_bytes: int = CHUNK_BYTES, kinds: tuple[bytes, ...] = KINDS,
+               mac: FrameMac | None = None) -> tuple[bytes, bytearray]:
+    """Reads one frame of ``kinds`` (``frames.recv_frame``; default: the sync protocol's)."""
+    return frames.recv_frame(sock, max_bytes=max_bytes, chunk_bytes=chunk_bytes, kinds=kinds,
+                             mac=mac)
 
 
 def parse_header(head: bytes | bytearray, max_bytes: int | Mapping[bytes, int],
                  kinds: tuple[bytes, ...] = KINDS) -> tuple[bytes, int]:
-    """(kind, body length) of a frame header; FrameError for a kind not in ``kinds`` or a body
-    above ``max_bytes`` (as in :func:`recv_frame`)."""
-    kind, length = HEADER.unpack(head)
-    if kind not in kinds:
-        raise FrameError(f"unknown frame kind {kind!r}; valid: {kinds}")
-    limit = max_bytes.get(kind, CONTROL_BYTES) if isinstance(max_bytes, Mapping) else max_bytes
-    if length > limit:
-        what = "max_payload_bytes" if kind == b"DATA" else f"the {kind.decode().strip()} limit"
-        raise FrameError(f"{kind.decode().strip()} frame of {length} bytes exceeds {what}="
-                         f"{limit}")
-    return kind, length
+    """(kind, body length) of a frame header (``frames.parse_header``)."""
+    return frames.parse_header(head, max_bytes, kinds)
 
 
 _REPLY_FIELDS = {b"VERS": ("version", "digest"), b"ACK ": ("version", "digest"),
@@ -159,23 +137,32 @@ class ReplicaServer:
         is closed (default 30 s), so a peer trickling bytes cannot hold a slot.
       min_bytes_per_s: the slowest transfer the body allowance and eviction accept (default
         1 MiB/s).
+      secret: the job secret (default: ``jaxflow.job_auth.job_secret(host)``; a non-loopback
+        ``host`` without one is refused with an AuthError).
+      exclusive: payloads only from the session given to :meth:`bind` (the rollout job's
+        trainer); otherwise the first session binds and another one may only move the replica
+        to a newer version.
 
     ``errors`` lists, as ``repr`` strings, why each dropped connection ended (a
-    ``tcp_guard.DeadlineError`` for a slow, silent or evicted peer).
+    ``tcp_guard.DeadlineError`` for a slow, silent or evicted peer, an AuthError for a peer
+    without the secret).
     """
 
     def __init__(self, replica: Replica, *, host: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = 30.0, max_payload_bytes: int | None = None,
                  max_connections: int = 8, idle_timeout_s: float = tcp_guard.IDLE_TIMEOUT_S,
                  frame_deadline_s: float = tcp_guard.FRAME_DEADLINE_S,
-                 min_bytes_per_s: float = tcp_guard.MIN_BYTES_PER_S):
+                 min_bytes_per_s: float = tcp_guard.MIN_BYTES_PER_S, secret: bytes | None = None,
+                 exclusive: bool = False):
         tcp_guard.check_deadlines(idle_timeout_s, frame_deadline_s, min_bytes_per_s)
+        self._secret = job_auth.job_secret(host, secret)  # before anything listens
         if max_payload_bytes is None:
             treedef, _, specs = tree_layout(replica.params)
             max_payload_bytes = payload_format.max_payload_bytes(treedef, specs)
         self.replica, self.timeout_s, self.max_payload_bytes = replica, timeout_s, max_payload_bytes
         self.idle_timeout_s, self.frame_deadline_s = idle_timeout_s, frame_deadline_s
-        self.min_bytes_per_s = min_bytes_per_s
+        self.min_bytes_per_s, self.exclusive = min_bytes_per_s, exclusive
+        self.owner: bytes | None = None  # the session the replica's version is bound to
         self._limits = {b"DATA": int(max_payload_bytes)}
         self._peers = PeerTable(max_connections, min_bytes_per_s=min_bytes_per_s)
         self._sock = socket.create_server((host, port))
@@ -195,6 +182,10 @@ class ReplicaServer:
     def open_connections(self) -> int:
         """Connections being served now."""
         return len(self._peers)
+
+    def bind(self, session: bytes | None) -> None:
+        """Binds the replica's versions to ``session`` (call under ``lock``)."""
+        self.owner = session
 
     def start(self) -> "ReplicaServer":
         """Serve on a daemon thread; returns the server."""
@@ -243,9 +234,10 @@ class ReplicaServer:
         return json.dumps({"version": self.replica.version,
                            "digest": self.replica.digest()}).encode()
 
-    def _recv(self, peer: Peer) -> tuple[bytes, bytearray] | None:
-        """One frame within the idle limit and the frame deadline; None on a clean close
-        between frames."""
+    def _recv(self, peer: Peer, limits: int | Mapping[bytes, int], kinds: tuple[bytes, ...],
+              mac: FrameMac | None) -> tuple[bytes, bytearray] | None:
+        """One frame (and its MAC, verified) within the idle limit and the frame deadline;
+        None on a clean close between frames; AuthError (after a DENY) for a bad MAC."""
         head = memoryview(bytearray(HEADER.size))
         got = peer.recv_into(head, peer.quiet_since + self.idle_timeout_s, lambda: (
             f"idle connection: no frame within idle_timeout_s={self.idle_timeout_s:g}"),
@@ -260,46 +252,89 @@ class ReplicaServer:
                             f"first byte: {got} of {total} bytes, deadline frame_deadline_s="
                             f"{self.frame_deadline_s:g}{allowance}")
 
-        while got < HEADER.size:
-            n = peer.recv_into(head[got:], deadline, late(HEADER.size))
-            if n == 0:
-                raise FrameError(f"connection closed after {got} of {HEADER.size} header bytes")
-            got += n
-        kind, length = parse_header(head, self._limits)
+        def fill(view: memoryview) -> None:
+            nonlocal got
+            while got < view.nbytes:
+                n = peer.recv_into(view[got: got + CHUNK_BYTES], deadline, late(view.nbytes))
+                if n == 0:
+                    raise FrameError(f"connection closed after {got} of {view.nbytes} bytes")
+                got += n
+
+        fill(head)
+        kind, length = parse_header(head, limits, kinds)
         deadline += length / self.min_bytes_per_s
         allowance = f" + {length} body bytes at min_bytes_per_s={self.min_bytes_per_s:.0f}"
         body = bytearray(length)
-        view, got = memoryview(body), 0
-        while got < length:
-            n = peer.recv_into(view[got: got + CHUNK_BYTES], deadline, late(length))
-            if n == 0:
-                raise FrameError(f"connection closed after {got} of {length} bytes")
-            got += n
+        got = 0
+        fill(memoryview(body))
+        if mac is not None:
+            tag, got = bytearray(TAG_BYTES), 0
+            fill(memoryview(tag))
+            if not mac.verify(bytes(head), body, tag):
+                frames.deny(peer.conn)
+                raise AuthError(f"peer {job_auth.peer_name(peer.conn)}: {kind.decode().strip()} "
+                                "frame dropped unread, its MAC does not match this job's secret")
         return kind, body
+
+    def _hello(self, peer: Peer) -> FrameMac | None:
+        """The server side of the hello; the connection's MACs (None: closed before it)."""
+        frame = self._recv(peer, HELLO_BYTES, (HELLO,), None)
+        if frame is None:
+            return None
+        client_nonce, session = job_auth.parse_client_hello(frame[1])
+        nonce, hello = job_auth.server_hello()
+        peer.conn.settimeout(self.timeout_s)
+        send_frame(peer.conn, HELLO, hello)
+        self._peers.done_serving(peer)
+        return FrameMac(self._secret, client_nonce, nonce, session, client=False)
+
+    def _refusal(self, payload: Payload, session: bytes) -> str | None:
+        """Why a verified payload from ``session`` may not be applied (None: it may)."""
+        if self.exclusive and session != self.owner:
+            return (f"payload from session {session.hex()[:8]} refused: the replica takes "
+                    f"payloads only from the trainer session its control socket bound "
+                    f"({self.owner.hex()[:8] if self.owner else 'none yet'})")
+        if self.owner not in (None, session) and payload.version <= self.replica.version:
+            return (f"payload version {payload.version} from session {session.hex()[:8]} is "
+                    f"not newer than the replica's version {self.replica.version} written by "
+                    f"session {self.owner.hex()[:8]}: refused (versions are bound to their session)")
+        return None
+
+    def _data(self, body: bytearray, session: bytes) -> tuple[bytes, bytes]:
+        with self._lock:
+            try:
+                if self.exclusive or self.owner not in (None, session):
+                    refusal = self._refusal(Payload.from_bytes(body), session)
+                    if refusal is not None:
+                        raise PayloadError(refusal)
+                self.replica.receive(body)
+                self.owner = session
+                return b"ACK ", self._status()
+            except PayloadError as e:
+                return b"ERR ", json.dumps({"error": str(e)[:_ERROR_CHARS],
+                                            "version": self.replica.version}).encode()
 
     def _handle(self, peer: Peer) -> None:
         conn = peer.conn
-        while not self._stop.is_set():
-            frame = self._recv(peer)
+        mac = self._hello(peer)
+        authenticated = False
+        while mac is not None and not self._stop.is_set():
+            # until one frame verified, a frame may not exceed CONTROL_BYTES: a peer without
+            # the secret cannot make the server allocate a payload-sized buffer
+            frame = self._recv(peer, self._limits if authenticated else CONTROL_BYTES, KINDS, mac)
             if frame is None:
                 return  # clean close between frames
-            kind, body = frame
+            authenticated, (kind, body) = True, frame
             self._peers.start_serving(peer)
             conn.settimeout(self.timeout_s)
             if kind == b"VERQ":
                 with self._lock:
                     status = self._status()
-                send_frame(conn, b"VERS", status)
+                send_frame(conn, b"VERS", status, mac=mac)
             elif kind == b"DATA":
-                with self._lock:
-                    try:
-                        self.replica.receive(body)
-                        reply, status = b"ACK ", self._status()
-                    except PayloadError as e:
-                        reply, status = b"ERR ", json.dumps(
-                            {"error": str(e)[:_ERROR_CHARS], "version": self.replica.version}).encode()
+                reply, status = self._data(body, mac.session)
                 del body
-                send_frame(conn, reply, status)
+                send_frame(conn, reply, status, mac=mac)
             else:
                 raise FrameError(f"unexpected frame {kind!r} from the sender")
             self._peers.done_serving(peer)
@@ -308,23 +343,31 @@ class ReplicaServer:
 class TcpLink:
     """The trainer's side of one ReplicaServer. A reply that is not what the protocol says
     (not JSON, not an object, a version that is not an int, no digest) is a FrameError naming
-    this replica and the problem: it ends this sync only."""
+    this replica and the problem: it ends this sync only.
+
+    ``secret``: the job secret (default ``job_auth.job_secret(host)``); ``session``: the
+    session id every connection of this link presents (default: a new random one), to which
+    the replica binds the versions this link writes."""
 
     def __init__(self, host: str, port: int, *, timeout_s: float = 30.0,
-                 chunk_bytes: int = CHUNK_BYTES):
+                 chunk_bytes: int = CHUNK_BYTES, secret: bytes | None = None,
+                 session: bytes | None = None):
         self.address, self.timeout_s, self.chunk_bytes = (host, int(port)), timeout_s, chunk_bytes
+        self._secret = job_auth.job_secret(host, secret)
+        self.session = session or job_auth.new_session()
 
     @property
     def name(self) -> str:
         """``host:port`` of the replica."""
         return f"{self.address[0]}:{self.address[1]}"
 
-    def _connect(self) -> socket.socket:
-        return socket.create_connection(self.address, timeout=self.timeout_s)
+    def _connect(self) -> Channel:
+        return Channel.connect(self.address, kinds=KINDS, timeout_s=self.timeout_s,
+                               secret=self._secret, session=self.session)
 
-    def _ask(self, sock) -> tuple[int, str]:
-        send_frame(sock, b"VERQ")
-        kind, body = recv_frame(sock)
+    def _ask(self, channel: Channel) -> tuple[int, str]:
+        channel.send(b"VERQ")
+        kind, body = channel.recv()
         if kind != b"VERS":
             raise FrameError(f"replica {self.name}: expected VERS, got {kind!r}")
         status = parse_reply(kind, body, self.name)
@@ -332,16 +375,16 @@ class TcpLink:
 
     def status(self) -> tuple[int, str]:
         """Ask the replica for its (version, digest)."""
-        with self._connect() as sock:
-            return self._ask(sock)
+        with self._connect() as channel:
+            return self._ask(channel)
 
     def sync(self, plan: Callable[[int], list[bytes]]) -> tuple[int, str]:
         """Send ``plan(replica version)``'s payloads, each acknowledged; returns the new (version, digest)."""
-        with self._connect() as sock:
-            version, digest = self._ask(sock)
+        with self._connect() as channel:
+            version, digest = self._ask(channel)
             for data in plan(version):
-                send_frame(sock, b"DATA", data, chunk_bytes=self.chunk_bytes)
-                kind, body = recv_frame(sock)
+                channel.send(b"DATA", data, chunk_bytes=self.chunk_bytes)
+                kind, body = channel.recv()
                 if kind not in (b"ACK ", b"ERR "):
                     raise FrameError(f"replica {self.name}: expected ACK, got {kind!r}")
                 reply = parse_reply(kind, body, self.name)
@@ -352,8 +395,9 @@ class TcpLink:
             return version, digest
 
 
-__all__ = ["CHUNK_BYTES", "CONTROL_BYTES", "HEADER", "KINDS", "DeadlineError", "FrameError",
-           "ReplicaServer", "TcpLink", "parse_header", "parse_reply", "recv_frame", "send_frame"]
+__all__ = ["CHUNK_BYTES", "CONTROL_BYTES", "HEADER", "KINDS", "AuthError", "Channel",
+           "DeadlineError", "FrameError", "ReplicaServer", "TcpLink", "parse_header", "parse_reply",
+           "recv_frame", "send_frame"]
 
 
 def main(argv=None) -> None:
@@ -365,9 +409,19 @@ def main(argv=None) -> None:
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--idle-timeout-s", type=float, default=tcp_guard.IDLE_TIMEOUT_S)
     p.add_argument("--frame-deadline-s", type=float, default=tcp_guard.FRAME_DEADLINE_S)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--secret-file", help="the job secret (default: JAXFLOW_JOB_SECRET[_FILE], "
+                   "or this user's host secret on a loopback --host)")
     args = p.parse_args(argv)
+    try:
+        secret = job_auth.read_secret_file(args.secret_file) if args.secret_file else None
+        secret = job_auth.job_secret(args.host, secret)
+    except AuthError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     template = pickle.loads(pathlib.Path(args.template).read_bytes())
-    server = ReplicaServer(Replica(template, version=FRESH), timeout_s=args.timeout_s,
+    server = ReplicaServer(Replica(template, version=FRESH), host=args.host, secret=secret,
+                           timeout_s=args.timeout_s,
                            idle_timeout_s=args.idle_timeout_s,
                            frame_deadline_s=args.frame_deadline_s)
     tmp = pathlib.Path(args.port_file + ".tmp")
