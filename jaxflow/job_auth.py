@@ -81,6 +81,11 @@ def _checked(data: bytes, what: str) -> bytes:
     return data
 
 
+def secret_configured() -> bool:
+    """True when ``JAXFLOW_JOB_SECRET`` or ``JAXFLOW_JOB_SECRET_FILE`` is set."""
+    return bool(os.environ.get(SECRET_FILE_ENV) or os.environ.get(SECRET_ENV))
+
+
 def job_secret(host: str, secret: bytes | None = None) -> bytes:
     """The secret the sockets bound to or connecting to ``host`` use (module doc for the order).
 
@@ -235,7 +240,7 @@ def peer_name(sock: socket.socket) -> str:
 __all__ = ["AuthError", "FrameMac", "MIN_SECRET_BYTES", "SECRET_ENV", "SECRET_FILE_ENV",
            "TAG_BYTES", "client_hello", "host_secret", "is_loopback", "job_secret", "new_session",
            "parse_client_hello", "parse_server_hello", "peer_name", "read_secret_file",
-           "server_hello", "write_secret_file"]
+           "secret_configured", "server_hello", "write_secret_file"]
 
 
 def main(argv: list[str] | None = None) -> int:

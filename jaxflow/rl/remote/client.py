@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import socket
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -38,12 +37,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflow import job_auth
 from jaxflow.distributed import to_host
+from jaxflow.job_auth import AuthError
 from jaxflow.rl.remote import protocol as P
 from jaxflow.rl.rollout import RolloutBatch, RolloutSpec
 from jaxflow.rl.tasks import encode_prompts
 from jaxflow.sync.replica import SyncSender
-from jaxflow.sync.transport.tcp import FrameError, TcpLink, recv_frame, send_frame
+from jaxflow.sync.transport.frames import Channel, FrameError
+from jaxflow.sync.transport.tcp import TcpLink
 from jaxflow.sync.weight_sync import SyncConfig, SyncRecord
 
 
@@ -61,25 +63,26 @@ def _cast_bf16(params):
 
 
 class _Endpoint:
-    """One rollout process's control connection (reconnected on demand)."""
+    """One rollout process's authenticated control connection (reconnected on demand)."""
 
-    def __init__(self, host: str, port: int, io_timeout_s: float):
+    def __init__(self, host: str, port: int, io_timeout_s: float, secret: bytes, session: bytes):
         self.address, self.io_timeout_s = (host, port), io_timeout_s
-        self.sock: socket.socket | None = None
+        self.secret, self.session = secret, session
+        self.channel: Channel | None = None
 
     @property
     def name(self) -> str:
         return f"{self.address[0]}:{self.address[1]}"
 
     def send(self, kind: bytes, body: bytes = b"") -> None:
-        if self.sock is None:
-            self.sock = socket.create_connection(self.address, timeout=self.io_timeout_s)
-        send_frame(self.sock, kind, body)
+        if self.channel is None:
+            self.channel = Channel.connect(self.address, kinds=P.KINDS, timeout_s=self.io_timeout_s,
+                                           secret=self.secret, session=self.session)
+        self.channel.send(kind, body)
 
     def recv(self, max_bytes: int) -> tuple[bytes, bytearray]:
-        assert self.sock is not None
-        kinds = {k: max_bytes for k in P.KINDS}
-        kind, body = recv_frame(self.sock, max_bytes=kinds, kinds=P.KINDS)
+        assert self.channel is not None
+        kind, body = self.channel.recv({k: max_bytes for k in P.KINDS})
         if kind == b"ERR ":
             raise P.RolloutRefused(f"rollout {self.name}: {P.parse_json(body, self.name).get('error')}")
         return kind, body
@@ -90,9 +93,9 @@ class _Endpoint:
         return P.parse_json(reply, f"rollout {self.name}")
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
 
 class RemoteRollout:
@@ -105,18 +108,25 @@ class RemoteRollout:
       timeout_s: how long a silent endpoint is retried before RolloutLost.
       start_timeout_s: the same at the start (the rollout job may still be starting up).
       log: one-line messages (a lost endpoint, a reconnect).
+      secret: the job secret (default ``jaxflow.job_auth.job_secret`` of the first endpoint's
+        host). Every connection presents one random session id (``session``), which the
+        rollout job binds at RSET: only it may sync, roll and say DONE there.
     """
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], spec: RolloutSpec, task, tokenizer,
                  config: SyncConfig, *, timeout_s: float = 120.0, start_timeout_s: float = 900.0,
-                 io_timeout_s: float = 600.0, log: Callable[[str], None] = print):
+                 io_timeout_s: float = 600.0, log: Callable[[str], None] = print,
+                 secret: bytes | None = None):
         if not endpoints:
             raise ValueError("RemoteRollout needs at least one rollout endpoint")
+        self._secrets = {h: job_auth.job_secret(h, secret) for h, _ in endpoints}
+        self.session = job_auth.new_session()
         self.spec, self.task, self.tokenizer = spec, task, tokenizer
         self.config, self.timeout_s, self.log = config, timeout_s, log
         self.start_timeout_s = start_timeout_s
         self.primary = jax.process_index() == 0
-        self._endpoints = [_Endpoint(h, p, io_timeout_s) for h, p in endpoints] if self.primary else []
+        self._endpoints = [_Endpoint(h, p, io_timeout_s, self._secrets[h], self.session)
+                           for h, p in endpoints] if self.primary else []
         self._links: list[TcpLink] = []
         self.sender: SyncSender | None = None
         self._origin: str | None = None
@@ -134,6 +144,8 @@ class RemoteRollout:
         while True:
             try:
                 return fn()
+            except AuthError:
+                raise  # a wrong secret does not heal by waiting
             except (OSError, FrameError) as e:
                 if deadline is None:
                     deadline = time.monotonic() + limit
@@ -150,6 +162,8 @@ class RemoteRollout:
             try:
                 ep.ask(b"STAT")
                 pending.pop(0)
+            except AuthError:
+                raise
             except (OSError, FrameError):
                 ep.close()
                 if time.monotonic() > deadline:
@@ -164,7 +178,11 @@ class RemoteRollout:
         self._links = []
         for ep in self._endpoints:
             status = ep.ask(b"STAT")
-            self._links.append(TcpLink(ep.address[0], int(status["sync_port"]), timeout_s=60.0))
+            port = status.get("sync_port")
+            if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+                raise P.RolloutRefused(f"rollout {ep.name}: STAT sync_port {port!r} is not a port")
+            self._links.append(TcpLink(ep.address[0], port, timeout_s=60.0,
+                                       secret=ep.secret, session=self.session))
 
     def _reset_and_catch_up(self) -> list[dict]:
         body = P.json_body({"origin": self._origin, "version": self.sender.version})

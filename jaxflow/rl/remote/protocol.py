@@ -3,7 +3,8 @@
 Weights cross ONLY as SparseRL-Sync payloads (``jaxflow.sync.transport.tcp``: each rollout
 process runs a :class:`~jaxflow.sync.transport.tcp.ReplicaServer` holding its bf16 replica).
 Beside it each rollout process serves this small control protocol on its ``listen`` address,
-frames as in the sync transport (``kind (4 bytes) | length (u64 LE) | body``)::
+frames as in the sync transport (``jaxflow.sync.transport.frames``: a hello each way, then
+``kind (4 bytes) | length (u64 LE) | body | MAC`` under the job's secret, ``jaxflow.job_auth``)::
 
     trainer -> rollout   STAT                     rollout -> trainer  OK   {"sync_port", "version", ...}
     trainer -> rollout   RSET {"origin", "version"}                    OK   {"version", "reset"}
@@ -19,6 +20,12 @@ exactly ``version`` whose digest must be ``digest`` (else ERR): the rollout's to
 on the replica's bits, the prompts and the key. A BTCH body is a 4-byte little-endian header
 length, the JSON header (version, digest, array names / shapes / dtypes) and the arrays as an
 ``.npz``; the trainer checks every shape and dtype against what it asked for before using it.
+
+Only peers holding the job's secret are answered at all. The trainer's session (the random id
+its connections present) is bound by its RSET: only that session may ROLL or say DONE, and the
+replica server takes payloads only from it. Every request is checked field by field
+(:func:`parse_reset`, :func:`parse_roll`); a malformed one is an ERR reply, never the end of
+the job.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ import struct
 
 import numpy as np
 
+from jaxflow import job_auth
 from jaxflow.config import ConfigError
+from jaxflow.config_domains import POSITIVE, domains
 
 ROLES = ("local", "trainer", "rollout")
 #: frame kinds of the control protocol (the sync frames are the transport's own)
@@ -58,6 +67,7 @@ def parse_endpoint(text: str, what: str) -> tuple[str, int]:
     return host.strip("[]"), int(port_text)
 
 
+@domains(timeout_s=POSITIVE, start_timeout_s=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class RemoteConfig:
     """Where the flagship's roles run (``--set remote.role=...``).
@@ -92,15 +102,70 @@ class RemoteConfig:
             if not self.rollout.strip():
                 raise ConfigError("remote.role=trainer needs remote.rollout=HOST:PORT[,HOST:PORT...]"
                                   " (the rollout job's control addresses)")
-            self.endpoints()
+            for host, _ in self.endpoints():
+                _need_secret(host, "remote.rollout")
         if self.role == "rollout":
             if not self.listen.strip():
                 raise ConfigError("remote.role=rollout needs remote.listen=HOST:PORT")
-            parse_endpoint(self.listen, "remote.listen")
+            _need_secret(parse_endpoint(self.listen, "remote.listen")[0], "remote.listen")
 
     def endpoints(self) -> list[tuple[str, int]]:
         """The rollout processes' control addresses (trainer role)."""
         return [parse_endpoint(t, "remote.rollout") for t in self.rollout.split(",") if t.strip()]
+
+
+def _need_secret(host: str, what: str) -> None:
+    """ConfigError when ``host`` is not loopback and no job secret is configured."""
+    if not job_auth.is_loopback(host) and not job_auth.secret_configured():
+        raise ConfigError(f"{what} host {host!r} is not loopback and no job secret is set; valid:"
+                          f" --secret-file PATH or {job_auth.SECRET_ENV} (the same for both jobs),"
+                          " or a 127.0.0.1 address")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_reset(req: dict) -> tuple[str, int]:
+    """(origin, version) of an RSET request; RolloutRefused naming the bad field otherwise."""
+    origin, version = req.get("origin"), req.get("version", 0)
+    if not isinstance(origin, str) or len(origin) > 1024:
+        raise RolloutRefused(f"RSET origin {repr(origin)[:60]}: need a string of at most 1024 "
+                             "characters (the hex digest of the run's start)")
+    if not _is_int(version) or not 0 <= version < 2 ** 62:
+        raise RolloutRefused(f"RSET version {repr(version)[:60]}: need an int in [0, 2**62)")
+    return origin, version
+
+
+def parse_roll(req: dict, *, key_shape: tuple[int, ...], max_prompts: int
+               ) -> tuple[int, str, list[str], np.ndarray]:
+    """(version, digest, prompts, key data uint32[key_shape]) of a ROLL request, every field
+    checked: version an int >= 0, digest a string, prompts 1..``max_prompts`` strings, key
+    ints in [0, 2**32) of ``key_shape``. RolloutRefused naming the first bad field."""
+    missing = [k for k in ("version", "digest", "prompts", "key") if k not in req]
+    if missing:
+        raise RolloutRefused(f"ROLL request lacks {missing}; valid: version, digest, prompts, key")
+    version, digest, prompts, key = req["version"], req["digest"], req["prompts"], req["key"]
+    if not _is_int(version) or not 0 <= version < 2 ** 62:
+        raise RolloutRefused(f"ROLL version {repr(version)[:60]}: need an int in [0, 2**62)")
+    if not isinstance(digest, str) or len(digest) > 256:
+        raise RolloutRefused(f"ROLL digest {repr(digest)[:60]}: need a string (a tree digest)")
+    if not isinstance(prompts, list) or not 1 <= len(prompts) <= max_prompts:
+        raise RolloutRefused(f"ROLL prompts {repr(prompts)[:60]}: need a list of 1.."
+                             f"{max_prompts} strings")
+    bad = next((p for p in prompts if not isinstance(p, str)), None)
+    if bad is not None:
+        raise RolloutRefused(f"ROLL prompt {repr(bad)[:60]} is not a string (a "
+                             f"{type(bad).__name__}); valid: strings")
+    try:
+        flat = np.asarray(key, dtype=object)
+    except ValueError:  # a ragged list
+        flat = np.zeros((0,), object)
+    if flat.shape != tuple(key_shape) or not all(
+            _is_int(x) and 0 <= x < 2 ** 32 for x in flat.reshape(-1)):
+        raise RolloutRefused(f"ROLL key {repr(key)[:60]}: need ints in [0, 2**32) of shape "
+                             f"{list(key_shape)} (jax.random.key_data)")
+    return version, digest, prompts, flat.astype(np.uint32)
 
 
 def json_body(obj: dict) -> bytes:
@@ -152,4 +217,4 @@ def decode_batch(body, expected: dict[str, tuple[tuple[int, ...], str]], who: st
 
 
 __all__ = ["BATCH_FIELDS", "KINDS", "ROLES", "RemoteConfig", "RolloutLost", "RolloutRefused",
-           "decode_batch", "encode_batch", "parse_endpoint"]
+           "decode_batch", "encode_batch", "parse_endpoint", "parse_reset", "parse_roll"]
