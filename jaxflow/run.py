@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TensorBoard event files under RUN_DIR/tensorboard (default: on; "
                         "--resume: as the run had it)")
     p.add_argument("--wandb", metavar="PROJECT", help="also log metrics to this W&B project")
+    p.add_argument("--secret-file", metavar="PATH",
+                   help="the job secret its sockets authenticate with (jaxflow.job_auth; "
+                        "default: JAXFLOW_JOB_SECRET)")
     return p
 
 
@@ -145,6 +148,11 @@ def _check_flags(args) -> None:
             distributed.parse_coordinator(args.coordinator)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if args.secret_file is not None:  # checked here; every socket (and child) reads it from env
+        from jaxflow import job_auth
+
+        job_auth.read_secret_file(args.secret_file)
+        os.environ[job_auth.SECRET_FILE_ENV] = os.path.abspath(args.secret_file)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
