@@ -28,6 +28,10 @@ class SamplingConfig:
 
     temperature 0.0 means greedy. top_k 0 and top_p 1.0 mean "off"; when both are on,
     top-k is applied first and top-p to the renormalised top-k distribution.
+
+    Stopping: a row ends at ``eos_id``, or with ``eos_ids`` (every stop id, e.g. a chat
+    model's end-of-turn and end-of-text; ``eos_id`` is then ``eos_ids[0]`` or None) at any of
+    them. :attr:`stop_ids` is the tuple the samplers check.
     """
 
     max_new_tokens: int = 16
@@ -36,6 +40,7 @@ class SamplingConfig:
     top_p: float = 1.0
     eos_id: int | None = None
     pad_id: int = 0
+    eos_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -55,6 +60,34 @@ class SamplingConfig:
                              "int >= 0")
         if not isinstance(self.pad_id, int) or self.pad_id < 0:
             raise ValueError(f"SamplingConfig.pad_id={self.pad_id!r}: must be an int >= 0")
+        if self.eos_ids is not None:
+            if (not isinstance(self.eos_ids, tuple) or not self.eos_ids
+                    or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                           for i in self.eos_ids)):
+                raise ValueError(f"SamplingConfig.eos_ids={self.eos_ids!r}: must be None or a "
+                                 "non-empty tuple of ints >= 0")
+            if self.eos_id is not None and self.eos_id != self.eos_ids[0]:
+                raise ValueError(f"SamplingConfig.eos_id={self.eos_id!r} is not eos_ids[0]="
+                                 f"{self.eos_ids[0]}; valid: eos_id == eos_ids[0], or None")
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends a row: ``eos_ids``, else ``(eos_id,)``, else () (no stop)."""
+        if self.eos_ids is not None:
+            return self.eos_ids
+        return () if self.eos_id is None else (self.eos_id,)
+
+
+def is_stop(token: jax.Array, config: SamplingConfig) -> jax.Array | None:
+    """[...] bool: ``token`` is one of ``config.stop_ids``; None when the config has none (a
+    single id is the one comparison ``token == eos_id``)."""
+    ids = config.stop_ids
+    if not ids:
+        return None
+    hit = token == ids[0]
+    for i in ids[1:]:
+        hit = hit | (token == i)
+    return hit
 
 
 class SampleOutput(NamedTuple):
@@ -197,14 +230,15 @@ def mask_finished(token: jax.Array, logprob: jax.Array, done: jax.Array,
     """One decode step's bookkeeping for rows that already finished.
 
     token / logprob / done: [B]. Finished rows emit ``pad_id`` with log-prob 0; a row that
-    emits ``eos_id`` is finished from the next step on. Returns (token, logprob, live, done)
+    emits a stop id (``config.stop_ids``) is finished from the next step on. Returns (token, logprob, live, done)
     where ``live`` marks the rows whose token this step is real.
     """
     live = ~done
     token = jnp.where(live, token, config.pad_id)
     logprob = jnp.where(live, logprob, 0.0)
-    if config.eos_id is not None:
-        done = done | (token == config.eos_id)
+    stop = is_stop(token, config)
+    if stop is not None:
+        done = done | stop
     return token, logprob, live, done
 
 

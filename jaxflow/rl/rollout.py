@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -42,11 +43,20 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.config_domains import COUNT, domains
+from jaxflow.data.tokenizer import Tokenizer
 from jaxflow.distributed import put, to_host
 from jaxflow.models.sampler import SampleOutput, SamplingConfig, make_sampler
 from jaxflow.models.transformer import TransformerConfig
-from jaxflow.rl.tasks import Task, encode_prompts, score_completions
+from jaxflow.rl.tasks import (
+    TRUNCATED_REWARDS,
+    Task,
+    completion_tokens,
+    encode_prompts,
+    prompt_tokens,
+    score_completions,
+    stop_ids,
+)
 from jaxflow.train.lm_state import lm_functions
 
 SAMPLERS = ("static", "static_per_row", "engine")
@@ -118,6 +128,8 @@ def batch_sharding(mesh: Mesh, batch_size: int) -> NamedSharding:
     return NamedSharding(mesh, spec)
 
 
+@domains(slots=COUNT, page_size=COUNT, num_pages=COUNT, prefill_chunk=COUNT, prefill_rows=COUNT,
+         prefill_calls=COUNT, decode_steps=COUNT)
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
     """The rollout engine's shapes for ``sampler="engine"`` (``--set rl.engine.X=...``); see
@@ -175,8 +187,10 @@ class EngineSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSpec:
-    """What a rollout samples: G responses per prompt, temperature, length, mismatch knob,
-    which sampler (:data:`SAMPLERS`, module doc) and the engine's settings."""
+    """What a rollout samples: G responses per prompt, temperature, length (tokens), mismatch
+    knob, which sampler (:data:`SAMPLERS`, module doc), the engine's settings, and how a
+    response that hit ``max_new_tokens`` without an EOS is rewarded (``truncated_reward``:
+    "zero", or "score" it like the others; :func:`jaxflow.rl.tasks.score_with_truncation`)."""
 
     group_size: int = 8
     temperature: float = 1.0
@@ -184,8 +198,12 @@ class RolloutSpec:
     mismatch: str = "none"
     sampler: str = "static"
     engine: EngineSettings = EngineSettings()
+    truncated_reward: str = "zero"
 
     def __post_init__(self):
+        if self.truncated_reward not in TRUNCATED_REWARDS:
+            raise ValueError(f"truncated_reward={self.truncated_reward!r}; valid: "
+                             f"{', '.join(TRUNCATED_REWARDS)}")
         if not isinstance(self.group_size, int) or self.group_size < 2:
             raise ValueError(f"group_size={self.group_size!r}: need an int >= 2 (GRPO groups)")
         if not self.temperature > 0:
@@ -201,17 +219,21 @@ class RolloutWorker:
     """Samples and scores on the rollout sub-mesh; evaluates held-out greedy accuracy.
 
     Params passed in are pure dicts already on the rollout mesh (see
-    :func:`jaxflow.rl.publish.publish_weights`).
+    :func:`jaxflow.rl.publish.publish_weights`). Prompts are ``[BOS] prompt`` rows
+    ``prompt_tokens(task) + 1`` tokens wide; a row stops at any of ``tokenizer.eos_ids``.
+    ``last_reward_s``: host seconds the last :meth:`generate` spent scoring.
     """
 
     def __init__(self, model_cfg: TransformerConfig, mesh: Mesh, spec: RolloutSpec, task: Task,
-                 tokenizer: CharTokenizer):
+                 tokenizer: Tokenizer):
         self.mesh, self.spec, self.task, self.tokenizer = mesh, spec, task, tokenizer
         self.fns = lm_functions(model_cfg, mesh)  # f32: the policy itself (eval, shardings)
         kind, noise = parse_mismatch(spec.mismatch)
+        stops = stop_ids(tokenizer)
         sampling = SamplingConfig(max_new_tokens=spec.max_new_tokens,
-                                  temperature=spec.temperature, eos_id=tokenizer.eos_id,
-                                  pad_id=tokenizer.pad_id)
+                                  temperature=spec.temperature, eos_id=stops[0],
+                                  pad_id=tokenizer.pad_id,
+                                  eos_ids=stops if len(stops) > 1 else None)
         sampler_cfg = dataclasses.replace(model_cfg, dtype="bfloat16") if kind.startswith(
             "bf16") else model_cfg
         self._sampler_fns = lm_functions(sampler_cfg, mesh) if kind.startswith("bf16") else self.fns
@@ -228,10 +250,11 @@ class RolloutWorker:
         self.engine: Any = None  # the RolloutEngine (sampler="engine"), built at the first rollout
         self._following: Any = None  # the replica the engine follows (None: given params)
         greedy = dataclasses.replace(sampling, temperature=0.0,
-                                     max_new_tokens=task.max_completion_len + 1)
+                                     max_new_tokens=completion_tokens(task) + 1)
         self._greedy = make_sampler(self.fns.graphdef, greedy)
         self._eval_sample = make_sampler(self.fns.graphdef, sampling)
-        self.prompt_width = task.max_prompt_len + 1  # + BOS
+        self.prompt_width = prompt_tokens(task) + 1  # + BOS
+        self.last_reward_s = 0.0
         self._heldout: dict[tuple[int, int], tuple] = {}
 
     @property
@@ -322,7 +345,10 @@ class RolloutWorker:
             out = self.sample(params, prompts, lengths, key)
             tokens, mask, logp = (to_host(x) for x in (out.tokens, out.mask, out.logprobs))
             versions = stamp_versions(mask, version)
-        rewards = score_completions(self.task, self.tokenizer, texts, tokens)
+        start = time.perf_counter()
+        rewards = score_completions(self.task, self.tokenizer, texts, tokens,
+                                    truncated_reward=self.spec.truncated_reward)
+        self.last_reward_s = time.perf_counter() - start
         return RolloutBatch(prompts, lengths, np.asarray(tokens, np.int32),
                             np.asarray(mask, np.float32), np.asarray(logp, np.float32), rewards,
                             np.asarray(versions, np.int32))

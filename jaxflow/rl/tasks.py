@@ -31,13 +31,30 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from jaxflow.data.arithmetic import AdditionTask
-from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.data.tokenizer import Tokenizer, pad_token_lists
 from jaxflow.data.worked_addition import WorkedAdditionTask
+from jaxflow.errors import DataError
 
 
 @runtime_checkable
 class Task(Protocol):
-    """What the GRPO trainer needs from a verifiable task (all text, no tokens)."""
+    """What the GRPO trainer needs from a verifiable task (all text, no tokens).
+
+    Lengths: ``max_prompt_len`` / ``max_completion_len`` are in characters, which are tokens
+    for the character tokenizer; a task over a subword tokenizer also exposes
+    ``max_prompt_tokens`` (and ``max_completion_tokens`` for held-out greedy decoding), which
+    the rollout worker then uses instead (:func:`prompt_tokens`).
+
+    Two optional methods (not part of the protocol's check; used when present):
+
+    ``score_batch(prompts, completions, truncated) -> np.ndarray [B] float32``
+      scores one generation batch at once (``truncated`` [B] bool: the completion hit
+      ``max_new_tokens`` without an EOS); used instead of per-sample ``score``.
+    ``prompts_at(start, n, seed) -> list[str]``
+      the prompts at positions ``[start, start + n)`` of a seeded epoch-ordered stream; the
+      trainer then draws rollout r's prompts at ``start = r * prompts_per_gen_batch``, so the
+      position lives in the checkpointed rollout counter (resume continues mid-epoch).
+    """
 
     name: str
 
@@ -62,6 +79,31 @@ class Task(Protocol):
     def score(self, prompt: str, completion: str) -> float:
         """Reward in [0, 1] of ``completion`` (text after the prompt, EOS excluded)."""
         ...
+
+
+def check_task(task: object) -> Task:
+    """``task`` itself when it satisfies :class:`Task`; else a one-line TypeError naming the
+    missing members."""
+    if isinstance(task, Task):
+        return task
+    members = ("name", "max_prompt_len", "max_completion_len", "prompts", "heldout_prompts", "score")
+    missing = [m for m in members if not hasattr(task, m)]
+    raise TypeError(f"task {type(task).__name__} is not a jaxflow.rl.tasks.Task (missing: "
+                    f"{', '.join(missing) or '?'}); valid: an object with name, max_prompt_len, "
+                    "max_completion_len, prompts(rng, n), heldout_prompts(n) and score(prompt, "
+                    "completion), e.g. make_task('addition') or jaxflow.rl.dataset_task.DatasetTask")
+
+
+def prompt_tokens(task: Task) -> int:
+    """The longest prompt in tokens, BOS excluded: ``task.max_prompt_tokens`` when the task has
+    it, else ``max_prompt_len`` (characters = tokens of the character tokenizer)."""
+    return int(getattr(task, "max_prompt_tokens", None) or task.max_prompt_len)
+
+
+def completion_tokens(task: Task) -> int:
+    """The longest correct answer in tokens, EOS excluded: ``task.max_completion_tokens`` when
+    the task has it, else ``max_completion_len``."""
+    return int(getattr(task, "max_completion_tokens", None) or task.max_completion_len)
 
 
 # ----------------------------------------------------------------------------- addition
@@ -271,28 +313,84 @@ def make_task(name: str, **kwargs) -> Task:
 
 # ----------------------------------------------------------------------------- tokens
 
+TRUNCATED_REWARDS = ("zero", "score")
 
-def encode_prompts(tokenizer: CharTokenizer, prompts: Sequence[str],
+
+def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str],
                    length: int) -> tuple[np.ndarray, np.ndarray]:
-    """``[BOS] prompt`` token rows right-padded to ``length``: (tokens [B, length] int32,
-    lengths [B] int32)."""
-    return tokenizer.pad_batch([tokenizer.encode(p, bos=True) for p in prompts], length)
+    """``[BOS] prompt`` token rows (no BOS when ``tokenizer.bos_id`` is None) right-padded with
+    ``pad_id`` to ``length``: (tokens [B, length] int32, lengths [B] int32). A prompt longer
+    than ``length`` tokens is a DataError naming it."""
+    head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    rows = [head + list(tokenizer.encode(p)) for p in prompts]
+    for text, row in zip(prompts, rows):
+        if len(row) > length:
+            raise DataError(f"prompt {text[:60]!r} is {len(row)} tokens (BOS included); valid: at "
+                            f"most {length} (the task's max_prompt_tokens + BOS)")
+    return pad_token_lists(rows, tokenizer.pad_id, length)
 
 
-def completion_text(tokenizer: CharTokenizer, tokens: Sequence[int]) -> str | None:
-    """The completion's text up to its first EOS, or None when it never emitted EOS."""
+def stop_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Every id that ends a response: ``tokenizer.eos_ids`` (``(eos_id,)`` for a tokenizer that
+    predates the :class:`jaxflow.data.tokenizer.Tokenizer` protocol)."""
+    ids = getattr(tokenizer, "eos_ids", None)
+    return tuple(int(i) for i in ids) if ids else (int(tokenizer.eos_id),)
+
+
+def split_completion(tokenizer: Tokenizer, tokens: Sequence[int]) -> tuple[list[int], bool]:
+    """(the ids before the first id of ``tokenizer.eos_ids``, True when there is none, i.e. the
+    response hit ``max_new_tokens`` and was truncated)."""
     ids = [int(t) for t in tokens]
-    if tokenizer.eos_id not in ids:
-        return None
-    return tokenizer.decode(ids)
+    stops = set(stop_ids(tokenizer))
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[:i], False
+    return ids, True
 
 
-def score_completions(task: Task, tokenizer: CharTokenizer, prompts: Sequence[str],
-                      tokens: np.ndarray) -> np.ndarray:
-    """Rewards [B] float32: ``task.score`` of each completion; 0 without an EOS (truncated)."""
+def completion_text(tokenizer: Tokenizer, tokens: Sequence[int]) -> str | None:
+    """The completion's text up to its first EOS (any of ``eos_ids``), or None when it never
+    emitted one."""
+    ids, truncated = split_completion(tokenizer, tokens)
+    return None if truncated else tokenizer.decode(ids)
+
+
+def score_completions(task: Task, tokenizer: Tokenizer, prompts: Sequence[str],
+                      tokens: np.ndarray, *, truncated_reward: str = "zero") -> np.ndarray:
+    """Rewards [B] float32 of :func:`score_with_truncation` (by default 0 for a completion
+    without an EOS)."""
+    return score_with_truncation(task, tokenizer, prompts, tokens,
+                                 truncated_reward=truncated_reward)[0]
+
+
+def score_with_truncation(task: Task, tokenizer: Tokenizer, prompts: Sequence[str],
+                          tokens: np.ndarray, *, truncated_reward: str = "zero"
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """Scores one batch of completions (token rows [B, N]).
+
+    ``truncated_reward``: "zero" - a row without an EOS (it hit ``max_new_tokens``) scores 0;
+    "score" - it is decoded and scored like the others (verl's behaviour). With
+    ``task.score_batch`` the whole batch is scored in one call (truncated rows included, then
+    zeroed under "zero"); otherwise ``task.score`` per row.
+
+    Returns:
+      (rewards [B] float32, truncated [B] bool).
+    """
+    if truncated_reward not in TRUNCATED_REWARDS:
+        raise ValueError(f"truncated_reward={truncated_reward!r}; valid: {TRUNCATED_REWARDS}")
+    split = [split_completion(tokenizer, row) for row in tokens]
+    truncated = np.array([cut for _, cut in split], dtype=bool).reshape(len(prompts))
+    if hasattr(task, "score_batch"):
+        texts = [tokenizer.decode(ids) for ids, _ in split]
+        rewards = np.asarray(task.score_batch(list(prompts), texts, truncated), np.float32)
+        if rewards.shape != (len(prompts),):
+            raise ValueError(f"{type(task).__name__}.score_batch returned shape {rewards.shape}; "
+                             f"valid: ({len(prompts)},), one reward per completion")
+        if truncated_reward == "zero":
+            rewards = np.where(truncated, np.float32(0), rewards).astype(np.float32)
+        return rewards, truncated
     rewards = np.zeros(len(prompts), np.float32)
-    for i, (prompt, row) in enumerate(zip(prompts, tokens)):
-        text = completion_text(tokenizer, row)
-        if text is not None:
-            rewards[i] = task.score(prompt, text)
-    return rewards
+    for i, (prompt, (ids, cut)) in enumerate(zip(prompts, split)):
+        if not cut or truncated_reward == "score":
+            rewards[i] = task.score(prompt, tokenizer.decode(ids))
+    return rewards, truncated

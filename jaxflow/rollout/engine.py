@@ -365,7 +365,7 @@ class RolloutEngine:
             self.pools, out, self.hook_state = self.steps.decode(
                 self._state, self.pools, *args, n_steps, self.hook_state)
             out = jax.device_get(out)
-            completed = sched.finish_decode(out, self.version, self.sampling.eos_id)
+            completed = sched.finish_decode(out, self.version, self.sampling.stop_ids)
             self.stats.decode_calls += 1
             self.stats.decode_row_steps += len(args[0]) * n_steps
             self.stats.tokens += int(out.live.sum())

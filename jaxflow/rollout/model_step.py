@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxflow.models.attention import dot_product_attention
 from jaxflow.models.attention_backends import HEAD_AXIS
-from jaxflow.models.sampler import LogitsHook, SamplingConfig, _draw
+from jaxflow.models.sampler import LogitsHook, SamplingConfig, _draw, is_stop
 from jaxflow.models.transformer import Transformer
 from jaxflow.rollout.paged_attention import gather_pages, paged_attention
 from jaxflow.rollout.pages import NULL_PAGE
@@ -93,8 +93,8 @@ class Steps(NamedTuple):
            hook_state): up to ``n_steps``
         (static) decode steps; row b feeds ``tokens[b]`` at position ``lengths[b] - 1``, draws
         its token ``t[b]`` with ``fold_in(key_b, t[b])`` and feeds it back, while it has
-        ``remaining`` tokens to draw and has not drawn eos_id. Rows with remaining 0 (empty
-        slots) write the null page only. The page table must cover every position written.
+        ``remaining`` tokens to draw and has not drawn a stop id (``sampling.stop_ids``). Rows
+        with remaining 0 (empty slots) write the null page only. The page table must cover every position written.
     copy_pages(pools, src [B], dst [B]) -> pools   page dst[i] := page src[i] in every layer.
     init_hook_rows(hook_state, rows [n], prompts [n, W], prompt_valid [n, W]) -> hook_state
         the logits hook's ``init`` for n sequences written to rows ``rows`` of the per-slot
@@ -211,8 +211,9 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
                                               live, hook_state)
             remaining = remaining - 1
             still = live & (remaining > 0)
-            if sampling.eos_id is not None:
-                still = still & (out.token != sampling.eos_id)
+            stop = is_stop(out.token, sampling)
+            if stop is not None:
+                still = still & ~stop
             carry = (pools, jnp.where(still, out.token, tokens), lengths + still, t + still,
                      remaining, still, hook_state)
             return carry, out

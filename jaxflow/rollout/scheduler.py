@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import typing
 
 import numpy as np
 
@@ -279,10 +280,13 @@ class Scheduler:
                 table[i] = page_table_row(seq.pages, width)
         return tokens, lengths, table, key_data, t, remaining
 
-    def finish_decode(self, out, version: int, eos_id: int | None) -> list[Request]:
+    def finish_decode(self, out, version: int,
+                      eos_id: int | typing.Sequence[int] | None) -> list[Request]:
         """Records a decode call's draws (host DecodeOut, fields [n, B, ...], rows as
-        ``decode_rows``); retires finished sequences. Returns the requests completed by this
-        call."""
+        ``decode_rows``); retires finished sequences (their last token one of ``eos_id``, an
+        id or every stop id, or their ``max_new_tokens`` drawn). Returns the requests completed
+        by this call."""
+        stops = () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
         completed = []
         counts = out.live.sum(axis=0)
         for i, seq in enumerate(self.decode_rows):
@@ -297,7 +301,7 @@ class Scheduler:
             seq.topk_logprobs.extend(out.topk_logprobs[:c, i])
             seq.topk_indices.extend(out.topk_indices[:c, i])
             req = seq.request
-            if seq.tokens[-1] == eos_id or len(seq.tokens) == req.max_new_tokens:
+            if seq.tokens[-1] in stops or len(seq.tokens) == req.max_new_tokens:
                 seq.done = True
                 self.slots[seq.slot] = None
                 self.pages.release(seq.pages)
