@@ -10,6 +10,9 @@ Modules (one idea each):
   masks         as_bool_mask: response masks of any bool / numeric dtype as bool (nonzero = True)
   exact_gradient  exact moments of the gradient estimators on an enumerable toy policy
   tasks         verifiable tasks (prompt source + score): addition, countdown
+  rewards       batched rewards from a spec (math_verify, reasoning_gym, exact_match, regex, your
+                own function) and their validation (score_rewards)
+  dataset_task  DatasetTask: a task over your own data rows, scored by a batched reward
   rollout       G responses per prompt on the rollout sub-mesh; train/inference mismatch knobs
   publish       publish_weights: trainer -> rollout sub-mesh
   grpo          the GRPO trainer: policy lag N, async staleness k, KL to a reference, entropy
@@ -28,6 +31,7 @@ Usage::
 
 from jaxflow.rl.advantages import grpo_advantages, rloo_advantages, sa_gcpo_advantages, zero_positive_below_target
 from jaxflow.rl.corrections import mis_weights, rs_keep_mask, tis_weights
+from jaxflow.rl.dataset_task import DatasetTask
 from jaxflow.rl.grpo import (
     GRPOConfig,
     GRPOTrainer,
@@ -44,6 +48,7 @@ from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.policy_loss import AGGS, ALGOS, CORRECTIONS, DEFAULT_CLIP_EPS, PolicyLossConfig, policy_loss, sapo_gate
 from jaxflow.rl.publish import publish_weights
 from jaxflow.rl.reward_mapping import unified_reward
+from jaxflow.rl.rewards import RewardError, make_reward, score_rewards
 from jaxflow.rl.rollout import RolloutBatch, RolloutSpec, RolloutWorker, make_noisy_sampler, parse_mismatch
 from jaxflow.rl.sis import sis_accept, sis_log_envelope, sis_log_ratio, sis_uniforms
 from jaxflow.rl.tasks import (
@@ -68,6 +73,7 @@ __all__ = [
     "fused_logprobs", "FusedLogprobsOutput", "LogprobBackend",
     "TASKS", "AdditionRLTask", "CountdownTask", "Task", "encode_prompts", "evaluate_expression",
     "make_task", "score_completions",
+    "DatasetTask", "RewardError", "make_reward", "score_rewards",
     "RolloutBatch", "RolloutSpec", "RolloutWorker", "make_noisy_sampler", "parse_mismatch",
     "publish_weights",
     "GRPOConfig", "GRPOTrainer", "MiniBatch", "OldStats", "grpo_loss", "make_rl_optimizer",
