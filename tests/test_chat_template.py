@@ -119,6 +119,7 @@ def test_render_equals_transformers(tmp_path, kind):
 
 def test_errors_are_one_line(tmp_path):
     qwen = ChatTemplate(QWEN3_LIKE, {"eos_token": "<|im_end|>"})
+    assert hash(qwen) == hash(ChatTemplate(QWEN3_LIKE, {"eos_token": "<|im_end|>"}))  # usable in frozen configs
     with pytest.raises(ChatTemplateError, match="unknown role tool") as e:
         qwen.render([{"role": "tool", "content": "x"}])
     assert isinstance(e.value, UserError) and "\n" not in str(e.value)

@@ -80,3 +80,5 @@ def test_bad_rows_are_one_line():
         DatasetTask(ROWS, "exact_match").heldout_prompts(2)
     with pytest.raises(UserError, match="not one of: math_verify"):
         DatasetTask(ROWS, "no-such-reward")
+    with pytest.raises(UserError, match="reward 3 is neither a spec string nor a function"):
+        DatasetTask(ROWS, 3)

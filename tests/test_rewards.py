@@ -1,5 +1,6 @@
 """jaxflow.rl.rewards: the built-in rewards score known answers, user functions load from a module
 or a file, and score_rewards turns every bad reward into one line naming the row."""
+import sys
 import threading
 import time
 import warnings
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxflow.data.sources import reasoning_gym_rows
-from jaxflow.errors import UserError
+from jaxflow.errors import MissingExtraError, UserError
 from jaxflow.rl import rewards
 from jaxflow.rl.rewards import RewardError, make_reward, score_rewards
 
@@ -46,6 +47,14 @@ def test_math_verify_deadline_scores_zero(monkeypatch):
     start = time.monotonic()
     assert make_reward("math_verify")(["p"], ["\\boxed{1}"], answer=["1"]) == [0.0]
     assert time.monotonic() - start < 2.0
+
+
+def test_without_the_rl_extra_one_line_names_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # import math_verify -> ImportError
+    with pytest.raises(MissingExtraError) as e:
+        make_reward("math_verify")(["p"], ["1"], answer=["1"])
+    assert _one_line(e).startswith("reward='math_verify' needs the 'math_verify' package") and \
+        e.value.args[0].endswith('pip install -e ".[rl]"')
 
 
 def test_exact_match_and_regex():

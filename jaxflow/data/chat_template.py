@@ -83,6 +83,9 @@ class ChatTemplate:
     source: str
     special_tokens: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
+    def __hash__(self) -> int:
+        return hash((self.source, tuple(sorted(self.special_tokens.items()))))
+
     def __post_init__(self):
         if not isinstance(self.source, str) or not self.source.strip():
             raise ChatTemplateError(f"chat template {self.source!r} is empty; valid: jinja2 template text")

@@ -74,6 +74,9 @@ class DatasetTask:
             check_columns(part, [k for k in (prompt_key, answer_key) if k is not None], f"{name} {what} rows")
         self.name, self.prompt_key, self.answer_key = name, prompt_key, answer_key
         self.template, self.system, self.tokenizer = template, system, tokenizer
+        if not isinstance(reward, str) and not callable(reward):
+            raise UserError(f"task {name!r}: reward {reward!r:.60} is neither a spec string nor a "
+                            "function fn(prompts, completions, **columns) -> list[float]")
         self.reward: RewardFn = make_reward(reward) if isinstance(reward, str) else reward
         self._max_completion_len = int(max_completion_len)
         self.rows, self.heldout_rows = rows, heldout_rows
