@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -113,8 +114,9 @@ def regex_reward(pattern: str) -> RewardFn:
     return _named(regex, f"regex:{pattern}")
 
 
-class _Deadline(Exception):
-    pass
+class _Deadline(BaseException):
+    """Raised by the SIGALRM handler; a BaseException so math-verify's ``except Exception``
+    clauses cannot swallow it."""
 
 
 def _with_deadline(fn: Callable[[], Any], seconds: float) -> Any:
@@ -179,10 +181,22 @@ def _rg_entry(i: int, prompt: str, columns: Mapping[str, Sequence]) -> tuple[Cal
     if not isinstance(metadata, dict) or "source_dataset" not in metadata:
         raise RewardError(f"reward 'reasoning_gym' row {i}: no _rg_dataset column and no metadata with "
                           "source_dataset; valid: rows of reasoning_gym_rows() or reasoning-gym entries")
+    question = columns["question"][i] if "question" in columns else prompt
+    entry = {"question": question, "answer": str(_answers("reasoning_gym", columns)[i]), "metadata": metadata}
+    return _rg_default_scorer(str(metadata["source_dataset"])), entry
+
+
+@functools.lru_cache(maxsize=32)
+def _rg_default_scorer(name: str) -> Callable:
+    """``score_answer`` of reasoning-gym's dataset ``name`` in its default configuration (cached:
+    some datasets load files when built)."""
     import reasoning_gym
 
-    entry = {"question": prompt, "answer": str(_answers("reasoning_gym", columns)[i]), "metadata": metadata}
-    return reasoning_gym.get_score_answer_fn(metadata["source_dataset"]), entry
+    try:
+        return reasoning_gym.get_score_answer_fn(name)
+    except ValueError:
+        raise RewardError(f"reward 'reasoning_gym': metadata.source_dataset {name!r} is not a reasoning-gym "
+                          "dataset (reasoning_gym.factory.DATASETS)") from None
 
 
 def reasoning_gym_reward(prompts: Sequence[str], completions: Sequence[str], **columns: Sequence) -> list[float]:
