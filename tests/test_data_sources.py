@@ -73,6 +73,9 @@ def test_errors_name_file_line_key_and_columns(tmp_path):
     (tmp_path / "d.txt").write_text("x")
     with pytest.raises(DataSourceError, match=r"unknown suffix '.txt'; valid: .jsonl, .json, .parquet, .csv"):
         load_rows(tmp_path / "d.txt")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(DataSourceError, match="bad.parquet' is not a readable parquet file: ArrowInvalid"):
+        load_rows(tmp_path / "bad.parquet")
     (tmp_path / "empty.csv").write_text("")
     with pytest.raises(DataSourceError, match="has no rows"):
         load_rows(tmp_path / "empty.csv")

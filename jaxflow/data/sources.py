@@ -53,7 +53,7 @@ def require_module(name: str, what: str):
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise MissingExtraError(f"{what} needs the {name!r} package ({e}): {RL_EXTRA}") from None
+        raise MissingExtraError(f"{what} needs the {name.split('.')[0]!r} package ({e}): {RL_EXTRA}") from None
 
 
 def get_column(row: dict, key: str) -> Any:
