@@ -56,6 +56,11 @@ def test_columns_reach_the_reward_and_messages_use_the_template():
         DatasetTask(rows, reward)
     string_task = DatasetTask(ROWS, "exact_match", template=TEMPLATE, system="Be brief")
     assert string_task.prompts_at(0, 1, seed=0)[0].startswith("<system>Be brief<user>")
+    # A template that writes BOS (Llama-3): the trainer prepends the BOS id, so the text drops it.
+    with_bos = ChatTemplate("{{ bos_token }}{{ messages[0].content }}", {"bos_token": "<s>"})
+    assert DatasetTask(ROWS[:1], "exact_match", template=with_bos).prompts_at(0, 1, seed=0) == ["0+0="]
+    kept = DatasetTask(ROWS[:1], "exact_match", template=with_bos, drop_template_bos=False)
+    assert kept.prompts_at(0, 1, seed=0) == ["<s>0+0="]
 
 
 def test_duplicate_prompts_latest_issuance_wins():

@@ -47,6 +47,10 @@ class DatasetTask:
       max_completion_len: the Task protocol's completion budget (the trainer generates
         ``GRPOConfig.max_new_tokens`` tokens; this is its character-level counterpart).
       name: the task's name in logs.
+      drop_template_bos: drop the template's leading ``bos_token`` text from rendered prompts
+        (Llama-3's template writes it): the trainer prepends the tokenizer's BOS id itself
+        (:func:`jaxflow.rl.tasks.encode_prompts`), and both come from ``tokenizer_config.json``'s
+        ``bos_token``, so keeping it would give the model two BOS tokens.
 
     A rendered prompt text maps to one row. When two rows render to the same text with
     different columns, the row of the latest issuance (:meth:`prompts`, :meth:`prompts_at`,
@@ -62,7 +66,7 @@ class DatasetTask:
     def __init__(self, rows: Sequence[dict], reward: RewardFn | str, *, prompt_key: str = PROMPT_KEY,
                  answer_key: str | None = None, template: ChatTemplate | None = None,
                  system: str | None = None, heldout: Sequence[dict] | None = None, tokenizer: Any = None,
-                 max_completion_len: int = 256, name: str = "dataset"):
+                 max_completion_len: int = 256, name: str = "dataset", drop_template_bos: bool = True):
         rows, heldout_rows = list(rows), list(heldout or [])
         if not rows:
             raise UserError(f"task {name!r} has no training rows; valid: a non-empty list of dicts")
@@ -74,6 +78,8 @@ class DatasetTask:
             check_columns(part, [k for k in (prompt_key, answer_key) if k is not None], f"{name} {what} rows")
         self.name, self.prompt_key, self.answer_key = name, prompt_key, answer_key
         self.template, self.system, self.tokenizer = template, system, tokenizer
+        bos = template.special_tokens.get("bos_token") if template is not None and drop_template_bos else None
+        self._bos_text: str | None = bos or None
         if not isinstance(reward, str) and not callable(reward):
             raise UserError(f"task {name!r}: reward {reward!r:.60} is neither a spec string nor a "
                             "function fn(prompts, completions, **columns) -> list[float]")
@@ -89,15 +95,19 @@ class DatasetTask:
 
     def _render(self, row: dict, i: int, what: str) -> str:
         prompt = get_column(row, self.prompt_key)
+        if isinstance(prompt, str) and self.template is None:
+            return prompt
         if isinstance(prompt, str):
-            return self.template.prompt(prompt, system=self.system) if self.template else prompt
-        if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+            text = self.template.prompt(prompt, system=self.system)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
             if self.template is None:
                 raise UserError(f"task {self.name!r} {what} row {i}: the prompt is a list of chat messages "
                                 "and no chat template was given (data.chat_template=true, or a ChatTemplate)")
-            return self.template.render(prompt, add_generation_prompt=True)
-        raise UserError(f"task {self.name!r} {what} row {i}: prompt {prompt!r:.60} is a "
-                        f"{type(prompt).__name__}; valid: a string or a list of {{'role', 'content'}} dicts")
+            text = self.template.render(prompt, add_generation_prompt=True)
+        else:
+            raise UserError(f"task {self.name!r} {what} row {i}: prompt {prompt!r:.60} is a "
+                            f"{type(prompt).__name__}; valid: a string or a list of {{'role', 'content'}} dicts")
+        return text[len(self._bos_text):] if self._bos_text and text.startswith(self._bos_text) else text
 
     # --------------------------------------------------------------------- Task protocol
 
