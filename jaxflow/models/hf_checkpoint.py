@@ -13,12 +13,14 @@ grows by the loaded parameters plus one tensor's pages.
 Everything is validated before any tensor data is read: config.json (architecture, sizes),
 the index, every safetensors header, every expected tensor present, no unexpected one, every
 dtype floating point, every shape as config.json implies. Paths only, no network.
+
+The save side (``save_pretrained``, ``write_random_checkpoint``) lives in
+:mod:`jaxflow.models.hf_save` and stays importable from here.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import time
@@ -37,18 +39,23 @@ from jaxflow.models.architectures import (
     CheckpointError,
     TensorSource,
     dtype_name,
-    hf_config_from,
     hf_shape,
     read_config,  # noqa: F401 (kept importable from here)
     read_json_object,
     read_transformer_config,
     tensor_map,
 )
+from jaxflow.models.hf_save import (  # noqa: F401 (the save side, kept importable from here)
+    INDEX_FILE,
+    hf_tensors,
+    save_pretrained,
+    write_checkpoint,
+    write_random_checkpoint,
+)
+from jaxflow.models.hf_save import abstract_model as _abstract_model
+from jaxflow.models.hf_save import flat_params as _flat
 from jaxflow.models.sharding import FSDP_TP_RULES
-from jaxflow.models.tokenizer_hf import HFTokenizer, check_tokenizer_fits
 from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
-
-INDEX_FILE = "model.safetensors.index.json"
 
 #: safetensors dtype codes a weight may be stored in (converted to the load dtype on reading).
 WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
@@ -260,22 +267,6 @@ class _Reader:
                          for e in experts])
 
 
-def _abstract_model(config: TransformerConfig):
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    return abstract, graphdef, state
-
-
-def _flat(tree: dict, prefix=()) -> dict[tuple[str, ...], Any]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, prefix + (str(k),)))
-        else:
-            out[prefix + (str(k),)] = v
-    return out
-
-
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
     for k in path[:-1]:
         tree = tree[int(k) if int(k) in tree else k] if k.isdigit() else tree[k]
@@ -295,10 +286,17 @@ def load_hf_params(path: str, config: TransformerConfig, *, mesh: Mesh | None = 
         process reads only its addressable shards); None: uncommitted arrays on the default
         device.
 
+    With ``config.lora`` on, the checkpoint is the base and fresh adapters are added
+    (:func:`jaxflow.models.lora.add_adapters`: B = 0, so the params compute the checkpoint's
+    logits exactly).
+
     Returns:
       (params pure dict as ``nnx.to_pure_dict(nnx.state(model))``, LoadStats).
     """
     t0 = time.perf_counter()
+    lora_cfg = config.lora
+    if lora_cfg.enabled:  # the checkpoint holds the base weights only
+        config = dataclasses.replace(config, lora=lora.LoraConfig())
     abstract, _, state = _abstract_model(config)
     pure = nnx.to_pure_dict(state)
     flat_abstract = _flat(pure)
@@ -335,8 +333,28 @@ def load_hf_params(path: str, config: TransformerConfig, *, mesh: Mesh | None = 
         finally:
             reader.close()
             memo.clear()
+    if lora_cfg.enabled:
+        pure = _with_adapters(pure, dataclasses.replace(config, lora=lora_cfg), mesh, rules)
     stats.seconds = time.perf_counter() - t0
     return pure, stats
+
+
+def _with_adapters(base: dict, config: TransformerConfig, mesh: Mesh | None,
+                   rules: LogicalRules) -> dict:
+    """``base`` with fresh adapters of ``config.lora`` (B = 0), placed by their logical axes on
+    ``mesh`` (every process builds the same values from the LoRA seed)."""
+    params = lora.add_adapters(base, config)
+    if mesh is None:
+        return params
+    abstract, _, state = _abstract_model(config)
+    axes = nnx.to_pure_dict(logical_axes(nnx.state(abstract, nnx.Param)))
+    shardings = _flat(shardings_from_logical(nnx.to_pure_dict(state), axes, mesh, rules))
+    for p, value in _flat(params).items():
+        if lora.is_adapter_key(p[-1]):
+            host = np.asarray(value)
+            _set(params, p, jax.make_array_from_callback(host.shape, shardings[p],
+                                                         lambda index, host=host: host[index]))
+    return params
 
 
 def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: Any = None,
@@ -352,7 +370,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: Any = None,
         ``np.dtype``) for parameters and compute; None: the checkpoint's dtype when it is one
         of those, else float32.
       overrides: TransformerConfig fields to replace (``remat=True``, ``moe_impl="dispatch"``,
-        ``max_seq_len=...``).
+        ``max_seq_len=...``; ``lora=LoraConfig(rank=8)`` adds fresh adapters, B = 0, to the
+        checkpoint's weights: the same logits until they are trained).
 
     Returns:
       The model; ``model(tokens [B, T] int32) -> logits [B, T, vocab_size] float32`` with
@@ -374,127 +393,3 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: Any = None,
     _, graphdef, state = _abstract_model(config)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
-
-
-def _host(x: jax.Array) -> np.ndarray:
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def hf_tensors(model_or_params: Any, config: TransformerConfig | None = None):
-    """Yields (checkpoint tensor name, host numpy array) for a model or a params pure dict."""
-    if isinstance(model_or_params, nnx.Module):
-        config = model_or_params.config
-        params = nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
-    else:
-        params = model_or_params
-    if config is None:
-        raise ValueError("hf_tensors(params) needs config= when given a pure dict")
-    flat = _flat(params)
-    for p, src in tensor_map(config).items():
-        value = _host(flat[p])
-        blocks = list(value) if src.stacked else [value]
-        for name, block in zip(src.hf_names, blocks):
-            if src.transpose:
-                inner = math.prod(block.shape[:src.split])
-                block = block.reshape(inner, -1).T
-            yield name, np.ascontiguousarray(block)
-
-
-def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 5 * 2**30,
-                    params: Any = None, tokenizer: HFTokenizer | None = None) -> None:
-    """Writes ``model`` as a Hugging Face checkpoint directory (config.json + safetensors).
-
-    Tensors are written in the parameter dtype, in files of at most ``max_shard_bytes`` (several
-    files get a ``model.safetensors.index.json``). ``params`` (a pure dict) replaces the model's
-    own parameters, e.g. a trainer's. With LoRA the weights written are merged and ``path/adapter``
-    is a PEFT adapter (:func:`jaxflow.models.lora.save_adapter`). ``tokenizer`` (an
-    :class:`HFTokenizer`, e.g. the checkpoint's own) adds ``tokenizer.json``, ``tokenizer_config.json``
-    and ``special_tokens_map.json`` (:meth:`HFTokenizer.save_pretrained`); without one no tokenizer
-    file is written. On several processes every process must call it (sharded parameters are
-    gathered); process 0 writes."""
-    from safetensors.numpy import save_file
-
-    config = model.config
-    hf_config = hf_config_from(config)
-    check_tokenizer_fits(tokenizer, config.vocab_size)
-    if config.lora.enabled:  # LoRA: the merged weights here, a PEFT adapter in path/adapter
-        params = lora.save_adapter(model if params is None else params, config, os.path.join(path, "adapter"), _host)
-    tensors = hf_tensors(model if params is None else params, None if params is None else config)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, arr in tensors:
-        if shards[-1] and size + arr.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = arr
-        size += arr.nbytes
-    if jax.process_index() != 0:
-        return
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
-        for name, arr in shard.items():
-            weight_map[name] = file
-            total += arr.nbytes
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-
-
-def write_random_checkpoint(config: TransformerConfig, path: str, *, seed: int = 0,
-                            std: float = 0.02, max_shard_bytes: int = 2**30) -> int:
-    """Writes a random checkpoint of ``config`` (host numpy, one file's tensors in memory at a
-    time): N(0, std^2) weights, norm scales 1 + N(0, std^2). For tests and benchmarks.
-
-    Returns the total tensor bytes written.
-    """
-    from safetensors.numpy import save_file
-
-    hf_config = hf_config_from(config)
-    abstract = _flat(nnx.to_pure_dict(_abstract_model(config)[2]))
-    dtype = np.dtype(config.params_dtype)
-    rng = np.random.default_rng(seed)
-    plan: list[list[tuple[str, tuple[int, ...], bool]]] = [[]]
-    size = 0
-    for p, src in tensor_map(config).items():
-        shape = tuple(abstract[p].shape)
-        block = shape[1:] if src.stacked else shape
-        for name in src.hf_names:
-            t_shape = hf_shape(src, block)
-            nbytes = math.prod(t_shape) * dtype.itemsize
-            if plan[-1] and size + nbytes > max_shard_bytes:
-                plan.append([])
-                size = 0
-            plan[-1].append((name, t_shape, p[-1] == "scale"))
-            size += nbytes
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
-    weight_map, total = {}, 0
-    for i, entries in enumerate(plan):
-        file = ("model.safetensors" if len(plan) == 1
-                else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors")
-        tensors = {}
-        for name, shape, is_scale in entries:
-            x = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-            tensors[name] = (x + 1 if is_scale else x).astype(dtype)
-            weight_map[name] = file
-            total += tensors[name].nbytes
-        save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
-        del tensors
-    if len(plan) > 1:
-        with open(os.path.join(path, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return total

@@ -34,8 +34,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+
+from jaxflow.errors import UserError
 
 #: target -> (block submodule, jaxflow weight, PEFT module path, input dims of the weight)
 TARGETS: dict[str, tuple[str, str, str, int]] = {
@@ -241,18 +244,99 @@ def strip(params: dict) -> dict:
 def add_adapters(base: dict, model_cfg: Any) -> dict:
     """``base`` (base-shaped params, e.g. a full-weight warm start) with fresh adapters of
     ``model_cfg.lora`` added: A initialised as the module does (:func:`init_a`), B = 0, so the
-    result computes exactly what ``base`` does. Adapters are created on the default device."""
+    result computes exactly what ``base`` does. Adapters are created on the default device, in
+    one jitted call (eager: a compile per op and shape)."""
     lora = model_cfg.lora
     out = jax.tree.map(lambda x: x, base)
+    slots, specs = [], []
     for i, layer in out["layers"].items():
         for target in lora.targets:
             sub, name, _, split = TARGETS[target]
-            block = layer[sub]
-            w = block[name]
-            a_shape, b_shape = adapter_shapes(w.shape, split, lora.rank)
-            block[name + _A] = init_a(lora, int(i), target, a_shape, w.dtype)
-            block[name + _B] = jnp.zeros(b_shape, w.dtype)
+            w = layer[sub][name]
+            slots.append((layer[sub], name))
+            specs.append((int(i), target, w.shape, split, np.dtype(w.dtype)))
+    for (block, name), (a, b) in zip(slots, _fresh_adapters(lora, tuple(specs))):
+        block[name + _A], block[name + _B] = a, b
     return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _fresh_adapters(lora: LoraConfig, specs: tuple) -> list[tuple[jax.Array, jax.Array]]:
+    """[(A, B = 0)] for ``specs`` = ((layer, target, weight shape, split, dtype), ...)."""
+    out = []
+    for layer, target, w_shape, split, dtype in specs:
+        a_shape, b_shape = adapter_shapes(w_shape, split, lora.rank)
+        out.append((init_a(lora, layer, target, a_shape, dtype), jnp.zeros(b_shape, dtype)))
+    return out
+
+
+class AdapterError(UserError, ValueError):
+    """A params tree's adapters cannot be merged as asked: no LoRA config gives their scale, or
+    their rank / targets differ from the config's (the message names both)."""
+
+
+def _adapter_leaves(params: Any) -> dict[str, list[tuple[int, ...]]]:
+    """{target name -> shapes of its A leaves} of the adapters in ``params``."""
+    by_weight = {w: t for t, (_, w, _, _) in TARGETS.items()}
+    found: dict[str, list[tuple[int, ...]]] = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        key = getattr(path[-1], "key", getattr(path[-1], "name", None)) if path else None
+        if isinstance(key, str) and key.endswith(_A):
+            target = by_weight.get(key[:-len(_A)], key[:-len(_A)])
+            found.setdefault(target, []).append(tuple(x.shape))
+    return found
+
+
+def adapters_config(params: Any, lora: LoraConfig | None) -> LoraConfig | None:
+    """The LoRA config to merge ``params``' adapters with: None when ``params`` holds none,
+    else ``lora`` once checked against them (same targets, every A of rank ``lora.rank``).
+
+    Raises:
+      AdapterError: adapters but ``lora`` is None or off (their scale ``alpha / rank`` is
+        unknown), or adapters whose rank or targets differ from ``lora``'s.
+    """
+    found = _adapter_leaves(params)
+    if not found:
+        return None
+    ranks = sorted({shape[-1] for shapes in found.values() for shape in shapes})
+    seen = ", ".join(sorted(found))
+    leaves = 2 * sum(len(s) for s in found.values())
+    if lora is None or not lora.enabled:
+        raise AdapterError(
+            f"the params hold {leaves} LoRA adapter leaves (*_lora_a / *_lora_b; rank "
+            f"{'/'.join(map(str, ranks))}, targets {seen}) but no LoRA config gives their scale "
+            f"alpha / rank; valid: the model's config.lora or lora=LoraConfig(rank={ranks[0]}, "
+            "alpha=..., targets=...) as trained, to merge them (adapters are never dropped)")
+    if ranks != [lora.rank] or set(found) != set(lora.targets):
+        raise AdapterError(
+            f"the params' adapters (rank {'/'.join(map(str, ranks))}, targets {seen}) do not "
+            f"match LoraConfig(rank={lora.rank}, targets={','.join(lora.targets)}); valid: the "
+            "LoraConfig the adapters were trained with")
+    return lora
+
+
+def trainable_summary(params: Any) -> tuple[int, int]:
+    """(trainable parameter count, total parameter count) of a params pytree: with adapters
+    only they train (:func:`trainable_only`), else every parameter does; the total counts the
+    base and the adapters."""
+    total = trainable = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        n = int(math.prod(x.shape))
+        total += n
+        trainable += n if _path_is_adapter(path) else 0
+    return (trainable if has_adapters(params) else total), total
+
+
+def describe_trainable(params: Any) -> str:
+    """One run-log line saying which parameters train, e.g. ``"LoRA rank 8: 12,288 of
+    1,234,567 parameters train (1.0%)"`` or ``"full fine-tuning: 85,184 of 85,184 parameters
+    train (100%)"``."""
+    trainable, total = trainable_summary(params)
+    share = 100.0 * trainable / max(total, 1)
+    pct = "100%" if trainable == total else (f"{share:.1f}%" if share >= 0.1 else f"{share:.2g}%")
+    ranks = sorted({s[-1] for shapes in _adapter_leaves(params).values() for s in shapes})
+    what = f"LoRA rank {'/'.join(map(str, ranks))}" if ranks else "full fine-tuning"
+    return f"{what}: {trainable:,} of {total:,} parameters train ({pct})"
 
 
 def param_bytes(params: Any) -> int:
@@ -278,8 +362,6 @@ def peft_tensors(params: dict, model_cfg: Any, host=jax.device_get) -> dict:
     """{PEFT key -> host array}: ``base_model.model.model.layers.<i>.<module>.lora_A.weight``
     [r, in] = A.reshape(in, r).T and ``lora_B.weight`` [out, r] = B.reshape(r, out).T (the
     torch Linear layout of the Hugging Face checkpoint, whose weight is [out, in])."""
-    import numpy as np
-
     out = {}
     for i in range(model_cfg.n_layers):
         layer = params["layers"][i] if i in params["layers"] else params["layers"][str(i)]
