@@ -11,7 +11,19 @@ A lost peer: every process runs a :class:`PeerWatchdog` thread that bumps its ow
 the coordination service's key-value store and watches the others'; a peer whose counter has
 not moved for ``peer_timeout_s`` is reported by process id and this process exits with
 ``LOST_PEER_EXIT`` (JAX's own heartbeat timeout is set past it, so its C++ abort never comes
-first). The coordinator's own death is reported by JAX itself: the client aborts at once.
+first). The coordinator's own death is reported by JAX itself: the client aborts at once, from
+C++; ``jaxflow.supervise`` turns that abort into one line.
+
+Starting together: ``jax.distributed.initialize`` waits ``--rendezvous-timeout`` for every
+process to register, but gloo (the CPU collectives) gives the processes of a device group only
+30 s to meet when a program first reduces over it, and that cannot be configured. So every
+cross-process collective is first connected by :func:`connect_collectives`, which compiles its
+tiny program, then meets the other processes at a coordination-service barrier
+(:func:`rendezvous`, the same timeout) and only then runs it: a process that compiles or starts
+late is waited for, and one that never comes is named in one line. :func:`check_same_config`
+compares every process's resolved config through the key-value store before anything is
+compiled. Two coordinators for one address (two ``--process-id=0``) are refused at once
+(:func:`initialize`).
 """
 
 from __future__ import annotations
@@ -23,6 +35,14 @@ import threading
 import time
 
 import jax
+
+from jaxflow import rendezvous as _rendezvous
+from jaxflow.rendezvous import (  # noqa: F401 (re-exported: the start checks live there)
+    DEFAULT_RENDEZVOUS_TIMEOUT_S,
+    StartError,
+    check_same_config,
+    rendezvous,
+)
 
 #: Exit status of a process that lost a peer.
 LOST_PEER_EXIT = 75
@@ -81,7 +101,7 @@ def initialize(
     *,
     auto: bool = False,
     peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
-    initialization_timeout_s: int = 300,
+    rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
 ) -> bool:
     """Starts the multi-controller runtime when asked; returns True if it was started.
 
@@ -91,10 +111,12 @@ def initialize(
       auto: let JAX detect the cluster (TPU pod metadata, SLURM, Open MPI env vars).
       peer_timeout_s: a peer silent this long is reported and this process exits
         (``LOST_PEER_EXIT``); see :class:`PeerWatchdog`.
-      initialization_timeout_s: how long to wait for every process to join.
+      rendezvous_timeout_s: how long to wait for every process to join, and at every later
+        :func:`rendezvous` (e.g. before the first collective, :func:`connect_collectives`).
 
     Raises:
       ValueError: a bad flag (named, with the valid range), before JAX is touched.
+      StartError: process 0 while another process 0 holds the coordinator's port on this host.
     """
     if coordinator is None and not auto:
         if num_processes is not None or process_id is not None:
@@ -102,6 +124,8 @@ def initialize(
         return False
     if not peer_timeout_s > 0 or peer_timeout_s != peer_timeout_s:
         raise ValueError(f"--peer-timeout {peer_timeout_s}; valid: seconds > 0")
+    if not 0 < rendezvous_timeout_s < float("inf"):
+        raise ValueError(f"--rendezvous-timeout {rendezvous_timeout_s}; valid: seconds > 0")
     if coordinator is not None:
         if num_processes is None or process_id is None:
             raise ValueError("--coordinator needs --num-processes and --process-id")
@@ -109,7 +133,9 @@ def initialize(
             raise ValueError(f"--num-processes {num_processes}; valid: >= 1")
         if not 0 <= process_id < num_processes:
             raise ValueError(f"--process-id {process_id}; valid: 0..{num_processes - 1}")
-        parse_coordinator(coordinator)
+        _, port = parse_coordinator(coordinator)
+        if process_id == 0:
+            _rendezvous.claim_coordinator_port(port, coordinator)
     if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
         # Cross-process collectives on CPU (no-op where the default already is gloo).
         try:
@@ -117,8 +143,9 @@ def initialize(
         except Exception:  # noqa: BLE001 - option absent on builds without CPU collectives
             pass
     # JAX aborts (C++ trace) when its heartbeat times out: keep that past our own report.
+    _rendezvous.set_timeout(rendezvous_timeout_s)
     timeouts = dict(heartbeat_timeout_seconds=int(peer_timeout_s * 2 + 30),
-                    initialization_timeout=int(initialization_timeout_s))
+                    initialization_timeout=max(1, int(rendezvous_timeout_s)))
     if coordinator is not None:
         jax.distributed.initialize(coordinator, num_processes=num_processes,
                                    process_id=process_id, **timeouts)
@@ -264,9 +291,13 @@ def connect_collectives(mesh) -> None:
     gives them 30 s to meet; a process still compiling a large program (minutes on a loaded
     host) misses that and the run fails ("Gloo context initialization failed: Connect
     timeout"). Once connected, a collective waits as long as XLA's collective timeout. So every
-    process runs one tiny all-reduce over the whole mesh and over each of its axes (the groups
-    data- and tensor-parallel programs reduce over) right after building the mesh, when the
-    processes are in step. Every process must call it for the same meshes in the same order.
+    process compiles one tiny all-reduce over the whole mesh and over each of its axes (the
+    groups data- and tensor-parallel programs reduce over), meets the others at a
+    :func:`rendezvous` (``--rendezvous-timeout``, a late process is waited for) and runs it, in
+    step. Every process must call it for the same meshes in the same order.
+
+    Raises:
+      StartError: a process did not reach the rendezvous in time (named).
     """
     if jax.process_count() == 1 or mesh.devices.flat[0].platform != "cpu":
         return
@@ -283,8 +314,11 @@ def connect_collectives(mesh) -> None:
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec,
                                out_specs=tuple(spec for _ in groups), check_vma=False))
-    x = jax.device_put(np.ones(mesh.devices.shape, np.float32), NamedSharding(mesh, spec))
-    jax.block_until_ready(fn(x))
+    x = jax.make_array_from_callback(mesh.devices.shape, NamedSharding(mesh, spec),
+                                     lambda idx: np.ones(mesh.devices.shape, np.float32)[idx])
+    compiled = fn.lower(x).compile()  # before the rendezvous: compile times differ per process
+    rendezvous("connect_collectives")
+    jax.block_until_ready(compiled(x))
 
 
 def put(tree, shardings):

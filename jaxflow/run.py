@@ -17,6 +17,9 @@
   --coordinator HOST:PORT --num-processes N --process-id I
                                JAX multi-controller runtime (or --distributed-auto on TPU/SLURM)
   --peer-timeout S             a process whose peer is silent S seconds exits (default 60)
+  --rendezvous-timeout S       how long the processes wait for each other at the start: to join,
+                               to compare their resolved configs, before the first collective
+                               (default 300; jaxflow.rendezvous)
   --compile-only --target T    compile every program of the experiment for T's abstract chips
                                (tpu-v5p:4x4x4, gpu-h100x8, ...; jaxflow.compile_only), run
                                nothing; a table, and compile_report.json in the run directory
@@ -90,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jax.distributed.initialize() from the cluster environment (TPU pod, SLURM)")
     p.add_argument("--peer-timeout", type=float, default=None, metavar="SECONDS",
                    help="exit when a peer process is silent this long (default 60)")
+    p.add_argument("--rendezvous-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long the processes wait for each other at the start (default 300)")
     p.add_argument("--kill-after-checkpoint", type=int, default=None, metavar="STEP",
                    help="test hook: SIGKILL the run once the checkpoint of STEP is committed")
     p.add_argument("--compile-only", action="store_true",
@@ -134,6 +139,8 @@ def _check_flags(args) -> None:
         raise UsageError(f"--kill-after-checkpoint {args.kill_after_checkpoint}; valid: a step >= 1")
     if args.peer_timeout is not None and not 0 < args.peer_timeout < float("inf"):
         raise UsageError(f"--peer-timeout {args.peer_timeout}; valid: seconds > 0")
+    if args.rendezvous_timeout is not None and not 0 < args.rendezvous_timeout < float("inf"):
+        raise UsageError(f"--rendezvous-timeout {args.rendezvous_timeout}; valid: seconds > 0")
     if args.coordinator is None and args.distributed_auto is False:
         if args.num_processes is not None or args.process_id is not None:
             raise UsageError("--num-processes / --process-id need --coordinator HOST:PORT")
@@ -174,23 +181,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _supervised_worker(argv: list[str]):
-    """For a process other than the coordinator of a multi-process run (flags already valid):
-    a function running this command as a supervised child (see ``jaxflow.supervise``)."""
+    """For a process of a multi-process run (flags already valid): a function running this
+    command as a supervised child (see ``jaxflow.supervise``)."""
     from jaxflow import supervise
 
     try:
         args = build_parser().parse_args(argv)
     except UsageError:
         return None  # _main reports it
-    if (args.list or args.coordinator is None or args.process_id in (None, 0)
-            or os.environ.get(supervise.SUPERVISED_ENV) == "1"):
+    if os.environ.get(supervise.SUPERVISED_ENV) == "1":
+        supervise.die_with_parent()
+        return None
+    if args.list or args.help or args.coordinator is None or args.process_id is None:
         return None
     _check_flags(args)
     from jaxflow.distributed import parse_coordinator
 
     host, port = parse_coordinator(args.coordinator)
     command = [sys.executable, "-m", "jaxflow.run", *argv]
-    return lambda: supervise.supervise(command, host=host, port=port, process_id=args.process_id)
+    from jaxflow.rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S
+
+    timeout = args.rendezvous_timeout or DEFAULT_RENDEZVOUS_TIMEOUT_S
+    return lambda: supervise.supervise(command, host=host, port=port, process_id=args.process_id,
+                                       rendezvous_timeout_s=timeout)
 
 
 def _backends_initialized() -> bool:
@@ -249,6 +262,13 @@ def _main(argv: list[str]) -> int:
         meshes = resolve_meshes(plan.spec, plan.config, jax.devices())
     except (MeshError, ValueError) as e:
         raise UsageError(f"{e} (set --devices, --set devices=N or --set mesh.shape=...)") from None
+    if started and not args.dry_run:  # every process compiled, then met: gloo's 30 s never expire
+        from jaxflow.distributed import connect_collectives
+
+        everyone = set(range(jax.process_count()))
+        for mesh in meshes.values():
+            if {d.process_index for d in mesh.devices.flat} == everyone:
+                connect_collectives(mesh)
     if args.dry_run:
         _print_dry_run(plan, meshes)
         return 0
@@ -323,10 +343,19 @@ def _start_runtime(plan: _Plan) -> bool:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # JAX's preemption service takes it
     peer_timeout = args.peer_timeout or distributed.DEFAULT_PEER_TIMEOUT_S
     try:
-        return distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                                      auto=args.distributed_auto, peer_timeout_s=peer_timeout)
+        started = distributed.initialize(
+            args.coordinator, args.num_processes, args.process_id, auto=args.distributed_auto,
+            peer_timeout_s=peer_timeout,
+            rendezvous_timeout_s=args.rendezvous_timeout or distributed.DEFAULT_RENDEZVOUS_TIMEOUT_S)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if started:  # every process runs the same programs: the same resolved config, or one line
+        from jaxflow.config import flatten
+        from jaxflow.experiment import to_jsonable
+
+        distributed.check_same_config({"experiment": plan.name, "variant": plan.variant,
+                                       **to_jsonable(flatten(plan.config))})
+    return started
 
 
 def _print_dry_run(plan: _Plan, meshes: dict) -> None:
