@@ -32,8 +32,8 @@ checkpoint of a finished run.
 
 Quick variant: no checkpoint needed. It writes its own tiny Qwen3-shaped checkpoint
 (:mod:`jaxflow.models.tiny_hf`, a character tokenizer built with ``tokenizers``; cached under
-``cache_root``), warm-starts it by SFT on reasoning-gym ``chain_sum``'s answers (two terms of
-one or two digits; :mod:`jaxflow.rl.sft`), then runs GRPO + SIS on the engine and reports the
+``cache_root``), warm-starts it by SFT on reasoning-gym ``chain_sum``'s answers (two one-digit
+terms; :mod:`jaxflow.rl.sft`), then runs GRPO + SIS on the engine and reports the
 held-out pass@1 before and after. Needs the ``rl`` extra (``pip install -e ".[rl]"``).
 
 Seeds: ``seeds`` runs; run k uses RL seed ``seed + k`` (and SFT seed ``k``); the summary's
@@ -197,17 +197,17 @@ class Config:
 
 
 def _quick() -> Config:
-    generator = json.dumps({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
+    generator = json.dumps({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
     return Config(
         model=ModelConfig(tiny=TinyModelConfig(phrases=(CHAIN_SUM_INSTRUCTION,))),
         data=DataConfig(source="reasoning_gym:chain_sum", size=3000, eval_size=128,
                         generator=generator),
         reward=RewardConfig(fn="reasoning_gym"),
-        sft=SFTConfig(steps=300, batch_size=32, optim=OptimConfig(lr=3e-3, warmup_steps=20)),
-        rl=dataclasses.replace(Config().rl, prompts_per_rollout=16, group_size=8,
+        sft=SFTConfig(steps=200, batch_size=32, optim=OptimConfig(lr=3e-3, warmup_steps=20)),
+        rl=dataclasses.replace(Config().rl, prompts_per_rollout=32, group_size=16,
                                max_new_tokens=6, lag=2),
-        optim=OptimConfig(lr=3e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0),
-        rollouts=20, eval=EvalConfig(prompts=128, samples=4, every=10), checkpoint_every=20)
+        optim=OptimConfig(lr=5e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0),
+        rollouts=30, eval=EvalConfig(prompts=128, samples=4, every=15), checkpoint_every=30)
 
 
 def _default() -> Config:

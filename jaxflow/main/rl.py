@@ -1,14 +1,9 @@
-"""The ``rl`` experiment: GRPO-family RL on your own HF checkpoint, data and reward, exported as
-an HF checkpoint (see ``configs/rl.py``).
-
-Per seed k: the checkpoint's weights (quick: its own tiny checkpoint, :mod:`jaxflow.models.tiny_hf`),
-an optional SFT warm start on the training rows' answers (seed k), held-out pass@1, then
-``rollouts`` GRPO steps through :func:`jaxflow.train.loop.run_steps` (checkpoints under
-``checkpoints/seed<k>/rl`` every ``checkpoint_every`` rollouts; ``--resume`` restores the trainer
-state, whose rollout counter is the position in the prompt stream), held-out pass@1 every
-``eval.every`` rollouts, and the export (``hf/``; ``hf-<rollout>/`` with ``export.every``).
-Finished seeds are recorded in ``seeds.jsonl``; the summary's headline figures are means over
-seeds with a 95% t-interval (``jaxflow.main.flagship.summarize_seeds``).
+"""The ``rl`` experiment (``configs/rl.py``): per seed k, the checkpoint (quick: its own tiny
+one), an optional SFT warm start (seed k), held-out pass@1, ``rollouts`` GRPO steps through
+:func:`jaxflow.train.loop.run_steps` (checkpoints ``checkpoints/seed<k>/rl``; ``--resume``
+continues mid-epoch: the prompt position is the checkpointed rollout counter), the export
+(``hf/``, ``hf-<rollout>/``). Finished seeds go to ``seeds.jsonl``; headline figures are means
+with a 95% t-interval over seeds. ``RUN_DIR/export.json``: ``python -m jaxflow.export RUN_DIR``.
 """
 
 from __future__ import annotations
@@ -16,69 +11,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from types import SimpleNamespace
 
-from jaxflow.cache import build_once, cache_entry
 from jaxflow.checkpoint import Checkpointer
 from jaxflow.config import ConfigError
 from jaxflow.experiment import RunContext, to_jsonable
 from jaxflow.mesh import trainer_rollout_meshes
 from jaxflow.models import lora
+from jaxflow.models.hf_export import export_hf, write_export_manifest
+from jaxflow.models.tiny_hf import cached_tiny_checkpoint
 from jaxflow.rl.grpo import GRPOTrainer, rollout_row
+from jaxflow.rl.own_data import make_task, stand_in_task
 from jaxflow.rl.sft import sft_warm_start
 from jaxflow.stats import paired_interval
 from jaxflow.train.loop import run_steps
 
 HEADLINE_KEYS = ("heldout_pass_at_1_initial", "heldout_pass_at_1_final", "heldout_pass_at_1_gain")
-
-
-def checkpoint_path(config, run: RunContext) -> str:
-    """``model.hf_path``, or the quick variant's tiny checkpoint (built once under
-    ``cache_root``); ConfigError naming the key when there is neither."""
-    if config.model.hf_path:
-        return config.model.hf_path
-    tiny = config.model.tiny
-    if tiny is None:
-        raise ConfigError("model.hf_path is not set; valid: a local Hugging Face checkpoint "
-                          "directory (config.json, *.safetensors, tokenizer.json), or "
-                          "--variant=quick for a tiny checkpoint it writes itself")
-    from jaxflow.models.tiny_hf import tiny_qwen3_config, write_tiny_checkpoint
-
-    entry = cache_entry(config.cache_root, "tiny_qwen3-v1", tiny)
-    fields = {k: v for k, v in dataclasses.asdict(tiny).items() if k not in ("seed", "phrases")}
-    build_once(entry, lambda tmp: write_tiny_checkpoint(
-        str(tmp), tiny_qwen3_config(128, **fields), phrases=tiny.phrases, seed=tiny.seed),
-        marker="generation_config.json")
-    run.info(f"quick: the tiny Qwen3 checkpoint {entry}")
-    return str(entry)
-
-
-def make_task(config, tokenizer, hf_path: str):
-    """The :class:`jaxflow.rl.dataset_task.DatasetTask` of ``config.data`` / ``config.reward``."""
-    from jaxflow.data.chat_template import ChatTemplate
-    from jaxflow.rl.dataset_task import DatasetTask
-    from jaxflow.rl.own_data import data_rows
-
-    data = config.data
-    template = ChatTemplate.from_pretrained(hf_path) if data.chat_template else None
-    if data.chat_template and template is None:
-        raise ConfigError(f"data.chat_template=true but {hf_path} has no chat template "
-                          "(tokenizer_config.json chat_template or chat_template.jinja)")
-    train, heldout = data_rows(data)
-    return DatasetTask(train, config.reward.fn, prompt_key=data.prompt_key,
-                       answer_key=data.answer_key or None, template=template, heldout=heldout,
-                       tokenizer=tokenizer, max_completion_len=config.rl.max_new_tokens - 1,
-                       name=data.source if data.source != "file" else os.path.basename(data.train))
-
-
-def export(trainer, state, hf_path: str, out) -> None:
-    """The trainer's policy as an HF checkpoint in ``out`` (merged weights; PEFT ``adapter/``)."""
-    from jaxflow.models.hf_export import export_hf
-
-    cfg = trainer.model_cfg
-    export_hf(state["policy"].params, cfg, str(out), source_dir=hf_path,
-              lora_cfg=cfg.lora if cfg.lora.enabled else None)
 
 
 def run_seed(config, run: RunContext, k: int, ctx) -> dict:
@@ -94,8 +42,7 @@ def run_seed(config, run: RunContext, k: int, ctx) -> dict:
     trainer = GRPOTrainer(ctx.model_cfg, ctx.rl, config.optim, ctx.task, ctx.tokenizer,
                           ctx.meshes, seed=config.seed + k, total_rollouts=config.rollouts)
     state = trainer.init_state(params)
-    if k == 0:
-        run.info(lora.describe_trainable(state["policy"].params))
+    run.info(f"seed {k}: {lora.describe_trainable(state['policy'].params)}")
     n = min(config.eval.prompts, len(ctx.task.heldout_rows))
 
     def pass_at_1(st) -> float:
@@ -104,52 +51,81 @@ def run_seed(config, run: RunContext, k: int, ctx) -> dict:
     initial = pass_at_1(state)
     run.info(f"seed {k}: held-out pass@1 before RL {initial:.3f}")
     out = run.out_dir / ("hf" if config.seeds == 1 else f"hf/seed{k}")
-    every = config.export.every if config.export.hf else 0
+    every, cfg = (config.export.every if config.export.hf else 0), trainer.model_cfg
+
+    def export(state, to) -> None:  # merged weights, tokenizer files, PEFT adapter/ under LoRA
+        if run.is_primary:
+            export_hf(state["policy"].params, cfg, str(to), source_dir=ctx.hf_path,
+                      lora_cfg=cfg.lora if cfg.lora.enabled else None)
 
     def rl_step(state, step):
         state, metrics = trainer.step(state)
+        if every and (step + 1) % every == 0:
+            export(state, f"{out}-{step + 1}")
         return state, {"rollout": step + 1, "seed_index": k, **metrics}
-
-    def export_hook(done, state, row):
-        if every and done % every == 0 and run.is_primary:
-            export(trainer, state, ctx.hf_path, f"{out}-{done}")
 
     ckpt = Checkpointer(run.checkpoint_dir / f"seed{k}" / "rl", save_every=config.checkpoint_every,
                         max_to_keep=2)
     result = run_steps(rl_step, state, steps=config.rollouts, run=run, checkpointer=ckpt,
-                       log_every=1, summarize=rollout_row, hooks=(export_hook,),
+                       log_every=1, summarize=rollout_row,
                        eval_fn=lambda st, done: {"heldout_pass_at_1": pass_at_1(st)},
                        eval_every=config.eval.every, step_offset=k * config.rollouts)
-    final = pass_at_1(result.state)
-    run.info(f"seed {k}: held-out pass@1 {initial:.3f} -> {final:.3f} ({final - initial:+.3f})")
-    if config.export.hf and run.is_primary:
-        export(trainer, result.state, ctx.hf_path, out)
-        run.info(f"seed {k}: exported the policy to {out}")
-    rows = [json.loads(json.dumps(to_jsonable(r))) for r in result.rows]
+    final = pass_at_1(result.state)  # (the last row's evaluation; also after a finished resume)
+    if config.export.hf:
+        export(result.state, out)
+    run.info(f"seed {k}: held-out pass@1 {initial:.3f} -> {final:.3f} ({final - initial:+.3f})"
+             + (f"; exported to {out}" if config.export.hf else ""))
     return {"rl_seed": config.seed + k, "heldout_pass_at_1_initial": initial,
             "heldout_pass_at_1_final": final, "heldout_pass_at_1_gain": final - initial,
-            "heldout_prompts": n, "sft": sft, "export": str(out) if config.export.hf else None,
-            "reward_last": rows[-1].get("reward_mean") if rows else None}
+            "heldout_prompts": n, "sft": sft, "export": str(out) if config.export.hf else None}
 
 
 def resolve_meshes(config, devices=None) -> dict:
-    """``{"trainer", "rollout"}``: disjoint sub-meshes of ``devices`` (``config.roles``)."""
+    """``{"trainer", "rollout"}`` sub-meshes (``config.roles``) of ``devices`` (default: the
+    first ``config.devices`` present)."""
+    import jax
+
+    devices = list(jax.devices()[:config.devices] if devices is None else devices)
     return trainer_rollout_meshes(config.roles, devices)[0]
+
+
+def compile_programs(config, meshes) -> list:
+    """``--compile-only``: one RL step's programs (:func:`jaxflow.rl.programs.grpo_programs`)
+    for ``model.hf_path``'s config.json (else Qwen3-8B's shapes), prompts of
+    ``rl.max_new_tokens`` tokens."""
+    from jaxflow.models.architectures import read_transformer_config, shipped_config
+    from jaxflow.rl.programs import grpo_programs
+
+    hf = config.model.hf_path
+    model_cfg = dataclasses.replace(read_transformer_config(hf) if hf else shipped_config("qwen3-8b"),
+                                    param_dtype="float32", remat=True,
+                                    max_seq_len=2 * config.rl.max_new_tokens)
+    task, tokenizer = stand_in_task(config.rl.max_new_tokens, config.rl.max_new_tokens)
+    return grpo_programs(GRPOTrainer(model_cfg, dataclasses.replace(config.rl, lora=config.model.lora),
+                                     config.optim, task, tokenizer, meshes, seed=config.seed,
+                                     total_rollouts=config.rollouts))
 
 
 def main(config, run: RunContext) -> dict:
     """Every seed's SFT warm start, RL and export; the summary over seeds."""
     from jaxflow.models.pretrained import load_policy
 
-    hf_path = checkpoint_path(config, run)
+    hf_path = config.model.hf_path
+    if not hf_path and config.model.tiny is None:
+        raise ConfigError("model.hf_path is not set; valid: a local Hugging Face checkpoint directory "
+                          "(config.json, *.safetensors, tokenizer.json), or --variant=quick")
+    hf_path = hf_path or cached_tiny_checkpoint(config.cache_root, config.model.tiny)  # quick
     meshes = resolve_meshes(config)
-    run.info(f"roles: {trainer_rollout_meshes(config.roles)[1]}")
     model_cfg, params, tokenizer = load_policy(hf_path, meshes["trainer"])
-    run.info(f"policy from {hf_path}: {model_cfg.architecture}, {model_cfg.n_layers} layers, "
-             f"d_model {model_cfg.d_model}, vocab {model_cfg.vocab_size}")
-    task = make_task(config, tokenizer, hf_path)
-    rl = dataclasses.replace(config.rl, lora=config.model.lora,
-                             truncated_reward=config.reward.truncated)
+    run.info(f"policy from {hf_path}: {model_cfg.architecture}, {model_cfg.n_layers} layers, d_model "
+             f"{model_cfg.d_model}; trainer {meshes['trainer'].devices.size} device(s), rollout "
+             f"{meshes['rollout'].devices.size}")
+    if run.is_primary:  # what `python -m jaxflow.export RUN_DIR` needs (seed 0's checkpoints)
+        write_export_manifest(run.out_dir, hf_path=hf_path, model_cfg=model_cfg,
+                              lora=config.model.lora, checkpoint_dir="checkpoints/seed0/rl")
+    task = make_task(config.data, config.reward.fn, tokenizer, hf_path,
+                     max_new_tokens=config.rl.max_new_tokens)
+    rl = dataclasses.replace(config.rl, lora=config.model.lora, truncated_reward=config.reward.truncated)
     ctx = SimpleNamespace(hf_path=hf_path, meshes=meshes, model_cfg=model_cfg, params=params,
                           tokenizer=tokenizer, task=task, rl=rl)
     run.set_total_steps(config.seeds * config.rollouts, "rl")
@@ -160,7 +136,7 @@ def main(config, run: RunContext) -> dict:
     for k in range(config.seeds):
         summary = done.get(k) or run_seed(config, run, k, ctx)
         if k not in done and run.is_primary:
-            with (run.out_dir / "seeds.jsonl").open("a", encoding="utf-8") as f:
+            with path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps({"seed_index": k, **to_jsonable(summary)}) + "\n")
         per_seed.append(summary)
     head = {key: {f: None if isinstance(v, float) and math.isnan(v) else v for f, v in
@@ -171,5 +147,4 @@ def main(config, run: RunContext) -> dict:
                                             for key, iv in head.items()))
     return {**{key: iv["mean"] for key, iv in head.items()}, "seed_interval": head,
             "seeds": config.seeds, "per_seed": per_seed, "hf_path": hf_path, "task": task.name,
-            "reward": config.reward.fn, "lora": lora.describe_trainable(params) if not
-            config.model.lora.enabled else f"rank {config.model.lora.rank}"}
+            "reward": config.reward.fn}

@@ -21,7 +21,7 @@ import dataclasses
 import json
 import os
 import string
-from typing import Sequence
+from typing import Any, Sequence
 
 from jaxflow.models.architectures import shipped_config
 from jaxflow.models.transformer import TransformerConfig
@@ -90,3 +90,17 @@ def write_tiny_checkpoint(path: str, config: TransformerConfig | None = None, *,
     with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
         json.dump({"eos_token_id": [eos], "pad_token_id": eos, "do_sample": True}, f, indent=2)
     return config
+
+
+def cached_tiny_checkpoint(cache_root: str, tiny: Any) -> str:
+    """The directory of the tiny checkpoint ``tiny`` describes (fields of
+    :func:`tiny_qwen3_config` plus ``seed`` and ``phrases``, e.g. ``configs.rl.TinyModelConfig``),
+    written once under ``cache_root`` (``tiny_qwen3-v1-<hash>``) and reused after."""
+    from jaxflow.cache import build_once, cache_entry
+
+    entry = cache_entry(cache_root, "tiny_qwen3-v1", tiny)
+    fields = {k: v for k, v in dataclasses.asdict(tiny).items() if k not in ("seed", "phrases")}
+    build_once(entry, lambda tmp: write_tiny_checkpoint(
+        str(tmp), tiny_qwen3_config(128, **fields), phrases=tiny.phrases, seed=tiny.seed),
+        marker="generation_config.json")
+    return str(entry)

@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from jaxflow.data import sources
@@ -67,3 +68,34 @@ def data_rows(data: Any) -> tuple[list[dict], list[dict]]:
         return train, sources.load_rows(data.eval, prompt_key=data.prompt_key,
                                         answer_key=answer_key)
     return sources.heldout_split(train, min(data.eval_size, len(train) - 1), seed=data.seed)
+
+
+def make_task(data: Any, reward: str, tokenizer: Any, hf_path: str, *,
+              max_new_tokens: int):
+    """The :class:`jaxflow.rl.dataset_task.DatasetTask` of ``data`` (a ``configs.rl.DataConfig``)
+    scored by the reward spec ``reward``; with ``data.chat_template`` prompts are rendered by
+    ``hf_path``'s chat template (UserError when it has none). Greedy evaluation generates up to
+    ``max_new_tokens`` tokens."""
+    from jaxflow.data.chat_template import ChatTemplate
+    from jaxflow.rl.dataset_task import DatasetTask
+
+    template = ChatTemplate.from_pretrained(hf_path) if data.chat_template else None
+    if data.chat_template and template is None:
+        raise UserError(f"data.chat_template=true but {hf_path} has no chat template "
+                        "(tokenizer_config.json's chat_template or chat_template.jinja)")
+    train, heldout = data_rows(data)
+    name = data.source if data.source != "file" else os.path.basename(data.train)
+    return DatasetTask(train, reward, prompt_key=data.prompt_key, answer_key=data.answer_key or None,
+                       template=template, heldout=heldout, tokenizer=tokenizer,
+                       max_completion_len=max_new_tokens - 1, name=name)
+
+
+def stand_in_task(prompt_tokens: int, max_new_tokens: int) -> tuple[Any, Any]:
+    """(task, tokenizer) with real data's shapes for ``--compile-only``, where no data is read:
+    one ``prompt_tokens``-token prompt of the character tokenizer, held out as well."""
+    from jaxflow.data.tokenizer import CharTokenizer
+    from jaxflow.rl.dataset_task import DatasetTask
+
+    rows = [{"prompt": "1" * (prompt_tokens - 1), "answer": "1"}]  # + BOS
+    return (DatasetTask(rows, "exact_match", heldout=rows, tokenizer=CharTokenizer(),
+                        max_completion_len=max_new_tokens - 1, name="compile-only"), CharTokenizer())
