@@ -37,11 +37,14 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import threading
 import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from jaxflow.errors import DataError
 
 STATUSES = ("ready", "leased", "consumed")
 #: Statuses a log record may carry ("leased" is never persisted: a reopen makes it "ready").
@@ -88,6 +91,10 @@ class ExperienceStore:
     def __init__(self, agents: tuple[str, ...] | list[str], path: str | None = None, *,
                  _reopen: bool = False):
         self.agents = tuple(agents)
+        bad = [a for a in self.agents if not isinstance(a, str) or not _AGENT.fullmatch(a)]
+        if bad:  # agent names become file names under the store directory
+            raise DataError(f"agent names {bad!r}; valid: letters, digits, '_' and '-' (file "
+                            "names inside the store directory)")
         self.path = path
         self._tables: dict[str, dict[SampleId, Row]] = {a: {} for a in self.agents}
         self._consumer_state: dict[str, dict[str, np.ndarray]] = {}
@@ -129,7 +136,10 @@ class ExperienceStore:
     def put(self, agent: str, sample_id: SampleId, version: int,
             payload: dict[str, np.ndarray]) -> None:
         """Adds a "ready" row; a sample id may be put once per table."""
-        sample_id = SampleId(*map(int, sample_id))
+        sample_id = check_sample_id(sample_id, f"agent {agent!r}: sample id")
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+            raise DataError(f"agent {agent!r}: version {version!r} is not an int; valid: the "
+                            "policy version (an int)")
         payload = {k: np.asarray(v) for k, v in payload.items()}
         with self._cond:
             table = self._table(agent)
@@ -323,6 +333,8 @@ class ExperienceStore:
                                      "which was never put")
                 table[sid].status = "consumed"
             seq = _parse_int(rec.get("seq", 0), "seq", log_path, number)
+            if rec.get("state") is not None:
+                _check_state_name(rec["state"], agent, log_path, number)
             if rec.get("state") is not None and (agent not in last_state
                                                  or seq >= last_state[agent][0]):
                 last_state[agent] = (seq, rec["state"])
@@ -417,12 +429,36 @@ class ExperienceStore:
                     pass
 
 
+_AGENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
+_KEY = re.compile(r"[0-9]{1,18}-[0-9]{1,18}-[0-9]{1,18}")
+
+
+def check_sample_id(sample_id: Any, what: str = "sample id") -> SampleId:
+    """``sample_id`` as a SampleId of three ints in [0, 10**18) (its key names a file);
+    DataError naming ``what`` and the value otherwise (floats and bools are refused, not cast)."""
+    parts = tuple(sample_id) if isinstance(sample_id, (tuple, list)) else None
+    if parts is None or len(parts) != 3 or not all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+            and 0 <= x < 10 ** 18 for x in parts):
+        raise DataError(f"{what} {sample_id!r}; valid: (input, turn, trajectory), three ints in "
+                        "[0, 10**18)")
+    return SampleId(*map(int, parts))
+
+
+def _check_state_name(name: Any, agent: str, log_path: str, number: int) -> None:
+    """A commit's consumer-state file must be a name the store writes, inside its directory (a
+    log line naming any other path is refused: that file is never read nor deleted)."""
+    if not isinstance(name, str) or not re.fullmatch(rf"consumer\.{re.escape(agent)}\.[0-9]+\.npz",
+                                                     name):
+        raise StoreError(f"{log_path} line {number}: consumer state {name!r} is not a file of this "
+                         f"store; valid: 'consumer.{agent}.<seq>.npz' inside the store directory")
+
+
 def _parse_key(key: str, log_path: str, number: int) -> SampleId:
-    try:
-        return SampleId(*map(int, key.split("-")))
-    except (TypeError, ValueError, AttributeError):
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
         raise StoreError(f"{log_path} line {number}: bad sample key {key!r}; valid: "
-                         "'input-turn-trajectory'") from None
+                         "'input-turn-trajectory' (three ints >= 0)")
+    return SampleId(*map(int, key.split("-")))
 
 
 def _parse_int(value: Any, field: str, log_path: str, number: int) -> int:

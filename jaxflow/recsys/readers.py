@@ -10,7 +10,9 @@ slices batches from them. ``read_atomic_file`` reads RecBole's atomic files (``.
 from __future__ import annotations
 
 import contextlib
+import math
 import pathlib
+import re
 
 import numpy as np
 
@@ -79,12 +81,14 @@ def read_movielens(path: str | pathlib.Path, *, max_rows: int | None = None) -> 
             raise FileFormatError(f"{path}:{lineno}: {len(parts)} fields in {line[:80]!r}; "
                                   "expected user item rating timestamp")
         try:
-            rows.append((int(parts[0]), int(parts[1]), float(parts[2]), int(float(parts[3]))))
+            user, item, rating, ts = int(parts[0]), int(parts[1]), float(parts[2]), float(parts[3])
         except (ValueError, OverflowError):
             if lineno == 1:
                 continue  # header
             raise FileFormatError(f"{path}:{lineno}: cannot parse {line[:80]!r} as user item "
                                   "rating timestamp (integers, a number, an integer)") from None
+        rows.append((user, item, _rating(rating, parts[2], path, lineno),
+                     _timestamp(ts, parts[3], path, lineno)))
     if not rows:
         raise FileFormatError(f"{path}: no ratings")
     arr = list(zip(*rows))
@@ -96,6 +100,72 @@ def read_movielens(path: str | pathlib.Path, *, max_rows: int | None = None) -> 
                             f"range; valid: 0..{high} (ids index int32 embedding rows)")
     return {"user": np.asarray(arr[0], np.int64), "item": np.asarray(arr[1], np.int64),
             "rating": np.asarray(arr[2], np.float32), "timestamp": np.asarray(arr[3], np.int64)}
+
+
+#: the largest timestamp accepted (seconds): float64 holds every integer up to it exactly
+TIMESTAMP_MAX = 2 ** 53
+_ID_MAX = int(np.iinfo(np.int32).max)  # ids index int32 embedding rows
+
+
+def _rating(value: float, text: str, path, lineno: int) -> float:
+    if not math.isfinite(value):
+        raise DataError(f"{path}:{lineno}: rating {text.strip()!r} is not finite; valid: a finite "
+                        "number")
+    return value
+
+
+def _timestamp(value: float, text: str, path, lineno: int) -> int:
+    if not 0 <= value <= TIMESTAMP_MAX:  # nan fails too
+        raise DataError(f"{path}:{lineno}: timestamp {text.strip()!r} is out of range; valid: "
+                        f"seconds in [0, 2**53]")
+    return int(value)
+
+
+def _id(text: str, column: str, path, lineno: int) -> int:
+    token = text.strip()
+    if not re.fullmatch(r"[0-9]+", token):
+        raise FileFormatError(f"{path}:{lineno}: {column} token {token[:40]!r} is not an integer "
+                              f"id in 0..{_ID_MAX} (MovieLens ids)")
+    if int(token) > _ID_MAX:
+        raise DataError(f"{path}:{lineno}: {column} {token} is out of range; valid: 0..{_ID_MAX}")
+    return int(token)
+
+
+def _number(text: str, column: str, path, lineno: int) -> float:
+    if not text.strip():
+        raise FileFormatError(f"{path}:{lineno}: {column} is missing; valid: a finite number")
+    try:
+        return float(text)
+    except ValueError:
+        raise FileFormatError(f"{path}:{lineno}: {column} {text.strip()[:40]!r} is not a number"
+                              "; valid: a finite number") from None
+
+
+def read_atomic_ratings(path: str | pathlib.Path) -> dict:
+    """RecBole ratings (an ``.inter`` file with ``user_id``, ``item_id``, ``rating`` and
+    ``timestamp`` columns, any order) as int64 ``user``, ``item``, ``timestamp`` and f32
+    ``rating`` arrays [R], in file order.
+
+    Raises:
+      FileFormatError / DataError: one line naming the file, the line and the value: an id that
+        is not a decimal integer in 0..2**31-1, a rating that is missing or not finite, a
+        timestamp that is missing or outside [0, 2**53] seconds.
+    """
+    need = ("user_id", "item_id", "rating", "timestamp")
+    names, _, rows = _read_atomic(pathlib.Path(path), need, "utf-8-sig")
+    if not rows:
+        raise FileFormatError(f"{path}: no ratings")
+    at = [names.index(c) for c in need]
+    out: dict[str, list] = {"user": [], "item": [], "rating": [], "timestamp": []}
+    for lineno, parts in rows:
+        u, i, r, t = (parts[k] for k in at)
+        out["user"].append(_id(u, "user_id", path, lineno))
+        out["item"].append(_id(i, "item_id", path, lineno))
+        out["rating"].append(_rating(_number(r, "rating", path, lineno), r, path, lineno))
+        out["timestamp"].append(_timestamp(_number(t, "timestamp", path, lineno), t, path, lineno))
+    return {"user": np.asarray(out["user"], np.int64), "item": np.asarray(out["item"], np.int64),
+            "rating": np.asarray(out["rating"], np.float32),
+            "timestamp": np.asarray(out["timestamp"], np.int64)}
 
 
 def _numeric(text: str) -> bool:
@@ -139,6 +209,27 @@ def read_atomic_file(path: str | pathlib.Path, *, columns: tuple[str, ...] | Non
     path = pathlib.Path(path)
     if encoding.lower().replace("-", "").replace("_", "") in ("utf8", "utf8sig"):
         encoding = "utf-8-sig"  # a leading byte-order mark is not part of the first column's name
+    names, types, rows = _read_atomic(path, columns, encoding)
+    want = names if columns is None else list(columns)
+    convert = {"token": str.strip, "token_seq": str.split,
+               "float": lambda v: float(v) if v.strip() else float("nan"),
+               "float_seq": lambda v: [float(x) for x in v.split()]}
+    out: dict[str, list] = {}
+    for c in want:
+        i = names.index(c)
+        kind = types[i]
+        fn = convert[kind]
+        try:
+            out[c] = [fn(parts[i]) for _, parts in rows]
+        except ValueError:
+            lineno, parts = next((n, p) for n, p in rows if not _parses(fn, p[i]))
+            raise FileFormatError(f"{path}:{lineno}: column {c!r} ({kind}) cannot parse "
+                             f"{parts[i].strip()!r}") from None
+    return out
+
+
+def _read_atomic(path: pathlib.Path, columns, encoding: str) -> tuple[list, list, list]:
+    """(column names, types, [(line number, fields)]) of an atomic file (read_atomic_file)."""
     with _text_errors(path, encoding), open(path, encoding=encoding) as f:
         header = f.readline().rstrip("\r\n").split("\t")
         names, types = [], []
@@ -163,21 +254,7 @@ def read_atomic_file(path: str | pathlib.Path, *, columns: tuple[str, ...] | Non
                 raise FileFormatError(f"{path}:{lineno}: {len(parts)} tab-separated fields, the header "
                                  f"has {len(names)}")
             rows.append((lineno, parts + [""] * (len(names) - len(parts))))
-    convert = {"token": str.strip, "token_seq": str.split,
-               "float": lambda v: float(v) if v.strip() else float("nan"),
-               "float_seq": lambda v: [float(x) for x in v.split()]}
-    out: dict[str, list] = {}
-    for c in want:
-        i = names.index(c)
-        kind = types[i]
-        fn = convert[kind]
-        try:
-            out[c] = [fn(parts[i]) for _, parts in rows]
-        except ValueError:
-            lineno, parts = next((n, p) for n, p in rows if not _parses(fn, p[i]))
-            raise FileFormatError(f"{path}:{lineno}: column {c!r} ({kind}) cannot parse "
-                             f"{parts[i].strip()!r}") from None
-    return out
+    return names, types, rows
 
 
 @contextlib.contextmanager

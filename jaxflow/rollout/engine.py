@@ -304,7 +304,7 @@ class RolloutEngine:
         prompt's KV pages). ``keys``: [G] per-sequence PRNG keys (typed keys, or their
         ``jax.random.key_data`` [G, ...] uint32 for the default PRNG implementation). Returns
         the request id."""
-        prompt = np.asarray(prompt, np.int32).reshape(-1)
+        prompt = _token_ids(prompt, self.model_config.vocab_size, "prompt")
         n_new = self.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or not (
                 1 <= n_new <= self.sampling.max_new_tokens):
@@ -452,12 +452,24 @@ class RolloutEngine:
         if bad.any():
             raise RolloutConfigError(f"prompt_lengths={lengths[bad][0]}: must be in [1, "
                                      f"{prompts.shape[1]}] (the prompts' width)")
+        for i in range(r):  # every row checked before any is queued
+            _token_ids(prompts[i, :lengths[i]], self.model_config.vocab_size, f"prompts[{i}]")
         rids = [self.add_request(prompts[i, :lengths[i]], keys[i * g:(i + 1) * g])
                 for i in range(r)]
         self.run()
         outs = [self.result(rid) for rid in rids]
         return EngineOutput(*(np.concatenate([getattr(o, f) for o in outs])
                               for f in RequestOutput._fields))
+
+
+def _token_ids(prompt, vocab_size: int, what: str) -> np.ndarray:
+    """int32 [L] ids, checked before a cast could wrap or truncate them (RolloutConfigError)."""
+    raw, valid = np.asarray(prompt).reshape(-1), f"valid: integers in [0, {vocab_size}) (the model's vocab_size)"
+    if raw.size and raw.dtype.kind not in "iu":
+        raise RolloutConfigError(f"{what}: token ids of dtype {raw.dtype} ({raw[0]!r}, ...); {valid}")
+    if (bad := np.flatnonzero((raw < 0) | (raw >= vocab_size))).size:
+        raise RolloutConfigError(f"{what}: token id {raw[bad[0]]} at position {bad[0]}; {valid}")
+    return raw.astype(np.int32)
 
 
 def _key_data(keys) -> np.ndarray:

@@ -36,10 +36,10 @@ import zlib
 import jax
 import numpy as np
 
-from jaxflow.errors import DataError, FileFormatError, text_lines
+from jaxflow.errors import FileFormatError, text_lines
 from jaxflow.genrec.data.requests import SCENARIOS, RecData, Requests, instruction_tokens, pad_histories
 from jaxflow.genrec.semantic_ids import kmeans
-from jaxflow.recsys.readers import ATOMIC_TYPES, read_atomic_file, read_movielens
+from jaxflow.recsys.readers import ATOMIC_TYPES, read_atomic_file, read_atomic_ratings, read_movielens
 
 ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
                  "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
@@ -53,31 +53,7 @@ def read_ratings(path) -> dict:
         raise FileFormatError(f"ratings file {str(path)!r} does not exist")
     if path.suffix != ".inter":
         return read_movielens(path)
-    need = ("user_id", "item_id", "rating", "timestamp")
-    cols = read_atomic_file(path, columns=need)
-    if not cols["user_id"]:
-        raise FileFormatError(f"{path}: no ratings")
-    try:
-        user = np.asarray(cols["user_id"], np.int64)
-        item = np.asarray(cols["item_id"], np.int64)
-    except (ValueError, OverflowError):
-        bad = next((v for v in cols["user_id"] + cols["item_id"]
-                    if not v.lstrip("-").isdigit() or abs(int(v)) > np.iinfo(np.int64).max), "?")
-        raise FileFormatError(f"{path}: user / item token {bad!r} is not an integer id in "
-                              f"0..{np.iinfo(np.int32).max} (MovieLens ids)") from None
-    high = int(np.iinfo(np.int32).max)  # ids index int32 embedding rows
-    for column, ids in (("user_id", user), ("item_id", item)):
-        if ids.size and (ids.min() < 0 or ids.max() > high):
-            row = int(np.flatnonzero((ids < 0) | (ids > high))[0])
-            raise DataError(f"{path}:{row + 2}: {column} {int(ids[row])} is out of range; "
-                            f"valid: 0..{high}")
-    rating = np.asarray(cols["rating"], np.float64)
-    ts = np.asarray(cols["timestamp"], np.float64)
-    bad = np.flatnonzero(~np.isfinite(rating) | ~np.isfinite(ts))
-    if len(bad):
-        raise FileFormatError(f"{path}:{int(bad[0]) + 2}: missing rating or timestamp")
-    return {"user": user, "item": item, "rating": rating.astype(np.float32),
-            "timestamp": ts.astype(np.int64)}
+    return read_atomic_ratings(path)  # every id, rating and timestamp checked (file:line)
 
 
 def _first_column(header_names, candidates, path, what):
