@@ -19,11 +19,14 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, INT64_MAX, POSITIVE, SEED, Int, domains
 
 DESCRIPTION = "HF checkpoint load time / memory, forward vs transformers, MoE all-to-all vs dense"
 ENTRY = "jaxflow.main.bench_checkpoint:main"
 
 
+@domains(vocab_size=COUNT, d_model=COUNT, n_layers=COUNT, n_heads=COUNT, n_kv_heads=COUNT, d_ff=COUNT,
+         max_shard_bytes=Int(1, INT64_MAX))
 @dataclasses.dataclass(frozen=True)
 class LoadBench:
     vocab_size: int = 32000
@@ -36,6 +39,8 @@ class LoadBench:
     max_shard_bytes: int = 2**30
 
 
+@domains(vocab_size=COUNT, d_model=COUNT, n_layers=COUNT, n_heads=COUNT, n_kv_heads=COUNT, d_ff=COUNT,
+         batch=COUNT, seq_len=COUNT, pairs=COUNT)
 @dataclasses.dataclass(frozen=True)
 class ForwardBench:
     vocab_size: int = 4096
@@ -49,6 +54,8 @@ class ForwardBench:
     pairs: int = 10
 
 
+@domains(tokens=COUNT, d_model=COUNT, d_ff_expert=COUNT, n_experts=COUNT, k=COUNT, capacity_factor=POSITIVE,
+         pairs=COUNT)
 @dataclasses.dataclass(frozen=True)
 class MoEBench:
     tokens: int = 4096
@@ -60,6 +67,7 @@ class MoEBench:
     pairs: int = 10
 
 
+@domains(seed=SEED, devices=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

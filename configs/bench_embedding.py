@@ -34,12 +34,16 @@ import dataclasses
 
 from configs.dlrm_train import POOLING_BACKENDS, PRODUCTION_VOCABS
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, COUNT0, POSITIVE, SEED, domains
 from jaxflow.mesh import MeshConfig
 
 DESCRIPTION = "sharded embedding lookup + sparse update vs dense and sparse jnp.take baselines; Pallas bag kernel"
 ENTRY = "jaxflow.main.bench_embedding:main"
 
 
+@domains(seed=SEED, num_tables=COUNT, vocab_size=COUNT, vocab_sizes=COUNT, dim=COUNT, batch_size=COUNT, bag=COUNT,
+         zipf_a=POSITIVE, learning_rate=POSITIVE, capacity=COUNT0, bucket_capacity=COUNT0, num_batches=COUNT,
+         warmup=COUNT0, pairs=COUNT, kernel_vocab=COUNT, kernel_bags=COUNT, kernel_pairs=COUNT, devices=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants, require_finite, require_positive
+from jaxflow.config_domains import COUNT, COUNT0, INT64_MAX, SEED, UNIT, Int, domains
 
 DESCRIPTION = "Pallas kernels and attention backends vs XLA: error, time, temp bytes, GB/s, FLOP/s"
 ENTRY = "jaxflow.main.bench_kernels:main"
@@ -37,6 +38,7 @@ SIZES = ("test", "production")
 DTYPES = ("float32", "bfloat16")
 
 
+@domains(tokens=COUNT, batch=COUNT, heads=COUNT, kv_heads=COUNT, head_dim=COUNT, segments=COUNT)
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     backends: tuple[str, ...] = ("auto", "splash", "flash", "cudnn")  # each vs "xla"
@@ -59,6 +61,7 @@ class AttentionConfig:
             raise ValueError(f"attention.dtype={self.dtype!r}; valid: {', '.join(DTYPES)}")
 
 
+@domains(seed=SEED, change_fraction=UNIT, pairs=COUNT, warmup=COUNT0, copy_bytes=Int(1, INT64_MAX))
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

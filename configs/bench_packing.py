@@ -14,11 +14,14 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, SEED, domains
 
 DESCRIPTION = "packing algorithms: waste, imbalance, speed on long-tailed multi-image lengths"
 ENTRY = "jaxflow.main.bench_packing:main"
 
 
+@domains(seed=SEED, batch_sizes=COUNT, batches=COUNT, data_parallel=COUNT, d_model=COUNT, digits_budget=COUNT,
+         synthetic_budget=COUNT, row_granularity=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

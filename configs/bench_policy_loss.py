@@ -8,7 +8,8 @@ One step = LM head + fused log-probs (+ log-probs at pi_old's top-K for SIS) + p
 forward and backward to the hidden states and the head. `none` is what a competent user runs
 without SIS: the same fused path without the top-K gather. Memory: XLA's compiled memory
 analysis (temp and output bytes) of the SIS step with the fused path vs the naive path that
-materialises [B*T, V] logits.
+materialises [B*T, V] logits. ``grpo_iteration``: a GRPO iteration's CPU and wall seconds
+with the separate pi_old forward and with the update's own forward (``GRPOConfig.reuse_forward``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Config:
     warmup: int = 1  # untimed steps per arm after the compiling one
     pairs: int = 10  # interleaved (none, sis) timing pairs
     measure_memory: bool = True
+    grpo_iteration: bool = True  # also time a GRPO iteration with / without the pi_old forward
 
     def __post_init__(self):
         if self.pairs < 1 or self.warmup < 0:

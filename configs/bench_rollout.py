@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants, require_positive
+from jaxflow.config_domains import COUNT, NON_NEGATIVE, POSITIVE, SEED, Real, domains
 from jaxflow.models.transformer import TransformerConfig
 
 DESCRIPTION = ("paged rollout engine vs static sampler / MARL compacting decode: useful tokens/s, "
@@ -44,6 +45,8 @@ MEDIUM = TransformerConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=4, 
                            d_ff=768, max_seq_len=128)
 
 
+@domains(prompt_len=COUNT, max_new=COUNT, slots=COUNT, page_size=COUNT, pairs=COUNT, decode_steps=COUNT,
+         prefill_rows=COUNT)
 @dataclasses.dataclass(frozen=True)
 class ModelCase:
     """One model and its shapes: prompts of P = ``prompt_len`` tokens at most, answers of N =
@@ -71,6 +74,8 @@ class ModelCase:
                              f"exceeds model.max_seq_len={self.model.max_seq_len}")
 
 
+@domains(n_layers=COUNT, model_parallel=COUNT, slots=COUNT, prompt_len=COUNT, max_new=COUNT, page_size=COUNT,
+         prefill_rows=COUNT, prefill_chunk=COUNT, decode_steps=COUNT)
 @dataclasses.dataclass(frozen=True)
 class ServeCase:
     """The production engine ``--compile-only`` compiles (variant ``full``): ``model`` (a
@@ -100,6 +105,8 @@ class ServeCase:
             require_positive(self, "n_layers")
 
 
+@domains(seed=SEED, devices=COUNT, requests=COUNT, group_size=COUNT, tail_median_frac=Real(0.0, 1.0, low_open=True),
+         tail_sigma=NON_NEGATIVE, temperature=POSITIVE, prefill_calls=COUNT, marl_chunk=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

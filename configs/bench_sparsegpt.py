@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, SEED, domains
 from jaxflow.prune.masks import parse_sparsity
 
 DESCRIPTION = "SparseGPT per-layer time and reconstruction error vs llmcompressor (torch)"
 ENTRY = "jaxflow.main.bench_sparsegpt:main"
 
 
+@domains(seed=SEED, tokens=COUNT, block_size=COUNT, damp=NON_NEGATIVE, warmup=COUNT0, pairs=COUNT, torch_threads=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

@@ -9,11 +9,14 @@ baseline and a memory copy, on synthetic optimizer-made bf16 trees.
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, SEED, Int, domains
 
 DESCRIPTION = "Sparse bf16 weight-sync codecs: bytes vs entropy bound and encode/apply GB/s"
 ENTRY = "jaxflow.main.bench_sync_codec:main"
 
 
+@domains(seed=SEED, d_model=COUNT, n_layers=COUNT, vocab=COUNT, timing_rounds=COUNT, timing_rounds_other=COUNT,
+         tight_rounds=COUNT, bucket_elems=COUNT, zstd_level=Int(1, 22))
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

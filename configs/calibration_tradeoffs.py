@@ -25,6 +25,7 @@ import os
 import pathlib
 
 from jaxflow.config import Variants, require_positive
+from jaxflow.config_domains import COUNT, SEED, domains
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.prune.calibration import FILE_MODE_SOURCES, SOURCES, CalibrationConfig
@@ -34,8 +35,11 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "SparseGPT calibration sources x sparsity: per-capability retention and perplexity correlation"
 ENTRY = "jaxflow.main.calibration_tradeoffs:main"
+#: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
+READS = ("model.hf_path",)
 
 
+@domains(steps=COUNT, batch_size=COUNT, seq_len=COUNT, log_every=COUNT)
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1500
@@ -58,6 +62,8 @@ MODEL_SIZES = {
 }
 
 
+@domains(seed=SEED, world_seed=SEED, math_digits=COUNT, draws=COUNT, block_size=COUNT, calib_batch_rows=COUNT,
+         eval_examples=COUNT, bootstrap=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

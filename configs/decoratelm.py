@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, OPEN_UNIT, POSITIVE, SEED, Real, domains
 from jaxflow.decorate.selection import DEFAULT_COEFS
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.transformer import TransformerConfig
@@ -26,6 +27,8 @@ DESCRIPTION = ("DecorateLM: teacher annotations -> distilled rate/tag/edit stude
 ENTRY = "jaxflow.main.decoratelm:main"
 
 
+@domains(max_chars=COUNT, n_real=COUNT, n_heldout_real=COUNT, n_template=COUNT, level1_skew=NON_NEGATIVE,
+         n_degraded=COUNT0, noise_levels=Real(0.0, 1.0, low_open=True), n_noise=COUNT0, n_probe=COUNT0)
 @dataclasses.dataclass(frozen=True)
 class CorpusConfig:
     max_chars: int = 128          # documents are chunked to at most this many characters
@@ -46,6 +49,8 @@ class CorpusConfig:
             raise ValueError(f"corpus.noise_levels={self.noise_levels}: each in (0, 1]")
 
 
+@domains(n_annotate=COUNT, heldout_fraction=OPEN_UNIT, min_comparisons=COUNT, judge_noise=NON_NEGATIVE,
+         l2=NON_NEGATIVE)
 @dataclasses.dataclass(frozen=True)
 class TeacherConfig:
     n_annotate: int = 2000        # texts the teacher annotates for distillation
@@ -55,6 +60,8 @@ class TeacherConfig:
     l2: float = 0.1
 
 
+@domains(d_model=COUNT, n_layers=COUNT, n_heads=COUNT, d_ff=COUNT, steps=COUNT, batch_size=COUNT, lr=POSITIVE,
+         edit_nonkeep_weight=NON_NEGATIVE)
 @dataclasses.dataclass(frozen=True)
 class StudentConfig:
     d_model: int = 64
@@ -67,12 +74,14 @@ class StudentConfig:
     edit_nonkeep_weight: float = 3.0
 
 
+@domains(batch_size=COUNT, checkpoint_every=COUNT)
 @dataclasses.dataclass(frozen=True)
 class DecorateConfig:
     batch_size: int = 64
     checkpoint_every: int = 8
 
 
+@domains(token_budget=COUNT, coefs=NON_NEGATIVE, tag_exponent=NON_NEGATIVE)
 @dataclasses.dataclass(frozen=True)
 class SelectionConfig:
     token_budget: int = 200_000
@@ -80,6 +89,7 @@ class SelectionConfig:
     tag_exponent: float = 0.5
 
 
+@domains(steps=COUNT, batch_size=COUNT, seq_len=COUNT, eval_batch_size=COUNT)
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
     model: TransformerConfig = TransformerConfig(
@@ -90,6 +100,7 @@ class LMConfig:
     eval_batch_size: int = 64
 
 
+@domains(n_items=COUNT, comparisons=COUNT, spread=POSITIVE, repeats=COUNT)
 @dataclasses.dataclass(frozen=True)
 class RecoveryConfig:
     n_items: int = 1000
@@ -98,6 +109,7 @@ class RecoveryConfig:
     repeats: int = 5
 
 
+@domains(seed=SEED, seeds=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

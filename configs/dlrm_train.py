@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants, require_finite, require_positive
+from jaxflow.config_domains import COUNT, COUNT0, OPEN_UNIT, POSITIVE, SEED, domains
 from jaxflow.embeddings.pooling import PoolingBackend
 from jaxflow.mesh import MeshConfig
 from jaxflow.recsys.synthetic import CRITEO_LIKE_VOCABS
@@ -45,6 +46,8 @@ PRODUCTION_VOCABS = (28_000_000, 23_000_000, 100_000_000, 63_000_000, 21_000_000
 POOLING_BACKENDS = tuple(b.value for b in PoolingBackend)
 
 
+@domains(vocab_sizes=COUNT, multi_hot=COUNT, zipf_a=POSITIVE, drift_period=COUNT, max_rows=COUNT0,
+         eval_fraction=OPEN_UNIT)
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     source: str = "synthetic"  # synthetic | criteo | movielens
@@ -64,6 +67,7 @@ class DataConfig:
                              f"{'Criteo TSV' if self.source == 'criteo' else 'MovieLens ratings'} file)")
 
 
+@domains(embed_dim=COUNT, bottom=COUNT, top=COUNT, cross_layers=COUNT0, deep=COUNT)
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     arch: str = "dlrm"  # dlrm | dcn_v2
@@ -84,12 +88,15 @@ class ModelConfig:
                              f"{', '.join(POOLING_BACKENDS)}")
 
 
+@domains(replicate_below=COUNT0, table_wise_below=COUNT0)
 @dataclasses.dataclass(frozen=True)
 class PlacementConfig:
     replicate_below: int = 1000  # vocab <= this: replicated
     table_wise_below: int = 20000  # vocab <= this: table-wise; larger: row-wise
 
 
+@domains(steps=COUNT, batch_size=COUNT, dense_lr=POSITIVE, sparse_lr=POSITIVE, capacity=COUNT0, log_every=COUNT,
+         checkpoint_every=COUNT, eval_batches=COUNT)
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 2000
@@ -108,6 +115,7 @@ class TrainConfig:
         require_finite(self, "dense_lr", "sparse_lr", positive=True)
 
 
+@domains(seed=SEED)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

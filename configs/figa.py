@@ -27,13 +27,17 @@ from configs.lm_pretrain import Config as PretrainConfig
 from configs.sis_offpolicy import WARM_START
 from jaxflow.align.figa_loss import FigaConfig
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, POSITIVE, SEED, domains
 from jaxflow.models.lora import LoraConfig
 
 DESCRIPTION = "FIGA vs SFT-on-revisions vs DPO on the model's own oracle-revised samples (addition)"
 ENTRY = "jaxflow.main.figa:main"
+#: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
+READS = ("pretrain.model.lora",)
 METHODS = ("sft", "dpo", "figa", "figa_constant")
 
 
+@domains(pairs=COUNT, prompts_per_round=COUNT, samples_per_prompt=COUNT, temperature=POSITIVE, max_rounds=COUNT)
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Pair pool per seed: rounds of ``prompts_per_round`` training prompts x
@@ -56,6 +60,8 @@ class DataConfig:
             raise ValueError(f"data.temperature={self.temperature!r}: need > 0")
 
 
+@domains(steps=COUNT, pairs_per_batch=COUNT, lr=POSITIVE, grad_clip=POSITIVE, eval_every=COUNT,
+         eval_examples=COUNT, eval_samples=COUNT, log_every=COUNT)
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Each step: ``pairs_per_batch`` pairs = 2x rows (revised, original, ...); Adam, constant
@@ -80,6 +86,7 @@ class TrainConfig:
                              f"{self.lr!r} (> 0)")
 
 
+@domains(seed=SEED, seeds=COUNT, dpo_beta=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Attributes:

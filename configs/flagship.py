@@ -21,9 +21,9 @@ merged weights, and SparseRL-Sync carries the adapters (``rl.lora.publish=adapte
 Rollout sampler (``rl.sampler``, :mod:`jaxflow.rl.rollout`): "static" (default, the static-batch
 sampler, one key per rollout), "engine" (:class:`jaxflow.rollout.RolloutEngine`: paged KV cache,
 continuous batching, the 16 samples of a prompt share its prefill, per-token weight versions in
-the metrics as ``sampler_version_min`` / ``_max``; ``rl.engine.*`` its shapes) or
+the metrics as ``version/sampler_min`` / ``_max``; ``rl.engine.*`` its shapes) or
 "static_per_row" (the static sampler on the engine's per-row keys). The engine samples the same
-tokens as "static_per_row" (its log-probs differ by ~1e-6, which only ``behaviour_gap`` sees), so
+tokens as "static_per_row" (its log-probs differ by ~1e-6, which only ``actor/behaviour_gap`` sees), so
 ``--set rl.sampler=engine`` and ``--set rl.sampler=static_per_row`` give the same figures; they
 differ from "static"'s because the random stream does (per-row keys). "static" stays the default
 so the published figures and the two-job bit-identity runs keep their stream.

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, SEED, domains
 from jaxflow.models.architectures import shipped_config
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.train.lm_state import OptimConfig
@@ -42,6 +43,10 @@ DESCRIPTION = "FlexMARL micro-batch pipeline (strict / bounded) vs synchronous m
 ENTRY = "jaxflow.main.flexmarl:main"
 
 
+@domains(seed=SEED, group_size=COUNT, max_digits=COUNT, solver_tokens=COUNT, verifier_tokens=COUNT, n_inputs=COUNT,
+         steps=COUNT, reps=COUNT, runs=COUNT, probe_rounds=COUNT, probe_steps=COUNT0, micro_inputs=COUNT,
+         rollout_batch=COUNT, rollout_workers=COUNT, engine_chunk=COUNT, etas=COUNT, bench_tokens=COUNT,
+         bench_rows=COUNT, bench_chunk=COUNT, entropy_coef=NON_NEGATIVE, trainer_model=COUNT, rollout_model=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

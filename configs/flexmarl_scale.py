@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, POSITIVE, SEED, domains
 from jaxflow.marl.simulate import AgentLoad, Hardware
 
 DESCRIPTION = "Simulated FlexMARL vs sync baseline at 8-64 nodes (calibrated from flexmarl)"
@@ -40,6 +41,9 @@ VERIFIER = AgentLoad("verifier", params=3e9, prompt_tokens=128, len_median=150.0
                      len_sigma=0.7, len_max=2048, upstream="solver")
 
 
+@domains(seed=SEED, nodes=COUNT, devices_per_node=COUNT, slots=COUNT, inputs_per_node=COUNT, global_inputs=COUNT0,
+         sigma_scale=NON_NEGATIVE, group_size=COUNT, versions=COUNT, micro_batch=COUNT, etas=COUNT,
+         sensitivity_factors=POSITIVE, validation_rel_tol=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, COUNT0, SEED, domains
 from jaxflow.flow.batching import PackingConfig
 from jaxflow.flow.digits_data import FLOW_ALPHABET, DigitsConfig
 from jaxflow.flow.vit import ViTConfig
@@ -52,6 +53,7 @@ ENTRY = "jaxflow.main.flowtrain:main"
 VOCAB = len(FLOW_ALPHABET) + 3
 
 
+@domains(run_ahead=COUNT0, pool_capacity=COUNT, encoder_devices=COUNT0)
 @dataclasses.dataclass(frozen=True)
 class FlowConfig:
     run_ahead: int = 0  # encoder may run this many steps ahead (0 = strict)
@@ -69,6 +71,7 @@ class FlowConfig:
                              f"{', '.join(ATTENTION_BACKENDS)}")
 
 
+@domains(encoder_candidates=COUNT, backbone_model_degrees=COUNT, profile_repeats=COUNT)
 @dataclasses.dataclass(frozen=True)
 class AllocatorConfig:
     encoder_candidates: tuple[int, ...] = (1, 2, 4)
@@ -76,6 +79,7 @@ class AllocatorConfig:
     profile_repeats: int = 3
 
 
+@domains(batch_size=COUNT, warmup_rounds=COUNT0, rounds=COUNT, block_steps=COUNT, eval_examples=COUNT)
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     batch_size: int = 32  # samples per global step (every mode)
@@ -85,6 +89,7 @@ class TrainConfig:
     eval_examples: int = 128
 
 
+@domains(seed=SEED, devices=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The decoupled producer lives for one timed block (so no mode's work leaks into another

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, SEED, domains
 
 DESCRIPTION = ("Pallas kernels compiled for TPU v5e/v5p/v6e and H100/H200: compiles, smallest "
                "VMEM / shared memory, HBM temp per chip")
@@ -26,6 +27,7 @@ _KERNELS = ("fused_logprobs_fwd", "fused_logprobs_bwd", "embedding_bag_fwd", "em
             "sync_diff_compact", "sync_scatter_apply")
 
 
+@domains(seed=SEED, vmem_step=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

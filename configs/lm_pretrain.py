@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants, require_positive
+from jaxflow.config_domains import COUNT, SEED, Int, domains
 from jaxflow.data.arithmetic import AdditionTask
 from jaxflow.mesh import MeshConfig
 from jaxflow.models.architectures import shipped_config
@@ -30,8 +31,11 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "decoder LM pretraining on multi-digit addition; loss + held-out exact-match accuracy"
 ENTRY = "jaxflow.main.lm_pretrain:main"
+#: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
+READS = ("model.lora",)
 
 
+@domains(max_digits=COUNT, heldout_mod=Int(2))
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     max_digits: int = 3
@@ -44,6 +48,8 @@ class DataConfig:
         AdditionTask(max_digits=self.max_digits, heldout_mod=self.heldout_mod)  # their ranges
 
 
+@domains(steps=COUNT, batch_size=COUNT, seq_len=COUNT, log_every=COUNT, eval_every=COUNT, eval_examples=COUNT,
+         checkpoint_every=COUNT, keep_checkpoints=COUNT)
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 3000
@@ -60,6 +66,7 @@ class TrainConfig:
                          "eval_examples", "checkpoint_every", "keep_checkpoints")
 
 
+@domains(seed=SEED)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

@@ -44,6 +44,7 @@ import dataclasses
 
 from configs.dlrm_train import POOLING_BACKENDS, PRODUCTION_VOCABS
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, COUNT0, POSITIVE, SEED, domains
 
 DESCRIPTION = "NestPipe dual-buffer / frozen-window pipelines vs sync over host-resident tables"
 ENTRY = "jaxflow.main.nestpipe:main"
@@ -53,6 +54,11 @@ PIPELINE_NAMES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "sync_accum", 
 FWP_EXCHANGES = ("per_micro_batch", "batched")
 
 
+@domains(seed=SEED, vocab_sizes=COUNT, multi_hot=COUNT, zipf_a=POSITIVE, drift_period=COUNT, embed_dim=COUNT,
+         bottom=COUNT, top=COUNT, batch_size=COUNT, dense_lr=POSITIVE, sparse_lr=POSITIVE, devices=COUNT,
+         capacity_devices=COUNT, capacity=COUNT0, bucket_capacity=COUNT0, micro_bucket_capacity=COUNT0,
+         owner_capacity=COUNT0, micro_batches=COUNT, steps=COUNT, step_check_steps=COUNT, eval_batches=COUNT,
+         warmup=COUNT0, timing_steps=COUNT, pairs=COUNT, runs=COUNT, probe_rounds=COUNT, probe_steps=COUNT0)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

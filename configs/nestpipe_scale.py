@@ -33,12 +33,19 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, POSITIVE, SEED, Real, domains
 
 DESCRIPTION = "NestPipe at 128 -> 1,536 workers: discrete-event simulator calibrated from a nestpipe run"
 ENTRY = "jaxflow.main.nestpipe_scale:main"
 PIPELINE_NAMES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
 
 
+@domains(seed=SEED, workers=COUNT, micro_batches=COUNT, host_threads=COUNT, jitter_cv=NON_NEGATIVE,
+         device_copy_speedup=POSITIVE, peer_latency_us=NON_NEGATIVE, gpus_per_node=COUNT, pod_size=COUNT,
+         oversubscription=Real(1.0), intra_over_inter_bw=POSITIVE, batches=COUNT, warmup=COUNT0, repeats=COUNT,
+         sensitivity_cv=NON_NEGATIVE, sensitivity_micro_batches=COUNT, sensitivity_peer_latency_us=NON_NEGATIVE,
+         sensitivity_oversubscription=Real(1.0), sensitivity_device_copy_speedup=POSITIVE,
+         sensitivity_factors=POSITIVE, validation_rel_tol=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

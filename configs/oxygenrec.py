@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, SEED, Real, domains
 from jaxflow.genrec.data.synthetic import SyntheticGenRecConfig
 from jaxflow.genrec.rl import RLConfig
 from jaxflow.genrec.sasrec import SASRecConfig
@@ -44,6 +45,7 @@ SYSTEMS = ("oxygenrec", "oxygenrec_no_rl", "oxygenrec_no_igr", "oxygenrec_no_q2i
            "oxygenrec_per_scenario", "tiger", "tiger_instruction", "sasrec", "popularity")
 
 
+@domains(max_history=COUNT, max_train_per_user=COUNT, new_fraction=Real(0.0, 1.0, high_open=True))
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """``path`` empty: the synthetic generator; else a MovieLens ratings file (u.data, RecBole
@@ -59,6 +61,8 @@ class DataConfig:
     synthetic: SyntheticGenRecConfig = SyntheticGenRecConfig()
 
 
+@domains(levels=COUNT, width=COUNT, kmeans_iters=COUNT, d_model=COUNT, n_heads=COUNT, d_ff=COUNT,
+         encoder_layers=COUNT, decoder_layers=COUNT, max_history=COUNT)
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """``levels`` k-means levels of ``width`` codes; ``dedup`` how items sharing codes get
@@ -78,6 +82,7 @@ class ModelConfig:
     max_history: int = 8  # m: history slots in the encoder (IGR keeps m)
 
 
+@domains(seed=SEED, seeds=COUNT, k=COUNT, beam_size=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

@@ -46,6 +46,8 @@ import dataclasses
 import json
 
 from jaxflow.config import Variants, require_positive
+from jaxflow.config_domains import COUNT, COUNT0, SEED, domains
+from jaxflow.config_reads import experiment_field
 from jaxflow.mesh import RolesConfig
 from jaxflow.models.lora import LoraConfig
 from jaxflow.rl.grpo import GRPOConfig
@@ -56,6 +58,8 @@ from jaxflow.train.lm_state import OptimConfig
 DESCRIPTION = ("GRPO / DAPO / GSPO / CISPO on your own HF checkpoint, data file or reasoning-gym "
                "task and reward; LoRA optional; exports an HF checkpoint")
 ENTRY = "jaxflow.main.rl:main"
+#: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
+READS = ("model.hf_path", "model.lora")
 
 #: reasoning-gym chain_sum's fixed instruction: one token of the quick variant's tokenizer
 CHAIN_SUM_INSTRUCTION = "State the final answer to the following arithmetic problem:"
@@ -63,6 +67,7 @@ SOURCES = ("file", "reasoning_gym:NAME")
 TRUNCATED = ("score", "zero")
 
 
+@domains(d_model=COUNT, n_layers=COUNT, n_heads=COUNT, n_kv_heads=COUNT, d_ff=COUNT, seed=SEED)
 @dataclasses.dataclass(frozen=True)
 class TinyModelConfig:
     """The quick variant's own checkpoint (:func:`jaxflow.models.tiny_hf.tiny_qwen3_config`)."""
@@ -86,11 +91,12 @@ class ModelConfig:
     variant's own checkpoint, ignored when ``hf_path`` is given). ``lora``: adapters over the
     frozen checkpoint (rank 0: full fine-tuning)."""
 
-    hf_path: str = ""
-    lora: LoraConfig = LoraConfig()
+    hf_path: str = experiment_field("")  # in READS: the refusals of other experiments name rl
+    lora: LoraConfig = experiment_field(LoraConfig())
     tiny: TinyModelConfig | None = None
 
 
+@domains(size=COUNT, eval_size=COUNT, seed=SEED)
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where prompts come from (module doc). ``answer_key=""`` takes the first of ``answer`` /
@@ -141,6 +147,7 @@ class RewardConfig:
             raise ValueError(f"reward.truncated={self.truncated!r}; valid: {', '.join(TRUNCATED)}")
 
 
+@domains(every=COUNT0)
 @dataclasses.dataclass(frozen=True)
 class ExportConfig:
     """``hf``: write ``RUN_DIR/hf/`` at the end; ``every``: also ``RUN_DIR/hf-<rollout>/``
@@ -153,6 +160,7 @@ class ExportConfig:
         require_positive(self, "every", allow_zero=True)
 
 
+@domains(prompts=COUNT, samples=COUNT, every=COUNT)
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """Held-out pass@1: ``prompts`` held-out prompts x ``samples`` samples at the RL
@@ -166,6 +174,7 @@ class EvalConfig:
         require_positive(self, "prompts", "samples", "every")
 
 
+@domains(seed=SEED, seeds=COUNT, devices=COUNT, rollouts=COUNT, checkpoint_every=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0  # RL seed of run 0; run k uses seed + k

@@ -15,12 +15,16 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, NON_NEGATIVE, POSITIVE, SEED, UNIT, domains
 
 DESCRIPTION = ("SIS vs token/sequence IS, TIS, MIS (GRPO/DAPO/GSPO/CISPO/SA-GCPO): exact-gradient "
                "bias and variance on a toy policy")
 ENTRY = "jaxflow.main.sis_exact_gradient:main"
 
 
+@domains(seed=SEED, vocab=COUNT, length=COUNT, logit_scale=POSITIVE, reward_rate=UNIT, perturbations=NON_NEGATIVE,
+         draws=COUNT, batch=COUNT, topk=COUNT, chunk=COUNT, exact_chunk=COUNT, tis_cap=POSITIVE, mis_low=NON_NEGATIVE,
+         mis_high=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Attributes:

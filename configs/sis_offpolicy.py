@@ -35,6 +35,7 @@ import dataclasses
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.lm_pretrain import DataConfig, TrainConfig
 from jaxflow.config import Variants, require_positive
+from jaxflow.config_domains import COUNT, COUNT0, SEED, domains
 from jaxflow.mesh import RolesConfig
 from jaxflow.models.pretrained import HFSource
 from jaxflow.models.transformer import TransformerConfig
@@ -46,6 +47,8 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "SIS vs GRPO/DAPO/GSPO/CISPO under policy lag, staleness and sampler mismatch"
 ENTRY = "jaxflow.main.sis_offpolicy:main"
+#: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
+READS = ("model.hf_path", "pretrain.model.lora")
 
 #: The warm-start recipe: ~85k-param model, 2-digit addition, ~2 min on a 2-core CPU.
 WARM_START = PretrainConfig(
@@ -59,6 +62,7 @@ WARM_START = PretrainConfig(
 )
 
 
+@domains(lags=COUNT, mismatch_lag=COUNT, stalenesses=COUNT0, seeds=COUNT, extra_lags=COUNT, extra_lag_seeds=COUNT)
 @dataclasses.dataclass(frozen=True)
 class GridConfig:
     """The cells. Tuples of names; empty tuples switch a block of cells off."""
@@ -96,6 +100,7 @@ class GridConfig:
                              f"and grid.extra_lag_seeds={self.extra_lag_seeds} must be >= 1")
 
 
+@domains(rollouts=COUNT, eval_every=COUNT, eval_examples=COUNT, eval_samples=COUNT, checkpoint_every=COUNT)
 @dataclasses.dataclass(frozen=True)
 class ScheduleConfig:
     """Per cell: rollouts (each = one batch + ``lag`` optimizer steps), eval, checkpoints.
@@ -115,6 +120,7 @@ class ScheduleConfig:
                          "checkpoint_every")
 
 
+@domains(seed=SEED)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

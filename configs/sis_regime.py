@@ -43,6 +43,7 @@ from configs import flagship
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.sis_offpolicy import ScheduleConfig
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, COUNT0, OPEN_UNIT, POSITIVE, SEED, Int, domains
 from jaxflow.models.pretrained import HFSource
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.rl.policy_loss import ALGOS, CORRECTIONS
@@ -53,6 +54,8 @@ from jaxflow.train.lm_state import OptimConfig
 DESCRIPTION = ("Off-policy regime map of uncorrected GRPO (lag, lr, staleness, mismatch), then "
                "none/sis/tis/mis/rs/sis+tis there, paired seeds")
 ENTRY = "jaxflow.main.sis_regime:main"
+#: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
+READS = ("model.hf_path", "pretrain.model.lora")
 
 
 def parse_lr_setting(text: str) -> tuple[float, int]:
@@ -68,6 +71,9 @@ def parse_lr_setting(text: str) -> tuple[float, int]:
     return out
 
 
+@domains(lags=COUNT, min_minibatch_rows=COUNT, lr_scales=POSITIVE, lr_lags=COUNT, stalenesses=COUNT0, seeds=COUNT,
+         threshold=OPEN_UNIT, compare_seeds=COUNT, compare_staleness=Int(-1), compare_lag=Int(-1),
+         compare_inner_lag=COUNT)
 @dataclasses.dataclass(frozen=True)
 class RegimeGrid:
     """The knob sweep (phase 1) and the comparison (phase 2); see the module doc."""
@@ -145,6 +151,7 @@ class RegimeGrid:
             raise ValueError(f"grid.threshold={self.threshold}: need a pass@1 gap in (0, 1)")
 
 
+@domains(seed=SEED)
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The sis_study testbed (``configs.sis_offpolicy.Config`` fields) with a RegimeGrid."""

@@ -35,6 +35,8 @@ from jaxflow.rl.policy_loss import ALGOS
 
 DESCRIPTION = "SIS vs no correction under policy lag on worked addition, paired seeds, intervals"
 ENTRY = "jaxflow.main.sis_offpolicy:main"
+#: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
+READS = ("model.hf_path", "pretrain.model.lora")
 
 #: The default study: lag 8 with many paired seeds, lags 1 and 16 with fewer.
 DEFAULT_GRID = GridConfig(algos=("grpo", "dapo"), corrections=("none", "sis"), lags=(8,),

@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import SEED, domains
 
 DESCRIPTION = "Projected sync wire time (8B/70B/671B x 400/25/1 Gb/s) from measured ratios"
 ENTRY = "jaxflow.main.sync_cost_model:main"
 
 
+@domains(seed=SEED)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

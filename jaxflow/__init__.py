@@ -21,9 +21,12 @@ Subpackages (one idea each):
 
 Core modules:
   jaxflow.run           the experiment runner CLI (python -m jaxflow.run)
+  jaxflow.export        a run's policy as a Hugging Face checkpoint (python -m jaxflow.export)
   jaxflow.run_meshes    the devices and meshes a run gets, worked out before anything runs
   jaxflow.run_dirs      run directories: a fresh --out, what --resume reads back
   jaxflow.config        Python configs (configs/NAME.py) and --set overrides
+  jaxflow.config_domains  the declared domain of every numeric config field, checked on build
+  jaxflow.config_reads  config keys only some experiments read (READS), refused by the others
   jaxflow.contract      what the runner may read of a config and a driver (Protocols)
   jaxflow.experiment    the run context an entry function receives
   jaxflow.errors        the user-error hierarchy (exit status 2, one line)
@@ -49,7 +52,8 @@ __version__ = "0.1.0"
 __all__ = [
     "align", "compile_only", "data", "decorate", "embeddings", "flow", "genrec", "main", "marl",
     "models", "nestpipe", "prune", "recsys", "rl", "rollout", "sync", "train",
-    "cache", "checkpoint", "config", "contract", "distributed", "errors", "experiment", "host_jit",
+    "cache", "checkpoint", "config", "config_domains", "config_reads", "contract", "distributed", "errors",
+    "experiment", "export", "host_jit",
     "mesh", "metric_writers", "plots", "provenance", "run", "run_dirs", "run_meshes", "signals",
     "stats", "supervise", "timing",
 ]

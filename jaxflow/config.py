@@ -7,7 +7,10 @@ SyncConfig | None = None``) is switched on by setting one of its fields (``--set
 and off by ``--set sync=none``. A float override is never
 NaN. Config classes validate their own values where they are declared (``__post_init__`` with
 :func:`require_positive` / :func:`require_finite` / :func:`require_range`); those errors reach the
-user as one line naming the ``--set`` that caused them. An unknown key's error suggests the closest
+user as one line naming the ``--set`` that caused them; every numeric field also declares its domain
+(:mod:`jaxflow.config_domains`), and an int field takes an integer literal only (``1e23`` is refused).
+A key of a field only some experiments read (``hf_path``, ``lora``: :mod:`jaxflow.config_reads`) is
+refused by the others (:meth:`ExperimentSpec.configure`). An unknown key's error suggests the closest
 full dotted key (``train.stepz`` -> ``train.steps``); :func:`describe_keys` lists every key with
 its type and value (the runner's ``--exp NAME --help``).
 """
@@ -23,6 +26,7 @@ import types
 import typing
 from typing import Any, Callable
 
+from jaxflow.config_reads import experiment_field, marked_key, marked_keys, unread_message  # noqa: F401
 from jaxflow.errors import UserError
 
 
@@ -40,6 +44,7 @@ class ExperimentSpec:
     variants: tuple[str, ...]
     module: types.ModuleType
     compilers: tuple[str, ...] = ()  # "tpu" / "gpu": compiles for abstract chips (the aot extra)
+    reads: tuple[str, ...] = ()  # the keys of fields marked by experiment_field it reads (READS)
 
     def get_config(self, variant: str) -> Any:
         if variant not in self.variants:
@@ -48,6 +53,29 @@ class ExperimentSpec:
                 f"valid: {', '.join(self.variants)}{_did_you_mean(variant, self.variants)}"
             )
         return self.module.get_config(variant)
+
+    def configure(self, variant: str, overrides: list[str]) -> Any:
+        """The ``variant`` config with ``overrides`` applied; ConfigError (one line) for a bad
+        variant, key or value, or a key of a field this experiment does not read
+        (:func:`experiment_field`), naming the experiments that read it."""
+        config = self.get_config(variant)
+        for item in overrides:
+            key = item.partition("=")[0].strip()
+            marked = marked_key(config, key)
+            if marked is not None and marked not in self.reads:
+                raise ConfigError(unread_message(self.name, key, marked, experiment_names()))
+        return apply_overrides(config, overrides)
+
+    def keys_text(self, variant: str, overrides: list[str]) -> str:
+        """:func:`describe_keys` of the configured ``variant`` without :meth:`unread_keys`
+        (``--exp NAME --help``)."""
+        config = self.configure(variant, overrides)
+        return describe_keys(config, hidden=self.unread_keys(config))
+
+    def unread_keys(self, config: Any) -> tuple[str, ...]:
+        """The marked keys of ``config`` (:func:`experiment_field`) this experiment does not read:
+        ``--set`` refuses them and ``--help`` leaves them out."""
+        return tuple(k for k in marked_keys(config) if k not in self.reads)
 
     def entry_fn(self):
         module_name, _, fn_name = self.entry.partition(":")
@@ -130,6 +158,7 @@ def _load(name: str) -> ExperimentSpec | None:
         variants=tuple(getattr(module, "VARIANTS", ("quick", "default", "full"))),
         module=module,
         compilers=tuple(getattr(module, "COMPILERS", ())),
+        reads=tuple(getattr(module, "READS", ())),
     )
 
 
@@ -149,6 +178,13 @@ def get_experiment(name: str) -> ExperimentSpec:
             f"unknown experiment {name!r}; valid: {', '.join(names)}{_did_you_mean(name, names)}"
         )
     return spec
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    return _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
+
+
+_HINTS: dict[type, dict[str, Any]] = {}  # get_type_hints per class, once (the override sweep)
 
 
 def _strip_optional(tp) -> tuple[Any, bool]:
@@ -175,7 +211,7 @@ def parse_value(text: str, tp: Any, key: str) -> Any:
                 return False
             raise ValueError
         if tp is int:
-            return int(text)
+            return _parse_int(text, key)
         if tp is float:
             value = float(text)
             if math.isnan(value):
@@ -211,6 +247,17 @@ def parse_value(text: str, tp: Any, key: str) -> Any:
     raise ConfigError(f"--set {key}: field type {tp} cannot be set from the command line")
 
 
+def _parse_int(text: str, key: str) -> int:
+    """``text`` as an int field's value: an integer literal (no float notation: ``1e23`` and
+    ``2.5`` are refused rather than rounded)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"--set {key}={text!r}: not an integer; valid: an integer literal "
+                          f"such as 100 (no decimal point or exponent)") from None
+    return value  # its bounds are the field's declared domain (jaxflow.config_domains)
+
+
 def apply_overrides(config: Any, overrides: list[str]) -> Any:
     """Returns ``config`` with each ``a.b=value`` override applied (frozen dataclasses).
 
@@ -241,7 +288,7 @@ def _apply_tree(obj: Any, tree: dict, prefix: str, root: Any) -> Any:
     if not dataclasses.is_dataclass(obj):
         raise ConfigError(f"--set {prefix.rstrip('.')}: is not a config group")
     fields = {f.name: f for f in dataclasses.fields(obj)}
-    hints = typing.get_type_hints(type(obj))
+    hints = _type_hints(type(obj))
     changes, texts = {}, []
     for name, sub in tree.items():
         full_key = f"{prefix}{name}"
@@ -320,7 +367,7 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
 def _fields_of(config: Any) -> list[tuple[str, Any, Any, bool]]:
     """(name, declared type, value, optional group switched off) of each field of ``config``;
     an optional group that is None is described by its class's defaults."""
-    hints = typing.get_type_hints(type(config))
+    hints = _type_hints(type(config))
     out = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
@@ -350,9 +397,10 @@ def describe(config: Any, prefix: str = "") -> list[tuple[str, str, str]]:
     return rows
 
 
-def describe_keys(config: Any) -> str:
-    """:func:`describe` as aligned lines ``  KEY  TYPE  VALUE``."""
-    rows = describe(config)
+def describe_keys(config: Any, hidden: tuple[str, ...] = ()) -> str:
+    """:func:`describe` as aligned lines ``  KEY  TYPE  VALUE``, without the keys at or under
+    ``hidden`` (an experiment's :meth:`ExperimentSpec.unread_keys`)."""
+    rows = [r for r in describe(config) if not any(r[0] == h or r[0].startswith(h + ".") for h in hidden)]
     wk = max((len(k) for k, _, _ in rows), default=0)
     wt = min(max((len(t) for _, t, _ in rows), default=0), 40)
     return "\n".join(f"  {k:<{wk}}  {t:<{wt}}  {v}".rstrip() for k, t, v in rows)

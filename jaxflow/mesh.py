@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxflow.config_domains import COUNT, Int, domains
 from jaxflow.errors import UserError
 
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -205,6 +206,7 @@ def process_role_meshes(
     return out
 
 
+@domains(rollout_devices=COUNT, trainer_model=COUNT, rollout_model=COUNT)
 @dataclasses.dataclass(frozen=True)
 class RolesConfig:
     """Devices per RL role (the RL experiments' ``roles``): ``rollout_devices`` for the
@@ -353,6 +355,7 @@ def assert_params_sufficiently_sharded(
         )
 
 
+@domains(shape=Int(-1))
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Mesh axes of an experiment, overridable as ``--set mesh.shape=4,2``.
@@ -366,6 +369,12 @@ class MeshConfig:
     def __post_init__(self):
         if len(self.axes) != len(self.shape):
             raise ValueError(f"mesh axes {self.axes} and shape {self.shape} differ in length")
+        repeated = sorted({a for a in self.axes if self.axes.count(a) > 1})
+        if repeated:
+            raise ValueError(f"mesh.axes={self.axes!r} names {', '.join(repeated)} twice; valid: "
+                             "distinct axis names")
+        if 0 in self.shape or self.shape.count(-1) > 1:
+            raise ValueError(f"mesh.shape={self.shape!r}; valid: sizes >= 1 and at most one -1")
 
     def sizes(self, n_devices: int) -> dict[str, int]:
         """Axis sizes for ``n_devices``; MeshError when they cannot be formed."""

@@ -98,10 +98,25 @@ class JsonlWriter:
             self._file = None
 
 
+#: Fields that count or identify rather than measure, whatever their values (versions, seeds,
+#: indices): TensorBoard gets them as text, not as a scalar series; plots leave them out.
+COUNTER_NAMES = ("step", "seed", "epoch")
+COUNTER_SUFFIXES = ("_index", "_seed", "_version")
+COUNTER_PREFIXES = ("version/",)
+
+
+def is_counter_name(key: str) -> bool:
+    """True for a field named as a counter or identifier: :data:`COUNTER_NAMES`, a name ending
+    in one of :data:`COUNTER_SUFFIXES` or starting with one of :data:`COUNTER_PREFIXES`."""
+    return key in COUNTER_NAMES or key.endswith(COUNTER_SUFFIXES) or key.startswith(COUNTER_PREFIXES)
+
+
 class TensorBoardWriter:
     """TensorBoard event files in ``logdir`` (tensorboard's own event-file writer: no
     TensorFlow, no torch); each numeric field of a row (:func:`scalars`) is a scalar tagged with
-    its name. A new event file per opening (a resumed run adds one)."""
+    its name (TensorBoard groups the tags at their first "/": ``actor/pg_loss``), except the
+    counters (:func:`is_counter_name`: versions, seeds, indices), which are text summaries
+    under the same name. A new event file per opening (a resumed run adds one)."""
 
     def __init__(self, logdir: epath.Path, *, flush_secs: float = 10.0):
         self.logdir = logdir
@@ -148,9 +163,20 @@ class TensorBoardWriter:
             return
         if self._writer is None:
             self._open()
-        summary = self._summary.Summary(value=[self._summary.Summary.Value(tag=k, simple_value=v)
-                                               for k, v in values.items()])
+        summary = self._summary.Summary(value=[
+            self._text(k, row[k]) if is_counter_name(k) else
+            self._summary.Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
         self._writer.add_event(self._event.Event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def _text(self, tag: str, value: Any) -> Any:
+        """A text-plugin summary value: ``str(value)`` as a scalar string tensor."""
+        from tensorboard.compat.proto import tensor_pb2, tensor_shape_pb2, types_pb2
+
+        meta = self._summary.SummaryMetadata(
+            plugin_data=self._summary.SummaryMetadata.PluginData(plugin_name="text"))
+        tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, string_val=[str(value).encode()],
+                                        tensor_shape=tensor_shape_pb2.TensorShapeProto())
+        return self._summary.Summary.Value(tag=tag, metadata=meta, tensor=tensor)
 
     def rewind(self, step: int) -> None:
         # A SessionLog START at step s makes TensorBoard drop the events at steps >= s logged

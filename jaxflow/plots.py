@@ -8,9 +8,7 @@ import math
 import pathlib
 from typing import Sequence
 
-#: Names that are counters or identifiers whatever their values.
-COUNTER_NAMES = ("step", "seed", "epoch")
-COUNTER_SUFFIXES = ("_index", "_seed", "_version")
+from jaxflow.metric_writers import COUNTER_NAMES, COUNTER_SUFFIXES, is_counter_name  # noqa: F401
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
@@ -25,8 +23,9 @@ def is_counter(key: str, values: Sequence[float]) -> bool:
     """True when the field ``key`` with these logged ``values`` (in row order, as read from the
     JSON: ints stay ints) counts or identifies rather than measures, so it is not plotted:
 
-    - its name is ``step``, ``seed`` or ``epoch``, or ends in ``_index``, ``_seed`` or
-      ``_version`` (identifiers); or
+    - its name is ``step``, ``seed`` or ``epoch``, ends in ``_index``, ``_seed`` or
+      ``_version``, or starts with ``version/`` (identifiers,
+      :func:`jaxflow.metric_writers.is_counter_name`); or
     - every value was logged as an integer (averaged metrics are floats) and the values never
       decrease, except by going back to the first value (a counter restarted per seed or sweep
       cell: ``rollout`` 1..N, 1..N; ``tokens_seen``); or
@@ -36,7 +35,7 @@ def is_counter(key: str, values: Sequence[float]) -> bool:
     An integer series that drops other than back to its start (correct answers per batch), and
     any float series that varies, whole-numbered or not (``sync_payload_bytes``), are plotted.
     """
-    if key in COUNTER_NAMES or key.endswith(COUNTER_SUFFIXES):
+    if is_counter_name(key):
         return True
     if not values:
         return False

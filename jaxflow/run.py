@@ -58,7 +58,7 @@ if __name__ == "__main__":  # before the heavy imports below
 from etils import epath  # noqa: E402
 
 from jaxflow import contract  # noqa: E402
-from jaxflow.config import apply_overrides, describe_keys, experiments, get_experiment  # noqa: E402
+from jaxflow.config import experiments, get_experiment  # noqa: E402
 from jaxflow.errors import UserError, one_line  # noqa: E402
 from jaxflow.experiment import is_local, run_path  # noqa: E402
 from jaxflow.run_dirs import UsageError, check_fresh_out, out_dir_for, resolve_run, roll_back  # noqa: E402
@@ -282,8 +282,8 @@ def help_text(args: argparse.Namespace) -> str:
     if not args.exp:
         return text + "\nWith --exp NAME [--variant V] --help: that experiment's config keys too."
     variant = args.variant or "default"
-    config = apply_overrides(get_experiment(args.exp).get_config(variant), list(args.overrides))
-    return f"{text}\nconfig keys of {args.exp} [{variant}] (--set KEY=VALUE):\n{describe_keys(config)}"
+    keys = get_experiment(args.exp).keys_text(variant, list(args.overrides))  # not those it refuses
+    return f"{text}\nconfig keys of {args.exp} [{variant}] (--set KEY=VALUE):\n{keys}"
 
 
 def _compile_only(plan: _Plan) -> int:
@@ -320,7 +320,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> _Plan:
 
         import_wandb()  # missing: exit 2 before anything is written
     spec = get_experiment(name)
-    config = apply_overrides(spec.get_config(variant), overrides)
+    config = spec.configure(variant, overrides)  # a key this experiment does not read: refused
     if out is not None and not args.resume:
         check_fresh_out(out)
     return _Plan(args, argv, name, variant, overrides, spec, config, out)
@@ -362,11 +362,13 @@ def _print_dry_run(plan: _Plan, meshes: dict) -> None:
     import jax
 
     from jaxflow.experiment import to_jsonable
+    from jaxflow.models.pretrained import checkpoint_configs
 
+    loaded = to_jsonable(checkpoint_configs(plan.config))  # what a set *.hf_path would load
     print(json.dumps({"experiment": plan.name, "variant": plan.variant, "overrides": plan.overrides,
                       "backend": jax.default_backend(), "device_count": jax.device_count(),
                       "meshes": {k: dict(m.shape) for k, m in meshes.items()},
-                      "config": to_jsonable(plan.config)}))
+                      "config": to_jsonable(plan.config), **({"checkpoints": loaded} if loaded else {})}))
 
 
 def _execute(plan: _Plan, started: bool) -> int:

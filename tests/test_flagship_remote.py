@@ -23,7 +23,7 @@ SMALL = ["--exp=flagship", "--variant=quick", "--set", "rollouts=3", "--set", "e
          "--set", "rl.prompts_per_rollout=4", "--set", "rl.group_size=4",
          "--set", "pretrain.train.steps=120", "--set", "pretrain.train.eval_examples=16"]
 #: figures that are timings (differ run to run)
-TIMING = ("seconds", "time", "per_s", "deliver", "throughput")
+TIMING = ("seconds", "time", "per_s", "deliver", "throughput", "timing_s/", "perf/")
 
 
 def _popen(args, out):

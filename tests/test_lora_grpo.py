@@ -49,7 +49,7 @@ def test_grpo_with_lora_trains_adapters_only_and_samples_the_merged_weights(mesh
     rewards = []
     for _ in range(2):
         state, metrics = trainer.step(state)
-        rewards.append(metrics["reward_mean"])
+        rewards.append(metrics["critic/rewards/mean"])
     after = _first_token_prob(trainer, state["policy"].params, eos)
     assert 0 < rewards[0] < 1 and after > 2 * before, (rewards, before, after)
     params = _flat(state["policy"].params)
@@ -73,7 +73,7 @@ def test_sync_sends_adapter_deltas_or_whole_merged_matrices(meshes, publish):
     warm = init_params(lm_functions(MODEL, trainer.trainer_mesh), MODEL, jax.random.key(1))
     state = trainer.init_state(warm)
     state, metrics, sent = trainer.step_with_sync(state)
-    assert sent.bit_exact and metrics["sync_payload_bytes"] > 0
+    assert sent.bit_exact and metrics["sync/payload_bytes"] > 0
     n_base = sum(x.size for x in jax.tree.leaves(warm))
     n_adapter = sum(x.size for x in jax.tree.leaves(lora.adapters(state["policy"].params)))
     changed = sent.stats.changed_fraction * (n_base + (n_adapter if publish == "adapters" else 0))

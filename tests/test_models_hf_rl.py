@@ -57,9 +57,9 @@ def test_grpo_sis_with_sparse_sync_on_a_loaded_qwen3(checkpoint):
     before = jax.tree.map(np.asarray, params)
     for _ in range(2):
         state, metrics = trainer.step(state)
-        assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
-        assert metrics["synced"] == 1.0 and metrics["sync_bit_exact"] == 1.0
-        assert 0 < metrics["sync_changed_fraction"] < 1
+        assert math.isfinite(metrics["actor/loss"]) and math.isfinite(metrics["actor/grad_norm"])
+        assert metrics["sync/synced"] == 1.0 and metrics["sync/bit_exact"] == 1.0
+        assert 0 < metrics["sync/changed_fraction"] < 1
     after = jax.tree.map(np.asarray, state["policy"].params)
     assert any(not np.array_equal(a, b) for a, b in
                zip(jax.tree.leaves(before), jax.tree.leaves(after)))  # the checkpoint trained

@@ -31,7 +31,7 @@ def test_two_jobs_with_the_engine_equal_the_one_job_engine_run(tmp_path):
     rows2 = read_metrics(tmp_path / "pair_trainer" / "metrics.jsonl")
     assert remote._figures(rows1) == remote._figures(rows2) != []
     for r in rows2:  # every token of rollout r sampled by the version published before it
-        assert r["sampler_version_min"] == r["sampler_version_max"] == r["sampler_version"]
+        assert r["version/sampler_min"] == r["version/sampler_max"] == r["version/sampler"]
     s1, s2 = (json.loads((tmp_path / d / "summary.json").read_text())
               for d in ("single", "pair_trainer"))
     for key in ("heldout_pass_at_1_initial", "heldout_pass_at_1_final", "sync_ratio_vs_dense",

@@ -81,8 +81,8 @@ def test_engine_rollout_equals_the_static_sampler_with_per_row_keys_and_trains(m
     engine = trainer.worker.engine
     assert engine.stats.prefill_calls == 1 and engine.config.slots == rows
     state, metrics = trainer.step(state)
-    assert np.isfinite(metrics["loss"]) and int(state["policy"].step) == 2
-    assert metrics["sampler_version_min"] == metrics["sampler_version_max"] == 0
+    assert np.isfinite(metrics["actor/loss"]) and int(state["policy"].step) == 2
+    assert metrics["version/sampler_min"] == metrics["version/sampler_max"] == 0
     # the next rollout: the dense publisher hands the engine version 2's params
     batch = trainer.generate(state)
     _check_equal(batch, _static_per_row(trainer, state, batch), 2)
@@ -101,8 +101,8 @@ def test_engine_follows_the_in_process_sync_replica(meshes):
         leaves = {id(x) for x in jax.tree.leaves(replica.params)}
         assert all(id(x) in leaves for x in jax.tree.leaves(trainer.worker.engine._state))
         state, metrics = trainer.step(state)
-        assert metrics["sampler_version"] == 2 * r and metrics["sync_bit_exact"] == 1.0
-        assert metrics["sampler_version_min"] == metrics["sampler_version_max"] == 2 * r
+        assert metrics["version/sampler"] == 2 * r and metrics["sync/bit_exact"] == 1.0
+        assert metrics["version/sampler_min"] == metrics["version/sampler_max"] == 2 * r
 
 
 def _bf16(tree):

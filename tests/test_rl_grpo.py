@@ -18,6 +18,7 @@ from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer, grpo_loss
 from jaxflow.rl.policy_loss import PolicyLossConfig
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
+from jaxflow.rl.step_metrics import deterministic_fields
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.sync.replica import tree_digest
 from jaxflow.sync.weight_sync import SyncConfig
@@ -94,8 +95,8 @@ def test_lag_and_staleness_give_the_intended_parameter_versions(meshes, lag, sta
         # the weights the sampler uses are bit-identical to the trainer's at that version
         assert tree_digest(state["published"][0]) == snapshots[expected]
         state, metrics = trainer.step(state)
-        assert metrics["sampler_version"] == expected
-        assert metrics["trainer_version"] == r * lag
+        assert metrics["version/sampler"] == expected
+        assert metrics["version/trainer"] == r * lag
         assert int(state["policy"].step) == (r + 1) * lag  # N optimizer steps per rollout
         snapshots[(r + 1) * lag] = tree_digest(state["policy"].params)
     assert len(set(snapshots.values())) == len(snapshots)  # every update changed the params
@@ -122,7 +123,7 @@ def test_two_step_run_learns_a_trivial_task(meshes):
     rewards = []
     for _ in range(2):
         state, metrics = trainer.step(state)
-        rewards.append(metrics["reward_mean"])
+        rewards.append(metrics["critic/rewards/mean"])
     after = _first_token_prob(trainer, state["policy"].params, eos)
     assert 0 < rewards[0] < 1  # some signal in the first groups
     assert after > 2 * before, (before, after)
@@ -156,7 +157,8 @@ def test_resume_from_checkpoint_is_bit_identical(meshes, tmp_path):
         restored, m = fresh.step(restored)
         resumed.append(m)
     assert tree_digest(restored) == want  # whole state: params, opt, queue, ref, rng
-    assert resumed == straight[2:]
+    assert [deterministic_fields(m) for m in resumed] == \
+        [deterministic_fields(m) for m in straight[2:]]
 
 
 def test_step_with_sync_returns_what_the_publish_sent(meshes):
@@ -169,13 +171,13 @@ def test_step_with_sync_returns_what_the_publish_sent(meshes):
     for r in range(3):
         state, metrics, sent = trainer.step_with_sync(state)
         if r % 2 == 0:
-            assert sent is None and metrics["synced"] == 0.0 and "sync_payload_bytes" not in metrics
+            assert sent is None and metrics["sync/synced"] == 0.0 and "sync/payload_bytes" not in metrics
             continue
         assert sent is trainer.weight_sync.records[-1] and len(trainer.weight_sync.records) == 1
         assert sent.stats.version == int(state["policy"].step) == 4 and sent.bit_exact
-        assert metrics["synced"] == 1.0 and metrics["sync_bit_exact"] == 1.0
-        assert metrics["sync_payload_bytes"] == sent.stats.payload_bytes > 0
-        assert metrics["sync_changed_fraction"] == sent.stats.changed_fraction
+        assert metrics["sync/synced"] == 1.0 and metrics["sync/bit_exact"] == 1.0
+        assert metrics["sync/payload_bytes"] == sent.stats.payload_bytes > 0
+        assert metrics["sync/changed_fraction"] == sent.stats.changed_fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +201,7 @@ def test_dynamic_sampling_refills_the_rollout_with_groups_that_have_signal(meshe
     groups = batch.rewards.reshape(cfg.prompts_per_rollout, cfg.group_size)
     assert np.all(groups.std(axis=1) > 0)  # every kept group has signal
     # about half the prompts are all-zero groups, so more than one generation batch was needed
-    assert stats["num_gen_batches"] > 1 and stats["kept_group_fraction"] < 1
+    assert stats["batch/num_gen_batches"] > 1 and stats["batch/kept_group_fraction"] < 1
     unfiltered = trainer.worker.generate(trainer.rollout_params(state),
                                          trainer.rollout_prompts(0), trainer._keys(state, 0)[0])
     assert unfiltered.rewards.shape == (cfg.rollout_size,)
@@ -223,7 +225,7 @@ def test_overlong_shaping_adds_the_length_penalty_to_the_score(meshes):
     lengths = b.mask.sum(axis=1)
     np.testing.assert_allclose(b.rewards - a.rewards, np.select(
         [lengths == 1, lengths == 2, lengths == 3], [0.0, -0.5, -1.0], np.nan))
-    assert len(set(lengths.tolist())) > 1 and stats["score_mean"] == pytest.approx(a.rewards.mean())
+    assert len(set(lengths.tolist())) > 1 and stats["critic/score/mean"] == pytest.approx(a.rewards.mean())
 
 
 def test_rs_rejection_equals_removing_the_tokens_from_the_mask(meshes):

@@ -55,7 +55,7 @@ def run(tmp_path_factory):
     lengths = []
     for _ in range(ROLLOUTS):
         state, metrics = trainer.step(state)
-        lengths.append(metrics["response_length"])
+        lengths.append(metrics["response_length/mean"])
     return before, pass_at_1(state), lengths
 
 

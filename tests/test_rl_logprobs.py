@@ -160,7 +160,8 @@ def test_bench_policy_loss_entry_tiny():
     for variant in bench_cfg.VARIANTS:
         bench_cfg.get_config(variant)
     cfg = dataclasses.replace(bench_cfg.get_config("quick"), batch=2, seq_len=8, d_model=16,
-                              vocab=300, topk=4, vocab_tile=64, warmup=0, pairs=2)
+                              vocab=300, topk=4, vocab_tile=64, warmup=0, pairs=2,
+                              grpo_iteration=False)
     run = standalone_context("bench_policy_loss")
     summary = main(cfg, run)
     run.close()

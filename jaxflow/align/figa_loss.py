@@ -38,11 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflow.config_domains import FINITE, NON_NEGATIVE, domains
 from jaxflow.rl.masks import as_bool_mask
 
 WEIGHTINGS = ("figa", "constant")
 
 
+@domains(alpha=FINITE, beta=FINITE, gamma=FINITE, neg_nll_min=NON_NEGATIVE, neg_nll_max=NON_NEGATIVE,
+         constant_marked=FINITE, constant_other=FINITE)
 @dataclasses.dataclass(frozen=True)
 class FigaConfig:
     """FIGA's constants (frozen, hashable: a valid static jit argument).

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxflow.config_domains import COUNT, NON_NEGATIVE, Real, domains
 from jaxflow.flow.packing import CostModel, Packing, pack, split_over_budget
 from jaxflow.flow.vit import PatchBatch, ViTConfig, pack_patches
 from jaxflow.flow.vlm import Piece, bucket, build_rows
@@ -20,6 +21,8 @@ from jaxflow.flow.vlm import Piece, bucket, build_rows
 LAYOUTS = ("padded", "packed")
 
 
+@domains(token_budget=COUNT, row_granularity=COUNT, rows_per_device=COUNT, encoder_cost_per_patch=NON_NEGATIVE,
+         max_imbalance=Real(1.0))
 @dataclasses.dataclass(frozen=True)
 class PackingConfig:
     """How backbone rows are formed (``--set flow.packing.algorithm=first_fit``)."""

@@ -26,6 +26,7 @@ import functools
 
 import numpy as np
 
+from jaxflow.config_domains import COUNT, NON_NEGATIVE, Int, domains
 from jaxflow.data.tokenizer import CharTokenizer
 
 IMAGE_CHAR = "#"
@@ -34,6 +35,8 @@ TASKS = ("caption", "count", "sum", "compare", "text")
 _WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
+@domains(patch_size=COUNT, sizes=COUNT, size_weights=NON_NEGATIVE, images_weights=NON_NEGATIVE,
+         task_weights=NON_NEGATIVE, heldout_mod=Int(2))
 @dataclasses.dataclass(frozen=True)
 class DigitsConfig:
     """How samples are drawn. ``sizes``/``size_weights`` give the long-tailed resolution mix."""

@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxflow.config_domains import COUNT, domains
 from jaxflow.models.transformer import Block, RMSNorm, TransformerConfig
 
 
+@domains(patch_size=COUNT, max_grid=COUNT, d_model=COUNT, n_layers=COUNT, n_heads=COUNT, d_ff=COUNT, out_dim=COUNT)
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
     """The ViT encoder's size: patch size, largest grid, width, depth, heads, MLP width, output width (the LM's

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxflow.config_domains import COUNT, FINITE, POSITIVE, domains
 from jaxflow.genrec import beam as beam_lib
 from jaxflow.genrec.data.requests import RecData, Requests
 from jaxflow.genrec.train import ENCODER_KEYS, data_mesh, log_hook, model_inputs, replicated_state, shard_batch
@@ -43,6 +44,8 @@ from jaxflow.train.loop import last_row, run_steps
 from jaxflow.train.state import TrainState
 
 
+@domains(steps=COUNT, batch_size=COUNT, group_size=COUNT, updates_per_batch=COUNT, lr=POSITIVE, hit_weight=FINITE,
+         match_weight=FINITE, novelty_weight=FINITE, tau_pos=POSITIVE, tau_neg=POSITIVE, target_reward=FINITE)
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     """The SA-GCPO RL stage: steps, requests per step, group size, updates per batch, learning rate, the unified

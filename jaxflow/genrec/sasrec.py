@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxflow.config_domains import COUNT, POSITIVE, domains
 from jaxflow.genrec.data.requests import Requests
 from jaxflow.genrec.train import data_mesh, replicated_state, shard_batch
 from jaxflow.models.transformer import Transformer, TransformerConfig
@@ -23,6 +24,8 @@ from jaxflow.train.loop import last_row, run_steps
 from jaxflow.train.state import TrainState
 
 
+@domains(max_len=COUNT, d_model=COUNT, n_layers=COUNT, n_heads=COUNT, d_ff=COUNT, steps=COUNT, batch_size=COUNT,
+         lr=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class SASRecConfig:
     """The SASRec-style baseline: sequence length, model size and training schedule."""

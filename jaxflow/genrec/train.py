@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxflow.config_domains import COUNT, NON_NEGATIVE, POSITIVE, domains
 from jaxflow.genrec import beam as beam_lib
 from jaxflow.genrec.data.requests import RecData, Requests
 from jaxflow.genrec.losses import generation_loss, q2i_loss
@@ -29,6 +30,7 @@ from jaxflow.train.loop import last_row, run_steps
 from jaxflow.train.state import TrainState
 
 
+@domains(steps=COUNT, batch_size=COUNT, lr=POSITIVE, q2i_weight=NON_NEGATIVE, q2i_temperature=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
     """steps, batch_size, lr: the Adam loop; q2i_weight, q2i_temperature: the Q2I term;

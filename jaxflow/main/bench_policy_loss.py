@@ -5,10 +5,17 @@ noise), stores pi_old's own top-K with the fused path (the "old log-prob" pass),
 the training loss step (fused log-probs + policy loss, value and gradient w.r.t. hidden states
 and head) with correction="sis" against correction="none", interleaved, and reports XLA's
 compiled temp/output bytes of the fused vs the naive (logit-materialising) step.
+
+``grpo_iteration`` arm: one GRPO iteration (:meth:`jaxflow.rl.grpo.GRPOTrainer.step`: rollout,
+update, publish) at lag 1 without SIS or KL, with the separate pi_old forward
+(``reuse_forward=False``, before) against pi_old's log-probs from the update's own forward
+(``reuse_forward=True``, after), alternated for ``pairs`` pairs: process CPU seconds beside wall
+seconds, medians.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -19,6 +26,9 @@ import numpy as np
 from jaxflow.experiment import RunContext
 from jaxflow.rl.logprobs import fused_logprobs
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
+
+#: The GRPO iteration arm's shapes: the flagship's tiny policy on 1-digit addition.
+GRPO_SHAPES = dict(prompts_per_rollout=8, group_size=8, max_new_tokens=4)
 
 
 def make_rollout(config, key: jax.Array) -> dict[str, jax.Array]:
@@ -147,4 +157,60 @@ def main(config, run: RunContext) -> dict[str, Any]:
         })
     run.info(f"sis/none median {summary['sis_overhead_ratio']:.4f} "
              f"[{summary['sis_overhead_ratio_min']:.4f}, {summary['sis_overhead_ratio_max']:.4f}]")
+    if config.grpo_iteration:
+        summary["grpo_iteration"] = grpo_iteration(config, run)
     return summary
+
+
+def grpo_iteration(config, run: RunContext) -> dict[str, Any]:
+    """The GRPO iteration's CPU and wall seconds with the separate pi_old forward ("before",
+    ``reuse_forward=False``) and without it ("after"), ``config.pairs`` alternated pairs after
+    one compiling and ``config.warmup`` untimed iterations per arm; medians, ranges, and the
+    update phase alone (the row's ``timing_s/update``)."""
+    import dataclasses
+
+    from jaxflow.data.tokenizer import CharTokenizer
+    from jaxflow.mesh import role_meshes
+    from jaxflow.models.transformer_config import PRESETS
+    from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer
+    from jaxflow.rl.tasks import AdditionRLTask
+    from jaxflow.train.lm_state import OptimConfig, init_params
+
+    tok = CharTokenizer()
+    model = dataclasses.replace(PRESETS["tiny"], vocab_size=tok.vocab_size)
+    n = len(jax.devices())  # disjoint halves; one device: colocated
+    meshes = (role_meshes({"trainer": n // 2, "rollout": n - n // 2}) if n > 1
+              else dict.fromkeys(("trainer", "rollout"), role_meshes({"trainer": 1})["trainer"]))
+    arms, states = {}, {}
+    for name, reuse in (("before", False), ("after", True)):
+        cfg = GRPOConfig(reuse_forward=reuse, **GRPO_SHAPES)
+        arms[name] = GRPOTrainer(model, cfg, OptimConfig(lr=1e-3, warmup_steps=0),
+                                 AdditionRLTask(max_digits=1), tok, meshes, seed=config.seed,
+                                 total_rollouts=config.pairs + config.warmup + 1)
+        states[name] = arms[name].init_state(init_params(arms[name].fns, model, jax.random.key(0)))
+    assert arms["after"].config.old_from_update and not arms["before"].config.old_from_update
+    for name in arms:  # compile + warm-up
+        for _ in range(1 + config.warmup):
+            states[name], _ = arms[name].step(states[name])
+    times: dict[str, dict[str, list[float]]] = {a: {"cpu": [], "wall": [], "update": []} for a in arms}
+    for i in range(config.pairs):
+        for name in ("before", "after"):  # A B A B ...
+            cpu, wall = time.process_time(), time.perf_counter()
+            states[name], row = arms[name].step(states[name])
+            times[name]["cpu"].append(time.process_time() - cpu)
+            times[name]["wall"].append(time.perf_counter() - wall)
+            times[name]["update"].append(row["timing_s/update"])
+        run.log(i + 1, {"grpo_before_cpu_s": times["before"]["cpu"][-1],
+                        "grpo_after_cpu_s": times["after"]["cpu"][-1]})
+    out: dict[str, Any] = {"pairs": config.pairs, "shapes": GRPO_SHAPES, "model": "tiny",
+                           "load_1min": os.getloadavg()[0]}
+    for name, t in times.items():
+        for kind, vals in t.items():
+            out[f"{name}_{kind}_s_median"] = float(np.median(vals))
+            out[f"{name}_{kind}_s_range"] = [float(min(vals)), float(max(vals))]
+    cpu_ratio = np.asarray(times["after"]["cpu"]) / np.asarray(times["before"]["cpu"])
+    out["after_over_before_cpu_median"] = float(np.median(cpu_ratio))
+    out["after_over_before_cpu_range"] = [float(cpu_ratio.min()), float(cpu_ratio.max())]
+    run.info(f"GRPO iteration CPU s median: before {out['before_cpu_s_median']:.4f}, after "
+             f"{out['after_cpu_s_median']:.4f} (after/before {out['after_over_before_cpu_median']:.3f})")
+    return out

@@ -135,11 +135,11 @@ def plot_flagship(run: RunContext, runs: list[tuple[list[dict], list[tuple[int, 
     for k, (rows, evals) in enumerate(runs):
         tag = f"seed {k}: " if len(runs) > 1 else ""
         x = [r["rollout"] for r in rows]
-        axes[0].plot(x, [r["reward_mean"] for r in rows], lw=1.2)
+        axes[0].plot(x, [r["critic/rewards/mean"] for r in rows], lw=1.2)
         axes[1].plot(*zip(*evals), marker="o", ms=3)
-        axes[2].plot(x, [r["accept_rate"] for r in rows], lw=1.2, label=f"{tag}all mini-batches")
-        if "accept_rate_later" in rows[0]:
-            axes[2].plot(x, [r["accept_rate_later"] for r in rows], lw=1.2, ls="--",
+        axes[2].plot(x, [r["actor/accept_rate"] for r in rows], lw=1.2, label=f"{tag}all mini-batches")
+        if "actor/accept_rate_later" in rows[0]:
+            axes[2].plot(x, [r["actor/accept_rate_later"] for r in rows], lw=1.2, ls="--",
                          label=f"{tag}mini-batches 2..N")
     axes[0].set_ylabel("training reward")
     axes[1].set_ylabel("held-out pass@1")
@@ -215,9 +215,9 @@ def _seed_rows(run: RunContext, k: int, upto: int) -> list[dict]:
 def _sync_records(rows: list[dict]) -> list:
     """The publishes that went through the weight sync, from the rows (``jaxflow.sync``
     ``SyncRecord``-like: ``stats.dense_bytes``, ``stats.payload_bytes``, ``bit_exact``)."""
-    return [SimpleNamespace(stats=SimpleNamespace(dense_bytes=int(r["sync_dense_bytes"]),
-                                                  payload_bytes=int(r["sync_payload_bytes"])),
-                            bit_exact=bool(r["sync_bit_exact"])) for r in rows if r.get("synced")]
+    return [SimpleNamespace(stats=SimpleNamespace(dense_bytes=int(r["sync/dense_bytes"]),
+                                                  payload_bytes=int(r["sync/payload_bytes"])),
+                            bit_exact=bool(r["sync/bit_exact"])) for r in rows if r.get("sync/synced")]
 
 
 def run_seed(config, run: RunContext, k: int, meshes, fns, remote=None) -> tuple[dict, list, list]:
@@ -240,7 +240,7 @@ def run_seed(config, run: RunContext, k: int, meshes, fns, remote=None) -> tuple
     def rl_step(state, step):
         state, metrics, record = trainer.step_with_sync(state)
         if record is not None:  # the summary's sync totals are read from the rows
-            metrics["sync_dense_bytes"] = float(record.stats.dense_bytes)
+            metrics["sync/dense_bytes"] = float(record.stats.dense_bytes)
         return state, {"rollout": step + 1, "seed_index": k, **metrics}
 
     ckpt = Checkpointer(run.checkpoint_dir / f"seed{k}" / "rl",
@@ -261,7 +261,7 @@ def run_seed(config, run: RunContext, k: int, meshes, fns, remote=None) -> tuple
     final = evals[-1][1]
     run.info(f"seed {k}: held-out pass@1 {initial:.3f} -> {final:.3f}" + (
         f"; sync ratio vs dense bf16 {ratio:.2f}x ({dense} / {sent} bytes)" if ws else ""))
-    later = [r["accept_rate_later"] for r in rows if "accept_rate_later" in r]
+    later = [r["actor/accept_rate_later"] for r in rows if "actor/accept_rate_later" in r]
     pretrain = dataclasses.replace(config.pretrain, seed=config.pretrain.seed + k)
     summary = {
         "rl_seed": config.seed + k,
@@ -276,8 +276,8 @@ def run_seed(config, run: RunContext, k: int, meshes, fns, remote=None) -> tuple
         "sync_sent_bytes": sent,
         "sync_publishes": len(records),
         "sync_bit_exact": all(r.bit_exact for r in records) if ws else None,
-        "reward_first5": float(np.mean([r["reward_mean"] for r in rows[:5]])),
-        "reward_last5": float(np.mean([r["reward_mean"] for r in rows[-5:]])),
+        "reward_first5": float(np.mean([r["critic/rewards/mean"] for r in rows[:5]])),
+        "reward_last5": float(np.mean([r["critic/rewards/mean"] for r in rows[-5:]])),
         "accept_rate_later": float(np.mean(later)) if later else None,
         "warm_start": {"cache": cache_dir(pretrain, config.cache_root).name,
                        "pretrain_heldout_greedy_accuracy": pre_summary.get("heldout_accuracy")},

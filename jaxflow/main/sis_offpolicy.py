@@ -161,22 +161,22 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
         "auc": normalized_auc(curve),  # mean held-out pass@1 over training (trapezoid)
         "curve": curve,
         "greedy_curve": greedy,
-        "accept_rate": mean_of("accept_rate", history),
-        "accept_rate_first": mean_of("accept_rate_first", history),
-        "accept_rate_later": mean_of("accept_rate_later", history),
-        "clip_fraction": mean_of("clip_fraction", history),
-        "d_original": mean_of("d_original", history),
-        "d_sis": mean_of("d_sis", history),
-        "sis_accept_expected": mean_of("sis_accept_expected", history),
+        "accept_rate": mean_of("actor/accept_rate", history),
+        "accept_rate_first": mean_of("actor/accept_rate_first", history),
+        "accept_rate_later": mean_of("actor/accept_rate_later", history),
+        "clip_fraction": mean_of("actor/pg_clipfrac", history),
+        "d_original": mean_of("actor/d_original", history),
+        "d_sis": mean_of("actor/d_sis", history),
+        "sis_accept_expected": mean_of("actor/sis_accept_expected", history),
         # wall seconds of this process's rollouts (sample + update; evaluation excluded), the
         # first rollout (compile) dropped: median per rollout, and the cell's total
         "rollout_seconds_median": (float(np.median(step_seconds[1:])) if len(step_seconds) > 1
                                    else None),
         "cell_seconds": time.perf_counter() - started,
-        "reward_first": history[0]["reward_mean"] if history else None,
-        "reward_last": history[-1]["reward_mean"] if history else None,
+        "reward_first": history[0]["critic/rewards/mean"] if history else None,
+        "reward_last": history[-1]["critic/rewards/mean"] if history else None,
         # fresh training prompts every rollout: an unbiased train-distribution pass rate
-        "reward_last5": mean_of("reward_mean", history[-5:]),
+        "reward_last5": mean_of("critic/rewards/mean", history[-5:]),
         "params_checksum": tree_digest(state["policy"].params),
     }
 

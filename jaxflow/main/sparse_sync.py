@@ -122,8 +122,8 @@ def run_interval(every: int, config, run: RunContext, *, meshes, warm_params, tc
         served_exact = loop.served_exact and served == loop.cast.get(
             int(loop.rl["published_version"][0]))
         rl, metrics, sent = trainer.step_with_sync(loop.rl)
-        row = {"every": every, "reward_mean": metrics["reward_mean"],
-               "sampler_version": metrics["sampler_version"]}
+        row = {"every": every, "critic/rewards/mean": metrics["critic/rewards/mean"],
+               "version/sampler": metrics["version/sampler"]}
         if sent is None:
             return dataclasses.replace(loop, rl=rl, served_exact=served_exact), row
         params, version, done = rl["policy"].params, serving.version, step + 1

@@ -38,6 +38,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxflow.config_domains import COUNT0, POSITIVE, SEED, domains
 from jaxflow.errors import UserError
 
 #: target -> (block submodule, jaxflow weight, PEFT module path, input dims of the weight)
@@ -54,6 +55,7 @@ PUBLISH_MODES = ("adapters", "merged")
 _A, _B = "_lora_a", "_lora_b"
 
 
+@domains(rank=COUNT0, alpha=POSITIVE, seed=SEED)
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """Low-rank adapters on the decoder's projections (module doc).

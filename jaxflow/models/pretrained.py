@@ -8,6 +8,8 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from jaxflow.config import flatten
+from jaxflow.config_reads import experiment_field
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules
 from jaxflow.models.architectures import CheckpointError, read_transformer_config
 from jaxflow.models.hf_checkpoint import load_hf_params
@@ -20,12 +22,20 @@ class HFSource:
     """``hf_path``: a local checkpoint directory (config.json, *.safetensors, tokenizer.json);
     "" keeps the experiment's own model and character tokenizer."""
 
-    hf_path: str = ""
+    hf_path: str = experiment_field("")  # read by the experiments that list it in READS
 
     def __post_init__(self):
         if self.hf_path and not os.path.isfile(os.path.join(self.hf_path, "config.json")):
             raise ValueError(f"model.hf_path={self.hf_path!r}: not a checkpoint directory "
                              "(no config.json there)")
+
+
+def checkpoint_configs(config: Any) -> dict[str, TransformerConfig]:
+    """``{dotted key: the checkpoint's TransformerConfig}`` for each ``hf_path`` field of the
+    nested dataclass ``config`` that is set: the models a run would load (``--dry-run`` prints
+    them). CheckpointError naming the file and field for a bad config.json."""
+    return {key: read_transformer_config(path) for key, path in flatten(config).items()
+            if key.rpartition(".")[2] == "hf_path" and path}
 
 
 def load_policy(hf_path: str, mesh: Mesh, *, rules: LogicalRules = DEFAULT_RULES,

@@ -13,9 +13,12 @@ import math
 
 import numpy as np
 
+from jaxflow.config_domains import COUNT, POSITIVE, domains
+
 ROPE_SCALING_KINDS = ("llama3",)
 
 
+@domains(factor=POSITIVE, low_freq_factor=POSITIVE, high_freq_factor=POSITIVE, original_max_len=COUNT)
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 ("llama3") RoPE frequency scaling, as in a checkpoint's ``rope_scaling``."""

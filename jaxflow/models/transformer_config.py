@@ -12,6 +12,8 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflow.config_domains import COUNT, COUNT0, POSITIVE, domains
+from jaxflow.config_reads import experiment_field
 from jaxflow.models.attention_backends import ATTENTION_BACKENDS
 from jaxflow.models.lora import TARGETS as LORA_TARGETS
 from jaxflow.models.lora import LoraConfig
@@ -25,6 +27,10 @@ LOGICAL_AXIS_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", 
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
+@domains(vocab_size=COUNT, d_model=COUNT, n_layers=COUNT, n_heads=COUNT, n_kv_heads=COUNT, d_ff=COUNT,
+         max_seq_len=COUNT, rope_theta=POSITIVE, norm_eps=POSITIVE, head_dim_override=COUNT, n_experts=COUNT0,
+         n_experts_per_token=COUNT, d_ff_expert=COUNT0, moe_every=COUNT, dense_layers=COUNT0,
+         capacity_factor=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     """Architecture hyper-parameters; validated on construction."""
@@ -73,9 +79,12 @@ class TransformerConfig:
     # Experiments only (``--set model.hf_path=DIR``): load this local Hugging Face checkpoint's
     # architecture, weights and tokenizer instead (jaxflow.models.pretrained). The model
     # itself never reads it.
-    hf_path: str = ""
-    # Low-rank adapters on the blocks' projections (jaxflow.models.lora); rank 0 = off.
-    lora: LoraConfig = LoraConfig()
+    # Read only by the experiments that list the key in READS (jaxflow.config_reads).
+    hf_path: str = experiment_field("")
+    # Low-rank adapters on the blocks' projections (jaxflow.models.lora); rank 0 = off. Trained
+    # as adapters by jaxflow.train.pretrain and the GRPO trainer: only the experiments that
+    # list the key in READS take it.
+    lora: LoraConfig = experiment_field(LoraConfig())
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",

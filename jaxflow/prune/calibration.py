@@ -41,6 +41,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxflow.config_domains import COUNT, POSITIVE, UNIT, domains
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.prune.capabilities import CAPABILITIES, World, document
 from jaxflow.prune.selfgen import document_perplexity, generate
@@ -57,6 +58,8 @@ IGSP_CUES = {
 }
 
 
+@domains(rows=COUNT, seq_len=COUNT, doc_tokens=COUNT, selfcal_t_init=POSITIVE, selfcal_t_final=POSITIVE,
+         selfcal_schedule_tokens=COUNT, sgs_drop_quantile=UNIT, igsp_pool_factor=COUNT, igsp_band=UNIT)
 @dataclasses.dataclass(frozen=True)
 class CalibrationConfig:
     rows: int = 32  # calibration sequences

@@ -22,8 +22,13 @@ One RL step = one rollout then N optimizer steps on it:
    recomputes ``old_logp`` (and pi_old's top-K for SIS, and the frozen reference policy's
    log-probs for KL) with its *current* params, one mini-batch at a time through the same
    log-prob code as the loss, so mini-batch 1 is exactly on-policy (ratio == 1 bit for bit).
+   When nothing but the log-probs is needed and lag is 1 (``GRPOConfig.old_from_update``),
+   there is no separate pass: the update uses the stop-gradient of its own forward.
 4. N optimizer steps, then the trainer's :class:`jaxflow.rl.publish.Publisher` hands the
    weights to the rollout mesh.
+
+Rows (:meth:`GRPOTrainer.step`) are named as verl names them (``actor/*``, ``critic/*``,
+``response_length/*``, ``timing_s/*``, ``perf/*``; :mod:`jaxflow.rl.step_metrics`).
 
 Parameter versions: the trainer's version is its optimizer step count. Rollout r samples
 with version ``max(0, r - k) * N``; its mini-batch j (0-based) is trained at version
@@ -60,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -67,11 +73,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.data.tokenizer import Tokenizer, check_tokenizer
 from jaxflow.distributed import put
+from jaxflow.errors import UserError
 from jaxflow.mesh import jit_on
 from jaxflow.models import lora
 from jaxflow.models.transformer import TransformerConfig
+from jaxflow.rl import step_metrics
 from jaxflow.rl.advantages import grpo_advantages
 from jaxflow.rl.dynamic_sampling import fill_groups
 from jaxflow.rl.grpo_step import (  # noqa: F401
@@ -85,13 +93,14 @@ from jaxflow.rl.grpo_step import (  # noqa: F401
     old_stats,
     policy_config,
     response_hidden,
+    rl_learning_rate,
     summarize,
     update_step,
 )
 from jaxflow.rl.publish import DensePublisher, Publisher, SyncPublisher, params_origin, publish_weights
 from jaxflow.rl.reward_shaping import overlong_penalty
 from jaxflow.rl.rollout import RolloutBatch, RolloutWorker, batch_sharding
-from jaxflow.rl.tasks import Task
+from jaxflow.rl.tasks import Task, check_task, stop_ids
 from jaxflow.sync.replica import Link
 from jaxflow.sync.weight_sync import SyncConfig, SyncRecord, WeightSync
 from jaxflow.train.lm_state import OptimConfig, lm_functions
@@ -99,7 +108,34 @@ from jaxflow.train.state import TrainState
 
 __all__ = ["GRPOTrainer", "GRPOConfig", "MiniBatch", "OldStats", "compiled_functions",
            "grpo_loss", "make_rl_optimizer", "old_stats", "response_hidden", "rollout_row",
-           "summarize", "update_step", "version_metrics", "KL_ESTIMATORS"]
+           "summarize", "update_step", "version_metrics", "KL_ESTIMATORS", "MeshRoleError"]
+
+ROLES = ("trainer", "rollout")
+
+
+class MeshRoleError(UserError, KeyError):
+    """``meshes`` lacks a role the trainer needs or maps one to something not a Mesh."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+def check_meshes(meshes: Any) -> dict[str, Mesh]:
+    """``meshes`` when it maps "trainer" and "rollout" to a ``jax.sharding.Mesh``; else a
+    one-line :class:`MeshRoleError` naming the missing role or the bad value."""
+    if not isinstance(meshes, Mapping):
+        raise MeshRoleError(f"meshes={type(meshes).__name__}; valid: a dict {{'trainer': Mesh, "
+                            "'rollout': Mesh}} (jaxflow.mesh.role_meshes, or one Mesh for both)")
+    missing = [r for r in ROLES if r not in meshes]
+    if missing:
+        raise MeshRoleError(f"meshes has no {' or '.join(repr(r) for r in missing)} role (it has "
+                            f"{sorted(meshes)}); valid: a dict {{'trainer': Mesh, 'rollout': Mesh}}"
+                            " (disjoint sub-meshes, or the same mesh to colocate)")
+    for role in ROLES:
+        if not isinstance(meshes[role], Mesh):
+            raise MeshRoleError(f"meshes[{role!r}] is a {type(meshes[role]).__name__}; valid: a "
+                                "jax.sharding.Mesh")
+    return dict(meshes)
 
 
 class GRPOTrainer:
@@ -109,7 +145,8 @@ class GRPOTrainer:
       model_cfg: the policy architecture (f32 trainer).
       config: a :class:`GRPOConfig`.
       optim: optimizer settings (``warmup_steps=0`` gives a constant learning rate).
-      task, tokenizer: the verifiable task and its tokenizer.
+      task, tokenizer: the verifiable task (:class:`jaxflow.rl.tasks.Task`) and any
+        :class:`jaxflow.data.tokenizer.Tokenizer` (a row stops at any of its ``eos_ids``).
       meshes: ``{"trainer": Mesh, "rollout": Mesh}`` (disjoint, or the same mesh to colocate).
       seed: seeds the RNG key and the prompt stream.
       total_rollouts: for the optimizer schedule (``total_rollouts * lag`` steps).
@@ -119,12 +156,23 @@ class GRPOTrainer:
         :class:`jaxflow.rl.remote.RemoteRollout`: publisher and sampler in one, weights only
         as SparseRL-Sync payloads); ``meshes["rollout"]`` then only evaluates (held-out pass@1
         with the trainer's f32 params, as the in-process rollout mesh does).
+      peak_flops: the trainer's peak FLOP/s for ``perf/mfu``; None: its chips' peak, or the
+        nominal CPU peak (:func:`jaxflow.rl.step_metrics.peak_flops`).
+
+    A wrong argument type (task, tokenizer, meshes) is one line naming what is expected,
+    raised here before anything is compiled.
     """
 
     def __init__(self, model_cfg: TransformerConfig, config: GRPOConfig, optim: OptimConfig,
-                 task: Task, tokenizer: CharTokenizer, meshes: dict[str, Mesh], *, seed: int,
+                 task: Task, tokenizer: Tokenizer, meshes: Mapping[str, Mesh], *, seed: int,
                  total_rollouts: int = 100, sync: SyncConfig | None = None,
-                 sync_links: Sequence[Link] = (), remote: Any = None):
+                 sync_links: Sequence[Link] = (), remote: Any = None,
+                 peak_flops: float | None = None):
+        if not isinstance(config, GRPOConfig):
+            raise TypeError(f"config is a {type(config).__name__}; valid: a GRPOConfig")
+        meshes = check_meshes(meshes)
+        check_task(task)
+        check_tokenizer(tokenizer)
         model_cfg = policy_config(model_cfg, config)  # with rl.lora: the adapters' model
         self.model_cfg, self.config, self.optim, self.seed = model_cfg, config, optim, seed
         self.task, self.tokenizer = task, tokenizer
@@ -157,6 +205,12 @@ class GRPOTrainer:
             if sync is None else SyncPublisher(self.published_shardings, sync,
                                                links=sync_links))
         self.sampler = remote if remote is not None else self.worker  # who generates rollouts
+        self.learning_rate = rl_learning_rate(optim, total_rollouts * config.lag)
+        self.peak_flops = (peak_flops if peak_flops is not None
+                           else step_metrics.peak_flops(list(self.trainer_mesh.devices.flat)))
+        self._n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
+            self.fns.abstract_params()))
+        self._timing = {"generate": 0.0, "reward": 0.0}
 
     def _lora_setup(self, cfg: lora.LoraConfig) -> None:
         """What the publisher carries with LoRA (``cfg.publish``): base + adapters, merged on
@@ -223,7 +277,17 @@ class GRPOTrainer:
 
     def rollout_prompts(self, rollout: int, gen_batch: int = 0) -> list[str]:
         """The prompts of rollout ``rollout`` (its generation batch ``gen_batch`` with
-        dynamic sampling): a pure function of (seed, rollout, gen_batch)."""
+        dynamic sampling): a pure function of (seed, rollout, gen_batch).
+
+        A task with ``prompts_at`` (a seeded epoch-ordered stream) gives generation batch 0
+        the positions ``[r * n, (r + 1) * n)`` of the stream seeded by ``seed`` (n =
+        prompts per generation batch), so the position is the checkpointed rollout counter;
+        batch g > 0 the same positions of the stream seeded by (seed, g)."""
+        n = self.config.prompts_per_gen_batch
+        if hasattr(self.task, "prompts_at"):
+            seed = self.seed if gen_batch == 0 else int(
+                np.random.SeedSequence([self.seed, gen_batch]).generate_state(1)[0])
+            return list(self.task.prompts_at(rollout * n, n, seed))
         extra = [gen_batch] if gen_batch else []  # batch 0: the unfiltered rollout's prompts
         rng = np.random.default_rng([self.seed, rollout, 0x6A7F, *extra])
         return self.task.prompts(rng, self.config.prompts_per_gen_batch)
@@ -253,8 +317,12 @@ class GRPOTrainer:
                           ) -> tuple[RolloutBatch, np.ndarray]:
         """One generation batch, rewards shaped; returns it and the task scores [B]."""
         key = sample_key if gen_batch == 0 else jax.random.fold_in(sample_key, gen_batch)
+        start = time.perf_counter()
         batch = self.sampler.generate(params, self.rollout_prompts(rollout, gen_batch), key,
                                       version=version, replica=self._replica_to_follow())
+        reward_s = float(getattr(self.sampler, "last_reward_s", 0.0))
+        self._timing["generate"] += time.perf_counter() - start - reward_s
+        self._timing["reward"] += reward_s
         scores = batch.rewards
         buffer = self.config.overlong_buffer
         if buffer is not None:
@@ -266,8 +334,9 @@ class GRPOTrainer:
 
     def generate_with_stats(self, state: dict) -> tuple[RolloutBatch, dict[str, float]]:
         """This step's rollout, sampled with :meth:`rollout_params`, and host statistics:
-        ``score_mean`` (task score before shaping) and, with filter_groups,
-        ``num_gen_batches`` and ``kept_group_fraction`` (groups with signal / generated)."""
+        ``critic/score/mean`` (task score before shaping) and, with filter_groups,
+        ``batch/num_gen_batches`` and ``batch/kept_group_fraction`` (groups with signal /
+        generated)."""
         rollout = int(state["rollout"])
         sample_key, _ = self._keys(state, rollout)
         params = self.rollout_params(state)
@@ -275,7 +344,7 @@ class GRPOTrainer:
         cfg = self.config
         if not cfg.filter_groups:
             batch, scores = self._generation_batch(params, rollout, 0, sample_key, version)
-            return batch, {"score_mean": float(np.mean(scores))}
+            return batch, {"critic/score/mean": float(np.mean(scores))}
         scores_of = {}
 
         def generate(i):
@@ -287,9 +356,9 @@ class GRPOTrainer:
                                   group_size=cfg.group_size,
                                   max_num_gen_batches=cfg.max_num_gen_batches)
         all_scores = np.concatenate([scores_of[i] for i in sorted(scores_of)])
-        return batch, {"score_mean": float(np.mean(all_scores)),
-                       "num_gen_batches": float(fill["num_gen_batches"]),
-                       "kept_group_fraction": fill["groups_with_signal"]
+        return batch, {"critic/score/mean": float(np.mean(all_scores)),
+                       "batch/num_gen_batches": float(fill["num_gen_batches"]),
+                       "batch/kept_group_fraction": fill["groups_with_signal"]
                        / fill["groups_generated"]}
 
     def generate(self, state: dict) -> RolloutBatch:
@@ -313,23 +382,31 @@ class GRPOTrainer:
 
     def train_on_rollout(self, state: dict, batch: RolloutBatch
                          ) -> tuple[dict, list[dict], SyncRecord | None]:
-        """Old stats for every mini-batch at the current params, then N updates, then publish.
+        """Old stats for every mini-batch at the current params (none when
+        ``config.old_from_update``: the update's own forward gives them), then N updates, then
+        publish.
 
         Returns the new state, one metrics dict (device scalars) per mini-batch, and what the
         publish sent through the weight sync (its ``SyncRecord``; None with sync off or when
-        this rollout was not due to sync).
+        this rollout was not due to sync). Host seconds of the updates and of the publish are
+        in ``self._timing`` ("update", "sync").
         """
+        start = time.perf_counter()
         rollout = int(state["rollout"])
         _, loss_key = self._keys(state, rollout)
         mbs = self.minibatches(batch)
         policy = state["policy"]
         ref = state.get("ref_params")
-        olds = [self._old_stats(policy.params, ref, mb) for mb in mbs]
+        olds = ([None] * len(mbs) if self.config.old_from_update
+                else [self._old_stats(policy.params, ref, mb) for mb in mbs])
         keys = jax.random.split(loss_key, len(mbs))
         history = []
         for mb, old, key in zip(mbs, olds, keys):
             policy, metrics = self._update(policy, mb, old, key=key)
             history.append(metrics)
+        jax.block_until_ready((policy, history))
+        published = time.perf_counter()
+        self._timing["update"] = published - start
         new = dict(state)
         new["policy"] = policy
         new["published"], new["published_version"], sent = self.publisher.publish(
@@ -337,34 +414,49 @@ class GRPOTrainer:
             policy.step,
             rollout=rollout, origin=state["published_origin"])
         new["rollout"] = state["rollout"] + 1
+        jax.block_until_ready(new["published"])
+        self._timing["sync"] = time.perf_counter() - published
         return new, history, sent
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
-        """One rollout + N updates + publish; host metrics of the step (``reward_mean`` is of
-        the shaped rewards the advantages use; with overlong shaping or dynamic sampling also
-        the statistics of :meth:`generate_with_stats`). With weight sync also
-        ``synced`` (1.0 when this step synced) and, when it did, ``sync_payload_bytes``,
-        ``sync_changed_fraction`` and ``sync_bit_exact``."""
+        """One rollout + N updates + publish; the step's row (names as verl's,
+        :mod:`jaxflow.rl.step_metrics`): ``actor/*`` (the update, ``actor/lr``),
+        ``critic/rewards/mean`` (the shaped rewards the advantages use) and
+        ``critic/score/mean``, ``response_length/{mean,max,clip_ratio}``, ``version/*``,
+        ``timing_s/{generate,reward,update,sync}``, ``perf/{step_s,tokens_per_s,mfu}``; with
+        dynamic sampling ``batch/*``; with weight sync ``sync/synced`` (1.0 when this step
+        synced) and, when it did, ``sync/payload_bytes``, ``sync/changed_fraction`` and
+        ``sync/bit_exact``."""
         state, metrics, _ = self.step_with_sync(state)
         return state, metrics
 
     def step_with_sync(self, state: dict) -> tuple[dict, dict[str, float], SyncRecord | None]:
         """:meth:`step`, and the ``SyncRecord`` of what its publish sent through the weight sync
         (None with sync off or when this rollout was not due to sync)."""
+        start = time.perf_counter()
+        self._timing = {"generate": 0.0, "reward": 0.0}
         sampler_version = int(state["published_version"][0])
         trainer_version = int(state["policy"].step)
         batch, generation = self.generate_with_stats(state)
         state, history, sent = self.train_on_rollout(state, batch)
         metrics = summarize(history, batch, sampler_version, trainer_version)
+        metrics["actor/lr"] = float(self.learning_rate(trainer_version))
         metrics.update(version_metrics(batch))
-        if self.config.filter_groups or self.config.overlong_buffer is not None:
-            metrics.update(generation)
+        metrics.update(generation)
+        metrics.update(step_metrics.response_length_metrics(
+            batch.tokens, batch.mask, self.config.max_new_tokens, stop_ids(self.tokenizer)))
         if self.sync_config is not None:  # did this step sync, and what did it send
-            metrics["synced"] = float(sent is not None)
+            metrics["sync/synced"] = float(sent is not None)
             if sent is not None:
-                metrics["sync_payload_bytes"] = float(sent.stats.payload_bytes)
-                metrics["sync_changed_fraction"] = sent.stats.changed_fraction
-                metrics["sync_bit_exact"] = float(sent.bit_exact)
+                metrics["sync/payload_bytes"] = float(sent.stats.payload_bytes)
+                metrics["sync/changed_fraction"] = sent.stats.changed_fraction
+                metrics["sync/bit_exact"] = float(sent.bit_exact)
+        metrics.update({f"timing_s/{k}": self._timing[k]
+                        for k in ("generate", "reward", "update", "sync")})
+        tokens = int(np.asarray(batch.prompt_lengths).sum() + np.asarray(batch.mask).sum())
+        metrics.update(step_metrics.perf_metrics(tokens=tokens, n_params=self._n_params,
+                                                 step_s=time.perf_counter() - start,
+                                                 peak=self.peak_flops))
         return state, metrics, sent
 
     def heldout_accuracy(self, state: dict, n: int, *, samples: int = 0) -> float:
@@ -378,12 +470,12 @@ class GRPOTrainer:
 
 
 def version_metrics(batch: RolloutBatch) -> dict[str, int]:
-    """``sampler_version_min`` / ``_max``: the oldest and newest weights version that sampled a
+    """``version/sampler_min`` / ``_max``: the oldest and newest weights version that sampled a
     response token of ``batch`` (its per-token ``versions`` over the mask; -1 when unknown)."""
     seen = np.asarray(batch.versions)[np.asarray(batch.mask) > 0]
     if seen.size == 0:
-        return {"sampler_version_min": -1, "sampler_version_max": -1}
-    return {"sampler_version_min": int(seen.min()), "sampler_version_max": int(seen.max())}
+        return {"version/sampler_min": -1, "version/sampler_max": -1}
+    return {"version/sampler_min": int(seen.min()), "version/sampler_max": int(seen.max())}
 
 
 def rollout_row(window: Sequence[Mapping[str, Any]]) -> dict:

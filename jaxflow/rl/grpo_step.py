@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -27,6 +26,7 @@ from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.rollout import EngineSettings, RolloutBatch, RolloutSpec
+from jaxflow.rl.step_metrics import update_rows
 from jaxflow.train.lm_state import LMFunctions, OptimConfig, lm_functions, make_optimizer, model_optimizer
 from jaxflow.train.state import TrainState
 
@@ -73,6 +73,13 @@ class GRPOConfig:
       overlong_buffer: DAPO's overlong reward shaping (:mod:`jaxflow.rl.reward_shaping`,
         verl's ``reward_model.overlong_buffer``) against ``max_new_tokens``; None = off.
         ``--set rl.overlong_buffer.len=2`` switches it on.
+      truncated_reward: "zero" (a response that hit ``max_new_tokens`` without an EOS scores 0)
+        or "score" (it is decoded and scored like the others, as verl does);
+        :func:`jaxflow.rl.tasks.score_with_truncation`.
+      reuse_forward: when pi_old is the current policy and nothing else needs pi_old
+        (:attr:`old_from_update`: lag 1, no SIS top-K, no SIS diagnostics, no KL reference),
+        the old log-probs are the stop-gradient of the update's own forward (ratio == 1
+        exactly) instead of a separate pi_old forward; False always runs that forward.
       lora: low-rank adapters trained over the frozen policy (``--set rl.lora.rank=8``;
         :mod:`jaxflow.models.lora`): the warm start's weights stay frozen, fresh adapters
         (B = 0: step 0 is the warm start) are the only trainable params, and the sampler gets
@@ -102,6 +109,8 @@ class GRPOConfig:
     max_num_gen_batches: int = 10
     gen_batch_size: int | None = None
     overlong_buffer: OverlongBufferConfig | None = None
+    truncated_reward: str = "zero"
+    reuse_forward: bool = True
     lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
@@ -147,7 +156,16 @@ class GRPOConfig:
         """The rollout settings of this config (group size, temperature, max new tokens, mismatch)."""
         return RolloutSpec(group_size=self.group_size, temperature=self.temperature,
                            max_new_tokens=self.max_new_tokens, mismatch=self.mismatch,
-                           sampler=self.sampler, engine=self.engine)
+                           sampler=self.sampler, engine=self.engine,
+                           truncated_reward=self.truncated_reward)
+
+    @property
+    def old_from_update(self) -> bool:
+        """True when the update takes pi_old's log-probs from its own forward
+        (``reuse_forward`` and pi_old needed for nothing else: lag 1, no SIS correction or
+        diagnostics, no KL reference)."""
+        return (self.reuse_forward and self.lag == 1 and not self.loss.uses_sis
+                and not self.sis_diagnostics and self.kl_coef == 0)
 
     @property
     def rollout_size(self) -> int:
@@ -174,6 +192,17 @@ def policy_config(model_cfg: TransformerConfig, config: GRPOConfig) -> Transform
         raise ValueError(f"rl.lora={config.lora!r} and the model's own lora={model_cfg.lora!r} "
                          "differ; set one of them")
     return dataclasses.replace(model_cfg, lora=config.lora)
+
+
+def rl_learning_rate(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """The learning rate of :func:`make_rl_optimizer` at each optimizer step: ``cfg.lr`` when
+    ``cfg.warmup_steps == 0``, else the warm-up + cosine schedule of
+    :func:`jaxflow.train.lm_state.make_optimizer` (the same arguments)."""
+    if cfg.warmup_steps == 0:
+        return optax.constant_schedule(cfg.lr)
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, max(cfg.warmup_steps, 1), max(total_steps, cfg.warmup_steps + 1),
+        end_value=cfg.lr * cfg.final_lr_fraction)
 
 
 def make_rl_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
@@ -267,15 +296,23 @@ def _expected_sis_accept(hidden: jax.Array, head: jax.Array, mb: MiniBatch, old:
     return _masked_mean(prob, given)
 
 
-def grpo_loss(params: Any, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
+def grpo_loss(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFunctions,
               config: GRPOConfig, key: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Policy loss (+ KL to the reference, - entropy bonus) of one mini-batch, and metrics."""
+    """Policy loss (+ KL to the reference, - entropy bonus) of one mini-batch, and metrics.
+
+    ``old=None`` (only where ``config.old_from_update``): pi_old is ``params`` itself, its
+    log-probs the stop-gradient of this forward's (no separate pi_old forward)."""
     hidden, head = response_hidden(fns, params, mb.prompts, mb.prompt_lengths, mb.tokens)
     loss_cfg = config.loss
+    if old is None and not config.old_from_update:
+        raise ValueError("grpo_loss(old=None) needs config.old_from_update (lag 1, no SIS, no "
+                         "SIS diagnostics, no KL); pass old_stats(...) otherwise")
     out = fused_logprobs(hidden, head, mb.tokens,
-                         old.topk_indices if loss_cfg.uses_sis else None,
+                         old.topk_indices if old is not None and loss_cfg.uses_sis else None,
                          temperature=config.temperature, backend=config.logprob_backend)
     logp = out.target_logp
+    if old is None:
+        old = OldStats(jax.lax.stop_gradient(logp), None, None, None)
     loss, metrics = policy_loss(
         logp, old.logp, mb.advantages, mb.mask, config=loss_cfg, key=key,
         old_topk_logp=old.topk_logp if loss_cfg.uses_sis else None,
@@ -311,12 +348,13 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
     return loss, metrics
 
 
-def update_step(policy: TrainState, mb: MiniBatch, old: OldStats, *, fns: LMFunctions,
+def update_step(policy: TrainState, mb: MiniBatch, old: OldStats | None, *, fns: LMFunctions,
                 config: GRPOConfig, key: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step: ``(policy, mini-batch, old stats, key) -> (policy, metrics)``.
 
     ``policy`` is a :class:`jaxflow.train.state.TrainState` (params a pure dict); the new one
-    has ``step + 1``. Metrics are device scalars [] (:func:`grpo_loss`'s and ``grad_norm``)."""
+    has ``step + 1``. Metrics are device scalars [] (:func:`grpo_loss`'s and ``grad_norm``).
+    ``old=None``: pi_old's log-probs from this update's own forward (:func:`grpo_loss`)."""
     grads, metrics = jax.grad(grpo_loss, has_aux=True)(policy.params, mb, old, fns=fns,
                                                         config=config, key=key)
     metrics["grad_norm"] = optax.tree.norm(grads)
@@ -342,16 +380,13 @@ def compiled_functions(model_cfg: TransformerConfig, mesh: Mesh, config: GRPOCon
 
 def summarize(history: list[dict], batch: RolloutBatch, sampler_version: int,
               trainer_version: int) -> dict[str, float]:
-    """Host floats: reward, lengths, per-step loss metrics averaged over mini-batches, and the
-    first mini-batch's accept rate / max |log ratio| separately (it must be on-policy)."""
-    rows = jax.device_get(history)
-    out = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
-    out["accept_rate_first"] = float(rows[0]["accept_rate"])
-    out["max_abs_log_ratio_first"] = float(rows[0]["max_abs_log_ratio"])
-    if len(rows) > 1:
-        out["accept_rate_later"] = float(np.mean([r["accept_rate"] for r in rows[1:]]))
-    out["reward_mean"] = float(batch.rewards.mean())
-    out["response_length"] = float(batch.mask.sum(axis=1).mean())
-    out["sampler_version"] = sampler_version
-    out["trainer_version"] = trainer_version
+    """Host floats named as verl does (:mod:`jaxflow.rl.step_metrics`): the update metrics
+    averaged over mini-batches (``actor/*``, the first mini-batch's accept rate / max |log
+    ratio| separately: it must be on-policy), ``critic/rewards/mean``,
+    ``response_length/mean`` and the versions (``version/sampler``, ``version/trainer``)."""
+    out = update_rows(history)
+    out["critic/rewards/mean"] = float(batch.rewards.mean())
+    out["response_length/mean"] = float(batch.mask.sum(axis=1).mean())
+    out["version/sampler"] = sampler_version
+    out["version/trainer"] = trainer_version
     return out

@@ -51,6 +51,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxflow.config_domains import ABOVE_ONE, CAP_OR_OFF, NON_NEGATIVE, POSITIVE, WIDTH_OR_OFF, domains
 from jaxflow.rl import advantages as advantages_lib
 from jaxflow.rl import corrections, sis
 from jaxflow.rl.masks import as_bool_mask
@@ -78,6 +79,9 @@ DEFAULT_CLIP_EPS = {
 DEFAULT_AGG = {"gspo": "seq-mean-token-mean", "sa_gcpo": "seq-mean-token-mean"}
 
 
+@domains(clip_eps_low=WIDTH_OR_OFF, clip_eps_high=WIDTH_OR_OFF, dual_clip_c=ABOVE_ONE, log_ratio_clip=POSITIVE,
+         seq_log_ratio_cap=CAP_OR_OFF, tis_cap=POSITIVE, mis_low=NON_NEGATIVE, mis_high=POSITIVE, rs_threshold=POSITIVE,
+         rs_threshold_lower=NON_NEGATIVE, gate_tau_pos=POSITIVE, gate_tau_neg=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
     """What :func:`policy_loss` computes. Frozen and hashable (a valid static jit argument).
@@ -138,10 +142,6 @@ class PolicyLossConfig:
             value = getattr(self, field)
             if value not in choices and not (field == "agg" and value is None):
                 raise ValueError(f"unknown {field} {value!r}; valid choices: {choices}")
-        for field in ("clip_eps_low", "clip_eps_high"):
-            value = getattr(self, field)
-            if value is not None and not value >= 0:
-                raise ValueError(f"{field} must be >= 0 (or None for the default), got {value!r}")
         if self.dual_clip_c is not None:
             if self.algo not in DUAL_CLIP_ALGOS and self.dual_clip_c != DEFAULT_DUAL_CLIP_C:
                 raise ValueError(

@@ -18,7 +18,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxflow.config_domains import COUNT, NON_NEGATIVE, domains
 
+
+@domains(len=COUNT, penalty_factor=NON_NEGATIVE)
 @dataclasses.dataclass(frozen=True)
 class OverlongBufferConfig:
     """verl's ``reward_model.overlong_buffer``: ``len`` (the buffer, in tokens, >= 1 and at

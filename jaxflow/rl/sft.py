@@ -21,11 +21,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.config import require_positive
+from jaxflow.config_domains import COUNT, COUNT0, domains
 from jaxflow.train.lm_state import OptimConfig, lm_functions, make_optimizer, make_train_step
 from jaxflow.train.loop import run_steps
 from jaxflow.train.state import TrainState
 
 
+@domains(steps=COUNT0, batch_size=COUNT, log_every=COUNT)
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
     """``steps`` optimizer steps of ``batch_size`` (prompt, answer) rows; 0 steps: no SFT."""

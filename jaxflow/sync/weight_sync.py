@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from jaxflow.config_domains import COUNT, domains
 from jaxflow.sync.encoder import CODECS
 from jaxflow.sync.replica import (
     FRESH,
@@ -43,6 +44,7 @@ ON_MISMATCH = ("resync", "error")
 SYNC_CODECS = CODECS
 
 
+@domains(every=COUNT, history=COUNT, replicas=COUNT)
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
     """Attributes:

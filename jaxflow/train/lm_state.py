@@ -18,12 +18,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxflow.config import require_finite, require_positive, require_range
+from jaxflow.config_domains import COUNT0, NON_NEGATIVE, POSITIVE, UNIT, Real, domains
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules, jit_on, shardings_from_logical
 from jaxflow.models import lora
 from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
 from jaxflow.train.state import TrainState
 
 
+@domains(lr=POSITIVE, warmup_steps=COUNT0, final_lr_fraction=UNIT, weight_decay=NON_NEGATIVE,
+         b1=Real(0.0, 1.0, high_open=True), b2=Real(0.0, 1.0, high_open=True), grad_clip=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warm-up then cosine decay to ``lr * final_lr_fraction``."""

@@ -24,9 +24,14 @@ import dataclasses
 
 import numpy as np
 
+from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, UNIT, Real, domains
 from jaxflow.genrec.data.requests import SCENARIOS, RecData, Requests, instruction_tokens, pad_histories
 
 
+@domains(n_genres=COUNT, n_sub=COUNT, items_per_cell=COUNT, new_fraction=Real(0.0, 1.0, high_open=True),
+         n_users=COUNT, min_history=COUNT, max_history=COUNT, fav_genres=COUNT, p_fav=UNIT, p_sub=UNIT,
+         zipf_a=NON_NEGATIVE, train_requests_per_user=COUNT, test_users=COUNT, feature_noise=NON_NEGATIVE,
+         noise_dim=COUNT0, behaviour_probs=UNIT, behaviour_weights=NON_NEGATIVE)
 @dataclasses.dataclass(frozen=True)
 class SyntheticGenRecConfig:
     """The synthetic multi-scenario catalogue and users: genres x sub-genres of items, new-item share, users, history

@@ -21,6 +21,7 @@ import pathlib
 from typing import Mapping, Sequence
 
 from jaxflow import provenance
+from jaxflow.config_domains import POSITIVE, Real, domains
 from jaxflow.marl.simulate.workload import AgentCosts, AgentLoad
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -80,6 +81,8 @@ class Calibration:
     context: dict = dataclasses.field(default_factory=dict)
 
 
+@domains(peak_flops=POSITIVE, mfu_train=Real(0.0, 1.0, low_open=True), host_gbytes_per_s=POSITIVE,
+         swap_bytes_per_param=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """Assumptions (not measured here): the accelerator's bf16 peak and the training MFU fix the
