@@ -1,15 +1,17 @@
 """Decoder-only LM (flax nnx), its jitted KV-cache sampler, per-token log-probs of a sequence
 (``token_logprobs``), LoRA adapters on its projections (``LoraConfig``, ``merge``), and Hugging
-Face checkpoints in and out (Llama-3, Qwen3, Qwen3-MoE; a LoRA run also writes a PEFT adapter)."""
+Face checkpoints in and out (Llama-3, Qwen3, Qwen3-MoE; adapters are merged and also written as a
+PEFT adapter; ``export_hf`` adds the source checkpoint's tokenizer files)."""
 from jaxflow.models.architectures import CheckpointError, config_from_hf, hf_config_from
 from jaxflow.models.hf_checkpoint import from_pretrained, load_hf_params, save_pretrained
+from jaxflow.models.hf_export import export_hf
 from jaxflow.models.kv_cache import KVCache
 from jaxflow.models.logprobs import predicted_mask, token_logprobs
 from jaxflow.models.lora import LoraConfig
 from jaxflow.models.lora import merge as merge_lora
 from jaxflow.models.rope import RopeScaling
 from jaxflow.models.sampler import SampleOutput, SamplingConfig, make_sampler, sample
-from jaxflow.models.tokenizer_hf import HFTokenizer
+from jaxflow.models.tokenizer_hf import HFTokenizer, TransformersTokenizer
 from jaxflow.models.transformer import (
     PRESETS,
     Transformer,
@@ -21,8 +23,10 @@ from jaxflow.models.transformer import (
 __all__ = [
     "CheckpointError",
     "HFTokenizer",
+    "TransformersTokenizer",
     "RopeScaling",
     "config_from_hf",
+    "export_hf",
     "from_pretrained",
     "hf_config_from",
     "load_hf_params",
