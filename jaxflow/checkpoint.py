@@ -6,13 +6,16 @@ shardings the caller wants, on any mesh. In multi-process runs every process cal
 (orbax coordinates: the primary process writes metadata, each process its own shards).
 
 A checkpoint that cannot be read back (truncated or deleted files) raises
-:class:`CheckpointError` naming its directory, never a restart from step 0. A training loop
+:class:`CheckpointError` naming its directory, never a restart from step 0. Every save records
+its step in orbax's step metadata (``custom_metadata={"step": N}``), and a resume trusts the
+step directory's name only when it agrees (:func:`check_step_name`). A training loop
 calls :meth:`Checkpointer.stop_if_requested` after each step: on SIGINT / SIGTERM (or a JAX
 preemption notice in a multi-process run) it saves that step and raises ``RunStopped``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import weakref
@@ -44,6 +47,31 @@ def finalized_steps(directory: "str | os.PathLike") -> list[epath.Path]:
         elif child.is_dir() and not child.name.isdigit() and "orbax-checkpoint-tmp" not in child.name:
             found.extend(finalized_steps(child))
     return found
+
+
+def recorded_step(step_dir: "str | os.PathLike") -> int | None:
+    """The step the checkpoint in ``step_dir`` was saved at, from the custom metadata every
+    :meth:`Checkpointer.save` writes (``{"step": N}`` in orbax's ``_CHECKPOINT_METADATA``);
+    None for a checkpoint written without it."""
+    # Read as the JSON file it is: the manager's metadata() logs a warning per item.
+    try:
+        meta = json.loads((run_path(step_dir) / "_CHECKPOINT_METADATA").read_text())
+    except (OSError, ValueError):  # unreadable metadata: restore names the checkpoint
+        return None
+    custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
+    recorded = custom.get("step") if isinstance(custom, dict) else None
+    return int(recorded) if isinstance(recorded, int) and not isinstance(recorded, bool) else None
+
+
+def check_step_name(step_dir: "str | os.PathLike") -> None:
+    """CheckpointError when the name of checkpoint directory ``step_dir`` is not the step it
+    recorded (a renamed directory would resume from the wrong step)."""
+    path = run_path(step_dir)
+    recorded = recorded_step(path)
+    if recorded is not None and str(recorded) != path.name:
+        raise CheckpointError(
+            f"checkpoint directory {path} holds step {recorded} (its own metadata), not "
+            f"{path.name}: it was renamed; rename it back to {recorded} to resume from it")
 
 
 _OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
@@ -100,8 +128,16 @@ class Checkpointer:
         _OPEN.add(self)
 
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step, or None."""
-        return self._manager.latest_step()
+        """The newest complete checkpoint's step, or None; checked against the step the
+        checkpoint records of itself (:func:`check_step_name`).
+
+        Raises:
+          CheckpointError: the directory's name is not the step it holds (a renamed directory).
+        """
+        step = self._manager.latest_step()
+        if step is not None:
+            check_step_name(self.directory / str(int(step)))
+        return step
 
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
@@ -122,7 +158,8 @@ class Checkpointer:
             if self._loop_state is not None and (force or self._manager.should_save(int(step))):
                 if (loop := self._loop_state()) is not None:
                     items["loop"] = ocp.args.JsonSave(loop)
-            saved = self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
+            saved = self._manager.save(int(step), args=ocp.args.Composite(**items), force=force,
+                                       custom_metadata={"step": int(step)})
         if saved:
             self._last_saved = int(step)
         return saved

@@ -5,7 +5,9 @@ reads from it, the default location, and the rollback of a fresh run that failed
 from __future__ import annotations
 
 import datetime
+import errno
 import json
+import logging
 import os
 import time
 
@@ -61,8 +63,10 @@ def resolve_run(args, out: epath.Path | None) -> tuple[str, str, list[str]]:
     if args.variant and args.variant != meta["variant"]:
         raise UsageError(f"--variant {args.variant!r} does not match the run in {str(out)!r} "
                          f"({meta['variant']!r}); drop --variant to resume it, or {fresh_hint(out)}")
-    from jaxflow.checkpoint import has_progress
+    from jaxflow.checkpoint import check_step_name, finalized_steps, has_progress
 
+    for step_dir in finalized_steps(out / "checkpoints"):
+        check_step_name(step_dir)  # a renamed directory: refused before anything starts
     if not has_progress(out):
         raise UsageError(f"--resume: {out / 'checkpoints'} holds no complete checkpoint, so the run "
                          f"would restart at step 0; {fresh_hint(out)}")
@@ -118,3 +122,119 @@ def out_dir_for(out: epath.Path | None, name: str, multi_process: bool) -> epath
         stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
     when = datetime.datetime.fromtimestamp(stamp / 1000).strftime("%Y%m%d-%H%M%S")
     return run_path(os.path.join("runs", name, when))
+
+
+#: Config fields a resumed run may change: how long it runs, how often it logs, evaluates and
+#: checkpoints, and the device layout (a checkpoint restores onto any mesh). Matched on the
+#: last part of a dotted key (``train.steps``) or, for ``mesh`` and ``devices``, the first.
+RESUMABLE_FIELDS = frozenset({"steps", "rollouts", "log_every", "eval_every", "checkpoint_every",
+                              "keep_checkpoints"})
+RESUMABLE_SECTIONS = frozenset({"mesh", "devices"})
+
+
+def _flatten(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        out: dict = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def config_changes(saved: dict, new: dict) -> list[str]:
+    """``key: saved -> new`` for every dotted key whose value differs between two JSON configs
+    (a key only in one: ``(absent)`` on the other side), resumable fields left out."""
+    a, b = _flatten(saved), _flatten(new)
+    changes = []
+    for key in sorted(set(a) | set(b)):
+        parts = key.split(".")
+        if parts[-1] in RESUMABLE_FIELDS or parts[0] in RESUMABLE_SECTIONS:
+            continue
+        if a.get(key, "(absent)") != b.get(key, "(absent)"):
+            changes.append(f"{key}: {a.get(key, '(absent)')} -> {b.get(key, '(absent)')}")
+    return changes
+
+
+def check_resumed_config(out: epath.Path, config) -> None:
+    """Before anything is restored: the resolved ``config`` of a ``--resume`` must equal the one
+    saved in ``out/config.json`` except in :data:`RESUMABLE_FIELDS` (a changed shape or setting
+    would not fit the checkpoint, or would silently mean another experiment); UsageError naming
+    the differing keys otherwise. A run directory saved without its resolved config is not
+    compared."""
+    from jaxflow.experiment import to_jsonable
+
+    saved = read_saved_run(out).get("config")
+    if not isinstance(saved, dict):
+        return
+    changes = config_changes(saved, json.loads(json.dumps(to_jsonable(config))))
+    if changes:
+        shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+        raise UsageError(f"--resume: the config differs from the run's in {shown}; a run resumes "
+                         "only with the config its checkpoints were written with (only steps, "
+                         "rollouts, log/eval/checkpoint cadence and mesh may change): drop those "
+                         "--set values, or start a new run with them in another --out")
+
+
+def _is_disk_full(error: BaseException | None) -> OSError | bool:
+    seen = 0
+    while error is not None and seen < 20:
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return error
+        if "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return False
+
+
+def disk_full_line(error: BaseException, out: epath.Path, resume_command: str) -> str | None:
+    """The one line for a run that ran out of disk space (``error`` or an exception it came
+    from is ENOSPC): the last committed checkpoint and the command to resume once there is
+    space; None for any other error."""
+    found = _is_disk_full(error)
+    if found is False:
+        return None
+    name = getattr(found, "filename", None)
+    what = f" writing {name}" if name else ""
+    from jaxflow.checkpoint import finalized_steps
+
+    try:
+        committed = finalized_steps(out / "checkpoints")
+        last = max(committed, key=lambda p: ((p / "_CHECKPOINT_METADATA").stat().mtime, int(p.name)),
+                   default=None)
+    except OSError:
+        last = None
+    if last is None:
+        return (f"no space left on device{what}; no checkpoint of this run was committed, so there "
+                f"is nothing to resume: free some space and start again with another --out")
+    return (f"no space left on device{what}; the last committed checkpoint is {last} (intact): "
+            f"free some space, then resume with: {resume_command}")
+
+
+class HeldSaveErrors(logging.Filter):
+    """Holds back the error records orbax logs from its background save threads (each with a
+    traceback) while a run is in flight: :meth:`release` prints them after all, unless
+    :meth:`drop` was called because the runner reported their cause in one line (a full disk)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+        self._logger = logging.getLogger("absl")
+        self._logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and "orbax" in record.pathname:
+            self.held.append(record)
+            return False
+        return True
+
+    def drop(self) -> None:
+        """Forgets the held records."""
+        self.held.clear()
+
+    def release(self) -> None:
+        """Stops holding; logs what is still held."""
+        self._logger.removeFilter(self)
+        held, self.held = self.held, []
+        for record in held:
+            self._logger.handle(record)

@@ -11,7 +11,9 @@ The loop owns what is the same everywhere:
 
 - **resume**: with ``run.resume`` and a checkpoint in ``checkpointer``, the state is restored
   (laid out like the fresh one) and the metrics file is cut back to that step (without one,
-  back to the loop's first step);
+  back to the loop's first step); a checkpoint beyond ``steps`` is refused before anything is
+  restored (:class:`StepsBelowCheckpoint`), as is one whose directory was renamed
+  (``Checkpointer.latest_step``);
 - **rows**: the metrics of the steps since the last row are reduced by ``summarize`` every
   ``log_every`` steps (and at the last) and written with ``run.log``; an evaluation, every
   ``eval_every`` steps and at the last, joins the row of its step;
@@ -40,6 +42,7 @@ import jax
 import numpy as np
 
 from jaxflow import signals
+from jaxflow.errors import UserError
 
 Metrics = Mapping[str, Any]
 StepFn = Callable[[Any, int], "tuple[Any, Metrics]"]
@@ -58,6 +61,10 @@ class Fault:
         k = self.kill_after_checkpoint
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"kill_after_checkpoint={k!r}: expected a step >= 1 or None")
+
+
+class StepsBelowCheckpoint(UserError, ValueError):
+    """A resumed run's step total is below the step of the checkpoint it would resume from."""
 
 
 class LoopCheckpointer(Protocol):
@@ -156,6 +163,11 @@ def _run(step_fn, state, steps, run, checkpointer, log_every, summarize, eval_fn
     window: list[Metrics] = []
     if checkpointer is not None and run is not None and run.resume:
         latest = checkpointer.latest_step()
+        if latest is not None and latest > steps:
+            raise StepsBelowCheckpoint(
+                f"--resume with a total of {steps} steps, but the checkpoint in "
+                f"{getattr(checkpointer, 'directory', 'the run')} is at step {latest} and a run "
+                f"cannot go back; valid: a step total (train.steps, rollouts) >= {latest}")
         if latest is not None:
             state = (restore(checkpointer, latest, state) if restore is not None
                      else checkpointer.restore(latest, abstract_like(state)))
