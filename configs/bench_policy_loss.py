@@ -17,11 +17,14 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, POSITIVE, SEED, domains
 
 DESCRIPTION = "policy-loss step from hidden states: SIS overhead vs none, fused vs naive log-prob bytes"
 ENTRY = "jaxflow.main.bench_policy_loss:main"
 
 
+@domains(seed=SEED, batch=COUNT, seq_len=COUNT, d_model=COUNT, vocab=COUNT, topk=COUNT, temperature=POSITIVE,
+         vocab_tile=COUNT, perturbation=NON_NEGATIVE, warmup=COUNT0, pairs=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0

@@ -47,6 +47,7 @@ import dataclasses
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.lm_pretrain import TrainConfig
 from jaxflow.config import Variants, require_positive
+from jaxflow.config_domains import COUNT, SEED, UNIT, Int, domains
 from jaxflow.data.worked_addition import WorkedAdditionTask
 from jaxflow.mesh import RolesConfig
 from jaxflow.models.architectures import shipped_config
@@ -60,8 +61,11 @@ from jaxflow.train.lm_state import OptimConfig
 DESCRIPTION = ("GRPO + SIS on worked addition: disjoint trainer / rollout sub-meshes, "
                "SparseRL-Sync publishes, held-out pass@1")
 ENTRY = "jaxflow.main.flagship:main"
+#: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
+READS = ("pretrain.model.lora",)
 
 
+@domains(digits=COUNT, heldout_mod=Int(2), sloppy_rate=UNIT)
 @dataclasses.dataclass(frozen=True)
 class WorkedDataConfig:
     """The pretraining corpus: ``digits``-digit addition with the working written out."""
@@ -93,6 +97,7 @@ WARM_START = PretrainConfig(
 )
 
 
+@domains(prompts=COUNT, samples=COUNT, every=COUNT)
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """Held-out pass@1: ``prompts`` fixed held-out prompts x ``samples`` samples each at the
@@ -106,6 +111,7 @@ class EvalConfig:
         require_positive(self, "prompts", "samples", "every")
 
 
+@domains(seed=SEED, seeds=COUNT, devices=COUNT, rollouts=COUNT, checkpoint_every=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0  # RL seed of run 0; run k uses seed + k (and warm start pretrain.seed + k)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, POSITIVE, domains
 from jaxflow.mesh import jit_on
 from jaxflow.models.lora import LoraConfig
 from jaxflow.models.transformer import TransformerConfig
@@ -34,6 +35,9 @@ KL_ESTIMATORS = ("k1", "k3")
 FILTER_METRICS = ("acc", "seq_reward")
 
 
+@domains(prompts_per_rollout=COUNT, group_size=COUNT, temperature=POSITIVE, max_new_tokens=COUNT, lag=COUNT,
+         staleness=COUNT0, kl_coef=NON_NEGATIVE, entropy_coef=NON_NEGATIVE, sis_topk=COUNT,
+         max_num_gen_batches=COUNT, gen_batch_size=COUNT)
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
     """One RL run's algorithm and off-policy knobs.
