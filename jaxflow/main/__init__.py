@@ -11,6 +11,6 @@ __all__ = [
     "bench_rollout",
     "bench_sparsegpt", "bench_sync_codec", "calibration_tradeoffs", "decoratelm", "dlrm_train",
     "figa", "flagship", "flexmarl", "flexmarl_scale", "flowtrain", "kernel_footprints",
-    "lm_pretrain", "nestpipe", "nestpipe_scale", "oxygenrec", "sis_exact_gradient", "sis_offpolicy",
+    "lm_pretrain", "nestpipe", "nestpipe_scale", "oxygenrec", "rl", "sis_exact_gradient", "sis_offpolicy",
     "sis_regime", "sparse_sync", "sync_cost_model",
 ]
