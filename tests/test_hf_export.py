@@ -20,11 +20,12 @@ from flax import nnx
 
 from jaxflow import export
 from jaxflow.checkpoint import Checkpointer
+from jaxflow.data.tokenizer import CharTokenizer, Tokenizer, TokenizerError, check_tokenizer
 from jaxflow.errors import UserError
 from jaxflow.models import Transformer, from_pretrained, lora
 from jaxflow.models.hf_checkpoint import write_random_checkpoint
 from jaxflow.models.hf_export import export_hf, read_export_manifest, write_export_manifest
-from jaxflow.models.tokenizer_hf import HFTokenizer, TokenizerError, TransformersTokenizer
+from jaxflow.models.tokenizer_hf import HFTokenizer, TransformersTokenizer
 from jaxflow.train.state import TrainState
 
 torch.set_num_threads(1)  # see tests/test_models_hf_parity.py
@@ -172,6 +173,8 @@ def test_eos_ids_and_transformers_tokenizer_adapter(source):
     assert (theirs.eos_ids, theirs.eos_id, theirs.pad_id, theirs.bos_id) == (
         ours.eos_ids, ours.eos_id, ours.pad_id, None)
     assert theirs.vocab_size == ours.vocab_size == 300
+    for tok in (ours, theirs):  # the trainer's boundary accepts both
+        assert isinstance(tok, Tokenizer) and check_tokenizer(tok) is tok
     for text in ("12+34=46", " 7+ 8 = 15 ", "99+1=100\n"):
         ids = ours.encode(text, eos=True)
         assert theirs.encode(text, eos=True) == ids and ids[-1] == im_end
@@ -182,9 +185,7 @@ def test_eos_ids_and_transformers_tokenizer_adapter(source):
     np.testing.assert_array_equal(theirs.pad_batch([[1, 2], [3]])[0], [[1, 2], [3, endoftext]])
     # without a generation config only the tokenizer's own EOS stops
     assert TransformersTokenizer(fast).eos_ids == (im_end,)
-    with pytest.raises(TokenizerError, match="tokenizer CharTokenizer lacks eos_ids|lacks eos_token_id"):
-        from jaxflow.data.tokenizer import CharTokenizer
-
+    with pytest.raises(TokenizerError, match="tokenizer CharTokenizer lacks eos_token_id, __len__; valid: a transformers"):
         TransformersTokenizer(CharTokenizer())
     no_eos = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"))
     with pytest.raises(TokenizerError, match="has no EOS token .*; valid: a tokenizer with an eos_token"):

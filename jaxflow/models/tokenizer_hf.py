@@ -18,8 +18,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from jaxflow.data.tokenizer import pad_token_lists
-from jaxflow.errors import UserError, one_line
+from jaxflow.data.tokenizer import TokenizerError, pad_token_lists
+from jaxflow.errors import one_line
 from jaxflow.models.architectures import CheckpointError, json_type, read_json_object
 
 _SPECIALS = ("bos", "eos", "pad")
@@ -228,11 +228,6 @@ def write_generation_eos(path: str, eos_ids: Sequence[int]) -> str:
     with open(file, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
     return file
-
-
-class TokenizerError(UserError, TypeError):
-    """A tokenizer jaxflow cannot use (not a tokenizer, or no EOS token); the message names what
-    is missing and what is valid."""
 
 
 def _generation_eos(generation_config: Any) -> list[int]:
