@@ -42,6 +42,7 @@ Core modules:
   jaxflow.provenance    where a measured number came from (commit, command, machine)
   jaxflow.cache         build-once cache entries
   jaxflow.host_jit      numba for the host loops numpy cannot vectorise
+  jaxflow.job_auth      the job secret and the frame MACs of the job's sockets
 
 The Pallas kernels are the sibling package ``pallas_kernels``. ``__all__`` names the subpackages
 and modules (``from jaxflow import *`` imports them all; ``import jaxflow`` imports none).
@@ -53,7 +54,7 @@ __all__ = [
     "align", "compile_only", "data", "decorate", "embeddings", "flow", "genrec", "main", "marl",
     "models", "nestpipe", "prune", "recsys", "rl", "rollout", "sync", "train",
     "cache", "checkpoint", "config", "config_domains", "config_reads", "contract", "distributed", "errors",
-    "experiment", "export", "host_jit",
+    "experiment", "export", "host_jit", "job_auth",
     "mesh", "metric_writers", "plots", "provenance", "run", "run_dirs", "run_meshes", "signals",
     "stats", "supervise", "timing",
 ]

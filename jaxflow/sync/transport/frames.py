@@ -11,7 +11,6 @@ deadlines.
 
 from __future__ import annotations
 
-import json
 import socket
 import struct
 from typing import Mapping
@@ -170,16 +169,5 @@ class Channel:
         self.close()
 
 
-def json_object(body, what: str) -> dict:
-    """A JSON object from a frame body; FrameError naming ``what`` otherwise."""
-    try:
-        obj = json.loads(bytes(body).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FrameError(f"{what} is not JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise FrameError(f"{what} is a JSON {type(obj).__name__}, not an object")
-    return obj
-
-
 __all__ = ["CHUNK_BYTES", "CONTROL_BYTES", "DENY", "HEADER", "HELLO", "Channel", "FrameError",
-           "deny", "json_object", "parse_header", "recv_exact", "recv_frame", "send_frame"]
+           "deny", "parse_header", "recv_exact", "recv_frame", "send_frame"]
