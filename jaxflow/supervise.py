@@ -10,10 +10,11 @@ and its stderr passes through the parent. Lines of JAX's C++ log (``E1206 12:00:
 what follows them are held back for a few seconds; when the child then dies by SIGABRT they are
 replaced by one line:
 
+- the service saw a process id register twice: the id, exit ``LOST_PEER_EXIT``;
+- the registration deadline passed (this process could not join): the likely causes, exit
+  ``LOST_PEER_EXIT``;
 - the coordinator's address no longer accepts connections: "lost process 0", exit
   ``LOST_PEER_EXIT``;
-- the service saw a process id register twice: the id, exit ``LOST_PEER_EXIT``;
-- the registration deadline passed: who did not join, exit ``LOST_PEER_EXIT``;
 - any other fatal status: its first line, exit ``LOST_PEER_EXIT``.
 
 If the child lives on (or ends otherwise), the held lines are printed as they were. Any other
@@ -82,13 +83,13 @@ def explain_abort(held: str, *, host: str, port: int, process_id: int,
         return (f"{me} process id {dup.group(1)} registered twice with the coordinator at {host}:{port} "
                 f"(two processes started with --process-id={dup.group(1)}, or one restarted into a "
                 "running job); the job is stopped; exiting")
-    if process_id != 0 and not reachable(host, port):
-        return (f"{me} lost process 0 (the coordinator at {host}:{port} no longer answers); exiting")
     if "RegisterTask" in held and "DEADLINE_EXCEEDED" in held:
         waited = f" within --rendezvous-timeout {rendezvous_timeout_s:g} s" if rendezvous_timeout_s else ""
         return (f"{me} not every process joined the job at {host}:{port}{waited} (a process not "
                 "started, started with another --coordinator or --num-processes, or a duplicate "
                 "--process-id); exiting")
+    if process_id != 0 and not reachable(host, port):
+        return (f"{me} lost process 0 (the coordinator at {host}:{port} no longer answers); exiting")
     if (status := _FATAL_STATUS.search(held)) is not None:
         return f"{me} the JAX coordination service stopped the job: {status.group(1).strip()}; exiting"
     return None

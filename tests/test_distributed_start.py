@@ -22,15 +22,15 @@ import os, sys, time
 import numpy as np
 from jaxflow import distributed
 pid, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-timeout = 3.0 if mode == "expire" else 300.0
+timeout = {"expire": 3.0, "duplicate": 15.0}.get(mode, 300.0)
 distributed.initialize(f"127.0.0.1:{port}", 2, pid, peer_timeout_s=30, rendezvous_timeout_s=timeout)
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
-if mode == "coordinator_dies":
-    if pid == 0:
+if mode in ("coordinator_dies", "duplicate"):
+    if pid == 0 and mode == "coordinator_dies":
         os._exit(9)  # without a word, as under SIGKILL
-    while True:
-        time.sleep(0.1)
+    time.sleep(90)
+    sys.exit(3)
 mesh = jax.make_mesh((2,), ("data",))
 if pid == 1:
     time.sleep(60 if mode == "late" else 8)  # a process compiling (or starting) late
@@ -88,9 +88,9 @@ def test_a_process_late_by_60_s_is_waited_for_before_the_first_collective():
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    for out, _ in outs:
-        assert out.split()[:2] == ["sum", "3.0"], out
-    waited = float(outs[0][0].split()[3])
+    sums = [[line.split() for line in out.splitlines() if line.startswith("sum ")] for out, _ in outs]
+    assert [[s[:2] for s in lines] for lines in sums] == [[["sum", "3.0"]]] * 2, outs
+    waited = float(sums[0][0][3])
     assert waited > 50, waited  # process 0 waited at the rendezvous, past gloo's 30 s
 
 
@@ -115,6 +115,24 @@ def test_a_dead_coordinator_is_one_line_without_the_crash_dump():
     assert err1.strip().splitlines() == [
         f"[jaxflow] process 1: lost process 0 (the coordinator at 127.0.0.1:{port} no longer "
         "answers); exiting"], err1[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_a_process_id_registered_twice_stops_the_job_in_one_line_per_process():
+    port = free_port()
+    job = [_script(i, port, "duplicate", supervised=True) for i in range(2)]
+    time.sleep(15)  # the job is running
+    duplicate = _script(1, port, "duplicate", supervised=True)
+    errs = [p.communicate(timeout=120)[1] for p in [*job, duplicate]]
+    line = (f"process id 1 registered twice with the coordinator at 127.0.0.1:{port} (two processes "
+            "started with --process-id=1, or one restarted into a running job); the job is stopped; exiting")
+    for i, p in enumerate(job):
+        assert p.returncode == LOST_PEER_EXIT, errs[i][-3000:]
+        assert errs[i].strip().splitlines() == [f"[jaxflow] process {i}: {line}"], errs[i][-3000:]
+    assert duplicate.returncode == LOST_PEER_EXIT, errs[2][-3000:]
+    assert errs[2].strip().splitlines()[-1].startswith(  # it could not join: waited, then one line
+        f"[jaxflow] process 1: not every process joined the job at 127.0.0.1:{port} "), errs[2][-3000:]
+    assert "Check failure stack trace" not in errs[2]
 
 
 def _cli(args, pid, port, out, extra=()):

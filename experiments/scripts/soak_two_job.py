@@ -95,6 +95,11 @@ class Pair:
         self.rollout = self._start(self.rollout_args, self.root / f"{self.name}_rollout{self.incarnation}",
                                    f"rollout{self.incarnation}")
 
+    def listening(self) -> bool:
+        """The current rollout job has said it listens (its ``rollout process 0: control`` line)."""
+        log = self.root / f"{self.name}_rollout{self.incarnation}.log"
+        return log.exists() and "rollout process 0: control" in log.read_text(errors="replace")
+
     def rows(self) -> list[dict]:
         return _rows(self.trainer_dir / "metrics.jsonl")
 
@@ -118,13 +123,18 @@ def _figures(rows: list[dict]) -> list[dict]:
 
 
 def soak(pair: Pair, *, rollouts: int, kill_after_s: float, bound_s: float, log) -> list[dict]:
-    """The kill loop; returns the kills: ``{"t": s, "rows": n, "incarnation": i}``. A job is not
+    """The kill loop; returns the kills: ``{"t": s, "rows": n, "incarnation": i,
+    "first_served_row": r}`` (rows: what the trainer had written at the kill). A job is not
     killed once the trainer has all ``rollouts`` rows (it is then finishing the run)."""
     start, kills = time.monotonic(), []
-    rows_at_start = 0  # rows the trainer had written when the current rollout job started
+    # Rows the trainer had written when the current rollout job said it listens: a row written
+    # before that is a rollout the killed job had already delivered, not the new job's first.
+    rows_at_start: int | None = 0
     while pair.trainer.poll() is None and time.monotonic() - start < bound_s:
         n = len(pair.rows())
-        if n > rows_at_start:  # the current rollout job has served its first rollout
+        if rows_at_start is None and pair.listening():
+            rows_at_start = n
+        if rows_at_start is not None and n > rows_at_start:  # the current job served its first rollout
             served_at = time.monotonic()
             log(f"  rollout job {pair.incarnation} served its first rollout (trainer rows: {n}); "
                 f"killing it in {kill_after_s:g} s")
@@ -134,17 +144,17 @@ def soak(pair: Pair, *, rollouts: int, kill_after_s: float, bound_s: float, log)
             if (pair.trainer.poll() is not None or time.monotonic() - start >= bound_s
                     or len(pair.rows()) >= rollouts):
                 break
-            rows_at_start = len(pair.rows())
-            kills.append({"t": round(time.monotonic() - start, 1), "rows": rows_at_start,
-                          "incarnation": pair.incarnation})
+            kills.append({"t": round(time.monotonic() - start, 1), "rows": len(pair.rows()),
+                          "incarnation": pair.incarnation, "first_served_row": n})
             log(f"  t={kills[-1]['t']} s: SIGKILL rollout job {pair.incarnation} "
-                f"(trainer rows: {rows_at_start}); restarting it")
+                f"(trainer rows: {kills[-1]['rows']}); restarting it")
             pair.restart_rollout()
+            rows_at_start = None
         elif pair.rollout.poll() is not None and pair.trainer.poll() is None:
             log(f"  rollout job {pair.incarnation} exited by itself ({pair.rollout.returncode}); "
                 "restarting it")
-            rows_at_start = len(pair.rows())
             pair.restart_rollout()
+            rows_at_start = None
         time.sleep(0.5)
     return kills
 
