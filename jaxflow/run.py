@@ -5,7 +5,8 @@
                                the flags, then the experiment's config keys (``--set`` names)
                                with their types and the variant's values
   --dry-run                    resolve the config (overrides applied) and its meshes on the
-                               devices present, print them as one JSON line, run nothing
+                               devices present (and the config of each checkpoint a set
+                               ``hf_path`` names), print them as one JSON line, run nothing
   --exp NAME --variant V       run configs/NAME.py's get_config(V)
   --set a.b=value              override a config field (repeatable), parsed as its type
   --out DIR|URI [--resume]     run directory, a path or a URI (file:///abs/dir, gs://bucket/dir;
