@@ -12,6 +12,7 @@ from jaxflow import run as runner
 from jaxflow.config import ConfigError
 from jaxflow.job_auth import AuthError, FrameMac
 from jaxflow.rl.remote.protocol import RemoteConfig
+from jaxflow.rl.remote.server import RolloutService
 from jaxflow.sync import Replica, to_bf16
 from jaxflow.sync.transport import ReplicaServer, tcp
 
@@ -83,6 +84,17 @@ def test_no_secret_on_a_non_loopback_address_is_refused(clean_env, host):
         ReplicaServer(Replica(to_bf16({"w": [1.0]})), host=host)
     with pytest.raises(AuthError, match="is not loopback"):
         tcp.TcpLink(host or "0.0.0.0", 7100)
+    with pytest.raises(AuthError, match="is not loopback"):
+        RolloutService(None, host=host)  # refused before the worker is looked at
+
+
+def test_replica_server_process_without_a_secret_exits_2(clean_env, capsys):
+    with pytest.raises(SystemExit) as info:  # refused before the template is read
+        tcp.main(["--template=absent.pkl", f"--port-file={clean_env / 'port'}", "--host=0.0.0.0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "address '0.0.0.0' is not loopback" in err
+    assert not (clean_env / "port").exists()
 
 
 @pytest.mark.parametrize("content, problem", [(b"short\n", "has 5 bytes; valid: at least 16"),
