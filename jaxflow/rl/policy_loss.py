@@ -40,25 +40,27 @@ TIS / MIS weights multiply every unmasked token's loss (a token MIS zeroes stays
 aggregation's denominator); RS (verl's token rejection sampling) removes tokens with rho
 outside ``[rs_threshold_lower, rs_threshold]`` from the mask itself, so they leave the
 denominator (and every metric), before anything else -- SIS, GSPO's sequence ratio, the
-aggregation -- sees the mask.
+aggregation -- sees the mask. The menu corrections (IcePop, seq-mask-TIS, Geo-RS, AReaL's
+two-stage Geo-RS + token MIS, M2PO, prime-rl's masks: :mod:`jaxflow.rl.correction_menu`) act
+the same way: their mask first, their detached weights on the token losses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxflow.config_domains import ABOVE_ONE, CAP_OR_OFF, NON_NEGATIVE, POSITIVE, WIDTH_OR_OFF, domains
 from jaxflow.rl import advantages as advantages_lib
-from jaxflow.rl import corrections, sis
+from jaxflow.rl import correction_menu, corrections, sis
+from jaxflow.rl.loss_checks import validate_loss_inputs
 from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.metrics import loss_metrics, masked_percentile  # noqa: F401  (API: re-export)
 
 ALGOS = ("grpo", "dapo", "gspo", "cispo", "sa_gcpo")
-CORRECTIONS = ("none", "sis", "tis", "mis", "rs", "tis+rs", "sis+tis", "sis+mis", "sis+rs")
+CORRECTIONS = ("none", "sis", "tis", "mis", "rs", "tis+rs", "sis+tis", "sis+mis", "sis+rs") + correction_menu.MENU
 # Algorithms with a dual clip (``dual_clip_c``); the others have none.
 DUAL_CLIP_ALGOS = ("grpo", "dapo")
 DEFAULT_DUAL_CLIP_C = 3.0  # verl's clip_ratio_c default
@@ -90,7 +92,8 @@ class PolicyLossConfig:
       algo: one of ``ALGOS`` ("grpo", "dapo", "gspo", "cispo", "sa_gcpo"). Default "grpo".
       correction: one of ``CORRECTIONS``. Default "none". "sis" needs ``key`` and both top-K
         arrays; "tis" / "mis" / "rs" need ``behaviour_logp``. "tis+rs" is verl's token TIS
-        weights on top of its token rejection mask.
+        weights on top of its token rejection mask. The menu of :mod:`jaxflow.rl.correction_menu`
+        ("icepop", "seq-mask-tis", "geo-rs", ...) needs ``behaviour_logp``; its bounds are ``menu``.
       agg: one of ``AGGS``, or None (the default) for the algorithm's default: "token-mean"
         (mean over all unmasked tokens), except "seq-mean-token-mean" for gspo and sa_gcpo.
         None stays None, so ``dataclasses.replace(cfg, algo=...)`` picks the new algorithm's
@@ -119,6 +122,7 @@ class PolicyLossConfig:
         same tokens by default.
       gate_tau_pos, gate_tau_neg: sa_gcpo's soft-gate temperatures for positive / negative
         advantages. Defaults 2.0 and 5.0 (OxygenREC, after SAPO).
+      menu: the bounds of the menu corrections (:class:`jaxflow.rl.correction_menu.CorrectionMenuConfig`).
     """
 
     algo: str = "grpo"
@@ -136,6 +140,7 @@ class PolicyLossConfig:
     rs_threshold_lower: float | None = None
     gate_tau_pos: float = 2.0
     gate_tau_neg: float = 5.0
+    menu: correction_menu.CorrectionMenuConfig = correction_menu.CorrectionMenuConfig()
 
     def __post_init__(self):
         for field, choices in (("algo", ALGOS), ("correction", CORRECTIONS), ("agg", AGGS)):
@@ -199,93 +204,18 @@ class PolicyLossConfig:
     @property
     def behaviour_correction(self) -> str | None:
         """The behaviour-policy weights: "tis", "mis" or None (RS alone weighs nothing)."""
-        parts = self.correction.split("+")
+        parts = () if self.correction in correction_menu.MENU else self.correction.split("+")
         return next((p for p in parts if p in ("tis", "mis")), None)
 
     @property
     def uses_rs(self) -> bool:
         """Whether RS removes tokens from the mask (needs ``behaviour_logp``)."""
-        return "rs" in self.correction.split("+")
+        return "rs" in self.correction.split("+") and self.correction not in correction_menu.MENU
 
     @property
     def needs_behaviour_logp(self) -> bool:
         """Whether the loss needs the sampler's (behaviour policy's) log-probs."""
-        return self.behaviour_correction is not None or self.uses_rs
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_like(name: str, x: Any, ref: jax.Array, ndim_extra: int = 0) -> None:
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-    if ndim_extra == 0 and x.shape != ref.shape:
-        raise ValueError(f"{name} shape {x.shape} does not match logp shape {ref.shape} [B, T]")
-    if ndim_extra == 1 and (x.ndim != 3 or x.shape[:2] != ref.shape or x.shape[2] < 1):
-        raise ValueError(f"{name} shape {x.shape} must be [B, T, K] = [{ref.shape[0]}, "
-                         f"{ref.shape[1]}, K>=1] to match logp shape {ref.shape}")
-    if x.dtype != ref.dtype:
-        raise ValueError(f"{name} dtype {x.dtype} does not match logp dtype {ref.dtype}")
-
-
-def _check_rows(name: str, x: Any, logp: jax.Array) -> None:
-    if not hasattr(x, "shape") or x.shape != logp.shape[:1]:
-        raise ValueError(f"{name} shape {getattr(x, 'shape', None)} must be [B] = "
-                         f"{logp.shape[:1]} (one per row of logp shape {logp.shape})")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
-
-
-def _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_topk_logp,
-              behaviour_logp, uniforms=None, rewards=None, target_reward=None) -> None:
-    if not isinstance(config, PolicyLossConfig):
-        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
-    if not hasattr(logp, "ndim") or logp.ndim != 2:
-        raise ValueError(f"logp must be a [B, T] array, got shape {getattr(logp, 'shape', None)}")
-    if not jnp.issubdtype(logp.dtype, jnp.floating):
-        raise ValueError(f"logp must be floating point, got dtype {logp.dtype}")
-    _check_like("old_logp", old_logp, logp)
-    if not hasattr(mask, "shape") or mask.shape != logp.shape:
-        raise ValueError(f"mask shape {getattr(mask, 'shape', None)} does not match logp shape "
-                         f"{logp.shape} [B, T]")
-    as_bool_mask(mask)  # dtype check: bool or numeric
-    if not hasattr(advantages, "shape") or advantages.shape not in (logp.shape[:1], logp.shape):
-        raise ValueError(f"advantages shape {getattr(advantages, 'shape', None)} must be [B] = "
-                         f"{logp.shape[:1]} or [B, T] = {logp.shape}")
-    if not jnp.issubdtype(advantages.dtype, jnp.floating):
-        raise ValueError(f"advantages must be floating point, got dtype {advantages.dtype}")
-    if rewards is not None or target_reward is not None:
-        if config.algo != "sa_gcpo":
-            raise ValueError(f"rewards / target_reward apply to algo 'sa_gcpo', not "
-                             f"{config.algo!r}")
-        if rewards is None or target_reward is None:
-            missing = "rewards" if rewards is None else "target_reward"
-            raise ValueError(f"sa_gcpo's target gate needs both rewards= and target_reward= "
-                             f"[B]; {missing} is None")
-        _check_rows("rewards", rewards, logp)
-        _check_rows("target_reward", target_reward, logp)
-    if config.uses_sis:
-        if key is None and uniforms is None:
-            raise ValueError(f"correction {config.correction!r} needs key= (a PRNG key for the "
-                             "SIS uniforms); got None")
-        if uniforms is not None and getattr(uniforms, "shape", None) != logp.shape:
-            raise ValueError(f"uniforms shape {getattr(uniforms, 'shape', None)} does not match "
-                             f"logp shape {logp.shape} [B, T]")
-        for name, arr in (("old_topk_logp", old_topk_logp), ("new_topk_logp", new_topk_logp)):
-            if arr is None:
-                raise ValueError(f"correction {config.correction!r} needs {name}= [B, T, K] "
-                                 "(log-probs at pi_old's top-K tokens); got None")
-            _check_like(name, arr, logp, ndim_extra=1)
-        if old_topk_logp.shape != new_topk_logp.shape:
-            raise ValueError(f"old_topk_logp shape {old_topk_logp.shape} does not match "
-                             f"new_topk_logp shape {new_topk_logp.shape}")
-    if config.needs_behaviour_logp:
-        if behaviour_logp is None:
-            raise ValueError(f"correction {config.correction!r} needs behaviour_logp= [B, T] "
-                             "(the sampler's log-probs); got None")
-        _check_like("behaviour_logp", behaviour_logp, logp)
-    elif behaviour_logp is not None:
-        _check_like("behaviour_logp", behaviour_logp, logp)
+        return self.behaviour_correction is not None or self.uses_rs or self.correction in correction_menu.MENU
 
 
 # ----------------------------------------------------------------------------- base losses
@@ -430,8 +360,10 @@ def policy_loss(
       ValueError: bad shapes / dtypes, an unknown name in the config, or an input the chosen
         correction needs is missing.
     """
-    _validate(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_topk_logp,
-              behaviour_logp, uniforms, rewards, target_reward)
+    if not isinstance(config, PolicyLossConfig):
+        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    validate_loss_inputs(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_topk_logp,
+                         behaviour_logp, uniforms, rewards, target_reward)
     dtype = jnp.promote_types(logp.dtype, jnp.float32)
     given = as_bool_mask(mask)
 
@@ -443,6 +375,11 @@ def policy_loss(
         low, high = config.rs_bounds
         keep = jnp.logical_and(given, corrections.rs_keep_mask(
             clean(old_logp, given), clean(behaviour_logp, given), low, high))
+    menu = None
+    if config.correction in correction_menu.MENU:  # a menu correction: its mask, then its weights
+        menu = correction_menu.menu_correction(config.correction, config.menu, clean(old_logp, given),
+                                               clean(behaviour_logp, given), given, tis_cap=config.tis_cap)
+        keep = menu.keep
     logp_c = clean(logp, keep)
     old_c = jax.lax.stop_gradient(clean(old_logp, keep))
     if target_reward is not None:
@@ -488,6 +425,9 @@ def policy_loss(
         else:
             weights = corrections.mis_weights(old_c, behaviour_c, config.mis_low,
                                               config.mis_high)
+        token_loss = token_loss * weights
+    if menu is not None:
+        weights = menu.weights.astype(dtype)
         token_loss = token_loss * weights
 
     token_loss = jnp.where(keep, token_loss, jnp.zeros((), dtype))
