@@ -193,6 +193,7 @@ def grpo_iteration(config, run: RunContext) -> dict[str, Any]:
         for _ in range(1 + config.warmup):
             states[name], _ = arms[name].step(states[name])
     times: dict[str, dict[str, list[float]]] = {a: {"cpu": [], "wall": [], "update": []} for a in arms}
+    # rows after the loss arm's: steps pairs + 1 .. 2 * pairs
     for i in range(config.pairs):
         for name in ("before", "after"):  # A B A B ...
             cpu, wall = time.process_time(), time.perf_counter()
@@ -200,7 +201,7 @@ def grpo_iteration(config, run: RunContext) -> dict[str, Any]:
             times[name]["cpu"].append(time.process_time() - cpu)
             times[name]["wall"].append(time.perf_counter() - wall)
             times[name]["update"].append(row["timing_s/update"])
-        run.log(i + 1, {"grpo_before_cpu_s": times["before"]["cpu"][-1],
+        run.log(config.pairs + i + 1, {"grpo_before_cpu_s": times["before"]["cpu"][-1],
                         "grpo_after_cpu_s": times["after"]["cpu"][-1]})
     out: dict[str, Any] = {"pairs": config.pairs, "shapes": GRPO_SHAPES, "model": "tiny",
                            "load_1min": os.getloadavg()[0]}
