@@ -16,6 +16,7 @@ Modules (one idea each):
   rollout       G responses per prompt on the rollout sub-mesh; train/inference mismatch knobs
   publish       publish_weights: trainer -> rollout sub-mesh
   grpo          the GRPO trainer: policy lag N, async staleness k, KL to a reference, entropy
+  step_metrics  the trainer's rows named as verl's (actor/*, perf/*, timing_s/*, response_length/*)
   warm_start    an lm_pretrain checkpoint (trained on the fly, cached) as the RL starting point
 
 The experiments that use them (``sis_offpolicy``, ``sis_exact_gradient``,
