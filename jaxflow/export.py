@@ -15,6 +15,8 @@ with nothing written.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 from typing import Any, Sequence
@@ -37,6 +39,24 @@ def checkpoint_steps(checkpoint_dir: str) -> list[int]:
                   and os.path.exists(os.path.join(checkpoint_dir, n, "_CHECKPOINT_METADATA")))
 
 
+class _NoItemMetadataNotice(logging.Filter):
+    """Drops orbax's notice that an item directory has no step-level metadata file (reading one
+    item of a step alone is what the CLI means to do)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Metadata file does not exist" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_item_metadata():
+    logger, notice = logging.getLogger("absl"), _NoItemMetadataNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
+
 def restore_params(step_dir: str, params_path: Sequence[str]) -> Any:
     """The subtree ``params_path`` of the state saved in orbax step directory ``step_dir``
     (``jaxflow.checkpoint.Checkpointer``'s layout: ``step_dir/state``), read alone (the
@@ -45,12 +65,17 @@ def restore_params(step_dir: str, params_path: Sequence[str]) -> Any:
     Raises:
       ExportError: the state has no such subtree, or its files cannot be read.
     """
+    item_dir = os.path.join(step_dir, "state")
+    with _quiet_item_metadata():
+        return _restore(item_dir, step_dir, params_path)
+
+
+def _restore(item_dir: str, step_dir: str, params_path: Sequence[str]) -> Any:
     import jax
     import orbax.checkpoint as ocp
 
     from jaxflow.models.hf_export import ExportError
 
-    item_dir = os.path.join(step_dir, "state")
     try:
         tree = ocp.StandardCheckpointer().metadata(item_dir)
         tree = getattr(getattr(tree, "item_metadata", tree), "tree", tree)

@@ -82,6 +82,9 @@ def export_hf(params: Any, model_cfg: TransformerConfig, out_dir: str, *,
               provenance: dict | None = None) -> list[str]:
     """Writes a policy as a Hugging Face checkpoint directory ``out_dir`` (module doc).
 
+    Nothing is written when it raises. On several processes every process calls it (the params
+    are gathered); process 0 writes.
+
     Args:
       params: the policy's params pure dict (trainer layout, any mesh), with or without
         ``*_lora_a / *_lora_b`` adapters.
@@ -100,8 +103,6 @@ def export_hf(params: Any, model_cfg: TransformerConfig, out_dir: str, *,
     Raises:
       ExportError: ``out_dir`` holds other files, ``source_dir`` is not a directory.
       AdapterError: adapters without a LoRA config or not matching it.
-      Nothing is written when it raises. On several processes every process calls it (the
-      params are gathered); process 0 writes.
     """
     out_dir = os.path.abspath(os.fspath(out_dir))
     check_out_dir(out_dir)
