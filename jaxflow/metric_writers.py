@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from typing import Any, Mapping, Protocol, Sequence
 
 from etils import epath
 
-from jaxflow.errors import MissingExtraError
+from jaxflow.errors import FileFormatError, MissingExtraError
 
 Row = Mapping[str, Any]
 
@@ -82,10 +83,30 @@ class JsonlWriter:
         self._file.flush()
 
     def rewind(self, step: int) -> None:
+        """Drops the rows after ``step``. A torn last line (a write cut short by a crash or a
+        full disk) is cut back to the last whole row with a warning on stderr; a damaged line
+        before the last is a ``FileFormatError`` naming it (nothing is rewritten then)."""
         if not self.path.exists():
             return
-        keep = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", -1) <= step]
+        lines = [(n, line) for n, line in enumerate(
+            self.path.read_bytes().decode("utf-8", "replace").split("\n"), 1) if line.strip()]
+        keep = []
+        for i, (number, line) in enumerate(lines):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                row, reason = None, f"{e.msg}, column {e.colno}"
+            else:
+                reason = "not a JSON object"
+            if not isinstance(row, dict):
+                if i < len(lines) - 1:
+                    raise FileFormatError(f"{self.path} line {number} is {reason}, not a metrics row; "
+                                          "valid: one JSON object per line (fix or remove that line)")
+                print(f"[jaxflow] warning: {self.path} line {number} is torn ({reason}; a write cut "
+                      f"short); cut back to the last whole row", file=sys.stderr, flush=True)
+                continue
+            if row.get("step", -1) <= step:
+                keep.append(line)
         self.path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
 
     def flush(self) -> None:

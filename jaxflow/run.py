@@ -11,7 +11,9 @@
   --set a.b=value              override a config field (repeatable), parsed as its type
   --out DIR|URI [--resume]     run directory, a path or a URI (file:///abs/dir, gs://bucket/dir;
                                default runs/NAME/<timestamp>); --resume continues the stopped run
-                               in DIR from its latest checkpoint
+                               in DIR from its latest checkpoint, with the config it was run with
+  --break-lock                 take over DIR's lock left by a run on another host (one run
+                               writes a run directory at a time: ``jaxflow.run_lock``)
   --devices N                  N fake CPU devices (per process) on a CPU-only machine; on a
                                GPU / TPU the meshes span the accelerators present (a config's
                                ``devices=N`` field takes the first N)
@@ -58,7 +60,7 @@ if __name__ == "__main__":  # before the heavy imports below
 
 from etils import epath  # noqa: E402
 
-from jaxflow import contract  # noqa: E402
+from jaxflow import contract, run_dirs, run_lock  # noqa: E402
 from jaxflow.config import experiments, get_experiment  # noqa: E402
 from jaxflow.errors import UserError, one_line  # noqa: E402
 from jaxflow.experiment import is_local, run_path  # noqa: E402
@@ -86,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config field (repeatable); --exp NAME --help lists the keys")
     p.add_argument("--out", help="run directory or URI (default runs/NAME/<timestamp>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--break-lock", action="store_true",
+                   help="take over --out's lock left by a run on another host (jaxflow.run_lock)")
     p.add_argument("--devices", type=int, help="number of fake CPU devices per process")
     p.add_argument("--coordinator", help="HOST:PORT of the jax.distributed coordinator")
     p.add_argument("--num-processes", type=int)
@@ -315,6 +319,8 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> _Plan:
     except ImportError as e:
         raise UsageError(f"--out {args.out!r} needs a filesystem package: {e} (for gs://: "
                          "pip install gcsfs)") from None
+    if out is not None and not (args.dry_run or args.compile_only or args.process_id or args.distributed_auto):
+        run_lock.check_free(out, break_lock=args.break_lock)  # a live run holding it: before JAX starts
     name, variant, overrides = resolve_run(args, out)
     if args.wandb:
         from jaxflow.metric_writers import import_wandb
@@ -322,6 +328,8 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> _Plan:
         import_wandb()  # missing: exit 2 before anything is written
     spec = get_experiment(name)
     config = spec.configure(variant, overrides)  # a key this experiment does not read: refused
+    if out is not None and args.resume:
+        run_dirs.check_resumed_config(out, config)  # before anything is restored
     if out is not None and not args.resume:
         check_fresh_out(out)
     return _Plan(args, argv, name, variant, overrides, spec, config, out)
@@ -387,7 +395,8 @@ def _execute(plan: _Plan, started: bool) -> int:
     primary = jax.process_index() == 0
     # With several processes JAX's preemption service owns SIGTERM (orbax reads it per step).
     restore_signals = signals.install(multi_process=jax.process_count() > 1)
-    run, finished = None, False
+    run, finished, lock = None, False, run_lock.RunLock.unlocked()
+    held = run_dirs.HeldSaveErrors()  # orbax's save tracebacks: shown unless explained in one line
     try:
         fault = Fault(args.kill_after_checkpoint) if args.kill_after_checkpoint is not None else None
         run = RunContext(name=plan.name, variant=plan.variant, out_dir=out_dir, is_primary=primary,
@@ -396,6 +405,7 @@ def _execute(plan: _Plan, started: bool) -> int:
         saved_config = {"experiment": plan.name, "variant": plan.variant, "overrides": plan.overrides,
                         "devices": args.devices, "tensorboard": args.tensorboard, "config": plan.config}
         existed = set(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else None
+        lock = run_lock.lock_run_dir(out_dir, break_lock=args.break_lock, info=run.info) if primary else lock
         if args.resume:
             run.write_json_later("config.json", saved_config)  # at the first new metrics row
         else:
@@ -429,10 +439,17 @@ def _execute(plan: _Plan, started: bool) -> int:
                                has_checkpoint=out_dir.is_dir() and has_progress(out_dir))
         print(f"[jaxflow] {stop}: {line}", file=sys.stderr, flush=True)
         return stop.exit_code
+    except Exception as e:
+        if (failure := run_dirs.one_line_failure(e, out_dir, f"{PROG} --resume --out {out_dir}")) is None:
+            raise
+        held.drop()  # the one line says what went wrong
+        raise failure from None
     finally:
+        held.release()
         restore_signals()
         if run is not None:
             run.close()
+        lock.release()
     return 0
 
 
