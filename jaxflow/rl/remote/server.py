@@ -170,8 +170,10 @@ class RolloutService:
                     try:  # before a frame verified: CONTROL_BYTES at most
                         kind, body = channel.recv(
                             MAX_REQUEST_BYTES if conn.authenticated else CONTROL_BYTES)
-                    except job_auth.AuthError:
+                    except job_auth.AuthError as e:
                         deny(conn.sock)
+                        if len(self.errors) < 10:  # a misconfigured trainer shows in the log
+                            self.log(f"rollout job: refused {conn.peer}: {one_line(e)}")
                         raise
                     if not conn.authenticated:
                         conn.authenticated = True
