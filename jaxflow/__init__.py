@@ -24,6 +24,7 @@ Core modules:
   jaxflow.export        a run's policy as a Hugging Face checkpoint (python -m jaxflow.export)
   jaxflow.run_meshes    the devices and meshes a run gets, worked out before anything runs
   jaxflow.run_dirs      run directories: a fresh --out, what --resume reads back
+  jaxflow.run_lock      one writer per run directory (process 0's run.lock)
   jaxflow.config        Python configs (configs/NAME.py) and --set overrides
   jaxflow.config_domains  the declared domain of every numeric config field, checked on build
   jaxflow.config_reads  config keys only some experiments read (READS), refused by the others
@@ -56,6 +57,6 @@ __all__ = [
     "models", "nestpipe", "prune", "recsys", "rl", "rollout", "sync", "train",
     "cache", "checkpoint", "config", "config_domains", "config_reads", "contract", "distributed", "errors",
     "experiment", "export", "host_jit", "job_auth",
-    "mesh", "metric_writers", "plots", "provenance", "run", "run_dirs", "run_meshes", "signals",
+    "mesh", "metric_writers", "plots", "provenance", "run", "run_dirs", "run_lock", "run_meshes", "signals",
     "rendezvous", "stats", "supervise", "timing",
 ]
