@@ -33,6 +33,8 @@ The entries, each with its reference's published defaults (:class:`CorrectionMen
   outside ``[areal_low, areal_high]``, stage 2 drops tokens whose ``rho`` is outside it; kept
   tokens weigh ``rho``; the denominator stays the given mask's count (AReaL's
   ``ppo_actor_loss_fn`` counts it before rejection). ``areal_low = 0`` is AReaL's ``lower=None``.
+  The PR is unmerged; its description asks for token-level weights (as here), while its diff at
+  review kept stage 1's geometric mean as the kept tokens' weight (flagged in review).
 * ``m2po`` (AReaL ``_apply_m2po_masking``, ``areal/trainer/ppo/actor.py``; ``m2_threshold``
   0.04 of ``examples/math/gsm8k_m2po.yaml``): over the whole batch, the tokens with the
   largest second moment ``(log mu - log pi_old)^2`` leave the mask until the mean over the rest
