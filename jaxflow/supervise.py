@@ -15,7 +15,8 @@ replaced by one line:
   ``LOST_PEER_EXIT``;
 - the coordinator's address no longer accepts connections: "lost process 0", exit
   ``LOST_PEER_EXIT``;
-- any other fatal status: its first line, exit ``LOST_PEER_EXIT``.
+- any other fatal status of the coordination service: its first line, exit ``LOST_PEER_EXIT``
+  (an abort from anywhere else keeps its log).
 
 If the child lives on (or ends otherwise), the held lines are printed as they were. Any other
 outcome passes the child's exit status through (a signal ``s`` as ``128 + s``).
@@ -90,7 +91,7 @@ def explain_abort(held: str, *, host: str, port: int, process_id: int,
                 "--process-id); exiting")
     if process_id != 0 and not reachable(host, port):
         return (f"{me} lost process 0 (the coordinator at {host}:{port} no longer answers); exiting")
-    if (status := _FATAL_STATUS.search(held)) is not None:
+    if "distributed service detected fatal errors" in held and (status := _FATAL_STATUS.search(held)):
         return f"{me} the JAX coordination service stopped the job: {status.group(1).strip()}; exiting"
     return None
 
