@@ -15,7 +15,7 @@ from flax import nnx
 from jaxflow.errors import UserError
 from jaxflow.mesh import make_mesh
 from jaxflow.models import Transformer, from_pretrained, load_hf_params, lora, save_pretrained
-from jaxflow.models.hf_checkpoint import write_random_checkpoint
+from jaxflow.models.hf_checkpoint import hf_tensors, write_random_checkpoint
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 320, size=(2, 8)), jnp.int32)
 RANK = 4
@@ -73,6 +73,8 @@ def test_from_pretrained_with_lora_then_save_merges_or_refuses(base_dir, tmp_pat
         save_pretrained(base, out, params=params, lora=lora.LoraConfig(rank=8))
     with pytest.raises(lora.AdapterError, match="do not match LoraConfig\\(rank=4, targets=q,v\\)"):
         save_pretrained(base, out, params=params, lora=lora.LoraConfig(rank=RANK, targets=("q", "v")))
+    with pytest.raises(lora.AdapterError, match="hf_tensors got params with LoRA adapters"):
+        next(hf_tensors(params, base.config))  # the low-level reader never skips them either
     assert not os.path.exists(out)
 
     # ... with the config: merged weights (the trained policy's logits) + a PEFT adapter

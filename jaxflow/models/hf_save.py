@@ -58,8 +58,8 @@ def host_array(x: jax.Array) -> np.ndarray:
 
 def hf_tensors(model_or_params: Any, config: TransformerConfig | None = None):
     """Yields (checkpoint tensor name, host numpy array) for a model or a base-shaped params
-    pure dict (adapter leaves, if any, are not read: merge them first, :func:`write_checkpoint`
-    does)."""
+    pure dict. Adapters are refused (:class:`~jaxflow.models.lora.AdapterError`), never skipped:
+    merge them first (:func:`jaxflow.models.lora.merge`; :func:`write_checkpoint` does)."""
     if isinstance(model_or_params, nnx.Module):
         config = model_or_params.config
         params = nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
@@ -67,6 +67,10 @@ def hf_tensors(model_or_params: Any, config: TransformerConfig | None = None):
         params = model_or_params
     if config is None:
         raise ValueError("hf_tensors(params) needs config= when given a pure dict")
+    if lora_lib.has_adapters(params):
+        raise lora_lib.AdapterError("hf_tensors got params with LoRA adapters (*_lora_a / *_lora_b); "
+                                    "valid: base-shaped params (lora.merge(params, lora_config) first, "
+                                    "or write_checkpoint / save_pretrained, which merge)")
     flat = flat_params(params)
     for p, src in tensor_map(config).items():
         value = host_array(flat[p])
