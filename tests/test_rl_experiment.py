@@ -118,3 +118,40 @@ def test_quick_without_the_rl_extra_is_one_line(capsys, tmp_path, monkeypatch):
                      "--set", f"cache_root={tmp_path / 'cache'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and 'pip install -e ".[rl]"' in err[-1], err
+
+
+def _rows(run_dir) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "rollout" in r]
+
+
+@pytest.mark.multiprocess
+def test_killed_run_resumes_mid_epoch_with_the_rows_of_one_that_never_stopped(tmp_path):
+    import subprocess
+    import sys
+
+    base = tmp_path / "base"
+    _transformers_checkpoint(base)
+    with open(tmp_path / "train.jsonl", "w") as f:  # 6 rows, 2 prompts a rollout: 3 per epoch
+        for a in range(6):
+            f.write(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n")
+    args = ["--exp=rl", "--variant=default", "--set", f"model.hf_path={base}",
+            "--set", f"data.train={tmp_path / 'train.jsonl'}", "--set", "data.eval_size=2",
+            "--set", "reward.fn=exact_match", "--set", "rollouts=4", "--set", "checkpoint_every=2",
+            "--set", "rl.sampler=static", "--set", "rl.prompts_per_rollout=2",
+            "--set", "rl.group_size=2", "--set", "rl.lag=1", "--set", "rl.max_new_tokens=3",
+            "--set", "optim.lr=1e-2", "--set", "eval.prompts=2", "--set", "eval.samples=1",
+            "--set", "eval.every=4", "--set", "export.hf=false"]
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "jaxflow.run", *args, *extra],
+                              capture_output=True, text=True, timeout=600)
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert run("--out", str(whole)).returncode == 0
+    killed = run("--out", str(cut), "--kill-after-checkpoint", "2")
+    assert killed.returncode != 0 and len(_rows(cut)) == 2, killed.stderr[-2000:]
+    resumed = run("--out", str(cut), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    keys = ("rollout", "critic/score/mean", "actor/pg_loss", "response_length/mean")
+    assert [[r[k] for k in keys] for r in _rows(cut)] == [[r[k] for k in keys] for r in _rows(whole)]
