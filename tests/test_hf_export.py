@@ -185,7 +185,7 @@ def test_eos_ids_and_transformers_tokenizer_adapter(source):
     np.testing.assert_array_equal(theirs.pad_batch([[1, 2], [3]])[0], [[1, 2], [3, endoftext]])
     # without a generation config only the tokenizer's own EOS stops
     assert TransformersTokenizer(fast).eos_ids == (im_end,)
-    with pytest.raises(TokenizerError, match="tokenizer CharTokenizer lacks eos_token_id, __len__; valid: a transformers"):
+    with pytest.raises(TokenizerError, match="CharTokenizer lacks eos_token_id, __len__; valid: a transformers"):
         TransformersTokenizer(CharTokenizer())
     no_eos = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"))
     with pytest.raises(TokenizerError, match="has no EOS token .*; valid: a tokenizer with an eos_token"):
