@@ -110,16 +110,23 @@ def nemo_seq_mask_tis(logp, old, behaviour, adv, mask, low=0.999, high=1.002):
     return _nemo_masked_mean(w * loss, mask), w * grad * mask / n
 
 
-def verl_geo_rs(logp, old, behaviour, adv, mask, lower=0.999, upper=1.001, is_threshold=None):
+def verl_geo_rs(logp, old, behaviour, adv, mask, lower=0.999, upper=1.001, is_threshold=None, seq_is=False):
     """verl verl/trainer/ppo/rollout_corr_helper.py ``compute_rollout_rejection_mask`` with
     ``rollout_rs="seq_mean_k1"``, threshold "0.999_1.001" (preset ``decoupled_geo_rs``; with
-    ``is_threshold``, ``decoupled_geo_rs_token_tis``'s token IS weights), then
-    core_algos.py ``compute_policy_loss_vanilla`` token-mean over the modified mask, at VERL."""
+    ``is_threshold``, ``compute_rollout_correction_weights``' token IS weights of
+    ``decoupled_geo_rs_token_tis``, or with ``seq_is`` the sequence ones of
+    ``decoupled_geo_rs_seq_tis``), then core_algos.py ``compute_policy_loss_vanilla`` token-mean
+    over the modified mask, at VERL."""
     log_ratio = np.clip(old - behaviour, -20, 20)
     stat = np.sum(-log_ratio * mask, -1) / (mask.sum(-1) + 1e-8)
     keep = (stat >= math.log(lower)) & (stat <= math.log(upper))
     new_mask = mask * keep[:, None]
-    w = np.ones_like(old) if is_threshold is None else np.minimum(np.exp(log_ratio) * mask, is_threshold)
+    w = np.ones_like(old)
+    if is_threshold is not None and seq_is:
+        seq = np.clip(np.sum((old - behaviour) * mask, -1, keepdims=True), -20, 20)
+        w = np.minimum(np.exp(seq) * mask, is_threshold)
+    elif is_threshold is not None:
+        w = np.minimum(np.exp(log_ratio) * mask, is_threshold)
     loss, grad = _ppo(logp, old, adv)
     n = new_mask.sum()
     return np.sum(w * loss * new_mask) / n, w * grad * new_mask / n
@@ -210,6 +217,14 @@ def test_icepop_equals_nemo_rl():
     _check("icepop", nemo_icepop, **PPO)
 
 
+def test_icepop_is_mis_with_nemo_rl_bounds():
+    logp, old, behaviour, adv, mask = _inputs(2)
+    icepop = _jaxflow("icepop", logp, old, behaviour, adv, mask)
+    mis = _jaxflow("mis", logp, old, behaviour, adv, mask, mis_low=0.5, mis_high=5.0)
+    assert icepop[0] == mis[0]
+    np.testing.assert_array_equal(icepop[1], mis[1])
+
+
 def test_seq_mask_tis_equals_nemo_rl():
     _check("seq-mask-tis", nemo_seq_mask_tis, **PPO)
 
@@ -217,6 +232,14 @@ def test_seq_mask_tis_equals_nemo_rl():
 def test_geo_rs_equals_verl_seq_mean_k1():
     _check("geo-rs", verl_geo_rs, **PPO)
     _check("geo-rs+tis", lambda *a: verl_geo_rs(*a, is_threshold=2.0), **PPO)
+    _check("geo-rs+seq-tis", lambda *a: verl_geo_rs(*a, is_threshold=2.0, seq_is=True), **PPO)
+    # a band as wide as verl's token RS default ("0.5_2.0") and rows 2 / 6 with sequence ratios
+    # ~2.05 / ~1.7: the sequence cap bites on one of them
+    wide = CorrectionMenuConfig(geo_rs_low=0.5, geo_rs_high=2.0)
+    logp, old, behaviour, adv, mask = _inputs()
+    behaviour = behaviour - np.array([0, 0, 0.12, 0, 0, 0, 0.066, 0])[:, None]
+    _check("geo-rs+seq-tis", lambda *a: verl_geo_rs(*a, lower=0.5, upper=2.0, is_threshold=2.0, seq_is=True),
+           (logp, old, behaviour, adv, mask), menu=wide, **PPO)
 
 
 def test_geo_rs_token_mis_equals_areal_two_stage():

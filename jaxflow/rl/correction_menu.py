@@ -17,7 +17,7 @@ The entries, each with its reference's published defaults (:class:`CorrectionMen
 * ``icepop`` (NeMo-RL ``truncated_importance_sampling_type: icepop``,
   ``nemo_rl/algorithms/loss/loss_functions.py``; bounds 0.5-5 of ``docs/guides/prorlv2.md``):
   ``weight = rho`` inside ``[icepop_low, icepop_high]``, else 0; denominator unchanged. The
-  same arithmetic as ``mis`` with NeMo-RL's bounds.
+  same function as ``mis`` (:func:`jaxflow.rl.corrections.mis_weights`) with NeMo-RL's bounds.
 * ``seq-mask-tis`` (NeMo-RL, same file; bounds 0.999-1.002 of
   ``examples/configs/prorlv2_1_moe.v2.yaml``): a row whose geometric-mean ``rho`` (the exp of
   its token mean of ``log rho``) lies outside the bounds gets weight 0; the other rows keep the
@@ -26,7 +26,9 @@ The entries, each with its reference's published defaults (:class:`CorrectionMen
   ``verl/trainer/ppo/rollout_corr_helper.py``; threshold ``"0.999_1.001"``): a row whose mean
   k1 estimate ``mean_t(-log rho)`` lies outside ``[log geo_rs_low, log geo_rs_high]`` leaves the
   mask (and the denominator); kept tokens weigh 1. ``geo-rs+tis``: verl's
-  ``decoupled_geo_rs_token_tis`` -- the same mask with token TIS weights ``min(rho, tis_cap)``.
+  ``decoupled_geo_rs_token_tis`` -- the same mask with token TIS weights ``min(rho, tis_cap)``;
+  ``geo-rs+seq-tis``: ``decoupled_geo_rs_seq_tis`` -- sequence TIS weights
+  ``min(exp(clip(sum_t log rho, +-20)), tis_cap)``, one per row.
 * ``geo-rs+token-mis``: AReaL's two-stage mode (areal-project/AReaL PR #1218, built from the
   merged ``apply_rejection_sampling`` of ``areal/utils/functional/functional.py`` run twice,
   ``metric="ratio"``, ``action="mask"``): stage 1 drops rows whose geometric-mean ``rho`` is
@@ -60,10 +62,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxflow.config_domains import NON_NEGATIVE, POSITIVE, domains
+from jaxflow.rl import corrections
 from jaxflow.rl.sis import LOG_RATIO_CLIP
 
-MENU = ("icepop", "seq-mask-tis", "geo-rs", "geo-rs+tis", "geo-rs+token-mis", "m2po", "m2po+mis",
-        "prime-masks")
+MENU = ("icepop", "seq-mask-tis", "geo-rs", "geo-rs+tis", "geo-rs+seq-tis", "geo-rs+token-mis", "m2po",
+        "m2po+mis", "prime-masks")
 
 
 @domains(icepop_low=NON_NEGATIVE, icepop_high=POSITIVE, seq_mask_tis_low=NON_NEGATIVE,
@@ -171,7 +174,8 @@ def menu_correction(name: str, menu: CorrectionMenuConfig, old_logp: jax.Array, 
       old_logp, behaviour_logp: [B, T] pi_old's and the sampler's log-probs of the sampled tokens
         (masked entries already zeroed by the caller).
       mask: [B, T] bool, the tokens the loss would use without the correction.
-      tis_cap: ``geo-rs+tis``'s token TIS cap (:attr:`jaxflow.rl.PolicyLossConfig.tis_cap`).
+      tis_cap: ``geo-rs+tis``'s token / ``geo-rs+seq-tis``'s sequence TIS cap
+        (:attr:`jaxflow.rl.PolicyLossConfig.tis_cap`).
 
     Returns:
       a :class:`MenuCorrection` (keep, weights, masked), each [B, T].
@@ -184,15 +188,19 @@ def menu_correction(name: str, menu: CorrectionMenuConfig, old_logp: jax.Array, 
     ones = jnp.ones_like(rho)
     keep, weights = mask, ones
     if name == "icepop":
-        weights = jnp.where(_inside(rho, menu.icepop_low, menu.icepop_high), rho, 0.0)
+        weights = corrections.mis_weights(old_logp, behaviour_logp, menu.icepop_low, menu.icepop_high)
     elif name == "seq-mask-tis":
         geo = jnp.exp(_row_mean(log_rho, mask))
         weights = jnp.where(_inside(geo, menu.seq_mask_tis_low, menu.seq_mask_tis_high), rho, 0.0)
-    elif name in ("geo-rs", "geo-rs+tis"):
+    elif name.startswith("geo-rs") and name != "geo-rs+token-mis":
         k1 = _row_mean(-log_rho, mask)
         keep = jnp.logical_and(mask, _inside(k1, math.log(menu.geo_rs_low), math.log(menu.geo_rs_high)))
         if name == "geo-rs+tis":
             weights = jnp.minimum(rho, tis_cap)
+        elif name == "geo-rs+seq-tis":
+            seq_log = jnp.sum(jnp.where(mask, log_rho, 0.0), axis=-1, keepdims=True)
+            weights = jnp.broadcast_to(jnp.minimum(jnp.exp(jnp.clip(seq_log, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)),
+                                                   tis_cap), rho.shape)
     elif name == "geo-rs+token-mis":
         geo = jnp.exp(_row_mean(log_rho, mask))
         passed = jnp.logical_and(_inside(geo, menu.areal_low, menu.areal_high),

@@ -15,12 +15,16 @@ sampler drew:
 * ``mismatch/masked_fraction/<part>``: the share of the mask's tokens the correction removes from
   the loss or weighs 0 -- ``rs`` (verl's token rejection), ``mis`` (zero MIS weight), or the menu
   entry's name (``icepop``, ``geo-rs``, ...); ``mismatch/clipped_fraction/tis``: the share whose
-  TIS weight is truncated at the cap (``geo-rs+tis`` reports its TIS share the same way). Each part
+  TIS weight is truncated at the cap (``geo-rs+tis`` reports its TIS share the same way;
+  ``mismatch/clipped_fraction/seq-tis``: ``geo-rs+seq-tis``'s tokens in rows whose sequence weight is
+  truncated). Each part
   is counted on the given mask, independently of the others. SIS needs pi_theta and is reported by
   the loss itself (``accept_rate``).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -70,9 +74,14 @@ def correction_shares(config: PolicyLossConfig, old_logp: jax.Array, behaviour_l
         menu = correction_menu.menu_correction(config.correction, config.menu, old_c, beh_c, mask,
                                                tis_cap=config.tis_cap)
         out[f"mismatch/masked_fraction/{config.correction}"] = _share(menu.masked, mask)
+        log_rho = correction_menu.behaviour_log_ratio(old_c, beh_c)
         if config.correction == "geo-rs+tis":
-            rho = jnp.exp(correction_menu.behaviour_log_ratio(old_c, beh_c))
-            out["mismatch/clipped_fraction/tis"] = _share(jnp.logical_and(rho > config.tis_cap, menu.keep), mask)
+            out["mismatch/clipped_fraction/tis"] = _share(jnp.logical_and(jnp.exp(log_rho) > config.tis_cap, menu.keep),
+                                                          mask)
+        elif config.correction == "geo-rs+seq-tis":
+            seq = jnp.sum(jnp.where(mask, log_rho, 0.0), axis=-1, keepdims=True)
+            capped = jnp.logical_and(seq > math.log(config.tis_cap), menu.keep)
+            out["mismatch/clipped_fraction/seq-tis"] = _share(capped, mask)
         return out
     if config.uses_rs:
         low, high = config.rs_bounds
