@@ -163,10 +163,16 @@ def test_export_cli_restores_a_steps_policy_params_and_refuses_bad_input(source,
         assert not os.path.exists(bad)
 
 
-def test_eos_ids_and_transformers_tokenizer_adapter(source):
+def test_eos_ids_and_transformers_tokenizer_adapter(source, tmp_path):
     path, (im_end, endoftext) = source
     ours = HFTokenizer.from_pretrained(path)
     assert ours.eos_ids == (im_end, endoftext) and ours.eos_id == im_end and ours.pad_id == endoftext
+    # save_pretrained keeps every stop id (generation_config.json, its other keys kept)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "top_p": 0.9}))
+    ours.save_pretrained(str(tmp_path))
+    assert HFTokenizer.from_pretrained(str(tmp_path)).eos_ids == (im_end, endoftext)
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {
+        "eos_token_id": [im_end, endoftext], "top_p": 0.9}
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"),
                                                 eos_token=IM_END, pad_token=EOS)
     theirs = TransformersTokenizer(fast, generation_config=path)
