@@ -14,7 +14,9 @@ The weights are detached (no gradient) and multiply every token's loss, SIS-acce
 token MIS zeroes still counts in the aggregation's denominator. RS weighs nothing: a token it
 rejects is removed from the response mask (verl's ``modified_response_mask``), so it leaves
 the denominator too. With the same bounds MIS and RS drop the same tokens and differ in the
-denominator and in the kept tokens' weight (rho for MIS, 1 for RS).
+denominator and in the kept tokens' weight (rho for MIS, 1 for RS). MIS with the bounds
+[0.5, 5] is NeMo-RL's IcePop (``correction="icepop"``); the other corrections of the frameworks
+are in :mod:`jaxflow.rl.correction_menu`.
 """
 
 from __future__ import annotations
