@@ -4,6 +4,7 @@ figures are compared with an undisturbed two-job run's.
 
     python experiments/scripts/soak_two_job.py                          # 300 rollouts, <= 20 min
     python experiments/scripts/soak_two_job.py --rollouts 30 --kill-after 10 --bound 600
+    python experiments/scripts/soak_two_job.py --reuse-undisturbed     # the soak again, same reference
 
 What runs (all on 127.0.0.1, one fake CPU device per job, ``JAXFLOW_JOB_SECRET`` set for both
 jobs): ``python -m jaxflow.run --exp=flagship --variant=quick`` with small rollouts (4 prompts x
@@ -37,7 +38,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: metric names that are timings (they differ run to run); as tests/test_flagship_remote.py
-TIMING = ("seconds", "time", "per_s", "deliver", "throughput")
+TIMING = ("seconds", "time", "per_s", "deliver", "throughput", "timing_s/", "perf/")
 SUMMARY_KEYS = ("heldout_pass_at_1_initial", "heldout_pass_at_1_final", "sync_ratio_vs_dense",
                 "sync_bit_exact")
 
@@ -83,6 +84,13 @@ class Pair:
         self.incarnation = 0
         self.rollout = self._start(self.rollout_args, root / f"{name}_rollout0", "rollout0")
 
+    @classmethod
+    def finished(cls, root: pathlib.Path, name: str) -> "Pair":
+        """A pair that ran before (its trainer's rows only)."""
+        pair = cls.__new__(cls)
+        pair.root, pair.name, pair.trainer_dir = root, name, root / f"{name}_trainer"
+        return pair
+
     def _start(self, args: list[str], out: pathlib.Path, log: str) -> subprocess.Popen:
         with open(self.root / f"{self.name}_{log}.log", "w") as f:
             return subprocess.Popen([sys.executable, "-m", "jaxflow.run", *args, f"--out={out}"],
@@ -127,14 +135,18 @@ def soak(pair: Pair, *, rollouts: int, kill_after_s: float, bound_s: float, log)
     "first_served_row": r}`` (rows: what the trainer had written at the kill). A job is not
     killed once the trainer has all ``rollouts`` rows (it is then finishing the run)."""
     start, kills = time.monotonic(), []
-    # Rows the trainer had written when the current rollout job said it listens: a row written
-    # before that is a rollout the killed job had already delivered, not the new job's first.
-    rows_at_start: int | None = 0
+    # The trainer asks for one rollout at a time, so after a kill it writes at most one row of a
+    # rollout the killed job had delivered. The new job has served its first rollout once a row
+    # is written after it listens and after that row: rows > rows_at_kill + 1, or rows >
+    # rows_at_listen when the old row came before the new job listened.
+    rows_at_kill, rows_at_listen = -1, None  # (the first job: any row is its own)
     while pair.trainer.poll() is None and time.monotonic() - start < bound_s:
         n = len(pair.rows())
-        if rows_at_start is None and pair.listening():
-            rows_at_start = n
-        if rows_at_start is not None and n > rows_at_start:  # the current job served its first rollout
+        if rows_at_listen is None and pair.listening():
+            rows_at_listen = n
+        threshold = None if rows_at_listen is None else (
+            rows_at_listen if rows_at_listen > rows_at_kill else rows_at_kill + 1)
+        if threshold is not None and n > threshold:  # the current job served its first rollout
             served_at = time.monotonic()
             log(f"  rollout job {pair.incarnation} served its first rollout (trainer rows: {n}); "
                 f"killing it in {kill_after_s:g} s")
@@ -149,12 +161,12 @@ def soak(pair: Pair, *, rollouts: int, kill_after_s: float, bound_s: float, log)
             log(f"  t={kills[-1]['t']} s: SIGKILL rollout job {pair.incarnation} "
                 f"(trainer rows: {kills[-1]['rows']}); restarting it")
             pair.restart_rollout()
-            rows_at_start = None
+            rows_at_kill, rows_at_listen = len(pair.rows()), None
         elif pair.rollout.poll() is not None and pair.trainer.poll() is None:
             log(f"  rollout job {pair.incarnation} exited by itself ({pair.rollout.returncode}); "
                 "restarting it")
             pair.restart_rollout()
-            rows_at_start = None
+            rows_at_kill, rows_at_listen = len(pair.rows()), None
         time.sleep(0.5)
     return kills
 
@@ -186,10 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bound", type=float, default=1200.0, help="seconds the kill loop may last")
     p.add_argument("--timeout", type=float, default=300.0, help="remote.timeout_s of both jobs")
     p.add_argument("--out", default=str(ROOT / "runs" / "soak_two_job"))
+    p.add_argument("--reuse-undisturbed", action="store_true",
+                   help="keep --out's finished undisturbed pair (and warm start); rerun the soak only")
     args = p.parse_args(argv)
     root = pathlib.Path(args.out).resolve()
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+    reuse = args.reuse_undisturbed and (root / "undisturbed_trainer" / "summary.json").exists()
+    if reuse:
+        for old in root.glob("soaked_*"):
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
                JAXFLOW_JOB_SECRET=os.urandom(16).hex())
@@ -199,9 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t0:7.1f} s] {msg}", flush=True)
 
-    log(f"undisturbed pair ({args.rollouts} rollouts) -> {root}")
-    ref = Pair(root, "undisturbed", small, args.timeout, env)
-    ref_codes = ref.finish(timeout_s=args.bound)
+    if reuse:
+        ref = Pair.finished(root, "undisturbed")
+        ref_codes = (0, 0)
+        log(f"undisturbed pair: reused from {root}")
+    else:
+        log(f"undisturbed pair ({args.rollouts} rollouts) -> {root}")
+        ref = Pair(root, "undisturbed", small, args.timeout, env)
+        ref_codes = ref.finish(timeout_s=args.bound)
     log(f"undisturbed pair: trainer rc={ref_codes[0]}, rollout rc={ref_codes[1]}, rows={len(ref.rows())}")
     log(f"soaked pair: SIGKILL each rollout job {args.kill_after:g} s after its first rollout, "
         f"for at most {args.bound:g} s")
