@@ -18,6 +18,7 @@ from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer, grpo_loss
 from jaxflow.rl.policy_loss import PolicyLossConfig
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
+from jaxflow.rl.rollout import RolloutBatch
 from jaxflow.rl.step_metrics import deterministic_fields
 from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.sync.replica import tree_digest
@@ -127,6 +128,55 @@ def test_two_step_run_learns_a_trivial_task(meshes):
     after = _first_token_prob(trainer, state["policy"].params, eos)
     assert 0 < rewards[0] < 1  # some signal in the first groups
     assert after > 2 * before, (before, after)
+    # lag 1 without SIS or KL: pi_old's log-probs came from the update's own forward
+    assert trainer.config.old_from_update and metrics["actor/max_abs_log_ratio_first"] == 0.0
+    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "actor/lr",
+            "critic/rewards/mean", "critic/score/mean", "response_length/mean",
+            "response_length/max", "response_length/clip_ratio", "version/sampler",
+            "version/trainer", "timing_s/generate", "timing_s/reward", "timing_s/update",
+            "timing_s/sync", "perf/step_s", "perf/tokens_per_s", "perf/mfu"} <= set(metrics)
+    assert not {"policy_loss", "reward_mean", "sampler_version"} & set(metrics)  # verl's names only
+    assert metrics["actor/lr"] == pytest.approx(3e-2) and 0 < metrics["perf/mfu"] < 1
+    assert metrics["perf/step_s"] >= metrics["timing_s/update"] > 0
+
+
+def _rollout(trainer, seed=0):
+    """A synthetic rollout batch of the trainer's shapes (no sampler to compile)."""
+    cfg, rng = trainer.config, np.random.default_rng(seed)
+    b, n, p = cfg.rollout_size, cfg.max_new_tokens, trainer.worker.prompt_width
+    lengths = rng.integers(2, p + 1, b).astype(np.int32)
+    prompts = np.where(np.arange(p) < lengths[:, None], rng.integers(3, 23, (b, p)), 0).astype(np.int32)
+    resp = rng.integers(1, n + 1, b)
+    mask = (np.arange(n) < resp[:, None]).astype(np.float32)
+    tokens = (rng.integers(3, 23, (b, n)) * mask).astype(np.int32)
+    return RolloutBatch(prompts, lengths, tokens, mask, np.zeros((b, n), np.float32),
+                        rng.integers(0, 2, b).astype(np.float32))
+
+
+def test_update_from_its_own_forward_equals_the_separate_pi_old_pass(meshes):
+    # lag 1, no SIS, no KL: pi_old is the current policy, so the old log-probs can be the
+    # stop-gradient of the update's forward; metrics and params equal the separate pass's bit
+    # for bit (the same forward ops on the same params, so old_logp == logp exactly)
+    # the config of test_two_step_run_learns_a_trivial_task: its compiled update is reused
+    fused, separate = (_trainer(meshes, task=StopTask(), prompts_per_rollout=8, group_size=8,
+                                optim=OptimConfig(lr=3e-2, warmup_steps=0), reuse_forward=r)
+                       for r in (True, False))
+    assert fused.config.old_from_update and not separate.config.old_from_update
+    assert not _trainer(meshes, lag=2).config.old_from_update  # later mini-batches need pi_old
+    params = _params(fused)
+    policies = [t.init_state(params)["policy"] for t in (fused, separate)]
+    for it in range(2):  # two iterations: the second from updated params
+        (mb,) = fused.minibatches(_rollout(fused, seed=it))
+        key = jax.random.key(it)
+        policies[0], m_fused = fused._update(policies[0], mb, None, key=key)
+        old = separate._old_stats(policies[1].params, None, mb)
+        policies[1], m_sep = separate._update(policies[1], mb, old, key=key)
+        m_fused, m_sep = jax.device_get((m_fused, m_sep))
+        assert m_fused == m_sep and m_fused["max_abs_log_ratio"] == 0.0
+        assert m_fused["grad_norm"] > 0 and m_fused["policy_loss"] != 0
+    assert tree_digest(policies[0].params) == tree_digest(policies[1].params)
+    with pytest.raises(ValueError, match=r"grpo_loss\(old=None\) needs config.old_from_update"):
+        grpo_loss(params, mb, None, fns=separate.fns, config=separate.config, key=key)
 
 
 def test_resume_from_checkpoint_is_bit_identical(meshes, tmp_path):

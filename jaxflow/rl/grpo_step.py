@@ -306,11 +306,11 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFuncti
 
     ``old=None`` (only where ``config.old_from_update``): pi_old is ``params`` itself, its
     log-probs the stop-gradient of this forward's (no separate pi_old forward)."""
-    hidden, head = response_hidden(fns, params, mb.prompts, mb.prompt_lengths, mb.tokens)
-    loss_cfg = config.loss
     if old is None and not config.old_from_update:
         raise ValueError("grpo_loss(old=None) needs config.old_from_update (lag 1, no SIS, no "
                          "SIS diagnostics, no KL); pass old_stats(...) otherwise")
+    hidden, head = response_hidden(fns, params, mb.prompts, mb.prompt_lengths, mb.tokens)
+    loss_cfg = config.loss
     out = fused_logprobs(hidden, head, mb.tokens,
                          old.topk_indices if old is not None and loss_cfg.uses_sis else None,
                          temperature=config.temperature, backend=config.logprob_backend)
