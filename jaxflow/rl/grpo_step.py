@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, POSITIVE, domains
+from jaxflow.config_domains import COUNT, COUNT0, INT32_MAX, NON_NEGATIVE, POSITIVE, Int, domains
 from jaxflow.mesh import jit_on
 from jaxflow.models.lora import LoraConfig
 from jaxflow.models.transformer import TransformerConfig
@@ -37,7 +37,7 @@ FILTER_METRICS = ("acc", "seq_reward")
 
 @domains(prompts_per_rollout=COUNT, group_size=COUNT, temperature=POSITIVE, max_new_tokens=COUNT, lag=COUNT,
          staleness=COUNT0, kl_coef=NON_NEGATIVE, entropy_coef=NON_NEGATIVE, sis_topk=COUNT,
-         max_num_gen_batches=COUNT, gen_batch_size=COUNT)
+         max_num_gen_batches=Int(-INT32_MAX), gen_batch_size=COUNT)  # <= 0: no limit
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
     """One RL run's algorithm and off-policy knobs.
