@@ -226,3 +226,16 @@ def test_exclusive_replica_takes_payloads_only_from_the_bound_session():
         assert server.replica.version == FRESH
     finally:
         server.stop()
+
+
+def test_a_trainer_with_another_secret_fails_at_once_with_one_line(service):
+    from jaxflow.rl.remote.client import RemoteRollout
+
+    svc, thread, _ = service
+    trainer_side = RemoteRollout([svc.address], spec=None, task=SimpleNamespace(max_prompt_len=4),
+                                 tokenizer=None, config=None, timeout_s=60, secret=b"w" * 32,
+                                 log=lambda m: None)
+    t0 = time.monotonic()
+    with pytest.raises(job_auth.AuthError, match="refused this connection: authentication failed"):
+        trainer_side._retrying("the first sync", trainer_side._connect_links)  # no 60 s retry
+    assert time.monotonic() - t0 < 5 and thread.is_alive()
