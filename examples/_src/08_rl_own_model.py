@@ -76,7 +76,7 @@ config = apply_overrides(rl_config.get_config("default"), [
 run = RunContext(name="rl", variant="default", out_dir=work / "run")
 summary = rl_driver.main(config, run)
 run.close()
-print({k: summary[k] for k in ("heldout_pass_at_1_initial", "heldout_pass_at_1_final", "lora")})
+print({k: summary[k] for k in ("heldout_pass_at_1_initial", "heldout_pass_at_1_final", "task", "reward")})
 
 # %% [markdown]
 # What the run logged per rollout, with verl's names.
