@@ -98,7 +98,7 @@ def test_trainer_and_rollout_jobs_equal_the_one_job_run(single):
         assert p1[key] == p2[key], key
     assert p2["sync_bit_exact"] is True and p2["sync_publishes"] == 3
     served = json.loads((tmp / "pair_rollout" / "summary.json").read_text())
-    assert served["rollouts_served"] == 3 and served["replica_version"] == rows2[-1]["trainer_version"] + 2
+    assert served["rollouts_served"] == 3 and served["replica_version"] == rows2[-1]["version/trainer"] + 2
 
 
 @pytest.mark.multiprocess
