@@ -228,7 +228,9 @@ def _full() -> Config:
     Qwen3-8B-shaped policy (``configs/hf/qwen3-8b.json``) with 1,024-token responses, 64 prompts
     x 16 samples per rollout, lag 8, SIS top-8; trainer 32 chips (data 4 x model 8) and rollout
     32 (data 4 x model 8). ``model.hf_path`` names the real checkpoint to train; compiling needs
-    only its shapes."""
+    only its shapes (without one, Qwen3-8B's). ``--target=gpu-h100x8`` needs other role sizes
+    and meets XLA:GPU's known "Couldn't find output tile sizes" failure, an accelerator issue
+    of its own, not this experiment's."""
     return dataclasses.replace(
         Config(), devices=None, rollouts=200,
         rl=dataclasses.replace(Config().rl, prompts_per_rollout=64, group_size=16,
