@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import datetime
 import errno
+import gc
 import json
 import logging
 import os
+import sys
+import threading
 import time
 
 from etils import epath
@@ -212,29 +215,82 @@ def disk_full_line(error: BaseException, out: epath.Path, resume_command: str) -
 
 
 class HeldSaveErrors(logging.Filter):
-    """Holds back the error records orbax logs from its background save threads (each with a
-    traceback) while a run is in flight: :meth:`release` prints them after all, unless
-    :meth:`drop` was called because the runner reported their cause in one line (a full disk)."""
+    """Holds back what background writers report while a run is in flight: the error records
+    orbax logs from its save threads (``absl``, each with a traceback), ``asyncio``'s "exception
+    was never retrieved" for its abandoned writes, and exceptions that end a thread (TensorBoard's
+    event writer) or that native callbacks report (``sys.excepthook``, ``sys.unraisablehook``).
+    :meth:`release` reports
+    them after all, unless :meth:`drop` was called because the runner reported their cause in
+    one line (a full disk)."""
 
     def __init__(self):
         super().__init__()
         self.held: list[logging.LogRecord] = []
-        self._logger = logging.getLogger("absl")
-        self._logger.addFilter(self)
+        self.hooked: list[tuple] = []
+        self._discard = False
+        self._loggers = [logging.getLogger("absl"), logging.getLogger("asyncio")]
+        for logger in self._loggers:
+            logger.addFilter(self)
+        self._hooks = threading.excepthook, sys.excepthook, sys.unraisablehook
+        threading.excepthook = lambda args: self._hold((self._hooks[0], args))
+        sys.excepthook = lambda *exc: self._hold((self._hooks[1], *exc))
+        sys.unraisablehook = self._unraisable
+
+    def _hold(self, call: tuple) -> None:
+        if not self._discard:
+            self.hooked.append(call)
+
+    def _unraisable(self, args) -> None:
+        # (a tensorstore callback into orbax's closed event loop lands here) kept without the
+        # object being finalized, which must not outlive the hook
+        where = f"Exception ignored in: {args.object!r}" if args.object is not None else None
+        self._hold((self._hooks[2], type(args)((args.exc_type, args.exc_value, args.exc_traceback,
+                                                args.err_msg or where, None))))
+
+    @staticmethod
+    def _from_orbax(record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return False
+        if "orbax" in record.pathname:
+            return True
+        text = record.getMessage()
+        if record.exc_info:
+            text += logging.Formatter().formatException(record.exc_info)
+        return record.name == "asyncio" and "orbax" in text
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and "orbax" in record.pathname:
+        if not self._from_orbax(record):
+            return True
+        if not self._discard:
             self.held.append(record)
-            return False
-        return True
+        return False
 
     def drop(self) -> None:
-        """Forgets the held records."""
+        """Forgets what is held (and discards what comes until :meth:`release`)."""
         self.held.clear()
+        self.hooked.clear()
+        self._discard = True
 
     def release(self) -> None:
-        """Stops holding; logs what is still held."""
-        self._logger.removeFilter(self)
+        """Logs what is held (nothing after :meth:`drop`) and stops holding."""
+        if self._discard:
+            gc.collect()  # the abandoned writes' futures report now, into the filter, not at exit
+        for logger in self._loggers:
+            logger.removeFilter(self)
+        threading.excepthook, sys.excepthook, sys.unraisablehook = self._hooks
         held, self.held = self.held, []
         for record in held:
-            self._logger.handle(record)
+            logging.getLogger(record.name).handle(record)
+        hooked, self.hooked = self.hooked, []
+        for hook, *args in hooked:
+            hook(*args)
+
+
+def one_line_failure(error: Exception, out: epath.Path, resume_command: str) -> UserError | None:
+    """What the runner reports in one line for ``error``, raised while a run was in flight:
+    the error itself when it is a UserError, a UsageError naming the last committed checkpoint
+    for a full disk (:func:`disk_full_line`); None for anything else (a traceback)."""
+    if isinstance(error, UserError):
+        return error
+    full = disk_full_line(error, out, resume_command)
+    return None if full is None else UsageError(full)

@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -196,7 +197,33 @@ def test_disk_full_line_follows_the_cause_chain(tmp_path):
 
 
 def test_held_save_errors_are_dropped_or_shown(caplog):
+    """orbax's save-thread records (and a thread's or a finalizer's exception) wait for the end
+    of the run: dropped when its one line explains them, shown otherwise."""
+    import threading
+
     logger = logging.getLogger("absl")
+    hooks = threading.excepthook, sys.unraisablehook
+    shown = []
+    held = HeldSaveErrors()
+    threading.Thread(target=lambda: 1 / 0).start()  # ends its thread: held, then dropped
+    time.sleep(0.2)
+    held.drop()
+    held.release()
+    assert (threading.excepthook, sys.unraisablehook) == hooks
+    sys.unraisablehook = shown.append
+    try:
+        held = HeldSaveErrors()
+
+        class Finalized:
+            def __del__(self):
+                raise RuntimeError("Event loop is closed")
+
+        Finalized()
+        assert shown == []
+        held.release()
+    finally:
+        sys.unraisablehook = hooks[1]
+    assert [str(s.exc_value) for s in shown] == ["Event loop is closed"]
 
     def orbax_error(msg):
         logger.handle(logger.makeRecord("absl", logging.ERROR, "/site-packages/orbax/checkpoint/x.py",
