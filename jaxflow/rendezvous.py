@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -148,10 +149,11 @@ def rendezvous(name: str, *, timeout_s: float | None = None) -> None:
 def check_same_config(config: Mapping[str, Any], *, timeout_s: float | None = None) -> None:
     """Every process compares its resolved config with every other process's (one process: returns).
 
-    Each process publishes ``config`` (flat ``{"a.b": value}``, JSON-able values) in the
-    coordination service's key-value store and reads the others', waiting up to ``timeout_s``
-    (default: ``--rendezvous-timeout``). Processes that disagree would compile different
-    programs and end in a gloo abort at the first collective.
+    Each process publishes ``config`` (flat ``{"a.b": value}``, JSON-able values) and its
+    SHA-256 in the coordination service's key-value store, reads every other process's hash
+    (waiting up to ``timeout_s``, default ``--rendezvous-timeout``) and, for a hash that
+    differs, that process's config, to name the keys. Processes that disagree would compile
+    different programs and end in a gloo abort at the first collective.
 
     Raises:
       StartError: on every process, naming the differing keys and each process's values.
@@ -161,14 +163,19 @@ def check_same_config(config: Mapping[str, Any], *, timeout_s: float | None = No
     timeout = _TIMEOUT_S if timeout_s is None else float(timeout_s)
     client, me = _client(), jax.process_index()
     mine = {k: json.dumps(v, sort_keys=True, default=str) for k, v in config.items()}
-    client.key_value_set(f"jaxflow/config/{me}", json.dumps(mine, sort_keys=True), allow_overwrite=True)
+    text = json.dumps(mine, sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    client.key_value_set(f"jaxflow/config/{me}", text, allow_overwrite=True)
+    client.key_value_set(f"jaxflow/config_hash/{me}", digest, allow_overwrite=True)
     diffs = []
     for peer in range(jax.process_count()):
         if peer == me:
             continue
         try:
-            theirs = json.loads(client.blocking_key_value_get(f"jaxflow/config/{peer}",
-                                                              max(1, int(timeout * 1000))))
+            if client.blocking_key_value_get(f"jaxflow/config_hash/{peer}",
+                                             max(1, int(timeout * 1000))) == digest:
+                continue
+            theirs = json.loads(client.blocking_key_value_get(f"jaxflow/config/{peer}", 60_000))
         except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED
             raise StartError(f"process {me}: process {peer} did not publish its config within "
                              f"--rendezvous-timeout {timeout:g} s (still starting on a loaded host: "
