@@ -100,7 +100,7 @@ class JsonlWriter:
                 reason = "not a JSON object"
             if not isinstance(row, dict):
                 if i < len(lines) - 1:
-                    raise FileFormatError(f"{self.path} line {number} is {reason}, not a metrics row; "
+                    raise FileFormatError(f"{self.path} line {number} is not a metrics row ({reason}); "
                                           "valid: one JSON object per line (fix or remove that line)")
                 print(f"[jaxflow] warning: {self.path} line {number} is torn ({reason}; a write cut "
                       f"short); cut back to the last whole row", file=sys.stderr, flush=True)

@@ -177,7 +177,7 @@ def test_metrics_rewind_cuts_a_torn_tail_and_names_a_damaged_middle_line(tmp_pat
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n' and not capsys.readouterr().err
     damaged = '{"step": 1}\n[garbage\n{"step": 3}\n'
     path.write_text(damaged)
-    with pytest.raises(FileFormatError, match=r"metrics.jsonl line 2 is .* not a metrics row"):
+    with pytest.raises(FileFormatError, match=r"line 2 is not a metrics row \(Expecting value, column 2\)"):
         JsonlWriter(path).rewind(3)
     assert path.read_text() == damaged
 
