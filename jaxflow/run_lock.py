@@ -103,7 +103,10 @@ def check_free(out_dir: Any, *, break_lock: bool = False) -> None:
     except OSError:
         return  # no lock file (or unreadable: acquire reports it)
     try:
-        holder = _read_holder(fd)
+        try:
+            holder = _read_holder(fd)
+        except OSError:
+            return  # not a file: acquire reports it
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -147,7 +150,11 @@ class RunLock:
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, LOCK_NAME)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise RunLocked(f"--out {out!r}: cannot open its lock file {path} ({e.strerror}); "
+                                "valid: a run directory where run.lock is a writable file") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

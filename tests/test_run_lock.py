@@ -82,6 +82,13 @@ def test_a_holder_on_another_host_needs_break_lock(tmp_path):
     lock.release()
 
 
+def test_a_lock_path_that_is_not_a_file_is_one_line(tmp_path):
+    (tmp_path / LOCK_NAME).mkdir()
+    check_free(tmp_path)  # acquire reports it
+    with pytest.raises(RunLocked, match="cannot open its lock file .*run.lock \\(Is a directory\\)"):
+        RunLock.acquire(tmp_path)
+
+
 def test_a_remote_run_directory_is_not_locked(tmp_path):
     from jaxflow.run_lock import lock_run_dir
 
