@@ -206,6 +206,12 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for bad files
             where = self.directory / str(int(step))
             reason = " ".join(str(e).split())[:160] or type(e).__name__
+            if "not compatible with the stored shape" in reason:  # intact, but not this model's
+                raise CheckpointError(
+                    f"checkpoint {where} holds arrays of other shapes than this run's "
+                    f"({reason.split('. Truncating')[0]}); "
+                    "the config or the code changed since it was written: resume with those, or "
+                    "start a new run in another --out") from None
             raise CheckpointError(
                 f"checkpoint {where} is unreadable ({type(e).__name__}: {reason}); delete that "
                 "directory to resume from an older checkpoint, or start fresh with another --out"

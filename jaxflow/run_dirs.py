@@ -219,9 +219,10 @@ class HeldSaveErrors(logging.Filter):
     orbax logs from its save threads (``absl``, each with a traceback), ``asyncio``'s "exception
     was never retrieved" for its abandoned writes, and exceptions that end a thread (TensorBoard's
     event writer) or that native callbacks report (``sys.excepthook``, ``sys.unraisablehook``).
-    :meth:`release` reports
-    them after all, unless :meth:`drop` was called because the runner reported their cause in
-    one line (a full disk)."""
+    :meth:`release` reports them after all, unless :meth:`drop` was called because the runner
+    reported their cause in one line (a full disk, a checkpoint of other shapes); then the
+    unraisable exceptions of orbax's abandoned coroutines, finalized as late as the process's
+    exit, stay discarded."""
 
     def __init__(self):
         super().__init__()
@@ -278,12 +279,27 @@ class HeldSaveErrors(logging.Filter):
         for logger in self._loggers:
             logger.removeFilter(self)
         threading.excepthook, sys.excepthook, sys.unraisablehook = self._hooks
+        if self._discard:  # orbax's coroutines of the failed save may be finalized only at exit
+            sys.unraisablehook = _without_orbax(self._hooks[2])
         held, self.held = self.held, []
         for record in held:
             logging.getLogger(record.name).handle(record)
         hooked, self.hooked = self.hooked, []
         for hook, *args in hooked:
             hook(*args)
+
+
+def _without_orbax(hook):
+    """``hook`` for every unraisable exception but those raised in orbax's code."""
+    def unraisable(args) -> None:
+        tb, frames = args.exc_traceback, []
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        if not any("orbax" in f for f in frames):
+            hook(args)
+
+    return unraisable
 
 
 def one_line_failure(error: Exception, out: epath.Path, resume_command: str) -> UserError | None:

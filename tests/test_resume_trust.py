@@ -152,6 +152,20 @@ def test_checkpoint_records_its_step_and_a_renamed_one_is_caught(tmp_path):
     assert Checkpointer(tmp_path / "c").latest_step() == 40
 
 
+def test_a_checkpoint_of_other_shapes_is_named_without_advice_to_delete(tmp_path):
+    import jax
+
+    ckpt = Checkpointer(tmp_path / "c", async_save=False)
+    ckpt.save(2, {"x": np.ones(3, np.float32)})
+    ckpt.close()
+    with pytest.raises(CheckpointError) as e:
+        Checkpointer(tmp_path / "c").restore(2, {"x": jax.ShapeDtypeStruct(
+            (4,), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))})
+    assert "holds arrays of other shapes than this run's (Requested shape: (4,) is not compatible " \
+           "with the stored shape: (3,))" in str(e.value), e.value
+    assert "delete" not in str(e.value)
+
+
 def test_the_loop_refuses_a_total_below_the_checkpoint_before_restoring(tmp_path):
     ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
     ckpt.save(5, {"x": np.ones(2, np.float32)})
@@ -201,29 +215,30 @@ def test_held_save_errors_are_dropped_or_shown(caplog):
     of the run: dropped when its one line explains them, shown otherwise."""
     import threading
 
+    class Finalized:
+        def __del__(self):
+            raise RuntimeError("Event loop is closed")
+
     logger = logging.getLogger("absl")
     hooks = threading.excepthook, sys.unraisablehook
     shown = []
-    held = HeldSaveErrors()
-    threading.Thread(target=lambda: 1 / 0).start()  # ends its thread: held, then dropped
-    time.sleep(0.2)
-    held.drop()
-    held.release()
-    assert (threading.excepthook, sys.unraisablehook) == hooks
     sys.unraisablehook = shown.append
     try:
         held = HeldSaveErrors()
-
-        class Finalized:
-            def __del__(self):
-                raise RuntimeError("Event loop is closed")
-
+        threading.Thread(target=lambda: 1 / 0).start()  # ends its thread: held, then dropped
+        time.sleep(0.2)
+        held.drop()
+        held.release()
+        assert threading.excepthook is hooks[0]
+        Finalized()  # not orbax's: shown at once by the hook left in place
+        assert [str(s.exc_value) for s in shown] == ["Event loop is closed"]
+        held = HeldSaveErrors()
         Finalized()
-        assert shown == []
+        assert len(shown) == 1  # held
         held.release()
     finally:
         sys.unraisablehook = hooks[1]
-    assert [str(s.exc_value) for s in shown] == ["Event loop is closed"]
+    assert [str(s.exc_value) for s in shown] == ["Event loop is closed"] * 2
 
     def orbax_error(msg):
         logger.handle(logger.makeRecord("absl", logging.ERROR, "/site-packages/orbax/checkpoint/x.py",
