@@ -54,9 +54,9 @@ def run_seed(config, run: RunContext, k: int, ctx) -> dict:
     every, cfg = (config.export.every if config.export.hf else 0), trainer.model_cfg
 
     def export(state, to) -> None:  # merged weights, tokenizer files, PEFT adapter/ under LoRA
-        if run.is_primary:
-            export_hf(state["policy"].params, cfg, str(to), source_dir=ctx.hf_path,
-                      lora_cfg=cfg.lora if cfg.lora.enabled else None)
+        # every process calls it (the sharded params are gathered); process 0 writes
+        export_hf(state["policy"].params, cfg, str(to), source_dir=ctx.hf_path,
+                  lora_cfg=cfg.lora if cfg.lora.enabled else None)
 
     def rl_step(state, step):
         state, metrics = trainer.step(state)
