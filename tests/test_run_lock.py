@@ -163,7 +163,7 @@ def test_two_resumes_of_one_run_directory(capsys, tmp_path):
                             text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr[-2000:]
     dead = json.loads((out / LOCK_NAME).read_text())["pid"]
-    resumed = subprocess.Popen(_cli("--resume", f"--out={out}", "--set", "train.steps=300"), cwd=ROOT,
+    resumed = subprocess.Popen(_cli("--resume", f"--out={out}", "--set", "train.steps=120"), cwd=ROOT,
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 240
@@ -173,7 +173,7 @@ def test_two_resumes_of_one_run_directory(capsys, tmp_path):
                 break
             time.sleep(0.2)
         assert resumed.poll() is None, resumed.communicate()
-        err = one_line_error(capsys, ["--resume", f"--out={out}", "--set", "train.steps=300"])
+        err = one_line_error(capsys, ["--resume", f"--out={out}", "--set", "train.steps=120"])
         assert f"is in use by another run (host {HOST}, pid {resumed.pid}, since " in err, err
         err = one_line_error(capsys, [*LM, f"--out={out}"])
         assert f"pid {resumed.pid}" in err, err
@@ -184,9 +184,9 @@ def test_two_resumes_of_one_run_directory(capsys, tmp_path):
     assert resumed.returncode == 0, stderr[-3000:]
     assert f"took over the lock of host {HOST}, pid {dead}" in stdout and "(not running)" in stdout
     rows = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 301))
+    assert [r["step"] for r in rows] == list(range(1, 121))
     assert not (out / LOCK_NAME).exists()
     before = snapshot(out)  # and a step total below the checkpoint's: one line, nothing changed
     err = one_line_error(capsys, ["--resume", f"--out={out}", "--set", "train.steps=100"])
-    assert "a total of 100 steps, but the checkpoint" in err and "is at step 300" in err, err
+    assert "a total of 100 steps, but the checkpoint" in err and "is at step 120" in err, err
     assert snapshot(out) == before
