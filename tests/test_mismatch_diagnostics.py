@@ -113,3 +113,43 @@ def test_metrics_are_jittable_and_empty_mask_gives_zeros():
     assert all(float(v) == 0 for v in m.values())
     full = f(old, behaviour, jnp.ones((1, 4), bool))
     assert float(full["mismatch/kl"]) == pytest.approx(np.mean([r - 1 - math.log(r) for r in (0.4, 9, 1, 3)]), rel=1e-5)
+
+
+def test_grpo_loss_reports_the_diagnostics_and_geo_rs_rows_leave_every_term():
+    """In the GRPO update: Geo-RS rejecting rows 0 and 3 (mu 5 nats above pi_old) gives the loss
+    and the entropy term of the same batch without those rows, and the rows' share as its masked
+    fraction."""
+    import functools
+
+    from jaxflow.mesh import role_meshes
+    from jaxflow.models.transformer import TransformerConfig
+    from jaxflow.rl.grpo import GRPOConfig, grpo_loss
+    from jaxflow.rl.grpo_step import MiniBatch, old_stats
+    from jaxflow.train.lm_state import init_params, lm_functions
+
+    model = TransformerConfig(vocab_size=23, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64, max_seq_len=16)
+    cfg = GRPOConfig(prompts_per_rollout=2, group_size=4, max_new_tokens=4, sis_topk=4, entropy_coef=0.05,
+                     loss=PolicyLossConfig(correction="geo-rs"))
+    fns = lm_functions(model, role_meshes({"trainer": 1})["trainer"])
+    params = init_params(fns, model, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    b, n = 8, 4
+    mask = (np.arange(n)[None] < rng.integers(1, n + 1, size=(b, 1))).astype(np.float32)
+    mb = MiniBatch(prompts=jnp.asarray(rng.integers(3, 23, size=(b, 5)), jnp.int32),
+                   prompt_lengths=jnp.asarray(rng.integers(2, 6, size=b), jnp.int32),
+                   tokens=jnp.asarray(rng.integers(3, 23, size=(b, n)), jnp.int32), mask=jnp.asarray(mask),
+                   behaviour_logp=jnp.zeros((b, n), jnp.float32),
+                   advantages=jnp.asarray(rng.normal(size=b), jnp.float32))
+    old = old_stats(fns, params, None, mb, config=cfg)
+    moved = jax.tree.map(lambda x: x * 1.1, params)
+    reject = np.isin(np.arange(b), [0, 3])[:, None]
+    loss_fn = jax.jit(functools.partial(grpo_loss, fns=fns, config=cfg, key=jax.random.key(0)))
+    rejected = jax.device_get(loss_fn(moved, mb._replace(behaviour_logp=jnp.where(reject, old.logp + 5.0, old.logp)),
+                                      old)[1])
+    masked = jax.device_get(loss_fn(moved, mb._replace(behaviour_logp=old.logp, mask=mb.mask * ~reject), old)[1])
+    for k in ("loss", "policy_loss", "entropy"):
+        np.testing.assert_allclose(rejected[k], masked[k], rtol=1e-6, err_msg=k)
+    share = mask[reject[:, 0]].sum() / mask.sum()
+    assert rejected["mismatch/masked_fraction/geo-rs"] == pytest.approx(share)
+    assert masked["mismatch/masked_fraction/geo-rs"] == 0 and masked["mismatch/kl"] == 0
+    assert rejected["mismatch/kl"] == pytest.approx(share * (math.exp(-5.0) - 1 + 5.0), rel=1e-5)

@@ -21,9 +21,10 @@ from jaxflow.config_domains import COUNT, COUNT0, INT32_MAX, NON_NEGATIVE, POSIT
 from jaxflow.mesh import jit_on
 from jaxflow.models.lora import LoraConfig
 from jaxflow.models.transformer import TransformerConfig
-from jaxflow.rl import corrections, sis
+from jaxflow.rl import correction_menu, corrections, sis
 from jaxflow.rl.logprobs import fused_logprobs
 from jaxflow.rl.masks import as_bool_mask
+from jaxflow.rl.mismatch_metrics import mismatch_metrics
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.rollout import EngineSettings, RolloutBatch, RolloutSpec
@@ -332,9 +333,14 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFuncti
         mask = given & corrections.rs_keep_mask(jnp.where(given, old.logp, 0.0),
                                                 jnp.where(given, mb.behaviour_logp, 0.0),
                                                 low, high)
+    elif loss_cfg.correction in correction_menu.MENU:  # so do a menu correction's (geo-rs, m2po)
+        mask = correction_menu.menu_correction(
+            loss_cfg.correction, loss_cfg.menu, jnp.where(given, old.logp, 0.0),
+            jnp.where(given, mb.behaviour_logp, 0.0), given, tis_cap=loss_cfg.tis_cap).keep
     delta = jax.lax.stop_gradient(logp - old.logp)
     metrics["max_abs_log_ratio"] = jnp.max(jnp.where(given, jnp.abs(delta), 0.0))
     metrics["behaviour_gap"] = _masked_mean(jnp.abs(old.logp - mb.behaviour_logp), given)
+    metrics.update(mismatch_metrics(old.logp, mb.behaviour_logp, given, config=loss_cfg))
     if config.kl_coef > 0:
         log_r = old.ref_logp - logp  # log pi_ref / pi_theta on tokens sampled ~ pi
         per_token = -log_r if config.kl_estimator == "k1" else jnp.exp(log_r) - log_r - 1.0
