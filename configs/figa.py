@@ -27,7 +27,7 @@ from configs.lm_pretrain import Config as PretrainConfig
 from configs.sis_offpolicy import WARM_START
 from jaxflow.align.figa_loss import FigaConfig
 from jaxflow.config import Variants
-from jaxflow.config_domains import COUNT, POSITIVE, SEED, domains
+from jaxflow.config_domains import COUNT, COUNT0, POSITIVE, SEED, domains
 from jaxflow.models.lora import LoraConfig
 
 DESCRIPTION = "FIGA vs SFT-on-revisions vs DPO on the model's own oracle-revised samples (addition)"
@@ -61,7 +61,7 @@ class DataConfig:
 
 
 @domains(steps=COUNT, pairs_per_batch=COUNT, lr=POSITIVE, grad_clip=POSITIVE, eval_every=COUNT,
-         eval_examples=COUNT, eval_samples=COUNT, log_every=COUNT)
+         eval_examples=COUNT, eval_samples=COUNT0, log_every=COUNT)
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Each step: ``pairs_per_batch`` pairs = 2x rows (revised, original, ...); Adam, constant

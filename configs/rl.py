@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from configs.flagship import EvalConfig  # held-out pass@1: prompts x samples every few rollouts
 from jaxflow.config import Variants, require_positive
 from jaxflow.config_domains import COUNT, COUNT0, SEED, domains
 from jaxflow.config_reads import experiment_field
@@ -158,20 +159,6 @@ class ExportConfig:
 
     def __post_init__(self):
         require_positive(self, "every", allow_zero=True)
-
-
-@domains(prompts=COUNT, samples=COUNT, every=COUNT)
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    """Held-out pass@1: ``prompts`` held-out prompts x ``samples`` samples at the RL
-    temperature (fixed key), every ``every`` rollouts."""
-
-    prompts: int = 128
-    samples: int = 4
-    every: int = 5
-
-    def __post_init__(self):
-        require_positive(self, "prompts", "samples", "every")
 
 
 @domains(seed=SEED, seeds=COUNT, devices=COUNT, rollouts=COUNT, checkpoint_every=COUNT)

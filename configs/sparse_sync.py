@@ -21,7 +21,7 @@ import dataclasses
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.sis_offpolicy import WARM_START
 from jaxflow.config import Variants
-from jaxflow.config_domains import COUNT, SEED, domains
+from jaxflow.config_domains import COUNT, COUNT0, SEED, domains
 from jaxflow.mesh import RolesConfig
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.sync.encoder import CODECS
@@ -35,7 +35,7 @@ READS = ("pretrain.model.lora",)
 DEFAULT_INTERVALS = (1, 4, 16)  # the sweep when neither ``intervals`` nor ``sync.every`` is set
 
 
-@domains(seed=SEED, intervals=COUNT, steps=COUNT, tcp_replicas=COUNT, tcp_every=COUNT)
+@domains(seed=SEED, intervals=COUNT, steps=COUNT, tcp_replicas=COUNT0, tcp_every=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     """``sync.codec``: the codec whose replicas serve the rollouts (and the TCP replicas);

@@ -30,7 +30,7 @@ def test_list_shows_every_experiment_with_variants(capsys):
         (["--exp=lm_pretrian"], "did you mean 'lm_pretrain'"),
         (["--exp=lm_pretrain", "--variant=quik"], "did you mean 'quick'"),
         (["--exp=lm_pretrain", "--set", "train.stepz=3"], "did you mean 'train.steps'"),
-        (["--exp=lm_pretrain", "--set", "train.steps=three"], "cannot parse 'three' as int"),
+        (["--exp=lm_pretrain", "--set", "train.steps=three"], "train.steps='three': not an integer"),
         (["--exp=lm_pretrain", "--set", "train.steps"], "expected KEY=VALUE"),
         (["--exp=lm_pretrain", "--set", "model.d_model=30"], "divisible"),
         (["--exp=lm_pretrain", "--set", "data.loss_on=some"], "valid: answer, all"),

@@ -23,7 +23,7 @@ MULTI_DEVICE = {"nestpipe", "flowtrain", "flexmarl"}
 #: production-size variants: pod meshes, checked on POD_DEVICES fake devices
 PRODUCTION = {("flagship", "full"), ("lm_pretrain", "full"), ("dlrm_train", "full"),
               ("bench_embedding", "full"), ("nestpipe", "full"), ("flowtrain", "full"),
-              ("flexmarl", "full"), ("bench_rollout", "full")}
+              ("flexmarl", "full"), ("bench_rollout", "full"), ("rl", "full")}
 POD_DEVICES = 64
 
 CASES = [(name, variant) for name, spec in sorted(experiments().items())

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jaxflow.config_domains import COUNT, domains
+from jaxflow.config_domains import COUNT, COUNT0, domains
 from jaxflow.sync.encoder import CODECS
 from jaxflow.sync.replica import (
     FRESH,
@@ -44,7 +44,7 @@ ON_MISMATCH = ("resync", "error")
 SYNC_CODECS = CODECS
 
 
-@domains(every=COUNT, history=COUNT, replicas=COUNT)
+@domains(every=COUNT, history=COUNT0, replicas=COUNT)
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
     """Attributes:
