@@ -52,7 +52,7 @@ def test_quick_variant_config_is_valid_and_refuses_rl_lora():
 
 
 def test_default_without_hf_path_is_one_line(capsys, tmp_path):
-    assert run_main(["--exp=rl", "--variant=default", "--out", str(tmp_path / "run")]) == 2
+    assert run_main(["--devices=8", "--exp=rl", "--variant=default", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.hf_path is not set" in err[-1], err
 
@@ -72,7 +72,7 @@ def test_own_checkpoint_data_and_reward_to_hf_with_lora(tmp_path):
     out = tmp_path / "run"
     rollouts, rows = 2, 4 * 4
     assert run_main([
-        "--exp=rl", "--variant=default", "--out", str(out),
+        "--devices=8", "--exp=rl", "--variant=default", "--out", str(out),
         "--set", f"model.hf_path={base}", "--set", f"data.train={tmp_path / 'train.jsonl'}",
         "--set", f"reward.fn={tmp_path / 'my_reward.py'}:score", "--set", "model.lora.rank=8",
         "--set", "export.hf=true", "--set", f"rollouts={rollouts}", "--set", "rl.sampler=static",
@@ -114,7 +114,7 @@ def test_quick_without_the_rl_extra_is_one_line(capsys, tmp_path, monkeypatch):
 
     sources.reasoning_gym_dataset.cache_clear()
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym -> ImportError
-    assert run_main(["--exp=rl", "--variant=quick", "--out", str(tmp_path / "run"),
+    assert run_main(["--devices=8", "--exp=rl", "--variant=quick", "--out", str(tmp_path / "run"),
                      "--set", f"cache_root={tmp_path / 'cache'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and 'pip install -e ".[rl]"' in err[-1], err
