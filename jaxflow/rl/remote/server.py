@@ -201,7 +201,8 @@ class RolloutService:
 
     def serve(self) -> dict:
         """Serves until the trainer's DONE (returns a summary) or until no trainer is connected
-        for ``timeout_s`` (exits the process with 75, one line on stderr)."""
+        for ``timeout_s`` (exits the process with 75, one line on stderr; served from a thread other
+        than the main one, returns the summary with ``timed_out`` instead)."""
         self.replica_server.start()
         acceptor = threading.Thread(target=self._accept_loop, daemon=True)
         acceptor.start()
@@ -221,7 +222,13 @@ class RolloutService:
                         print(f"rollout job: no trainer connected for {limit:g} s "
                               f"(remote.{name}); exiting", file=sys.stderr, flush=True)
                         sys.stdout.flush()
-                        os._exit(LOST_PEER_EXIT)
+                        if threading.current_thread() is threading.main_thread():
+                            os._exit(LOST_PEER_EXIT)
+                        # served from another thread (a notebook, a test): end serve(), not the
+                        # process that hosts it
+                        return {"rollouts_served": self.rollouts_served, "timed_out": True,
+                                "replica_version": self.replica.version,
+                                "bytes_received": self.replica.bytes_received}
                     continue
                 self._connected_once, last_seen = True, time.monotonic()
                 done = False
