@@ -347,7 +347,14 @@ def _start_runtime(plan: _Plan) -> bool:
     if args.devices is not None and not (args.dry_run and _backends_initialized()):
         # (an in-process --dry-run after JAX started, e.g. from a test, resolves the meshes
         # on the devices already there: the count can no longer change)
-        distributed.set_cpu_device_count(args.devices)
+        try:
+            distributed.set_cpu_device_count(args.devices)
+        except RuntimeError:  # an in-process call (a notebook) after JAX started its backends
+            import jax
+
+            raise UsageError(f"--devices {args.devices}: JAX already runs in this process with "
+                             f"{jax.device_count()} devices and cannot change; pass "
+                             f"--devices={jax.device_count()} or start a new process") from None
     if args.coordinator is not None or args.distributed_auto:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # JAX's preemption service takes it
     peer_timeout = args.peer_timeout or distributed.DEFAULT_PEER_TIMEOUT_S

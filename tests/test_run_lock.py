@@ -187,6 +187,6 @@ def test_two_resumes_of_one_run_directory(capsys, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 121))
     assert not (out / LOCK_NAME).exists()
     before = snapshot(out)  # and a step total below the checkpoint's: one line, nothing changed
-    err = one_line_error(capsys, ["--resume", f"--out={out}", "--set", "train.steps=100"])
+    err = one_line_error(capsys, ["--resume", f"--out={out}", "--set", "train.steps=100", "--devices=8"])
     assert "a total of 100 steps, but the checkpoint" in err and "is at step 120" in err, err
     assert snapshot(out) == before
