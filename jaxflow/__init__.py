@@ -29,6 +29,7 @@ Core modules:
   jaxflow.config_domains  the declared domain of every numeric config field, checked on build
   jaxflow.config_reads  config keys only some experiments read (READS), refused by the others
   jaxflow.contract      what the runner may read of a config and a driver (Protocols)
+  jaxflow.system        the System protocol every paper's system implements (typed state, pure step)
   jaxflow.experiment    the run context an entry function receives
   jaxflow.errors        the user-error hierarchy (exit status 2, one line)
   jaxflow.mesh          meshes, role sub-meshes, logical-axis sharding rules
@@ -58,5 +59,5 @@ __all__ = [
     "cache", "checkpoint", "config", "config_domains", "config_reads", "contract", "distributed", "errors",
     "experiment", "export", "host_jit", "job_auth",
     "mesh", "metric_writers", "plots", "provenance", "run", "run_dirs", "run_lock", "run_meshes", "signals",
-    "rendezvous", "stats", "supervise", "timing",
+    "rendezvous", "stats", "supervise", "system", "timing",
 ]
