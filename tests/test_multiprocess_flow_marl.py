@@ -22,6 +22,7 @@ def _close_rows(a, b, rel):
 FLOW_MODES = ("monolithic_padded", "monolithic_packed", "decoupled")
 
 
+@pytest.mark.multiprocess
 def test_flowtrain_two_processes_equal_one(tmp_path):
     # encoder 2 devices (one per process) + backbone 6 (three per process): both sub-meshes
     # span both processes (jaxflow.main.flowtrain._split_meshes); the split is fixed so the
@@ -54,6 +55,7 @@ def test_flowtrain_two_processes_equal_one(tmp_path):
         assert s1["pool"][key] == s2["pool"][key]
 
 
+@pytest.mark.multiprocess
 def test_flexmarl_two_processes_equal_one(tmp_path):
     # trainer_model=2: each agent's trainer is 1 x 2 (model) in both runs, one device per
     # process across processes (the default split, 3 + 1 on one process, cannot be split

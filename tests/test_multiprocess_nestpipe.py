@@ -7,6 +7,7 @@ bit-identical; the same code path forced in one process equals the default one."
 
 import jax
 import numpy as np
+import pytest
 
 from tests._multiprocess import single_and_two_processes
 
@@ -23,6 +24,7 @@ EXACT = ("final_train_loss_by_pipeline", "logloss_by_pipeline", "auc_by_pipeline
          "duplicate_transfer_reduction_by_method", "micro_batch_rows_moved")
 
 
+@pytest.mark.multiprocess
 def test_nestpipe_two_processes_equal_one(tmp_path):
     (s1, _), (s2, _) = single_and_two_processes(["--exp=nestpipe", "--variant=quick", *TINY],
                                                 tmp_path)

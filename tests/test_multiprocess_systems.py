@@ -11,6 +11,7 @@ def _rows(rows, key):
     return [(r["step"], r[key]) for r in rows if key in r]
 
 
+@pytest.mark.multiprocess
 def test_dlrm_train_two_processes_equal_one(tmp_path):
     args = ["--exp=dlrm_train", "--variant=quick", "--set", "train.steps=4",
             "--set", "train.log_every=2", "--set", "train.checkpoint_every=2",
