@@ -2,9 +2,11 @@
 
 ``kernel_cases()`` lists 6 Pallas kernels (fused log-probs forward and backward, embedding bag
 forward and backward, sync diff/compact and scatter/apply) x 2 sizes, each on both platforms;
-``attention_cases()`` the attention backends of ``jaxflow.models.attention_backends``, forward
-and forward + gradient, x 2 sizes, each on its platform: splash (tpu), Pallas flash and cuDNN
-(cuda). ``case.build(platform)`` returns
+``attention_cases(calls)`` the attention kernels a library passes in (``calls``: "splash",
+"flash", "cudnn" -> ``fn(q, k, v, segment_ids)``; jaxflow's are
+``jaxflow.models.attention_backends.catalog_cases()``), forward and forward + gradient, x 2
+sizes, each on its platform: splash (tpu), Pallas flash and cuDNN (cuda). The catalog imports
+no library: the kernel floor sits below jaxflow. ``case.build(platform)`` returns
 ``(fn, args)`` with the platform's default block sizes and ``jax.ShapeDtypeStruct`` args, ready
 for ``pallas_kernels.lowering.export_for`` / ``pallas_footprints`` (nothing is allocated).
 ``case.platforms`` names the platforms a case is built for; ``case.custom_calls`` the
@@ -196,15 +198,11 @@ def declared_cudnn(version: int = DECLARED_CUDNN_VERSION):
         fa.check_cudnn_version = original
 
 
-def _attention(kernel: str, size: str, backward: bool):
+def _attention(kernel: str, call: Callable, size: str, backward: bool):
     p = SIZES["attention"][size]
 
     def build(bp, chip=None):
         del bp, chip  # the wrappers pick their own tiles
-        from jaxflow.models import attention_backends as ab
-
-        call = {"splash": ab.splash_attention, "flash": ab.flash_attention,
-                "cudnn": ab.cudnn_attention}[kernel]
         dtype = jnp.bfloat16 if kernel == "cudnn" else p["dtype"]
         b, t, d = p["batch"], p["tokens"], p["head_dim"]
         kv = S((b, t, p["kv_heads"], d), dtype)
@@ -225,7 +223,8 @@ def _attention(kernel: str, size: str, backward: bool):
     return build
 
 
-_ATTENTION_PLATFORM = {"splash": ("tpu",), "flash": ("cuda",), "cudnn": ("cuda",)}
+#: The attention kernels ``attention_cases`` builds, each on its platform.
+ATTENTION_PLATFORMS = {"splash": ("tpu",), "flash": ("cuda",), "cudnn": ("cuda",)}
 
 
 def kernel_cases() -> list[KernelCase]:
@@ -241,16 +240,23 @@ def kernel_cases() -> list[KernelCase]:
     return out
 
 
-def attention_cases() -> list[KernelCase]:
-    """The 12 attention (kernel, size) cases, each on its own platform: 12 lowerings."""
+def attention_cases(calls: dict[str, Callable]) -> list[KernelCase]:
+    """The 12 attention (kernel, size) cases, each on its own platform: 12 lowerings.
+
+    calls: one function per kernel of :data:`ATTENTION_PLATFORMS` ("splash", "flash",
+      "cudnn"), ``fn(q [B, T, H, D], k [B, T, K, D], v [B, T, K, D], segment_ids [B, T] int32)
+      -> [B, T, H, D]``: the library's wrappers (``jaxflow.models.attention_backends``)."""
+    if set(calls) != set(ATTENTION_PLATFORMS):
+        raise ValueError(f"attention_cases(calls) names {sorted(calls)}; valid: exactly "
+                         f"{sorted(ATTENTION_PLATFORMS)}")
     out = []
     for size in ("test", "production"):
-        for kernel, platforms in _ATTENTION_PLATFORM.items():
+        for kernel, platforms in ATTENTION_PLATFORMS.items():
             for backward in (False, True):
-                calls = CUDNN_ATTENTION_CALLS[:1 + backward] if kernel == "cudnn" else ()
+                custom = CUDNN_ATTENTION_CALLS[:1 + backward] if kernel == "cudnn" else ()
                 out.append(KernelCase(f"{kernel}_attention_{'bwd' if backward else 'fwd'}",
-                                      size, _attention(kernel, size, backward), platforms,
-                                      calls))
+                                      size, _attention(kernel, calls[kernel], size, backward),
+                                      platforms, custom))
     return out
 
 

@@ -422,3 +422,53 @@ def fused_logprobs(
     out = fused_logprobs_rows(h, head, t, k, own_topk=own_topk, temperature=float(temperature),
                               block_sizes=block_sizes, interpret=interpret)
     return unflatten_rows(out, lead)
+
+
+# --------------------------------------------------------------- measuring the table (libtpu)
+
+
+def kernel_vmem_need(chip: str, kernel: str, blocks: FusedLogprobsBlockSizes, *, d: int,
+                     dtype, num_ids: int = 101, start_mib: float = 16.0, rows: int | None = None,
+                     vocab: int | None = None) -> float | None:
+    """MiB of scoped VMEM the compiler needs for one kernel ("fwd", "dh", "dw") on a TPU chip,
+    from deviceless compiles (needs libtpu, see ../shared/reference/accelerators.md), or None
+    when it exceeds the core's VMEM: ``targets.min_vmem_limit`` from ``start_mib`` in 1/4 MiB
+    steps (each refused compile says by how much its allocations overran the limit). The grid
+    is small by default (2 row blocks, a ragged vocab of 2.5 tiles), which sets most kernels'
+    need; ``rows`` and ``vocab`` give another (production) grid."""
+    from pallas_kernels import targets as chips  # (``targets`` is an argument name here)
+
+    bn = max(blocks.block_n, blocks.block_n_dw)
+    bv = blocks.block_v if kernel != "dw" else blocks.block_v_dw
+    n, vocab, lanes = rows or 2 * bn, vocab or 2 * bv + bv // 2, blocks.id_lanes(num_ids)
+
+    spec = jax.ShapeDtypeStruct
+
+    args = (spec((n, d), dtype), spec((d, vocab), dtype), spec((n, lanes), jnp.int32),
+            spec((n, 128), jnp.float32), spec((n, lanes), jnp.float32))
+
+    def fn(h, w, ids, lse, g, blocks):
+        kw = dict(vocab=vocab, temperature=1.0, num_ids=num_ids, blocks=blocks, interpret=False)
+        if kernel == "fwd":
+            return _forward_call(h, w, ids, **kw)
+        return fused_logprobs_bwd.fused_logprobs_backward(h, w, ids, lse, g, **kw)[kernel == "dw"]
+
+    mib = 2**20
+    need = chips.min_vmem_limit(functools.partial(fn, blocks=blocks), args, chip,
+                                lo=int(start_mib * mib), step=mib // 4)
+    return None if need is None else need / mib
+
+
+# python -m pallas_kernels.fused_logprobs CHIP DTYPE D BN BV BN2 BV2 [KERNELS [IDS [N V]]]
+if __name__ == "__main__":
+    import sys
+
+    chip_, dt_, *nums = sys.argv[1:8]
+    d_, bn_, bv_, bn2_, bv2_ = map(int, nums)
+    b_ = FusedLogprobsBlockSizes(block_n=bn_, block_v=bv_, block_n_dw=bn2_, block_v_dw=bv2_)
+    ids_ = int(sys.argv[9]) if len(sys.argv) > 9 else 101
+    grid_ = dict(rows=int(sys.argv[10]), vocab=int(sys.argv[11])) if len(sys.argv) > 11 else {}
+    for k_ in sys.argv[8].split(",") if len(sys.argv) > 8 else ["fwd", "dh", "dw"]:
+        need_ = kernel_vmem_need(chip_, k_, b_, d=d_, dtype=jnp.dtype(dt_), num_ids=ids_,
+                                 **grid_)
+        print(chip_, dt_, d_, (bn_, bv_, bn2_, bv2_), k_, f"ids={ids_}", need_, "MiB", flush=True)

@@ -4,9 +4,10 @@
 On TPU the choice comes from the compiler, not from a footprint estimate: ``TPU_TABLE`` holds,
 per chip generation, dtype and hidden size, blocks that compile and a ``vmem_limit_bytes``
 above the smallest limit the real XLA:TPU compiler (Mosaic) accepted for each of the three
-kernels (forward, dh, dW), measured by deviceless compiles (``kernel_vmem_need`` below). Mosaic's
-scoped VMEM default is 16 MiB on v5e and v5p, far below the 128 MiB (v5e, v6e) or 64 MiB
-(v5p) a TensorCore has, and the forward / dh kernels need more than 16 MiB at d = 4,096.
+kernels (forward, dh, dW), measured by deviceless compiles
+(``pallas_kernels.fused_logprobs.kernel_vmem_need``). Mosaic's scoped VMEM default is 16 MiB
+on v5e and v5p, far below the 128 MiB (v5e, v6e) or 64 MiB (v5p) a TensorCore has, and the
+forward / dh kernels need more than 16 MiB at d = 4,096.
 
 Range: d <= 8,192 in bf16 and f32 (the table's rows; a smaller d takes the row above it,
 whose blocks need no more VMEM at a smaller d); num_ids <= 128 id columns (K <= 127 given
@@ -20,7 +21,6 @@ falls back to XLA if Mosaic refuses.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ _MIB = 2**20
 # the kernel's block (rows, vocab columns; the forward and dh share block_n, block_v).
 # Measured with libtpu 0.0.42.1 / jax 0.10.2 (the /tmp/aot venv of
 # ../shared/reference/accelerators.md) by
-#   python -m pallas_kernels.fused_logprobs_blocks CHIP DTYPE D BN BV BN2 BV2
+#   python -m pallas_kernels.fused_logprobs CHIP DTYPE D BN BV BN2 BV2
 # e.g. "v5p bfloat16 4096 128 512 128 256", on a small grid (256-512 rows, 2.5 vocab tiles).
 # A figure of 16.0 compiled at the first try (16 MiB), so it is an upper bound. The grid can
 # matter: f32 d 8192 dh needed 28.25 MiB there but 36.5 at N 8,192, V 151,936 (the same
@@ -233,54 +233,3 @@ def tpu_choice(chip: str | None, dtype: str, d: int, num_ids: int) -> dict:
         limit *= _MIB
     return dict(platform="tpu", block_n=blocks[0], block_v=blocks[1], block_n_dw=blocks[2],
                 block_v_dw=blocks[3], vmem_limit_bytes=limit)
-
-# --------------------------------------------------------------- measuring the table (libtpu)
-
-
-def kernel_vmem_need(chip: str, kernel: str, blocks: FusedLogprobsBlockSizes, *, d: int,
-                     dtype, num_ids: int = 101, start_mib: float = 16.0, rows: int | None = None,
-                     vocab: int | None = None) -> float | None:
-    """MiB of scoped VMEM the compiler needs for one kernel ("fwd", "dh", "dw") on a TPU chip,
-    from deviceless compiles (needs libtpu, see ../shared/reference/accelerators.md), or None
-    when it exceeds the core's VMEM: ``targets.min_vmem_limit`` from ``start_mib`` in 1/4 MiB
-    steps (each refused compile says by how much its allocations overran the limit). The grid
-    is small by default (2 row blocks, a ragged vocab of 2.5 tiles), which sets most kernels'
-    need; ``rows`` and ``vocab`` give another (production) grid."""
-    import jax
-
-    from pallas_kernels import fused_logprobs as fl
-    from pallas_kernels import fused_logprobs_bwd as flb
-
-    bn = max(blocks.block_n, blocks.block_n_dw)
-    bv = blocks.block_v if kernel != "dw" else blocks.block_v_dw
-    n, vocab, lanes = rows or 2 * bn, vocab or 2 * bv + bv // 2, blocks.id_lanes(num_ids)
-
-    spec = jax.ShapeDtypeStruct
-
-    args = (spec((n, d), dtype), spec((d, vocab), dtype), spec((n, lanes), jnp.int32),
-            spec((n, 128), jnp.float32), spec((n, lanes), jnp.float32))
-
-    def fn(h, w, ids, lse, g, blocks):
-        kw = dict(vocab=vocab, temperature=1.0, num_ids=num_ids, blocks=blocks, interpret=False)
-        if kernel == "fwd":
-            return fl._forward_call(h, w, ids, **kw)
-        return flb.fused_logprobs_backward(h, w, ids, lse, g, **kw)[kernel == "dw"]
-
-    need = targets.min_vmem_limit(functools.partial(fn, blocks=blocks), args, chip,
-                                  lo=int(start_mib * _MIB), step=_MIB // 4)
-    return None if need is None else need / _MIB
-
-
-# python -m pallas_kernels.fused_logprobs_blocks CHIP DTYPE D BN BV BN2 BV2 [KERNELS [IDS [N V]]]
-if __name__ == "__main__":
-    import sys
-
-    chip_, dt_, *nums = sys.argv[1:8]
-    d_, bn_, bv_, bn2_, bv2_ = map(int, nums)
-    b_ = FusedLogprobsBlockSizes(block_n=bn_, block_v=bv_, block_n_dw=bn2_, block_v_dw=bv2_)
-    ids_ = int(sys.argv[9]) if len(sys.argv) > 9 else 101
-    grid_ = dict(rows=int(sys.argv[10]), vocab=int(sys.argv[11])) if len(sys.argv) > 11 else {}
-    for k_ in sys.argv[8].split(",") if len(sys.argv) > 8 else ["fwd", "dh", "dw"]:
-        need_ = kernel_vmem_need(chip_, k_, b_, d=d_, dtype=jnp.dtype(dt_), num_ids=ids_,
-                                 **grid_)
-        print(chip_, dt_, d_, (bn_, bv_, bn2_, bv2_), k_, f"ids={ids_}", need_, "MiB", flush=True)

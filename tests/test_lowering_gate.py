@@ -6,7 +6,7 @@ TPU device kind; Triton for cuda), the exported module really contains the kerne
 ``pallas_call``'s per-program footprint fits: TPU in + out + scratch blocks x2 <= 16 MiB
 (HBM / pl.ANY refs excluded); Triton peak of live loads, stores, loop carries and dot results
 <= 227 KiB (``pallas_kernels.lowering``).
-The attention backends (``catalog.attention_cases``: splash for tpu, Pallas flash and cuDNN
+The attention backends (``attention_backends.catalog_cases``: splash for tpu, Pallas flash and cuDNN
 for cuda, forward and forward + gradient, 2 sizes = 12 lowerings) export on their platform
 with their kernel inside, and their Pallas programs fit.
 
@@ -27,12 +27,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxflow.models import attention_backends
 from pallas_kernels import catalog, dispatch, lowering
 
 PLATFORMS = ("tpu", "cuda")
 KERNEL_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 CASES = {case.name: case for case in catalog.kernel_cases()}
-ATTENTION = {case.name: case for case in catalog.attention_cases()}
+ATTENTION = {case.name: case for case in attention_backends.catalog_cases()}
 
 
 @contextlib.contextmanager

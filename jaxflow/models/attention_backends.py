@@ -344,3 +344,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, 
         return _kernel_call(value, True)(q, k, v, segment_ids.astype(jnp.int32))
     name = choose_attention_backend(q, k, v, segment_ids, backend=value)
     return _kernel_call(name, False)(q, k, v, segment_ids).astype(q.dtype)
+
+
+def catalog_cases() -> list:
+    """The kernel backends (splash, flash, cudnn) as ``pallas_kernels.catalog`` cases at test
+    and production sizes, forward and forward + gradient, each on its platform: what the
+    lowering and compile gates export (``catalog.attention_cases`` with these wrappers; the
+    catalog itself imports nothing of jaxflow)."""
+    from pallas_kernels import catalog
+
+    return catalog.attention_cases({"splash": splash_attention, "flash": flash_attention,
+                                    "cudnn": cudnn_attention})

@@ -24,13 +24,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 
+from jaxflow.models import attention_backends
 from pallas_kernels import catalog, dispatch, targets
 
 CHIPS = tuple(targets.CHIPS)
 EXPORT_PLATFORM = {"tpu": "tpu", "gpu": "cuda"}
 KERNEL_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
 CASES = {c.name: c for c in catalog.kernel_cases()}
-ATTENTION = {c.name: c for c in catalog.attention_cases() if not c.custom_calls}
+ATTENTION = {c.name: c for c in attention_backends.catalog_cases() if not c.custom_calls}
 SWEEP = {c.name: c for c in catalog.sweep_cases()}
 
 
