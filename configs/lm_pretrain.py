@@ -8,7 +8,7 @@
 
 ``full`` is Meta-Llama-3-8B (bf16, remat per block) on 256 sequences of 4096 tokens per step,
 sharded ZeRO-3 style over "fsdp" (every device): the batch, and the MLP-hidden and vocab
-dimensions of the weights and their AdamW moments (``jaxflow.train.pretrain.RULES``); the
+dimensions of the weights and their AdamW moments (``jaxflow.mesh.DEFAULT_RULES``); the
 attention weights stay replicated (their heads go over "model", size 1).
 ``--set mesh.shape=1,8,8`` adds 8-way tensor parallelism. On a v5p:4x4x4 pod that is 4
 sequences per chip and 46.6 GiB of 95 GiB HBM per chip (``--compile-only``, jax 0.10.2); it

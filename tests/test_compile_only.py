@@ -455,18 +455,22 @@ def test_lm_pretrain_full_is_llama_3_8b_with_fsdp_over_every_device():
 
 
 @pytest.mark.parametrize("shape", [(8, 1), (4, 2)])
-def test_pretrain_rules_are_the_default_rules_on_a_data_model_mesh(shape):
-    """lm_pretrain's RULES add "fsdp" to DEFAULT_RULES: on the ("data", "model") meshes of the
-    quick / default variants they place every parameter and the batch as before."""
-    from jaxflow.mesh import DEFAULT_RULES, MeshConfig
+def test_default_rules_place_as_a_data_model_table_on_a_data_model_mesh(shape):
+    """DEFAULT_RULES (the one table) put the batch, vocab and MLP hidden over "fsdp" too: on the
+    ("data", "model") meshes of lm_pretrain's quick / default variants, and of every other
+    experiment, they place every parameter and the batch as a table without "fsdp" does."""
+    from jaxflow.mesh import MeshConfig
     from jaxflow.train.lm_state import lm_functions
     from jaxflow.train.pretrain import build_train_step
 
+    without_fsdp = (("batch", "data"), ("vocab", "model"), ("mlp", "model"), ("heads", "model"),
+                    ("kv_heads", "model"), ("embed", None), ("head_dim", None), ("norm", None),
+                    ("length", None))
     config = dataclasses.replace(get_experiment("lm_pretrain").get_config("quick"),
                                  mesh=MeshConfig(shape=shape))
     mesh = config.mesh.make(jax.devices())
     built = build_train_step(config, mesh)
-    before = lm_functions(config.model, mesh, DEFAULT_RULES).param_shardings
+    before = lm_functions(config.model, mesh, without_fsdp).param_shardings
     assert jax.tree.map(lambda s: s.spec, built.fns.param_shardings) == \
         jax.tree.map(lambda s: s.spec, before)
     assert built.batch_sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)

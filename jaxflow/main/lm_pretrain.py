@@ -14,8 +14,8 @@ from jax.sharding import Mesh
 
 from jaxflow.compile_only.program import Program, count_params, transformer_train_flops
 from jaxflow.experiment import RunContext
-from jaxflow.mesh import require_divisible
-from jaxflow.train.pretrain import RULES, build_task, build_train_step, host_batch, pretrain
+from jaxflow.mesh import DEFAULT_RULES, require_divisible
+from jaxflow.train.pretrain import build_task, build_train_step, host_batch, pretrain
 from jaxflow.train.state import TrainState
 
 
@@ -63,13 +63,13 @@ def compile_programs(config, meshes: Mapping[str, Mesh]) -> list[Program]:
 
 
 def _layout(mesh: Mesh) -> str:
-    """The sharding :data:`jaxflow.train.pretrain.RULES` give on ``mesh``, in words: which
+    """The sharding :data:`jaxflow.mesh.DEFAULT_RULES` give on ``mesh``, in words: which
     logical dimensions each mesh axis of size > 1 splits ("fsdp: batch, vocab, mlp")."""
     parts = []
     for axis, size in mesh.shape.items():
         if size == 1:
             continue
-        dims = [logical for logical, target in RULES
+        dims = [logical for logical, target in DEFAULT_RULES
                 if axis in ((target,) if isinstance(target, str) else (target or ()))]
         parts.append(f"{axis} splits {', '.join(dims) or 'nothing'}")
     return "; ".join(parts) + "; the rest replicated" if parts else "everything replicated"

@@ -20,7 +20,7 @@ from jaxflow.data.arithmetic import AdditionTask, packed_batch
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.distributed import global_batch
 from jaxflow.experiment import RunContext
-from jaxflow.mesh import LogicalRules, assert_params_sufficiently_sharded, logical_to_spec
+from jaxflow.mesh import DEFAULT_RULES, assert_params_sufficiently_sharded, logical_to_spec
 from jaxflow.models import lora
 from jaxflow.models.transformer import param_count
 from jaxflow.sync.replica import tree_digest
@@ -36,35 +36,15 @@ from jaxflow.train.lm_state import (
 from jaxflow.train.loop import run_steps
 from jaxflow.train.state import TrainState
 
-#: How parameters and the batch are placed: the batch over "data" and "fsdp"; the MLP hidden
-#: and vocab dimensions of the weights over "fsdp" and "model" together (ZeRO-3 and tensor
-#: parallelism), heads and kv heads over "model"; the contracted embed dimension stays whole.
-#: A weight sharded on its output dimension is all-gathered before its matmul, while one
-#: sharded on the contracted dimension lets XLA move the activations instead, which for the LM
-#: head means reducing full-batch logits (measured: 1.2 TiB of temporaries per chip for
-#: Llama-3-8B on 64 v5p chips with the embed dimension over "fsdp"). A dimension the axes do
-#: not divide stays replicated. On the default ("data", "model") mesh these are exactly
-#: ``jaxflow.mesh.DEFAULT_RULES``.
-RULES: LogicalRules = (
-    ("batch", ("data", "fsdp")),
-    ("vocab", ("fsdp", "model")),
-    ("mlp", ("fsdp", "model")),
-    ("heads", "model"),
-    ("kv_heads", "model"),
-    ("embed", None),
-    ("head_dim", None),
-    ("norm", None),
-    ("length", None),
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class PretrainStep:
     """The jitted train step of a pretraining run and what it was built from.
 
-    fns: the model's functions with params sharded by :data:`RULES` on ``mesh``; tx: the
-    optimizer; shardings: the train state's (a ``TrainState`` of ``NamedSharding``);
-    batch_sharding: every [batch_size, seq_len] batch array's; train_step:
+    fns: the model's functions with params sharded by ``jaxflow.mesh.DEFAULT_RULES`` (ZeRO-3
+    over "fsdp", tensor parallelism over "model") on ``mesh``; tx: the optimizer; shardings:
+    the train state's (a ``TrainState`` of ``NamedSharding``); batch_sharding: every
+    [batch_size, seq_len] batch array's; train_step:
     ``(state, batch) -> (state, metrics)``, donating the state."""
 
     mesh: Mesh
@@ -78,10 +58,10 @@ class PretrainStep:
 def build_train_step(config, mesh: Mesh) -> PretrainStep:
     """The train step ``pretrain`` runs for ``config`` on ``mesh`` (its devices may be abstract
     topology devices: nothing is allocated), built by :func:`make_train_step`."""
-    fns = lm_functions(config.model, mesh, RULES)
+    fns = lm_functions(config.model, mesh, DEFAULT_RULES)
     tx = model_optimizer(make_optimizer(config.optim, config.train.steps), config.model)
     shardings = TrainState.shardings(tx, fns.abstract_params(), fns.param_shardings)
-    batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), RULES, mesh))
+    batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), DEFAULT_RULES, mesh))
     return PretrainStep(mesh, fns, tx, shardings, batch_sharding,
                         make_train_step(fns, tx, shardings, batch_sharding))
 
