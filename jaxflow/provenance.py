@@ -2,9 +2,10 @@
 the code it measured has changed since.
 
 A calibration file (a simulator's measured inputs) carries a ``provenance`` block built by
-:func:`run_provenance`; :func:`stale_calibration` compares the recorded commit with the working
-tree of the measured paths (``git diff --quiet <commit> -- <paths>``) and returns a warning
-when they differ, when the commit is unknown here, or when git cannot be asked.
+:func:`run_provenance` (a run writes its own with :func:`write_calibration_from_run`);
+:func:`stale_calibration` compares the recorded commit with the working tree of the measured
+paths (``git diff --quiet <commit> -- <paths>``) and returns a warning when they differ, when
+the commit is unknown here, or when git cannot be asked.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import shlex
 import subprocess
 import sys
 import warnings
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 #: The repository root of this checkout (the parent of the ``jaxflow`` package).
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -110,6 +111,19 @@ def write_record(path: "str | os.PathLike", *, what: str, provenance: dict, valu
     record = {"what": what, "provenance": dict(provenance), "values": values, "context": context}
     path.write_text(json.dumps(record, indent=1) + "\n")
     return str(path)
+
+
+def write_calibration_from_run(write: Callable[[str, Mapping, dict], str], path: str,
+                               summary: Mapping, *, measured_paths: Sequence[str],
+                               experiment: str, variant: str, devices: int) -> str:
+    """A driver's ``calibration_out``: ``write(path, summary, provenance)`` with the provenance
+    of this process now (:func:`run_provenance` of ``measured_paths``); returns the path
+    written. Each simulator binds its own writer and measured paths
+    (``jaxflow.nestpipe.simulate.write_calibration_from_run``,
+    ``jaxflow.marl.simulate.write_calibration_from_run``)."""
+    prov = run_provenance(experiment=experiment, variant=variant, devices=devices,
+                          measured_paths=measured_paths)
+    return write(path, summary, prov)
 
 
 def stale_calibration(commit: str | None, paths: Sequence[str],

@@ -18,6 +18,7 @@ step and its 1,536-NPU table (copied from the paper, not measured).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 from typing import Mapping, Sequence
@@ -110,12 +111,11 @@ def write_calibration(path: str | pathlib.Path, summary: Mapping, prov: Mapping)
         provenance=prov, values=ms, context=context)
 
 
-def write_calibration_from_run(path: str, summary: Mapping, *, experiment: str, variant: str,
-                               devices: int) -> str:
-    """The ``nestpipe`` driver's ``calibration_out``: provenance of this process now."""
-    prov = provenance.run_provenance(experiment=experiment, variant=variant, devices=devices,
-                                     measured_paths=MEASURED_PATHS)
-    return write_calibration(path, summary, prov)
+#: The ``nestpipe`` driver's ``calibration_out``, ``(path, summary, *, experiment, variant,
+#: devices) -> path written``: :func:`jaxflow.provenance.write_calibration_from_run` with
+#: :func:`write_calibration` and :data:`MEASURED_PATHS` (the provenance of this process now).
+write_calibration_from_run = functools.partial(provenance.write_calibration_from_run,
+                                               write_calibration, measured_paths=MEASURED_PATHS)
 
 
 def load_calibration(calibration: str | pathlib.Path = "") -> Calibration:
