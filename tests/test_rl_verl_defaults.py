@@ -11,6 +11,7 @@ import pytest
 
 from jaxflow.rl import PolicyLossConfig, policy_loss, rs_keep_mask, sis_log_ratio
 from jaxflow.rl.dynamic_sampling import fill_groups, groups_with_signal
+from jaxflow.rl.policy_loss import rs_token_mask
 from jaxflow.rl.reward_shaping import OverlongBufferConfig, overlong_penalty
 from jaxflow.rl.rollout import RolloutBatch
 
@@ -117,6 +118,22 @@ def test_rs_removes_tokens_from_the_denominator_mis_keeps_them():
         PolicyLossConfig(correction="rs", rs_threshold=0.5)  # lower 1 / 0.5 = 2 > 0.5
     with pytest.raises(ValueError, match=r"needs behaviour_logp="):
         policy_loss(old, old, adv, mask, config=PolicyLossConfig(correction="rs"))
+
+
+def test_one_rs_mask_zeroes_masked_entries_and_is_the_given_mask_without_rs():
+    # rho = [1, 3, 0.25, -]; the last token is masked and holds inf in both log-probs
+    old = jnp.array([[-1.0, -1.0, -1.0, INF]])
+    behaviour = old - jnp.log(jnp.array([[1.0, 3.0, 0.25, 1.0]]))
+    given = jnp.array([[True, True, True, False]])
+    for correction in ("rs", "tis+rs", "sis+rs"):
+        keep = rs_token_mask(PolicyLossConfig(correction=correction), old, behaviour, given)
+        np.testing.assert_array_equal(keep, [[True, False, False, False]])
+    keep = rs_token_mask(PolicyLossConfig(correction="rs", rs_threshold_lower=0.2), old,
+                         behaviour, given)
+    np.testing.assert_array_equal(keep, [[True, False, True, False]])
+    for correction in ("none", "mis", "tis", "geo-rs"):  # no RS (a menu mask is its own)
+        assert rs_token_mask(PolicyLossConfig(correction=correction), old, behaviour,
+                             given) is given
 
 
 def test_rs_mask_reaches_sis_and_gspo_sequence_mean():

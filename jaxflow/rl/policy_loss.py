@@ -302,6 +302,28 @@ def aggregate(token_loss: jax.Array, mask: jax.Array, agg: str) -> jax.Array:
 # ----------------------------------------------------------------------------- the loss
 
 
+def rs_token_mask(config: PolicyLossConfig, old_logp: jax.Array, behaviour_logp: jax.Array | None,
+                  given: jax.Array) -> jax.Array:
+    """[B, T] bool: the tokens of ``given`` that RS keeps (verl's token rejection sampling:
+    ``rs_threshold_lower <= pi_old / mu <= rs_threshold``, :attr:`PolicyLossConfig.rs_bounds`);
+    ``given`` itself when ``config`` uses no RS. The one RS mask: :func:`policy_loss` and the
+    GRPO step's KL / entropy terms (``jaxflow.rl.grpo_step``) both take it.
+
+    old_logp, behaviour_logp: [B, T] pi_old's and the sampler's log-probs of the sampled tokens;
+      entries outside ``given`` may hold anything (even inf): they are zeroed first.
+    given: [B, T] bool response mask."""
+    if not config.uses_rs:
+        return given
+    dtype = jnp.promote_types(old_logp.dtype, jnp.float32)
+
+    def clean(x):
+        return jnp.where(given, x.astype(dtype), jnp.zeros((), dtype))
+
+    low, high = config.rs_bounds
+    return jnp.logical_and(given, corrections.rs_keep_mask(clean(old_logp), clean(behaviour_logp),
+                                                           low, high))
+
+
 def policy_loss(
     logp: jax.Array,
     old_logp: jax.Array,
@@ -370,11 +392,7 @@ def policy_loss(
     def clean(x, m):  # masked entries -> 0 so inf/nan padding can't reach the loss or grad
         return jnp.where(m, x.astype(dtype), jnp.zeros((), dtype))
 
-    keep = given
-    if config.uses_rs:  # verl's rejection sampling: out-of-range tokens leave the mask
-        low, high = config.rs_bounds
-        keep = jnp.logical_and(given, corrections.rs_keep_mask(
-            clean(old_logp, given), clean(behaviour_logp, given), low, high))
+    keep = rs_token_mask(config, old_logp, behaviour_logp, given)  # out-of-range tokens leave it
     menu = None
     if config.correction in correction_menu.MENU:  # a menu correction: its mask, then its weights
         menu = correction_menu.menu_correction(config.correction, config.menu, clean(old_logp, given),
