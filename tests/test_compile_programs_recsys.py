@@ -72,26 +72,27 @@ def test_bench_embedding_vocab_sizes_must_match_the_tables():
 
 
 def test_dlrm_programs_take_the_runs_arrays():
-    """train/step and eval/predict get the state ``build`` makes and the batches
-    ``place_batch`` places: same tree, shapes, dtypes, shardings."""
-    from jaxflow.main.dlrm_train import build, place_batch
+    """train/step and eval/predict get the arrays of the state ``DLRMSystem.init`` makes and the
+    batches ``place_batch`` places: same tree, shapes, dtypes, shardings."""
+    from jaxflow.recsys import DLRMSystem, place_batch
 
     overrides = ["data.vocab_sizes=583,12517,100000", "model.embed_dim=8", "model.bottom=16",
                  "model.top=16", "train.batch_size=64"]
     config, _, programs = _programs("dlrm_train", overrides)
     assert [p.name for p in programs] == ["train/step", "eval/predict"]
-    data, _, state, _, _ = build(config)
-    ids, rest = place_batch(config.mesh.make(), data.train(0, config.train.batch_size))
+    mesh = config.mesh.make()
+    state = DLRMSystem().init(config, {"mesh": mesh}, jax.random.key(config.seed))
+    ids, rest = place_batch(mesh, state.data.train(0, config.train.batch_size))
     step, predict = programs
-    assert _like(step.args) == _like((state, ids, rest))
-    assert _like(predict.args) == _like((state["emb"]["tables"], state["dense"].params, ids, rest))
+    assert _like(step.args) == _like(({"emb": state.emb, "dense": state.dense}, ids, rest))
+    assert _like(predict.args) == _like((state.emb["tables"], state.dense.params, ids, rest))
     assert step.kind == "train" and predict.kind == "forward" and step.tokens == 64
     assert step.model_flops == 3 * predict.model_flops > 0
     assert "row-wise" in step.note and "table-wise" in step.note and "replicated" in step.note
 
 
 def test_dlrm_model_flops_by_hand():
-    from jaxflow.main.dlrm_train import dense_model_flops, make_model
+    from jaxflow.recsys import dense_model_flops, make_model
 
     config = experiments()["dlrm_train"].get_config("quick")
     config = dataclasses.replace(config, model=dataclasses.replace(
@@ -105,7 +106,7 @@ def test_dlrm_model_flops_by_hand():
 
 
 def test_bench_embedding_programs_take_the_runs_arrays():
-    from jaxflow.main.bench_embedding import make_steps
+    from jaxflow.embeddings.bench import make_steps
 
     overrides = ["num_tables=2", "vocab_size=800", "dim=8", "batch_size=64", "kernel_vocab=64",
                  "kernel_bags=16"]
@@ -127,8 +128,9 @@ def test_bench_embedding_programs_take_the_runs_arrays():
 def test_nestpipe_programs_take_the_runs_arrays():
     """Every stage program's abstract arguments equal the arrays one real sync / dbp+fwp /
     sync_accum step hands it (routing, owner buffers, unique rows, batch)."""
-    from jaxflow.main.nestpipe import build
+    from jaxflow.nestpipe import NestPipeSystem
     from jaxflow.nestpipe.host_io import HostShards
+    from jaxflow.nestpipe.model import resolve_meshes
     from jaxflow.nestpipe.stages import load_batch, to_device
 
     overrides = ["vocab_sizes=60,40,25", "multi_hot=3", "embed_dim=8", "bottom=16", "top=16",
@@ -139,7 +141,8 @@ def test_nestpipe_programs_take_the_runs_arrays():
                              "N1-per_micro_batch/compute", "N2-per_micro_batch/route",
                              "N2-per_micro_batch/frozen", "N2-per_micro_batch/patch",
                              "N2-window/route", "N2-window/exchange", "N2-window/compute"]
-    gen, _, tables, dense, _, parts_for = build(config)
+    state = NestPipeSystem().init(config, resolve_meshes(config))
+    gen, tables, dense, parts_for = state.runtime.gen, state.tables, state.dense, state.runtime.parts
     for pipeline, prefix in (("sync", "N1-per_micro_batch"), ("dbp+fwp", "N2-per_micro_batch"),
                              ("sync_accum", "N2-window")):
         st = parts_for(pipeline, tables).stages

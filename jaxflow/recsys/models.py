@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxflow.compile_only.program import count_params
+
 
 class MLP(nnx.Module):
     """Linear layers with ReLU between them (and after the last when ``final_relu``)."""
@@ -99,3 +101,16 @@ def functional(model: nnx.Module):
         return nnx.merge(graphdef, params)(dense, sparse)
 
     return params, apply
+
+
+def dense_model_flops(arch: str, params, batch: int, num_tables: int, dim: int, *,
+                      train: bool = True) -> float:
+    """Analytic FLOPs of the dense model on ``batch`` samples: forward 2 x params x batch (every
+    weight multiplies once per sample; biases and activations are noise) plus, for DLRM, the
+    dot interaction 2 x batch x (T+1)^2 x D; a training step is 3 x the forward (backward:
+    the gradients of the activations and of the weights). The embedding lookups and the
+    sparse update move rows, they do not multiply."""
+    forward = 2.0 * count_params(params) * batch
+    if arch == "dlrm":
+        forward += 2.0 * batch * (num_tables + 1) ** 2 * dim
+    return 3.0 * forward if train else forward
