@@ -1,4 +1,5 @@
-"""Decoupled encoder/backbone gradients == monolithic gradients for the same samples.
+"""Decoupled encoder/backbone gradients == monolithic gradients for the same samples, directly
+and through :class:`jaxflow.flow.system.FlowTrainSystem`.
 
 Tolerance (f32): the two paths sum the same terms in a different order and on different meshes
 (encoder on 2 devices, backbone on 4, monolithic on 8), so round-off differs; we require
@@ -6,6 +7,7 @@ max |g_dec - g_mono| <= 1e-5 * max |g_mono| + 1e-7 per parameter leaf. One-step-
 training (run_ahead=1) must differ from strict training by far more than that.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -23,13 +25,16 @@ from jaxflow.flow.decoupled import (
 )
 from jaxflow.flow.digits_data import DigitsConfig, step_samples, tokenizer
 from jaxflow.flow.packing import CostModel
-from jaxflow.flow.steps import backbone_grads, build_sides, encoder_forward, encoder_grads, monolithic_grads
+from jaxflow.flow.steps import backbone_grads, encoder_forward, encoder_grads, monolithic_grads
+from jaxflow.flow.system import FlowTrainSystem, host_copy, make_sides
 from jaxflow.flow.vit import ViTConfig
+from jaxflow.flow.vlm import AttentionBackend
 from jaxflow.mesh import make_mesh, role_meshes
 from jaxflow.models.transformer import TransformerConfig
+from jaxflow.system import check_system, is_system_state
 from jaxflow.train.lm_state import OptimConfig
 
-VIT = ViTConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, out_dim=32)
+VIT = ViTConfig(patch_size=4, max_grid=8, d_model=16, n_layers=1, n_heads=2, d_ff=32, out_dim=32)
 LM = TransformerConfig(vocab_size=tokenizer().vocab_size, d_model=32, n_layers=2, n_heads=4,
                        n_kv_heads=2, d_ff=64, max_seq_len=512)
 PACK = PackingConfig(token_budget=320, row_granularity=32)
@@ -46,12 +51,37 @@ def _close(a, b):
         assert np.abs(x - y).max() <= tol, (jax.tree_util.keystr(path), np.abs(x - y).max(), tol)
 
 
+SPLIT = "2(2x1)+4(4x1)"
+
+
+def _config(run_ahead: int = 0):
+    """The flowtrain quick config on these small models (10 optimizer steps: the horizon of
+    the sides below, so the System's sides are the same objects and share compilations)."""
+    from configs.flowtrain import get_config
+
+    c = get_config("quick")
+    return dataclasses.replace(
+        c, vit=VIT, model=LM, packing=FIXED_ROWS, optim=OptimConfig(warmup_steps=1),
+        train=dataclasses.replace(c.train, warmup_rounds=0, rounds=5, block_steps=2,
+                                  batch_size=8, eval_examples=8),
+        flow=dataclasses.replace(c.flow, run_ahead=run_ahead, pool_capacity=4, attention="xla"))
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    """The meshes of ``setup``'s sides, named as ``jaxflow.flow.meshes.resolve_meshes`` does."""
+    full = make_mesh({"data": 8})
+    roles = role_meshes({"encoder": 2, "backbone": 4})
+    return {"monolithic": full, f"encoder/{SPLIT}": roles["encoder"],
+            f"backbone/{SPLIT}": roles["backbone"]}
+
+
 @pytest.fixture(scope="module")
 def setup():
     full = make_mesh({"data": 8})
     roles = role_meshes({"encoder": 2, "backbone": 4})
-    mono = build_sides(VIT, LM, full, full, OptimConfig(warmup_steps=1), 10)
-    dec = build_sides(VIT, LM, roles["encoder"], roles["backbone"], OptimConfig(warmup_steps=1), 10)
+    mono = make_sides(_config(), full, full, AttentionBackend.XLA)
+    dec = make_sides(_config(), roles["encoder"], roles["backbone"], AttentionBackend.XLA)
     enc_state, bb_state = mono.init(jax.random.key(0))
     samples = step_samples(DATA, seed=0, step=0, batch_size=12)
     return mono, dec, enc_state, bb_state, samples
@@ -88,22 +118,57 @@ def test_decoupled_grads_equal_monolithic(setup):
     assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(g_enc_m)) > 1e-6
 
 
-def test_strict_trainer_has_no_staleness_and_run_ahead_does(setup):
+def test_strict_trainer_has_no_staleness_and_run_ahead_does(setup, meshes):
+    """Through the System (the decoupled arm) and, for run_ahead=1, the trainer itself."""
     _, dec, enc_state, bb_state, _ = setup
     steps = [(k, step_samples(DATA, seed=0, step=k, batch_size=8)) for k in range(3)]
-
-    def train(run_ahead):
-        e, b = dec.place(enc_state, bb_state)  # fresh buffers: steps donate their input
-        tr = DecoupledTrainer(dec, e, b, packing=FIXED_ROWS, cost=COST, run_ahead=run_ahead,
-                              pool_capacity=4)
-        out = tr.run(steps)
-        return tr, [r["staleness"] for r in out]
-
-    strict, st0 = train(0)
-    ahead, st1 = train(1)
+    system = FlowTrainSystem("decoupled", SPLIT)
+    state = system.start(_config(0), meshes, enc_state, bb_state)
+    assert state.sides is dec  # the System's sides are the run's: shared compilations
+    strict, out = system.step(state, steps)
+    st0 = [r["staleness"] for r in out["results"]]
+    e, b = dec.place(enc_state, bb_state)  # fresh buffers: steps donate their input
+    ahead = DecoupledTrainer(dec, e, b, packing=FIXED_ROWS, cost=COST, run_ahead=1,
+                             pool_capacity=4)
+    st1 = [r["staleness"] for r in ahead.run(steps)]
     assert st0 == [0, 0, 0]
     assert st1[0] == 0 and max(st1) == 1
-    assert strict.pool.stats()["max_occupancy"] <= 4
+    assert out["pool"]["max_occupancy"] <= 4 and out["pool"]["puts"] == 24
     diff = max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(
-        jax.tree.leaves(strict.enc_state.params), jax.tree.leaves(ahead.enc_state.params)))
+        jax.tree.leaves(strict.enc.params), jax.tree.leaves(ahead.enc_state.params)))
     assert diff > 1e-4  # stale encoder gradients change the result far beyond f32 round-off
+
+
+def test_flowtrain_system_step_is_the_trainers_and_equals_monolithic(setup, meshes):
+    """``FlowTrainSystem.step`` (decoupled arm) is bit for bit a ``DecoupledTrainer`` run on the
+    same state; the monolithic_packed arm from the same parameters has the same losses (f32
+    tolerance of the module docstring) and zero staleness."""
+    _, dec, enc_state, bb_state, _ = setup
+    config = _config(0)
+    systems = {m: FlowTrainSystem(m, SPLIT if m == "decoupled" else None)
+               for m in ("decoupled", "monolithic_packed")}
+    for name, system in systems.items():
+        assert check_system(system, name) == []
+    with pytest.raises(ValueError, match="mode='decoupled' split=None"):
+        FlowTrainSystem("decoupled")
+    steps = [(k, step_samples(DATA, seed=0, step=10 + k, batch_size=8)) for k in range(2)]
+    host = host_copy(enc_state), host_copy(bb_state)
+    state = systems["decoupled"].start(config, meshes, *host)
+    assert is_system_state(state) and len(jax.tree.leaves(state)) == len(jax.tree.leaves(host))
+    new, out = systems["decoupled"].step(state, steps)
+    e, b = dec.place(*host)
+    trainer = DecoupledTrainer(dec, e, b, packing=FIXED_ROWS, cost=COST, pool_capacity=4)
+    rows = trainer.run(steps)
+    for x, y in zip(jax.tree.leaves((new.enc, new.bb)),
+                    jax.tree.leaves((trainer.enc_state, trainer.bb_state))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert [float(r["metrics"]["loss"]) for r in out["results"]] == [
+        float(r["metrics"]["loss"]) for r in rows]
+    mono, mono_out = systems["monolithic_packed"].step(
+        systems["monolithic_packed"].start(config, meshes, *host), steps)
+    for r_d, r_m in zip(out["results"], mono_out["results"]):
+        loss_d, loss_m = float(r_d["metrics"]["loss"]), float(r_m["metrics"]["loss"])
+        assert abs(loss_d - loss_m) <= 1e-5 * abs(loss_m), (loss_d, loss_m)
+        assert r_m["staleness"] == 0
+    accuracy = systems["decoupled"].evaluate(new)["heldout_accuracy"]
+    assert 0.0 <= accuracy <= 1.0

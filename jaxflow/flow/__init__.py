@@ -11,6 +11,10 @@ Modules (one idea each):
   monolithic   the whole VLM as one step on one mesh (padded or packed rows)
   decoupled    encoder and backbone on disjoint sub-meshes joined by the pool
   allocator    throughput-matching split of the devices
+  meshes       the monolithic mesh and each candidate split's encoder / backbone sub-meshes
+  system       FlowTrainSystem: the decoupled trainer (and the monolithic arms) as a System
+  profile      the allocator run: profile each candidate split, choose one; matmul peak
+  report       the metrics row of a step and the run's summary
 
 The ``flowtrain`` and ``bench_packing`` experiments live in ``jaxflow/main/``.
 """
@@ -22,6 +26,7 @@ from jaxflow.flow.digits_data import DigitsConfig, Sample, heldout_samples, step
 from jaxflow.flow.monolithic import MonolithicTrainer
 from jaxflow.flow.packing import ALGORITHMS, CostModel, OverBudgetError, Packing, pack
 from jaxflow.flow.pool import EmbeddingPool, PoolClosed
+from jaxflow.flow.system import MODES, FlowTrainState, FlowTrainSystem
 from jaxflow.flow.vit import PatchBatch, ViTConfig, ViTEncoder, pack_patches
 
 __all__ = [
@@ -32,4 +37,5 @@ __all__ = [
     "EmbeddingPool", "PoolClosed",
     "MonolithicTrainer", "DecoupledTrainer",
     "Allocation", "ParallelConfig", "allocate",
+    "MODES", "FlowTrainState", "FlowTrainSystem",
 ]

@@ -14,7 +14,7 @@ lets the encoder run up to d steps ahead; the gradients it then receives were co
 embeddings of parameters ``staleness`` updates old (reported per step).
 
 Across processes (multi-controller JAX, both sub-meshes spanning every process, see
-``jaxflow.main.flowtrain._split_meshes``) every process must start the same programs in the
+``jaxflow.flow.meshes.split_meshes``) every process must start the same programs in the
 same order, and the CPU / GPU runtimes start one collective program at a time in launch order:
 two threads launching in a timing-dependent order could deadlock. So there producer and
 consumer run on the caller's thread in one fixed order, fwd 0..d, then per block step k:
