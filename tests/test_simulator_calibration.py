@@ -216,3 +216,11 @@ def test_a_run_records_its_own_provenance(tmp_path):
     assert p["machine"]["cpu_count"] >= 1 and p["command"].startswith("python")
     assert provenance.current_command(["/x/jaxflow/run.py", "--exp=nestpipe", "--set", "a=b c"]) \
         == "python -m jaxflow.run --exp=nestpipe --set 'a=b c'"
+    # one writer for both simulators, each with its own measured paths and record
+    path = marl_sim.write_calibration_from_run(str(tmp_path / "m.json"), FLEXMARL_SUMMARY,
+                                               experiment="flexmarl", variant="quick", devices=8)
+    record = json.loads(pathlib.Path(path).read_text())
+    assert record["provenance"]["measured_paths"] == list(marl_sim.MEASURED_PATHS)
+    assert record["provenance"]["experiment"] == "flexmarl" and "samples_per_s" in record["values"]
+    assert marl_sim.write_calibration_from_run.func is np_sim.write_calibration_from_run.func \
+        is provenance.write_calibration_from_run
