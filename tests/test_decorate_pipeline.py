@@ -92,3 +92,45 @@ def test_budget_larger_than_corpus_is_a_config_error(tmp_path):
     cfg = dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, token_budget=10**9))
     with pytest.raises(ConfigError, match="token_budget=1000000000 exceeds the corpus's"):
         main(cfg, standalone_context("decoratelm", out_dir=str(tmp_path)))
+
+
+def test_student_system_steps_are_distills(student):
+    """``DecorateStudentSystem`` run by ``run_steps`` on ``StudentBatches`` reproduces
+    ``distill`` bit for bit (same key, batches and steps); its programs lower and ``evaluate``
+    scores the held-out texts."""
+    from jaxflow.decorate.system import DecorateStudentSystem, StudentBatches, StudentHeldout
+    from jaxflow.system import check_system, is_system_state
+    from jaxflow.train.loop import last_row, run_steps
+
+    _, params, docs, tok, last, _ = student
+    base = cfg_mod.get_config("quick")
+    config = dataclasses.replace(
+        base, corpus=dataclasses.replace(base.corpus, max_chars=T),
+        student=dataclasses.replace(base.student, d_model=16, n_layers=1, n_heads=2, d_ff=32,
+                                    steps=20, batch_size=8, lr=1e-2))
+    texts = [d.text for d in docs]
+    teacher = ProgrammaticTeacher(H)
+    tokens, valid = ST.encode_texts(texts, tok, T)
+    data = StudentBatches(tokens, valid, ST.zscore(teacher.features(texts))[0], teacher.tag(texts),
+                          ST.pad_ops(teacher.edit_ops(texts), T))
+    held = StudentHeldout(tokens[:8], valid[:8], teacher.features(texts[:8]), teacher.tag(texts[:8]),
+                          texts[:8], teacher.edit(texts[:8]), batch_size=8)
+    system = DecorateStudentSystem(held)
+    assert check_system(system) == []
+    meshes = {"mesh": make_mesh({"data": 8})}
+    k_init, k_data = jax.random.split(jax.random.key(1))
+    state = system.init(config, meshes, k_init)
+    assert is_system_state(state)
+    batches = ST.batch_order(k_data, len(texts), 8)
+    result = run_steps(lambda s, step: system.step(s, data.batch(next(batches))), state, steps=20,
+                       summarize=last_row)
+    for x, y in zip(jax.tree.leaves(result.state.train.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert ST.host_floats(result.last_metrics) == last
+    scores = system.evaluate(result.state)
+    assert set(scores) >= {"spearman_mean", "edit_similarity", "tag_accuracy/level1"}
+    assert all(isinstance(v, float) for v in scores.values())
+    programs = system.programs(config, meshes)
+    assert [p.name for p in programs] == ["student/step", "student/predict"]
+    for p in programs:
+        p.fn.lower(*p.args)

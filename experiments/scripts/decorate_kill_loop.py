@@ -73,8 +73,8 @@ def _write_corpus(path: pathlib.Path, docs: int) -> tuple[int, int]:
     batch size)."""
     from configs import decoratelm as cfg_mod
     from jaxflow.decorate import corpus as C
+    from jaxflow.decorate.mixture import build_corpus
     from jaxflow.decorate.tagging import default_hierarchy
-    from jaxflow.main.decoratelm import build_corpus
 
     cfg = cfg_mod.get_config("quick")
     pool = build_corpus(cfg.corpus, default_hierarchy(), cfg.seed)[0]

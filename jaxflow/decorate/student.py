@@ -17,7 +17,7 @@ over the mesh's "data" axis and the (small) parameters replicated; :func:`distil
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -190,15 +190,10 @@ def distill(fns: StudentFunctions, *, tokens: np.ndarray, valid: np.ndarray, rat
     if batch_size > n:
         raise ValueError(f"student batch_size={batch_size} exceeds the {n} annotated texts")
     targets, _, _ = zscore(ratings)
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps, lr * 0.1),
-                     weight_decay=0.01)
     k_init, k_data = jax.random.split(key)
-    params = init_student(fns, k_init)
-    replicated = NamedSharding(fns.batch_sharding.mesh, PartitionSpec())
-    state = jax.device_put(TrainState.create(tx, params), replicated)
+    state = init_student_state(fns, student_optimizer(lr, steps), k_init)
     train_step = make_student_train_step(fns, edit_nonkeep_weight=edit_nonkeep_weight)
-    rng = np.random.default_rng(np.asarray(jax.random.key_data(k_data)).ravel().astype(np.uint32))
-    batches = _epoch_batches(rng, n, batch_size)
+    batches = batch_order(k_data, n, batch_size)
 
     def step_fn(state, step):
         idx = next(batches)
@@ -207,12 +202,33 @@ def distill(fns: StudentFunctions, *, tokens: np.ndarray, valid: np.ndarray, rat
 
     def log_row(done, state, row):
         if log is not None and (done % 50 == 0 or done == steps):
-            log(done, _host_floats(row))
+            log(done, host_floats(row))
 
     # rows stay on device (summarize: the step's own metrics): only a logged step waits
     result = run_steps(step_fn, state, steps=steps, summarize=last_row,
                        hooks=[log_row])
-    return result.state.params, _host_floats(result.last_metrics or {})
+    return result.state.params, host_floats(result.last_metrics or {})
+
+
+def student_optimizer(lr: float, steps: int) -> optax.GradientTransformation:
+    """AdamW (weight decay 0.01) with 10% linear warmup to ``lr`` and cosine decay to
+    ``lr / 10`` over ``steps``."""
+    return optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps,
+                                                          lr * 0.1), weight_decay=0.01)
+
+
+def init_student_state(fns: StudentFunctions, tx: optax.GradientTransformation,
+                       key: jax.Array) -> TrainState:
+    """A fresh :class:`TrainState` (parameters from ``key``, optimizer ``tx``), replicated."""
+    replicated = NamedSharding(fns.batch_sharding.mesh, PartitionSpec())
+    return jax.device_put(TrainState.create(tx, init_student(fns, key)), replicated)
+
+
+def batch_order(key: jax.Array, n: int, batch_size: int) -> Iterator[np.ndarray]:
+    """Endless minibatch indices ``[batch_size]`` into ``n`` texts, seeded by ``key``:
+    consecutive slices of a fresh permutation per epoch."""
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().astype(np.uint32))
+    return _epoch_batches(rng, n, batch_size)
 
 
 def _epoch_batches(rng: np.random.Generator, n: int, batch_size: int):
@@ -226,8 +242,8 @@ def _epoch_batches(rng: np.random.Generator, n: int, batch_size: int):
         pos += batch_size
 
 
-def _host_floats(metrics) -> dict:
-    """Device scalars -> host floats."""
+def host_floats(metrics) -> dict[str, float]:
+    """Device scalars ``{name: []}`` -> host floats."""
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
