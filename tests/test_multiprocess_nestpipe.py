@@ -42,31 +42,32 @@ def test_forced_multiprocess_path_equals_default_in_one_process():
     """The multi-process path (per-shard placement, replicated routing outputs, the launch
     order, the table merge) run in one process: the two threaded schedules' states after 2
     steps equal the default path's, bit for bit (seconds; no gloo)."""
+    import dataclasses
+
     from configs.nestpipe import Config
-    from jaxflow.main import nestpipe as m
+    from jaxflow.nestpipe import NestPipeSystem
+    from jaxflow.nestpipe.exactness import snapshot
+    from jaxflow.nestpipe.model import resolve_meshes
     from jaxflow.nestpipe.sharded import MeshStages
+    from jaxflow.nestpipe.system import NestPipeRuntime
 
     cfg = Config(vocab_sizes=(60, 40, 25, 9), multi_hot=3, embed_dim=8, bottom=(16,), top=(16,),
                  batch_size=64, micro_batches=2, steps=2)
-    gen, specs, tables0, dense0, apply, parts_for = m.build(cfg)
-    forced = {}
+    state0 = NestPipeSystem().init(cfg, resolve_meshes(cfg))
+    rt = state0.runtime
+    forced_stages = {key: MeshStages(
+        rt.specs, base.mesh, base.optimizer, rt.apply, batch_size=cfg.batch_size,
+        multi_hot=cfg.multi_hot, micro_batches=base.n, capacity=base.capacity,
+        bucket_capacity=base.bucket_capacity, owner_capacity=base.owner_capacity,
+        frozen_exchange=base.frozen_exchange, pooling_backend=cfg.pooling_backend,
+        multiprocess=True) for key, base in rt.stages.items()}
+    forced = dataclasses.replace(state0, runtime=NestPipeRuntime(cfg, rt.mesh, rt.gen, rt.specs,
+                                                                 rt.apply, forced_stages))
     for pipeline in ("sparse_dist", "dbp"):
-        base = parts_for(pipeline, None).stages
-        forced.setdefault(id(base), MeshStages(
-            specs, base.mesh, base.optimizer, apply, batch_size=cfg.batch_size,
-            multi_hot=cfg.multi_hot, micro_batches=base.n, capacity=base.capacity,
-            bucket_capacity=base.bucket_capacity, owner_capacity=base.owner_capacity,
-            frozen_exchange=base.frozen_exchange, pooling_backend=cfg.pooling_backend,
-            multiprocess=True))
-        assert forced[id(base)].multiprocess and not base.multiprocess
-        d1, t1, st1 = m.train(cfg, pipeline, tables0, dense0, parts_for, 2)
-
-        def forced_parts(p, tables, base=base):
-            parts = parts_for(p, tables)
-            parts.stages = forced[id(base)]
-            return parts
-
-        d2, t2, st2 = m.train(cfg, pipeline, tables0, dense0, forced_parts, 2)
+        base, other = rt.stages_for(pipeline), forced.runtime.stages_for(pipeline)
+        assert other.multiprocess and not base.multiprocess
+        s1, st1 = NestPipeSystem(pipeline).train(state0, 2)
+        s2, st2 = NestPipeSystem(pipeline).train(forced, 2)
         assert st1["losses"] == st2["losses"], pipeline
-        a, b = jax.tree.leaves(m.snapshot(d1, t1)), jax.tree.leaves(m.snapshot(d2, t2))
+        a, b = jax.tree.leaves(snapshot(s1)), jax.tree.leaves(snapshot(s2))
         assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True)), pipeline

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from configs.nestpipe import Config
-from jaxflow.main.nestpipe import build, max_relative_diff, one_step_diffs, snapshot, train
 from jaxflow.nestpipe import (
+    NestPipeSystem,
     clone_tables,
     cluster_order,
     cluster_samples,
@@ -22,8 +22,12 @@ from jaxflow.nestpipe import (
     run_pipeline,
     shard_micro_batch_transfers,
 )
+from jaxflow.nestpipe.exactness import max_relative_diff, one_step_diffs, snapshot
 from jaxflow.nestpipe.host_io import HostShards
+from jaxflow.nestpipe.model import resolve_meshes
 from jaxflow.nestpipe.pipelines import PIPELINES
+from jaxflow.nestpipe.system import NestPipeState, UnknownPipelineError
+from jaxflow.system import check_system, is_system_state
 
 # tiny tables and a Zipf sampler: consecutive batches share most keys (a missing patch shows)
 SMALL = Config(vocab_sizes=(60, 40, 25, 9), multi_hot=3, embed_dim=8, bottom=(16,), top=(16,),
@@ -40,18 +44,22 @@ def test_the_session_has_8_devices():
     assert jax.device_count() >= 8, "tests/conftest.py must give 8 fake CPU devices"
 
 
+def init(config):
+    """The initial NestPipe state of ``config`` on its mesh."""
+    return NestPipeSystem().init(config, resolve_meshes(config))
+
+
 @pytest.fixture(scope="module")
 def setup():
-    return build(SMALL)
+    return init(SMALL)
 
 
 @pytest.fixture(scope="module")
 def finals(setup):
-    _, _, tables0, dense0, _, parts_for = setup
     out, stats = {}, {}
     for p in ("sync", "dbp", "semi_sync", "fwp", "dbp+fwp", "sparse_dist", "sync_accum"):
-        dense, tables, stats[p] = train(SMALL, p, tables0, dense0, parts_for, STEPS)
-        out[p] = snapshot(dense, tables)
+        state, stats[p] = NestPipeSystem(p).train(setup, STEPS)
+        out[p] = snapshot(state)
     return out, stats
 
 
@@ -60,10 +68,51 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_nestpipe_system_satisfies_the_protocol(setup):
+    assert check_system(NestPipeSystem("dbp"), "nestpipe") == []
+    assert is_system_state(setup) and isinstance(setup, NestPipeState)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setup.dense = None
+    # the tables and the dense state are the pytree's data; the runtime is static
+    leaves = jax.tree.leaves(setup)
+    assert any(x is setup.tables["c0"] for x in leaves)
+    assert not any(x is setup.runtime for x in leaves)
+    metrics = NestPipeSystem().evaluate(setup)
+    assert set(metrics) == {"auc", "logloss"} and all(np.isfinite(v) for v in metrics.values())
+    assert [p.name for p in NestPipeSystem().programs(SMALL, resolve_meshes(SMALL))] == [
+        f"N{n}-{x}/{stage}" for n, x, stages in (
+            (1, "per_micro_batch", ("route", "exchange", "compute", "patch")),
+            (4, "per_micro_batch", ("route", "frozen", "patch")),
+            (4, "window", ("route", "exchange", "compute"))) for stage in stages]
+    with pytest.raises(UnknownPipelineError, match=r"^pipeline='async'; valid: sync, dbp, "):
+        NestPipeSystem("async")
+    fwp_only = init(dataclasses.replace(SMALL, pipelines=("fwp",)))
+    with pytest.raises(UnknownPipelineError, match=r"pipeline='sync_accum': this state was built "
+                       r"for .* valid: sync, dbp, semi_sync, sparse_dist, fwp, dbp\+fwp$"):
+        NestPipeSystem("sync_accum").train(fwp_only, 1)
+
+
+@pytest.mark.parametrize("pipeline", ["dbp", "dbp+fwp"])
+def test_system_step_is_pure_and_equals_one_step_of_the_pipeline(setup, pipeline):
+    before = snapshot(setup)
+    state, metrics = NestPipeSystem(pipeline).step(setup, None, key=jax.random.key(1))
+    assert_trees_equal(snapshot(setup), before)  # the input state is untouched
+    assert int(state.dense.step) == 1 and int(setup.dense.step) == 0
+    # the pipeline run directly on a copy of the tables, from the same dense state
+    tables = clone_tables(setup.tables)
+    dense, stats = run_pipeline(PIPELINES[pipeline][0], setup.runtime.parts(pipeline, tables),
+                                setup.dense, 1)
+    assert metrics == {"loss": stats["losses"][0]}
+    assert_trees_equal(snapshot(state), snapshot(dataclasses.replace(setup, dense=dense,
+                                                                     tables=tables)))
+    # the next step reads batch 1 (the state's step count): two steps == a 2-step run
+    two, _ = NestPipeSystem(pipeline).step(state, None, key=jax.random.key(2))
+    assert_trees_equal(snapshot(two), snapshot(NestPipeSystem(pipeline).train(setup, 2)[0]))
+
+
 def test_runs_on_an_8_device_mesh_with_every_owner_busy(setup, finals):
-    _, _, _, dense0, _, parts_for = setup
-    assert parts_for("sync", None).stages.num_shards == 8
-    assert all(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(dense0))
+    assert setup.runtime.stages_for("sync").num_shards == 8
+    assert all(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(setup.dense))
     _, stats = finals
     assert len(stats["sync"]["owner_rows"]) == 8
     assert min(stats["sync"]["owner_rows"]) > 0  # keys really cross devices
@@ -84,7 +133,7 @@ def test_semi_sync_differs_far_beyond_tolerance(finals):
 def test_fwp_is_the_papers_schedule_on_the_cpu_too(setup):
     """fwp / dbp+fwp: per-micro-batch routing, clustering and All2All (the overlappable
     schedule) on this CPU as on GPU/TPU; the whole window routed once is sync_accum only."""
-    _, _, _, _, _, parts_for = setup
+    parts_for = setup.runtime.parts
     for p in ("fwp", "dbp+fwp"):
         parts = parts_for(p, None)
         assert parts.stages.frozen_exchange == "per_micro_batch", p
@@ -108,8 +157,7 @@ def test_fwp_50_step_drift_is_within_tolerance_and_a_stale_run_is_far_outside(se
     """The paper's schedule over 50 steps from the same start as sync: its reordered sums
     stay within DRIFT_TOL of sync's trajectory; a one-step-stale run (semi_sync) of the same
     50 steps differs by more than 1000x that tolerance."""
-    _, _, tables0, dense0, _, parts_for = setup
-    out = {p: snapshot(*train(SMALL, p, tables0, dense0, parts_for, DRIFT_STEPS)[:2])
+    out = {p: snapshot(NestPipeSystem(p).train(setup, DRIFT_STEPS)[0])
            for p in ("sync", "fwp", "semi_sync")}
     drift = max_relative_diff(out["fwp"], out["sync"])
     stale = max_relative_diff(out["semi_sync"], out["sync"])
@@ -118,9 +166,8 @@ def test_fwp_50_step_drift_is_within_tolerance_and_a_stale_run_is_far_outside(se
 
 
 def test_fwp_one_step_error_is_within_tolerance_at_every_step(setup):
-    _, _, tables0, dense0, _, parts_for = setup
     for p in ("fwp", "sync_accum"):
-        diffs = one_step_diffs(p, tables0, dense0, parts_for, 6)
+        diffs = one_step_diffs(p, setup, 6)
         assert max(diffs) <= TOL_PER_STEP, (p, diffs)
 
 
@@ -142,27 +189,22 @@ def test_dbp_fwp_is_bit_identical_to_fwp(finals):
 def test_mesh_all2all_matches_one_device(setup):
     """8 devices (keys routed to owners, rows back by All2All, dense grads AllReduced) vs a
     1-device mesh (no exchange): the same step up to the order of the batch sum."""
-    _, _, tables0, dense0, _, parts_for = setup
-    one = dataclasses.replace(SMALL, devices=1)
-    _, _, tables1, dense1, _, parts1 = build(one)
-    diffs = []
-    tab8, tab1, s8, s1 = clone_tables(tables0), clone_tables(tables1), dense0, dense1
-    for t in range(3):
-        s8, _ = run_pipeline("sync", parts_for("sync", tab8), s8, 1, start=t)
-        s1, _ = run_pipeline("sync", parts1("sync", tab1), s1, 1, start=t)
-        diffs.append(max_relative_diff(snapshot(s8, tab8), snapshot(s1, tab1)))
-        s1 = jax.device_put(jax.device_get(s8), jax.tree.map(lambda x: x.sharding, dense1))
-        tab1 = clone_tables(tab8)
+    one = init(dataclasses.replace(SMALL, devices=1))
+    sync, diffs, s8, s1 = NestPipeSystem("sync"), [], setup, one
+    for _ in range(3):
+        s8, _ = sync.train(s8, 1)
+        s1, _ = sync.train(s1, 1)
+        diffs.append(max_relative_diff(snapshot(s8), snapshot(s1)))
+        dense1 = jax.device_put(jax.device_get(s8.dense), jax.tree.map(lambda x: x.sharding, one.dense))
+        s1 = dataclasses.replace(one, dense=dense1, tables=clone_tables(s8.tables))
     assert 0.0 < max(diffs) <= TOL_PER_STEP, diffs  # > 0: the sums really were split
 
 
 def test_clustering_keeps_the_full_batch_update(setup):
-    gen, specs, tables0, dense0, _, parts_for = setup
-    one = dataclasses.replace(SMALL, cluster=False)
-    _, _, _, _, _, parts_plain = build(one)
-    d_c, t_c, _ = train(SMALL, "fwp", tables0, dense0, parts_for, 1)
-    d_p, t_p, _ = train(one, "fwp", tables0, dense0, parts_plain, 1)
-    assert max_relative_diff(snapshot(d_c, t_c), snapshot(d_p, t_p)) <= TOL_PER_STEP
+    gen, fwp = setup.runtime.gen, NestPipeSystem("fwp")
+    plain = dataclasses.replace(setup, runtime=init(dataclasses.replace(SMALL, cluster=False)).runtime)
+    clustered, unclustered = fwp.train(setup, 1)[0], fwp.train(plain, 1)[0]
+    assert max_relative_diff(snapshot(clustered), snapshot(unclustered)) <= TOL_PER_STEP
     sp = gen.batch(0, 256)["sparse"]
     for method in ("vote", "greedy"):
         order = cluster_samples(sp, 8, method)
@@ -191,13 +233,12 @@ def test_clustering_keeps_the_full_batch_update(setup):
 
 
 def test_patch_copies_exactly_the_shared_rows(setup):
-    _, _, tables0, dense0, _, parts_for = setup
     src, dst, n = intersection_slots(np.array([1, 4, 7, 9]), np.array([0, 4, 9, 12]), 6)
     assert n == 2 and src[:2].tolist() == [1, 3] and dst[:2].tolist() == [1, 2]
     assert (dst[2:] == 6).all()  # padding slots are dropped by the scatter
     # on the mesh: prefetch batch 1 from the untouched tables, patch from a fake updated batch 0
     from jaxflow.nestpipe.pipelines import prefetch
-    parts = parts_for("sync", clone_tables(tables0))
+    parts = setup.runtime.parts("sync", clone_tables(setup.tables))
     st, shards = parts.stages, HostShards(parts.stages, parts.tables)
     try:
         a, b = prefetch(parts, shards, 0, {}), prefetch(parts, shards, 1, {})
@@ -221,12 +262,10 @@ def test_patch_copies_exactly_the_shared_rows(setup):
 
 def test_capacity_overflow_raises_never_drops(setup):
     from jaxflow.embeddings import CapacityOverflowError
-    _, _, tables0, dense0, _, _ = setup
     for field in ("owner_capacity", "bucket_capacity"):
-        small = dataclasses.replace(SMALL, **{field: 2})
-        _, _, _, _, _, parts_small = build(small)
+        small = init(dataclasses.replace(SMALL, **{field: 2})).runtime
         with pytest.raises(CapacityOverflowError, match="capacity"):
-            run_pipeline("sync", parts_small("sync", clone_tables(tables0)), dense0, 1)
+            NestPipeSystem("sync").train(dataclasses.replace(setup, runtime=small), 1)
 
 
 class OneOwnerData:
@@ -243,15 +282,15 @@ class OneOwnerData:
 
 
 def test_a_shard_with_no_ids_works(setup):
-    gen, specs, tables0, dense0, _, parts_for = setup
-    st = parts_for("sync", None).stages
+    gen, specs, tables0 = setup.runtime.gen, setup.runtime.specs, setup.tables
+    st = setup.runtime.stages_for("sync")
     r = {s.name: st.plan.table(s.name).rows_per_shard for s in specs}
     out, stats = {}, {}
     for p in ("sync", "dbp", "fwp", "sync_accum"):
-        parts = parts_for(p, clone_tables(tables0))
+        parts = setup.runtime.parts(p, clone_tables(tables0))
         parts.gen = OneOwnerData(gen, r)
-        dense, stats[p] = run_pipeline(PIPELINES[p][0], parts, dense0, 3)
-        out[p] = snapshot(dense, parts.tables)
+        dense, stats[p] = run_pipeline(PIPELINES[p][0], parts, setup.dense, 3)
+        out[p] = snapshot(dataclasses.replace(setup, dense=dense, tables=parts.tables))
         assert stats[p]["owner_rows"][0] > 0 and stats[p]["owner_rows"][1:] == [0.0] * 7, p
         assert np.isfinite(stats[p]["losses"]).all()
     assert_trees_equal(out["dbp"], out["sync"])
@@ -307,12 +346,12 @@ def _all_to_alls_and_taint(jaxpr):
 def test_frozen_window_row_exchange_is_independent_of_compute(setup, finals):
     """Micro-batch i+1's row All2All must not wait for i's dense compute (so XLA's async
     collectives can overlap them); the gradient All2Alls come after compute."""
-    _, _, tables0, dense0, _, parts_for = setup
+    dense0 = setup.dense
     from jaxflow.nestpipe.pipelines import prefetch
     # fwp's schedule, the paper's (the same on the CPU)
-    parts = parts_for("fwp", clone_tables(tables0))
+    parts = setup.runtime.parts("fwp", clone_tables(setup.tables))
     overlap = parts.stages
-    st = schedule_parts(setup, "batched")("fwp", None).stages
+    st = init(dataclasses.replace(SMALL, frozen_exchange="batched")).runtime.stages_for("fwp")
     assert overlap.frozen_exchange == "per_micro_batch" and st.frozen_exchange == "batched"
     shards = HostShards(overlap, parts.tables)
     try:
@@ -337,7 +376,7 @@ def test_sync_accum_is_the_whole_window_schedule(setup):
     program (the collectives of sync), one gradient All2All after the N micro-batches' compute;
     one step of it equals fwp's (the per-micro-batch window) up to f32 summation order (same
     rows, same math)."""
-    _, _, tables0, dense0, _, parts_for = setup
+    tables0, dense0, parts_for = setup.tables, setup.dense, setup.runtime.parts
     from jaxflow.nestpipe.pipelines import prefetch
     st = parts_for("sync_accum", None).stages
     assert st.frozen_exchange == "window" and st.separate_exchange and st.route_units == 1
@@ -376,8 +415,4 @@ def test_sync_accum_is_the_whole_window_schedule(setup):
     assert sorted(rw) == sorted(rm)
     assert max_relative_diff([rw[k] for k in sorted(rw)], [rm[k] for k in sorted(rm)]) <= TOL_PER_STEP
 
-
-def schedule_parts(setup, frozen_exchange):
-    """A parts factory like ``setup``'s with another frozen-window schedule."""
-    return build(dataclasses.replace(SMALL, frozen_exchange=frozen_exchange))[-1]
 

@@ -95,7 +95,7 @@ def test_nestpipe_batch_not_divisible_by_resolved_devices_is_a_clear_error():
 
 
 def test_nestpipe_capacities_apply_only_on_the_count_they_were_measured_on():
-    from jaxflow.main.nestpipe import capacities
+    from jaxflow.nestpipe.model import capacities
 
     config = experiments()["nestpipe"].get_config("quick")
     assert capacities(config, 8)["capacity"] == config.capacity > 0

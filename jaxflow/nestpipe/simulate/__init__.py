@@ -91,7 +91,9 @@ dbp+fwp stands for NestPipe (the model has no clustering).
 
 Modules: ``network`` (network shape, stage cost model), ``cluster`` (resource clocks),
 ``schedules`` (the pipelines' programs, step times, efficiencies), ``calibration`` (data files,
-the fit). The paper's figures are in ``data/paper_nestpipe.json``.
+the fit), ``scaling`` (the ``nestpipe_scale`` study: the fit from a config, the figures at the
+largest scale, the sensitivities), ``checks`` (the out-of-sample paper checks, what each
+pipeline models, the efficiency plot). The paper's figures are in ``data/paper_nestpipe.json``.
 """
 
 from jaxflow.nestpipe.simulate.calibration import (
@@ -115,16 +117,19 @@ from jaxflow.nestpipe.simulate.calibration import (
     write_calibration,
     write_calibration_from_run,
 )
+from jaxflow.nestpipe.simulate.checks import MODELLED_SCHEDULES, paper_checks, plot_efficiency
 from jaxflow.nestpipe.simulate.cluster import Cluster
 from jaxflow.nestpipe.simulate.network import NetworkShape, StageModel, bandwidth_factor
+from jaxflow.nestpipe.simulate.scaling import ScalingStudy
 from jaxflow.nestpipe.simulate.schedules import EXACT_PIPELINES, PIPELINES, efficiency_table, simulate_steps, step_time
 
 __all__ = [
-    "DEFAULT_CALIBRATION", "EXACT_PIPELINES", "HOST_STAGES", "MEASURED_PATHS",
+    "DEFAULT_CALIBRATION", "EXACT_PIPELINES", "HOST_STAGES", "MEASURED_PATHS", "MODELLED_SCHEDULES",
     "PAPER_ABLATIONS", "PAPER_BASELINE_EFFICIENCY", "PAPER_NESTPIPE_EXPOSED_MS",
     "PAPER_SHARES", "PAPER_TABLE", "PAPER_WORKERS", "PIPELINES", "STAGE_KEYS",
     "bandwidth_factor", "calibrate", "Calibration", "calibration_from_summary",
     "calibration_summary", "CalibrationWarning", "Cluster", "efficiency_table",
-    "fold_rest_into_compute", "load_calibration", "NetworkShape", "simulate_steps",
-    "StageModel", "step_time", "write_calibration", "write_calibration_from_run",
+    "fold_rest_into_compute", "load_calibration", "NetworkShape", "paper_checks",
+    "plot_efficiency", "ScalingStudy", "simulate_steps", "StageModel", "step_time",
+    "write_calibration", "write_calibration_from_run",
 ]
