@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from jaxflow.main.flexmarl import LOCKSTEP, auto_vs_lockstep, fastest_lockstep
+from jaxflow.marl.speedup import LOCKSTEP, auto_vs_lockstep, fastest_lockstep
 from jaxflow.timing import median_of_runs
 
 

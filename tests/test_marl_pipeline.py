@@ -254,3 +254,41 @@ def test_trainer_stopped_after_its_step_resumes_from_stored_upstream_rows(setup,
                          n_inputs=INPUTS, seed=0, store=reopened, resume=True, timeout_s=300)
     assert _bit_equal(resumed.params[-1], strict_run.params[-1])
     assert resumed.params[0]["verifier"] and not resumed.params[0].get("solver")
+
+
+def test_flexmarl_system_step_is_the_lockstep_version_and_evaluate_trains_nothing(setup):
+    # FlexMARLSystem.step (one lockstep version, keyed by version_keys) equals run_sync's
+    # version bit for bit; its state is a frozen pytree of the policies and initial params
+    from configs.flexmarl import get_config
+    from jaxflow.marl.pipeline import group_row_keys, request_row_keys, version_keys
+    from jaxflow.marl.processes import host_tree
+    from jaxflow.marl.system import FlexMARLParts, FlexMARLState, FlexMARLSystem
+    from jaxflow.system import check_system
+
+    wf, runtimes, init = setup
+    system = FlexMARLSystem()
+    assert check_system(system) == []
+    config = dataclasses.replace(get_config("quick"), n_inputs=INPUTS, seed=0, rollout_batch=1)
+    state = system.restart(FlexMARLState({}, init, 0, FlexMARLParts(config, wf, runtimes, {})))
+    sync = run_sync(wf, runtimes, _policies(runtimes, init), steps=STEPS, n_inputs=INPUTS, seed=0)
+    for v in range(STEPS):
+        state, metrics = system.step(state, None, key=version_keys(0, v))
+        assert state.version == v + 1
+        assert {n: metrics[f"reward/{n}"] for n in wf.order()} == sync.rewards[v]
+        assert _bit_equal({n: host_tree(p.params) for n, p in state.policies.items()},
+                          sync.params[v])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.version = 0
+    # the static fields are not leaves: only arrays are
+    assert all(hasattr(x, "shape") for x in jax.tree.leaves(state))
+    params = {n: host_tree(p.params) for n, p in state.policies.items()}
+    scores = system.evaluate(state)
+    assert sorted(scores) == [f"eval/reward/{n}" for n in sorted(wf.order())]
+    assert all(0.0 <= s <= 1.0 for s in scores.values())
+    assert _bit_equal({n: host_tree(p.params) for n, p in state.policies.items()}, params)
+    # the step's keys are the pipeline's: row keys from the sample stream equal request_row_keys
+    a = group_row_keys(version_keys(3, 1)[0], [5, 6], 1, 4)
+    b = request_row_keys(3, 1, [5, 6], 1, 4)
+    assert np.array_equal(jax.random.key_data(a), jax.random.key_data(b))
+    with pytest.raises(ValueError, match=r"one key per agent, shape \(2,\)"):
+        system.init(config, {}, jax.random.key(0))

@@ -107,6 +107,8 @@ class RolloutEngine:
       max_new_tokens, temperature: sampling shape (temperature > 0).
       task, tokenizer: prompt width and scoring.
       chunk: decode steps between compactions; compact: drop finished rows between chunks.
+      logits_hook: a stateless :class:`jaxflow.models.sampler.LogitsHook` applied to every
+        step's logits (e.g. bench_rollout's forced output lengths); None: none.
       paged: sample through :class:`jaxflow.rollout.RolloutEngine` instead (paged KV cache,
         continuous batching, the G rows of a prompt share its prefill; one process only): the
         same per-row keys, so the same tokens and masks (log-probs within ~1e-6). ``paged`` is
@@ -116,7 +118,7 @@ class RolloutEngine:
 
     def __init__(self, model_cfg: TransformerConfig, mesh: Mesh, *, max_new_tokens: int,
                  temperature: float, task: Task, tokenizer: CharTokenizer, chunk: int = 2,
-                 compact: bool = True, paged: Any = None):
+                 compact: bool = True, paged: Any = None, logits_hook: Any = None):
         if chunk < 1:
             raise ValueError(f"chunk={chunk}: need >= 1")
         self.mesh, self.task, self.tokenizer = mesh, task, tokenizer
@@ -125,7 +127,8 @@ class RolloutEngine:
                                      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
         self.chunk, self.compact = chunk, compact
         self.prompt_width = task.max_prompt_len + 1  # + BOS
-        self._prefill, self._decode, self._gather = _functions(self.fns.graphdef, self.config)
+        self._prefill, self._decode, self._gather = _functions(self.fns.graphdef, self.config,
+                                                               logits_hook)
         self.stats = EngineStats()
         self._stats_lock = threading.Lock()  # several rollout workers may share an engine
         self._cached = None
@@ -143,6 +146,18 @@ class RolloutEngine:
     def param_shardings(self) -> Any:
         """The shardings the engine's parameters must have (on the rollout mesh)."""
         return self.fns.param_shardings
+
+    @property
+    def prefill_fn(self) -> Any:
+        """The jitted prefill ``(nnx_state, prompts [B, W] int32, lengths [B] int32, keys [B])
+        -> (carry, (token, logp, live) each [B])`` (what :meth:`sample` runs first)."""
+        return self._prefill
+
+    @property
+    def decode_fn(self) -> Any:
+        """The jitted decode chunk ``(nnx_state, carry, lengths [B], keys [B], t0 [] int32,
+        n_steps static) -> (carry, (tokens, logps, live) each [n_steps, B])``."""
+        return self._decode
 
     def _put(self, x):
         return put(x, batch_sharding(self.mesh, x.shape[0]))

@@ -100,7 +100,7 @@ def engine_programs(name: str, eng: RolloutEngine, model: TransformerConfig, row
     prefill_args = (state, sds((rows, eng.prompt_width), np.int32, row),
                     sds((rows,), np.int32, row), sds(key.shape, key.dtype, rep))
     prefill, (carry, _) = compile_ahead(Program(
-        f"{name}/prefill", eng._prefill, prefill_args, mesh, "sample",
+        f"{name}/prefill", eng.prefill_fn, prefill_args, mesh, "sample",
         model_flops=2.0 * count_params(params) * rows * eng.prompt_width,
         tokens=rows * eng.prompt_width, note=_engine_note(eng, rows)))
     decode_args = dict(state=state, carry=carry, lengths=prefill_args[2], keys=prefill_args[3],
@@ -129,7 +129,7 @@ def _decode(name: str, eng: RolloutEngine, model: TransformerConfig, rows: int, 
     n_params = count_params(a["state"])
     flops = 2.0 * rows * steps * (n_params + 2 * model.n_layers * ctx * model.n_heads
                                   * model.head_dim)
-    return Program(name, eng._decode, (a["state"], a["carry"], a["lengths"], a["keys"], a["t0"],
+    return Program(name, eng.decode_fn, (a["state"], a["carry"], a["lengths"], a["keys"], a["t0"],
                                        steps), eng.mesh, "sample", model_flops=flops,
                    tokens=rows * steps,
                    note=_engine_note(eng, rows) + f"; {steps} decode steps per call")

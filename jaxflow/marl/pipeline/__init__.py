@@ -44,10 +44,10 @@ rollouts. Both drivers give bit-identical results.
 
 Modules: ``accumulate`` (pure gradient accumulation and the trainer's committed state),
 ``plan`` (the run's frozen config and plan, and its result), ``trainer`` (one agent's
-micro-batch consumer, shared by both drivers), ``versions`` (the board of published weights),
+micro-batch consumer, shared by both drivers, and its pure transition), ``versions`` (the board of published weights),
 ``runtime`` (one agent's compiled functions and engine, row keys, rollouts of a batch of
-inputs), ``barrier`` (the synchronous barrier baseline), ``threads`` (the rollouts, both
-drivers and :func:`run_pipeline`).
+inputs), ``barrier`` (the synchronous barrier baseline; one version of it is a step),
+``threads`` (the rollouts, both drivers and :func:`run_pipeline`).
 """
 
 from jaxflow.marl.pipeline.accumulate import (
@@ -64,11 +64,12 @@ from jaxflow.marl.pipeline.accumulate import (
     unflatten_accumulator,
     weighted_grad,
 )
-from jaxflow.marl.pipeline.barrier import run_sync
+from jaxflow.marl.pipeline.barrier import LockstepStep, lockstep_step, run_sync
 from jaxflow.marl.pipeline.plan import DRIVERS, MODES, PipelineConfig, PipelinePlan, RunResult
 from jaxflow.marl.pipeline.runtime import (
     AgentRuntime,
     agent_loads,
+    group_row_keys,
     input_prompts,
     loss_key,
     request_row_keys,
@@ -76,14 +77,16 @@ from jaxflow.marl.pipeline.runtime import (
     rollout_inputs,
     sample_key,
     split_batch,
+    version_keys,
 )
 from jaxflow.marl.pipeline.threads import run_bounded, run_pipeline, run_strict
-from jaxflow.marl.pipeline.trainer import AgentTrainer, Interrupted
+from jaxflow.marl.pipeline.trainer import AgentTrainer, Interrupted, TrainerReport, consume_micro_batch
 from jaxflow.marl.pipeline.versions import VersionBoard
 
 __all__ = ["PAYLOAD_FIELDS", "Accumulator", "accumulate", "accumulate_apply", "apply_accumulated",
            "flatten_accumulator", "group_rows", "loss_weight", "relative_param_diff", "stack_rows",
-           "unflatten_accumulator", "weighted_grad", "run_sync", "DRIVERS", "MODES", "PipelineConfig",
-           "PipelinePlan", "RunResult", "AgentRuntime", "agent_loads", "input_prompts", "loss_key",
-           "request_row_keys", "rollout_input", "rollout_inputs", "sample_key", "split_batch",
-           "run_bounded", "run_pipeline", "run_strict", "AgentTrainer", "Interrupted", "VersionBoard"]
+           "unflatten_accumulator", "weighted_grad", "LockstepStep", "lockstep_step", "run_sync", "DRIVERS", "MODES",
+           "PipelineConfig", "PipelinePlan", "RunResult", "AgentRuntime", "agent_loads", "group_row_keys",
+           "input_prompts", "loss_key", "request_row_keys", "rollout_input", "rollout_inputs", "sample_key",
+           "split_batch", "version_keys", "run_bounded", "run_pipeline", "run_strict", "AgentTrainer", "Interrupted",
+           "TrainerReport", "consume_micro_batch", "VersionBoard"]

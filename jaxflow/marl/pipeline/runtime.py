@@ -3,7 +3,10 @@ functions that key and batch rollouts.
 
 Samples are a pure function of (seed, version v, input, turn, row): input i's G rows of agent
 ``name`` at version v are keyed ``fold_in(sample_key(seed, v, i, turn), t)``, so they do not
-depend on which inputs share an engine call.
+depend on which inputs share an engine call. :func:`version_keys` gives a version's two streams
+(samples, losses) as one key array, the ``key`` of the lockstep step
+(:func:`~jaxflow.marl.pipeline.barrier.lockstep_step`); the keys it derives equal
+:func:`sample_key` / :func:`loss_key`'s bit for bit.
 """
 
 from __future__ import annotations
@@ -114,6 +117,30 @@ def loss_key(seed: int, version: int, agent_index: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed + 1), version), agent_index)
 
 
+def version_keys(seed: int, version: int) -> jax.Array:
+    """Version ``version``'s keys [2]: ``[0]`` the sample stream (``fold_in(key[0], i)`` then
+    the turn give :func:`sample_key`), ``[1]`` the loss stream (``fold_in(key[1], a)`` is
+    :func:`loss_key` of agent a)."""
+    return jnp.stack([jax.random.fold_in(jax.random.key(seed), version),
+                      jax.random.fold_in(jax.random.key(seed + 1), version)])
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _group_row_keys(sample_stream, input_ids, turn, group_size):
+    def one(i):
+        return row_keys(jax.random.fold_in(jax.random.fold_in(sample_stream, i), turn), group_size)
+    return jax.vmap(one)(input_ids).reshape(-1)
+
+
+def group_row_keys(sample_stream: jax.Array, input_ids: list[int], turn: int,
+                   group_size: int) -> jax.Array:
+    """Row keys [len(input_ids) * G] from a version's sample stream (``version_keys(...)[0]``):
+    row t of input i is ``fold_in(fold_in(fold_in(sample_stream, i), turn), t)``, the same keys
+    as :func:`request_row_keys` of that seed and version."""
+    return _group_row_keys(sample_stream, np.asarray(input_ids, np.uint32), np.uint32(turn),
+                           group_size)
+
+
 @functools.partial(jax.jit, static_argnums=4)
 def _request_row_keys(seed, version, input_ids, turn, group_size):
     def one(i):
@@ -130,11 +157,12 @@ def request_row_keys(seed: int, version: int, input_ids: list[int], turn: int,
 
 
 def rollout_inputs(workflow: Workflow, runtimes: dict[str, AgentRuntime], published: dict,
-                   prompts: list[str], *, seed: int, version: int, input_ids: list[int]
+                   prompts: list[str], *, key: jax.Array, input_ids: list[int]
                    ) -> dict[str, RolloutBatch]:
     """Runs every agent on a batch of inputs in turn order (one engine call per agent; rows
     ``k*G .. k*G+G-1`` belong to ``input_ids[k]``); a target's prompt comes from its source.
-    Samples do not depend on how inputs are batched (per-row keys, see ``engine``)."""
+    ``key``: the version's sample stream (``version_keys(seed, v)[0]``). Samples do not depend
+    on how inputs are batched (per-row keys, :func:`group_row_keys`)."""
     out: dict[str, RolloutBatch] = {}
     texts: dict[str, list[str]] = {}
     for name in workflow.order():
@@ -148,7 +176,7 @@ def rollout_inputs(workflow: Workflow, runtimes: dict[str, AgentRuntime], publis
                 texts[edge.source][k],
                 completion_text(src.tokenizer, out[edge.source].tokens[k * g + edge.trajectory]))
                 for k in range(len(prompts))]
-        keys = request_row_keys(seed, version, input_ids, workflow.turn(name), rt.spec.group_size)
+        keys = group_row_keys(key, input_ids, workflow.turn(name), rt.spec.group_size)
         out[name] = rt.engine.generate_rows(published[name], texts[name], keys,
                                             rt.spec.group_size)
     return out
@@ -157,9 +185,9 @@ def rollout_inputs(workflow: Workflow, runtimes: dict[str, AgentRuntime], publis
 def rollout_input(workflow: Workflow, runtimes: dict[str, AgentRuntime], published: dict,
                   prompt: str, *, seed: int, version: int, input_id: int
                   ) -> dict[str, RolloutBatch]:
-    """:func:`rollout_inputs` on one input."""
-    return rollout_inputs(workflow, runtimes, published, [prompt], seed=seed, version=version,
-                          input_ids=[input_id])
+    """:func:`rollout_inputs` on one input, keyed by ``(seed, version)``'s sample stream."""
+    return rollout_inputs(workflow, runtimes, published, [prompt],
+                          key=version_keys(seed, version)[0], input_ids=[input_id])
 
 
 def chunks(items: list, size: int) -> list[list]:

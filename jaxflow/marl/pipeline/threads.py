@@ -419,14 +419,14 @@ def run_pipeline(config: PipelineConfig, policies: dict[str, TrainState],
     samples = (config.steps - plan.first) * config.n_inputs * sum(
         runtimes[n].spec.group_size for n in names)
     busy = {"rollout": rollout_s / workers}  # busy fraction of the pool
-    busy |= {f"train/{n}": t.busy_s for n, t in trainers.items()}
-    lags = [x for t in trainers.values() for x in t.lags]
+    busy |= {f"train/{n}": t.report.busy_s for n, t in trainers.items()}
+    lags = [x for t in trainers.values() for x in t.report.lags]
     swapper = config.swapper
     swap = ({"seconds": swapper.swap_seconds, "swaps": swapper.swaps} if swapper is not None
             else {})
-    return RunResult([{n: t.params[v] for n, t in trainers.items() if v in t.params}
+    return RunResult([{n: t.report.params[v] for n, t in trainers.items() if v in t.report.params}
                       for v in range(config.steps)],
-                     [{n: t.rewards[v] for n, t in trainers.items() if v in t.rewards}
+                     [{n: t.report.rewards[v] for n, t in trainers.items() if v in t.report.rewards}
                       for v in range(config.steps)],
                      busy, wall, samples,
                      staleness={"max": float(max(lags, default=0)),

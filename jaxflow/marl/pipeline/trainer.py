@@ -15,10 +15,16 @@ host seconds spent in the trainer, and the host copy of version v's params for
 :class:`~jaxflow.marl.pipeline.plan.RunResult` is taken when v+1 steps (or at the end), when v's
 step has long finished. The two give bit-identical results: the same programs on the same
 inputs in the same order.
+
+The trainer's position and gradient sums are one immutable
+:class:`~jaxflow.marl.pipeline.accumulate.Accumulator`, advanced by the pure
+:func:`consume_micro_batch` (what the store commits); what the run reports accumulates in a
+:class:`TrainerReport`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -27,8 +33,9 @@ import numpy as np
 
 from jaxflow.marl.pipeline.accumulate import Accumulator, flatten_accumulator, stack_rows
 from jaxflow.marl.pipeline.plan import PipelinePlan
-from jaxflow.marl.pipeline.runtime import loss_key
+from jaxflow.marl.pipeline.runtime import AgentRuntime, loss_key
 from jaxflow.marl.processes import host_tree
+from jaxflow.rl.grpo import MiniBatch
 from jaxflow.train.state import TrainState
 
 
@@ -36,31 +43,70 @@ class Interrupted(Exception):
     """Raised by a trainer when the ``interrupt`` hook of ``run_pipeline`` fires."""
 
 
+def consume_micro_batch(rt: AgentRuntime, acc: Accumulator, mb: MiniBatch, *, key: jax.Array,
+                        n_micro: int) -> Accumulator:
+    """``acc`` after one more micro-batch ``mb`` (rows on the trainer mesh) of its version:
+    the sums grow by it (:func:`~jaxflow.marl.pipeline.accumulate.accumulate`), or, when it
+    is the version's ``n_micro``-th, the accumulate and the optimizer step run as one program
+    and the result is the stepped policy at version + 1 with nothing accumulated. ``key``: the
+    version's loss key. The gradient sums in ``acc`` are donated; ``acc`` itself is not
+    modified."""
+    micro = acc.micro + 1
+    if micro == n_micro:
+        policy = rt.accumulate_apply(acc.policy, acc.grad_sum, acc.weight_sum, mb, key=key)
+        return Accumulator(acc.version + 1, 0, None, None, policy)
+    grad_sum, weight_sum = rt.accumulate(acc.grad_sum, acc.weight_sum, acc.policy.params, mb,
+                                         key=key)
+    return Accumulator(acc.version, micro, grad_sum, weight_sum, acc.policy)
+
+
+@dataclasses.dataclass
+class TrainerReport:
+    """What a trainer reports: ``busy_s`` (seconds in the trainer), ``lags`` (version lag of
+    every consumed row), ``params[v]`` (host params after version v's step) and ``rewards[v]``
+    (v's reward mean)."""
+
+    busy_s: float = 0.0
+    lags: list[int] = dataclasses.field(default_factory=list)
+    params: dict[int, Any] = dataclasses.field(default_factory=dict)
+    rewards: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
 class AgentTrainer:
     """Agent ``name``'s consumer of the store (see module doc); starts from its resumed
     accumulator if the plan has one, else from ``policy`` at version 0.
 
-    Its state is its own (one thread drives it): the position (``version``, ``micro``), the
-    accumulator and the policy, and what the run reports: ``busy_s`` (seconds in the trainer),
-    ``lags`` (version lag of every consumed row), ``params[v]`` (host params after version v's
-    step) and ``rewards[v]`` (v's reward mean)."""
+    Its state is its own (one thread drives it): ``acc``, the position and sums (an immutable
+    :class:`~jaxflow.marl.pipeline.accumulate.Accumulator`, replaced by each micro-batch), and
+    ``report`` (:class:`TrainerReport`)."""
 
     def __init__(self, plan: PipelinePlan, agent_index: int, name: str, policy: TrainState, *,
                  block: bool):
         self.plan, self.agent_index, self.name, self.block = plan, agent_index, name, block
-        cfg = plan.config
-        self.rt = cfg.runtimes[name]
-        self.group_size = self.rt.spec.group_size
-        self.n_micro = cfg.n_inputs // cfg.micro_inputs
-        acc = plan.resumed.get(name, Accumulator(0, 0, None, None, policy))
-        self.version, self.micro = acc.version, acc.micro
-        self.grad_sum, self.weight_sum, self.policy = acc.grad_sum, acc.weight_sum, acc.policy
-        self.busy_s = 0.0
-        self.lags: list[int] = []
-        self.params: dict[int, Any] = {}
-        self.rewards: dict[int, float] = {}
+        self.acc: Accumulator = plan.resumed.get(name, Accumulator(0, 0, None, None, policy))
+        self.report = TrainerReport()
         self._unfetched: tuple[int, Any] | None = None  # (version, device params) to copy
         self._key: tuple[int, jax.Array] | None = None
+
+    @property
+    def rt(self) -> AgentRuntime:
+        """The agent's runtime."""
+        return self.plan.config.runtimes[self.name]
+
+    @property
+    def n_micro(self) -> int:
+        """Micro-batches per version."""
+        return self.plan.config.n_inputs // self.plan.config.micro_inputs
+
+    @property
+    def version(self) -> int:
+        """The version being trained (= versions stepped)."""
+        return self.acc.version
+
+    @property
+    def micro(self) -> int:
+        """Micro-batches of :attr:`version` consumed."""
+        return self.acc.micro
 
     @property
     def done(self) -> bool:
@@ -71,7 +117,7 @@ class AgentTrainer:
         """The sample ids of the next micro-batch (inputs in order, G rows each)."""
         plan, j, k = self.plan, self.micro, self.plan.config.micro_inputs
         return [plan.sample_id(self.name, self.version, i, t)
-                for i in range(j * k, (j + 1) * k) for t in range(self.group_size)]
+                for i in range(j * k, (j + 1) * k) for t in range(self.rt.spec.group_size)]
 
     def advance(self, timeout: float) -> bool:
         """Consumes the next micro-batch if its rows are all ready within ``timeout`` seconds
@@ -80,35 +126,28 @@ class AgentTrainer:
         version is done)."""
         if self.done:
             return False
-        plan, cfg, rt, name, v = self.plan, self.plan.config, self.rt, self.name, self.version
+        plan, cfg, name, v = self.plan, self.plan.config, self.name, self.version
         ids = self.micro_batch_ids()
         rows = plan.store.take_ids(name, ids, timeout=timeout)
         if rows is None:
             return False
         if cfg.swapper is not None and cfg.swapper.is_swapped(name):
-            self.policy = cfg.swapper.swap_in(name)
+            self.acc = self.acc._replace(policy=cfg.swapper.swap_in(name))
         t0 = time.perf_counter()
         row_lags = [v - r.version for r in rows]
         if max(row_lags) > cfg.eta or min(row_lags) < 0:
             raise RuntimeError(f"agent {name!r} step {v}: row version lag {row_lags} "
                                f"outside [0, eta={cfg.eta}]")
-        mb = rt.place(stack_rows([r.payload for r in rows]))
-        self.micro += 1
-        last = self.micro == self.n_micro
-        if last:  # the committed state is the stepped policy at version v+1
-            self.policy = rt.accumulate_apply(self.policy, self.grad_sum, self.weight_sum, mb,
-                                              key=self._loss_key(v))
-            self.grad_sum, self.weight_sum = None, None
-            done = Accumulator(v + 1, 0, None, None, self.policy)
-        else:
-            self.grad_sum, self.weight_sum = rt.accumulate(
-                self.grad_sum, self.weight_sum, self.policy.params, mb, key=self._loss_key(v))
-            done = Accumulator(v, self.micro, self.grad_sum, self.weight_sum, self.policy)
+        mb = self.rt.place(stack_rows([r.payload for r in rows]))
+        # the committed state after the last micro-batch is the stepped policy at version v+1
+        self.acc = consume_micro_batch(self.rt, self.acc, mb, key=self._loss_key(v),
+                                       n_micro=self.n_micro)
+        last = self.acc.version > v
         if self.block:
-            jax.block_until_ready((self.grad_sum, self.policy))
-        self.busy_s += time.perf_counter() - t0
-        plan.store.commit(name, ids, flatten_accumulator(done) if plan.persist else None)
-        self.lags.extend(row_lags)
+            jax.block_until_ready((self.acc.grad_sum, self.acc.policy))
+        self.report.busy_s += time.perf_counter() - t0
+        plan.store.commit(name, ids, flatten_accumulator(self.acc) if plan.persist else None)
+        self.report.lags.extend(row_lags)
         if last:
             self._publish(v)
         if cfg.interrupt is not None and cfg.interrupt(name, v, self.micro if not last
@@ -124,27 +163,27 @@ class AgentTrainer:
         return self._key[1]
 
     def _publish(self, v: int) -> None:
-        """Version v is consumed and stepped: v's reward mean, publish v+1, move on."""
-        plan, cfg, rt, name = self.plan, self.plan.config, self.rt, self.name
+        """Version v is consumed and stepped: v's reward mean, publish v+1."""
+        plan, cfg, name = self.plan, self.plan.config, self.name
         self._fetch()  # version v-1's copy: its step finished before this one started
-        self.rewards[v] = float(np.mean([
+        self.report.rewards[v] = float(np.mean([
             float(plan.store.get(name, plan.sample_id(name, v, i, t)).payload["reward"])
-            for i in range(cfg.n_inputs) for t in range(self.group_size)]))
-        plan.board.put(v + 1, name, rt.publish(self.policy))
-        self._unfetched = (v, self.policy.params)
+            for i in range(cfg.n_inputs) for t in range(self.rt.spec.group_size)]))
+        policy = self.acc.policy
+        plan.board.put(v + 1, name, self.rt.publish(policy))
+        self._unfetched = (v, policy.params)
         if cfg.swapper is not None and v + 1 < cfg.steps:  # idle until v+1's rows arrive
             self._fetch()  # swapping out frees the device params
-            cfg.swapper.swap_out(name, self.policy, version=v + 1)
-            self.policy = None
-        self.version, self.micro = v + 1, 0
+            cfg.swapper.swap_out(name, policy, version=v + 1)
+            self.acc = self.acc._replace(policy=None)
 
     def _fetch(self) -> None:
         if self._unfetched is not None:
             v, params = self._unfetched
-            self.params[v] = host_tree(params)
+            self.report.params[v] = host_tree(params)
             self._unfetched = None
 
     def finish(self) -> TrainState:
         """The host copy of the last version's params taken; returns the final train state."""
         self._fetch()
-        return self.policy
+        return self.acc.policy
