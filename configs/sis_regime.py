@@ -48,6 +48,7 @@ from jaxflow.models.pretrained import HFSource
 from jaxflow.rl.grpo import GRPOConfig
 from jaxflow.rl.policy_loss import ALGOS, CORRECTIONS
 from jaxflow.rl.rollout import parse_mismatch
+from jaxflow.rl.sis_regime import parse_lr_setting
 from jaxflow.sync.weight_sync import SyncConfig
 from jaxflow.train.lm_state import OptimConfig
 
@@ -56,19 +57,6 @@ DESCRIPTION = ("Off-policy regime map of uncorrected GRPO (lag, lr, staleness, m
 ENTRY = "jaxflow.main.sis_regime:main"
 #: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
 READS = ("model.hf_path", "pretrain.model.lora")
-
-
-def parse_lr_setting(text: str) -> tuple[float, int]:
-    """``"3x8"`` -> (3.0, 8): learning rate x3 at policy lag N = 8."""
-    try:
-        scale, lag = text.split("x")
-        out = float(scale), int(lag)
-    except ValueError:
-        out = (0.0, 0)
-    if not (out[0] > 0 and out[1] >= 1):
-        raise ValueError(f"grid.compare_lr={text!r}; valid: 'auto', 'off' or 'SCALExN' with "
-                         "SCALE > 0 and N >= 1 (e.g. '3x8')")
-    return out
 
 
 @domains(lags=COUNT, min_minibatch_rows=COUNT, lr_scales=POSITIVE, lr_lags=COUNT, stalenesses=COUNT0, seeds=COUNT,

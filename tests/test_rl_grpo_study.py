@@ -2,8 +2,8 @@
 
 import json
 
-from jaxflow.main.sis_offpolicy import grid_cells
 from jaxflow.plots import read_metrics
+from jaxflow.rl.offpolicy_cells import grid_cells
 from jaxflow.rl.step_metrics import deterministic_fields
 from tests._cli import run_cli
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs.sis_regime import Config, RegimeGrid, get_config
-from jaxflow.main import sis_regime as regime
+from jaxflow.rl import sis_regime as regime
 from jaxflow.rl.rollout import parse_mismatch
 
 
@@ -24,7 +24,7 @@ def _records(config, finals: dict) -> dict[str, dict]:
     out = {}
     for (fam, val), accs in finals.items():
         for seed, acc in enumerate(accs):
-            cell = regime._cell(config, fam, val, algo="grpo", correction="none", seed=seed)
+            cell = regime.regime_cell(config, fam, val, algo="grpo", correction="none", seed=seed)
             out[cell.label] = _rec(cell, acc, clip_fraction=0.01, d_original=0.02,
                                    sis_accept_expected=0.9)
     return out
@@ -126,7 +126,7 @@ def test_control_degradation_and_overheads_pair_by_seed():
         for fam, val, corr, acc, secs in (("lag", 1, "none", b, 1.0),
                                           ("staleness", 8, "none", n, 2.0),
                                           ("staleness", 8, "sis", s, 2.2)):
-            cell = regime._cell(config, fam, val, algo="grpo", correction=corr, seed=seed,
+            cell = regime.regime_cell(config, fam, val, algo="grpo", correction=corr, seed=seed,
                                 inner_lag=4)
             recs.append(_rec(cell, acc, rollout_seconds_median=secs))
     (deg,) = regime.control_degradation(recs)

@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxflow.main.sis_offpolicy import grid_cells, paired_differences
+from jaxflow.rl.offpolicy_cells import grid_cells
+from jaxflow.rl.offpolicy_report import paired_differences
 from jaxflow.stats import normalized_auc, paired_interval
 
 
