@@ -18,7 +18,6 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxflow.compile_only.program import count_params
 from jaxflow.embeddings import TableSpec, make_sparse_optimizer
 from jaxflow.embeddings.host import HostTable
 from jaxflow.embeddings.optimizers import SparseOptimizer
@@ -28,9 +27,9 @@ from jaxflow.nestpipe.sharded import AXIS, MeshStages
 from jaxflow.recsys.models import build_model, functional
 from jaxflow.recsys.synthetic import SyntheticConfig, SyntheticCriteo
 
-__all__ = ["CAPACITY_NAMES", "capacities", "dense_model", "dense_optimizer", "dense_train_flops",
-           "generator", "host_tables", "make_stages", "pipeline_order", "resolve_meshes",
-           "sparse_optimizer", "stage_key", "table_specs"]
+__all__ = ["CAPACITY_NAMES", "capacities", "dense_model", "dense_optimizer", "generator", "host_tables",
+           "make_stages", "pipeline_order", "resolve_meshes", "sparse_optimizer", "stage_key",
+           "table_specs"]
 
 #: the config's routing capacities (0 = worst-case size, cannot overflow)
 CAPACITY_NAMES = ("capacity", "bucket_capacity", "micro_bucket_capacity", "owner_capacity")
@@ -108,14 +107,6 @@ def dense_model(config, num_dense: int, *, abstract: bool = False) -> tuple[Any,
                            seed=config.seed, bottom=config.bottom, top=config.top)
 
     return functional(nnx.eval_shape(make) if abstract else make())
-
-
-def dense_train_flops(params, batch: int, num_tables: int, dim: int) -> float:
-    """Analytic FLOPs of one DLRM training step on ``batch`` samples: 3 x the forward (2 x
-    params x batch, plus the dot interaction 2 x batch x (T+1)^2 x D); the embedding lookups
-    and the sparse update move rows, they do not multiply."""
-    forward = 2.0 * count_params(params) * batch + 2.0 * batch * (num_tables + 1) ** 2 * dim
-    return 3.0 * forward
 
 
 def stage_key(config, pipeline: str) -> tuple[int, str]:

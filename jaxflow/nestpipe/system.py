@@ -31,7 +31,6 @@ from jaxflow.errors import UserError
 from jaxflow.nestpipe.model import (
     dense_model,
     dense_optimizer,
-    dense_train_flops,
     generator,
     host_tables,
     make_stages,
@@ -44,6 +43,7 @@ from jaxflow.nestpipe.pipelines import PIPELINES, Parts, run_pipeline
 from jaxflow.nestpipe.sharded import MeshStages
 from jaxflow.nestpipe.stages import clone_tables
 from jaxflow.recsys.metrics import log_loss, roc_auc
+from jaxflow.recsys.models import dense_model_flops
 from jaxflow.recsys.synthetic import SyntheticConfig
 from jaxflow.system import static_field, system_state
 from jaxflow.train.state import TrainState
@@ -211,7 +211,7 @@ class NestPipeSystem:
                 stages[key] = make_stages(config, specs, mesh, opt, apply, p)
             users.setdefault(key, []).append(p)
         b = config.batch_size
-        flops = dense_train_flops(params, b, len(specs), config.embed_dim)
+        flops = dense_model_flops("dlrm", params, b, len(specs), config.embed_dim, train=True)
         out = []
         for key, st in stages.items():
             calls = st.abstract_calls(dense, multi_hot=config.multi_hot, num_dense=num_dense)
