@@ -24,7 +24,7 @@ from jaxflow.config import Variants
 from jaxflow.config_domains import COUNT, COUNT0, SEED, domains
 from jaxflow.mesh import RolesConfig
 from jaxflow.rl.grpo import GRPOConfig
-from jaxflow.sync.encoder import CODECS
+from jaxflow.sync.codec_registry import CODECS, check_codec
 from jaxflow.sync.weight_sync import SyncConfig
 from jaxflow.train.lm_state import OptimConfig
 
@@ -59,9 +59,10 @@ class Config:
     roles: RolesConfig = RolesConfig()
 
     def __post_init__(self):
-        bad = [c for c in self.codecs if c not in CODECS]
-        if bad or not self.codecs:
-            raise ValueError(f"codecs={self.codecs}: unknown {bad}; valid: {CODECS}")
+        if not self.codecs:
+            raise ValueError(f"codecs={self.codecs}: need at least one; valid: {CODECS}")
+        for i, codec in enumerate(self.codecs):
+            check_codec(codec, field=f"codecs[{i}]")
         if self.intervals is not None and (not self.intervals or any(
                 not isinstance(e, int) or e < 1 for e in self.intervals)):
             raise ValueError(f"intervals={self.intervals}: need ints >= 1")

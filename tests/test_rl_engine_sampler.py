@@ -21,7 +21,8 @@ from jaxflow.rl.remote import protocol as P
 from jaxflow.rl.remote.server import RolloutService
 from jaxflow.rl.rollout import EngineSettings, RolloutWorker
 from jaxflow.rl.tasks import AdditionRLTask
-from jaxflow.sync.replica import Replica, SyncSender
+from jaxflow.sync.replica import Replica
+from jaxflow.sync.sync_sender import SyncSender
 from jaxflow.sync.transport.inprocess import InProcessLink
 from jaxflow.sync.weight_sync import SyncConfig
 from jaxflow.sync.wire import tree_digest

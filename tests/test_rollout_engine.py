@@ -324,7 +324,8 @@ def test_follows_sync_replica_in_place(split_model, prompts):
     """follow(replica): a SparseRL-Sync payload applied to the bf16 replica between steps is
     picked up by the next step (the replica's arrays themselves, no copy), per-token versions
     say so, and the tokens equal an engine given the same bf16 trees by update_weights."""
-    from jaxflow.sync.replica import Replica, SyncSender
+    from jaxflow.sync.replica import Replica
+    from jaxflow.sync.sync_sender import SyncSender
     from jaxflow.sync.wire import to_bf16
 
     graphdef, state_a = split_model

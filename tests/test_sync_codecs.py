@@ -107,3 +107,27 @@ def test_diff_bits_across_chunk_boundaries():
     np.testing.assert_array_equal(new_at, np.arange(1, 6))
     np.testing.assert_array_equal(old_at, np.zeros(5))
     assert bits.diff_bits(old, old)[0].size == 0
+
+
+def test_one_codec_registry_names_and_checks_every_codec_argument():
+    """encode, the sender, SyncConfig, a payload header and the sparse_sync config all check a
+    codec name through ``codec_registry.check_codec``: one list, one message each way."""
+    from configs.sparse_sync import Config as SparseSyncConfig
+    from jaxflow.sync import codec_registry
+
+    assert sync.CODECS is codec_registry.CODECS
+    assert [c for c in sync.CODECS if codec_registry.sends_new_values(c)] == ["coo", "gap"]
+    old, new = adversarial_pair()
+    valid = r"; valid: \('dense', 'coo', 'gap', 'entropy', 'auto'\)"
+    for call in (lambda: sync.encode(old, new, base_version=0, version=1, codec="zip"),
+                 lambda: sync.SyncSender(old, codec="zip"),
+                 lambda: sync.check_codec("zip")):
+        with pytest.raises(ValueError, match=rf"^unknown codec 'zip'{valid}$"):
+            call()
+    with pytest.raises(sync.PayloadError, match=rf"^unknown codec 'zip'{valid}$"):
+        sync.check_codec("zip", error=sync.PayloadError)
+    with pytest.raises(ValueError, match=rf"^sync.codec='none'{valid} \(no weight sync: set sync=none\)$"):
+        sync.SyncConfig(codec="none")
+    with pytest.raises(ValueError, match=rf"^codecs\[1\]='zip'{valid}$"):
+        SparseSyncConfig(codecs=("dense", "zip"))
+    assert sync.check_codec("gap") == "gap"

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 from jaxflow import sync
 from jaxflow.sync import device_diff
 from jaxflow.sync.encoder import dense_payload_size
-from jaxflow.sync.replica import Replica, SyncSender, resolve_path
+from jaxflow.sync.replica import Replica, resolve_path
+from jaxflow.sync.sync_sender import SyncSender
 from jaxflow.sync.weight_sync import SyncConfig, WeightSync
 from tests.test_sync_trees import adversarial_pair, tree_bits
 

@@ -13,7 +13,8 @@ import pytest
 from jaxflow import sync
 from jaxflow.sync import device_diff, sender
 from jaxflow.sync.encoder import encode_diffs
-from jaxflow.sync.replica import Replica, SyncSender
+from jaxflow.sync.replica import Replica
+from jaxflow.sync.sync_sender import SyncSender
 from jaxflow.sync.weight_sync import SyncConfig, WeightSync
 from tests.test_sync_transport import trainer_tree, trajectory
 

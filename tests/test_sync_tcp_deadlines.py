@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jaxflow.sync import Replica, SyncSender, to_bf16
-from jaxflow.sync.replica import SyncAllError
+from jaxflow.sync.sync_sender import SyncAllError
 from jaxflow.sync.transport import InProcessLink, ReplicaServer, TcpLink, tcp
 from tests.test_sync_transport import trainer_tree, trajectory
 

@@ -32,7 +32,7 @@ from jaxflow.sync.diff import diff_tree
 from jaxflow.sync.encoder import encode
 from jaxflow.sync.payload import Payload
 from jaxflow.sync.receiver import apply
-from jaxflow.sync.replica import SyncSender
+from jaxflow.sync.sync_sender import SyncSender
 
 HEADLINE_DENSITY = 0.006
 BF16 = ml_dtypes.bfloat16

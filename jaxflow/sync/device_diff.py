@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxflow.sync import bits, digest, tracker
+from jaxflow.sync.codec_registry import sends_new_values
 from jaxflow.sync.diff import LeafDiff, check_same_layout, tree_layout
 from jaxflow.sync.payload import LeafSpec, Payload
 from pallas_kernels import dispatch
@@ -55,7 +56,7 @@ def values_for_codec(codec: str, with_bound: bool = False) -> str:
     (old and new bits: the entropy bound, which is defined on int32 differences)."""
     if with_bound:
         return "both"
-    return "new" if codec in ("coo", "gap") else "deltas"
+    return "new" if sends_new_values(codec) else "deltas"
 
 
 def capacity_for(count: int, minimum: int = 128) -> int:

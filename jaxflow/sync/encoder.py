@@ -1,12 +1,7 @@
 """Encoding: choose a section per leaf, bucket the sparse ones, assemble a Payload.
 
-Codecs (the names of ``sync.encode(..., codec=)`` and of the benchmark's maps):
-  dense    every bf16 leaf whole (2 bytes per element): the full-sync baseline.
-  coo      changed bf16 elements as int32 position + bf16 value (6 bytes), the paper's format.
-  gap      gaps in the narrowest unsigned width with uint32 escapes + bf16 values.
-  entropy  Rice-coded gaps + sign/magnitude-coded ulp differences (entropy.py).
-  auto     per leaf: entropy-coded sparse, or when a leaf is heavily changed a bitmask section,
-           or raw dense when that is smaller still.
+Codecs (``sync.encode(..., codec=)``): dense, coo, gap, entropy and auto, each described and
+checked in :mod:`jaxflow.sync.codec_registry`.
 Every payload but a full one (``dense``) carries ``device_digest`` of the tree it was encoded
 against, which ``apply`` checks on the receiver.
 Sparse leaves are merged into buckets of up to ``bucket_elems`` elements (one position space,
@@ -22,9 +17,10 @@ import warnings
 import numpy as np
 
 from jaxflow.sync import bits, codecs, entropy
+from jaxflow.sync.codec_registry import check_codec, sends_new_values
 from jaxflow.sync.diff import LeafDiff, diff_tree
 from jaxflow.sync.digest import device_digest
-from jaxflow.sync.payload import CODECS, FRESH, LeafSpec, Payload, PayloadError, Section, payload_size
+from jaxflow.sync.payload import FRESH, LeafSpec, Payload, PayloadError, Section, payload_size
 
 DEFAULT_BUCKET_ELEMS = 1 << 26
 # auto: above this changed fraction a leaf is sent as bitmask + values instead of positions.
@@ -92,8 +88,7 @@ def encode_diffs(treedef: str, specs: tuple[LeafSpec, ...], diffs: list[LeafDiff
     payloads, which do not depend on the base.
     """
     _check_versions(base_version, version)
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; valid: {CODECS}")
+    check_codec(codec)
     if len(specs) != len(diffs):
         raise ValueError(f"{len(specs)} leaf specs but {len(diffs)} diffs")
     sections: list[Section] = []
@@ -174,7 +169,7 @@ def _buckets(ids: list[int], specs, bucket_elems: int) -> list[list[int]]:
 def _bucket_section(codec: str, ids: list[int], specs, diffs, level: int) -> Section:
     offsets = np.cumsum([0] + [specs[i].size for i in ids])
     total = int(offsets[-1])
-    values = (lambda d: d.new_bits) if codec in ("coo", "gap") else LeafDiff.value_deltas
+    values = (lambda d: d.new_bits) if sends_new_values(codec) else LeafDiff.value_deltas
     if len(ids) == 1:  # a big leaf alone: no copies
         pos, vals = diffs[ids[0]].positions, values(diffs[ids[0]])
     else:

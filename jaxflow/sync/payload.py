@@ -26,6 +26,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401  -- registers bfloat16 / float8 dtype names with numpy
 import numpy as np
 
+from jaxflow.sync.codec_registry import check_codec
+
 PREFIX = b"JFSYNC\x00"
 FORMAT_VERSION = 2
 MAGIC = PREFIX + bytes([FORMAT_VERSION])
@@ -39,7 +41,6 @@ MAX_DIM = 1 << 62
 FRESH = -1  # the version of a receiver that holds no synced tree yet (a template)
 
 SECTION_KINDS = ("dense", "exact", "mask", "coo", "gap", "entropy")
-CODECS = ("dense", "coo", "gap", "entropy", "auto")
 FULL_KINDS = ("dense", "exact")  # sections that carry their leaf whole
 _HEX_DIGEST = re.compile(r"[0-9a-f]{32}")
 _TOP_KEYS = {"base_version", "version", "base_digest", "codec", "treedef", "leaves",
@@ -96,7 +97,7 @@ class Payload:
       base_version: the version the payload applies to (``FRESH`` or older for full payloads,
         which apply from any version).
       version: the version the receiver holds afterwards; always > ``base_version``.
-      codec: the ``CODECS`` name it was encoded with.
+      codec: the codec it was encoded with (``jaxflow.sync.codec_registry.CODECS``).
       treedef: ``str`` of the tree's PyTreeDef.
       leaves: every leaf's LeafSpec, in tree-flatten order.
       sections: the encoded changes.
@@ -133,8 +134,7 @@ class Payload:
             raise PayloadError(f"base_version {base} invalid: need >= {FRESH} (FRESH)")
         if version <= base:
             raise PayloadError(f"target version {version} must exceed base version {base}")
-        if self.codec not in CODECS:
-            raise PayloadError(f"unknown codec {self.codec!r}; valid: {CODECS}")
+        check_codec(self.codec, error=PayloadError)
         if not isinstance(self.treedef, str):
             raise PayloadError(f"treedef must be a str, got {type(self.treedef).__name__}")
         if self.base_digest is not None and not (

@@ -13,7 +13,7 @@ publishing twice from the same state gives the same payload::
 The two diff paths are two functions with one result (:class:`EncodedDiff`): ``encode_on_host``
 (the tree is pulled to numpy and diffed there) and ``encode_on_device`` (cast, diff and
 compaction on the params' devices, ``jaxflow.sync.device_diff``); both make the same payload
-bytes. :class:`jaxflow.sync.replica.SyncSender` is the stateful convenience wrapper.
+bytes. :class:`jaxflow.sync.sync_sender.SyncSender` is the stateful convenience wrapper.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import numpy as np
 
 from jaxflow.sync import bits, device_diff, digest, encoder
 from jaxflow.sync.bound import entropy_bound_bytes
+from jaxflow.sync.codec_registry import check_codec
 from jaxflow.sync.diff import LeafDiff, diff_tree, tree_layout
-from jaxflow.sync.encoder import CODECS, encode_diffs
+from jaxflow.sync.encoder import encode_diffs
 from jaxflow.sync.payload import FRESH, LeafSpec, Payload
 from jaxflow.sync.wire import device_tree, resolve_path, to_bf16, tree_digest
 
@@ -156,8 +157,7 @@ def sender_state(params: Any, *, version: int = 0, codec: str = "auto", history:
       copy: ``False``: leaves of ``params`` that need no cast become the snapshot as they are
         (the caller must not modify or donate them).
     """
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; valid: {CODECS}")
+    check_codec(codec)
     if history < 0:
         raise ValueError(f"history={history}: need >= 0")
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:

@@ -26,22 +26,21 @@ import jax
 import numpy as np
 
 from jaxflow.config_domains import COUNT, COUNT0, domains
-from jaxflow.sync.encoder import CODECS
+from jaxflow.sync.codec_registry import check_codec
 from jaxflow.sync.replica import (
     FRESH,
     PATHS,
     Link,
     PublishStats,
     Replica,
-    SyncSender,
     VersionMismatch,
     to_bf16,
     tree_digest,
 )
+from jaxflow.sync.sync_sender import SyncSender
 from jaxflow.sync.transport.inprocess import InProcessLink
 
 ON_MISMATCH = ("resync", "error")
-SYNC_CODECS = CODECS
 
 
 @domains(every=COUNT, history=COUNT0, replicas=COUNT)
@@ -75,9 +74,7 @@ class SyncConfig:
     path: str = "auto"
 
     def __post_init__(self):
-        if self.codec not in SYNC_CODECS:
-            hint = " (no weight sync: set sync=none)" if self.codec == "none" else ""
-            raise ValueError(f"sync.codec={self.codec!r}; valid: {SYNC_CODECS}{hint}")
+        check_codec(self.codec, field="sync.codec")
         for name in ("every", "replicas"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"sync.{name}={getattr(self, name)!r}: need an int >= 1")
@@ -190,5 +187,5 @@ class WeightSync:
         return rep.params
 
 
-__all__ = ["ON_MISMATCH", "SYNC_CODECS", "SyncConfig", "SyncRecord", "VersionMismatch",
+__all__ = ["ON_MISMATCH", "SyncConfig", "SyncRecord", "VersionMismatch",
            "WeightSync"]

@@ -6,7 +6,7 @@ rollout side:
 
 * the :class:`jaxflow.rl.publish.Publisher` (``init`` / ``rollout_params`` / ``publish``): the
   trainer's state holds its own bf16 cast (on the trainer mesh) and version, as the in-process
-  ``SyncPublisher`` holds the serving replica's; a :class:`~jaxflow.sync.replica.SyncSender`
+  ``SyncPublisher`` holds the serving replica's; a :class:`~jaxflow.sync.sync_sender.SyncSender`
   (the same encoder, so the same payload bytes) syncs every rollout process's replica through
   a :class:`~jaxflow.sync.transport.tcp.TcpLink`, and each replica's digest is checked against
   the sender's (``SyncRecord.bit_exact``);
@@ -43,7 +43,7 @@ from jaxflow.job_auth import AuthError
 from jaxflow.rl.remote import protocol as P
 from jaxflow.rl.rollout import RolloutBatch, RolloutSpec
 from jaxflow.rl.tasks import encode_prompts
-from jaxflow.sync.replica import SyncSender
+from jaxflow.sync.sync_sender import SyncSender
 from jaxflow.sync.transport.frames import Channel, FrameError
 from jaxflow.sync.transport.tcp import TcpLink
 from jaxflow.sync.weight_sync import SyncConfig, SyncRecord

@@ -27,7 +27,8 @@ import uuid
 import tensorstore as ts
 
 from jaxflow.sync.payload import Payload, PayloadError
-from jaxflow.sync.replica import Replica, SyncSender
+from jaxflow.sync.replica import Replica
+from jaxflow.sync.sync_sender import SyncSender
 
 MANIFEST = "MANIFEST.json"
 HISTORY = "manifests/"
