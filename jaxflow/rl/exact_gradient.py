@@ -1,6 +1,7 @@
 """Off-policy gradient estimators against the exact gradient of an enumerable toy policy.
 
-The ``sis_exact_gradient`` experiment (``jaxflow/main/sis_exact_gradient.py``) runs this.
+The ``sis_exact_gradient`` experiment (``jaxflow/main/sis_exact_gradient.py``) runs this through
+:mod:`jaxflow.rl.exact_gradient_study` (the toy problem, the sampled moments, the table).
 
 Design
 ------
@@ -120,8 +121,11 @@ def estimator_specs(cfg) -> list[tuple[str, str, PolicyLossConfig | None]]:
     return specs
 
 
-def _estimates(theta, lsm_mu, top_idx, y, adv, uniforms, *, vocab, specs):
-    """Responses y [n, L] from mu, SIS uniforms [n, L] -> ([E, C*V] estimates of g, stats)."""
+def estimator_gradients(theta, lsm_mu, top_idx, y, adv, uniforms, *, vocab, specs):
+    """Each estimator's estimate of g from one batch: responses y [n, L] from mu (log-softmax
+    ``lsm_mu`` [C, V], its top-K ``top_idx`` [C, K]), advantages ``adv`` [n], SIS uniforms [n, L]
+    -> ([E, C*V] estimates, one per row of ``specs``; the first SIS row's accept-rate /
+    D_original / D_sis stats)."""
     ctx = context_ids(y, vocab)
     mask = jnp.ones(y.shape, bool)
     old = lsm_mu[ctx, y]
@@ -173,8 +177,8 @@ def _exact_chunk(theta, lsm_mu, top_idx, y, weight, adv, *, vocab, plain, with_s
     patterns = jnp.asarray(np.indices((2,) * length).reshape(length, -1).T, bool)  # [2**L, L]
 
     def one(yy, aa, uu, specs):
-        return _estimates(theta, lsm_mu, top_idx, yy[None], aa[None], uu[None], vocab=vocab,
-                          specs=specs)[0]
+        return estimator_gradients(theta, lsm_mu, top_idx, yy[None], aa[None], uu[None],
+                                   vocab=vocab, specs=specs)[0]
 
     rejects = jnp.ones(y.shape, jnp.float32)
     g_plain = jax.vmap(lambda yy, aa, uu: one(yy, aa, uu, plain))(y, adv, rejects)
