@@ -1,5 +1,6 @@
-"""Sequential pruning of the foundation LM: the public ``prune`` API on a param tree, and proof
-that each layer is calibrated on the already-pruned model's activations."""
+"""Sequential pruning of the foundation LM: the public ``prune`` API on a param tree, proof that
+each layer is calibrated on the already-pruned model's activations, and ``PruneSystem`` (the
+same pipeline as a System, one block per step) giving ``prune``'s params and report bit for bit."""
 
 import jax
 import jax.numpy as jnp
@@ -7,11 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxflow.mesh import MeshConfig
 from jaxflow.models.attention import segment_causal_mask
 from jaxflow.models.transformer import PRESETS, Transformer
-from jaxflow.prune import prune
+from jaxflow.prune import PruneConfig, PruneSystem, prune
 from jaxflow.prune.masks import prune_count
 from jaxflow.prune.sparsegpt import hessian_from_inputs, sparsegpt_prune
+from jaxflow.system import check_system, is_system_state
 
 CFG = PRESETS["tiny"]
 LINEAR = (("attn", "wq"), ("attn", "wk"), ("attn", "wv"), ("attn", "wo"), ("mlp", "w_gate"),
@@ -26,6 +29,14 @@ def setup():
     pruned, report = prune(params, batches, 0.5, method="sparsegpt", model_config=CFG)
     dense_fed, _ = prune(params, batches, 0.5, method="sparsegpt", model_config=CFG, feed="dense")
     return params, batches, pruned, report, dense_fed
+
+
+@pytest.fixture(scope="module")
+def system_run(setup):
+    """PruneSystem run to the end at prune's settings (the jitted block pieces are shared)."""
+    params, batches, *_ = setup
+    system = PruneSystem(params, batches)
+    return system, system.run(PruneConfig(sparsity=0.5, model=CFG))
 
 
 def test_prune_api_on_lm_param_tree(setup):
@@ -75,3 +86,76 @@ def test_prune_rejects_unknown_method(setup):
     params, batches, *_ = setup
     with pytest.raises(ValueError, match="method='obs'"):
         prune(params, batches, 0.5, method="obs")
+
+
+def _leaves_equal(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_system_run_is_prune_bit_for_bit(setup, system_run):
+    params, batches, pruned, report, dense_fed = setup
+    system, state = system_run
+    assert check_system(system) == []
+    assert is_system_state(state) and state.done and state.layer == CFG.n_layers
+    assert jax.tree.structure(state.params) == jax.tree.structure(pruned)
+    assert _leaves_equal(state.params, pruned)
+    assert [(r.layer, r.name, r.calib_error, r.sparsity) for r in state.report] == \
+        [(r.layer, r.name, r.calib_error, r.sparsity) for r in report]
+    dense = system.run(PruneConfig(sparsity=0.5, model=CFG, feed="dense"))
+    assert _leaves_equal(dense.params, dense_fed) and not _leaves_equal(dense.params, pruned)
+
+
+def test_each_step_prunes_one_block_and_leaves_its_input_alone(setup):
+    params, batches, *_ = setup
+    system = PruneSystem(params, batches)
+    state = system.init(PruneConfig(sparsity=0.5, model=CFG), {}, jax.random.key(0))
+    before = jax.tree.map(np.asarray, state.params)
+    one, metrics = system.step(state, None, key=jax.random.key(1))
+    assert state.layer == 0 and _leaves_equal(state.params, before)  # the input state is unchanged
+    assert one.layer == 1 and metrics["layer"] == 0.0 and 0 < metrics["calib_error"] < 1
+    assert metrics["sparsity"] == pytest.approx(0.5)
+    w0, w1 = (np.asarray(one.params["layers"][k]["attn"]["wq"]) for k in sorted(one.params["layers"], key=int)[:2])
+    assert (w0 == 0).mean() == pytest.approx(0.5) and (w1 == 0).mean() == 0.0  # block 1 not yet pruned
+    assert {r.layer for r in one.report} == {0}
+    while not one.done:
+        one, _ = system.step(one, None, key=jax.random.key(2))
+    with pytest.raises(ValueError, match=rf"state.layer={CFG.n_layers}: all {CFG.n_layers} blocks are pruned"):
+        system.step(one, None, key=jax.random.key(3))
+
+
+def test_evaluate_reports_scores_and_retention(setup, system_run):
+    params, batches, *_ = setup
+    _, state = system_run
+
+    def evaluator(p):
+        return {"norm": float(sum(jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(p["layers"]))), "one": 1.0}
+
+    dense = evaluator(params)
+    system = PruneSystem(params, batches, evaluator=evaluator, dense_scores=dense)
+    out = system.evaluate(state)
+    assert set(out) == {"score/norm", "score/one", "retention/norm", "retention/one", "retention/total"}
+    assert out["score/norm"] == pytest.approx(evaluator(state.params)["norm"])
+    assert 0 < out["retention/norm"] < 1 and out["retention/one"] == 1.0
+    assert PruneSystem(params, batches).evaluate(state)["sparsity"] == pytest.approx(0.5)
+
+
+def test_system_config_errors_name_the_value():
+    with pytest.raises(ValueError, match="method='obs'; valid: sparsegpt, wanda, magnitude"):
+        PruneConfig(method="obs")
+    with pytest.raises(ValueError, match="feed='both'; valid: 'pruned', 'dense'"):
+        PruneConfig(feed="both")
+    with pytest.raises(ValueError, match="at least one calibration batch; got 0"):
+        PruneSystem({"layers": {}}, []).init(PruneConfig(), {}, None)
+
+
+def test_system_programs_on_a_mesh(setup):
+    params, batches, *_ = setup
+    meshes = {"mesh": MeshConfig().make(jax.devices()[:1])}
+    programs = PruneSystem(params, batches).programs(PruneConfig(model=CFG), meshes)
+    assert [p.name for p in programs] == ["prune/stage_input/attn_in", "prune/stage_input/attn_out",
+                                          "prune/stage_input/mlp_in", "prune/stage_input/mlp_out",
+                                          "prune/hessian_update", "prune/block_forward"]
+    for p in programs:
+        with jax.set_mesh(p.mesh):
+            out = jax.eval_shape(p.fn, *p.args, **p.kwargs)
+        assert jax.tree.leaves(out)[0].shape[0] in (4, CFG.d_model), p.name

@@ -1,154 +1,48 @@
 """The ``bench_sparsegpt`` experiment: jaxflow SparseGPT vs llmcompressor's ``sparsify_weight``.
 
-Both prune the same weights with the same calibration activations (each side accumulates its
-own Hessian from them; the damping is relative to mean(diag H), so the normalisation of H does
-not matter). Timed: the pruning call (Cholesky of the inverse + blocked OBS), measured side by
-side A B A B after a warm-up that includes compilation, ``pairs`` pairs per layer; speedup =
-torch time / jaxflow time. Error: ||W X - W_pruned X||_F^2 / ||W X||_F^2 on HELD-OUT activations.
-
-The reference is the optional ``bench`` extra (torch==2.13.0 + llmcompressor 0.14). Only its
-``sgpt_sparsify.py`` is loaded (by file path: it needs torch, transformers and loguru, not the
-package's heavy top level). Missing extra -> ``ReferenceUnavailable`` with the install line.
-
-Known difference: llmcompressor prunes ``int(size * s) + 1`` weights per unstructured block
-(``score <= sorted[int(size * s)]``); jaxflow prunes exactly ``round(size * s)``. So the error
-comparison (``rel_error_vs_torch``) also runs jaxflow at the fraction that prunes the reference's
-count (same algorithm, same number of zeros); the as-configured comparison is reported too
-(``rel_error_vs_torch_own_count``). N:M counts agree exactly.
+Per layer shape x sparsity, both sides prune the same weights with the same calibration
+activations; reported: the speedup (torch time / jaxflow time, A B A B pairs after a warm-up)
+and the held-out reconstruction errors. The measurement and its known differences (the
+reference prunes ``int(size * s) + 1`` weights per unstructured block) are documented in
+``jaxflow.prune.bench``; the reference is the optional ``bench`` extra.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import statistics
-import time
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxflow.experiment import MissingExtraError, RunContext
+from jaxflow.experiment import RunContext
+from jaxflow.prune.bench import layer_data, load_reference, measure_cell
 from jaxflow.prune.masks import parse_sparsity
-from jaxflow.prune.sparsegpt import hessian_from_inputs, reconstruction_error, sparsegpt_prune
+from jaxflow.prune.sparsegpt import hessian_from_inputs
 
-INSTALL_HINT = ("bench_sparsegpt compares against llmcompressor's SparseGPT, an optional extra: "
-                "pip install -e '.[bench]'  (torch==2.13.0, llmcompressor==0.14.*)")
-
-
-class ReferenceUnavailable(MissingExtraError):
-    """The optional ``bench`` extra is missing (the message has the install command)."""
-
-
-def load_reference():
-    """(torch, sgpt_sparsify module) from the installed llmcompressor wheel."""
-    try:
-        import torch
-    except ImportError as e:
-        raise ReferenceUnavailable(f"{INSTALL_HINT}; torch is not installed ({e})") from None
-    spec = importlib.util.find_spec("llmcompressor")
-    if spec is None or not spec.submodule_search_locations:
-        raise ReferenceUnavailable(f"{INSTALL_HINT}; llmcompressor is not installed")
-    path = pathlib.Path(spec.submodule_search_locations[0]) / "modifiers/pruning/sparsegpt/sgpt_sparsify.py"
-    if not path.exists():
-        raise ReferenceUnavailable(f"{INSTALL_HINT}; {path} is missing (llmcompressor version?)")
-    module_spec = importlib.util.spec_from_file_location("_llmcompressor_sgpt_sparsify", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except ImportError as e:
-        raise ReferenceUnavailable(f"{INSTALL_HINT}; loading {path} failed: {e}") from None
-    return torch, module
-
-
-def layer_data(rows: int, cols: int, tokens: int, *, seed: int):
-    """Weights [rows, cols] and calibration / held-out inputs [tokens, cols] with correlated,
-    unevenly scaled features (a few outlier channels, like LLM activations)."""
-    rng = np.random.default_rng([seed, rows, cols])
-    scales = np.exp(rng.normal(0.0, 1.0, cols))
-    mix = rng.normal(size=(cols, cols)) / np.sqrt(cols)
-    base = np.eye(cols) * 0.5 + mix
-
-    def inputs(n):
-        return ((rng.normal(size=(n, cols)) @ base) * scales).astype(np.float32)
-
-    weight = (rng.normal(size=(rows, cols)) / np.sqrt(cols)).astype(np.float32)
-    return weight, inputs(tokens), inputs(tokens)
-
-
-def _reference_prune(torch, ref, weight, x, pattern, block_size, damp):
-    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    with torch.no_grad():
-        layer.weight.copy_(torch.from_numpy(weight))
-    h = ref.make_empty_hessian(layer)
-    with torch.no_grad():
-        h, _ = ref.accumulate_hessian(torch.from_numpy(x).reshape(-1, 128, x.shape[1]), layer, h, 0)
-
-    def run():
-        with torch.no_grad():
-            _, w = ref.sparsify_weight(layer, {layer: h.clone()}, pattern.fraction, pattern.n, pattern.m,
-                                       block_size, damp, False)
-        return w.detach()
-
-    return run
+__all__ = ["main"]
 
 
 def main(config, run: RunContext) -> dict:
+    """Every layer x sparsity cell (``measure_cell``), one metrics row each; the summary."""
     torch, ref = load_reference()
     torch.set_num_threads(config.torch_threads)
-    results, ratios_all, rel_errors, rel_own_all = [], [], [], []
+    results, ratios_all = [], []
     run.set_total_steps(len(config.layers) * len(config.sparsities), "bench_sparsegpt")
-    step = 0
     for shape in config.layers:
         rows, cols = (int(v) for v in shape.split("x"))
         weight, x_cal, x_held = layer_data(rows, cols, config.tokens, seed=config.seed)
         h = hessian_from_inputs(jnp.asarray(x_cal))
         for sp in config.sparsities:
-            pattern = parse_sparsity(sp)
-
-            def ours():
-                return jax.block_until_ready(sparsegpt_prune(jnp.asarray(weight), h, pattern,
-                                                             block_size=config.block_size,
-                                                             damp=config.damp)[0])
-
-            theirs = _reference_prune(torch, ref, weight, x_cal, pattern, config.block_size, config.damp)
-            for _ in range(config.warmup):
-                ours(), theirs()
-            t_ours, t_ref = [], []
-            for _ in range(config.pairs):
-                start = time.perf_counter()
-                ours()
-                t_ours.append(time.perf_counter() - start)
-                start = time.perf_counter()
-                theirs()
-                t_ref.append(time.perf_counter() - start)
-            ratios = [b / a for a, b in zip(t_ours, t_ref)]
-            err_own = reconstruction_error(weight, ours(), x_held)
-            err_ref = reconstruction_error(weight, theirs().numpy(), x_held)
-            err_ours = err_own
-            if not pattern.is_nm:  # prune the reference's int(size * s) + 1 per block
-                size = rows * min(config.block_size, cols)
-                matched = (int(size * pattern.fraction) + 1) / size
-                err_ours = reconstruction_error(weight, sparsegpt_prune(
-                    jnp.asarray(weight), h, matched, block_size=config.block_size,
-                    damp=config.damp)[0], x_held)
-            rel = abs(err_ours - err_ref) / err_ref
-            rel_own = abs(err_own - err_ref) / err_ref
+            cell, ratios = measure_cell(torch, ref, weight, x_cal, x_held, h, parse_sparsity(sp),
+                                        block_size=config.block_size, damp=config.damp,
+                                        warmup=config.warmup, pairs=config.pairs)
+            row = {"layer": shape, **cell}
             ratios_all.append(statistics.median(ratios))
-            rel_errors.append(rel)
-            rel_own_all.append(rel_own)
-            row = {"layer": shape, "sparsity": str(pattern), "jaxflow_s": statistics.median(t_ours),
-                   "torch_s": statistics.median(t_ref), "speedup": statistics.median(ratios),
-                   "speedup_min": min(ratios), "speedup_max": max(ratios),
-                   "error_jaxflow": err_ours, "error_torch": err_ref, "rel_error": rel,
-                   "error_jaxflow_own_count": err_own, "rel_error_own_count": rel_own}
             results.append(row)
-            step += 1
-            run.log(step, row)
+            run.log(len(results), row)
     return {
         "speedup_vs_torch": statistics.median(ratios_all),
-        "rel_error_vs_torch": max(rel_errors),
-        "rel_error_vs_torch_own_count": max(rel_own_all),
+        "rel_error_vs_torch": max(r["rel_error"] for r in results),
+        "rel_error_vs_torch_own_count": max(r["rel_error_own_count"] for r in results),
         "per_layer": results,
         "torch_version": torch.__version__,
         "torch_threads": config.torch_threads,

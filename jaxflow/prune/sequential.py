@@ -18,8 +18,9 @@ w_gate [d, f], w_down [f, d]); they are viewed as [outputs, inputs] matrices for
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from flax import nnx
 from jaxflow.models.attention import dot_product_attention, segment_causal_mask
 from jaxflow.models.transformer import Block, TransformerConfig
 from jaxflow.prune.baselines import magnitude_prune, wanda_prune
-from jaxflow.prune.masks import parse_sparsity
+from jaxflow.prune.masks import SparsityPattern, parse_sparsity
 from jaxflow.prune.sparsegpt import hessian_init, hessian_update, sparsegpt_prune
 
 METHODS: dict[str, Callable] = {
@@ -72,8 +73,12 @@ def infer_model_config(params: Mapping[str, Any], **overrides) -> TransformerCon
     return TransformerConfig(**fields)
 
 
-def _as_batch(batch: Any) -> dict[str, jax.Array]:
-    """tokens [B, T] int (or a dict with tokens and optional segment_ids/positions)."""
+def as_batch(batch: Any) -> dict[str, jax.Array]:
+    """A calibration batch as ``{"tokens", "segment_ids", "positions"}``, each int32 [B, T].
+
+    ``batch``: tokens [B, T] int, or a dict with ``tokens`` and optionally ``segment_ids``
+    (0 = padding; default all 1) and ``positions`` (default 0..T-1; required with segment_ids).
+    """
     if isinstance(batch, Mapping):
         tokens = jnp.asarray(batch["tokens"], jnp.int32)
         seg = batch.get("segment_ids")
@@ -93,8 +98,13 @@ def _as_batch(batch: Any) -> dict[str, jax.Array]:
             "positions": jnp.asarray(pos, jnp.int32)}
 
 
-class _BlockRunner:
-    """Jitted pieces of one decoder block, built from a pure-dict layer params."""
+class BlockRunner:
+    """Jitted pieces of one decoder block of ``config``, on a pure-dict layer's params.
+
+    ``stage_input(layer, x, positions, segment_ids, stage=...)``: the inputs [B, T, d_in] of one
+    of :data:`LINEAR_GROUPS`' stages for hidden states ``x`` [B, T, d_model];
+    ``forward(layer, x, positions, segment_ids)``: the block's output [B, T, d_model].
+    """
 
     def __init__(self, config: TransformerConfig):
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Block(config, rngs=nnx.Rngs(0))))
@@ -124,6 +134,12 @@ class _BlockRunner:
 
     def _forward(self, layer_params, x, positions, segment_ids):
         return self._block(layer_params)(x, positions, segment_causal_mask(segment_ids))
+
+
+@functools.lru_cache(maxsize=8)
+def block_runner(config: TransformerConfig) -> BlockRunner:
+    """The :class:`BlockRunner` of ``config``, shared (its jitted functions compile once)."""
+    return BlockRunner(config)
 
 
 def _to_matrix(w: jax.Array, n_in_axes: int) -> jax.Array:
@@ -169,13 +185,12 @@ def prune(params: Mapping[str, Any], calibration_batches: Iterable[Any], sparsit
     if feed not in ("pruned", "dense"):
         raise ValueError(f"feed={feed!r}; valid: 'pruned', 'dense'")
     pattern = parse_sparsity(sparsity)
-    batches = [_as_batch(b) for b in calibration_batches]
+    batches = [as_batch(b) for b in calibration_batches]
     if not batches:
         raise ValueError("prune needs at least one calibration batch")
     if model_config is None:
         model_config = infer_model_config(params, max_seq_len=max(b["tokens"].shape[1] for b in batches))
-    runner = _BlockRunner(model_config)
-    prune_fn = METHODS[method]
+    runner = block_runner(model_config)
     out = jax.tree.map(lambda x: x, dict(params))
     out["layers"] = dict(params["layers"])
     emb = jnp.asarray(params["embedding"])
@@ -184,32 +199,59 @@ def prune(params: Mapping[str, Any], calibration_batches: Iterable[Any], sparsit
     report: list[PrunedMatrix] = []
     for layer_idx, key in enumerate(sorted(params["layers"], key=int)):
         dense_layer = params["layers"][key]
-        layer = {mod: dict(v) if isinstance(v, Mapping) else v for mod, v in dense_layer.items()}
-        for stage, members in LINEAR_GROUPS:
-            feed_layer, feed_xs = (dense_layer, dense_xs) if feed == "dense" else (layer, xs)
-            hess = None
-            for b, x in zip(batches, feed_xs):
-                act = runner.stage_input(feed_layer, x, b["positions"], b["segment_ids"], stage=stage)
-                hess = hessian_update(hess or hessian_init(act.shape[-1]), act, b["segment_ids"] > 0)
-            for module, wname, n_in in members:
-                start = time.perf_counter()
-                w = jnp.asarray(dense_layer[module][wname])
-                matrix = _to_matrix(w, n_in)
-                pruned, mask = prune_fn(matrix, hess.h, pattern, block_size=block_size, damp=damp,
-                                        name=f"layer {layer_idx} {module}.{wname}")
-                pruned = jax.block_until_ready(pruned)
-                seconds = time.perf_counter() - start
-                layer[module][wname] = _from_matrix(pruned, w)
-                report.append(PrunedMatrix(
-                    layer=layer_idx, name=f"{module}.{wname}", shape=tuple(matrix.shape),
-                    sparsity=float(jnp.mean(pruned == 0)),
-                    calib_error=float(_relative_calib_error(matrix, pruned, hess.h)), seconds=seconds))
+        layer, rows = prune_block(runner, dense_layer, batches, xs, dense_xs, pattern, method=method,
+                                  layer_idx=layer_idx, block_size=block_size, damp=damp)
+        report += rows
         xs = [runner.forward(layer, x, b["positions"], b["segment_ids"]) for b, x in zip(batches, xs)]
         if dense_xs is not None:
             dense_xs = [runner.forward(dense_layer, x, b["positions"], b["segment_ids"])
                         for b, x in zip(batches, dense_xs)]
         out["layers"][key] = layer
         if log is not None:
-            errs = [r.calib_error for r in report if r.layer == layer_idx]
+            errs = [r.calib_error for r in rows]
             log(f"pruned layer {layer_idx} ({method}, {pattern}): mean calib error {np.mean(errs):.4g}")
     return out, report
+
+
+def prune_block(runner: BlockRunner, dense_layer: Mapping[str, Any], batches: Sequence[Mapping[str, jax.Array]],
+                xs: Sequence[jax.Array], dense_xs: Sequence[jax.Array] | None, pattern: SparsityPattern, *,
+                method: str = "sparsegpt", layer_idx: int = 0, block_size: int = 128,
+                damp: float = 0.01) -> tuple[dict, list[PrunedMatrix]]:
+    """Prunes one decoder block "true-sequentially" (the four :data:`LINEAR_GROUPS` in order).
+
+    Args:
+      runner: the model's :class:`BlockRunner`.
+      dense_layer: the block's dense pure-dict params.
+      batches: the calibration batches (:func:`as_batch`), [B, T] each.
+      xs: the hidden states [B, T, d_model] entering this block, one per batch (the pruned
+        model's: each group is calibrated on the block with the groups before it pruned).
+      dense_xs: the dense model's hidden states instead (``feed="dense"``), or None.
+      pattern: the sparsity (:func:`jaxflow.prune.masks.parse_sparsity`).
+      method, layer_idx, block_size, damp: as in :func:`prune` (``layer_idx`` names the rows).
+
+    Returns:
+      (the pruned block's params, one :class:`PrunedMatrix` per weight matrix).
+    """
+    prune_fn = METHODS[method]
+    layer = {mod: dict(v) if isinstance(v, Mapping) else v for mod, v in dense_layer.items()}
+    report: list[PrunedMatrix] = []
+    for stage, members in LINEAR_GROUPS:
+        feed_layer, feed_xs = (dense_layer, dense_xs) if dense_xs is not None else (layer, xs)
+        hess = None
+        for b, x in zip(batches, feed_xs):
+            act = runner.stage_input(feed_layer, x, b["positions"], b["segment_ids"], stage=stage)
+            hess = hessian_update(hess or hessian_init(act.shape[-1]), act, b["segment_ids"] > 0)
+        for module, wname, n_in in members:
+            start = time.perf_counter()
+            w = jnp.asarray(dense_layer[module][wname])
+            matrix = _to_matrix(w, n_in)
+            pruned, mask = prune_fn(matrix, hess.h, pattern, block_size=block_size, damp=damp,
+                                    name=f"layer {layer_idx} {module}.{wname}")
+            pruned = jax.block_until_ready(pruned)
+            seconds = time.perf_counter() - start
+            layer[module][wname] = _from_matrix(pruned, w)
+            report.append(PrunedMatrix(
+                layer=layer_idx, name=f"{module}.{wname}", shape=tuple(matrix.shape),
+                sparsity=float(jnp.mean(pruned == 0)),
+                calib_error=float(_relative_calib_error(matrix, pruned, hess.h)), seconds=seconds))
+    return layer, report
