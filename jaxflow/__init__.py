@@ -2,6 +2,7 @@
 
 Subpackages (one idea each):
   jaxflow.align         FIGA token marks and loss, SFT / DPO baselines, oracle-revised pairs
+  jaxflow.bench         the benchmarks' measurements: kernels vs references, sync codecs, HF loading
   jaxflow.compile_only  ahead-of-time compilation of an experiment for abstract chips (--compile-only)
   jaxflow.data          built-in generators (arithmetic corpus, character tokenizer)
   jaxflow.decorate      DecorateLM data engineering: rating, tagging, editing, a distilled student
@@ -55,7 +56,7 @@ and modules (``from jaxflow import *`` imports them all; ``import jaxflow`` impo
 __version__ = "0.1.0"
 
 __all__ = [
-    "align", "compile_only", "data", "decorate", "embeddings", "flow", "genrec", "main", "marl",
+    "align", "bench", "compile_only", "data", "decorate", "embeddings", "flow", "genrec", "main", "marl",
     "models", "nestpipe", "prune", "recsys", "rl", "rollout", "study", "sync", "train",
     "cache", "checkpoint", "config", "config_domains", "config_reads", "contract", "distributed", "errors",
     "experiment", "export", "host_jit", "job_auth",

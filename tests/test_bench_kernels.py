@@ -14,7 +14,8 @@ import pytest
 
 from configs import bench_kernels as cfg
 from jaxflow import run as runner
-from jaxflow.main import bench_kernels as bk
+from jaxflow.bench import kernel_cases as bk
+from jaxflow.bench.kernels import run_case
 
 ROW_KEYS = {"kernel", "name", "shape", "dtype", "tolerance", "status", "reference_status",
             "max_error", "within_tolerance", "kernel_temp_bytes", "reference_temp_bytes",
@@ -61,7 +62,7 @@ def test_quick_rows_schema_and_tolerances(quick_summary):
     assert scatter["reconstructs_new_version"] and scatter["updates"] == diff["changed"]
     attention = [r for r in rows if r["kernel"] == "attention"]
     assert [r["backend"] for r in attention] == list(cfg.get_config("quick").attention.backends)
-    if bk._attention_module() is None:
+    if bk.attention_module() is None:
         assert all(r["status"].startswith("unavailable: module missing") for r in attention)
     else:  # splash and flash run in interpret mode on the CPU; cuDNN needs a GPU
         by = {r["backend"]: r for r in attention}
@@ -99,8 +100,8 @@ def test_attention_rows_light_up_with_the_module_and_record_what_cannot_build(mo
     a = dataclasses.replace(cfg.get_config("quick").attention,
                             backends=("flash", "broken", "splash"), tokens=(16,))
     references = {}  # the XLA reference is built once and compared with every backend
-    rows = [bk.run_case(c, pairs=2, warmup=0, references=references)
-            for c in bk._attention_cases(a, True, jax.random.key(0))]
+    rows = [run_case(c, pairs=2, warmup=0, references=references)
+            for c in bk.attention_cases(a, True, jax.random.key(0))]
     assert list(references) == [("attention", "xla", 16)]
     by = {r["backend"]: r for r in rows}
     assert by["flash"]["status"] == "ok" and by["flash"]["max_error"] == 0.0
@@ -121,7 +122,7 @@ def test_accelerator_inputs_match_the_host_inputs_in_shape_and_dtype(monkeypatch
                 for c in bk.iter_cases(config, True)]
 
     host = signature()
-    monkeypatch.setattr(bk, "_on_accelerator", lambda: True)
+    monkeypatch.setattr(bk, "on_accelerator", lambda: True)
     assert signature() == host
 
 
@@ -129,7 +130,7 @@ def test_a_wrong_kernel_fails_its_tolerance():
     x = jnp.arange(8.0)
     case = bk.Case("embedding_bag", "wrong", "8", "float32", lambda x: x + 1e-3,
                    lambda x: x, (x,))
-    row = bk.run_case(case, pairs=1, warmup=0)
+    row = run_case(case, pairs=1, warmup=0)
     assert row["within_tolerance"] is False
     assert row["max_error"] == pytest.approx(1e-3 / 7, rel=1e-3)
 

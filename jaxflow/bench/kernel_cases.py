@@ -17,6 +17,9 @@ import numpy as np
 
 from pallas_kernels import catalog
 
+__all__ = ["FALLBACK_ATTENTION_BACKENDS", "KERNEL_FAMILIES", "TOLERANCE", "Case", "attention_cases",
+           "attention_module", "iter_cases", "on_accelerator", "one_line"]
+
 TOLERANCE = {
     "fused_logprobs": {"float32": 1e-5, "bfloat16": 1e-2},
     "embedding_bag": {"float32": 1e-6, "bfloat16": 1e-2},
@@ -49,7 +52,8 @@ class Case:
     reference_key: Any = None  # cases with the same key share one reference build
 
 
-def _one_line(e: BaseException, limit: int = 300) -> str:
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """``"<Type>: <message>"`` of ``e`` on one line, at most ``limit`` characters."""
     text = " ".join(str(e).split()) or type(e).__name__
     return f"{type(e).__name__}: {text}"[:limit]
 
@@ -97,7 +101,7 @@ class _HostRandom:
         return self.rng.random(shape) < p
 
 
-def _on_accelerator() -> bool:
+def on_accelerator() -> bool:
     """Whether the default backend is a GPU / TPU (arrays drawn on the device)."""
     return jax.default_backend() in ("gpu", "tpu")
 
@@ -105,7 +109,7 @@ def _on_accelerator() -> bool:
 def _make(make: Callable, key) -> tuple:
     """``make(random)`` -> a tuple of arrays on the default device: drawn by one jitted program
     on a GPU / TPU, by numpy (then placed) on the CPU."""
-    if _on_accelerator():
+    if on_accelerator():
         return jax.jit(lambda k: make(_DeviceRandom(k)))(key)
     return tuple(jnp.asarray(x) for x in make(_HostRandom(key)))
 
@@ -217,7 +221,8 @@ def _scatter_cases(p: dict, interpret: bool, key, change_fraction: float) -> lis
                         "reconstructs_new_version": exact_apply})]
 
 
-def _attention_module():
+def attention_module():
+    """``jaxflow.models.attention_backends``, or None where this tree does not have it."""
     import importlib
 
     name = "jaxflow.models.attention_backends"
@@ -229,8 +234,10 @@ def _attention_module():
         raise
 
 
-def _attention_cases(a, interpret: bool, key) -> list[Case]:
-    module = _attention_module()
+def attention_cases(a, interpret: bool, key) -> list[Case]:
+    """One case per attention backend x sequence length of the config's ``attention`` section
+    ``a``, each compared with ``attention(backend="xla")`` (one shared reference build per length)."""
+    module = attention_module()
     dtype = jnp.dtype(a.dtype)
     out = []
     for tokens in a.tokens:
@@ -291,7 +298,7 @@ def iter_cases(config, interpret: bool):
                                                    config.change_fraction),
         "sync_scatter_apply": lambda k: _scatter_cases(sizes["sync"], interpret, sync_key,
                                                        config.change_fraction),
-        "attention": lambda k: _attention_cases(config.attention, interpret, k),
+        "attention": lambda k: attention_cases(config.attention, interpret, k),
     }
     for fam in config.kernels:
         try:
@@ -299,6 +306,6 @@ def iter_cases(config, interpret: bool):
         except Exception as e:  # noqa: BLE001 - e.g. inputs that do not fit this device
             dtype = next(iter(TOLERANCE[fam]))
             cases = [Case(fam, fam, "", dtype, None, None, (),
-                          unavailable=f"unavailable: inputs: {_one_line(e)}")]
+                          unavailable=f"unavailable: inputs: {one_line(e)}")]
         while cases:
             yield cases.pop(0)
