@@ -168,7 +168,7 @@ def test_stale_calibration_warning(tmp_path, monkeypatch):
 
 def test_sparse_baseline_is_rowwise_adagrad_on_touched_rows():
     from jaxflow.embeddings import TableSpec
-    from jaxflow.main.bench_embedding import dense_baseline_step, sparse_baseline_step
+    from jaxflow.embeddings.bench import dense_baseline_step, sparse_baseline_step
 
     v, d, lr, eps = 7, 3, 0.1, 1e-8
     specs = [TableSpec("t0", v, d, "row_wise", "sum"), TableSpec("t1", v, d, "row_wise", "sum")]

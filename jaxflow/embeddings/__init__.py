@@ -1,6 +1,8 @@
 """Sharded embedding tables for recommendation (TorchRec-style): placement, routing, lookup, sparse
-optimizers, host-resident tables, checkpoints. See ``lookup.py`` for the stage list."""
+optimizers, host-resident tables, checkpoints. See ``lookup.py`` for the stage list; ``bench`` is
+the ``bench_embedding`` measurement (this layer vs ``jnp.take`` baselines, the Pallas bag kernel)."""
 
+from jaxflow.embeddings import bench
 from jaxflow.embeddings.lookup import (
     CapacityOverflowError,
     GroupContext,
@@ -23,6 +25,7 @@ from jaxflow.embeddings.spec import EmbeddingPlan, IdPolicy, Placement, Pooling,
 from jaxflow.embeddings.step import make_train_step
 
 __all__ = [
+    "bench",
     "adam", "apply_id_policy", "apply_owner_update", "CapacityOverflowError", "check_ids_host",
     "check_stats", "dedup", "EmbeddingPlan", "exchange_grads", "exchange_ids", "exchange_rows",
     "gather_rows", "group_forward", "group_pool", "group_update", "GroupContext", "IdPolicy",
