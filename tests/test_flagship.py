@@ -6,13 +6,8 @@ import pytest
 
 from configs.flagship import get_config
 from jaxflow.config import apply_overrides
-from jaxflow.main.flagship import (
-    HEADLINE_KEYS,
-    pass_at_1_definition,
-    seed_interval,
-    summarize_seeds,
-    sync_ratio_vs_dense,
-)
+from jaxflow.rl.flagship_study import HEADLINE_KEYS, pass_at_1_definition, summarize_seeds, sync_ratio_vs_dense
+from jaxflow.study import seed_interval
 
 
 def _sync(*payloads, dense=1000):

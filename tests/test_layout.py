@@ -228,7 +228,7 @@ MAX_DRIVER_LINES = 150
 DRIVERS_NOT_YET_THIN: frozenset[str] = frozenset({
     "_bench_rollout_arms", "_kernel_cases", "bench_checkpoint", "bench_embedding", "bench_kernels",
     "bench_policy_loss", "bench_rollout", "bench_sparsegpt", "bench_sync_codec",
-    "calibration_tradeoffs", "decoratelm", "dlrm_train", "figa", "flagship", "flexmarl",
+    "calibration_tradeoffs", "decoratelm", "dlrm_train", "figa", "flexmarl",
     "flowtrain", "nestpipe", "nestpipe_scale", "oxygenrec", "sis_offpolicy", "sis_regime",
     "sparse_sync",
 })

@@ -9,9 +9,10 @@ with a 95% t-interval over seeds. ``RUN_DIR/export.json``: ``python -m jaxflow.e
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from types import SimpleNamespace
+
+import jax
 
 from jaxflow.checkpoint import Checkpointer
 from jaxflow.config import ConfigError
@@ -20,10 +21,11 @@ from jaxflow.mesh import trainer_rollout_meshes
 from jaxflow.models import lora
 from jaxflow.models.hf_export import export_hf, write_export_manifest
 from jaxflow.models.tiny_hf import cached_tiny_checkpoint
-from jaxflow.rl.grpo import GRPOTrainer, rollout_row
+from jaxflow.rl.grpo import rollout_row
 from jaxflow.rl.own_data import make_task, stand_in_task
 from jaxflow.rl.sft import sft_warm_start
-from jaxflow.stats import paired_interval
+from jaxflow.rl.system import GRPOSetup, GRPOSystem
+from jaxflow.study import finished_cells, paired_interval, record_cell
 from jaxflow.train.loop import run_steps
 
 HEADLINE_KEYS = ("heldout_pass_at_1_initial", "heldout_pass_at_1_final", "heldout_pass_at_1_gain")
@@ -39,27 +41,28 @@ def run_seed(config, run: RunContext, k: int, ctx) -> dict:
                                      prompts, answers, config.sft, seed=k)
         run.info(f"seed {k}: SFT {sft['steps']} steps, loss {sft['loss_first']:.3f} -> "
                  f"{sft['loss_last']:.3f}")
-    trainer = GRPOTrainer(ctx.model_cfg, ctx.rl, config.optim, ctx.task, ctx.tokenizer,
-                          ctx.meshes, seed=config.seed + k, total_rollouts=config.rollouts)
-    state = trainer.init_state(params)
-    run.info(f"seed {k}: {lora.describe_trainable(state['policy'].params)}")
     n = min(config.eval.prompts, len(ctx.task.heldout_rows))
+    setup = GRPOSetup(ctx.model_cfg, ctx.rl, config.optim, ctx.task, ctx.tokenizer,
+                      seed=config.seed + k, total_rollouts=config.rollouts, eval_prompts=n,
+                      eval_samples=config.eval.samples)
+    system, run_key = GRPOSystem(), jax.random.key(setup.seed)  # the rollouts' key stream
+    state = system.init(setup, ctx.meshes, run_key, params=params)
+    run.info(f"seed {k}: {lora.describe_trainable(state.policy.params)}")
 
-    def pass_at_1(st) -> float:
-        return trainer.heldout_accuracy(st, n, samples=config.eval.samples)
-
+    def pass_at_1(st) -> float:  # sampled pass@1 over the setup's held-out prompts
+        return system.evaluate(st)["heldout_pass_at_1"]
     initial = pass_at_1(state)
     run.info(f"seed {k}: held-out pass@1 before RL {initial:.3f}")
     out = run.out_dir / ("hf" if config.seeds == 1 else f"hf/seed{k}")
-    every, cfg = (config.export.every if config.export.hf else 0), trainer.model_cfg
+    every, cfg = (config.export.every if config.export.hf else 0), state.trainer.model_cfg
 
     def export(state, to) -> None:  # merged weights, tokenizer files, PEFT adapter/ under LoRA
         # every process calls it (the sharded params are gathered); process 0 writes
-        export_hf(state["policy"].params, cfg, str(to), source_dir=ctx.hf_path,
+        export_hf(state.policy.params, cfg, str(to), source_dir=ctx.hf_path,
                   lora_cfg=cfg.lora if cfg.lora.enabled else None)
 
     def rl_step(state, step):
-        state, metrics = trainer.step(state)
+        state, metrics = system.step(state, None, key=jax.random.fold_in(run_key, step))
         if every and (step + 1) % every == 0:
             export(state, f"{out}-{step + 1}")
         return state, {"rollout": step + 1, "seed_index": k, **metrics}
@@ -90,20 +93,19 @@ def resolve_meshes(config, devices=None) -> dict:
 
 
 def compile_programs(config, meshes) -> list:
-    """``--compile-only``: one RL step's programs (:func:`jaxflow.rl.programs.grpo_programs`)
+    """``--compile-only``: one RL step's programs (:meth:`jaxflow.rl.system.GRPOSystem.programs`)
     for ``model.hf_path``'s config.json (else Qwen3-8B's shapes), prompts of
     ``rl.max_new_tokens`` tokens."""
     from jaxflow.models.architectures import read_transformer_config, shipped_config
-    from jaxflow.rl.programs import grpo_programs
 
     hf = config.model.hf_path
     model_cfg = dataclasses.replace(read_transformer_config(hf) if hf else shipped_config("qwen3-8b"),
                                     param_dtype="float32", remat=True,
                                     max_seq_len=2 * config.rl.max_new_tokens)
     task, tokenizer = stand_in_task(config.rl.max_new_tokens, config.rl.max_new_tokens)
-    return grpo_programs(GRPOTrainer(model_cfg, dataclasses.replace(config.rl, lora=config.model.lora),
-                                     config.optim, task, tokenizer, meshes, seed=config.seed,
-                                     total_rollouts=config.rollouts))
+    rl = dataclasses.replace(config.rl, lora=config.model.lora)
+    return GRPOSystem().programs(GRPOSetup(model_cfg, rl, config.optim, task, tokenizer,
+                                           seed=config.seed, total_rollouts=config.rollouts), meshes)
 
 
 def main(config, run: RunContext) -> dict:
@@ -129,15 +131,13 @@ def main(config, run: RunContext) -> dict:
     ctx = SimpleNamespace(hf_path=hf_path, meshes=meshes, model_cfg=model_cfg, params=params,
                           tokenizer=tokenizer, task=task, rl=rl)
     run.set_total_steps(config.seeds * config.rollouts, "rl")
-    path = run.out_dir / "seeds.jsonl"  # --resume: seeds that had finished are not run again
-    done = {r.pop("seed_index"): r for r in map(json.loads, path.read_text("utf-8").splitlines())
-            } if run.resume and path.exists() else {}
+    done = {k: {f: v for f, v in r.items() if f != "seed_index"}  # --resume: finished seeds
+            for k, r in finished_cells(run, filename="seeds.jsonl", key="seed_index").items()}
     per_seed = []
     for k in range(config.seeds):
         summary = done.get(k) or run_seed(config, run, k, ctx)
-        if k not in done and run.is_primary:
-            with path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps({"seed_index": k, **to_jsonable(summary)}) + "\n")
+        if k not in done:
+            record_cell(run, {"seed_index": k, **to_jsonable(summary)}, filename="seeds.jsonl")
         per_seed.append(summary)
     head = {key: {f: None if isinstance(v, float) and math.isnan(v) else v for f, v in
                   paired_interval([s[key] for s in per_seed], [0.0] * len(per_seed))._asdict().items()}

@@ -16,6 +16,9 @@ Modules (one idea each):
   rollout       G responses per prompt on the rollout sub-mesh; train/inference mismatch knobs
   publish       publish_weights: trainer -> rollout sub-mesh
   grpo          the GRPO trainer: policy lag N, async staleness k, KL to a reference, entropy
+  system        GRPOSystem: the GRPO trainer as a System (typed frozen GRPOState, pure step)
+  programs      the GRPO step's jitted programs with abstract arguments (--compile-only)
+  flagship_study  the flagship study: per-seed warm starts, per-run and over-seed summaries, plot
   step_metrics  the trainer's rows named as verl's (actor/*, perf/*, timing_s/*, response_length/*)
   warm_start    an lm_pretrain checkpoint (trained on the fly, cached) as the RL starting point
 
@@ -52,6 +55,7 @@ from jaxflow.rl.reward_mapping import unified_reward
 from jaxflow.rl.rewards import RewardError, make_reward, score_rewards
 from jaxflow.rl.rollout import RolloutBatch, RolloutSpec, RolloutWorker, make_noisy_sampler, parse_mismatch
 from jaxflow.rl.sis import sis_accept, sis_log_envelope, sis_log_ratio, sis_uniforms
+from jaxflow.rl.system import GRPOSetup, GRPOState, GRPOSystem
 from jaxflow.rl.tasks import (
     TASKS,
     AdditionRLTask,
@@ -79,4 +83,5 @@ __all__ = [
     "publish_weights",
     "GRPOConfig", "GRPOTrainer", "MiniBatch", "OldStats", "grpo_loss", "make_rl_optimizer",
     "old_stats", "response_hidden", "update_step", "load_pretrained_params",
+    "GRPOSetup", "GRPOState", "GRPOSystem",
 ]

@@ -1,7 +1,9 @@
 """The GRPO trainer: rollout, pi_old statistics, N updates and publishing, with the off-policy
 knobs policy lag N, async staleness k and train/inference mismatch.
 
-The pure functions it composes (config, loss, update) are in :mod:`jaxflow.rl.grpo_step`.
+The pure functions it composes (config, loss, update) are in :mod:`jaxflow.rl.grpo_step`;
+:class:`jaxflow.rl.system.GRPOSystem` is this trainer as a System (a typed frozen state, the
+step keyed per rollout), which the drivers use.
 
 One RL step = one rollout then N optimizer steps on it:
 
@@ -100,6 +102,7 @@ from jaxflow.rl.grpo_step import (  # noqa: F401
 from jaxflow.rl.publish import DensePublisher, Publisher, SyncPublisher, params_origin, publish_weights
 from jaxflow.rl.reward_shaping import overlong_penalty
 from jaxflow.rl.rollout import RolloutBatch, RolloutWorker, batch_sharding
+from jaxflow.rl.step_metrics import rollout_row, version_metrics
 from jaxflow.rl.tasks import Task, check_task, stop_ids
 from jaxflow.sync.replica import Link
 from jaxflow.sync.weight_sync import SyncConfig, SyncRecord, WeightSync
@@ -240,6 +243,17 @@ class GRPOTrainer:
         return published if self._merge_rollout is None else self._merge_rollout(published)
 
     @property
+    def old_stats_fn(self) -> Any:
+        """The jitted pi_old statistics ``(params, ref_params, mb) -> OldStats`` (trainer mesh)."""
+        return self._old_stats
+
+    @property
+    def update_fn(self) -> Any:
+        """The jitted update ``(policy, mb, old, *, key) -> (policy, metrics)`` (trainer mesh;
+        donates ``policy``)."""
+        return self._update
+
+    @property
     def weight_sync(self) -> WeightSync | None:
         """The WeightSync serving the rollouts (None with sync off or before ``init_state``)."""
         return getattr(self.publisher, "weight_sync", None)
@@ -292,8 +306,20 @@ class GRPOTrainer:
         rng = np.random.default_rng([self.seed, rollout, 0x6A7F, *extra])
         return self.task.prompts(rng, self.config.prompts_per_gen_batch)
 
-    def _keys(self, state: dict, rollout: int) -> tuple[jax.Array, jax.Array]:
-        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), rollout)
+    def rollout_key(self, state: dict, rollout: int) -> jax.Array:
+        """Rollout ``rollout``'s key: ``fold_in(key(seed), rollout)`` from the state's ``rng``,
+        replicated on the trainer mesh."""
+        return jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), rollout)
+
+    def placed_key(self, key: jax.Array) -> jax.Array:
+        """``key`` replicated on the trainer mesh (placed per process: the mesh may span
+        processes), as :meth:`rollout_key` gives it."""
+        data = np.asarray(jax.random.key_data(key))
+        return jax.random.wrap_key_data(put(data, NamedSharding(self.trainer_mesh, PartitionSpec())))
+
+    def _keys(self, state: dict, rollout: int, key: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array]:
+        key = self.rollout_key(state, rollout) if key is None else key
         sample_key, loss_key = jax.random.split(key)
         return sample_key, loss_key
 
@@ -332,13 +358,15 @@ class GRPOTrainer:
             batch = batch._replace(rewards=(scores + penalty).astype(np.float32))
         return batch, scores
 
-    def generate_with_stats(self, state: dict) -> tuple[RolloutBatch, dict[str, float]]:
-        """This step's rollout, sampled with :meth:`rollout_params`, and host statistics:
+    def generate_with_stats(self, state: dict, *, key: jax.Array | None = None
+                            ) -> tuple[RolloutBatch, dict[str, float]]:
+        """This step's rollout, sampled with :meth:`rollout_params` (``key``: the rollout's
+        key, default :meth:`rollout_key`), and host statistics:
         ``critic/score/mean`` (task score before shaping) and, with filter_groups,
         ``batch/num_gen_batches`` and ``batch/kept_group_fraction`` (groups with signal /
         generated)."""
         rollout = int(state["rollout"])
-        sample_key, _ = self._keys(state, rollout)
+        sample_key, _ = self._keys(state, rollout, key)
         params = self.rollout_params(state)
         version = int(np.asarray(state["published_version"])[0])
         cfg = self.config
@@ -380,7 +408,7 @@ class GRPOTrainer:
                 batch.behaviour_logp, adv.astype(np.float32)))))
         return out
 
-    def train_on_rollout(self, state: dict, batch: RolloutBatch
+    def train_on_rollout(self, state: dict, batch: RolloutBatch, *, key: jax.Array | None = None
                          ) -> tuple[dict, list[dict], SyncRecord | None]:
         """Old stats for every mini-batch at the current params (none when
         ``config.old_from_update``: the update's own forward gives them), then N updates, then
@@ -393,7 +421,7 @@ class GRPOTrainer:
         """
         start = time.perf_counter()
         rollout = int(state["rollout"])
-        _, loss_key = self._keys(state, rollout)
+        _, loss_key = self._keys(state, rollout, key)
         mbs = self.minibatches(batch)
         policy = state["policy"]
         ref = state.get("ref_params")
@@ -430,15 +458,17 @@ class GRPOTrainer:
         state, metrics, _ = self.step_with_sync(state)
         return state, metrics
 
-    def step_with_sync(self, state: dict) -> tuple[dict, dict[str, float], SyncRecord | None]:
+    def step_with_sync(self, state: dict, *, key: jax.Array | None = None
+                       ) -> tuple[dict, dict[str, float], SyncRecord | None]:
         """:meth:`step`, and the ``SyncRecord`` of what its publish sent through the weight sync
-        (None with sync off or when this rollout was not due to sync)."""
+        (None with sync off or when this rollout was not due to sync). ``key``: the rollout's
+        key (default :meth:`rollout_key`; the sampling and loss keys are split from it)."""
         start = time.perf_counter()
         self._timing = {"generate": 0.0, "reward": 0.0}
         sampler_version = int(state["published_version"][0])
         trainer_version = int(state["policy"].step)
-        batch, generation = self.generate_with_stats(state)
-        state, history, sent = self.train_on_rollout(state, batch)
+        batch, generation = self.generate_with_stats(state, key=key)
+        state, history, sent = self.train_on_rollout(state, batch, key=key)
         metrics = summarize(history, batch, sampler_version, trainer_version)
         metrics["actor/lr"] = float(self.learning_rate(trainer_version))
         metrics.update(version_metrics(batch))
@@ -467,20 +497,3 @@ class GRPOTrainer:
             params = lora.merge(params, self.model_cfg.lora)
         params = publish_weights(params, self.worker.param_shardings)
         return self.worker.heldout_accuracy(params, n, samples=samples)
-
-
-def version_metrics(batch: RolloutBatch) -> dict[str, int]:
-    """``version/sampler_min`` / ``_max``: the oldest and newest weights version that sampled a
-    response token of ``batch`` (its per-token ``versions`` over the mask; -1 when unknown)."""
-    seen = np.asarray(batch.versions)[np.asarray(batch.mask) > 0]
-    if seen.size == 0:
-        return {"version/sampler_min": -1, "version/sampler_max": -1}
-    return {"version/sampler_min": int(seen.min()), "version/sampler_max": int(seen.max())}
-
-
-def rollout_row(window: Sequence[Mapping[str, Any]]) -> dict:
-    """``summarize`` for :func:`jaxflow.train.loop.run_steps` in RL drivers that log every
-    rollout (``log_every=1``): the one step's host metrics unchanged (ints stay ints, key order
-    kept), so the rows are those of :meth:`GRPOTrainer.step`."""
-    (metrics,) = window
-    return dict(metrics)

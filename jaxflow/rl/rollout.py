@@ -353,6 +353,35 @@ class RolloutWorker:
                             np.asarray(mask, np.float32), np.asarray(logp, np.float32), rewards,
                             np.asarray(versions, np.int32))
 
+    def sampler_programs(self, rows: int, *, prefix: str = "", model_flops: float = 0.0,
+                         note: str = "") -> list:
+        """``--compile-only``: the programs one generation batch of ``rows`` sequences runs on
+        the rollout mesh, with abstract arguments (the published f32 params: a synced replica's
+        bf16 values upcast). Sampler "static" / "static_per_row": the prefill + decode scan
+        (``prefix + "rollout/sample"``: prompts [rows, prompt_width] int32, lengths [rows],
+        the key); "engine": the paged engine's prefill and decode calls
+        (:func:`jaxflow.rollout.programs.engine_programs`, ``prefix + "rollout/engine/*"``)."""
+        from jaxflow.compile_only.program import Program
+
+        width, n = self.prompt_width, self.spec.max_new_tokens
+        if self.spec.sampler == "engine":
+            from jaxflow.rollout.programs import engine_programs
+
+            engine_cfg = self.spec.engine.engine_config(rows, width, n)
+            return engine_programs(self._sampler_cfg, self.mesh, engine_cfg, self._sampling,
+                                   prompt_len=width, param_dtype=None,
+                                   prefix=prefix + "rollout/engine/")
+        row = batch_sharding(self.mesh, rows)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        state = self._sampler_fns.nnx_state(self.fns.abstract_params())
+        args = (state, jax.ShapeDtypeStruct((rows, width), np.int32, sharding=row),
+                jax.ShapeDtypeStruct((rows,), np.int32, sharding=row),
+                jax.ShapeDtypeStruct(key.shape, key.dtype,
+                                     sharding=NamedSharding(self.mesh, PartitionSpec())))
+        return [Program(prefix + "rollout/sample", self._sample, args, self.mesh, kind="sample",
+                        model_flops=model_flops, tokens=rows * n,
+                        note=note + f"; prefill + {n - 1}-step decode scan, {rows} sequences")]
+
     def _heldout_batch(self, n: int, repeats: int) -> tuple:
         if (n, repeats) not in self._heldout:
             texts = [p for p in self.task.heldout_prompts(n) for _ in range(repeats)]

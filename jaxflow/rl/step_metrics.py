@@ -139,3 +139,20 @@ def perf_metrics(*, tokens: int, n_params: int, step_s: float, peak: float) -> d
     step_s = max(float(step_s), 1e-9)
     return {"perf/step_s": step_s, "perf/tokens_per_s": tokens / step_s,
             "perf/mfu": 6.0 * n_params * tokens / (step_s * peak)}
+
+
+def version_metrics(batch: Any) -> dict[str, int]:
+    """``version/sampler_min`` / ``_max``: the oldest and newest weights version that sampled a
+    response token of ``batch`` (its per-token ``versions`` over the mask; -1 when unknown)."""
+    seen = np.asarray(batch.versions)[np.asarray(batch.mask) > 0]
+    if seen.size == 0:
+        return {"version/sampler_min": -1, "version/sampler_max": -1}
+    return {"version/sampler_min": int(seen.min()), "version/sampler_max": int(seen.max())}
+
+
+def rollout_row(window: Sequence[Mapping[str, Any]]) -> dict:
+    """``summarize`` for :func:`jaxflow.train.loop.run_steps` in RL drivers that log every
+    rollout (``log_every=1``): the one step's host metrics unchanged (ints stay ints, key order
+    kept), so the rows are those of :meth:`GRPOTrainer.step`."""
+    (metrics,) = window
+    return dict(metrics)

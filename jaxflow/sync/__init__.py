@@ -14,7 +14,8 @@ codec_registry (the codec names and their one check), codecs and entropy (sectio
 payload (wire format), encoder / receiver (encode / apply), bound (entropy bound), baseline
 (PULSE-style codec), sender (the sender as a value: ``SenderState``, a pure ``publish``),
 sync_sender (``SyncSender``: plans and fan-out to links; ``path="host" | "device" | "auto"``),
-replica (replicas, catch-up), host_kernels (the host path's compiled diff,
+replica (replicas, catch-up), programs (a publish's device programs for
+``--compile-only``), host_kernels (the host path's compiled diff,
 Rice / value-bit coders and digest lanes; numba, each with a numpy twin giving the same
 bytes) and transport/ (in-process, TCP, storage).
 The zstd-coded sections import ``zstandard`` on first use: without it, ``dense``, ``coo``
