@@ -22,7 +22,7 @@ PAPER = {"speedup": 7.3, "utilisation_ratio": 5.6,
                    "utilisation vs existing frameworks (abstract; setup not given in our notes)"}
 
 
-def paper_checks(speed: dict, ratio: dict, rel_tol: float) -> dict:
+def paper_checks(speed: dict[str, float], ratio: dict[str, float], rel_tol: float) -> dict:
     """The paper's headline figures (neither enters the fit) against the best the model
     predicts over the node counts ("up to"): ``relative_error`` = predicted / paper - 1,
     ``passed`` = |relative_error| <= ``rel_tol``."""
@@ -36,7 +36,7 @@ def paper_checks(speed: dict, ratio: dict, rel_tol: float) -> dict:
     return out
 
 
-def sensitivity(config, measured) -> dict:
+def sensitivity(config: Any, measured: Any) -> dict:
     """Each measured per-parameter cost x each of ``config.sensitivity_factors``: the strict
     speedup vs sync and the utilisation ratio at the largest node count (sync and strict only)."""
     top = str(config.nodes[-1])
