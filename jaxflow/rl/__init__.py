@@ -22,8 +22,14 @@ Modules (one idea each):
   step_metrics  the trainer's rows named as verl's (actor/*, perf/*, timing_s/*, response_length/*)
   warm_start    an lm_pretrain checkpoint (trained on the fly, cached) as the RL starting point
 
-The experiments that use them (``sis_offpolicy``, ``sis_exact_gradient``,
-``bench_policy_loss``) live in ``jaxflow/main/``.
+The SIS studies' library (their drivers, ``sis_offpolicy`` / ``sis_study``, ``sis_regime``,
+``sis_exact_gradient`` and ``bench_policy_loss``, live in ``jaxflow/main/``):
+  offpolicy_cells       one GRPO run per off-policy setting and seed, the sis_offpolicy grid
+  offpolicy_report      seed means, paired correction-minus-control intervals, tables, curves
+  sis_regime            the regime map's settings, the in-regime test, the phase-2 choice
+  sis_regime_report     the regime study's tables and plots/sis_regime_map.png
+  exact_gradient_study  the toy problem, sampled estimator moments, bias / variance rows
+  policy_loss_bench     the SIS loss step's overhead and memory, the GRPO iteration arm
 
 Usage::
 
