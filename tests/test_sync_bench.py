@@ -5,8 +5,9 @@ import dataclasses
 import pytest
 
 from configs import bench_sync_codec
+from jaxflow.bench import sync_codec as bench
 from jaxflow.experiment import standalone_context
-from jaxflow.main import bench_sync_codec as bench
+from jaxflow.main import bench_sync_codec as driver
 
 
 def test_configs():
@@ -23,7 +24,7 @@ def test_entry_on_tiny_tree():
     config = dataclasses.replace(bench_sync_codec.get_config("quick"), d_model=64, n_layers=1,
                                  vocab=512, densities=(0.006, 0.2), timing_rounds=2,
                                  timing_rounds_other=1, tight_rounds=3)
-    summary = bench.main(config, standalone_context("bench_sync_codec"))
+    summary = driver.main(config, standalone_context("bench_sync_codec"))
     codecs = ("dense", "coo", "gap", "entropy", "auto", "auto_sender", "auto_device", "pulse")
     for key in ("encode_gbps", "apply_gbps", "ratio_vs_dense", "bytes_over_entropy_bound"):
         assert set(summary[key]) == set(codecs), key

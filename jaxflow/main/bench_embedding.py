@@ -1,265 +1,36 @@
-"""The ``bench_embedding`` experiment: sharded lookup + sparse update vs ``jnp.take`` baselines
-(dense gradient and optimizer; sparse: gathered-row gradient + segment_sum + touched rows only).
+"""The ``bench_embedding`` experiment: sharded lookup + sparse update vs ``jnp.take`` baselines.
 
-A (jaxflow): ``make_train_step`` on ``ShardedEmbeddings`` (row-wise tables over every device,
-dedup + All2All ids + gather + All2All rows + sum pooling, then row grads All2All to the owners
-and row-wise Adagrad on the touched rows).
-B (dense baseline, the naive JAX program): the same tables row-sharded with ``NamedSharding``,
-``jnp.take`` + the same pooling under ``jit`` (XLA SPMD partitions the gather), ``jax.grad`` to a
-dense [V, D] gradient per table and dense row-wise Adagrad on the full table.
-C (sparse baseline, what a competent JAX user writes without this layer): the same sharded
-tables, ``jnp.take`` of the batch's ids, the gradient of the gathered rows only,
-``segment_sum`` of it over the batch's unique ids (fixed size: ``jnp.unique(size=B x bag)``,
-cannot overflow) and row-wise Adagrad on those rows only (gather, update, scatter back).
-C runs twice: on the same mesh (XLA partitions the gather and the scatter over the row-sharded
-tables) and, with ``sparse_one_device``, with the tables on one device (no partitioning; on
-this CPU all devices share the same cores). Same ids, loss, optimizer formula and batch; all
-paths run in a random order within each round after a compiled warm-up; all train the same
-tables, so their final states must agree (``max_abs_diff_vs``).
-Also the Pallas embedding-bag kernel vs its XLA reference (interpret mode off GPU/TPU, where the
-number measures the interpreter, not the kernel).
+A (jaxflow's ``ShardedEmbeddings`` train step), B (dense ``jnp.take`` + dense gradient and
+Adagrad) and C (sparse ``jnp.take`` + segment_sum + touched rows, on the mesh and with
+``sparse_one_device`` on one device) train the same tables on the same batches, in a random
+order within each round after a compiled warm-up; their final states must agree
+(``max_abs_diff_vs``). Also the Pallas embedding-bag kernel vs its XLA reference. The paths, the
+kernel measurement and ``--compile-only``'s programs are ``jaxflow.embeddings.bench``.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, NamedTuple
-
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxflow.compile_only.program import Program
-from jaxflow.embeddings import ShardedEmbeddings, TableSpec, check_stats, make_sparse_optimizer
-from jaxflow.embeddings.reference import reference_lookup
-from jaxflow.embeddings.step import abstract_state, make_train_step
+from jaxflow.embeddings import check_stats
+from jaxflow.embeddings.bench import bench_kernel, make_steps, programs, ratio_summary, timed
 from jaxflow.experiment import RunContext
 from jaxflow.recsys.synthetic import SyntheticConfig, SyntheticCriteo
-from pallas_kernels.embedding_bag import embedding_bag, embedding_bag_reference
 
-
-def _block(tree):
-    jax.tree.map(lambda x: x.block_until_ready(), tree)
-
-
-def _timed(fn, *args):
-    t = time.perf_counter()
-    out = fn(*args)
-    _block(out)
-    return out, time.perf_counter() - t
-
-
-def _ratio_summary(base_times, new_times) -> dict:
-    r = np.asarray(base_times) / np.asarray(new_times)
-    return {"median": float(np.median(r)), "min": float(r.min()), "max": float(r.max()),
-            "pairs": len(r)}
-
-
-def regression_loss(outputs: dict, targets: dict) -> jax.Array:
-    """Sum of squared errors of the pooled embeddings against random targets.
-
-    Its gradient depends on the looked-up rows, as any real model's does; with a loss linear in
-    the embeddings XLA could not order the forward reads before the in-place row update and
-    would copy the table (observed on CPU).
-    """
-    return sum(jnp.sum(jnp.square(outputs[k] - targets[k])) for k in outputs)
-
-
-def dense_baseline_step(specs, mesh, learning_rate: float, eps: float = 1e-8):
-    """B: jnp.take + dense gradient + dense row-wise Adagrad on every row of every table."""
-
-    def step(tables, accum, ids, weights):
-        def loss(t):
-            out = reference_lookup(specs, t, ids)
-            return regression_loss(out, weights) / ids[specs[0].name].shape[0]
-
-        grads = jax.grad(loss)(tables)
-        new_t, new_a = {}, {}
-        for name, g in grads.items():
-            new_a[name] = accum[name] + jnp.mean(jnp.square(g), axis=-1)
-            new_t[name] = tables[name] - learning_rate * g / (jnp.sqrt(new_a[name])[:, None] + eps)
-        return new_t, new_a
-
-    return jax.jit(step, donate_argnums=(0, 1))
-
-
-def sparse_baseline_step(specs, learning_rate: float, eps: float = 1e-8):
-    """C: jnp.take + gradient of the gathered rows + segment_sum over the unique ids + row-wise
-    Adagrad on those rows only. ``(tables, accum, ids, weights) -> (tables, accum)``; tables
-    ``{name: [V, D]}``, accum ``{name: [V]}``, ids ``{name: [B, bag]}`` (-1 = padding)."""
-
-    def step(tables, accum, ids, weights):
-        batch = ids[specs[0].name].shape[0]
-        flat, uniq, inv = {}, {}, {}
-        for s in specs:
-            i = ids[s.name]
-            # padding and out-of-range ids -> V: gathered as 0, dropped by the scatter
-            i = jnp.where((i >= 0) & (i < s.vocab_size), i, s.vocab_size).astype(jnp.int32)
-            flat[s.name] = i
-            uniq[s.name], inv[s.name] = jnp.unique(i.reshape(-1), size=i.size,
-                                                   fill_value=s.vocab_size, return_inverse=True)
-
-        def loss(rows):
-            out = {n: r.sum(axis=1) for n, r in rows.items()}  # sum pooling over the bag
-            return regression_loss(out, weights) / batch
-
-        rows = {s.name: jnp.take(tables[s.name], flat[s.name], axis=0, mode="fill", fill_value=0)
-                for s in specs}
-        g_rows = jax.grad(loss)(rows)
-        new_t, new_a = {}, {}
-        for s in specs:
-            n, u = s.name, uniq[s.name]
-            g = jax.ops.segment_sum(g_rows[n].reshape(-1, s.dim), inv[n].reshape(-1),
-                                    num_segments=u.shape[0])
-            acc = jnp.take(accum[n], u, mode="fill", fill_value=0) + jnp.mean(jnp.square(g), -1)
-            old = jnp.take(tables[n], u, axis=0, mode="fill", fill_value=0)
-            new = old - learning_rate * g / (jnp.sqrt(acc)[:, None] + eps)
-            new_t[n] = tables[n].at[u].set(new, mode="drop")
-            new_a[n] = accum[n].at[u].set(acc, mode="drop")
-        return new_t, new_a
-
-    return jax.jit(step, donate_argnums=(0, 1))
-
-
-def kernel_fns(interpret: bool):
-    """(Pallas embedding bag, its XLA reference), jitted: ``(table [V, D], ids int32[B, L]) ->
-    [B, D]`` sum pooling; ``interpret``: the kernel in interpret mode (off GPU / TPU)."""
-    pallas = jax.jit(lambda t, i: embedding_bag(t, i, interpret=interpret))
-    ref = jax.jit(lambda t, i: embedding_bag_reference(t, i))
-    return pallas, ref
-
-
-def bench_kernel(config, run: RunContext) -> dict:
-    interpret = jax.default_backend() not in ("gpu", "tpu")
-    k = jax.random.key(config.seed)
-    table = jax.random.normal(k, (config.kernel_vocab, config.dim), jnp.float32)
-    ids = jax.random.randint(jax.random.fold_in(k, 1), (config.kernel_bags, config.bag), -1,
-                             config.kernel_vocab)
-    pallas, ref = kernel_fns(interpret)
-    err = float(jnp.max(jnp.abs(pallas(table, ids) - ref(table, ids))))
-    _block(ref(table, ids))
-    t_ref, t_pal = [], []
-    for _ in range(config.kernel_pairs):
-        t_pal.append(_timed(pallas, table, ids)[1])
-        t_ref.append(_timed(ref, table, ids)[1])
-    s = _ratio_summary(t_ref, t_pal)
-    run.info(f"pallas embedding_bag ({'interpret' if interpret else 'compiled'}) vs reference: "
-             f"speedup {s['median']:.3g} [{s['min']:.3g}, {s['max']:.3g}], max |diff| {err:.2g}")
-    return {"pallas_vs_reference_speedup": s["median"], "pallas_vs_reference_spread": [s["min"], s["max"]],
-            "pallas_interpret": interpret, "pallas_max_abs_diff": err,
-            "pallas_seconds_median": float(np.median(t_pal)), "reference_seconds_median": float(np.median(t_ref))}
-
-
-class Steps(NamedTuple):
-    """The jitted steps of every path and what they are built with (:func:`make_steps`)."""
-
-    emb: ShardedEmbeddings
-    capacity: int  # distinct keys per device per step
-    bucket: int  # keys per owner per step
-    jaxflow: Any  # A: (state, ids, weights) -> (state, stats)
-    dense: Any  # B: (tables, accum, ids, weights) -> (tables, accum)
-    sparse: Any  # C: the same signature
-    table_sharding: NamedSharding  # the baselines' tables and accumulators
-
-
-def table_specs(config) -> list[TableSpec]:
-    """``t0 .. t{num_tables-1}``, row-wise, sum-pooled, ``config.table_rows()`` rows each."""
-    return [TableSpec(f"t{i}", v, config.dim, "row_wise", "sum")
-            for i, v in enumerate(config.table_rows())]
-
-
-def make_steps(config, mesh) -> Steps:
-    """The three paths' jitted steps on ``mesh`` (its "data" axis): A ``make_train_step`` on
-    ``ShardedEmbeddings`` (capacity ``config.capacity`` or the bound local batch x bag x tables,
-    per owner ``config.bucket_capacity`` or 2 x capacity / devices), B and C over tables
-    row-sharded with ``NamedSharding(P("data"))`` when every row count divides the devices
-    (else replicated).
-
-    Raises ValueError when ``batch_size`` does not split over the devices."""
-    n_dev = mesh.shape["data"]
-    if config.batch_size % n_dev:
-        raise ValueError(f"batch_size={config.batch_size} not divisible by {n_dev} devices")
-    specs = table_specs(config)
-    local_b = config.batch_size // n_dev
-    capacity = config.capacity or local_b * config.bag * config.num_tables
-    opt = make_sparse_optimizer("rowwise_adagrad", config.learning_rate)
-    bucket = config.bucket_capacity or min(capacity, -(-2 * capacity // n_dev))
-    emb = ShardedEmbeddings(specs, mesh, opt, capacity=capacity, bucket_capacity=bucket,
-                            pooling_backend=config.pooling_backend)
-
-    def loss_fn(params, outputs, w):
-        return regression_loss(outputs, w) / local_b, {}
-
-    # the baseline's tables are row-sharded like ours when the vocabulary divides evenly
-    even = all(s.vocab_size % n_dev == 0 for s in specs)
-    table_sharding = NamedSharding(mesh, P("data") if even else P())
-    return Steps(emb, capacity, bucket, make_train_step(emb, loss_fn),
-                 dense_baseline_step(specs, mesh, config.learning_rate),
-                 sparse_baseline_step(specs, config.learning_rate), table_sharding)
+__all__ = ["compile_programs", "main"]
 
 
 def compile_programs(config, meshes) -> list[Program]:
-    """Every jitted program the run executes, with abstract arguments on ``meshes["mesh"]``
-    (the config's "data" mesh on the target's devices), built by :func:`make_steps` /
-    :func:`kernel_fns` as the run builds them: ``jaxflow/step`` (A; the embedding state of
-    ``embeddings.step.abstract_state``, donated), ``dense_take/step`` (B),
-    ``sparse_take/step`` (C on the mesh), with ``sparse_one_device`` ``sparse_take_one_device/
-    step`` (C on the mesh's first device) and with ``kernel_pairs`` ``kernel/pallas`` and
-    ``kernel/reference`` (one device). Ids int32[batch_size, bag] and targets f32[batch_size,
-    dim] split over "data". Nothing is allocated."""
-    mesh = meshes["mesh"]
-    st = make_steps(config, mesh)
-    S, b, d = jax.ShapeDtypeStruct, config.batch_size, config.dim
-    specs = st.emb.plan.specs
-    row = NamedSharding(mesh, P("data"))
-
-    def batch(sharding):
-        return ({s.name: S((b, config.bag), jnp.int32, sharding=sharding) for s in specs},
-                {s.name: S((b, d), jnp.float32, sharding=sharding) for s in specs})
-
-    def baseline_state(sharding):
-        return ({s.name: S((s.vocab_size, d), jnp.float32, sharding=sharding) for s in specs},
-                {s.name: S((s.vocab_size,), jnp.float32, sharding=sharding) for s in specs})
-
-    ids, w = batch(row)
-    rows = sum(s.vocab_size for s in specs)
-    n = mesh.shape["data"]
-    tables = f"{len(specs)} tables x {rows:,} rows x {d}"
-    split = "row-sharded" if st.table_sharding.spec == P("data") else "replicated"
-    out = [Program("jaxflow/step", st.jaxflow, (abstract_state(st.emb), ids, w), mesh,
-                   kind="embedding", tokens=b,
-                   note=f"{tables} row-wise over data={n} (one group); batch {b} split over "
-                        f"data; capacity {st.capacity}, per owner {st.bucket}; pooling "
-                        f"{config.pooling_backend}"),
-           Program("dense_take/step", st.dense, (*baseline_state(st.table_sharding), ids, w),
-                   mesh, kind="embedding", tokens=b,
-                   note=f"{tables} {split} over data={n} (NamedSharding); XLA partitions the "
-                        "take, the dense gradient and the dense Adagrad"),
-           Program("sparse_take/step", st.sparse, (*baseline_state(st.table_sharding), ids, w),
-                   mesh, kind="embedding", tokens=b,
-                   note=f"{tables} {split} over data={n} (NamedSharding); XLA partitions the "
-                        "take and the scatter")]
-    one = Mesh(np.asarray(mesh.devices.flat[:1]), ("data",))
-    alone = NamedSharding(one, P())
-    if config.sparse_one_device:
-        out.append(Program("sparse_take_one_device/step", st.sparse,
-                           (*baseline_state(alone), *batch(alone)), one, kind="embedding",
-                           tokens=b, note=f"{tables} on one device"))
-    if config.kernel_pairs:
-        platform = one.devices.flat[0].platform
-        pallas, ref = kernel_fns(interpret=platform not in ("gpu", "cuda", "tpu"))
-        args = (S((config.kernel_vocab, d), jnp.float32, sharding=alone),
-                S((config.kernel_bags, config.bag), jnp.int32, sharding=alone))
-        for name, fn in (("kernel/pallas", pallas), ("kernel/reference", ref)):
-            out.append(Program(name, fn, args, one, kind="forward", tokens=config.kernel_bags,
-                               note=f"embedding bag [{config.kernel_vocab}, {d}] x "
-                                    f"{config.kernel_bags} bags of {config.bag}, one device"))
-    return out
+    """Every jitted program the run executes (``jaxflow.embeddings.bench.programs``)."""
+    return programs(config, meshes)
 
 
 def main(config, run: RunContext) -> dict:
+    """Every path stepped in a random order per round, the ratios, the state agreement, the kernel."""
     mesh = config.mesh.make()
     st = make_steps(config, mesh)
     emb, capacity, bucket = st.emb, st.capacity, st.bucket
@@ -313,7 +84,7 @@ def main(config, run: RunContext) -> dict:
             path = names_p[k]
             step, _, data = paths[path]
             ids, w = data[i % len(data)]
-            out, took[path] = _timed(step, state[path], ids, w)
+            out, took[path] = timed(step, state[path], ids, w)
             if path == "jaxflow":
                 state[path], stats = out
             else:
@@ -328,7 +99,7 @@ def main(config, run: RunContext) -> dict:
     got, _ = emb.to_dense(state["jaxflow"]["emb"])
     diff = {k: max(float(np.max(np.abs(got[n] - np.asarray(state[k][0][n])))) for n in names)
             for k in paths if k != "jaxflow"}
-    ratio = {k: _ratio_summary(times[k], times["jaxflow"]) for k in paths if k != "jaxflow"}
+    ratio = {k: ratio_summary(times[k], times["jaxflow"]) for k in paths if k != "jaxflow"}
     rows_per_second = float(np.median(np.asarray(n_ids) / np.asarray(times["jaxflow"])))
     run.info("jaxflow step vs " + "; ".join(
         f"{k}: {r['median']:.3g}x [min {r['min']:.3g}, max {r['max']:.3g}]" for k, r in ratio.items())
