@@ -8,6 +8,7 @@ import pytest
 from configs import figa as figa_config
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.lm_pretrain import DataConfig, TrainConfig
+from jaxflow.align import batch_schedule, train_method
 from jaxflow.experiment import standalone_context
 from jaxflow.main import figa
 from jaxflow.models.transformer import TransformerConfig
@@ -30,7 +31,7 @@ def test_config_contract():
 
 
 def test_batch_schedule_covers_every_pair_each_epoch():
-    sched = figa.batch_schedule(10, 5, 4, seed=0)  # 20 slots = 2 epochs of 10
+    sched = batch_schedule(10, 5, 4, seed=0)  # 20 slots = 2 epochs of 10
     assert sched.shape == (5, 4)
     flat = sched.reshape(-1)
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
@@ -96,7 +97,7 @@ def test_train_method_logs_the_rows_of_the_hand_written_loop(steps, log_every, e
 
     state = TrainState.create(optax.sgd(0.1), {"w": jnp.zeros(())})
     run = _Rows()
-    curve, first = figa.train_method(step, state, lambda i: i, ref_params=0.5, evaluate=evaluate,
+    curve, first = train_method(step, state, lambda i: i, ref_params=0.5, evaluate=evaluate,
                                      steps=steps, log_every=log_every, eval_every=eval_every,
                                      run=run, step_offset=100, row_fields={"seed": 3, "method": "m"})
     expected, expected_curve = [], []

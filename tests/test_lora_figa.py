@@ -13,7 +13,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from configs import figa as figa_config
 from configs.lm_pretrain import Config as PretrainConfig
 from configs.lm_pretrain import DataConfig, TrainConfig
-from jaxflow.align import FigaConfig, Rows, addition_answers, build_pairs, interleave_rows
+from jaxflow.align import (
+    FigaConfig,
+    Rows,
+    addition_answers,
+    build_pairs,
+    interleave_rows,
+    lora_policy,
+    make_method_step,
+    row_logp,
+)
 from jaxflow.config import ConfigError, apply_overrides
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.experiment import standalone_context
@@ -54,14 +63,14 @@ def _flat(tree):
 def test_each_arm_trains_adapters_only_over_the_frozen_warm_start(setup, method):
     fns, warm, rows, replicated = setup
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
-    policy = figa.lora_policy(MODEL, LORA, fns, warm, tx, replicated)
+    policy = lora_policy(MODEL, LORA, fns, warm, tx, replicated)
     assert policy.model_cfg.lora == LORA and lora.has_adapters(policy.params)
     # fresh adapters (B = 0): the sampler's merge of the initial params is the warm start, bit for bit
     start = _flat(policy.to_sampler(policy.params))
     assert start.keys() == _flat(warm).keys()
     for name, x in _flat(warm).items():
         np.testing.assert_array_equal(start[name], x, err_msg=name)
-    step = figa._compiled_step(policy.fns, method, 0.1, FigaConfig(), replicated)
+    step = make_method_step(policy.fns, method, 0.1, FigaConfig(), replicated)
     state = TrainState.create(policy.tx, policy.params,
                               jax.tree.map(lambda _: replicated, policy.params))
     losses = []
@@ -80,15 +89,15 @@ def test_each_arm_trains_adapters_only_over_the_frozen_warm_start(setup, method)
     assert sum(x.size for x in moments) == 2 * n_adapter  # Adam's mu and nu of the adapters only
     # the sampler's merged weights compute what the adapter model trained: same log-probs, bit for bit
     merged = policy.to_sampler(state.params)
-    np.testing.assert_array_equal(np.asarray(figa._row_logp(fns, merged, rows)),
-                                  np.asarray(figa._row_logp(policy.fns, state.params, rows)))
+    np.testing.assert_array_equal(np.asarray(row_logp(fns, merged, rows)),
+                                  np.asarray(row_logp(policy.fns, state.params, rows)))
     assert any(np.any(_flat(merged)[n] != x) for n, x in _flat(warm).items())
 
 
 def test_rank_zero_is_the_full_fine_tuning_of_before(setup):
     fns, warm, rows, replicated = setup
     tx = optax.adam(1e-2)
-    policy = figa.lora_policy(MODEL, lora.LoraConfig(), fns, warm, tx, replicated)
+    policy = lora_policy(MODEL, lora.LoraConfig(), fns, warm, tx, replicated)
     assert policy.model_cfg is MODEL and policy.fns is fns and policy.params is warm
     assert policy.tx is tx and policy.to_sampler(warm) is warm
 
