@@ -1,4 +1,5 @@
-"""RL stage of the generative recommender: unified reward mapping + SA-GCPO on sampled items.
+"""RL stage of the generative recommender: unified reward mapping + SA-GCPO on sampled items
+(the stage is run by :class:`jaxflow.genrec.system.OxygenRECSystem`).
 
 Per request, a group of ``group_size`` items comes from the trie-constrained policy: its top
 beams (``group="beam"``, the default: SA-GCPO on the beams the service would show) or
@@ -30,17 +31,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jaxflow.config_domains import COUNT, FINITE, POSITIVE, domains
 from jaxflow.genrec import beam as beam_lib
 from jaxflow.genrec.data.requests import RecData, Requests
-from jaxflow.genrec.train import ENCODER_KEYS, data_mesh, log_hook, model_inputs, replicated_state, shard_batch
-from jaxflow.genrec.trie import Trie
-from jaxflow.rl.advantages import sa_gcpo_advantages
+from jaxflow.genrec.train import ENCODER_KEYS
 from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss
-from jaxflow.train.loop import last_row, run_steps
 from jaxflow.train.state import TrainState
 
 
@@ -145,45 +142,3 @@ def make_rl_fns(graphdef, config: RLConfig):
         return state.apply_gradients(grads), {"loss": loss, **metrics}
 
     return sample, update
-
-
-def rl_stage(graphdef, params, trie: Trie, data: RecData, codes: np.ndarray, config: RLConfig,
-             *, seed: int, mesh=None, log=None):
-    """SA-GCPO fine-tuning from ``params`` on ``data.train`` requests.
-
-    Returns:
-      (params, history): history has per-step ``reward`` (mean sampled reward) and ``loss``.
-    """
-    mesh = data_mesh() if mesh is None else mesh
-    # the sampling key travels in the state: each step splits it once
-    state = replicated_state(optax.adam(config.lr), params, mesh,
-                             extra={"key": jax.random.key(seed)})
-    sample, update = make_rl_fns(graphdef, config)
-    inputs = model_inputs(data.train, codes, data.behaviour_weights)
-    rng = np.random.default_rng([seed, 3])
-    target = config.target_reward
-
-    def step_fn(state, i):
-        idx = rng.integers(0, len(data.train), config.batch_size)
-        reqs = data.train.take(idx)
-        batch = shard_batch({k: inputs[k][idx] for k in ENCODER_KEYS}, mesh)
-        key, sub = jax.random.split(state.extra["key"])
-        items, sampled, old_logp = sample(state.params, trie, sub,
-                                          *(batch[k] for k in ENCODER_KEYS))
-        rewards = unified_reward(np.asarray(items), reqs, data, config)
-        flat = jnp.asarray(rewards.reshape(-1))
-        adv = sa_gcpo_advantages(flat, jnp.full(flat.shape, target, flat.dtype),
-                                 config.group_size).reshape(rewards.shape)
-        valid = np.asarray(items) >= 0  # fewer items than the group: empty beams do not count
-        batch = {**batch, **shard_batch({"codes": np.asarray(sampled),
-                                         "old_logp": np.asarray(old_logp),
-                                         "advantages": np.where(valid, np.asarray(adv), 0.0),
-                                         "valid": valid}, mesh)}
-        state = state.replace(extra={"key": key})
-        for _ in range(config.updates_per_batch):
-            state, metrics = update(state, trie, batch)
-        return state, {"reward": float(rewards.mean()), "loss": float(metrics["loss"])}
-
-    hooks = [log_hook(log, every=10, steps=config.steps, prefix="rl_")] if log is not None else ()
-    result = run_steps(step_fn, state, steps=config.steps, summarize=last_row, hooks=hooks)
-    return result.state.params, result.rows

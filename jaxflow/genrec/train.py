@@ -156,7 +156,7 @@ def fit(data: RecData, codes: np.ndarray, model_config: GenRecConfig, sft: SFTCo
         graphdef, params = init_model(model_config, seed=seed, mesh=mesh)
     elif graphdef is None:
         raise ValueError("fit(params=...) continues training and needs graphdef= as well")
-    tx, step = _adam_sft_step(graphdef, sft.lr, sft.q2i_weight, sft.q2i_temperature)
+    tx, step = adam_sft_step(graphdef, sft.lr, sft.q2i_weight, sft.q2i_temperature)
     state = replicated_state(tx, params, mesh)
     inputs = model_inputs(requests, codes, data.behaviour_weights,
                           use_instruction=sft.use_instruction)
@@ -190,8 +190,9 @@ def log_hook(log, *, every: int, steps: int, prefix: str = ""):
 
 
 @functools.lru_cache(maxsize=32)
-def _adam_sft_step(graphdef, lr: float, q2i_weight: float, q2i_temperature: float):
-    # one compiled program per model / loss (fits of equal shapes reuse it)
+def adam_sft_step(graphdef, lr: float, q2i_weight: float, q2i_temperature: float):
+    """(Adam at ``lr``, :func:`make_sft_step` of that loss), cached: one compiled program per
+    model / loss (fits of equal shapes reuse it)."""
     tx = optax.adam(lr)
     sft = SFTConfig(lr=lr, q2i_weight=q2i_weight, q2i_temperature=q2i_temperature)
     return tx, make_sft_step(graphdef, sft)
