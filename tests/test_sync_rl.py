@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from configs.sis_offpolicy import WARM_START
 from configs.sparse_sync import Config
+from jaxflow.bench.sparse_sync import run_interval
 from jaxflow.experiment import standalone_context
-from jaxflow.main.sparse_sync import run_interval
 from jaxflow.mesh import role_meshes
 from jaxflow.rl.publish import publish_weights
 from jaxflow.sync import SyncConfig, VersionMismatch, WeightSync, to_bf16, tree_digest

@@ -14,177 +14,32 @@ rollout since the previous sync sampled params whose hash is that cast too (``se
 ``bit_exact`` is both). At
 ``every == tcp_every`` ``tcp_replicas`` replica processes (``python -m
 jaxflow.sync.transport.tcp``, 127.0.0.1) receive the same payloads over TCP.
+
+The GRPO runs, the sync rows and the TCP replicas are ``jaxflow.bench.sparse_sync``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import pathlib
-import pickle
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import time
 
 import jax
 import numpy as np
 
-from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.bench.sparse_sync import by_interval, median_finite, run_interval, start_tcp_replicas, tcp_links
 from jaxflow.experiment import RunContext
 from jaxflow.mesh import trainer_rollout_meshes
-from jaxflow.rl.grpo import GRPOTrainer, rollout_row
-from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.rl.warm_start import load_pretrained_params
-from jaxflow.sync.replica import to_bf16, tree_digest
-from jaxflow.sync.transport.tcp import TcpLink
-from jaxflow.sync.weight_sync import WeightSync
+from jaxflow.sync import to_bf16
 from jaxflow.train.lm_state import lm_functions
-from jaxflow.train.loop import run_steps
 
-_ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _median(xs) -> float | None:
-    xs = [x for x in xs if x is not None and np.isfinite(x)]
-    return float(np.median(xs)) if xs else None
-
-
-def _start_tcp_replicas(n: int, template, tmp: pathlib.Path) -> list:
-    (tmp / "template.pkl").write_bytes(pickle.dumps(jax.tree.map(np.zeros_like, template)))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
-    procs = []
-    for i in range(n):
-        procs.append((subprocess.Popen(
-            [sys.executable, "-m", "jaxflow.sync.transport.tcp", f"--template={tmp}/template.pkl",
-             f"--port-file={tmp}/port{i}", "--timeout-s=30"], cwd=_ROOT, env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), tmp / f"port{i}"))
-    return procs
-
-
-def _tcp_links(procs, timeout_s: float = 120.0) -> list[TcpLink]:
-    deadline, links = time.monotonic() + timeout_s, []
-    for proc, port_file in procs:
-        while not port_file.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"replica process exited: {proc.stderr.read()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replica process did not start within {timeout_s} s")
-            time.sleep(0.05)
-        links.append(TcpLink("127.0.0.1", int(port_file.read_text()), timeout_s=30))
-    return links
-
-
-@dataclasses.dataclass(frozen=True)
-class IntervalState:
-    """The loop state of one interval (``run_interval``).
-
-    Attributes:
-      rl: the GRPO trainer's state.
-      cast: ``{version: tree_digest}`` of the trainer's bf16 cast at the served version.
-      served_exact: every rollout since the last sync sampled exactly that cast.
-      rows: the sync rows so far, one per (sync, codec), the serving codec first.
-    """
-
-    rl: dict
-    cast: dict
-    served_exact: bool = True
-    rows: tuple = ()
-
-
-def run_interval(every: int, config, run: RunContext, *, meshes, warm_params, tcp_links=(),
-                 step_offset: int = 0) -> list[dict]:
-    """One GRPO run syncing every ``every`` rollouts; one row per (sync, codec), the serving
-    codec first. Fresh TCP replica processes behind ``tcp_links`` get a dense resync to
-    version 0 when the trainer starts, then every sync. The rollouts run in
-    ``jaxflow.train.loop.run_steps`` (one metrics row per rollout, with the sync's summary
-    when it synced)."""
-    # the serving sync also measures the entropy bound (the same for every codec)
-    sync_cfg = dataclasses.replace(config.sync, every=every, bound=True)
-    trainer = GRPOTrainer(config.pretrain.model, config.rl, config.optim,
-                          AdditionRLTask(max_digits=config.pretrain.data.max_digits),
-                          CharTokenizer(), meshes, seed=config.seed, total_rollouts=config.steps,
-                          sync=sync_cfg, sync_links=tcp_links)
-    state = trainer.init_state(warm_params)
-    serving = trainer.weight_sync
-    params0 = state["policy"].params
-    syncs = {config.sync.codec: serving}
-    for c in config.codecs:  # the other codecs, measured on the same trajectory
-        if c not in syncs:
-            syncs[c] = WeightSync(params0, trainer.worker.param_shardings,
-                                  dataclasses.replace(sync_cfg, codec=c, bound=False))
-
-    def step_fn(loop: IntervalState, step: int) -> tuple[IntervalState, dict]:
-        served = tree_digest(to_bf16(trainer.rollout_params(loop.rl)))  # after the version check
-        served_exact = loop.served_exact and served == loop.cast.get(
-            int(loop.rl["published_version"][0]))
-        rl, metrics, sent = trainer.step_with_sync(loop.rl)
-        row = {"every": every, "critic/rewards/mean": metrics["critic/rewards/mean"],
-               "version/sampler": metrics["version/sampler"]}
-        if sent is None:
-            return dataclasses.replace(loop, rl=rl, served_exact=served_exact), row
-        params, version, done = rl["policy"].params, serving.version, step + 1
-        records = {codec: sent if ws is serving else ws.publish(params, version=version)
-                   for codec, ws in syncs.items()}
-        rows = [_sync_row(every, done, codec, rec, len(syncs[codec].links), served_exact)
-                for codec, rec in records.items()]
-        bound = rows[0]["bound_bytes"]
-        for r in rows:
-            r["bytes_over_bound"] = r["payload_bytes"] / bound if bound > 0 else None
-        row.update(sync_step=done, changed_fraction=rows[-1]["changed_fraction"],
-                   bit_exact=all(r["bit_exact"] for r in rows))
-        # the serving sender's snapshot digest: the hash of the trainer's bf16 cast (computed
-        # once by the sync's verification)
-        cast = {version: serving.sender.digest()}
-        return IntervalState(rl, cast, True, loop.rows + tuple(rows)), row
-
-    start = IntervalState(state, {serving.version: serving.sender.digest()})
-    result = run_steps(step_fn, start, steps=config.steps, run=run, summarize=rollout_row,
-                       step_offset=step_offset)
-    return list(result.state.rows)
-
-
-def _sync_row(every: int, step: int, codec: str, rec, links: int, rollout_exact: bool) -> dict:
-    """One (sync, codec) row from the WeightSync's SyncRecord of that publish."""
-    s = rec.stats
-    return {"every": every, "step": step, "codec": codec,
-            "changed_fraction": s.changed_fraction, "payload_bytes": s.payload_bytes,
-            "dense_bytes": s.dense_bytes, "ratio_vs_dense": s.ratio_vs_dense,
-            "bound_bytes": s.bound_bytes, "encode_s": s.encode_s,
-            "path": s.path, "host_bytes": s.host_bytes,
-            "deliver_s": rec.deliver_s, "links": links,
-            "bit_exact": rec.bit_exact and rollout_exact,
-            "served_exact": rollout_exact,
-            "routes": [r.get("route") for r in rec.report]}
-
-
-def _by_interval(rows: list[dict]) -> list[dict]:
-    out = []
-    for every in dict.fromkeys(r["every"] for r in rows):
-        for codec in dict.fromkeys(r["codec"] for r in rows):
-            sel = [r for r in rows if r["every"] == every and r["codec"] == codec]
-            if not sel:
-                continue
-            out.append({
-                "every": every, "codec": codec, "syncs": len(sel),
-                "changed_fraction_median": _median(r["changed_fraction"] for r in sel),
-                "ratio_vs_dense": _median(r["ratio_vs_dense"] for r in sel),
-                "payload_bytes_median": _median(r["payload_bytes"] for r in sel),
-                "dense_bytes": sel[0]["dense_bytes"],
-                "bytes_over_bound_median": _median(r["bytes_over_bound"] for r in sel),
-                "encode_s_median": _median(r["encode_s"] for r in sel),
-                "path": sel[0]["path"],
-                "host_bytes_median": _median(r["host_bytes"] for r in sel),
-                "deliver_s_median": _median(r["deliver_s"] for r in sel),
-                "bit_exact_all": all(r["bit_exact"] for r in sel),
-            })
-    return out
+__all__ = ["main"]
 
 
 def main(config, run: RunContext) -> dict:
+    """Every interval of the sweep (``run_interval``), the TCP replicas' check, the summary."""
     meshes, roles = trainer_rollout_meshes(config.roles)
     fns = lm_functions(config.pretrain.model, meshes["trainer"])
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sparse_sync_tcp-"))
@@ -195,10 +50,10 @@ def main(config, run: RunContext) -> dict:
             template = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
                                     nnx.to_pure_dict(fns.abstract_state))
             # started before the warm start loads so their start-up overlaps it
-            procs = _start_tcp_replicas(config.tcp_replicas, to_bf16(template), tmp)
+            procs = start_tcp_replicas(config.tcp_replicas, to_bf16(template), tmp)
         warm_params, pre = load_pretrained_params(config.pretrain, config.cache_root, fns,
                                                   log=run.info)
-        links = _tcp_links(procs) if procs else []
+        links = tcp_links(procs) if procs else []
         rows, tcp = [], None
         for i, every in enumerate(config.sweep):
             use_tcp = links if every == config.tcp_every else []
@@ -218,12 +73,12 @@ def main(config, run: RunContext) -> dict:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
         shutil.rmtree(tmp, ignore_errors=True)
-    by_interval = _by_interval(rows)
+    intervals = by_interval(rows)
     if run.is_primary:
         run.write_json("syncs.json", rows)
     first = config.sweep[0]
-    at_first = [r for r in by_interval if r["every"] == first]
-    for r in by_interval:
+    at_first = [r for r in intervals if r["every"] == first]
+    for r in intervals:
         run.info(f"every={r['every']:>3} {r['codec']:>8}: changed {r['changed_fraction_median']:.5f}"
                  f" ratio {r['ratio_vs_dense']:.1f}x bytes/bound "
                  f"{r['bytes_over_bound_median'] or float('nan'):.2f} exact {r['bit_exact_all']}")
@@ -231,11 +86,11 @@ def main(config, run: RunContext) -> dict:
         "roles": roles,
         "warm_start_accuracy": pre.get("heldout_accuracy"),
         "bit_exact_all": all(r["bit_exact"] for r in rows) and (tcp is None or tcp["bit_exact_all"]),
-        "changed_fraction_median": _median(r["changed_fraction"] for r in rows
+        "changed_fraction_median": median_finite(r["changed_fraction"] for r in rows
                                            if r["every"] == first),
         "ratio_vs_dense": {r["codec"]: r["ratio_vs_dense"] for r in at_first},
         "ratio_interval": first,
-        "by_interval": by_interval,
+        "by_interval": intervals,
         "tcp": tcp,
         "syncs": len(rows),
     }
