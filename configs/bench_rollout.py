@@ -17,7 +17,7 @@ mass above the cap at the cap), ``grpo`` (``requests / group_size`` prompts x G 
 long-tailed lengths; the engine prefills each prompt once, the baselines every copy). Prompt
 lengths uniform in [P / 2, P]. Lengths are forced by a logits hook that gives EOS its hazard
 at every step, identically in every arm (random-init weights; see
-``jaxflow/main/_bench_rollout_arms.py``). Useful tokens: up to and including EOS. Every arm is
+``jaxflow/rollout/bench_arms.py``). Useful tokens: up to and including EOS. Every arm is
 run once untimed on the exact workload first (compiles every shape it hits); then ``pairs``
 alternated rounds (engine, static, marl; reversed every other round).
 """

@@ -13,9 +13,10 @@ from flax import nnx
 
 from configs.bench_rollout import Config, ModelCase
 from jaxflow.experiment import standalone_context
-from jaxflow.main import _bench_rollout_arms as arms
 from jaxflow.main import bench_rollout as br
 from jaxflow.models.transformer import Transformer, TransformerConfig
+from jaxflow.rollout import bench_arms as arms
+from jaxflow.rollout.bench import TARGET_RATIO
 
 TINY = TransformerConfig(vocab_size=23, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64,
                          max_seq_len=32)
@@ -50,7 +51,7 @@ def test_results_fields_and_counts(results):
         assert case["mismatched_rows_engine_vs_static"] == 0
         assert case["mismatched_rows_engine_vs_marl"] == 0
         assert case["ratio_min"] <= case["ratio_median"] <= case["ratio_max"]
-        assert case["target_ratio"] == br.TARGET_RATIO[name]
+        assert case["target_ratio"] == TARGET_RATIO[name]
         assert all(len(s) == 2 and min(s) > 0 for s in case["seconds"].values())
         # equal budget: the engine's pool is the baselines' cache plus its null page
         page = model["kv_bytes_per_token"] * 4

@@ -21,6 +21,8 @@ Modules, one idea each:
   upstream Pallas kernels on TPU / GPU).
 * ``programs``: the engine's prefill and decode programs with abstract arguments for
   ``--compile-only`` (``bench_rollout --variant=full``; the flagship with ``rl.sampler=engine``).
+* ``bench_arms`` / ``bench``: bench_rollout's workloads (forced output lengths), its three arms
+  (this engine, the static sampler, the MARL compacting decode) and its cases.
 * ``engine``: :class:`RolloutEngine` (``generate``; streaming ``add_request`` / ``step`` /
   ``result``; ``update_weights`` / ``follow(replica)`` for SparseRL-Sync's bf16 replica, with a
   weights version recorded per token).

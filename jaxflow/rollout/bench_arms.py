@@ -1,5 +1,6 @@
 """bench_rollout's workloads and its three arms: the paged engine, the static sampler, the MARL
-engine's compacting decode, all sampling the same sequences.
+engine's compacting decode, all sampling the same sequences (driver ``jaxflow/main/bench_rollout.py``,
+the cases in :mod:`jaxflow.rollout.bench`).
 
 Output lengths are forced, identically for every arm, by a stateless :class:`LogitsHook`: at
 token t the hook gives EOS probability ``hazard[t]`` and the model's own distribution over the
@@ -27,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflow.marl import engine as marl_engine
 from jaxflow.models.sampler import LogitsHook, SamplingConfig, make_sampler
 from jaxflow.rollout import EngineConfig, RolloutEngine
 from jaxflow.rollout.pages import pages_for, pool_pages
@@ -182,25 +182,38 @@ class StaticArm:
 
 class MarlArm:
     """``jaxflow.marl.engine.RolloutEngine.sample`` (compaction between ``chunk``-step decode
-    chunks) over waves of ``slots`` rows, its prefill / decode swapped for the hooked ones."""
+    chunks) over waves of ``slots`` rows, with the workload's hook (the engine's
+    ``logits_hook``: one engine per hook, built at its first run).
+
+    ``engine_cls`` is that engine class, passed in by the caller (``jaxflow.marl`` imports this
+    package, so this package does not import it)."""
 
     name = "marl"
 
     def __init__(self, model_cfg, params_pure, sampling: SamplingConfig, slots: int, chunk: int,
-                 prompt_len: int):
-        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-        self.engine = marl_engine.RolloutEngine(
-            model_cfg, mesh, max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature, task=types.SimpleNamespace(max_prompt_len=prompt_len - 1),
-            tokenizer=types.SimpleNamespace(eos_id=EOS_ID, pad_id=PAD_ID), chunk=chunk)
-        self.replicated = NamedSharding(mesh, PartitionSpec())
+                 prompt_len: int, *, engine_cls: Any):
+        self.engine_cls = engine_cls
+        self.mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        self.model_cfg, self.chunk, self.prompt_len = model_cfg, chunk, prompt_len
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.params, self.slots, self.sampling = params_pure, slots, sampling
+        self._engines: dict[Any, Any] = {}
+
+    def engine(self, hook: LogitsHook) -> Any:
+        """The MARL engine sampling with ``hook`` (built once per hook; its programs are cached
+        by (graphdef, sampling, hook), so engines of one hook share them)."""
+        if hook not in self._engines:
+            self._engines[hook] = self.engine_cls(
+                self.model_cfg, self.mesh, max_new_tokens=self.sampling.max_new_tokens,
+                temperature=self.sampling.temperature,
+                task=types.SimpleNamespace(max_prompt_len=self.prompt_len - 1),
+                tokenizer=types.SimpleNamespace(eos_id=EOS_ID, pad_id=PAD_ID), chunk=self.chunk,
+                logits_hook=hook)
+        return self._engines[hook]
 
     def run(self, w: Workload) -> ArmOutput:
         """Samples every sequence of ``w`` (host outputs)."""
-        eng = self.engine
-        eng._prefill, eng._decode, eng._gather = marl_engine._functions(
-            eng.fns.graphdef, eng.config, w.hook)
+        eng = self.engine(w.hook)
         prompts, lengths = w.rows()
         keys = jax.device_put(w.keys, self.replicated)
         outs = [eng.sample(self.params, prompts[i:i + self.slots], lengths[i:i + self.slots],
