@@ -225,34 +225,13 @@ MAX_DRIVER_LINES = 150
 # driver is thin / untied). Helper modules (``jaxflow/main/_*.py``) are being moved into the
 # library; they count as drivers until then.
 #: Drivers over MAX_DRIVER_LINES lines.
-DRIVERS_NOT_YET_THIN: frozenset[str] = frozenset({
-    "_kernel_cases", "bench_checkpoint", "bench_embedding", "bench_kernels",
-    "bench_policy_loss", "bench_sparsegpt", "bench_sync_codec",
-    "calibration_tradeoffs", "decoratelm", "dlrm_train", "figa", "flexmarl",
-    "flowtrain", "nestpipe", "nestpipe_scale", "oxygenrec", "sis_offpolicy", "sis_regime",
-    "sparse_sync",
-})
+DRIVERS_NOT_YET_THIN: frozenset[str] = frozenset()
 #: (driver, the other jaxflow.main module it imports).
-DRIVER_IMPORTS_NOT_YET_UNTIED: frozenset[tuple[str, str]] = frozenset({
-    ("bench_kernels", "_kernel_cases"),
-    ("nestpipe", "dlrm_train"), ("sis_regime", "_sis_regime_plot"),
-    ("sis_regime", "sis_offpolicy"),
-})
+DRIVER_IMPORTS_NOT_YET_UNTIED: frozenset[tuple[str, str]] = frozenset()
 #: (driver, the private name it uses: ``module._name`` or ``from module import _name``).
-DRIVER_PRIVATE_NAMES_NOT_YET_GONE: frozenset[tuple[str, str]] = frozenset({
-    ("bench_kernels", "jaxflow.main._kernel_cases"),
-    ("bench_kernels", "jaxflow.main._kernel_cases._attention_cases"),
-    ("bench_kernels", "jaxflow.main._kernel_cases._attention_module"),
-    ("bench_kernels", "jaxflow.main._kernel_cases._on_accelerator"),
-    ("bench_kernels", "jaxflow.main._kernel_cases._one_line"),
-    ("sis_exact_gradient", "jaxflow.rl.exact_gradient._estimates"),
-    ("sis_regime", "grid_runner._append_done"), ("sis_regime", "grid_runner._load_done"),
-    ("sis_regime", "jaxflow.main._sis_regime_plot"),
-})
+DRIVER_PRIVATE_NAMES_NOT_YET_GONE: frozenset[tuple[str, str]] = frozenset()
 #: Helper modules in jaxflow/main that no experiment's ENTRY names.
-HELPERS_NOT_YET_MOVED: frozenset[str] = frozenset({
-    "_kernel_cases", "_sis_regime_plot",
-})
+HELPERS_NOT_YET_MOVED: frozenset[str] = frozenset()
 
 
 def _private(name: str) -> bool:
