@@ -1,7 +1,7 @@
 """Measurement harnesses of the benchmark experiments (``jaxflow/main/bench_*``): what is
 measured, how, and the figures' models, as plain functions a notebook can call.
 
-Modules:
+Modules (one per benchmark family):
   checkpoint    Hugging Face checkpoint loading (time, peak RSS), forward vs transformers, MoE
                 all-to-all vs dense
   kernel_cases  every Pallas kernel / attention backend and its XLA reference on the same arrays,

@@ -46,9 +46,11 @@ class GenRecSetup:
     """One seed's shared pieces (compared by identity: a static field of the system's state).
 
     Attributes:
-      seed: the seed; data: the :class:`RecData`; sid: the :class:`SemanticIds` (codes
-      int32[N, L + E]); trie: the :class:`Trie` over the codes; mesh: the 1-D "data" mesh
-      training batches are split over.
+      seed: the seed.
+      data: the :class:`RecData`.
+      sid: the :class:`SemanticIds` (codes int32[N, L + E]).
+      trie: the :class:`Trie` over the codes.
+      mesh: the 1-D "data" mesh training batches are split over.
     """
 
     def __init__(self, seed: int, data: RecData, sid: SemanticIds, trie: Trie, mesh):
