@@ -25,7 +25,7 @@ FLOW_MODES = ("monolithic_padded", "monolithic_packed", "decoupled")
 @pytest.mark.multiprocess
 def test_flowtrain_two_processes_equal_one(tmp_path):
     # encoder 2 devices (one per process) + backbone 6 (three per process): both sub-meshes
-    # span both processes (jaxflow.main.flowtrain._split_meshes); the split is fixed so the
+    # span both processes (jaxflow.flow.meshes.split_meshes); the split is fixed so the
     # allocator's timing cannot pick another one in either run
     args = ["--exp=flowtrain", "--variant=quick", "--set", "flow.encoder_devices=2",
             "--set", "train.warmup_rounds=0", "--set", "train.rounds=1",
