@@ -45,21 +45,26 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def import_edges(pkg: pathlib.Path = PKG) -> list[tuple[str, str, str]]:
-    """(importing module, imported module, source file) for every jaxflow import under ``pkg``."""
-    edges = []
+def _imports(pkg: pathlib.Path):
+    """(module, import node, the names it imports, path) for every import statement under
+    ``pkg``, lazy ones inside functions included; ``from a import b`` imports ``a`` and ``a.b``."""
     for path in sorted(pkg.rglob("*.py")):
         mod = _module_name(path)
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
+                yield mod, node, [a.name for a in node.names], path
             elif isinstance(node, ast.ImportFrom):
-                assert node.level == 0, f"{path}: relative import (the project uses absolute ones)"
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            else:
-                continue
-            edges += [(mod, t, str(path.relative_to(ROOT))) for t in targets
-                      if t.startswith("jaxflow.")]
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names] if node.module else []
+                yield mod, node, names, path
+
+
+def import_edges(pkg: pathlib.Path = PKG) -> list[tuple[str, str, str]]:
+    """(importing module, imported module, source file) for every jaxflow import under ``pkg``."""
+    edges = []
+    for mod, node, targets, path in _imports(pkg):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import (the project uses absolute ones)"
+        edges += [(mod, t, str(path.relative_to(ROOT))) for t in targets if t.startswith("jaxflow.")]
     return edges
 
 
@@ -161,18 +166,7 @@ def kernel_import_edges(pkg: pathlib.Path = KERNELS) -> list[tuple[str, str, str
     """(importing module, imported module, source file) for every import under ``pkg`` (lazy
     ones inside functions included); ``from pallas_kernels import x`` imports
     ``pallas_kernels.x``."""
-    edges = []
-    for path in sorted(pkg.rglob("*.py")):
-        mod = _module_name(path)
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            else:
-                continue
-            edges += [(mod, t, _rel(path)) for t in targets]
-    return edges
+    return [(mod, t, _rel(path)) for mod, _, targets, path in _imports(pkg) for t in targets]
 
 
 def kernel_module_graph(edges) -> dict[str, set[str]]:
