@@ -10,7 +10,10 @@ Modules (one idea each):
               (:mod:`jaxflow.timing`)
   warm_start  the warm start as point 0 of every curve and the summary's ``warm_start`` block
   report      ``results.json`` / ``results.md`` beside the ``summary.json`` the runner writes
-              from the driver's return value
+              from the driver's return value; the headlines added to it (``with_headlines``)
+  headline    an experiment's headline figures: ``Headline`` (arm vs the strongest baseline
+              measured in the run, spread, target, met), ``strongest_baseline``,
+              ``headline_from_arms``, seed / round spreads, stale calibrations
 
 A *cell* is one independent run of a study (a setting and a seed) with a unique ``label``; its
 *record* is a JSON-able dict (``{"label": ..., ...}``) appended to ``cells.jsonl`` when it
@@ -30,6 +33,18 @@ Usage::
 
 from jaxflow.study.cells import CELLS_FILE, CellsRun, finished_cells, read_cells, record_cell, rows_of_cell, run_cells
 from jaxflow.study.grid import cell_seed, seed_grid
+from jaxflow.study.headline import (
+    Headline,
+    HeadlineBuilder,
+    Spread,
+    finite_arms,
+    headline_from_arms,
+    mark_stale,
+    met,
+    range_spread,
+    seed_spread,
+    strongest_baseline,
+)
 from jaxflow.study.intervals import (
     PairedInterval,
     format_bounds,
@@ -41,17 +56,19 @@ from jaxflow.study.intervals import (
     sample_sd,
     seed_interval,
 )
-from jaxflow.study.report import write_results
+from jaxflow.study.report import headline_builder, with_headlines, write_results
 from jaxflow.study.timing import choose_mode, median_after_warmup, paired_rounds, timed
 from jaxflow.study.warm_start import curve_from_rows, warm_start_report
 
 __all__ = [
-    "cells", "grid", "intervals", "report", "timing", "warm_start",
+    "cells", "grid", "intervals", "report", "timing", "warm_start", "headline",
     "seed_grid", "cell_seed",
     "CELLS_FILE", "CellsRun", "finished_cells", "read_cells", "record_cell", "rows_of_cell", "run_cells",
     "PairedInterval", "paired_interval", "paired_by_seed", "seed_interval", "normalized_auc", "mean_of",
     "sample_sd", "format_pm", "format_bounds",
     "timed", "median_after_warmup", "paired_rounds", "choose_mode",
     "curve_from_rows", "warm_start_report",
-    "write_results",
+    "write_results", "headline_builder", "with_headlines",
+    "Headline", "HeadlineBuilder", "Spread", "strongest_baseline", "headline_from_arms", "seed_spread",
+    "range_spread", "met", "mark_stale", "finite_arms",
 ]

@@ -1,16 +1,19 @@
 """A study's report files. The driver returns its summary (a JSON-able dict) and the runner
-writes it, after the conventions' keys, to ``summary.json`` (``jaxflow.run``); a study also
-writes its result rows to ``results.json`` and its markdown tables to ``results.md``.
+writes it, after the conventions' keys and the experiment's headline figures
+(:func:`with_headlines`, ``summary["headlines"]``), to ``summary.json`` (``jaxflow.run``); a
+study also writes its result rows to ``results.json`` and its markdown tables to ``results.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxflow.experiment import RunContext
+from jaxflow.study.headline import Headline, HeadlineBuilder
 
-__all__ = ["write_results"]
+__all__ = ["write_results", "headline_builder", "with_headlines"]
 
 
 def write_results(run: RunContext, results: Any, tables: Sequence[str]) -> str:
@@ -23,3 +26,27 @@ def write_results(run: RunContext, results: Any, tables: Sequence[str]) -> str:
         (run.out_dir / "results.md").write_text(text)
         run.info("results:\n" + text)
     return text
+
+
+def headline_builder(target: str) -> HeadlineBuilder:
+    """The builder a config module's ``HEADLINES`` names (``"package.module:function"``);
+    ValueError (one line) when it does not name a function."""
+    module_name, _, fn_name = target.partition(":")
+    fn = getattr(importlib.import_module(module_name), fn_name, None) if module_name and fn_name else None
+    if not callable(fn):
+        raise ValueError(f"HEADLINES={target!r}: not a function; valid: 'package.module:function'")
+    return fn
+
+
+def with_headlines(summary: Mapping[str, Any], builder: HeadlineBuilder) -> tuple[dict, list[str]]:
+    """(summary with ``"headlines"``: the builder's :class:`Headline` list as contract dicts,
+    the headlines' one-line texts). A builder that fails leaves ``"headlines": []`` and
+    ``"headlines_error"`` (the error in one line) so the run's figures are still written."""
+    try:
+        heads = list(builder(summary))
+    except (KeyError, ValueError, TypeError, ZeroDivisionError, AttributeError) as e:
+        return {**summary, "headlines": [], "headlines_error": f"{type(e).__name__}: {e}"}, []
+    bad = [h for h in heads if not isinstance(h, Headline)]
+    if bad:
+        raise TypeError(f"a headline builder returned {type(bad[0]).__name__}; valid: jaxflow.study.Headline")
+    return {**summary, "headlines": [h.to_json() for h in heads]}, [h.line() for h in heads]
