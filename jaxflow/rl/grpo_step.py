@@ -21,11 +21,11 @@ from jaxflow.config_domains import COUNT, COUNT0, INT32_MAX, NON_NEGATIVE, POSIT
 from jaxflow.mesh import jit_on
 from jaxflow.models.lora import LoraConfig
 from jaxflow.models.transformer import TransformerConfig
-from jaxflow.rl import correction_menu, sis
+from jaxflow.rl import sis
 from jaxflow.rl.logprobs import fused_logprobs
 from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.mismatch_metrics import mismatch_metrics
-from jaxflow.rl.policy_loss import PolicyLossConfig, policy_loss, rs_token_mask
+from jaxflow.rl.policy_loss import PolicyLossConfig, correction_mask, policy_loss
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.rollout import EngineSettings, RolloutBatch, RolloutSpec
 from jaxflow.rl.step_metrics import update_rows
@@ -328,11 +328,7 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFuncti
     if config.sis_diagnostics:
         metrics["sis_accept_expected"] = _expected_sis_accept(hidden, head, mb, old, config, given)
     # RS tokens leave the mask of every term, as verl's response_mask
-    mask = rs_token_mask(loss_cfg, old.logp, mb.behaviour_logp, given)
-    if loss_cfg.correction in correction_menu.MENU:  # so do a menu correction's (geo-rs, m2po)
-        mask = correction_menu.menu_correction(
-            loss_cfg.correction, loss_cfg.menu, jnp.where(given, old.logp, 0.0),
-            jnp.where(given, mb.behaviour_logp, 0.0), given, tis_cap=loss_cfg.tis_cap).keep
+    mask = correction_mask(loss_cfg, old.logp, mb.behaviour_logp, given)[0]  # so do a menu correction's
     delta = jax.lax.stop_gradient(logp - old.logp)
     metrics["max_abs_log_ratio"] = jnp.max(jnp.where(given, jnp.abs(delta), 0.0))
     metrics["behaviour_gap"] = _masked_mean(jnp.abs(old.logp - mb.behaviour_logp), given)

@@ -306,22 +306,46 @@ def rs_token_mask(config: PolicyLossConfig, old_logp: jax.Array, behaviour_logp:
                   given: jax.Array) -> jax.Array:
     """[B, T] bool: the tokens of ``given`` that RS keeps (verl's token rejection sampling:
     ``rs_threshold_lower <= pi_old / mu <= rs_threshold``, :attr:`PolicyLossConfig.rs_bounds`);
-    ``given`` itself when ``config`` uses no RS. The one RS mask: :func:`policy_loss` and the
-    GRPO step's KL / entropy terms (``jaxflow.rl.grpo_step``) both take it.
-
-    old_logp, behaviour_logp: [B, T] pi_old's and the sampler's log-probs of the sampled tokens;
-      entries outside ``given`` may hold anything (even inf): they are zeroed first.
-    given: [B, T] bool response mask."""
+    ``given`` itself when ``config`` uses no RS. Shapes and cleaning as :func:`correction_mask`."""
     if not config.uses_rs:
         return given
-    dtype = jnp.promote_types(old_logp.dtype, jnp.float32)
-
-    def clean(x):
-        return jnp.where(given, x.astype(dtype), jnp.zeros((), dtype))
-
     low, high = config.rs_bounds
-    return jnp.logical_and(given, corrections.rs_keep_mask(clean(old_logp), clean(behaviour_logp),
+    return jnp.logical_and(given, corrections.rs_keep_mask(_clean(old_logp, given), _clean(behaviour_logp, given),
                                                            low, high))
+
+
+def _clean(x: jax.Array, given: jax.Array) -> jax.Array:
+    """``x`` in (at least) f32, zero outside ``given`` (so inf / nan padding reaches nothing)."""
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    return jnp.where(given, x.astype(dtype), jnp.zeros((), dtype))
+
+
+def correction_mask(config: PolicyLossConfig, old_logp: jax.Array, behaviour_logp: jax.Array | None,
+                    given: jax.Array) -> tuple[jax.Array, correction_menu.MenuCorrection | None]:
+    """The tokens the loss uses after the behaviour correction's mask, and the menu correction.
+
+    The one place the correction's mask is computed: :func:`policy_loss` and the GRPO step's KL /
+    entropy terms (``jaxflow.rl.grpo_step``) both take it, so RS- and menu-removed tokens leave
+    every term, as verl's ``response_mask``.
+
+    Args:
+      config: the loss config; its ``correction`` decides the mask.
+      old_logp, behaviour_logp: [B, T] pi_old's and the sampler's log-probs of the sampled tokens;
+        entries outside ``given`` may hold anything (even inf): they are zeroed first.
+        ``behaviour_logp`` may be None when the correction needs none.
+      given: [B, T] bool response mask.
+
+    Returns:
+      ``(keep [B, T] bool, menu)``: ``keep`` is ``given`` less RS's out-of-range tokens
+      (:func:`rs_token_mask`) or a menu correction's removed tokens; ``menu`` the
+      :class:`jaxflow.rl.correction_menu.MenuCorrection` (its weights too) for a menu
+      correction, else None.
+    """
+    if config.correction in correction_menu.MENU:  # a menu correction: its mask, then its weights
+        menu = correction_menu.menu_correction(config.correction, config.menu, _clean(old_logp, given),
+                                               _clean(behaviour_logp, given), given, tis_cap=config.tis_cap)
+        return menu.keep, menu
+    return rs_token_mask(config, old_logp, behaviour_logp, given), None
 
 
 def policy_loss(
@@ -392,12 +416,7 @@ def policy_loss(
     def clean(x, m):  # masked entries -> 0 so inf/nan padding can't reach the loss or grad
         return jnp.where(m, x.astype(dtype), jnp.zeros((), dtype))
 
-    keep = rs_token_mask(config, old_logp, behaviour_logp, given)  # out-of-range tokens leave it
-    menu = None
-    if config.correction in correction_menu.MENU:  # a menu correction: its mask, then its weights
-        menu = correction_menu.menu_correction(config.correction, config.menu, clean(old_logp, given),
-                                               clean(behaviour_logp, given), given, tis_cap=config.tis_cap)
-        keep = menu.keep
+    keep, menu = correction_mask(config, old_logp, behaviour_logp, given)  # removed tokens leave it
     logp_c = clean(logp, keep)
     old_c = jax.lax.stop_gradient(clean(old_logp, keep))
     if target_reward is not None:
