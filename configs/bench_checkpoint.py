@@ -23,6 +23,7 @@ from jaxflow.config_domains import COUNT, INT64_MAX, POSITIVE, SEED, Int, domain
 
 DESCRIPTION = "HF checkpoint load time / memory, forward vs transformers, MoE all-to-all vs dense"
 ENTRY = "jaxflow.main.bench_checkpoint:main"
+HEADLINES = "jaxflow.study.headlines_bench:bench_checkpoint"
 
 
 @domains(vocab_size=COUNT, d_model=COUNT, n_layers=COUNT, n_heads=COUNT, n_kv_heads=COUNT, d_ff=COUNT,

@@ -39,6 +39,7 @@ from jaxflow.mesh import MeshConfig
 
 DESCRIPTION = "sharded embedding lookup + sparse update vs dense and sparse jnp.take baselines; Pallas bag kernel"
 ENTRY = "jaxflow.main.bench_embedding:main"
+HEADLINES = "jaxflow.study.headlines_bench:bench_embedding"
 
 
 @domains(seed=SEED, num_tables=COUNT, vocab_size=COUNT, vocab_sizes=COUNT, dim=COUNT, batch_size=COUNT, bag=COUNT,

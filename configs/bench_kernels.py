@@ -32,6 +32,7 @@ from jaxflow.config_domains import COUNT, COUNT0, INT64_MAX, SEED, UNIT, Int, do
 
 DESCRIPTION = "Pallas kernels and attention backends vs XLA: error, time, temp bytes, GB/s, FLOP/s"
 ENTRY = "jaxflow.main.bench_kernels:main"
+HEADLINES = "jaxflow.study.headlines_bench:bench_kernels"
 KERNELS = ("fused_logprobs", "embedding_bag", "sync_diff_compact", "sync_scatter_apply",
            "attention")
 SIZES = ("test", "production")

@@ -18,6 +18,7 @@ from jaxflow.config_domains import COUNT, SEED, domains
 
 DESCRIPTION = "packing algorithms: waste, imbalance, speed on long-tailed multi-image lengths"
 ENTRY = "jaxflow.main.bench_packing:main"
+HEADLINES = "jaxflow.study.headlines_bench:bench_packing"
 
 
 @domains(seed=SEED, batch_sizes=COUNT, batches=COUNT, data_parallel=COUNT, d_model=COUNT, digits_budget=COUNT,

@@ -21,6 +21,7 @@ from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, POSITIVE, SEED, 
 
 DESCRIPTION = "policy-loss step from hidden states: SIS overhead vs none, fused vs naive log-prob bytes"
 ENTRY = "jaxflow.main.bench_policy_loss:main"
+HEADLINES = "jaxflow.study.headlines_bench:bench_policy_loss"
 
 
 @domains(seed=SEED, batch=COUNT, seq_len=COUNT, d_model=COUNT, vocab=COUNT, topk=COUNT, temperature=POSITIVE,

@@ -17,6 +17,7 @@ from jaxflow.prune.masks import parse_sparsity
 
 DESCRIPTION = "SparseGPT per-layer time and reconstruction error vs llmcompressor (torch)"
 ENTRY = "jaxflow.main.bench_sparsegpt:main"
+HEADLINES = "jaxflow.study.headlines_bench:bench_sparsegpt"
 
 
 @domains(seed=SEED, tokens=COUNT, block_size=COUNT, damp=NON_NEGATIVE, warmup=COUNT0, pairs=COUNT, torch_threads=COUNT)

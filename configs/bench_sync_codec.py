@@ -13,6 +13,7 @@ from jaxflow.config_domains import COUNT, SEED, Int, domains
 
 DESCRIPTION = "Sparse bf16 weight-sync codecs: bytes vs entropy bound and encode/apply GB/s"
 ENTRY = "jaxflow.main.bench_sync_codec:main"
+HEADLINES = "jaxflow.study.headlines_bench:bench_sync_codec"
 
 
 @domains(seed=SEED, d_model=COUNT, n_layers=COUNT, vocab=COUNT, timing_rounds=COUNT, timing_rounds_other=COUNT,

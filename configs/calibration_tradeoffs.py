@@ -35,6 +35,7 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "SparseGPT calibration sources x sparsity: per-capability retention and perplexity correlation"
 ENTRY = "jaxflow.main.calibration_tradeoffs:main"
+HEADLINES = "jaxflow.study.headlines_rl:calibration_tradeoffs"
 #: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
 READS = ("model.hf_path",)
 

@@ -25,6 +25,7 @@ from jaxflow.train.lm_state import OptimConfig
 DESCRIPTION = ("DecorateLM: teacher annotations -> distilled rate/tag/edit student -> decorated "
                "corpus -> rating + tag-balanced selection; LM perplexity per selection arm")
 ENTRY = "jaxflow.main.decoratelm:main"
+HEADLINES = "jaxflow.study.headlines_rl:decoratelm"
 
 
 @domains(max_chars=COUNT, n_real=COUNT, n_heldout_real=COUNT, n_template=COUNT, level1_skew=NON_NEGATIVE,

@@ -34,6 +34,7 @@ from jaxflow.recsys.synthetic import CRITEO_LIKE_VOCABS
 
 DESCRIPTION = "DLRM / DCN-v2 on sharded embeddings; synthetic Criteo-like data; AUC + logloss"
 ENTRY = "jaxflow.main.dlrm_train:main"
+HEADLINES = "jaxflow.study.headlines_systems:dlrm_train"
 #: the production tables (``full``; also bench_embedding's and nestpipe's): 26 row counts spread
 #: geometrically over 10M..100M (round(10M x 10^(i/25))), table i getting the size of the same
 #: rank as ``CRITEO_LIKE_VOCABS[i]`` among the Criteo-like ones; 1,032M rows in all, each a

@@ -32,6 +32,7 @@ from jaxflow.models.lora import LoraConfig
 
 DESCRIPTION = "FIGA vs SFT-on-revisions vs DPO on the model's own oracle-revised samples (addition)"
 ENTRY = "jaxflow.main.figa:main"
+HEADLINES = "jaxflow.study.headlines_rl:figa"
 #: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
 READS = ("pretrain.model.lora",)
 METHODS = ("sft", "dpo", "figa", "figa_constant")

@@ -61,6 +61,7 @@ from jaxflow.train.lm_state import OptimConfig
 DESCRIPTION = ("GRPO + SIS on worked addition: disjoint trainer / rollout sub-meshes, "
                "SparseRL-Sync publishes, held-out pass@1")
 ENTRY = "jaxflow.main.flagship:main"
+HEADLINES = "jaxflow.study.headlines_rl:flagship"
 #: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
 READS = ("pretrain.model.lora",)
 

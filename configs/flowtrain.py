@@ -50,6 +50,7 @@ from jaxflow.train.lm_state import OptimConfig
 DESCRIPTION = ("decoupled ViT/LM training on multi-image digits: padded vs packed vs decoupled "
                "samples/s, padding waste, cost imbalance, allocator, held-out accuracy")
 ENTRY = "jaxflow.main.flowtrain:main"
+HEADLINES = "jaxflow.study.headlines_systems:flowtrain"
 VOCAB = len(FLOW_ALPHABET) + 3
 
 

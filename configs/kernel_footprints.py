@@ -20,6 +20,7 @@ from jaxflow.config_domains import COUNT, SEED, domains
 DESCRIPTION = ("Pallas kernels compiled for TPU v5e/v5p/v6e and H100/H200: compiles, smallest "
                "VMEM / shared memory, HBM temp per chip")
 ENTRY = "jaxflow.main.kernel_footprints:main"
+HEADLINES = "jaxflow.study.headlines_bench:kernel_footprints"
 COMPILERS = ("tpu", "gpu")  # the runner checks these are installed and sets their environment
 _SIZES = ("test", "production")
 _CHIPS = ("v5e", "v5p", "v6e", "h100", "h200")

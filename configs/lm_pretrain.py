@@ -11,8 +11,12 @@ sharded ZeRO-3 style over "fsdp" (every device): the batch, and the MLP-hidden a
 dimensions of the weights and their AdamW moments (``jaxflow.mesh.DEFAULT_RULES``); the
 attention weights stay replicated (their heads go over "model", size 1).
 ``--set mesh.shape=1,8,8`` adds 8-way tensor parallelism. On a v5p:4x4x4 pod that is 4
-sequences per chip and 46.6 GiB of 95 GiB HBM per chip (``--compile-only``, jax 0.10.2); it
-does not fit 8 x H100 (172 GiB per GPU: 32 sequences' float32 logits alone are 63 GiB).
+sequences per chip and 46.6 GiB of 95 GiB HBM per chip (``--compile-only``, jax 0.10.2). The
+variant states the model and the global batch; ``--compile-only --target=T`` lays it out for T
+(:mod:`jaxflow.compile_only.variants`): FSDP over every device and gradient accumulation
+(``train.microbatches``) until the HBM estimate fits; on 8 x H100 that is FSDP 8 with remat
+and 8 micro-batches of 4 sequences per GPU (32 sequences at once needed 172 GiB per GPU: their
+float32 logits alone are 63 GiB).
 
 The RL experiments warm-start from this run's checkpoint.
 """
@@ -31,6 +35,7 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "decoder LM pretraining on multi-digit addition; loss + held-out exact-match accuracy"
 ENTRY = "jaxflow.main.lm_pretrain:main"
+HEADLINES = "jaxflow.study.headlines_rl:lm_pretrain"
 #: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
 READS = ("model.lora",)
 
@@ -49,7 +54,7 @@ class DataConfig:
 
 
 @domains(steps=COUNT, batch_size=COUNT, seq_len=COUNT, log_every=COUNT, eval_every=COUNT, eval_examples=COUNT,
-         checkpoint_every=COUNT, keep_checkpoints=COUNT)
+         checkpoint_every=COUNT, keep_checkpoints=COUNT, microbatches=COUNT)
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 3000
@@ -60,10 +65,17 @@ class TrainConfig:
     eval_examples: int = 512
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
+    # gradient accumulation: each step's batch in this many micro-batches (one update); a
+    # ``full`` variant compiled for a target gets it from the target's layout
+    # (jaxflow.compile_only.resolve)
+    microbatches: int = 1
 
     def __post_init__(self):
         require_positive(self, "steps", "batch_size", "seq_len", "log_every", "eval_every",
-                         "eval_examples", "checkpoint_every", "keep_checkpoints")
+                         "eval_examples", "checkpoint_every", "keep_checkpoints", "microbatches")
+        if self.batch_size % self.microbatches:
+            raise ValueError(f"train.microbatches={self.microbatches} does not divide "
+                             f"train.batch_size={self.batch_size}; valid: a divisor of it")
 
 
 @domains(seed=SEED)

@@ -48,6 +48,7 @@ from jaxflow.config_domains import COUNT, COUNT0, POSITIVE, SEED, domains
 
 DESCRIPTION = "NestPipe dual-buffer / frozen-window pipelines vs sync over host-resident tables"
 ENTRY = "jaxflow.main.nestpipe:main"
+HEADLINES = "jaxflow.study.headlines_systems:nestpipe"
 PIPELINE_NAMES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "sync_accum", "semi_sync")
 #: the paper's frozen window's All2All schedules (sharded.FROZEN_EXCHANGES less ``window``,
 #: which is the sync_accum pipeline)

@@ -21,10 +21,14 @@ Regenerate the built-in calibration (then rerun this):
 Summary keys: ``scaling_efficiency`` (pipeline -> E at the largest scale, E = T(128) / T(N)
 under weak scaling), ``modelled_schedules`` (pipeline -> what the simulator runs for it),
 ``baseline_efficiency_error`` (simulated sync minus 0.4434; in-sample,
-``baseline_consistency_passed``), ``paper_checks`` / ``paper_checks_passed`` (out-of-sample),
-``efficiency_by_workers``, ``speedup_vs_sync``, ``exposed_ms_at_max_workers``, ``calibration``
+``baseline_consistency_passed``), ``paper_checks`` (out-of-sample: prediction, paper, relative
+error and the tolerance ``paper_checks_rel_tol``), ``efficiency_by_workers``, ``speedup_vs_sync``,
+``exposed_ms_at_max_workers`` (never negative: a difference within the window's jitter noise is
+0, ``jaxflow.nestpipe.simulate.scaling.exposed_difference``), ``calibration``
 (git_commit, command, devices, path, stale, warning), ``sensitivity`` (``calibration``: each
-measured stage time x0.5 / x2 -> E and speedup at the largest scale per pipeline).
+measured stage time x0.5 / x2 -> E and speedup at the largest scale per pipeline), and ONE
+headline (``headlines``: simulated dbp+fwp vs sync at the largest scale, stale when the
+calibration is).
 The model and its assumptions: jaxflow/nestpipe/simulate/'s docstring.
 """
 
@@ -37,6 +41,7 @@ from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, POSITIVE, SEED, 
 
 DESCRIPTION = "NestPipe at 128 -> 1,536 workers: discrete-event simulator calibrated from a nestpipe run"
 ENTRY = "jaxflow.main.nestpipe_scale:main"
+HEADLINES = "jaxflow.study.headlines_systems:nestpipe_scale"
 PIPELINE_NAMES = ("sync", "dbp", "fwp", "dbp+fwp", "semi_sync")
 
 

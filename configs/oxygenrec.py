@@ -41,6 +41,7 @@ from jaxflow.genrec.train import SFTConfig
 
 DESCRIPTION = "OxygenREC instruction-following generative recommendation vs TIGER / SASRec / popularity"
 ENTRY = "jaxflow.main.oxygenrec:main"
+HEADLINES = "jaxflow.study.headlines_rl:oxygenrec"
 SYSTEMS = ("oxygenrec", "oxygenrec_no_rl", "oxygenrec_no_igr", "oxygenrec_no_q2i",
            "oxygenrec_per_scenario", "tiger", "tiger_instruction", "sasrec", "popularity")
 

@@ -59,6 +59,7 @@ from jaxflow.train.lm_state import OptimConfig
 DESCRIPTION = ("GRPO / DAPO / GSPO / CISPO on your own HF checkpoint, data file or reasoning-gym "
                "task and reward; LoRA optional; exports an HF checkpoint")
 ENTRY = "jaxflow.main.rl:main"
+HEADLINES = "jaxflow.study.headlines_rl:rl"
 #: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
 READS = ("model.hf_path", "model.lora")
 

@@ -20,6 +20,7 @@ from jaxflow.config_domains import COUNT, NON_NEGATIVE, POSITIVE, SEED, UNIT, do
 DESCRIPTION = ("SIS vs token/sequence IS, TIS, MIS (GRPO/DAPO/GSPO/CISPO/SA-GCPO): exact-gradient "
                "bias and variance on a toy policy")
 ENTRY = "jaxflow.main.sis_exact_gradient:main"
+HEADLINES = "jaxflow.study.headlines_rl:sis_exact_gradient"
 
 
 @domains(seed=SEED, vocab=COUNT, length=COUNT, logit_scale=POSITIVE, reward_rate=UNIT, perturbations=NON_NEGATIVE,

@@ -47,6 +47,7 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "SIS vs GRPO/DAPO/GSPO/CISPO under policy lag, staleness and sampler mismatch"
 ENTRY = "jaxflow.main.sis_offpolicy:main"
+HEADLINES = "jaxflow.study.headlines_rl:sis_offpolicy"
 #: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
 READS = ("model.hf_path", "pretrain.model.lora")
 

@@ -55,6 +55,7 @@ from jaxflow.train.lm_state import OptimConfig
 DESCRIPTION = ("Off-policy regime map of uncorrected GRPO (lag, lr, staleness, mismatch), then "
                "none/sis/tis/mis/rs/sis+tis there, paired seeds")
 ENTRY = "jaxflow.main.sis_regime:main"
+HEADLINES = "jaxflow.study.headlines_rl:sis_regime"
 #: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
 READS = ("model.hf_path", "pretrain.model.lora")
 

@@ -35,6 +35,7 @@ from jaxflow.rl.policy_loss import ALGOS
 
 DESCRIPTION = "SIS vs no correction under policy lag on worked addition, paired seeds, intervals"
 ENTRY = "jaxflow.main.sis_offpolicy:main"
+HEADLINES = "jaxflow.study.headlines_rl:sis_offpolicy"
 #: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
 READS = ("model.hf_path", "pretrain.model.lora")
 

@@ -30,6 +30,7 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "Sparse bf16 weight sync on real GRPO runs: bytes, ratio, bound, bit-exactness"
 ENTRY = "jaxflow.main.sparse_sync:main"
+HEADLINES = "jaxflow.study.headlines_rl:sparse_sync"
 #: Keys of fields only some experiments read (jaxflow.config_reads) that this one reads.
 READS = ("pretrain.model.lora",)
 DEFAULT_INTERVALS = (1, 4, 16)  # the sweep when neither ``intervals`` nor ``sync.every`` is set

@@ -15,6 +15,7 @@ from jaxflow.config_domains import SEED, domains
 
 DESCRIPTION = "Projected sync wire time (8B/70B/671B x 400/25/1 Gb/s) from measured ratios"
 ENTRY = "jaxflow.main.sync_cost_model:main"
+HEADLINES = "jaxflow.study.headlines_rl:sync_cost_model"
 
 
 @domains(seed=SEED)

@@ -45,6 +45,9 @@ class ExperimentSpec:
     module: types.ModuleType
     compilers: tuple[str, ...] = ()  # "tpu" / "gpu": compiles for abstract chips (the aot extra)
     reads: tuple[str, ...] = ()  # the keys of fields marked by experiment_field it reads (READS)
+    #: "package.module:function" building the summary's headline figures (HEADLINES;
+    #: jaxflow.study.headline): summary -> [Headline, ...]
+    headlines: str = ""
 
     def get_config(self, variant: str) -> Any:
         if variant not in self.variants:
@@ -159,6 +162,7 @@ def _load(name: str) -> ExperimentSpec | None:
         module=module,
         compilers=tuple(getattr(module, "COMPILERS", ())),
         reads=tuple(getattr(module, "READS", ())),
+        headlines=getattr(module, "HEADLINES", ""),
     )
 
 

@@ -100,13 +100,17 @@ def test_with_headlines_writes_the_contract_and_keeps_a_failing_builder_one_line
         return [headline_from_arms("tput", "samples/s ratio", "fwp", summary["sps"], baselines=("sync",),
                                    target=1.5, target_text=">= 1.5x the strongest baseline")]
 
-    out, lines = with_headlines({"sps": {"sync": 2.0, "fwp": 3.0}}, builder)
+    lines = []
+    out = with_headlines({"sps": {"sync": 2.0, "fwp": 3.0}}, builder, log=lines.append)
     (h,) = json.loads(json.dumps(out["headlines"]))
     assert CONTRACT_KEYS <= set(h)
     assert (h["value"], h["baseline"], h["met"], h["unit"]) == (1.5, "sync", True, "x")
-    assert lines == [Headline(**{**_fields(h), "spread": None}).line()]
-    out, lines = with_headlines({}, builder)
-    assert out["headlines"] == [] and out["headlines_error"] == "KeyError: 'sps'" and lines == []
+    assert lines == ["headline " + Headline(**{**_fields(h), "spread": None}).line()]
+    out = with_headlines({}, builder)
+    assert out["headlines"] == [] and out["headlines_error"] == "KeyError: 'sps'"
+    assert with_headlines({"a": 1}, "") == {"a": 1}
+    with pytest.raises(ValueError, match="HEADLINES='jaxflow.study:nothing_here': not a function"):
+        with_headlines({}, "jaxflow.study:nothing_here")
 
 
 def _fields(h):

@@ -177,3 +177,21 @@ def test_measured_and_paper_figures_come_from_data_files_with_provenance():
     paper = json.loads((data / "paper_nestpipe.json").read_text())
     assert "2604.06956" in paper["provenance"]["source"]
     assert paper["values"]["baseline_efficiency"] == PAPER_BASELINE_EFFICIENCY
+
+
+def test_exposed_time_is_never_negative_and_zero_for_a_hidden_group(model):
+    from jaxflow.nestpipe.simulate.scaling import EXPOSED_NOISE_FRACTION, exposed_difference
+
+    assert exposed_difference(10.0, 8.0) == 2.0
+    assert exposed_difference(1000.0, 1000.0 + 0.5 * EXPOSED_NOISE_FRACTION * 1000.0) == 0.0  # window noise
+    with pytest.raises(ValueError, match=r"exposed time of dbp\+fwp/all2all = -2 .*valid: >= -0.01"):
+        exposed_difference(10.0, 12.0, "dbp+fwp/all2all")
+    # Without jitter the steady state is exact: the All2All dbp+fwp hides at 1,536 workers
+    # (route-bound) gives the same step within float rounding, and so does dbp's lookup.
+    kw = dict(batches=16, warmup=4, micro_batches=4, cv=0.0, host_threads=4)
+    for pipeline, group in (("dbp+fwp", "all2all"), ("dbp", "lookup")):
+        full = step_time(pipeline, model, 1536, **kw)
+        assert step_time(pipeline, model, 1536, zero=(group,), **kw) == pytest.approx(full, rel=1e-12)
+    # sync hides nothing: its exposed lookup is the lookup's whole cost
+    assert exposed_difference(step_time("sync", model, 1536, **kw),
+                              step_time("sync", model, 1536, zero=("lookup",), **kw)) > 0

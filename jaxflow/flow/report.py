@@ -70,6 +70,7 @@ def summarize_run(config, *, times: Mapping[str, Sequence[float]],
         "speedup_vs_monolithic_padded": {m: float(np.median(ratios[m])) for m in MODES},
         "speedup_spread": {m: [float(ratios[m].min()), float(ratios[m].max())] for m in MODES},
         "samples_per_s": samples_per_s,
+        "round_seconds": {m: [float(x) for x in t[m]] for m in MODES},  # each timed round, every arm
         "cost_imbalance": imbalance["decoupled"],
         "cost_imbalance_by_mode": imbalance,
         "padding_waste": waste["decoupled"],

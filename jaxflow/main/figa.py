@@ -110,6 +110,8 @@ def main(config, run: RunContext) -> dict[str, Any]:
     plot_curves(run, records, config.methods)
     return {
         "results": results,
+        "final_by_seed": {m: {r["seed"]: r["final"]["heldout_greedy"] for r in records if r["method"] == m}
+                          for m in config.methods},  # the headline's paired seeds
         **({"lora": adapters} if adapters else {}),
         "table": table,
         "warm_start": warm_start_report(cache_dir(config.pretrain, config.cache_root).name,

@@ -13,7 +13,11 @@ Modules (one idea each):
               from the driver's return value; the headlines added to it (``with_headlines``)
   headline    an experiment's headline figures: ``Headline`` (arm vs the strongest baseline
               measured in the run, spread, target, met), ``strongest_baseline``,
-              ``headline_from_arms``, seed / round spreads, stale calibrations
+              ``headline_from_arms``, seed / round spreads, stale calibrations, paper checks
+  headlines_systems, headlines_rl, headlines_bench
+              each experiment's headline builder (``HEADLINES = "jaxflow.study.headlines_rl:figa"``
+              in ``configs/<name>.py``): systems (nestpipe, flowtrain, flexmarl, dlrm, the two
+              simulators), learning experiments (RL, SIS, FIGA, OxygenREC, DecorateLM, ...), benchmarks
 
 A *cell* is one independent run of a study (a setting and a seed) with a unique ``label``; its
 *record* is a JSON-able dict (``{"label": ..., ...}``) appended to ``cells.jsonl`` when it
@@ -31,6 +35,7 @@ Usage::
     records, _ = run_cells(cells, lambda cell, i: run_one(cell, i), run=run, done=done)
 """
 
+from jaxflow.study import headlines_bench, headlines_rl, headlines_systems
 from jaxflow.study.cells import CELLS_FILE, CellsRun, finished_cells, read_cells, record_cell, rows_of_cell, run_cells
 from jaxflow.study.grid import cell_seed, seed_grid
 from jaxflow.study.headline import (
@@ -39,8 +44,11 @@ from jaxflow.study.headline import (
     Spread,
     finite_arms,
     headline_from_arms,
+    headline_from_ratios,
     mark_stale,
     met,
+    paper_check,
+    paper_check_line,
     range_spread,
     seed_spread,
     strongest_baseline,
@@ -62,6 +70,7 @@ from jaxflow.study.warm_start import curve_from_rows, warm_start_report
 
 __all__ = [
     "cells", "grid", "intervals", "report", "timing", "warm_start", "headline",
+    "headlines_systems", "headlines_rl", "headlines_bench",
     "seed_grid", "cell_seed",
     "CELLS_FILE", "CellsRun", "finished_cells", "read_cells", "record_cell", "rows_of_cell", "run_cells",
     "PairedInterval", "paired_interval", "paired_by_seed", "seed_interval", "normalized_auc", "mean_of",
@@ -70,5 +79,6 @@ __all__ = [
     "curve_from_rows", "warm_start_report",
     "write_results", "headline_builder", "with_headlines",
     "Headline", "HeadlineBuilder", "Spread", "strongest_baseline", "headline_from_arms", "seed_spread",
-    "range_spread", "met", "mark_stale", "finite_arms",
+    "range_spread", "met", "mark_stale", "finite_arms", "paper_check", "paper_check_line",
+    "headline_from_ratios",
 ]

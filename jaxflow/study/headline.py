@@ -25,7 +25,8 @@ from typing import Any
 from jaxflow.study.intervals import paired_by_seed, seed_interval
 
 __all__ = ["Headline", "Spread", "HeadlineBuilder", "strongest_baseline", "headline_from_arms",
-           "seed_spread", "range_spread", "met", "mark_stale", "finite_arms"]
+           "seed_spread", "range_spread", "met", "mark_stale", "finite_arms", "paper_check", "paper_check_line",
+           "headline_from_ratios"]
 
 #: ``summary -> [Headline, ...]``: what a config module's ``HEADLINES`` names.
 HeadlineBuilder = Callable[[Mapping[str, Any]], "list[Headline]"]
@@ -218,6 +219,29 @@ def headline_from_arms(name: str, metric: str, algorithm: str, arms: Mapping[str
                     target=target, target_text=target_text, met=met(value, target, oriented), note=note)
 
 
+def headline_from_ratios(name: str, metric: str, algorithm: str, ratios: Mapping[str, Mapping[str, float]], *,
+                         target: float | None = None, target_text: str = "", kind: str = "pairs") -> Headline:
+    """A speed-up headline from speed-ups already measured against each baseline:
+    ``ratios[baseline] = {"median", "min", "max", "pairs"}`` of baseline time / ``algorithm``
+    time over alternated pairs (> 1: the algorithm is faster). The strongest baseline is the
+    one the algorithm beats least (the fastest baseline; its ``baselines`` figure is its time
+    relative to the algorithm's); the spread is that baseline's [min, max] over the pairs."""
+    finite = {b: r for b, r in ratios.items() if finite_arms(r, ["median"])}
+    if not finite:
+        raise ValueError(f"headline {name!r}: no finite speed-up in {dict(ratios)!r}; valid: "
+                         "{baseline: {'median', 'min', 'max'}}")
+    base, rule = strongest_baseline({b: r["median"] for b, r in finite.items()}, higher_is_better=False)
+    rule = rule.replace("lowest of the baselines", "fastest (least beaten) of the baselines")
+    r = finite[base]
+    spread = (Spread(kind, int(r.get("pairs") or 0), float(r["min"]), float(r["max"]),
+                     "range of alternated pairs" if kind == "pairs" else "range of timing rounds")
+              if finite_arms(r, ["min", "max"]).keys() == {"min", "max"} else None)
+    value = float(r["median"])
+    return Headline(name=name, metric=metric, algorithm=algorithm, baseline=base, baseline_rule=rule,
+                    baselines={b: float(v["median"]) for b, v in finite.items()}, value=value, unit="x",
+                    spread=spread, target=target, target_text=target_text, met=met(value, target))
+
+
 def seed_spread(arm: Mapping[Any, float], base: Mapping[Any, float], *, compare: str = "difference",
                 higher_is_better: bool = True, level: float = 0.95) -> Spread | None:
     """The 95% t-interval over paired seeds of the arm-vs-baseline comparison (``{seed:
@@ -254,3 +278,20 @@ def mark_stale(headline: Headline, commit: str | None) -> Headline:
     since = (commit or "an unknown commit")[:12]
     note = f"(stale calibration: measured code changed since {since})"
     return dataclasses.replace(headline, stale=True, note=(f"{headline.note} {note}".strip()))
+
+
+def paper_check(paper: float, predicted: float, rel_tol: float) -> dict:
+    """A simulator's prediction beside the paper's figure: ``{"paper", "predicted",
+    "relative_error"`` (predicted / paper - 1), ``"rel_tol"``, ``"within_tolerance"``
+    (|relative_error| <= rel_tol)``}``; reported as the error and the tolerance, not as a
+    bare pass (:func:`paper_check_line`)."""
+    err = float(predicted) / float(paper) - 1.0
+    return {"paper": float(paper), "predicted": float(predicted), "relative_error": err,
+            "rel_tol": float(rel_tol), "within_tolerance": bool(abs(err) <= rel_tol)}
+
+
+def paper_check_line(name: str, check: Mapping[str, float]) -> str:
+    """One log line of a :func:`paper_check`: ``"paper check NAME: predicted 3 vs paper 7.3:
+    relative error -59% (tolerance +-25%)"``."""
+    return (f"paper check {name}: predicted {check['predicted']:.4g} vs paper {check['paper']:.4g}: "
+            f"relative error {check['relative_error']:+.0%} (tolerance +-{check['rel_tol']:.0%})")

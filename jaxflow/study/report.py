@@ -7,7 +7,7 @@ study also writes its result rows to ``results.json`` and its markdown tables to
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxflow.experiment import RunContext
@@ -38,15 +38,26 @@ def headline_builder(target: str) -> HeadlineBuilder:
     return fn
 
 
-def with_headlines(summary: Mapping[str, Any], builder: HeadlineBuilder) -> tuple[dict, list[str]]:
-    """(summary with ``"headlines"``: the builder's :class:`Headline` list as contract dicts,
-    the headlines' one-line texts). A builder that fails leaves ``"headlines": []`` and
-    ``"headlines_error"`` (the error in one line) so the run's figures are still written."""
+def with_headlines(summary: Mapping[str, Any], builder: "HeadlineBuilder | str", *,
+                   log: Callable[[str], None] | None = None) -> dict:
+    """``summary`` with ``"headlines"``: the :class:`Headline` list of ``builder`` (a function
+    or the ``"package.module:function"`` a config's ``HEADLINES`` names; ``""``: the summary
+    unchanged) as the contract's dicts; ``log`` gets each headline's line. A builder that fails
+    on the summary leaves ``"headlines": []`` and ``"headlines_error"`` (the error in one line)
+    so the run's figures are still written."""
+    if not builder:
+        return dict(summary)
+    fn = headline_builder(builder) if isinstance(builder, str) else builder
     try:
-        heads = list(builder(summary))
+        heads = list(fn(summary))
     except (KeyError, ValueError, TypeError, ZeroDivisionError, AttributeError) as e:
-        return {**summary, "headlines": [], "headlines_error": f"{type(e).__name__}: {e}"}, []
+        error = f"{type(e).__name__}: {e}"
+        if log is not None:
+            log(f"no headlines: the builder failed ({error})")
+        return {**summary, "headlines": [], "headlines_error": error}
     bad = [h for h in heads if not isinstance(h, Headline)]
     if bad:
         raise TypeError(f"a headline builder returned {type(bad[0]).__name__}; valid: jaxflow.study.Headline")
-    return {**summary, "headlines": [h.to_json() for h in heads]}, [h.line() for h in heads]
+    for h in heads if log is not None else ():
+        log("headline " + h.line())
+    return {**summary, "headlines": [h.to_json() for h in heads]}
