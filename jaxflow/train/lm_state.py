@@ -129,11 +129,17 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def make_train_step(fns: LMFunctions, tx: optax.GradientTransformation, shardings: TrainState,
-                    batch_sharding: NamedSharding) -> Callable:
+                    batch_sharding: NamedSharding, *, microbatches: int = 1) -> Callable:
     """A jitted, donating ``(state, batch) -> (state, metrics)``.
 
     ``batch`` is a dict of [B, L] arrays: tokens, targets, loss_mask, segment_ids, positions.
     The loss is the mean NLL over tokens with ``loss_mask == 1``.
+
+    ``microbatches`` k > 1: gradient accumulation. The rows are taken k at a time (row
+    ``i * k + j`` goes to micro-batch j, so each device's rows feed every micro-batch), a
+    ``lax.scan`` sums the micro-batches' masked NLL gradients and token counts, and one update
+    applies their sum over the whole batch's token count: the same loss and gradient as k = 1
+    up to float rounding, with a k times smaller activation footprint. B must divide by k.
     """
 
     def loss_fn(params, batch):
@@ -147,8 +153,39 @@ def make_train_step(fns: LMFunctions, tx: optax.GradientTransformation, sharding
         token_acc = ((pred == batch["targets"]) * mask).sum() / n
         return loss, {"loss": loss, "token_accuracy": token_acc, "tokens": mask.sum()}
 
+    def sums_fn(params, batch):  # masked NLL and correct-token sums (one micro-batch)
+        model = fns.model(params)
+        logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+        mask = batch["loss_mask"]
+        nll = (token_nll(logits, batch["targets"]) * mask).sum()
+        correct = ((jnp.argmax(logits, axis=-1) == batch["targets"]) * mask).sum()
+        return nll, (correct.astype(jnp.float32), mask.sum().astype(jnp.float32))
+
+    def accumulated(params, batch):
+        rows = batch["tokens"].shape[0]
+        if rows % microbatches:
+            raise ValueError(f"batch of {rows} rows in {microbatches} micro-batches; valid: a "
+                             "row count divisible by the micro-batches")
+        split = {k: jnp.swapaxes(v.reshape(rows // microbatches, microbatches, *v.shape[1:]), 0, 1)
+                 for k, v in batch.items()}
+
+        def body(carry, micro):
+            (nll, (correct, count)), grads = jax.value_and_grad(sums_fn, has_aux=True)(params, micro)
+            total = jax.tree.map(jnp.add, carry, (grads, nll, correct, count))
+            return total, None
+
+        zero = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0), jnp.float32(0), jnp.float32(0))
+        (grads, nll, correct, count), _ = jax.lax.scan(body, zero, split)
+        n = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: (g / n).astype(g.dtype), grads)
+        loss = nll / n
+        return grads, {"loss": loss, "token_accuracy": correct / n, "tokens": count}
+
     def step(state: TrainState, batch):
-        grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params, batch)
+        if microbatches == 1:
+            grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params, batch)
+        else:
+            grads, metrics = accumulated(state.params, batch)
         metrics["grad_norm"] = optax.global_norm(grads)
         return state.apply_gradients(grads), metrics
 

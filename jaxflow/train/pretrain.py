@@ -63,7 +63,8 @@ def build_train_step(config, mesh: Mesh) -> PretrainStep:
     shardings = TrainState.shardings(tx, fns.abstract_params(), fns.param_shardings)
     batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), DEFAULT_RULES, mesh))
     return PretrainStep(mesh, fns, tx, shardings, batch_sharding,
-                        make_train_step(fns, tx, shardings, batch_sharding))
+                        make_train_step(fns, tx, shardings, batch_sharding,
+                                        microbatches=getattr(config.train, "microbatches", 1)))
 
 
 def build_task(config):
