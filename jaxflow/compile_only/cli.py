@@ -6,7 +6,9 @@ In order: the flags (:func:`flag_problem`: ``--target`` and ``--compile-only`` g
 exclude ``--resume``, ``--dry-run``, ``--devices`` and the multi-process flags), the driver
 (it must define ``compile_programs``: :class:`jaxflow.contract.CompilesAhead`), the compiler
 for the target's platform (``pallas_kernels.targets.require``), the compile environment set
-before jax starts a backend (``targets.compile_env``), the target's devices, the experiment's
+before jax starts a backend (``targets.compile_env``), a ``full`` variant's layout for the
+target (:func:`resolve_layout`: it fits, or one line naming the smallest target it fits), the
+target's devices, the experiment's
 meshes on them (``jaxflow.run_meshes.resolve_meshes``), ``compile_programs(config, meshes)``;
 each failure there is a user error: exit 2, one line, nothing written. Then the programs are
 compiled two at a time (:mod:`jaxflow.compile_only.compile`), the table
@@ -118,7 +120,8 @@ def prepare(plan) -> tuple[Target, object]:
 
 
 def build_programs(plan, target: Target, driver) -> tuple[list, int]:
-    """(the driver's programs on the target's meshes, the target's device count)."""
+    """(the driver's programs on the target's meshes, the target's device count); ``plan``'s
+    config as :func:`resolve_layout` lays it out."""
     from jaxflow.config import ConfigError
     from jaxflow.mesh import MeshError
     from jaxflow.run_meshes import resolve_meshes
@@ -144,10 +147,32 @@ def build_programs(plan, target: Target, driver) -> tuple[list, int]:
     return programs, len(devices)
 
 
+def resolve_layout(plan, target: Target):
+    """(``plan`` with its config laid out for ``target``, the layout as one line or "") by
+    :func:`jaxflow.compile_only.variants.resolve_for_target` (a ``full`` variant's mesh, roles
+    and micro-batches from the target); CompileOnlyUsageError (exit 2, one line) when no
+    layout fits, naming the smallest target that does."""
+    import dataclasses
+
+    from jaxflow.compile_only.resolve import DoesNotFit
+    from jaxflow.compile_only.variants import resolve_for_target
+
+    if target.n_devices is None:
+        return plan, ""
+    try:
+        config, text = resolve_for_target(plan.name, plan.variant, plan.config, target.chip,
+                                          target.n_devices, plan.overrides)
+    except DoesNotFit as e:
+        raise CompileOnlyUsageError(f"{plan.name} [{plan.variant}] on --target {target.text} "
+                                    f"({target.n_devices} x {target.chip.name}): {e}") from None
+    return dataclasses.replace(plan, config=config), text
+
+
 def run(plan, out, *, git_commit: str, prog: str) -> int:
     """Compiles ``plan``'s experiment for ``plan.args.target`` into the run directory
     ``out`` (an ``epath.Path``, checked fresh); the exit code (see the module docstring)."""
     target, driver = prepare(plan)
+    plan, layout = resolve_layout(plan, target)
     import jax
 
     from jaxflow.compile_only import compile as compile_lib
@@ -164,6 +189,8 @@ def run(plan, out, *, git_commit: str, prog: str) -> int:
         print(f"[jaxflow] {plan.name} [{plan.variant}] --compile-only for {target.text} "
               f"({n_devices} x {target.chip.device_kind}): {len(programs)} program(s), "
               f"{workers} compile(s) at a time -> {out}", flush=True)
+        if layout:
+            print(f"[jaxflow] {layout}", flush=True)
         entries, notes, unreadable = compile_lib.compile_all(programs, target.chip,
                                                              workers=workers)
     chip = target.chip
@@ -177,6 +204,7 @@ def run(plan, out, *, git_commit: str, prog: str) -> int:
                      "libtpu": _version("libtpu"),
                      "jax_cuda12_plugin": _version("jax-cuda12-plugin")},
         "formulas": report_lib.formulas(),
+        "layout": layout,
         "compilation_cache": {
             "dir": cache, "events": dict(events), "unreadable_entries": unreadable,
             "note": "jax's persistent cache; deviceless executables are written but, with jax "

@@ -1,0 +1,257 @@
+"""How a full variant is laid out on a target: a pure rule from (model, global batch, chip,
+device count) to the mesh, the role split, the model-parallel widths and gradient accumulation,
+with the per-device HBM estimate it rests on. Nothing is compiled; the rule is what
+``--compile-only`` applies to a ``full`` variant before building its programs
+(:func:`jaxflow.compile_only.variants.resolve_for_target`).
+
+The estimate (:class:`HbmEstimate`, bytes per device) counts
+  params + optimizer: the training state (weights, gradients, AdamW's two f32 moments) or the
+    sampler's bf16 replica, divided by the devices its weights are sharded over;
+  activations: with remat per block, every block's input saved ([rows, tokens, d_model] in the
+    compute dtype), one block recomputed (its q/k/v/o and SwiGLU tensors) and the f32 logits
+    and their gradient ([rows, tokens, vocab / model]); for a sampler, its KV cache.
+Training activations are a floor: XLA's temporaries come on top (Llama-3-8B, 4 sequences of
+4,096 per chip on v5p:4x4x4: 46.6 GiB compiled against 24.9 GiB estimated), so they count
+:data:`TRAIN_SLACK` times; a sampler's KV cache is allocated as estimated. A layout is taken when
+params + optimizer + slack x activations is at most :data:`HEADROOM` of the chip's HBM.
+
+The rule (:func:`lm_train_layout`, :func:`rl_layout`):
+  LM training: ZeRO-3 / FSDP over every device (``mesh = (data 1, fsdp N, model 1)``), the
+    global batch split over them; then the fewest micro-batches (gradient accumulation, a
+    divisor of the per-device rows) whose estimate fits. A batch smaller than the device count
+    moves the surplus to tensor parallelism ("model", dividing the heads).
+  RL (trainer + sampler on disjoint halves): each role gets N/2 devices ("data" x "model") and
+    the smallest power-of-2 model width (dividing the role's devices and the KV heads) whose
+    estimate fits; the trainer's rows are the mini-batch (one policy-lag step), the sampler's
+    the whole rollout.
+A variant no layout fits raises :class:`DoesNotFit` naming the smallest target of
+:data:`CANDIDATES` it fits and the estimate that decided it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxflow.errors import UserError
+from pallas_kernels import targets
+
+#: The share of a chip's HBM a layout may fill (the rest: XLA's buffers, fragmentation).
+HEADROOM = 0.9
+#: How many times training activations count (remat's and the backward's temporaries).
+TRAIN_SLACK = 2.0
+GIB = 2 ** 30
+#: Targets the "smallest target it fits" is chosen from, smallest first (chips, devices).
+CANDIDATES = (("gpu-h100x8", "h100", 8), ("gpu-h200x8", "h200", 8),
+              ("tpu-v5p:4x4x4", "v5p", 64), ("tpu-v6e:16x16", "v6e", 256),
+              ("tpu-v5p:8x8x8", "v5p", 512))
+
+
+class DoesNotFit(UserError, ValueError):
+    """No layout of the variant fits the target; the message names where it would."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a decoder: ``params`` (count), ``n_layers``, ``d_model``,
+    ``d_ff``, ``vocab``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``param_bytes`` (4 f32 / 2
+    bf16 master weights), ``compute_bytes`` (activations' dtype size)."""
+
+    params: int
+    n_layers: int
+    d_model: int
+    d_ff: int
+    vocab: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    param_bytes: int = 4
+    compute_bytes: int = 2
+
+    @classmethod
+    def of(cls, config) -> ModelShape:
+        """From a :class:`jaxflow.models.transformer.TransformerConfig` (dense blocks)."""
+        import numpy as np
+
+        d, hd = config.d_model, config.head_dim
+        attn = d * hd * (2 * config.n_heads + 2 * config.n_kv_heads)
+        block = attn + 3 * d * config.d_ff + 2 * d
+        embed = config.vocab_size * d * (1 if config.tie_embeddings else 2)
+        return cls(params=config.n_layers * block + embed + d, n_layers=config.n_layers,
+                   d_model=d, d_ff=config.d_ff, vocab=config.vocab_size,
+                   n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=hd,
+                   param_bytes=np.dtype(config.param_dtype).itemsize,
+                   compute_bytes=np.dtype(config.dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class HbmEstimate:
+    """Bytes per device: ``params`` + ``optimizer`` (gradients and moments) + ``activations``
+    (``total``), against the chip's ``capacity``; ``slack``: how many times the activations
+    count when checking the fit (:data:`TRAIN_SLACK` for training, 1 for a KV cache)."""
+
+    params: float
+    optimizer: float
+    activations: float
+    capacity: int
+    slack: float = 1.0
+
+    @property
+    def total(self) -> float:
+        """params + optimizer + activations."""
+        return self.params + self.optimizer + self.activations
+
+    @property
+    def needed(self) -> float:
+        """params + optimizer + slack x activations: what the fit is checked on."""
+        return self.params + self.optimizer + self.slack * self.activations
+
+    @property
+    def fits(self) -> bool:
+        """Whether :attr:`needed` is within :data:`HEADROOM` of ``capacity``."""
+        return self.needed <= HEADROOM * self.capacity
+
+    def text(self) -> str:
+        """"params 1.9 + optimizer 11.2 + 2 x activations 23.3 = 59.7 GiB per device of
+        79.1 (<= 90%)" style."""
+        slack = f"{self.slack:g} x " if self.slack != 1 else ""
+        return (f"params {self.params / GIB:.1f} + optimizer {self.optimizer / GIB:.1f} + "
+                f"{slack}activations {self.activations / GIB:.1f} = {self.needed / GIB:.1f} GiB "
+                f"per device of {self.capacity / GIB:.1f} (<= {HEADROOM:.0%})")
+
+
+def train_estimate(model: ModelShape, rows: float, tokens: int, *, shards: int, model_width: int,
+                   capacity: int, fused_logprobs: bool = False) -> HbmEstimate:
+    """Training step, per device: the state sharded over ``shards`` devices (weights
+    ``param_bytes``, f32 gradients, AdamW's two f32 moments), ``rows`` sequences of ``tokens``
+    per device (remat per block), vocab and MLP activations split ``model_width`` ways;
+    ``fused_logprobs``: the loss reads the head block by block (no [rows, tokens, vocab])."""
+    c = model.compute_bytes
+    saved = model.n_layers * rows * tokens * model.d_model * c
+    block = rows * tokens * (4 * model.d_model + 3 * model.d_ff / model_width) * 4
+    logits = 0.0 if fused_logprobs else 2 * rows * tokens * model.vocab / model_width * 4
+    return HbmEstimate(params=model.params * model.param_bytes / shards,
+                       optimizer=model.params * 12 / shards,
+                       activations=saved + block + logits, capacity=capacity, slack=TRAIN_SLACK)
+
+
+def sample_estimate(model: ModelShape, rows: float, tokens: int, *, model_width: int,
+                    capacity: int) -> HbmEstimate:
+    """Sampler, per device: the bf16 replica split ``model_width`` ways and the KV cache of
+    ``rows`` sequences of ``tokens`` (heads split ``model_width`` ways)."""
+    kv = 2 * model.n_layers * rows * tokens * model.n_kv_heads * model.head_dim * 2 / model_width
+    logits = rows * model.vocab / model_width * 4 * 2
+    return HbmEstimate(params=model.params * 2 / model_width, optimizer=0.0,
+                       activations=kv + logits, capacity=capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class LmLayout:
+    """An LM training layout: ``mesh`` {"data", "fsdp", "model"} sizes, ``microbatches`` (gradient
+    accumulation steps per optimizer step), ``rows_per_device`` per micro-batch, ``estimate``."""
+
+    mesh: dict
+    microbatches: int
+    rows_per_device: int
+    estimate: HbmEstimate
+
+
+@dataclasses.dataclass(frozen=True)
+class RlLayout:
+    """An RL layout: ``rollout_devices`` (the trainer has the rest), ``trainer_model`` and
+    ``rollout_model`` widths, and each role's ``estimates`` ({"trainer", "rollout"})."""
+
+    rollout_devices: int
+    trainer_model: int
+    rollout_model: int
+    estimates: dict
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def lm_train_layout(model: ModelShape, batch: int, tokens: int, chip: targets.Chip,
+                    n_devices: int) -> LmLayout:
+    """The LM training layout of ``batch`` sequences of ``tokens`` on ``n_devices`` ``chip``s
+    (see the module docstring), or DoesNotFit naming the smallest candidate that fits."""
+    found = _lm_layout(model, batch, tokens, chip, n_devices)
+    if isinstance(found, LmLayout):
+        return found
+    raise DoesNotFit(_where_it_fits(f"{batch} x {tokens} tokens do not fit", found,
+                                    lambda c, n: isinstance(_lm_layout(model, batch, tokens, c, n),
+                                                            LmLayout)))
+
+
+def _lm_layout(model, batch, tokens, chip, n) -> LmLayout | HbmEstimate:
+    width = 1
+    while batch % (n // width) and width < n:  # rows cannot be split: the rest to TP
+        width = next(w for w in _divisors(n) if w > width)
+    if batch % (n // width) or model.n_heads % width or model.n_kv_heads % width:
+        return train_estimate(model, batch / n, tokens, shards=n, model_width=1,
+                              capacity=chip.hbm_bytes)
+    rows = batch // (n // width)
+    last = None
+    for k in _divisors(rows):
+        last = train_estimate(model, rows // k, tokens, shards=n, model_width=width,
+                              capacity=chip.hbm_bytes)
+        if last.fits:
+            return LmLayout({"data": 1, "fsdp": n // width, "model": width}, k, rows // k, last)
+    return last
+
+
+def rl_layout(model: ModelShape, *, train_rows: int, sample_rows: int, tokens: int,
+              chip: targets.Chip, n_devices: int) -> RlLayout:
+    """The trainer / sampler split for ``model`` on ``n_devices`` ``chip``s: ``train_rows``
+    sequences per trainer step (a mini-batch), ``sample_rows`` per rollout, ``tokens`` each
+    (see the module docstring); DoesNotFit naming the smallest candidate that fits."""
+    found = _rl_layout(model, train_rows, sample_rows, tokens, chip, n_devices)
+    if isinstance(found, RlLayout):
+        return found
+    role, estimate = found
+    raise DoesNotFit(_where_it_fits(
+        f"{train_rows}-row updates, {sample_rows}-row rollouts of {tokens} tokens do not fit "
+        f"the {role}", estimate,
+        lambda c, n: isinstance(_rl_layout(model, train_rows, sample_rows, tokens, c, n),
+                                RlLayout)))
+
+
+def _role_width(estimate, devices: int, kv_heads: int) -> tuple[int, HbmEstimate]:
+    width, est = 1, estimate(1, devices)
+    while not est.fits and width * 2 <= devices and devices % (width * 2) == 0 \
+            and kv_heads % (width * 2) == 0:
+        width *= 2
+        est = estimate(width, devices)
+    return width, est
+
+
+def _rl_layout(model, train_rows, sample_rows, tokens, chip, n) -> RlLayout | tuple:
+    if n < 2:
+        return "trainer", train_estimate(model, train_rows, tokens, shards=1, model_width=1,
+                                         capacity=chip.hbm_bytes, fused_logprobs=True)
+    rollout = n // 2
+    trainer = n - rollout
+    cap = chip.hbm_bytes
+
+    def train(width, devices):  # weights sharded over "model" only (replicated over "data")
+        return train_estimate(model, max(1.0, train_rows / (devices // width)), tokens,
+                              shards=width, model_width=width, capacity=cap, fused_logprobs=True)
+
+    def sample(width, devices):
+        return sample_estimate(model, max(1.0, sample_rows / (devices // width)), tokens,
+                               model_width=width, capacity=cap)
+
+    t_width, t_est = _role_width(train, trainer, model.n_kv_heads)
+    r_width, r_est = _role_width(sample, rollout, model.n_kv_heads)
+    if not t_est.fits:
+        return "trainer", t_est
+    if not r_est.fits:
+        return "rollout", r_est
+    return RlLayout(rollout, t_width, r_width, {"trainer": t_est, "rollout": r_est})
+
+
+def _where_it_fits(what: str, estimate: HbmEstimate, fits) -> str:
+    for text, name, n in CANDIDATES:
+        if fits(targets.chip(name), n):
+            return f"{what}: {estimate.text()}; the smallest target it fits is {text}"
+    return (f"{what}: {estimate.text()}; none of "
+            f"{', '.join(t for t, _, _ in CANDIDATES)} fits it")

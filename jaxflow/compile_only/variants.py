@@ -1,0 +1,75 @@
+"""A ``full`` variant resolved for the ``--target`` it is compiled for: the layout rule of
+:mod:`jaxflow.compile_only.resolve` applied to the experiment's config before its meshes and
+programs are built, so one variant (a model and a global batch) compiles on any target.
+
+  lm_pretrain (a ``mesh`` and a ``train`` with ``microbatches``): ``mesh`` becomes
+    (data 1, fsdp F, model T) and ``train.microbatches`` the gradient-accumulation steps of
+    :func:`~jaxflow.compile_only.resolve.lm_train_layout`;
+  flagship (``roles`` and a ``pretrain.model``): ``roles`` becomes the trainer / rollout split
+    and model widths of :func:`~jaxflow.compile_only.resolve.rl_layout`.
+Keys the user set (``--set roles.*``, ``--set mesh.*``, ``--set train.microbatches=...``) are
+kept as given. Other variants and experiments pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxflow.compile_only import resolve
+
+#: Experiments whose full variant the rule lays out: name -> the layout kind.
+RESOLVED = {"lm_pretrain": "lm", "flagship": "rl"}
+
+
+def _user_set(overrides, *prefixes: str) -> bool:
+    keys = [o.partition("=")[0].strip() for o in overrides or ()]
+    return any(k == p or k.startswith(p + ".") for k in keys for p in prefixes)
+
+
+def resolve_for_target(name: str, variant: str, config, chip, n_devices: int,
+                       overrides=()) -> tuple[object, str]:
+    """(``config`` laid out for ``n_devices`` ``chip``s, one line saying how) for a ``full``
+    variant of an experiment in :data:`RESOLVED`; otherwise (``config``, "").
+
+    Raises:
+      resolve.DoesNotFit: no layout fits; the line names the smallest target it fits.
+    """
+    kind = RESOLVED.get(name)
+    if variant != "full" or kind is None:
+        return config, ""
+    if kind == "lm":
+        return _lm(config, chip, n_devices, overrides)
+    return _rl(config, chip, n_devices, overrides)
+
+
+def _lm(config, chip, n, overrides):
+    if _user_set(overrides, "mesh", "train.microbatches"):
+        return config, "layout as set (--set mesh / train.microbatches)"
+    tc = config.train
+    lay = resolve.lm_train_layout(resolve.ModelShape.of(config.model), tc.batch_size,
+                                  tc.seq_len, chip, n)
+    mesh = dataclasses.replace(config.mesh, axes=tuple(lay.mesh),
+                               shape=tuple(lay.mesh.values()))
+    train = dataclasses.replace(tc, microbatches=lay.microbatches)
+    text = (f"layout for {n} {chip.name}: mesh {lay.mesh}, {lay.microbatches} micro-batch(es) "
+            f"of {lay.rows_per_device} row(s) per device (estimate: {lay.estimate.text()})")
+    return dataclasses.replace(config, mesh=mesh, train=train), text
+
+
+def _rl(config, chip, n, overrides):
+    if _user_set(overrides, "roles"):
+        return config, "roles as set (--set roles.*)"
+    rl = config.rl
+    rows = rl.prompts_per_rollout * rl.group_size
+    tokens = config.task.max_prompt_len + rl.max_new_tokens
+    lay = resolve.rl_layout(resolve.ModelShape.of(config.pretrain.model),
+                            train_rows=rows // rl.lag, sample_rows=rows, tokens=tokens,
+                            chip=chip, n_devices=n)
+    roles = dataclasses.replace(config.roles, rollout_devices=lay.rollout_devices,
+                                trainer_model=lay.trainer_model,
+                                rollout_model=lay.rollout_model)
+    est = "; ".join(f"{k} {v.text()}" for k, v in lay.estimates.items())
+    text = (f"layout for {n} {chip.name}: trainer {n - lay.rollout_devices} (model "
+            f"{lay.trainer_model}), rollout {lay.rollout_devices} (model {lay.rollout_model}) "
+            f"(estimates: {est})")
+    return dataclasses.replace(config, roles=roles), text

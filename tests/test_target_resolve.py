@@ -1,0 +1,98 @@
+"""The layout rule (:mod:`jaxflow.compile_only.resolve`) and its application to ``full``
+variants (:mod:`jaxflow.compile_only.variants`) on tpu-v5p:4x4x4, tpu-v6e:16x16, gpu-h100x8 and
+gpu-h200x8: pure functions of the config and the target, nothing compiled."""
+
+from __future__ import annotations
+
+import pytest
+
+import configs.flagship as flagship_config
+import configs.lm_pretrain as lm_config
+from jaxflow.compile_only import resolve
+from jaxflow.compile_only.target import parse_target
+from jaxflow.compile_only.variants import resolve_for_target
+
+TARGETS = ("tpu-v5p:4x4x4", "tpu-v6e:16x16", "gpu-h100x8", "gpu-h200x8")
+#: lm_pretrain full (Llama-3-8B, 256 x 4096): (fsdp, micro-batches) per target.
+LM = {"tpu-v5p:4x4x4": (64, 1), "tpu-v6e:16x16": (256, 1), "gpu-h100x8": (8, 8),
+      "gpu-h200x8": (8, 4)}
+#: flagship full (Qwen3-8B GRPO): (rollout devices, trainer model, rollout model), or None
+#: where it exits 2.
+RL = {"tpu-v5p:4x4x4": (32, 2, 1), "tpu-v6e:16x16": (128, 8, 1), "gpu-h100x8": None,
+      "gpu-h200x8": (4, 2, 1)}
+
+
+def _resolve(name, config, text, overrides=()):
+    target = parse_target(text)
+    return resolve_for_target(name, "full", config, target.chip, target.n_devices, overrides)
+
+
+@pytest.mark.parametrize("text", TARGETS)
+def test_lm_pretrain_full_is_fsdp_with_accumulation_where_needed(text):
+    config, line = _resolve("lm_pretrain", lm_config.get_config("full"), text)
+    fsdp, micro = LM[text]
+    n = parse_target(text).n_devices
+    assert dict(zip(config.mesh.axes, config.mesh.shape)) == {"data": 1, "fsdp": fsdp, "model": 1}
+    assert config.train.microbatches == micro
+    assert config.train.batch_size == 256 and config.train.seq_len == 4096  # stated, unchanged
+    assert (config.train.batch_size // n) % micro == 0
+    assert f"{micro} micro-batch(es) of {256 // n // micro} row(s)" in line
+
+
+@pytest.mark.parametrize("text", TARGETS)
+def test_flagship_full_roles_come_from_the_target(text):
+    base = flagship_config.get_config("full")
+    if RL[text] is None:
+        with pytest.raises(resolve.DoesNotFit) as err:
+            _resolve("flagship", base, text)
+        message = str(err.value)
+        assert "\n" not in message and "GiB per device of 79.1" in message
+        assert message.endswith("the smallest target it fits is gpu-h200x8"), message
+        return
+    config, line = _resolve("flagship", base, text)
+    roles = config.roles
+    assert (roles.rollout_devices, roles.trainer_model, roles.rollout_model) == RL[text]
+    n = parse_target(text).n_devices
+    assert f"trainer {n - roles.rollout_devices} (model {roles.trainer_model})" in line
+
+
+def test_keys_the_user_set_are_kept():
+    base = flagship_config.get_config("full")
+    config, line = _resolve("flagship", base, "gpu-h100x8", ["roles.rollout_devices=4"])
+    assert config is base and "as set" in line
+    lm = lm_config.get_config("full")
+    config, _ = _resolve("lm_pretrain", lm, "gpu-h100x8", ["train.microbatches=2"])
+    assert config is lm
+
+
+def test_other_variants_and_experiments_pass_through():
+    quick = lm_config.get_config("quick")
+    target = parse_target("gpu-h100x8")
+    assert resolve_for_target("lm_pretrain", "quick", quick, target.chip, 8) == (quick, "")
+    assert resolve_for_target("dlrm_train", "full", quick, target.chip, 8) == (quick, "")
+
+
+def test_the_estimate_counts_state_over_shards_and_logits_per_row():
+    model = resolve.ModelShape(params=1000, n_layers=1, d_model=4, d_ff=8, vocab=16, n_heads=2,
+                               n_kv_heads=2, head_dim=2, param_bytes=4, compute_bytes=2)
+    one = resolve.train_estimate(model, 1, 4, shards=1, model_width=1, capacity=10 ** 9)
+    two = resolve.train_estimate(model, 2, 4, shards=2, model_width=1, capacity=10 ** 9)
+    assert two.params == one.params / 2 and two.optimizer == one.optimizer / 2
+    assert one.optimizer == 12 * 1000 and one.params == 4 * 1000
+    assert two.activations == 2 * one.activations
+    fused = resolve.train_estimate(model, 1, 4, shards=1, model_width=1, capacity=10 ** 9,
+                                   fused_logprobs=True)
+    assert one.activations - fused.activations == 2 * 4 * 16 * 4  # f32 logits and their grad
+
+
+def test_a_model_no_candidate_holds_says_so():
+    huge = resolve.ModelShape(params=10 ** 14, n_layers=1, d_model=8, d_ff=8, vocab=8,
+                              n_heads=1, n_kv_heads=1, head_dim=8)
+    chip = parse_target("gpu-h100x8").chip
+    with pytest.raises(resolve.DoesNotFit, match=r"none of gpu-h100x8, .* fits it$"):
+        resolve.lm_train_layout(huge, 8, 8, chip, 8)
+
+
+def test_llama_8b_shape_is_counted_from_the_config():
+    shape = resolve.ModelShape.of(lm_config.get_config("full").model)
+    assert 8.0e9 < shape.params < 8.1e9 and shape.param_bytes == 2  # Llama-3-8B: 8.03B
