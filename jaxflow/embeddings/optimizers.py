@@ -24,10 +24,12 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 @dataclasses.dataclass(frozen=True)
 class SparseOptimizer:
     """A row-wise optimizer for embedding tables: ``init(num_rows, dim) -> state`` and ``apply(rows, grads,
-    state_rows, step) -> (rows, state_rows)`` on the rows a step touched (float32[R, D])."""
+    state_rows, step) -> (rows, state_rows)`` on the rows a step touched (float32[R, D]);
+    ``hyper``: its hyperparameters as ``(name, value)`` pairs (what a fused kernel needs)."""
     name: str
     init: Callable[[int, int], dict[str, jax.Array]]
     apply: Callable[[jax.Array, jax.Array, dict[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
+    hyper: tuple[tuple[str, float], ...] = ()
 
 
 def sgd(learning_rate: float) -> SparseOptimizer:
@@ -38,7 +40,7 @@ def sgd(learning_rate: float) -> SparseOptimizer:
     def apply(rows, grads, state, step):
         return rows - learning_rate * grads, state
 
-    return SparseOptimizer("sgd", init, apply)
+    return SparseOptimizer("sgd", init, apply, (("learning_rate", learning_rate),))
 
 
 def rowwise_adagrad(learning_rate: float, eps: float = 1e-8,
@@ -53,7 +55,9 @@ def rowwise_adagrad(learning_rate: float, eps: float = 1e-8,
         rows = rows - learning_rate * grads / (jnp.sqrt(acc)[:, None] + eps)
         return rows, {"accum": acc}
 
-    return SparseOptimizer("rowwise_adagrad", init, apply)
+    return SparseOptimizer("rowwise_adagrad", init, apply,
+                           (("learning_rate", learning_rate), ("eps", eps),
+                            ("initial_accumulator", initial_accumulator)))
 
 
 def adam(learning_rate: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> SparseOptimizer:
@@ -69,7 +73,8 @@ def adam(learning_rate: float, b1: float = 0.9, b2: float = 0.999, eps: float = 
         v_hat = v / (1 - b2**t)
         return rows - learning_rate * m_hat / (jnp.sqrt(v_hat) + eps), {"m": m, "v": v}
 
-    return SparseOptimizer("adam", init, apply)
+    return SparseOptimizer("adam", init, apply,
+                           (("learning_rate", learning_rate), ("b1", b1), ("b2", b2), ("eps", eps)))
 
 
 def make_sparse_optimizer(name: str, learning_rate: float, **kwargs: Any) -> SparseOptimizer:

@@ -10,6 +10,12 @@ written out.
 State: ``{"emb": ShardedEmbeddings state, "dense": TrainState | {}}``. The dense part is a
 :class:`jaxflow.train.state.TrainState` (params, optimizer state, its own step; replicated), or
 ``{}`` for an embedding-only loss.
+
+``backend``: "auto" (default) runs the fused host-kernel step (``fused_step.py``: pooling
+straight from the table, dedup + row-gradient accumulation + optimizer in one in-place kernel)
+where it applies (CPU, one device, float32 pooled tables, SGD / row-wise Adagrad), else this
+``shard_map`` step; "xla" always this step (the reference, and the accelerator path);
+"host_kernel" the fused step or a ValueError saying why not.
 """
 
 from __future__ import annotations
@@ -20,11 +26,31 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxflow.embeddings.fused_step import fused_unsupported, make_fused_train_step
 from jaxflow.embeddings.lookup import ShardedEmbeddings, error_stats
 from jaxflow.train.state import TrainState
 
 #: loss_fn(dense_params, embeddings {table: [b, D] | [b, L, D]}, batch slice) -> (loss, aux dict)
 LossFn = Callable[[Any, dict, dict], tuple[jax.Array, dict]]
+
+#: the train step's implementations (``make_train_step(backend=...)``)
+STEP_BACKENDS = ("auto", "xla", "host_kernel")
+
+
+def step_backend(emb: ShardedEmbeddings, backend: str = "auto") -> str:
+    """The implementation ``make_train_step(emb, ..., backend=backend)`` runs: "host_kernel" or
+    "xla". ValueError (one line) for an unknown backend, or "host_kernel" where it cannot run."""
+    if backend not in STEP_BACKENDS:
+        raise ValueError(f"embedding step backend {backend!r}; valid: {', '.join(STEP_BACKENDS)}")
+    if backend == "xla":
+        return "xla"
+    reason = fused_unsupported(emb)
+    if reason is None:
+        return "host_kernel"
+    if backend == "host_kernel":
+        raise ValueError(f"embedding step backend 'host_kernel' unavailable: {reason}; valid: "
+                         "'xla' or 'auto'")
+    return "xla"
 
 
 def state_specs(emb: ShardedEmbeddings, dense_state: Any = None) -> dict:
@@ -59,8 +85,10 @@ def dense_params(dense_state: TrainState | dict) -> Any:
     return dense_state.params if isinstance(dense_state, TrainState) else {}
 
 
-def make_train_step(emb: ShardedEmbeddings, loss_fn: LossFn, *, donate: bool = True):
-    """Jitted ``step(state, ids, batch) -> (state, metrics)``.
+def make_train_step(emb: ShardedEmbeddings, loss_fn: LossFn, *, donate: bool = True,
+                    backend: str = "auto"):
+    """Jitted ``step(state, ids, batch) -> (state, metrics)``; ``backend`` as in
+    :func:`step_backend` (the module docstring).
 
     ``state = {"emb": ShardedEmbeddings state, "dense": TrainState | {}}``; ``ids`` and
     ``batch`` are split over ``emb.axis``. The dense optimizer is the TrainState's ``tx``.
@@ -68,6 +96,8 @@ def make_train_step(emb: ShardedEmbeddings, loss_fn: LossFn, *, donate: bool = T
     call ``lookup.check_stats(metrics)`` (a host sync) every step or every few steps; a step
     that overflowed its capacity applied an incomplete update and the run must stop there.
     """
+    if step_backend(emb, backend) == "host_kernel":
+        return make_fused_train_step(emb, loss_fn, donate=donate)
     axis, n = emb.axis, emb.plan.num_shards
 
     def local(state, ids, batch):

@@ -1,0 +1,120 @@
+"""The CPU train step over one device's tables with the compiled host kernels (``host_kernel``).
+
+``make_train_step`` (``step.py``) picks it on a one-device CPU mesh (``backend="auto"``):
+same signature, state and metrics as the ``shard_map`` step, same results (pooling and SGD
+bit-identical; row-wise Adagrad within float rounding). Per group of tables:
+
+  1. keys: the id policy and the packed row of every id (``routing.table_keys``), in XLA;
+  2. ``host_kernel.pool_from_table``: bags pooled straight from the table (no dedup, no
+     capacity-sized gathered rows);
+  3. the user's loss and its gradient w.r.t. the dense parameters and the pooled bags (XLA);
+  4. ``host_kernel.fused_update``: dedup by direct addressing, per-row gradient accumulation
+     and the optimizer's row update, in place in the donated table and accumulator.
+
+Nothing is capacity-sized: ``capacity`` only sets the overflow flag the metrics report (as
+the XLA step does, so ``check_stats`` raises at the same point), and the update applied is
+complete even then. Supported: CPU, one device on the embedding axis, float32 tables, pooled
+("sum" / "mean") tables, SGD or row-wise Adagrad; :func:`fused_unsupported` says why not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxflow.embeddings import host_kernel
+from jaxflow.embeddings.lookup import ShardedEmbeddings, check_id_dtype, narrow_ids
+from jaxflow.embeddings.routing import table_keys
+from jaxflow.embeddings.spec import Pooling
+from jaxflow.train.state import TrainState
+
+_KINDS = {"sgd": host_kernel.KIND_SGD, "rowwise_adagrad": host_kernel.KIND_ADAGRAD}
+
+
+def fused_unsupported(emb: ShardedEmbeddings) -> str | None:
+    """Why the fused host-kernel step cannot run ``emb``'s tables, or None when it can."""
+    platforms = {d.platform for d in emb.mesh.devices.flat}
+    if platforms != {"cpu"}:
+        return f"devices are {sorted(platforms)}, the host kernels run on cpu only"
+    if emb.plan.num_shards != 1:
+        return f"axis {emb.axis!r} has {emb.plan.num_shards} devices, the fused step takes 1"
+    if jnp.dtype(emb.param_dtype) != jnp.float32:
+        return f"param_dtype {jnp.dtype(emb.param_dtype)}, the kernels take float32"
+    unpooled = [s.name for s in emb.plan.specs if s.pooling == Pooling.NONE.value]
+    if unpooled:
+        return f"tables {unpooled} are unpooled (pooling='none'), the kernels pool sum / mean"
+    if emb.optimizer.name not in _KINDS:
+        return f"optimizer {emb.optimizer.name!r}, the kernels apply {' / '.join(_KINDS)}"
+    return None
+
+
+def _group_keys(emb: ShardedEmbeddings, group, ids: dict):
+    """(keys int32[N] of the group's tables concatenated, bag desc, bags, [(name, bags)], bad)."""
+    keys, bags, names, bad = [], [], [], jnp.int32(0)
+    for layout in emb.plan.group_tables(group.name):
+        spec = layout.spec
+        x = ids[spec.name]
+        check_id_dtype(spec.name, x)
+        if x.ndim != 2:
+            raise ValueError(f"table {spec.name!r}: ids of shape {tuple(x.shape)}; valid: [batch, bag] "
+                             "(-1 = padding)")
+        k, b = table_keys(layout, narrow_ids(x, spec.vocab_size, spec.id_policy), group.shard_rows, 1)
+        keys.append(k.reshape(-1))
+        bags.append((x.shape[0], x.shape[1], spec.pooling == Pooling.MEAN.value))
+        names.append((spec.name, x.shape[0]))
+        bad = bad + b
+    desc, n_bags = host_kernel.bag_layout(bags)
+    return jnp.concatenate(keys), desc, n_bags, names, bad
+
+
+def make_fused_train_step(emb: ShardedEmbeddings, loss_fn: Callable[[Any, dict, dict], tuple],
+                          *, donate: bool = True):
+    """Jitted ``step(state, ids, batch) -> (state, metrics)`` with the host kernels: the
+    contract of ``step.make_train_step`` (state ``{"emb", "dense"}``, metrics loss / aux /
+    overflow / bad_ids / max_unique). ValueError (one line) where :func:`fused_unsupported`."""
+    reason = fused_unsupported(emb)
+    if reason is not None:
+        raise ValueError(f"embedding step backend 'host_kernel' unavailable: {reason}; valid: "
+                         "backend='xla' (or 'auto', which picks it)")
+    hyper = dict(emb.optimizer.hyper)
+    kind, lr, eps = _KINDS[emb.optimizer.name], hyper["learning_rate"], hyper.get("eps", 0.0)
+
+    def step(state, ids, batch):
+        tables, opt = state["emb"]["tables"], state["emb"]["opt"]
+        pooled, routes, bad = {}, {}, jnp.int32(0)
+        for g in emb.plan.groups:
+            keys, desc, n_bags, names, b = _group_keys(emb, g, ids)
+            out = host_kernel.pool_from_table(tables[g.name], keys, desc, n_bags)
+            start = 0
+            for name, rows in names:
+                pooled[name] = out[start:start + rows]
+                start += rows
+            routes[g.name] = (keys, desc, names)
+            bad = bad + b
+        dense = state["dense"]
+        params = dense.params if isinstance(dense, TrainState) else {}
+
+        def objective(params, pooled):
+            loss, aux = loss_fn(params, pooled, batch)
+            return loss, (loss, aux)
+
+        (_, (loss, aux)), (g_dense, g_pooled) = jax.value_and_grad(
+            objective, argnums=(0, 1), has_aux=True)(params, pooled)
+        new_tables, new_opt = {}, {}
+        overflow, n_unique = jnp.int32(0), jnp.int32(0)
+        for g in emb.plan.groups:
+            keys, desc, names = routes[g.name]
+            grad = jnp.concatenate([g_pooled[name] for name, _ in names]).astype(jnp.float32)
+            accum = opt[g.name].get("accum", jnp.zeros((1,), jnp.float32))
+            new_tables[g.name], accum, stats = host_kernel.fused_update(
+                tables[g.name], accum, keys, desc, grad, kind, lr, eps, emb.capacity)
+            new_opt[g.name] = {"accum": accum} if "accum" in opt[g.name] else {}
+            n_unique, overflow = n_unique + stats[0], overflow + stats[1]
+        new_state = {"emb": {"tables": new_tables, "opt": new_opt, "step": state["emb"]["step"] + 1},
+                     "dense": dense.apply_gradients(g_dense) if isinstance(dense, TrainState) else dense}
+        metrics = {"loss": loss, **aux, "overflow": overflow, "bad_ids": bad, "max_unique": n_unique}
+        return new_state, metrics
+
+    return jax.jit(step, donate_argnums=(0,) if donate else ())
