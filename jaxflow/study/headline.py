@@ -145,7 +145,7 @@ def strongest_baseline(baselines: Mapping[str, float], higher_is_better: bool) -
     pick = max if higher_is_better else min
     best = pick(finite, key=lambda k: finite[k])
     word = "highest" if higher_is_better else "lowest"
-    return best, f"{word} of the baselines measured in this run: {', '.join(finite)}"
+    return best, f"best ({word} figure) of the baselines measured in this run: {', '.join(finite)}"
 
 
 def met(value: float, target: float | None, higher_is_better: bool = True) -> bool | None:
@@ -231,7 +231,7 @@ def headline_from_ratios(name: str, metric: str, algorithm: str, ratios: Mapping
         raise ValueError(f"headline {name!r}: no finite speed-up in {dict(ratios)!r}; valid: "
                          "{baseline: {'median', 'min', 'max'}}")
     base, rule = strongest_baseline({b: r["median"] for b, r in finite.items()}, higher_is_better=False)
-    rule = rule.replace("lowest of the baselines", "fastest (least beaten) of the baselines")
+    rule = rule.replace("best (lowest figure)", "fastest (least speed-up over it)")
     r = finite[base]
     spread = (Spread(kind, int(r.get("pairs") or 0), float(r["min"]), float(r["max"]),
                      "range of alternated pairs" if kind == "pairs" else "range of timing rounds")
