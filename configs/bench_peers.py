@@ -1,0 +1,85 @@
+"""bench_peers: jaxflow and its peers on the same work, each peer in its own interpreter, in
+alternated rounds: wall and CPU-second ratios with their ranges, memory, and the load.
+
+    bash scripts/peer_venvs.sh                                   # once: /work/.venv-peers/{torchrec,tunix,trl}
+    python -m jaxflow.run --exp=bench_peers --variant=quick      # small shapes, 4 rounds (~2 min on 2 cores)
+    python -m jaxflow.run --exp=bench_peers --variant=full       # the issue's shapes, 10 rounds
+    python -m jaxflow.run --exp=bench_peers --set peers.torchrec_python=/path/to/python
+
+Cases (``cases``): ``embedding_rowwise_adagrad`` and ``embedding_sgd``: ``emb_tables`` tables of
+``emb_rows`` x ``emb_dim``, sum-pooled bags of exactly ``emb_bag`` Zipf ids, batch ``emb_batch``,
+squared-error loss against random targets, the optimizer on the touched rows: jaxflow's
+embedding train step vs TorchRec's fused TBE (``FusedEmbeddingBagCollection``) and unfused
+``EmbeddingBagCollection`` (``emb_torchrec_variants``). Every arm is a process of its own
+(``jaxflow/bench/peers/*_arm.py``); a peer whose interpreter is missing is listed under
+``not_run``, not an error. Each round runs ``steps`` steps per arm after ``warmup`` steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxflow.config import Variants
+from jaxflow.config_domains import COUNT, POSITIVE, SEED, domains
+
+DESCRIPTION = "jaxflow vs its peers (TorchRec embeddings) on the same work, alternated rounds, wall / CPU ratios"
+ENTRY = "jaxflow.main.bench_peers:main"
+
+CASES = ("embedding_rowwise_adagrad", "embedding_sgd")
+TORCHREC_VARIANTS = ("fused", "unfused")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeersConfig:
+    """The peers' interpreters (``bash scripts/peer_venvs.sh`` creates them)."""
+
+    torchrec_python: str = "/work/.venv-peers/torchrec/bin/python"
+    tunix_python: str = "/work/.venv-peers/tunix/bin/python"
+    trl_python: str = "/work/.venv-peers/trl/bin/python"
+
+
+@domains(seed=SEED, rounds=COUNT, steps=COUNT, warmup=COUNT, arm_timeout_s=POSITIVE, emb_tables=COUNT,
+         emb_rows=COUNT, emb_dim=COUNT, emb_batch=COUNT, emb_bag=COUNT, emb_batches=COUNT,
+         emb_learning_rate=POSITIVE)
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    cases: tuple[str, ...] = CASES
+    rounds: int = 10  # alternated rounds (pairs of the jaxflow arm and each peer arm)
+    steps: int = 3  # timed steps per arm per round
+    warmup: int = 2  # untimed steps per arm before the first round (compilation included)
+    arm_timeout_s: float = 900.0  # the longest wait for one arm's reply
+    emb_tables: int = 8
+    emb_rows: int = 100_000
+    emb_dim: int = 64
+    emb_batch: int = 4096
+    emb_bag: int = 20
+    emb_batches: int = 2  # distinct batches cycled through
+    emb_learning_rate: float = 0.05
+    emb_torchrec_variants: tuple[str, ...] = TORCHREC_VARIANTS
+    peers: PeersConfig = PeersConfig()
+
+    def __post_init__(self):
+        bad = [c for c in self.cases if c not in CASES]
+        if bad or not self.cases:
+            raise ValueError(f"cases={self.cases!r}; valid: one or more of {', '.join(CASES)}")
+        bad = [v for v in self.emb_torchrec_variants if v not in TORCHREC_VARIANTS]
+        if bad:
+            raise ValueError(f"emb_torchrec_variants={self.emb_torchrec_variants!r}; valid: "
+                             f"a subset of {', '.join(TORCHREC_VARIANTS)}")
+
+
+def _quick() -> Config:
+    return Config(rounds=4, steps=2, emb_rows=20_000, emb_dim=32, emb_batch=1024)
+
+
+def _default() -> Config:
+    return Config(rounds=6)
+
+
+def _full() -> Config:
+    return Config(rounds=10)
+
+
+get_config = Variants(quick=_quick, default=_default, full=_full)
+VARIANTS = get_config.variants

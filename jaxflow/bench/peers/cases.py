@@ -1,0 +1,130 @@
+"""``bench_peers``' cases: which arms run which work with which interpreter, and each case's
+figures once its rounds are done.
+
+A case is a list of :class:`jaxflow.bench.peers.harness.ArmSpec` on the same JSON work: the
+jaxflow arm (``python -m jaxflow.bench.peers.jaxflow_arm`` by this interpreter) and the peers'
+arms (``<peer>_arm.py`` run as a script by the peer's interpreter). An arm whose interpreter is
+missing is not an error: the case lists it under ``not_run`` with the reason.
+
+  embedding_rowwise_adagrad, embedding_sgd: the embedding step
+      (:mod:`jaxflow.bench.peers.workloads`) vs TorchRec's ``FusedEmbeddingBagCollection``
+      (``torchrec_fused``) and ``EmbeddingBagCollection`` + optimizer (``torchrec_unfused``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+
+from jaxflow.bench.peers.harness import ArmSpec, case_headline, missing_interpreter, pair_ratios
+from jaxflow.bench.peers.workloads import embedding_case
+
+__all__ = ["PEERS", "CASES", "arm_command", "interpreters", "build_cases", "summarize_case", "headlines"]
+
+PEERS = ("torchrec", "tunix", "trl")
+CASES = ("embedding_rowwise_adagrad", "embedding_sgd")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def arm_command(peer: str, python: str | None = None) -> tuple[str, ...]:
+    """The argv of an arm: jaxflow's module by this interpreter, or ``<peer>_arm.py`` by ``python``."""
+    if peer == "jaxflow":
+        return (python or sys.executable, "-m", "jaxflow.bench.peers.jaxflow_arm")
+    if peer not in PEERS:
+        raise ValueError(f"peer={peer!r}; valid: jaxflow, {', '.join(PEERS)}")
+    return (python, os.path.join(HERE, f"{peer}_arm.py"))
+
+
+def interpreters(pythons: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(``{peer: interpreter}`` of the usable ones, ``{peer: why not}`` of the others) for
+    ``pythons`` = ``{peer: path}``."""
+    ok, missing = {}, {}
+    for peer, python in pythons.items():
+        reason = missing_interpreter(python)
+        if reason is None:
+            ok[peer] = python
+        else:
+            missing[peer] = reason
+    return ok, missing
+
+
+def build_cases(config, work_dir: str, pythons: Mapping[str, str]) -> tuple[dict, dict]:
+    """(``{case: [ArmSpec, ...]}``, ``{case: {arm: reason}}`` of the arms left out for a missing
+    interpreter) for ``config.cases``; the work's arrays are written under ``work_dir``.
+
+    ``config``: the ``bench_peers`` config (``cases``, ``seed``, ``warmup``, ``emb_*``)."""
+    ok, missing = interpreters(pythons)
+    specs, skipped = {}, {}
+    emb = None
+    for name in config.cases:
+        if name not in CASES:
+            raise ValueError(f"case {name!r}; valid: {', '.join(CASES)}")
+        optimizer = name.removeprefix("embedding_")
+        if emb is None:
+            emb = embedding_case(os.path.join(work_dir, "embedding"), tables=config.emb_tables,
+                                 rows=config.emb_rows, dim=config.emb_dim, batch=config.emb_batch,
+                                 bag=config.emb_bag, optimizer=optimizer, learning_rate=config.emb_learning_rate,
+                                 num_batches=config.emb_batches, warmup=config.warmup, seed=config.seed)
+        case = dict(emb, optimizer=optimizer)
+        arms = [ArmSpec("jaxflow", "jaxflow", arm_command("jaxflow"), case)]
+        for variant in config.emb_torchrec_variants:
+            arm = f"torchrec_{variant}"
+            if "torchrec" in ok:
+                arms.append(ArmSpec(arm, "torchrec", arm_command("torchrec", ok["torchrec"]),
+                                    dict(case, variant=variant)))
+            else:
+                skipped.setdefault(name, {})[arm] = missing["torchrec"]
+        specs[name] = arms
+    return specs, skipped
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def summarize_case(results: Mapping[str, list], infos: Mapping[str, dict], ours: str = "jaxflow") -> dict:
+    """A case's figures from :func:`jaxflow.bench.peers.harness.run_alternated`'s results:
+    per arm the median rate (units/s), CPU seconds per unit, peak RSS and its ``info``; per peer
+    arm the paired ratios (:func:`jaxflow.bench.peers.harness.pair_ratios`) and the relative
+    differences of its first loss (before any update) and last loss (after every step of every
+    round: the same number of steps in each arm) from ours: the same work gives the same losses,
+    up to float rounding."""
+    arms = {}
+    for arm, rounds in results.items():
+        arms[arm] = {"rate": _median([r["units"] / r["wall_s"] for r in rounds]),
+                     "cpu_s_per_unit": _median([r["cpu_s"] / r["units"] for r in rounds]),
+                     "wall_s_per_round": [r["wall_s"] for r in rounds],
+                     "cpu_s_per_round": [r["cpu_s"] for r in rounds],
+                     "unit": rounds[0]["unit"], "max_rss_bytes": max(r["max_rss_bytes"] for r in rounds),
+                     "rounds": len(rounds), "info": infos.get(arm, {})}
+    out = {"arms": arms, "ratios": {}, "first_loss_rel_diff": {}, "last_loss_rel_diff": {}}
+    if ours in results:
+        for arm in results:
+            if arm == ours:
+                continue
+            out["ratios"][arm] = pair_ratios(results[ours], results[arm])
+            first = [infos.get(a, {}).get("first_loss") for a in (ours, arm)]
+            last = [results[a][-1]["last"].get("loss") for a in (ours, arm)]
+            pairs = {"first_loss_rel_diff": first, "last_loss_rel_diff": last}
+            for key, (a, b) in pairs.items():
+                if a is not None and b is not None:
+                    out[key][arm] = abs(a - b) / max(abs(b), 1e-30)
+    return out
+
+
+def headlines(cases: Mapping[str, dict], ours: str = "jaxflow") -> list[dict]:
+    """One headline per case with a peer arm: our rate over the strongest peer arm's
+    (:func:`jaxflow.bench.peers.harness.case_headline`), target 1.0x."""
+    out = []
+    for name, case in cases.items():
+        arms = case["arms"]
+        if ours not in arms:
+            continue
+        unit = arms[ours]["unit"]
+        head = case_headline(name, f"{unit}/s ratio (jaxflow / peer)", ours,
+                             {k: v["rate"] for k, v in arms.items()}, case["ratios"])
+        if head is not None:
+            out.append(head)
+    return out

@@ -1,0 +1,89 @@
+"""jaxflow's arms of ``bench_peers``, run as ``python -m jaxflow.bench.peers.jaxflow_arm`` by the
+main interpreter and spoken to over :mod:`jaxflow.bench.peers.arm_protocol` like a peer's.
+
+``embedding``: :func:`jaxflow.embeddings.make_train_step` on :class:`jaxflow.embeddings.ShardedEmbeddings`
+over one CPU device (the peers run one process too), sum-pooled row-wise tables, the case's
+optimizer (``rowwise_adagrad`` / ``sgd``) on the touched rows, capacity the case's ``max_unique``
+(the most distinct keys of any of its batches, so it cannot overflow), the tables initialised
+from the case's array; one step = one batch of ``batch`` samples.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["setup_embedding", "setup", "main"]
+
+
+def setup_embedding(case: dict):
+    """(step, info) of the embedding case (see the module docstring); ``info["first_loss"]`` is
+    the loss of the first warm-up step, before any update."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from jaxflow.bench.peers.workloads import read_array
+    from jaxflow.embeddings import ShardedEmbeddings, TableSpec, check_stats, make_sparse_optimizer, make_train_step
+    from jaxflow.embeddings.bench import regression_loss
+
+    n, b = case["tables"], case["batch"]
+    names = [f"t{i}" for i in range(n)]
+    specs = [TableSpec(name, case["rows"], case["dim"], "row_wise", "sum") for name in names]
+    mesh = Mesh(np.asarray(jax.devices("cpu")[:1]), ("data",))
+    kwargs = {"eps": case["eps"]} if case["optimizer"] == "rowwise_adagrad" else {}
+    opt = make_sparse_optimizer(case["optimizer"], case["learning_rate"], **kwargs)
+    emb = ShardedEmbeddings(specs, mesh, opt, capacity=int(case["max_unique"]),
+                            bucket_capacity=int(case["max_unique"]))
+
+    def loss_fn(params, outputs, targets):
+        return regression_loss(outputs, targets) / b, {}
+
+    step_fn = make_train_step(emb, loss_fn)
+    init = read_array(case["arrays"]["tables"])
+    state = {"emb": emb.from_dense({name: init[i] for i, name in enumerate(names)}), "dense": {}}
+    batches = []
+    for k in range(case["num_batches"]):
+        ids = read_array(case["arrays"][f"ids_{k}"])
+        targets = read_array(case["arrays"][f"targets_{k}"])
+        batches.append(jax.device_put(({name: ids[i] for i, name in enumerate(names)},
+                                       {name: targets[i] for i, name in enumerate(names)})))
+    box = {"state": state, "i": 0}
+
+    def step():
+        ids, targets = batches[box["i"] % len(batches)]
+        box["state"], metrics = step_fn(box["state"], ids, targets)
+        box["i"] += 1
+        loss = float(metrics["loss"])  # waits for the step
+        return {"units": b, "unit": "samples", "loss": loss, "metrics": metrics}
+
+    first = step()
+    check_stats(first.pop("metrics"), emb.capacity)
+    for _ in range(max(case["warmup"] - 1, 0)):
+        step()
+
+    def timed_step():
+        out = step()
+        out.pop("metrics")
+        return out
+
+    return timed_step, {"first_loss": first["loss"], "capacity": emb.capacity, "devices": 1,
+                        "jax": jax.__version__}
+
+
+def setup(case: dict):
+    """The case's (step, info) by its ``kind``; ValueError naming the valid kinds."""
+    kinds = {"embedding": setup_embedding}
+    if case.get("kind") not in kinds:
+        raise ValueError(f"case kind={case.get('kind')!r}; valid: {', '.join(kinds)}")
+    return kinds[case["kind"]](case)
+
+
+def main() -> int:
+    """Serves the protocol on stdin / stdout."""
+    from jaxflow.bench.peers.arm_protocol import serve
+
+    return serve(setup)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The work every arm of a ``bench_peers`` case does, written once as raw array files so that
+each arm (jaxflow's and the peers', in their own interpreters) reads the same numbers.
+
+Embedding case: ``tables`` tables of ``rows`` x ``dim`` (sum-pooled bags of exactly ``bag`` ids
+per sample and table), ``num_batches`` batches of ``batch`` samples cycled through, loss
+``sum_t sum((pooled_t - target_t)^2) / batch`` (``jaxflow.embeddings.bench.regression_loss``),
+row-wise Adagrad or SGD on the touched rows. Arrays: ``ids_<k>`` int32[tables, batch, bag]
+(Zipf-distributed, as recommendation ids are), ``targets_<k>`` f32[tables, batch, dim],
+``tables`` f32[tables, rows, dim] (the initial weights, N(0, 0.01)).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+__all__ = ["write_array", "read_array", "embedding_case", "unique_ids_bound"]
+
+EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
+
+
+def write_array(directory: str, name: str, array: np.ndarray) -> dict:
+    """Writes ``array`` as a raw little-endian file ``<directory>/<name>.bin``; returns the
+    ``{"path", "dtype", "shape"}`` spec an arm reads it with."""
+    array = np.ascontiguousarray(array)
+    path = os.path.join(directory, f"{name}.bin")
+    array.astype(array.dtype.newbyteorder("<"), copy=False).tofile(path)
+    return {"path": path, "dtype": array.dtype.name, "shape": list(array.shape)}
+
+
+def read_array(spec: dict) -> np.ndarray:
+    """The array of a spec written by :func:`write_array`."""
+    return np.fromfile(spec["path"], dtype=np.dtype(spec["dtype"]).newbyteorder("<")).reshape(spec["shape"])
+
+
+def unique_ids_bound(ids: np.ndarray) -> int:
+    """The most distinct (table, id) keys any one batch of ``ids`` int32[tables, batch, bag] has."""
+    return int(sum(np.unique(t).size for t in ids))
+
+
+def embedding_case(directory: str, *, tables: int, rows: int, dim: int, batch: int, bag: int,
+                   optimizer: str, learning_rate: float, num_batches: int, warmup: int, seed: int = 0,
+                   zipf_a: float = 1.1, eps: float = 1e-8) -> dict:
+    """Writes the embedding case's arrays under ``directory`` and returns its JSON case (shapes,
+    optimizer, array specs, ``max_unique``: the most distinct keys of any batch, the jaxflow arm's
+    exact capacity). The other optimizer's case is ``dict(case, optimizer=...)`` on the same files."""
+    if optimizer not in EMBEDDING_OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}; valid: {', '.join(EMBEDDING_OPTIMIZERS)}")
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    arrays, max_unique = {}, 0
+    for k in range(num_batches):
+        # Zipf ranks mapped through a fixed random permutation per table: hot rows are spread out
+        ranks = (rng.zipf(zipf_a, size=(tables, batch, bag)) - 1) % rows
+        perm = np.stack([np.random.default_rng([seed, t]).permutation(rows) for t in range(tables)])
+        ids = np.take_along_axis(perm, ranks.reshape(tables, -1), axis=1).reshape(tables, batch, bag)
+        ids = ids.astype(np.int32)
+        max_unique = max(max_unique, unique_ids_bound(ids))
+        arrays[f"ids_{k}"] = write_array(directory, f"ids_{k}", ids)
+        arrays[f"targets_{k}"] = write_array(directory, f"targets_{k}",
+                                             rng.standard_normal((tables, batch, dim), dtype=np.float32))
+    init = np.random.default_rng([seed, 0x7AB1E]).normal(0.0, 0.01, (tables, rows, dim)).astype(np.float32)
+    arrays["tables"] = write_array(directory, "tables", init)
+    return {"kind": "embedding", "tables": tables, "rows": rows, "dim": dim, "batch": batch, "bag": bag,
+            "optimizer": optimizer, "learning_rate": learning_rate, "eps": eps, "num_batches": num_batches,
+            "warmup": warmup, "max_unique": max_unique, "arrays": arrays}

@@ -1,0 +1,140 @@
+"""bench_peers' harness against a fake peer interpreter that speaks the protocol with canned
+figures: alternated order, parsing past a library's stray prints, paired ratios and their
+ranges, headlines, and the arms that could not run (missing interpreter, setup error, crash)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+
+import numpy as np
+import pytest
+
+from jaxflow.bench.peers import arm_protocol, cases, harness, workloads
+
+# argv: FAKE <arm name> <order file>; the case carries {"fake": {arm: {"wall": [...], "cpu": ..., ...}}}
+FAKE = r'''#!{python}
+import json, sys
+name, order = sys.argv[1], sys.argv[2]
+print("a library's stray print", flush=True)
+case = json.loads(sys.stdin.readline())["case"]
+me = case["fake"][name]
+def send(m):
+    sys.stdout.write("@@arm " + json.dumps(m) + "\n"); sys.stdout.flush()
+if me.get("fail_setup"):
+    send({{"error": "ValueError: no such table"}}); sys.exit(1)
+send({{"ready": True, "info": {{"first_loss": me["loss"]}}}})
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("stop"):
+        break
+    r = m["round"]
+    with open(order, "a") as f:
+        f.write(f"{{name}} {{r}}\n")
+    if r == me.get("crash_round"):
+        sys.exit(3)
+    units = me["units"] * m["steps"]
+    send({{"round": r, "wall_s": me["wall"][r] * m["steps"], "cpu_s": me["cpu"] * m["steps"], "steps": m["steps"],
+          "units": units, "unit": "samples", "max_rss_bytes": 1000, "last": {{"loss": me["loss"] + 1}}}})
+'''
+
+
+@pytest.fixture
+def fake(tmp_path):
+    path = tmp_path / "fake_python"
+    path.write_text(FAKE.format(python=sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path), str(tmp_path / "order.txt")
+
+
+def _specs(fake, arms: dict) -> list:
+    python, order = fake
+    case = {"fake": arms}
+    return [harness.ArmSpec(name, "fake", (python, name, order), case) for name in arms]
+
+
+def test_rounds_alternate_and_ratios_come_from_the_replies(fake, tmp_path):
+    arms = {"jaxflow": {"wall": [1.0, 1.0, 1.0], "cpu": 2.0, "units": 100, "loss": 5.0},
+            "peer_a": {"wall": [2.0, 3.0, 4.0], "cpu": 1.0, "units": 100, "loss": 5.0},
+            "peer_b": {"wall": [0.5, 0.5, 0.5], "cpu": 4.0, "units": 50, "loss": 4.0}}
+    results, infos, not_run = harness.run_alternated(_specs(fake, arms), rounds=3, steps=2, log_dir=str(tmp_path))
+    assert not_run == {}
+    order = open(fake[1]).read().split("\n")[:-1]
+    assert order == ["jaxflow 0", "peer_a 0", "peer_b 0", "peer_b 1", "peer_a 1", "jaxflow 1",
+                     "jaxflow 2", "peer_a 2", "peer_b 2"]
+    assert [r["round"] for r in results["peer_a"]] == [0, 1, 2] and infos["peer_b"]["first_loss"] == 4.0
+    summary = cases.summarize_case(results, infos)
+    a = summary["ratios"]["peer_a"]
+    # jaxflow 100 samples/s; peer_a 50, 33.3, 25 samples/s -> 2x, 3x, 4x; CPU per sample 0.02 vs 0.01
+    assert a["throughput"] == pytest.approx({"median": 3.0, "low": 2.0, "high": 4.0, "n": 3})
+    assert a["wall"]["median"] == pytest.approx(1 / 3) and a["cpu"]["median"] == pytest.approx(2.0)
+    assert summary["ratios"]["peer_b"]["throughput"]["median"] == pytest.approx(1.0)  # 100 vs 100 samples/s
+    assert summary["first_loss_rel_diff"] == {"peer_a": 0.0, "peer_b": pytest.approx(0.25)}
+    assert summary["last_loss_rel_diff"]["peer_b"] == pytest.approx(0.2)
+    heads = cases.headlines({"emb": summary})
+    assert len(heads) == 1
+    h = heads[0]
+    assert h["baseline"] == "peer_b" and h["value"] == pytest.approx(1.0) and h["met"] is True  # the faster peer
+    assert set(h["baselines"]) == {"peer_a", "peer_b"} and h["spread"]["kind"] == "pairs" and h["spread"]["n"] == 3
+    assert set(h) >= {"name", "metric", "algorithm", "baseline", "baseline_rule", "baselines", "value", "unit",
+                      "higher_is_better", "spread", "target", "target_text", "met"}
+    json.dumps(heads)
+
+
+def test_arms_that_cannot_run_are_listed_and_the_others_go_on(fake, tmp_path):
+    arms = {"jaxflow": {"wall": [1.0, 1.0], "cpu": 1.0, "units": 10, "loss": 1.0},
+            "broken": {"fail_setup": True, "loss": 1.0},
+            "crashy": {"wall": [1.0, 1.0], "cpu": 1.0, "units": 10, "loss": 1.0, "crash_round": 1}}
+    specs = _specs(fake, arms) + [harness.ArmSpec("absent", "fake", (str(tmp_path / "nope"), "x"), {})]
+    results, _, not_run = harness.run_alternated(specs, rounds=2, steps=1, log_dir=str(tmp_path))
+    assert set(results) == {"jaxflow"} and len(results["jaxflow"]) == 2
+    assert not_run["broken"] == "arm broken: ValueError: no such table"
+    assert not_run["crashy"].startswith("failed in round 1: arm crashy exited (status 3)")
+    assert "cannot start" in not_run["absent"]
+    assert cases.headlines({"c": cases.summarize_case(results, {})}) == []  # no peer ran: no headline
+
+
+def test_missing_interpreters_are_reported_not_raised(tmp_path):
+    from configs.bench_peers import Config, PeersConfig
+
+    plain = tmp_path / "not_executable"
+    plain.write_text("")
+    config = Config(cases=("embedding_sgd",), emb_tables=2, emb_rows=50, emb_dim=4, emb_batch=8, emb_bag=3,
+                    peers=PeersConfig(torchrec_python=str(tmp_path / "absent")))
+    specs, skipped = cases.build_cases(config, str(tmp_path), {"torchrec": config.peers.torchrec_python})
+    assert [s.name for s in specs["embedding_sgd"]] == ["jaxflow"]
+    assert set(skipped["embedding_sgd"]) == {"torchrec_fused", "torchrec_unfused"}
+    assert "no interpreter at" in skipped["embedding_sgd"]["torchrec_fused"]
+    assert harness.missing_interpreter(str(plain)) == f"{plain} is not executable"
+    specs, skipped = cases.build_cases(config, str(tmp_path), {"torchrec": sys.executable})
+    assert [s.name for s in specs["embedding_sgd"]] == ["jaxflow", "torchrec_fused", "torchrec_unfused"]
+    assert specs["embedding_sgd"][1].command[1].endswith(os.path.join("peers", "torchrec_arm.py"))
+    assert specs["embedding_sgd"][2].case["variant"] == "unfused" and skipped == {}
+
+
+def test_the_work_is_written_once_and_read_back_exactly(tmp_path):
+    case = workloads.embedding_case(str(tmp_path), tables=2, rows=30, dim=4, batch=5, bag=3, optimizer="sgd",
+                                    learning_rate=0.1, num_batches=2, warmup=1)
+    ids = workloads.read_array(case["arrays"]["ids_1"])
+    assert ids.shape == (2, 5, 3) and ids.dtype == np.int32 and 0 <= ids.min() and ids.max() < 30
+    assert case["max_unique"] >= workloads.unique_ids_bound(ids)
+    data, dtype, shape = arm_protocol.read_raw(case["arrays"]["tables"])  # the peers' reader
+    assert np.array_equal(np.frombuffer(data, dtype).reshape(shape), workloads.read_array(case["arrays"]["tables"]))
+    with pytest.raises(ValueError, match="optimizer='adam'; valid: rowwise_adagrad, sgd"):
+        workloads.embedding_case(str(tmp_path), tables=1, rows=2, dim=1, batch=1, bag=1, optimizer="adam",
+                                 learning_rate=0.1, num_batches=1, warmup=1)
+
+
+def test_protocol_lines_and_config_errors():
+    from configs.bench_peers import Config
+
+    assert arm_protocol.decode(arm_protocol.encode({"round": 2})) == {"round": 2}
+    assert arm_protocol.decode("Compiling...\n") is None
+    with pytest.raises(ValueError, match=r"cases=\('embeddings',\); valid: one or more of embedding_rowwise"):
+        Config(cases=("embeddings",))
+    with pytest.raises(ValueError, match="emb_torchrec_variants=.*valid: a subset of fused, unfused"):
+        Config(emb_torchrec_variants=("fast",))
+    with pytest.raises(ValueError, match="pair_ratios: 1 rounds against 2"):
+        harness.pair_ratios([{}], [{}, {}])
