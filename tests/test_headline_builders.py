@@ -180,3 +180,11 @@ def test_bench_builders():
     assert bound.met and dense.value == pytest.approx(250.0) and dense.met and pulse.met is False
     (kf,) = _check(hb.kernel_footprints({"cases": 10, "does_not_fit": 2, "compiled": 8}))
     assert kf.value == 1.0 and kf.met
+
+
+def test_driver_headlines_round_trip_the_contract():
+    h = hb.bench_embedding({"ratios": {"dense": {"median": 3.0, "min": 2.5, "max": 3.5, "pairs": 5}}})[0]
+    (back,) = _check(hb.driver_headlines({"headlines": [h.to_json()]}))
+    assert back == h
+    with pytest.raises(KeyError, match="baseline_rule"):
+        hb.driver_headlines({"headlines": [{k: v for k, v in h.to_json().items() if k != "baseline_rule"}]})

@@ -105,6 +105,20 @@ class Headline:
                 "target": None if self.target is None else float(self.target), "target_text": self.target_text,
                 "met": self.met, "stale": self.stale, "note": self.note}
 
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Headline":
+        """The :class:`Headline` of a contract dict (:meth:`to_json`'s, or one a driver wrote
+        in that shape); KeyError names a missing key."""
+        spread = d.get("spread")
+        return cls(name=d["name"], metric=d["metric"], algorithm=d["algorithm"], baseline=d["baseline"],
+                   baseline_rule=d["baseline_rule"], baselines=dict(d["baselines"]),
+                   value=math.nan if d["value"] is None else float(d["value"]), unit=d["unit"],
+                   higher_is_better=bool(d["higher_is_better"]),
+                   spread=None if spread is None else Spread(spread["kind"], int(spread["n"]), float(spread["low"]),
+                                                             float(spread["high"]), spread["interval"]),
+                   target=d.get("target"), target_text=d.get("target_text", ""), met=d.get("met"),
+                   stale=d.get("stale"), note=d.get("note", ""))
+
     def line(self) -> str:
         """One readable line: figure, baseline, spread, target and the note."""
         unit = "x" if self.unit == "x" else f" {self.unit}"

@@ -13,7 +13,7 @@ from typing import Any
 from jaxflow.study.headline import Headline, headline_from_arms, headline_from_ratios, range_spread
 
 __all__ = ["bench_rollout", "bench_embedding", "bench_checkpoint", "bench_kernels", "bench_packing",
-           "bench_policy_loss", "bench_sparsegpt", "bench_sync_codec", "kernel_footprints"]
+           "bench_policy_loss", "bench_sparsegpt", "bench_sync_codec", "kernel_footprints", "driver_headlines"]
 
 
 def bench_rollout(summary: Mapping[str, Any]) -> list[Headline]:
@@ -146,3 +146,10 @@ def kernel_footprints(summary: Mapping[str, Any]) -> list[Headline]:
     return [headline_from_arms("compiled_fraction", f"kernel x chip cases that compile ({fit} that fit)",
                                "pallas kernels", {"kernels": share}, arm="kernels", baselines=(),
                                compare="value", unit="fraction", target=1.0, target_text="every fitting case")]
+
+
+def driver_headlines(summary: Mapping[str, Any]) -> list[Headline]:
+    """The headlines a driver computed itself (``summary["headlines"]``, contract dicts, e.g.
+    ``bench_peers``' per-case jaxflow vs the strongest peer), checked and re-read as
+    :class:`Headline` objects so the runner writes them in the same shape as every builder's."""
+    return [Headline.from_json(d) for d in summary["headlines"]]
