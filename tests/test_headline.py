@@ -108,6 +108,8 @@ def test_with_headlines_writes_the_contract_and_keeps_a_failing_builder_one_line
     assert lines == ["headline " + Headline(**{**_fields(h), "spread": None}).line()]
     out = with_headlines({}, builder)
     assert out["headlines"] == [] and out["headlines_error"] == "KeyError: 'sps'"
+    out = with_headlines({"x": 1}, lambda s: [next(iter(()))])  # any error: the figures are still written
+    assert out["x"] == 1 and out["headlines_error"].startswith("StopIteration")
     assert with_headlines({"a": 1}, "") == {"a": 1}
     with pytest.raises(ValueError, match="HEADLINES='jaxflow.study:nothing_here': not a function"):
         with_headlines({}, "jaxflow.study:nothing_here")

@@ -128,7 +128,10 @@ def lm_pretrain(summary: Mapping[str, Any]) -> list[Headline]:
 def oxygenrec(summary: Mapping[str, Any]) -> list[Headline]:
     """OxygenREC's recall@k minus the strongest other system of the run (TIGER, its
     instruction variant, SASRec, popularity), with the paired t-interval over seeds."""
-    key = next(k for k in summary if k.startswith("recall_at_") and not k.endswith("_std"))
+    keys = [k for k in summary if k.startswith("recall_at_") and not k.endswith("_std")]
+    if not keys:
+        raise KeyError("recall_at_<k>: the oxygenrec summary has no recall figure")
+    key = keys[0]
     per_seed = {}
     for i, row in enumerate(summary.get("per_seed") or []):
         for system, figs in row.items():

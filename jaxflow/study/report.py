@@ -50,7 +50,7 @@ def with_headlines(summary: Mapping[str, Any], builder: "HeadlineBuilder | str",
     fn = headline_builder(builder) if isinstance(builder, str) else builder
     try:
         heads = list(fn(summary))
-    except (KeyError, ValueError, TypeError, ZeroDivisionError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 (a finished run's figures are written whatever the builder does)
         error = f"{type(e).__name__}: {e}"
         if log is not None:
             log(f"no headlines: the builder failed ({error})")
