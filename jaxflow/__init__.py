@@ -16,6 +16,7 @@ Subpackages (one idea each):
   jaxflow.prune         SparseGPT, Wanda and magnitude pruning, sequential LM pruning, calibration
   jaxflow.recsys        DLRM and DCN-v2, Criteo / MovieLens readers, AUC and log loss
   jaxflow.rollout       the RL rollout engine: paged KV cache, continuous batching, shared prefixes
+  jaxflow.results       recorded runs and the pages rendered from them (stale when the code moves)
   jaxflow.rl            policy losses (GRPO/DAPO/GSPO/CISPO/SA-GCPO with SIS/TIS/MIS/RS), GRPO trainer
   jaxflow.study         seed studies: seed grids, cell resume, paired intervals, timing, reports
   jaxflow.sync          SparseRL-Sync lossless sparse bf16 weight-delta codecs and transports
@@ -57,7 +58,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "align", "bench", "compile_only", "data", "decorate", "embeddings", "flow", "genrec", "main", "marl",
-    "models", "nestpipe", "prune", "recsys", "rl", "rollout", "study", "sync", "train",
+    "models", "nestpipe", "prune", "recsys", "results", "rl", "rollout", "study", "sync", "train",
     "cache", "checkpoint", "config", "config_domains", "config_reads", "contract", "distributed", "errors",
     "experiment", "export", "host_jit", "job_auth",
     "mesh", "metric_writers", "plots", "provenance", "run", "run_dirs", "run_lock", "run_meshes", "signals",

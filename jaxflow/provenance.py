@@ -5,12 +5,15 @@ A calibration file (a simulator's measured inputs) carries a ``provenance`` bloc
 :func:`run_provenance` (a run writes its own with :func:`write_calibration_from_run`);
 :func:`stale_calibration` compares the recorded commit with the working tree of the measured
 paths (``git diff --quiet <commit> -- <paths>``) and returns a warning when they differ, when
-the commit is unknown here, or when git cannot be asked.
+the commit is unknown here, or when git cannot be asked. :func:`measured_hash` is the same
+question asked of file contents instead of git: a sha256 over the measured files as they are on
+disk, so two checkouts of one tree agree without git and a record names its code exactly.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -192,3 +195,44 @@ def calibration_report(prov: dict, path: str, measured_paths: Sequence[str],
             "devices": prov.get("devices"), "path": path, "date": prov.get("date"),
             "machine": prov.get("machine"), "git_dirty_paths": prov.get("git_dirty_paths"),
             "stale": stale, "warning": warning}
+
+
+_SKIPPED_PARTS = ("__pycache__", ".git", ".ipynb_checkpoints")
+_SKIPPED_SUFFIXES = (".pyc", ".pyo", ".so", ".swp")
+
+
+def _measured_files(paths: Sequence[str], root: pathlib.Path) -> list[pathlib.Path]:
+    include, exclude = [], []
+    for spec in paths:
+        if spec.startswith(":(exclude)"):
+            exclude.append(spec[len(":(exclude)"):].rstrip("/"))
+        elif spec.startswith(":"):
+            raise ValueError(f"measured path {spec!r}: only plain paths and ':(exclude)PATH' are valid")
+        else:
+            include.append(spec.rstrip("/"))
+    files = set()
+    for spec in include:
+        base = root / spec
+        found = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
+        for p in found:
+            rel = p.relative_to(root).as_posix()
+            if any(part in _SKIPPED_PARTS or part.startswith(".") for part in p.relative_to(root).parts):
+                continue
+            if rel.endswith(_SKIPPED_SUFFIXES) or any(rel == x or rel.startswith(x + "/") for x in exclude):
+                continue
+            files.add(p)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def measured_hash(paths: Sequence[str], root: "str | os.PathLike" = REPO_ROOT) -> str:
+    """A sha256 (hex) over the contents of the files under ``paths`` (relative to ``root``; a
+    ``:(exclude)PATH`` entry leaves PATH out, as in git pathspecs), each file hashed with its
+    relative path; bytecode caches and dot-files are skipped. Read from the working tree, not
+    from git: a record made in a dirty tree names that tree. A path that does not exist adds
+    nothing (so a removed package changes the hash)."""
+    root = pathlib.Path(root)
+    digest = hashlib.sha256()
+    for p in _measured_files(paths, root):
+        digest.update(p.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(p.read_bytes()).hexdigest().encode() + b"\n")
+    return digest.hexdigest()
