@@ -48,7 +48,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import Any, Sequence
@@ -60,7 +59,7 @@ if __name__ == "__main__":  # before the heavy imports below
 
 from etils import epath  # noqa: E402
 
-from jaxflow import contract, run_dirs, run_lock  # noqa: E402
+from jaxflow import contract, provenance, results, run_dirs, run_lock  # noqa: E402
 from jaxflow.config import experiments, get_experiment  # noqa: E402
 from jaxflow.errors import UserError, one_line  # noqa: E402
 from jaxflow.experiment import is_local, run_path  # noqa: E402
@@ -109,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TensorBoard event files under RUN_DIR/tensorboard (default: on; "
                         "--resume: as the run had it)")
     p.add_argument("--wandb", metavar="PROJECT", help="also log metrics to this W&B project")
+    p.add_argument("--record", action="store_true", help="record the finished run in experiments/results")
     p.add_argument("--secret-file", metavar="PATH",
                    help="the job secret its sockets authenticate with (jaxflow.job_auth; "
                         "default: JAXFLOW_JOB_SECRET)")
@@ -123,12 +123,7 @@ def list_experiments() -> str:
 
 
 def _git_commit() -> str:
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    return provenance.git_commit() or "unknown"
 
 
 def _check_flags(args) -> None:
@@ -419,6 +414,8 @@ def _execute(plan: _Plan, started: bool) -> int:
             run.write_json("config.json", saved_config)
         run.info(f"{plan.name} [{plan.variant}] -> {out_dir} ({jax.device_count()} "
                  f"{jax.default_backend()} devices, {jax.process_count()} process(es))")
+        if args.record and primary and not (args.resume and (out_dir / "measured.json").exists()):
+            results.mark_start(out_dir, plan.name)  # the measured code's hash and the load, now
         start = time.time()
         try:
             result = dict(plan.spec.entry_fn()(plan.config, run) or {})
@@ -434,6 +431,8 @@ def _execute(plan: _Plan, started: bool) -> int:
         run.close()
         run.flush_pending()
         _write_summary(plan, run, result, time.time() - start)
+        if args.record and primary:
+            run.info(f"recorded {results.record_and_render(out_dir)}")
         finished = True
         if (signum := signals.requested()) is not None:  # after the experiment's last poll
             raise signals.RunStopped(signum)
