@@ -17,30 +17,35 @@ from jaxflow.nestpipe.simulate.calibration import STAGE_KEYS, Calibration, calib
 from jaxflow.nestpipe.simulate.network import NetworkShape, StageModel
 from jaxflow.nestpipe.simulate.schedules import PIPELINES, efficiency_table, simulate_steps, step_time
 
-__all__ = ["ScalingStudy", "exposed_difference", "EXPOSED_NOISE_FRACTION"]
+__all__ = ["ScalingStudy", "exposed_difference", "window_noise"]
 
-#: the largest |step - step without a group| / step that counts as "fully hidden": a step is the
-#: mean spacing of the last batches' completions over a finite window, and with per-worker
-#: jitter (``cv``) the batches that bound the window can shift when a hidden group is zeroed,
-#: so the two estimates differ by up to ~0.06% of the step either way (nestpipe_scale quick:
-#: dbp+fwp's hidden All2All at 1,536 workers gave -1.3 ms of a 2,267 ms step; 0 within float
-#: rounding with cv=0, -0.1 ms with 64 batches)
-EXPOSED_NOISE_FRACTION = 1e-3
+#: float rounding of two step estimates that are equal in exact arithmetic (relative)
+ROUNDING = 1e-9
 
 
-def exposed_difference(step: float, step_without: float, what: str = "") -> float:
-    """The time a stage group leaves exposed: ``step - step_without`` (model units), with a
-    difference within the window's jitter noise (> -``EXPOSED_NOISE_FRACTION`` x ``step``:
-    the group is hidden) reported as 0. ValueError (one line) for a larger negative
-    difference: zeroing work cannot slow a step down that much."""
+def window_noise(step: float, *, cv: float, batches: int, warmup: int) -> float:
+    """How far two steady-state step estimates of the same schedule can differ when only a
+    hidden stage group's cost changes: a step is the mean completion spacing over the last
+    ``batches - warmup`` batches, and with per-worker jitter ``cv`` zeroing a hidden group can
+    move the window's first completion by about one step's jitter (``cv x step``), spread over
+    those spacings; plus float rounding. (nestpipe_scale quick: dbp+fwp's hidden All2All at
+    1,536 workers measured -1.3 ms of a 2,267 ms step; the bound is 9.4 ms; 0 within rounding
+    with ``cv=0``.)"""
+    return step * (cv / (batches - warmup) + ROUNDING)
+
+
+def exposed_difference(step: float, step_without: float, noise: float, what: str = "") -> float:
+    """The time a stage group leaves exposed: ``step - step_without``, with a negative
+    difference within ``noise`` (:func:`window_noise`: the group is hidden) reported as 0.
+    ValueError (one line) for a larger negative difference: zeroing work cannot slow a step
+    down by more than the window's noise."""
     diff = step - step_without
     if diff >= 0:
         return diff
-    if -diff <= EXPOSED_NOISE_FRACTION * step:
+    if -diff <= noise:
         return 0.0
-    raise ValueError(f"exposed time of {what or 'a stage group'} = {diff:.6g} (step {step:.6g}, without "
-                     f"it {step_without:.6g}): more negative than the jitter noise "
-                     f"({EXPOSED_NOISE_FRACTION:g} x step); valid: >= -{EXPOSED_NOISE_FRACTION * step:.6g}")
+    raise ValueError(f"exposed time of {what or 'a stage group'} = {diff:.6g} (step {step:.6g}, without it "
+                     f"{step_without:.6g}): more negative than the window's noise; valid: >= {-noise:.6g}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +110,14 @@ class ScalingStudy:
         (:func:`exposed_difference`)."""
         n1, kw = self.workers[-1], {**self.sim, **sim}
         return {p: {g: model.unit_ms * exposed_difference(
-                        steps[p][n1], step_time(p, model, n1, zero=(g,), **self.reps, **kw), f"{p}/{g}")
+                        steps[p][n1], step_time(p, model, n1, zero=(g,), **self.reps, **kw),
+                        self.noise(steps[p][n1], kw), f"{p}/{g}")
                     for g in ("lookup", "all2all")} for p in pipelines}
+
+    @staticmethod
+    def noise(step: float, sim: Mapping[str, Any]) -> float:
+        """:func:`window_noise` of ``step`` under the simulation arguments ``sim``."""
+        return window_noise(step, cv=sim["cv"], batches=sim["batches"], warmup=sim["warmup"])
 
     def sync_shares(self, model: StageModel) -> dict:
         """sync's simulated lookup / All2All shares of its step at N1 (one seed)."""
@@ -118,9 +129,9 @@ class ScalingStudy:
     def fwp16_exposed_all2all_ms(self, model: StageModel) -> float:
         """The All2All left exposed at N1 by a 16-micro-batch frozen window (ms)."""
         n1, sim16 = self.workers[-1], dict(self.sim, micro_batches=16)
-        return model.unit_ms * exposed_difference(step_time("fwp", model, n1, **self.reps, **sim16),
-                                                  step_time("fwp", model, n1, zero=("all2all",), **self.reps,
-                                                            **sim16), "fwp16/all2all")
+        step = step_time("fwp", model, n1, **self.reps, **sim16)
+        without = step_time("fwp", model, n1, zero=("all2all",), **self.reps, **sim16)
+        return model.unit_ms * exposed_difference(step, without, self.noise(step, sim16), "fwp16/all2all")
 
     def point(self, p: str, m: StageModel, **over) -> dict:
         """Pipeline ``p`` under model ``m`` (``over`` replaces simulation arguments): E at N1,
