@@ -464,8 +464,9 @@ def _write_summary(plan: _Plan, run, result: dict, wall_seconds: float) -> None:
     import jax
 
     from jaxflow.experiment import to_jsonable
+    from jaxflow.study.report import with_headlines
 
-    summary = {
+    summary = with_headlines({  # the conventions' keys, the experiment's, its HEADLINES' figures
         "experiment": plan.name,
         "variant": plan.variant,
         "argv": [PROG, *plan.argv],
@@ -478,7 +479,7 @@ def _write_summary(plan: _Plan, run, result: dict, wall_seconds: float) -> None:
         "wall_seconds": wall_seconds,
         "git_commit": _git_commit(),
         **result,
-    }
+    }, plan.spec.headlines, log=run.info)
     run.write_json("summary.json", summary)
     if run.is_primary:
         headline = {k: v for k, v in result.items()
