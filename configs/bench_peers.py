@@ -13,6 +13,14 @@ embedding train step vs TorchRec's fused TBE (``FusedEmbeddingBagCollection``) a
 ``EmbeddingBagCollection`` (``emb_torchrec_variants``). Every arm is a process of its own
 (``jaxflow/bench/peers/*_arm.py``); a peer whose interpreter is missing is listed under
 ``not_run``, not an error. Each round runs ``steps`` steps per arm after ``warmup`` steps.
+
+``generation_equal``: ``gen_sequences`` prompts of ``gen_prompt_len`` tokens, ``gen_max_new``
+greedy tokens each (no stop token: every sequence the same length), a random Llama checkpoint
+(``gen_*``; RoPE theta 1e6, the value tunix 0.1.7's Llama3 always uses) loaded by each side's own
+loader: jaxflow's paged rollout engine vs tunix's ``Sampler``; the two models' logits on the same
+tokens must agree to 1e-5 before timing, else the tunix arm is listed under ``not_run``.
+Not yet here: long-tailed and GRPO-group lengths vs tunix, a GRPO iteration vs tunix's learner,
+a GRPO step vs TRL (their venvs are created; their arms are not written).
 """
 
 from __future__ import annotations
@@ -20,12 +28,13 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants
-from jaxflow.config_domains import COUNT, POSITIVE, SEED, domains
+from jaxflow.config_domains import COUNT, COUNT0, POSITIVE, SEED, domains
 
-DESCRIPTION = "jaxflow vs its peers (TorchRec embeddings) on the same work, alternated rounds, wall / CPU ratios"
+DESCRIPTION = ("jaxflow vs its peers (TorchRec embeddings, tunix generation) on the same work, alternated rounds, "
+               "wall / CPU ratios")
 ENTRY = "jaxflow.main.bench_peers:main"
 
-CASES = ("embedding_rowwise_adagrad", "embedding_sgd")
+CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal")
 TORCHREC_VARIANTS = ("fused", "unfused")
 
 
@@ -40,7 +49,9 @@ class PeersConfig:
 
 @domains(seed=SEED, rounds=COUNT, steps=COUNT, warmup=COUNT, arm_timeout_s=POSITIVE, emb_tables=COUNT,
          emb_rows=COUNT, emb_dim=COUNT, emb_batch=COUNT, emb_bag=COUNT, emb_batches=COUNT,
-         emb_learning_rate=POSITIVE)
+         emb_learning_rate=POSITIVE, gen_vocab=COUNT, gen_d_model=COUNT, gen_layers=COUNT, gen_heads=COUNT,
+         gen_kv_heads=COUNT, gen_d_ff=COUNT, gen_sequences=COUNT, gen_prompt_len=COUNT, gen_max_new=COUNT,
+         gen_page_size=COUNT, gen_decode_steps=COUNT, gen_prefill_rows=COUNT0, gen_loop_steps=COUNT0)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
@@ -57,6 +68,19 @@ class Config:
     emb_batches: int = 2  # distinct batches cycled through
     emb_learning_rate: float = 0.05
     emb_torchrec_variants: tuple[str, ...] = TORCHREC_VARIANTS
+    gen_vocab: int = 512  # the generation case's Llama (random weights, RoPE theta 1e6)
+    gen_d_model: int = 128
+    gen_layers: int = 4
+    gen_heads: int = 4
+    gen_kv_heads: int = 2
+    gen_d_ff: int = 256
+    gen_sequences: int = 64
+    gen_prompt_len: int = 16
+    gen_max_new: int = 64
+    gen_page_size: int = 16
+    gen_decode_steps: int = 1  # the engine's EngineConfig.decode_steps (decode steps per host round trip)
+    gen_prefill_rows: int = 0  # its prefill_rows; 0 = every prompt in one prefill call
+    gen_loop_steps: int = 0  # its loop_steps (the multi-step decode loop) where the engine has it; 0 = not passed
     peers: PeersConfig = PeersConfig()
 
     def __post_init__(self):
@@ -67,10 +91,14 @@ class Config:
         if bad:
             raise ValueError(f"emb_torchrec_variants={self.emb_torchrec_variants!r}; valid: "
                              f"a subset of {', '.join(TORCHREC_VARIANTS)}")
+        if self.gen_d_model % self.gen_heads or self.gen_heads % self.gen_kv_heads:
+            raise ValueError(f"gen_d_model={self.gen_d_model}, gen_heads={self.gen_heads}, gen_kv_heads="
+                             f"{self.gen_kv_heads}; valid: heads divide d_model and kv_heads divide heads")
 
 
 def _quick() -> Config:
-    return Config(rounds=4, steps=2, emb_rows=20_000, emb_dim=32, emb_batch=1024)
+    return Config(rounds=4, steps=2, emb_rows=20_000, emb_dim=32, emb_batch=1024, gen_vocab=256, gen_d_model=64,
+                  gen_layers=2, gen_d_ff=128, gen_sequences=16, gen_max_new=32)
 
 
 def _default() -> Config:

@@ -86,9 +86,18 @@ def test_rounds_alternate_and_ratios_come_from_the_replies(fake, tmp_path):
 def test_arms_that_cannot_run_are_listed_and_the_others_go_on(fake, tmp_path):
     arms = {"jaxflow": {"wall": [1.0, 1.0], "cpu": 1.0, "units": 10, "loss": 1.0},
             "broken": {"fail_setup": True, "loss": 1.0},
-            "crashy": {"wall": [1.0, 1.0], "cpu": 1.0, "units": 10, "loss": 1.0, "crash_round": 1}}
+            "crashy": {"wall": [1.0, 1.0], "cpu": 1.0, "units": 10, "loss": 1.0, "crash_round": 1},
+            "rejected": {"wall": [1.0, 1.0], "cpu": 1.0, "units": 10, "loss": 1.0}}
     specs = _specs(fake, arms) + [harness.ArmSpec("absent", "fake", (str(tmp_path / "nope"), "x"), {})]
-    results, _, not_run = harness.run_alternated(specs, rounds=2, steps=1, log_dir=str(tmp_path))
+    seen = []
+
+    def admit(infos):
+        seen.append(sorted(infos))
+        return {"rejected": "not the same model"}
+
+    results, _, not_run = harness.run_alternated(specs, rounds=2, steps=1, log_dir=str(tmp_path), admit=admit)
+    assert seen == [["crashy", "jaxflow", "rejected"]]  # the ready arms, before any round
+    assert not_run["rejected"] == "not the same model" and "rejected" not in open(fake[1]).read()
     assert set(results) == {"jaxflow"} and len(results["jaxflow"]) == 2
     assert not_run["broken"] == "arm broken: ValueError: no such table"
     assert not_run["crashy"].startswith("failed in round 1: arm crashy exited (status 3)")
@@ -112,6 +121,22 @@ def test_missing_interpreters_are_reported_not_raised(tmp_path):
     assert [s.name for s in specs["embedding_sgd"]] == ["jaxflow", "torchrec_fused", "torchrec_unfused"]
     assert specs["embedding_sgd"][1].command[1].endswith(os.path.join("peers", "torchrec_arm.py"))
     assert specs["embedding_sgd"][2].case["variant"] == "unfused" and skipped == {}
+
+
+def test_logits_check_admits_the_same_model_and_leaves_out_another(tmp_path):
+    base = np.linspace(-3, 3, 24, dtype=np.float32)
+    arms = []
+    for name, logits in (("jaxflow", base), ("close", base + 4e-6), ("far", base + 3e-5), ("short", base[:5])):
+        path = tmp_path / f"{name}.bin"
+        logits.tofile(path)
+        arms.append(harness.ArmSpec(name, "fake", ("x",), {"logits_out": str(path)}))
+    admit = cases.logits_check(arms)
+    infos = {a.name: {} for a in arms}
+    out = admit(infos)
+    assert set(out) == {"far", "short"} and "differ from jaxflow's by 3e-05 > 1e-05" in out["far"]
+    assert infos["close"]["logits_max_abs_diff"] == pytest.approx(4e-6, rel=0.1)
+    assert infos["short"]["logits_max_abs_diff"] == float("inf")
+    assert cases.logits_check(arms[:1]) is None  # nothing to compare
 
 
 def test_the_work_is_written_once_and_read_back_exactly(tmp_path):

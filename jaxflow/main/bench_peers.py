@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from jaxflow.bench.peers.cases import build_cases, headlines, summarize_case
+from jaxflow.bench.peers.cases import build_cases, headlines, logits_check, summarize_case
 from jaxflow.bench.peers.harness import run_alternated
 from jaxflow.experiment import RunContext
 
@@ -51,7 +51,8 @@ def main(config, run: RunContext) -> dict:
                             for k in ("wall_s", "cpu_s", "units")})
 
             results, infos, failed = run_alternated(arms, config.rounds, config.steps, log_dir,
-                                                    timeout_s=config.arm_timeout_s, on_round=on_round)
+                                                    timeout_s=config.arm_timeout_s, on_round=on_round,
+                                                    admit=logits_check(arms))
             cases[name] = summarize_case(results, infos)
             not_run[name] = {**skipped.get(name, {}), **failed}
             run.info(_line(name, cases[name]))

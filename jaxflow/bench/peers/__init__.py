@@ -1,4 +1,4 @@
-"""jaxflow and its peers (TorchRec; tunix and TRL to follow) on the same work, measured inside the
+"""jaxflow and its peers (TorchRec, tunix; TRL to follow) on the same work, measured inside the
 project (the ``bench_peers`` experiment): each arm is a process of its own, the peers' run by their
 own interpreters (``scripts/peer_venvs.sh``), and they take turns in alternated rounds.
 
@@ -10,6 +10,7 @@ Modules:
   cases         which arms run which case with which interpreter; a case's figures
   jaxflow_arm   jaxflow's arms (``python -m jaxflow.bench.peers.jaxflow_arm``)
   torchrec_arm  TorchRec's fused / unfused embedding arms (a script for the TorchRec venv)
+  tunix_arm     tunix's Sampler on the generation case (a script for the tunix venv)
 """
 
 # the arm modules are run as programs (``-m`` / a script path), so the package does not import them
@@ -18,6 +19,6 @@ from jaxflow.bench.peers.cases import build_cases, summarize_case
 from jaxflow.bench.peers.harness import ArmError, ArmProcess, ArmSpec, pair_ratios, run_alternated
 
 __all__ = [
-    "arm_protocol", "cases", "harness", "jaxflow_arm", "torchrec_arm", "workloads",
+    "arm_protocol", "cases", "harness", "jaxflow_arm", "torchrec_arm", "tunix_arm", "workloads",
     "ArmError", "ArmProcess", "ArmSpec", "build_cases", "pair_ratios", "run_alternated", "summarize_case",
 ]

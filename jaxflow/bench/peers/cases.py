@@ -9,6 +9,11 @@ missing is not an error: the case lists it under ``not_run`` with the reason.
   embedding_rowwise_adagrad, embedding_sgd: the embedding step
       (:mod:`jaxflow.bench.peers.workloads`) vs TorchRec's ``FusedEmbeddingBagCollection``
       (``torchrec_fused``) and ``EmbeddingBagCollection`` + optimizer (``torchrec_unfused``).
+  generation_equal: greedy generation of ``gen_max_new`` tokens for each of ``gen_sequences``
+      prompts (every sequence the same length) by jaxflow's paged rollout engine vs tunix's
+      ``Sampler`` (``tunix_sampler``) on the same checkpoint; before timing, the two models'
+      logits on the same tokens must agree to ``LOGITS_TOLERANCE`` (:func:`logits_check`), else
+      the peer arm is left out with the difference as its reason.
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from jaxflow.bench.peers.harness import ArmSpec, case_headline, missing_interpreter, pair_ratios
-from jaxflow.bench.peers.workloads import embedding_case
+from jaxflow.bench.peers.workloads import embedding_case, generation_case
 
-__all__ = ["PEERS", "CASES", "arm_command", "interpreters", "build_cases", "summarize_case", "headlines"]
+__all__ = ["PEERS", "CASES", "LOGITS_TOLERANCE", "arm_command", "interpreters", "build_cases", "logits_check",
+           "summarize_case", "headlines"]
 
 PEERS = ("torchrec", "tunix", "trl")
-CASES = ("embedding_rowwise_adagrad", "embedding_sgd")
+CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal")
+#: the largest |logit difference| between jaxflow's model and a peer's on the same checkpoint
+LOGITS_TOLERANCE = 1e-5
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -61,6 +69,10 @@ def build_cases(config, work_dir: str, pythons: Mapping[str, str]) -> tuple[dict
     for name in config.cases:
         if name not in CASES:
             raise ValueError(f"case {name!r}; valid: {', '.join(CASES)}")
+        if name == "generation_equal":
+            specs[name] = _generation_arms(config, os.path.join(work_dir, name), ok, missing,
+                                           skipped.setdefault(name, {}))
+            continue
         optimizer = name.removeprefix("embedding_")
         if emb is None:
             emb = embedding_case(os.path.join(work_dir, "embedding"), tables=config.emb_tables,
@@ -78,6 +90,56 @@ def build_cases(config, work_dir: str, pythons: Mapping[str, str]) -> tuple[dict
                 skipped.setdefault(name, {})[arm] = missing["torchrec"]
         specs[name] = arms
     return specs, skipped
+
+
+def _generation_arms(config, directory: str, ok: Mapping[str, str], missing: Mapping[str, str],
+                     skipped: dict) -> list[ArmSpec]:
+    case = generation_case(directory, vocab=config.gen_vocab, d_model=config.gen_d_model, layers=config.gen_layers,
+                           heads=config.gen_heads, kv_heads=config.gen_kv_heads, d_ff=config.gen_d_ff,
+                           sequences=config.gen_sequences, prompt_len=config.gen_prompt_len,
+                           max_new=config.gen_max_new, page_size=config.gen_page_size, warmup=config.warmup,
+                           seed=config.seed)
+    engine = {"decode_steps": config.gen_decode_steps, "prefill_rows": config.gen_prefill_rows or config.gen_sequences}
+    if config.gen_loop_steps:  # the engine's multi-step decode loop; the option exists only where the engine has it
+        engine["loop_steps"] = config.gen_loop_steps
+    arms = [ArmSpec("jaxflow", "jaxflow", arm_command("jaxflow"),
+                    dict(case, engine=engine, logits_out=os.path.join(directory, "logits_jaxflow.bin")))]
+    if "tunix" in ok:
+        arms.append(ArmSpec("tunix_sampler", "tunix", arm_command("tunix", ok["tunix"]),
+                            dict(case, logits_out=os.path.join(directory, "logits_tunix_sampler.bin"))))
+    else:
+        skipped["tunix_sampler"] = missing["tunix"]
+    return arms
+
+
+def logits_check(arms: Sequence[ArmSpec], ours: str = "jaxflow", tolerance: float = LOGITS_TOLERANCE):
+    """The ``admit`` of :func:`jaxflow.bench.peers.harness.run_alternated` for arms whose case
+    names a ``logits_out`` file: each peer arm's logits against ours; it records
+    ``info["logits_max_abs_diff"]`` and leaves out an arm above ``tolerance``. None when no
+    arm writes logits."""
+    import numpy as np
+
+    paths = {a.name: a.case["logits_out"] for a in arms if "logits_out" in a.case}
+    if ours not in paths or len(paths) < 2:
+        return None
+
+    def admit(infos: dict) -> dict:
+        if ours not in infos:
+            return {}
+        base = np.fromfile(paths[ours], np.float32)
+        out = {}
+        for arm, info in infos.items():
+            if arm == ours or arm not in paths:
+                continue
+            got = np.fromfile(paths[arm], np.float32)
+            diff = float(np.max(np.abs(got - base))) if got.shape == base.shape else float("inf")
+            info["logits_max_abs_diff"] = diff
+            if not diff <= tolerance:
+                out[arm] = (f"its logits differ from {ours}'s by {diff:.3g} > {tolerance:g} on the same "
+                            "checkpoint and tokens: not the same model, not timed")
+        return out
+
+    return admit
 
 
 def _median(values: Sequence[float]) -> float:

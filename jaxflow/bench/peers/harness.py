@@ -136,9 +136,12 @@ def missing_interpreter(python: str) -> str | None:
 
 def run_alternated(specs: Sequence[ArmSpec], rounds: int, steps: int, log_dir: str,
                    timeout_s: float = 600.0, on_round: Callable[[int, dict], None] | None = None,
-                   env: Mapping[str, str] | None = None) -> tuple[dict, dict, dict]:
+                   env: Mapping[str, str] | None = None,
+                   admit: Callable[[dict], Mapping[str, str]] | None = None) -> tuple[dict, dict, dict]:
     """Starts every arm (one after the other), then ``rounds`` rounds of ``steps`` steps each,
     visiting the arms forward in even rounds and backward in odd ones, then stops them.
+    ``admit({arm: info})`` runs once every arm is ready, before any timing: it returns
+    ``{arm: reason}`` of the arms to leave out (e.g. a model whose logits differ from ours).
 
     Returns ``(results, infos, not_run)``: ``{arm: [round reply, ...]}`` and ``{arm: info}`` of
     the arms that ran every round, ``{arm: reason}`` of those that failed to start or mid-way
@@ -155,6 +158,9 @@ def run_alternated(specs: Sequence[ArmSpec], rounds: int, steps: int, log_dir: s
             except ArmError as e:
                 not_run[spec.name] = str(e)
                 arm.stop()
+        for name, reason in (admit({k: a.info for k, a in live.items()}) if admit else {}).items():
+            not_run[name] = reason
+            live.pop(name).stop()
         results: dict[str, list] = {name: [] for name in live}
         for r in range(rounds):
             order = list(live) if r % 2 == 0 else list(reversed(live))

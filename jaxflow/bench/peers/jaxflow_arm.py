@@ -6,13 +6,20 @@ over one CPU device (the peers run one process too), sum-pooled row-wise tables,
 optimizer (``rowwise_adagrad`` / ``sgd``) on the touched rows, capacity the case's ``max_unique``
 (the most distinct keys of any of its batches, so it cannot overflow), the tables initialised
 from the case's array; one step = one batch of ``batch`` samples.
+
+``generation``: :class:`jaxflow.rollout.RolloutEngine` (one slot per sequence, pages of the
+case's ``page_size``, XLA attention, the case's ``engine`` options) on the case's checkpoint
+(``jaxflow.models.from_pretrained``), greedy, no stop token, so every sequence is ``max_new``
+tokens; one step = one ``generate`` of every prompt (a fresh engine, its programs cached).
+Before timing it writes the logits of the case's ``probe`` tokens to ``case["logits_out"]``
+(the harness compares them with the peer's).
 """
 
 from __future__ import annotations
 
 import sys
 
-__all__ = ["setup_embedding", "setup", "main"]
+__all__ = ["setup_embedding", "setup_generation", "setup", "main"]
 
 
 def setup_embedding(case: dict):
@@ -70,9 +77,46 @@ def setup_embedding(case: dict):
                         "jax": jax.__version__}
 
 
+def setup_generation(case: dict):
+    """(step, info) of the generation case (see the module docstring)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxflow.bench.peers.workloads import read_array
+    from jaxflow.models import from_pretrained
+    from jaxflow.models.sampler import SamplingConfig
+    from jaxflow.rollout import EngineConfig, RolloutEngine
+    from jaxflow.rollout.pages import pool_pages
+
+    model = from_pretrained(case["checkpoint"], dtype="float32")
+    probe = read_array(case["arrays"]["probe"])
+    np.asarray(model(jax.numpy.asarray(probe)), np.float32).tofile(case["logits_out"])
+    graphdef, state = nnx.split(model)
+    prompts = read_array(case["arrays"]["prompts"])
+    r, p, n = prompts.shape[0], prompts.shape[1], case["max_new"]
+    config = EngineConfig(slots=r, page_size=case["page_size"], num_pages=pool_pages(r, p + n, case["page_size"]),
+                          prefill_chunk=p, max_seq_len=p + n, attention="xla", **case.get("engine", {}))
+    sampling = SamplingConfig(max_new_tokens=n, temperature=0.0, eos_id=None)
+    lengths = np.full((r,), p, np.int32)
+    keys = jax.random.split(jax.random.key(0), r)
+
+    def step():
+        out = RolloutEngine(graphdef, state, config, sampling).generate(prompts, lengths, keys)
+        tokens = int(np.asarray(out.mask).sum())
+        return {"units": tokens, "unit": "tokens", "first_tokens": np.asarray(out.tokens)[0, :4].tolist()}
+
+    first = step()
+    if first["units"] != r * n:
+        raise RuntimeError(f"generated {first['units']} tokens; the case asks {r} x {n}")
+    for _ in range(max(case["warmup"] - 1, 0)):
+        step()
+    return step, {"devices": 1, "jax": jax.__version__, "first_tokens": first["first_tokens"]}
+
+
 def setup(case: dict):
     """The case's (step, info) by its ``kind``; ValueError naming the valid kinds."""
-    kinds = {"embedding": setup_embedding}
+    kinds = {"embedding": setup_embedding, "generation": setup_generation}
     if case.get("kind") not in kinds:
         raise ValueError(f"case kind={case.get('kind')!r}; valid: {', '.join(kinds)}")
     return kinds[case["kind"]](case)

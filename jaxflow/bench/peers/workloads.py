@@ -7,6 +7,12 @@ per sample and table), ``num_batches`` batches of ``batch`` samples cycled throu
 row-wise Adagrad or SGD on the touched rows. Arrays: ``ids_<k>`` int32[tables, batch, bag]
 (Zipf-distributed, as recommendation ids are), ``targets_<k>`` f32[tables, batch, dim],
 ``tables`` f32[tables, rows, dim] (the initial weights, N(0, 0.01)).
+
+Generation case: a random Llama checkpoint in Hugging Face's format (both arms load it with their
+own loaders; RoPE theta 1e6, the value tunix 0.1.7's Llama3 always uses), ``sequences`` prompts
+of exactly ``prompt_len`` tokens (ids in [1, vocab - 1): 0 is the pad and the last id the
+stop token no arm may emit), ``max_new`` greedy tokens each, every sequence the same length;
+``probe`` int32[2, prompt_len]: the tokens whose logits each arm writes before timing.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import os
 
 import numpy as np
 
-__all__ = ["write_array", "read_array", "embedding_case", "unique_ids_bound"]
+__all__ = ["write_array", "read_array", "embedding_case", "unique_ids_bound", "generation_case"]
 
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
 
@@ -65,3 +71,30 @@ def embedding_case(directory: str, *, tables: int, rows: int, dim: int, batch: i
     return {"kind": "embedding", "tables": tables, "rows": rows, "dim": dim, "batch": batch, "bag": bag,
             "optimizer": optimizer, "learning_rate": learning_rate, "eps": eps, "num_batches": num_batches,
             "warmup": warmup, "max_unique": max_unique, "arrays": arrays}
+
+
+def generation_case(directory: str, *, vocab: int, d_model: int, layers: int, heads: int, kv_heads: int,
+                    d_ff: int, sequences: int, prompt_len: int, max_new: int, page_size: int, warmup: int,
+                    seed: int = 0) -> dict:
+    """Writes the generation case's checkpoint and arrays under ``directory`` and returns its JSON
+    case (the model's shape, ``checkpoint``, ``prompts`` int32[sequences, prompt_len], ``probe``,
+    ``max_new``, ``page_size``, ``eos``: the id no arm may emit, so every sequence is
+    ``max_new`` tokens long)."""
+    from jaxflow.models.hf_save import write_random_checkpoint
+    from jaxflow.models.transformer_config import TransformerConfig
+
+    os.makedirs(directory, exist_ok=True)
+    config = TransformerConfig(vocab_size=vocab, d_model=d_model, n_layers=layers, n_heads=heads,
+                               n_kv_heads=kv_heads, d_ff=d_ff, max_seq_len=prompt_len + max_new,
+                               rope_theta=1e6, norm_eps=1e-5, architecture="llama")
+    checkpoint = os.path.join(directory, "checkpoint")
+    write_random_checkpoint(config, checkpoint, seed=seed)
+    rng = np.random.default_rng([seed, 0x6E4])
+    prompts = rng.integers(1, vocab - 1, (sequences, prompt_len), dtype=np.int32)
+    probe = rng.integers(1, vocab - 1, (2, prompt_len), dtype=np.int32)
+    return {"kind": "generation", "checkpoint": checkpoint, "vocab": vocab, "d_model": d_model, "layers": layers,
+            "heads": heads, "kv_heads": kv_heads, "head_dim": d_model // heads, "d_ff": d_ff, "rope_theta": 1e6,
+            "norm_eps": 1e-5, "sequences": sequences, "prompt_len": prompt_len, "max_new": max_new,
+            "page_size": page_size, "eos": vocab - 1, "warmup": warmup,
+            "arrays": {"prompts": write_array(directory, "prompts", prompts),
+                       "probe": write_array(directory, "probe", probe)}}
