@@ -101,7 +101,9 @@ def run_provenance(*, experiment: str, variant: str, devices: int, measured_path
            "process_device_count": jax.device_count(),
            "backend": jax.default_backend(), "jax_version": jax.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "machine": machine(), "measured_paths": list(measured_paths)}
+           "machine": machine(), "measured_paths": list(measured_paths),
+           # the measured files' contents now (calibration_report compares it with the tree's)
+           "measured_hash": measured_hash(measured_paths, root)}
     return out | dict(extra or {})
 
 
@@ -186,15 +188,25 @@ def calibration_report(prov: dict, path: str, measured_paths: Sequence[str],
                        root: pathlib.Path = REPO_ROOT) -> dict:
     """What a simulator's summary reports under ``calibration`` (commit, command, devices,
     path, date, machine, dirty paths, stale, warning); warns (CalibrationWarning) when the
-    measured code changed since the recorded commit or that cannot be checked."""
-    stale, warning = stale_calibration(prov.get("git_commit"),
-                                       prov.get("measured_paths") or measured_paths, root)
+    measured code changed since the recorded commit or that cannot be checked. A calibration
+    with a ``measured_hash`` (:func:`run_provenance`) is stale exactly when the measured files'
+    contents here differ from it (no git needed); one without is checked by git
+    (:func:`stale_calibration`)."""
+    paths = prov.get("measured_paths") or measured_paths
+    if prov.get("measured_hash"):
+        stale = prov["measured_hash"] != measured_hash(paths, root)
+        since = (prov.get("git_commit") or "an unknown commit")[:12]
+        warning = (f"the measured code ({', '.join(paths)}) changed since the calibration was measured at "
+                   f"{since} (content hash differs): regenerate it (the calibration file's command)"
+                   if stale else None)
+    else:
+        stale, warning = stale_calibration(prov.get("git_commit"), paths, root)
     if warning:
         warnings.warn(f"{path}: {warning}", CalibrationWarning, stacklevel=3)
     return {"git_commit": prov.get("git_commit"), "command": prov.get("command"),
             "devices": prov.get("devices"), "path": path, "date": prov.get("date"),
             "machine": prov.get("machine"), "git_dirty_paths": prov.get("git_dirty_paths"),
-            "stale": stale, "warning": warning}
+            "measured_hash": prov.get("measured_hash"), "stale": stale, "warning": warning}
 
 
 _SKIPPED_PARTS = ("__pycache__", ".git", ".ipynb_checkpoints")

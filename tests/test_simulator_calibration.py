@@ -231,3 +231,24 @@ def test_a_run_records_its_own_provenance(tmp_path):
     assert record["provenance"]["experiment"] == "flexmarl" and "samples_per_s" in record["values"]
     assert marl_sim.write_calibration_from_run.func is np_sim.write_calibration_from_run.func \
         is provenance.write_calibration_from_run
+
+
+def test_a_calibration_with_a_content_hash_is_stale_exactly_when_its_files_change(tmp_path):
+    from jaxflow.study import headlines_systems
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("x = 1\n")
+    prov = provenance.run_provenance(experiment="nestpipe", variant="quick", devices=1, measured_paths=["pkg"],
+                                     command="cmd", root=tmp_path)
+    assert prov["measured_hash"] == provenance.measured_hash(["pkg"], tmp_path)
+    report = provenance.calibration_report(prov, "cal.json", ["pkg"], tmp_path)  # no git here: the hash decides
+    assert report["stale"] is False and report["warning"] is None
+    (pkg / "a.py").write_text("x = 2\n")
+    with pytest.warns(provenance.CalibrationWarning, match="content hash differs"):
+        report = provenance.calibration_report(prov, "cal.json", ["pkg"], tmp_path)
+    assert report["stale"] is True
+    summary = {"step_ms_by_workers": {"sync": {"128": 2.0, "1536": 6.0}, "dbp+fwp": {"128": 1.0, "1536": 2.0}},
+               "calibration": report}
+    (head,) = headlines_systems.nestpipe_scale(summary)
+    assert head.stale is True and "(stale calibration: measured code changed since" in head.line()
