@@ -12,10 +12,12 @@ forward / dh kernels need more than 16 MiB at d = 4,096.
 Range: d <= 8,192 in bf16 and f32 (the table's rows; a smaller d takes the row above it,
 whose blocks need no more VMEM at a smaller d); num_ids <= 128 id columns (K <= 127 given
 top-K ids plus the target; measured at 101), N up to 8,192 rows per call (the production
-compiles; the need grew with the grid once, see ``TPU_NEEDS``). Outside that range (d > 8,192
-or more ids) the blocks fall back to the table's smallest with the limit at 3/4 of the
-core's VMEM (of v5p's for chip=None): not a compiled figure, so ``auto`` compiles first and
-falls back to XLA if Mosaic refuses.
+compiles; the need grew with the grid once, see ``TPU_NEEDS``). Beyond d = 8,192 (a
+Llama-3-405B head: d 16,384) the widest row's blocks are halved (vocab columns first, rows
+down to 32) until its measured needs, scaled by d x (rows + columns) (what the h / W / dh
+blocks hold), times 1.25 fit 3/4 of the core's VMEM (of v5p's, the smallest, for chip=None),
+the limit then; more than 128 id columns take the smallest blocks at that limit. Neither is a
+compiled figure: the compile gate's sweep compiles the 405B-class head on every chip.
 """
 
 from __future__ import annotations
@@ -218,16 +220,45 @@ class FusedLogprobsBlockSizes:
             block_d=bd)
 
 
+def _scaled_blocks(chip: str | None, dtype: str, d: int, limit: int) -> tuple:
+    """Blocks for d above the table's widest row: that row's, halved until each kernel's
+    measured need x d / d_row x (rows + columns) / (rows_row + columns_row) x 1.25 fits
+    ``limit`` bytes (vocab columns halved first, down to 128; rows down to 32)."""
+    d_row = max(k[2] for k in TPU_TABLE)
+    blocks = TPU_TABLE[("any" if chip is None else chip, dtype, d_row)][0]
+    needs = _table_needs(chip or "v5p", dtype, d_row, blocks)
+
+    def fits(new):
+        pairs = ((new[0], new[1], blocks[0], blocks[1], needs[0]),
+                 (new[0], new[1], blocks[0], blocks[1], needs[1]),
+                 (new[2], new[3], blocks[2], blocks[3], needs[2]))
+        return all(1.25 * need * _MIB * d / d_row * (n + v) / (n0 + v0) <= limit
+                   for n, v, n0, v0, need in pairs if need is not None)
+
+    new = list(blocks)
+    while not fits(new):
+        for i in (1, 3, 0, 2):  # vocab columns first (>= 128 lanes), then rows (>= 32)
+            if new[i] > (128 if i % 2 else 32):
+                new[i] //= 2
+                break
+        else:
+            break  # the smallest blocks: left to the compiler
+    return tuple(new)
+
+
 def tpu_choice(chip: str | None, dtype: str, d: int, num_ids: int) -> dict:
     """Keyword arguments of the TPU blocks for ``chip`` (None: every chip), dtype name, d and
     num_ids, from ``TPU_TABLE``."""
     row = _d_row(d) if num_ids <= 128 else None
     if dtype not in ("bfloat16", "float32"):
         dtype = "float32" if jnp.dtype(dtype).itemsize > 2 else "bfloat16"
-    if row is None:  # outside the measured range: the smallest blocks, 3/4 of the VMEM
-        blocks = min((v[0] for k, v in TPU_TABLE.items() if k[1] == dtype),
-                     key=lambda b: b[0] * b[1] + b[2] * b[3])
+    if row is None:  # outside the measured range: 3/4 of the VMEM
         limit = 3 * min(VMEM_PER_CORE[c] for c in ((chip,) if chip else TPU_CHIPS)) // 4
+        if num_ids <= 128:
+            blocks = _scaled_blocks(chip, dtype, d, limit)
+        else:
+            blocks = min((v[0] for k, v in TPU_TABLE.items() if k[1] == dtype),
+                         key=lambda b: b[0] * b[1] + b[2] * b[3])
     else:
         blocks, limit = TPU_TABLE[("any" if chip is None else chip, dtype, row)]
         limit *= _MIB

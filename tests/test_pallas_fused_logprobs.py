@@ -85,6 +85,29 @@ def test_block_sizes_per_chip_follow_the_compiled_table():
         FusedLogprobsBlockSizes(block_n=12)
 
 
+@pytest.mark.parametrize("chip", [None, "v5e", "v5p", "v6e"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_blocks_past_the_measured_rows_shrink_to_fit_the_vmem(chip, dtype):
+    """d 16,384 (a Llama-3-405B head): the widest row's blocks, halved until its measured
+    needs scaled by d x (rows + columns), x 1.25, fit 3/4 of the core's VMEM (or the smallest
+    blocks, 32 rows x 128 columns, are reached); never larger than the d 8,192 row's."""
+    from pallas_kernels import fused_logprobs_blocks as flb
+    b = flb.tpu_choice(chip, dtype, 16384, 101)
+    row = flb.tpu_choice(chip, dtype, 8192, 101)
+    keys = ("block_n", "block_v", "block_n_dw", "block_v_dw")
+    new, old = tuple(b[k] for k in keys), tuple(row[k] for k in keys)
+    assert all(n <= o for n, o in zip(new, old)) and min(new[1], new[3]) >= 128
+    needs = flb._table_needs(chip or "v5p", dtype, 8192, old)
+    scaled = [need * 2 * (n + v) / (n0 + v0) for need, (n, v), (n0, v0) in
+              zip(needs, (new[:2], new[:2], new[2:]), (old[:2], old[:2], old[2:]))]
+    smallest = new == (32, 128, 32, 128)  # f32: left to the compiler (the sweep compiles it)
+    assert smallest or 1.25 * max(scaled) * 2**20 <= b["vmem_limit_bytes"]
+    assert b["vmem_limit_bytes"] == 3 * min(
+        flb.VMEM_PER_CORE[c] for c in ((chip,) if chip else flb.TPU_CHIPS)) // 4
+    if chip in (None, "v5p") and dtype == "bfloat16":  # 49.25 MiB > 48 with the 8,192 blocks
+        assert new != old
+
+
 def _eqns(jaxpr):
     """Every equation of a jaxpr and of the jaxprs in its params (not inside kernels)."""
     for e in jaxpr.eqns:
