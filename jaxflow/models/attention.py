@@ -97,5 +97,10 @@ def dot_product_attention(
     scores = jnp.where(m, scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(m, probs, 0.0).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    # probs on the left: the product comes out [B, K, G, T, D] (head_dim minor), then moves T
+    # forward. With v on the left (what einsum picks) T ends up minor, and XLA:GPU's gemm tiling
+    # of the output projection fails on that layout whenever T is not a power of 2
+    # ("Couldn't find output tile sizes", e.g. a 9-token prefill on H100).
+    out = jax.lax.dot_general(probs, v, (((4,), (1,)), ((0, 1), (0, 2))))
+    out = jnp.transpose(out, (0, 3, 1, 2, 4))
     return out.reshape(b, t, h, d).astype(q.dtype)
