@@ -162,8 +162,12 @@ def _full() -> Config:
     on this CPU): a Qwen3-8B-shaped policy (``configs/hf/qwen3-8b.json`` through
     ``jaxflow.models.architectures``; f32 master weights, bf16 compute, remat) with 1,024-token
     rollouts, 64 prompts x 16 samples per rollout, policy lag 8 (128-row mini-batches), SIS
-    top-8. On 64 chips: trainer 32 (data 4 x model 8) and rollout 32 (data 4 x model 8),
-    tensor parallel over heads / kv heads / mlp / vocab, rows over "data"."""
+    top-8. ``roles`` below is a run on 64 chips: trainer 32 (data 4 x model 8) and rollout 32
+    (data 4 x model 8), tensor parallel over heads / kv heads / mlp / vocab, rows over "data".
+    ``--compile-only --target=T`` lays the roles out for T instead
+    (:mod:`jaxflow.compile_only.variants`: halves, the smallest model widths whose HBM estimate
+    fits; v5p:4x4x4 trainer model 2, rollout model 1); on 8 x H100 it exits 2, the trainer's
+    128-row update not fitting (the smallest target it fits: 8 x H200)."""
     policy = shipped_config("qwen3-8b", param_dtype="float32", max_seq_len=2048, remat=True)
     pretrain = dataclasses.replace(
         WARM_START, model=policy,
