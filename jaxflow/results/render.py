@@ -56,9 +56,10 @@ def number(value) -> str:
 
 
 def with_unit(value, unit: str | None) -> str:
-    """``6.02x`` for unit ``x``; ``0.895 accuracy`` for other units; the bare number without one."""
-    if unit == "x":
-        return f"{number(value)}x"
+    """``6.02x`` for unit ``x`` (``1.44x tensor bytes`` for ``x tensor bytes``); ``0.895 accuracy``
+    for other units; the bare number without one."""
+    if unit == "x" or (unit or "").startswith("x "):
+        return f"{number(value)}{unit}"
     return f"{number(value)} {unit}" if unit else number(value)
 
 
