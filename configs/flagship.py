@@ -167,7 +167,7 @@ def _full() -> Config:
     ``--compile-only --target=T`` lays the roles out for T instead
     (:mod:`jaxflow.compile_only.variants`: halves, the smallest model widths whose HBM estimate
     fits; v5p:4x4x4 trainer model 2, rollout model 1); on 8 x H100 it exits 2, the trainer's
-    128-row update not fitting (the smallest target it fits: 8 x H200)."""
+    128-row update not fitting (the smallest target its HBM estimate fits: 8 x H200)."""
     policy = shipped_config("qwen3-8b", param_dtype="float32", max_seq_len=2048, remat=True)
     pretrain = dataclasses.replace(
         WARM_START, model=policy,

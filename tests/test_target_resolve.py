@@ -47,7 +47,7 @@ def test_flagship_full_roles_come_from_the_target(text):
             _resolve("flagship", base, text)
         message = str(err.value)
         assert "\n" not in message and "GiB per device of 79.1" in message
-        assert message.endswith("the smallest target it fits is gpu-h200x8"), message
+        assert message.endswith("the smallest target this estimate fits: gpu-h200x8"), message
         return
     config, line = _resolve("flagship", base, text)
     roles = config.roles

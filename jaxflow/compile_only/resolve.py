@@ -252,6 +252,6 @@ def _rl_layout(model, train_rows, sample_rows, tokens, chip, n) -> RlLayout | tu
 def _where_it_fits(what: str, estimate: HbmEstimate, fits) -> str:
     for text, name, n in CANDIDATES:
         if fits(targets.chip(name), n):
-            return f"{what}: {estimate.text()}; the smallest target it fits is {text}"
+            return f"{what}: {estimate.text()}; the smallest target this estimate fits: {text}"
     return (f"{what}: {estimate.text()}; none of "
             f"{', '.join(t for t, _, _ in CANDIDATES)} fits it")
