@@ -19,7 +19,9 @@ greedy tokens each (no stop token: every sequence the same length), a random Lla
 (``gen_*``; RoPE theta 1e6, the value tunix 0.1.7's Llama3 always uses) loaded by each side's own
 loader: jaxflow's paged rollout engine vs tunix's ``Sampler``; the two models' logits on the same
 tokens must agree to 1e-5 before timing, else the tunix arm is listed under ``not_run``.
-Not yet here: long-tailed and GRPO-group lengths vs tunix, a GRPO iteration vs tunix's learner,
+``generation_long_tail``: the same with lognormal output lengths (median ``gen_max_new`` / 4,
+capped at ``gen_max_new``), forced identically in both arms (EOS at the given token).
+Not yet here: GRPO-group lengths vs tunix, a GRPO iteration vs tunix's learner,
 a GRPO step vs TRL (their venvs are created; their arms are not written).
 """
 
@@ -33,8 +35,9 @@ from jaxflow.config_domains import COUNT, COUNT0, POSITIVE, SEED, domains
 DESCRIPTION = ("jaxflow vs its peers (TorchRec embeddings, tunix generation) on the same work, alternated rounds, "
                "wall / CPU ratios")
 ENTRY = "jaxflow.main.bench_peers:main"
+HEADLINES = "jaxflow.study.headlines_bench:driver_headlines"  # the driver computes its own
 
-CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal")
+CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal", "generation_long_tail")
 TORCHREC_VARIANTS = ("fused", "unfused")
 
 
@@ -94,6 +97,9 @@ class Config:
         if self.gen_d_model % self.gen_heads or self.gen_heads % self.gen_kv_heads:
             raise ValueError(f"gen_d_model={self.gen_d_model}, gen_heads={self.gen_heads}, gen_kv_heads="
                              f"{self.gen_kv_heads}; valid: heads divide d_model and kv_heads divide heads")
+        if "generation_long_tail" in self.cases and self.gen_vocab <= self.gen_max_new + 1:
+            raise ValueError(f"gen_vocab={self.gen_vocab} with gen_max_new={self.gen_max_new}: the long-tailed "
+                             "case writes each length as a token id; valid: gen_vocab > gen_max_new + 1")
 
 
 def _quick() -> Config:

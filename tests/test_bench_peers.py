@@ -152,6 +152,14 @@ def test_the_work_is_written_once_and_read_back_exactly(tmp_path):
                                  learning_rate=0.1, num_batches=1, warmup=1)
 
 
+def test_long_tail_lengths_are_capped_and_long_tailed():
+    lengths = workloads.long_tail_lengths(4000, 64, seed=0)
+    assert lengths.dtype == np.int32 and lengths.min() >= 1 and lengths.max() == 64
+    # median 64 / 4, and a tail capped at 64
+    assert abs(float(np.median(lengths)) - 16) <= 1 and float(np.mean(lengths == 64)) > 0.05
+    assert np.array_equal(lengths, workloads.long_tail_lengths(4000, 64, seed=0))
+
+
 def test_protocol_lines_and_config_errors():
     from configs.bench_peers import Config
 
@@ -161,5 +169,7 @@ def test_protocol_lines_and_config_errors():
         Config(cases=("embeddings",))
     with pytest.raises(ValueError, match="emb_torchrec_variants=.*valid: a subset of fused, unfused"):
         Config(emb_torchrec_variants=("fast",))
+    with pytest.raises(ValueError, match="gen_vocab=60 with gen_max_new=64: .*valid: gen_vocab > gen_max_new"):
+        Config(gen_vocab=60)
     with pytest.raises(ValueError, match="pair_ratios: 1 rounds against 2"):
         harness.pair_ratios([{}], [{}, {}])

@@ -14,6 +14,8 @@ missing is not an error: the case lists it under ``not_run`` with the reason.
       ``Sampler`` (``tunix_sampler``) on the same checkpoint; before timing, the two models'
       logits on the same tokens must agree to ``LOGITS_TOLERANCE`` (:func:`logits_check`), else
       the peer arm is left out with the difference as its reason.
+  generation_long_tail: the same with lognormal output lengths (median a quarter of
+      ``gen_max_new``, capped there), forced identically in both arms (EOS included).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ __all__ = ["PEERS", "CASES", "LOGITS_TOLERANCE", "arm_command", "interpreters", 
            "summarize_case", "headlines"]
 
 PEERS = ("torchrec", "tunix", "trl")
-CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal")
+CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal", "generation_long_tail")
 #: the largest |logit difference| between jaxflow's model and a peer's on the same checkpoint
 LOGITS_TOLERANCE = 1e-5
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,7 +71,7 @@ def build_cases(config, work_dir: str, pythons: Mapping[str, str]) -> tuple[dict
     for name in config.cases:
         if name not in CASES:
             raise ValueError(f"case {name!r}; valid: {', '.join(CASES)}")
-        if name == "generation_equal":
+        if name.startswith("generation_"):
             specs[name] = _generation_arms(config, os.path.join(work_dir, name), ok, missing,
                                            skipped.setdefault(name, {}))
             continue
@@ -98,7 +100,7 @@ def _generation_arms(config, directory: str, ok: Mapping[str, str], missing: Map
                            heads=config.gen_heads, kv_heads=config.gen_kv_heads, d_ff=config.gen_d_ff,
                            sequences=config.gen_sequences, prompt_len=config.gen_prompt_len,
                            max_new=config.gen_max_new, page_size=config.gen_page_size, warmup=config.warmup,
-                           seed=config.seed)
+                           seed=config.seed, long_tail=directory.endswith("long_tail"))
     engine = {"decode_steps": config.gen_decode_steps, "prefill_rows": config.gen_prefill_rows or config.gen_sequences}
     if config.gen_loop_steps:  # the engine's multi-step decode loop; the option exists only where the engine has it
         engine["loop_steps"] = config.gen_loop_steps

@@ -10,7 +10,8 @@ from the case's array; one step = one batch of ``batch`` samples.
 ``generation``: :class:`jaxflow.rollout.RolloutEngine` (one slot per sequence, pages of the
 case's ``page_size``, XLA attention, the case's ``engine`` options) on the case's checkpoint
 (``jaxflow.models.from_pretrained``), greedy, no stop token, so every sequence is ``max_new``
-tokens; one step = one ``generate`` of every prompt (a fresh engine, its programs cached).
+tokens (long-tailed: the case's lengths, :func:`forced_length_hook`); one step = one
+``generate`` of every prompt (a fresh engine, its programs cached).
 Before timing it writes the logits of the case's ``probe`` tokens to ``case["logits_out"]``
 (the harness compares them with the peer's).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["setup_embedding", "setup_generation", "setup", "main"]
+__all__ = ["setup_embedding", "setup_generation", "forced_length_hook", "setup", "main"]
 
 
 def setup_embedding(case: dict):
@@ -77,6 +78,22 @@ def setup_embedding(case: dict):
                         "jax": jax.__version__}
 
 
+def forced_length_hook(eos: int):
+    """A :class:`jaxflow.models.sampler.LogitsHook` ending each row at the length its prompt's first
+    token gives (the long-tailed case): ``eos`` is forced at token ``length - 1`` and forbidden before."""
+    import jax.numpy as jnp
+
+    from jaxflow.models.sampler import LogitsHook
+
+    def init(prompts, prompt_valid, vocab_size, args):
+        return prompts[:, 0].astype(jnp.int32)
+
+    def apply(logits, length, step, args):
+        return logits.at[:, eos].set(jnp.where(step == length - 1, 1e9, -1e9))
+
+    return LogitsHook(apply=apply, init=init)
+
+
 def setup_generation(case: dict):
     """(step, info) of the generation case (see the module docstring)."""
     import jax
@@ -97,18 +114,21 @@ def setup_generation(case: dict):
     r, p, n = prompts.shape[0], prompts.shape[1], case["max_new"]
     config = EngineConfig(slots=r, page_size=case["page_size"], num_pages=pool_pages(r, p + n, case["page_size"]),
                           prefill_chunk=p, max_seq_len=p + n, attention="xla", **case.get("engine", {}))
-    sampling = SamplingConfig(max_new_tokens=n, temperature=0.0, eos_id=None)
+    forced = case.get("lengths")
+    sampling = SamplingConfig(max_new_tokens=n, temperature=0.0, eos_id=case["eos"] if forced else None)
+    hook = forced_length_hook(case["eos"]) if forced else None
     lengths = np.full((r,), p, np.int32)
     keys = jax.random.split(jax.random.key(0), r)
+    want = sum(forced) if forced else r * n
 
     def step():
-        out = RolloutEngine(graphdef, state, config, sampling).generate(prompts, lengths, keys)
+        out = RolloutEngine(graphdef, state, config, sampling, logits_hook=hook).generate(prompts, lengths, keys)
         tokens = int(np.asarray(out.mask).sum())
         return {"units": tokens, "unit": "tokens", "first_tokens": np.asarray(out.tokens)[0, :4].tolist()}
 
     first = step()
-    if first["units"] != r * n:
-        raise RuntimeError(f"generated {first['units']} tokens; the case asks {r} x {n}")
+    if first["units"] != want:
+        raise RuntimeError(f"generated {first['units']} tokens; the case asks {want}")
     for _ in range(max(case["warmup"] - 1, 0)):
         step()
     return step, {"devices": 1, "jax": jax.__version__, "first_tokens": first["first_tokens"]}

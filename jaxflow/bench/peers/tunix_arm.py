@@ -9,14 +9,16 @@ The case's Hugging Face checkpoint loaded by tunix's own loader
 (one compiled decode loop over a static KV cache of ``prompt_len + max_new``): greedy,
 ``max_new`` steps, the stop token forbidden so every sequence is ``max_new`` tokens; one step
 = one sampler call on every prompt. Prompts reach the sampler as text of space-separated ids
-through an identity tokenizer (no BOS, pad 0).
+through an identity tokenizer (no BOS, pad 0). Long-tailed lengths: :func:`forced_lengths_model`
+ends each row where the case says (EOS forced, as jaxflow's arm does with a logits hook); the
+sampler's one loop runs until every row has ended.
 """
 
 from __future__ import annotations
 
 import sys
 
-__all__ = ["IdTokenizer", "setup", "main"]
+__all__ = ["IdTokenizer", "forced_lengths_model", "setup", "main"]
 
 
 class IdTokenizer:
@@ -44,6 +46,34 @@ class IdTokenizer:
     def pad_id(self) -> int:
         """0."""
         return 0
+
+
+def forced_lengths_model(inner, lengths, prompt_len: int, eos: int):
+    """``inner`` (tunix's Llama3) wrapped so that row b's token ``lengths[b] - 1`` is ``eos`` and
+    no earlier one is (the long-tailed case; every prompt has ``prompt_len`` tokens, so the token
+    a call predicts at position q is number ``q + 1 - prompt_len``). Rows keep the prompts' order."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class ForcedLengths(nnx.Module):
+        def __init__(self):
+            self.inner, self.lengths = inner, tuple(int(x) for x in lengths)  # a tuple: static
+
+        @property
+        def config(self):
+            return self.inner.config
+
+        @property
+        def num_embed(self):
+            return self.inner.num_embed
+
+        def __call__(self, input_tokens, positions, cache, attention_mask):
+            logits, cache = self.inner(input_tokens, positions, cache, attention_mask)
+            token = positions + 1 - prompt_len  # [B, L]
+            last = jnp.asarray(self.lengths, jnp.int32)[:, None] - 1
+            return logits.at[..., eos].set(jnp.where(token == last, 1e9, -1e9)), cache
+
+    return ForcedLengths()
 
 
 def _array(spec):
@@ -80,20 +110,26 @@ def setup(case: dict):
     np.asarray(logits, np.float32).tofile(case["logits_out"])
     prompts = _array(case["arrays"]["prompts"])
     r, p, n = prompts.shape[0], prompts.shape[1], case["max_new"]
-    sampler = sampler_lib.Sampler(model, IdTokenizer(case["eos"]),
+    forced = case.get("lengths")
+    sampled = forced_lengths_model(model, forced, p, case["eos"]) if forced else model
+    sampler = sampler_lib.Sampler(sampled, IdTokenizer(case["eos"]),
                                   sampler_lib.CacheConfig(cache_size=p + n, num_layers=case["layers"],
                                                           num_kv_heads=case["kv_heads"], head_dim=case["head_dim"]))
     texts = [" ".join(str(int(x)) for x in row) for row in prompts]
 
+    want = list(forced) if forced else [n] * r
+
     def step():
         out = sampler(texts, max_generation_steps=n, max_prompt_length=p, eos_tokens=[case["eos"]],
-                      forbidden_tokens=[case["eos"]], temperature=0.0)
-        tokens = sum(len(x) for x in out.tokens)
-        return {"units": tokens, "unit": "tokens", "first_tokens": [int(x) for x in out.tokens[0][:4]]}
+                      forbidden_tokens=None if forced else [case["eos"]], temperature=0.0)
+        got = [len(x) for x in out.tokens]
+        if forced:  # the sampler's tokens stop before EOS; the useful tokens count it, as jaxflow's mask does
+            got = [g + 1 if g < w else g for g, w in zip(got, want)]
+        if got != want:
+            raise RuntimeError(f"sampled lengths {got[:8]}...; the case asks {want[:8]}...")
+        return {"units": sum(got), "unit": "tokens", "first_tokens": [int(x) for x in out.tokens[0][:4]]}
 
     first = step()
-    if first["units"] != r * n:
-        raise RuntimeError(f"generated {first['units']} tokens; the case asks {r} x {n}")
     for _ in range(max(case["warmup"] - 1, 0)):
         step()
     import tunix  # noqa: F401

@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-__all__ = ["write_array", "read_array", "embedding_case", "unique_ids_bound", "generation_case"]
+__all__ = ["write_array", "read_array", "embedding_case", "unique_ids_bound", "generation_case", "long_tail_lengths"]
 
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
 
@@ -73,13 +73,28 @@ def embedding_case(directory: str, *, tables: int, rows: int, dim: int, batch: i
             "warmup": warmup, "max_unique": max_unique, "arrays": arrays}
 
 
+def long_tail_lengths(sequences: int, max_new: int, seed: int, median_frac: float = 0.25,
+                      sigma: float = 1.0) -> np.ndarray:
+    """int32[sequences] output lengths in [1, max_new]: lognormal, median ``median_frac * max_new``,
+    log-std ``sigma``, the mass above the cap at the cap (as ``bench_rollout``'s long tail)."""
+    rng = np.random.default_rng([seed, 0x7A11])
+    raw = rng.lognormal(np.log(median_frac * max_new), sigma, sequences)
+    return np.clip(np.rint(raw), 1, max_new).astype(np.int32)
+
+
 def generation_case(directory: str, *, vocab: int, d_model: int, layers: int, heads: int, kv_heads: int,
                     d_ff: int, sequences: int, prompt_len: int, max_new: int, page_size: int, warmup: int,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, long_tail: bool = False) -> dict:
     """Writes the generation case's checkpoint and arrays under ``directory`` and returns its JSON
     case (the model's shape, ``checkpoint``, ``prompts`` int32[sequences, prompt_len], ``probe``,
-    ``max_new``, ``page_size``, ``eos``: the id no arm may emit, so every sequence is
-    ``max_new`` tokens long)."""
+    ``max_new``, ``page_size``, ``eos``: the stop id). Equal lengths: ``lengths`` is None and no
+    arm may emit ``eos``, so every sequence is ``max_new`` tokens. ``long_tail``: ``lengths``
+    (:func:`long_tail_lengths`) and each prompt's first token is its sequence's length, from
+    which every arm forces ``eos`` as token ``length - 1`` and forbids it before (so every arm
+    generates the same lengths, EOS included); ValueError when ``vocab <= max_new + 1``."""
+    if long_tail and vocab <= max_new + 1:
+        raise ValueError(f"vocab={vocab} with max_new={max_new}: a long-tailed case writes each length as a "
+                         f"token id; valid: vocab > max_new + 1")
     from jaxflow.models.hf_save import write_random_checkpoint
     from jaxflow.models.transformer_config import TransformerConfig
 
@@ -92,9 +107,13 @@ def generation_case(directory: str, *, vocab: int, d_model: int, layers: int, he
     rng = np.random.default_rng([seed, 0x6E4])
     prompts = rng.integers(1, vocab - 1, (sequences, prompt_len), dtype=np.int32)
     probe = rng.integers(1, vocab - 1, (2, prompt_len), dtype=np.int32)
+    lengths = long_tail_lengths(sequences, max_new, seed) if long_tail else None
+    if lengths is not None:
+        prompts[:, 0] = lengths
     return {"kind": "generation", "checkpoint": checkpoint, "vocab": vocab, "d_model": d_model, "layers": layers,
             "heads": heads, "kv_heads": kv_heads, "head_dim": d_model // heads, "d_ff": d_ff, "rope_theta": 1e6,
             "norm_eps": 1e-5, "sequences": sequences, "prompt_len": prompt_len, "max_new": max_new,
             "page_size": page_size, "eos": vocab - 1, "warmup": warmup,
+            "lengths": None if lengths is None else lengths.tolist(),
             "arrays": {"prompts": write_array(directory, "prompts", prompts),
                        "probe": write_array(directory, "probe", probe)}}
