@@ -63,6 +63,14 @@ def test_tiny_run_end_to_end(tmp_path):
     assert np.isfinite(summary["warm_start"]["heldout_greedy"])
     assert (tmp_path / "run" / "plots" / "figa_curves.png").exists()
     assert "| figa | 1 |" in summary["table"]
+    # the headline: figa minus the stronger of sft / dpo, from the per-seed finals
+    from jaxflow.study.headlines_rl import figa as figa_headlines
+
+    assert {m: set(v) for m, v in summary["final_by_seed"].items()} == {m: {0} for m in rows}
+    (head,) = figa_headlines(summary)
+    best = max(("sft", "dpo"), key=lambda m: rows[m]["heldout_greedy_mean"])
+    assert head.baseline == best and head.value == pytest.approx(
+        rows["figa"]["heldout_greedy_mean"] - rows[best]["heldout_greedy_mean"])
 
 
 class _Rows:
