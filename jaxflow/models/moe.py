@@ -19,6 +19,15 @@ sum to 1 when ``norm_topk_prob``. Three ways to apply the experts, all plain fun
   expert).
 
 :func:`load_balancing_loss` is the Switch / Qwen3-MoE auxiliary loss over all MoE layers.
+
+Routing replay (R3, for MoE RL): every path takes an optional ``experts`` [N, k] that replaces
+the router's top-k choice (the rollout engine's recorded expert ids); the gates are the
+trainer's own router probabilities at those experts, renormalised as usual, so the router still
+gets its gradient -- as Megatron-LM's ``RouterReplay.get_replay_topk`` (REPLAY_FORWARD gathers
+the scores at the replayed indices; ``megatron/core/transformer/moe/router_replay.py``,
+NVIDIA/Megatron-LM@00caa53). :func:`expert_index_dtype` is the smallest unsigned integer that
+holds the expert ids; :func:`routing_disagreement` the share of (token, layer) whose top-k set
+differs between two routings.
 """
 from __future__ import annotations
 
@@ -48,12 +57,52 @@ class MoEStats(NamedTuple):
     dropped_fraction: jax.Array
 
 
-def route(x: jax.Array, router: jax.Array, *, k: int, norm_topk_prob: bool) -> Routing:
-    """Top-k routing. x [N, d], router [d, E] -> Routing (see class)."""
+def expert_index_dtype(n_experts: int) -> jnp.dtype:
+    """The smallest unsigned integer dtype holding expert ids 0 .. n_experts - 1 (uint8 for
+    <= 256 experts, uint16 for <= 65536, else uint32): the dtype of a routing record."""
+    if not isinstance(n_experts, int) or n_experts < 1:
+        raise ValueError(f"n_experts={n_experts!r}: need an int >= 1")
+    for dtype in (jnp.uint8, jnp.uint16):
+        if n_experts - 1 <= jnp.iinfo(dtype).max:
+            return jnp.dtype(dtype)
+    return jnp.dtype(jnp.uint32)
+
+
+def routing_disagreement(experts_a: jax.Array, experts_b: jax.Array,
+                         valid: jax.Array | None = None) -> jax.Array:
+    """Share of (token, layer) whose top-k expert *set* differs between two routings.
+
+    Args:
+      experts_a, experts_b: [..., k] expert ids (any integer dtype; the order within the k
+        choices does not matter).
+      valid: optional [...] bool, the entries that count (e.g. response tokens x layers).
+
+    Returns:
+      a float32 scalar in [0, 1] (0 when nothing is valid).
+    """
+    a = jnp.sort(experts_a.astype(jnp.int32), axis=-1)
+    b = jnp.sort(experts_b.astype(jnp.int32), axis=-1)
+    differs = jnp.any(a != b, axis=-1)
+    valid = jnp.ones(differs.shape, bool) if valid is None else jnp.broadcast_to(valid, differs.shape)
+    return (jnp.sum(differs & valid) / jnp.maximum(jnp.sum(valid), 1)).astype(jnp.float32)
+
+
+def route(x: jax.Array, router: jax.Array, *, k: int, norm_topk_prob: bool,
+          experts: jax.Array | None = None) -> Routing:
+    """Top-k routing. x [N, d], router [d, E] -> Routing (see class).
+
+    ``experts`` [N, k] (any integer dtype): replay these experts instead of the top-k (R3); the
+    weights are the router's probabilities at them (renormalised when ``norm_topk_prob``)."""
     logits = jnp.einsum("nd,de->ne", x, router.astype(x.dtype),
                         preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
+    if experts is None:
+        weights, experts = jax.lax.top_k(probs, k)
+    else:
+        if experts.shape != (x.shape[0], k):
+            raise ValueError(f"replayed experts shape {experts.shape}; need [N, k] = [{x.shape[0]}, {k}]")
+        experts = experts.astype(jnp.int32)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(weights, experts.astype(jnp.int32), logits)
@@ -130,7 +179,8 @@ def moe_dispatch(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Ar
 
 def moe_expert_parallel(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                         w_down: jax.Array, *, mesh, axis: str, k: int, norm_topk_prob: bool,
-                        capacity_factor: float) -> tuple[jax.Array, MoEStats]:
+                        capacity_factor: float, experts: jax.Array | None = None
+                        ) -> tuple[jax.Array, MoEStats]:
     """Expert-parallel MoE: tokens and experts sharded over mesh axis ``axis``.
 
     Args:
@@ -138,6 +188,7 @@ def moe_expert_parallel(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up
       router: [d, E] (replicated); w_gate, w_up: [E, d, f]; w_down: [E, f, d], E divisible
         by the axis size (expert e lives on shard e // (E / axis size)).
       mesh: the mesh (concrete or abstract) holding ``axis``.
+      experts: optional [N, k] replayed experts (R3, :func:`route`), sharded like ``x``.
 
     Returns:
       (y [N, d], MoEStats(router_logits [N, E], dropped_fraction over all shards)).
@@ -150,8 +201,9 @@ def moe_expert_parallel(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up
     local_experts = n_experts // n_shards
     capacity = expert_capacity(x.shape[0] // n_shards, k, n_experts, capacity_factor)
 
-    def shard(x, router, w_gate, w_up, w_down):
-        routing = route(x, router, k=k, norm_topk_prob=norm_topk_prob)
+    def shard(x, router, w_gate, w_up, w_down, *replayed):
+        routing = route(x, router, k=k, norm_topk_prob=norm_topk_prob,
+                        experts=replayed[0] if replayed else None)
         buf, slot, kept = _dispatch_buffers(x, routing, n_experts, capacity)
         d = buf.shape[-1]
         # [E, C, d] -> [n_shards (destination), E_local, C, d]; receive [n_shards (source), ...]
@@ -167,9 +219,9 @@ def moe_expert_parallel(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up
 
     y, logits, dropped = jax.shard_map(
         shard, mesh=mesh,
-        in_specs=(P(axis), P(), P(axis), P(axis), P(axis)),
+        in_specs=(P(axis), P(), P(axis), P(axis), P(axis)) + ((P(axis),) if experts is not None else ()),
         out_specs=(P(axis), P(axis), P()), check_vma=False,
-    )(x, router, w_gate, w_up, w_down)
+    )(x, router, w_gate, w_up, w_down, *(() if experts is None else (experts,)))
     return y, MoEStats(logits, dropped)
 
 
@@ -212,20 +264,28 @@ class MoE(nnx.Module):
         self.k, self.norm_topk_prob = config.n_experts_per_token, config.norm_topk_prob
         self.impl, self.capacity_factor = config.moe_impl, config.capacity_factor
         self.expert_axis, self.dtype = config.expert_axis, config.compute_dtype
+        # True: every __call__ sows its routing (experts [B, T, k], gates [B, T, k] f32) as
+        # nnx.Intermediate "routing" -- how a sampler records it (:func:`pop_routing`)
+        self.record_routing = False
 
-    def apply(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
-        """x [B, T, d] -> (y [B, T, d], MoEStats with router_logits [B*T, E])."""
+    def apply(self, x: jax.Array, experts: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
+        """x [B, T, d] -> (y [B, T, d], MoEStats with router_logits [B*T, E]).
+
+        ``experts`` [B, T, k] (any integer dtype): replay these experts (R3, :func:`route`)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
+        replayed = None if experts is None else experts.reshape(b * t, -1)
         weights = (self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...])
         mesh = jax.sharding.get_abstract_mesh()
         if (self.impl == "dispatch" and not mesh.empty and self.expert_axis in mesh.shape
                 and mesh.shape[self.expert_axis] > 1):
             y, stats = moe_expert_parallel(
                 flat, *weights, mesh=mesh, axis=self.expert_axis, k=self.k,
-                norm_topk_prob=self.norm_topk_prob, capacity_factor=self.capacity_factor)
+                norm_topk_prob=self.norm_topk_prob, capacity_factor=self.capacity_factor,
+                experts=replayed)
             return y.reshape(b, t, d), stats
-        routing = route(flat, weights[0], k=self.k, norm_topk_prob=self.norm_topk_prob)
+        routing = route(flat, weights[0], k=self.k, norm_topk_prob=self.norm_topk_prob,
+                        experts=replayed)
         if self.impl == "dispatch":
             y, dropped = moe_dispatch(flat, routing, *weights[1:],
                                       capacity_factor=self.capacity_factor)
@@ -234,4 +294,32 @@ class MoE(nnx.Module):
         return y.reshape(b, t, d), MoEStats(routing.logits, dropped)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.apply(x)[0]
+        y, stats = self.apply(x)
+        if self.record_routing:
+            probs = jax.nn.softmax(stats.router_logits, axis=-1)
+            gates, experts = jax.lax.top_k(probs, self.k)
+            if self.norm_topk_prob:
+                gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+            shape = x.shape[:2] + (self.k,)
+            dtype = expert_index_dtype(self.router.shape[1])
+            self.sow(nnx.Intermediate, "routing", (experts.reshape(shape).astype(dtype), gates.reshape(shape)))
+        return y
+
+
+def record_routing(model) -> None:
+    """Makes every MoE layer of ``model`` (a Transformer, e.g. merged inside a sampler's jitted
+    function) sow its routing at each call; :func:`pop_routing` collects it."""
+    for block in model.layers:
+        if block.is_moe:
+            block.mlp.record_routing = True
+
+
+def pop_routing(model) -> tuple[jax.Array, jax.Array]:
+    """The routing the MoE layers of ``model`` sowed in their last call (:func:`record_routing`),
+    removed from the model: (experts [B, T, L_moe, k] in :func:`expert_index_dtype`, gates
+    [B, T, L_moe, k] f32), layers in order."""
+    per_layer = [nnx.pop(block.mlp, nnx.Intermediate)["routing"].get_value()[-1]
+                 for block in model.layers if block.is_moe]
+    if not per_layer:
+        raise ValueError("pop_routing: the model has no MoE layer (n_experts = 0): nothing to record")
+    return tuple(jnp.stack([layer[i] for layer in per_layer], axis=2) for i in range(2))

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxflow.models import moe
 from jaxflow.models.transformer import Transformer
 
 
@@ -101,12 +102,26 @@ class SampleOutput(NamedTuple):
     mask:     [B, N] float32, 1 for generated tokens up to and including the first eos
               (the losses take it as is: any mask dtype, nonzero = True).
     lengths:  [B] int32, number of generated tokens (including eos) = mask.sum(-1).
+    topk_logprobs, topk_indices: with ``behaviour_topk=K`` (:func:`make_sampler`), [B, N, K]
+              float32 / int32: the K largest log-probs of the distribution each token was drawn
+              from (the one ``logprobs`` is of) and their ids, descending; 0 where mask == 0.
+              None otherwise.
+    routing_experts, routing_gates: with ``record_routing`` (MoE models), [B, P + N - 1, L, k]:
+              the expert ids (:func:`jaxflow.models.moe.expert_index_dtype`) and gates (f32) each
+              MoE layer chose for the token at each position of ``prompt[:len] ++ tokens`` (the
+              trainer's forward, whose last input is token N - 2), as R3 replays them
+              (:mod:`jaxflow.models.moe`); positions past a row's end hold what the sampler fed
+              there (pad). None otherwise.
     """
 
     tokens: jax.Array
     logprobs: jax.Array
     mask: jax.Array
     lengths: jax.Array
+    topk_logprobs: jax.Array | None = None
+    topk_indices: jax.Array | None = None
+    routing_experts: jax.Array | None = None
+    routing_gates: jax.Array | None = None
 
 
 def sampling_log_probs(logits: jax.Array, config: SamplingConfig) -> jax.Array:
@@ -197,7 +212,16 @@ def _step_key(key: jax.Array, t, n_new: int, per_row: bool) -> jax.Array:
 
 def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig, logit_noise_std: float,
           per_row: bool, hook: LogitsHook | None, hook_state, t, hook_args):
-    """Returns (token [B] int32, logprob [B] float32) for one step.
+    """Returns (token [B] int32, logprob [B] float32) for one step (:func:`draw_with_dist`)."""
+    return draw_with_dist(logits, key, config, logit_noise_std, per_row, hook, hook_state, t,
+                          hook_args)[:2]
+
+
+def draw_with_dist(logits: jax.Array, key: jax.Array, config: SamplingConfig,
+                   logit_noise_std: float, per_row: bool, hook: LogitsHook | None, hook_state, t,
+                   hook_args) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (token [B] int32, logprob [B] float32, log-probs [B, V] float32 of the
+    distribution the token was drawn from) for one step.
 
     With ``logit_noise_std > 0`` N(0, std^2) noise is added to the raw logits first (the
     train/inference-mismatch knob); then the logits hook; the log-prob is that of the
@@ -222,7 +246,16 @@ def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig, logit_noise
         token = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(key, logp).astype(jnp.int32)
     else:
         token = jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
-    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0], logp
+
+
+def sampled_topk(logp: jax.Array, k: int, live: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The K largest of one step's sampled log-probs ``logp`` [B, V] and their ids, each
+    [B, K] (float32 / int32), zero where ``live`` [B] is False; ``-inf`` entries (outside a
+    top-k / top-p set) are kept as they are."""
+    top_lp, top_idx = jax.lax.top_k(logp, k)
+    keep = live[:, None]
+    return jnp.where(keep, top_lp, 0.0), jnp.where(keep, top_idx, 0).astype(jnp.int32)
 
 
 def mask_finished(token: jax.Array, logprob: jax.Array, done: jax.Array,
@@ -253,24 +286,46 @@ def _check_options(config: SamplingConfig, logit_noise_std: float,
 
 @functools.lru_cache(maxsize=32)
 def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std: float = 0.0,
-                 *, per_row_keys: bool = False, logits_hook: LogitsHook | None = None
-                 ) -> Decoder:
+                 *, per_row_keys: bool = False, logits_hook: LogitsHook | None = None,
+                 behaviour_topk: int = 0, record_routing: bool = False) -> Decoder:
     """The prefill and chunked decode of :func:`make_sampler` as separate functions (see
-    :class:`Decoder`), for callers that compact or reorder rows between decode chunks."""
+    :class:`Decoder`), for callers that compact or reorder rows between decode chunks.
+
+    ``behaviour_topk=K > 0``: every step's draws also carry the sampled distribution's top-K
+    log-probs and ids (:func:`behaviour_topk`): ``(token, logprob, live, topk_logprobs [B, K],
+    topk_indices [B, K])`` (stacked [n, B, K] by ``decode``). ``record_routing`` (MoE models)
+    appends each MoE layer's routing (experts, gates: [B, P, L, k] for the prompt from
+    ``prefill``, [B, L, k] per step from ``decode``, :func:`jaxflow.models.moe.pop_routing`)."""
     _check_options(config, logit_noise_std, logits_hook)
+    if isinstance(behaviour_topk, bool) or not isinstance(behaviour_topk, int) or behaviour_topk < 0:
+        raise ValueError(f"behaviour_topk={behaviour_topk!r}: need an int >= 0 (0 = off)")
     n_new = config.max_new_tokens
 
     def emit(logits, done, key, t, hook_state, hook_args):
-        token, logprob = _draw(logits, _step_key(key, t, n_new, per_row_keys), config,
-                               logit_noise_std, per_row_keys, logits_hook, hook_state, t,
-                               hook_args)
+        token, logprob, logp = draw_with_dist(logits, _step_key(key, t, n_new, per_row_keys), config,
+                                              logit_noise_std, per_row_keys, logits_hook, hook_state, t,
+                                              hook_args)
         token, logprob, live, done = mask_finished(token, logprob, done, config)
         if logits_hook is not None and logits_hook.update is not None:
             hook_state = logits_hook.update(hook_state, token, hook_args)
-        return token, logprob, live, done, hook_state
+        draws = (token, logprob, live)
+        if behaviour_topk:
+            draws += sampled_topk(logp, behaviour_topk, live)
+        return draws, done, hook_state
+
+    def merged(params_state) -> Transformer:
+        model = nnx.merge(graphdef, params_state)
+        if record_routing:
+            moe.record_routing(model)
+        return model
+
+    def routed(model, draws, squeeze=False):
+        if not record_routing:
+            return draws
+        return draws + tuple(r[:, 0] if squeeze else r for r in moe.pop_routing(model))
 
     def prefill(params_state, prompts, prompt_lengths, key, hook_args=None):
-        model: Transformer = nnx.merge(graphdef, params_state)
+        model: Transformer = merged(params_state)
         b, p = prompts.shape
         if p + n_new > model.config.max_seq_len:
             raise ValueError(
@@ -286,21 +341,21 @@ def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
         hook_state = None
         if logits_hook is not None and logits_hook.init is not None:
             hook_state = logits_hook.init(prompts, prompt_valid, last_logits.shape[-1], hook_args)
-        token, logprob, live, done, hook_state = emit(
+        draws, done, hook_state = emit(
             last_logits, jnp.zeros((b,), bool), key, jnp.int32(0), hook_state, hook_args)
-        return DecodeCarry(cache, token, live, done, hook_state), (token, logprob, live)
+        return DecodeCarry(cache, draws[0], draws[2], done, hook_state), routed(model, draws)
 
     def decode(params_state, carry, prompt_lengths, key, hook_args, t0, n_steps):
-        model: Transformer = nnx.merge(graphdef, params_state)
         prompt_lengths = prompt_lengths.astype(jnp.int32)
 
         def step(carry, t):
+            model = merged(params_state)  # merged per step: its MoE layers sow inside the scan
             logits, cache = model.decode(carry.token[:, None], carry.cache,
                                          positions=(prompt_lengths + t - 1)[:, None],
                                          valid=carry.live[:, None])
-            token, logprob, live, done, hook_state = emit(logits[:, 0], carry.done, key, t,
-                                                          carry.hook_state, hook_args)
-            return DecodeCarry(cache, token, live, done, hook_state), (token, logprob, live)
+            draws, done, hook_state = emit(logits[:, 0], carry.done, key, t, carry.hook_state,
+                                           hook_args)
+            return DecodeCarry(cache, draws[0], draws[2], done, hook_state), routed(model, draws, True)
 
         return jax.lax.scan(step, carry, t0 + jnp.arange(n_steps, dtype=jnp.int32))
 
@@ -309,14 +364,19 @@ def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
 
 @functools.lru_cache(maxsize=32)
 def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std: float = 0.0,
-                 *, per_row_keys: bool = False, logits_hook: LogitsHook | None = None
-                 ) -> Callable:
+                 *, per_row_keys: bool = False, logits_hook: LogitsHook | None = None,
+                 behaviour_topk: int = 0, record_routing: bool = False) -> Callable:
     """Builds a jitted sampler for one model structure and sampling config.
 
     ``logit_noise_std > 0`` adds fresh N(0, std^2) noise to the raw logits of every sampled
     step (needs temperature > 0); the returned log-probs are those of the noisy distribution.
     ``logits_hook`` (a :class:`LogitsHook`) is applied to every step's logits (after the
     noise) before sampling; log-probs are those of the hooked distribution.
+    ``behaviour_topk=K > 0`` also records, per token, the K largest log-probs of the
+    distribution it was drawn from and their ids (``SampleOutput.topk_logprobs`` /
+    ``topk_indices`` [B, N, K]; the proposal top-K of SIS with the behaviour policy).
+    ``record_routing`` (MoE models) also records each MoE layer's expert ids and gates per
+    position (``SampleOutput.routing_*``, what R3 replays).
 
     Returns:
       fn(params_state, prompts, prompt_lengths, key, hook_args=None) -> SampleOutput where
@@ -331,21 +391,33 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
       The KV cache has P + max_new_tokens slots, which must be <= the model's max_seq_len.
     """
     dec = make_decoder(graphdef, config, logit_noise_std, per_row_keys=per_row_keys,
-                       logits_hook=logits_hook)
+                       logits_hook=logits_hook, behaviour_topk=behaviour_topk,
+                       record_routing=record_routing)
+    n_draws = 3 + 2 * bool(behaviour_topk)
 
     def run(params_state, prompts, prompt_lengths, key, hook_args=None) -> SampleOutput:
-        carry, (token0, logprob0, live0) = dec.prefill(params_state, prompts, prompt_lengths,
-                                                       key, hook_args)
-        _, (tokens, logprobs, live) = dec.decode(params_state, carry, prompt_lengths, key,
-                                                 hook_args, jnp.int32(1),
-                                                 config.max_new_tokens - 1)
-        tokens = jnp.concatenate([token0[:, None], tokens.T], axis=1)
-        logprobs = jnp.concatenate([logprob0[:, None], logprobs.T], axis=1)
-        mask = jnp.concatenate([live0[:, None], live.T], axis=1).astype(jnp.float32)
-        return SampleOutput(tokens=tokens, logprobs=logprobs, mask=mask,
-                            lengths=mask.sum(axis=1).astype(jnp.int32))
+        carry, first = dec.prefill(params_state, prompts, prompt_lengths, key, hook_args)
+        _, rest = dec.decode(params_state, carry, prompt_lengths, key, hook_args, jnp.int32(1),
+                             config.max_new_tokens - 1)
+        # step-major [n, B, ...] -> [B, N, ...], the prefill's draw first
+        tokens, logprobs, live, *topk = (jnp.concatenate([a[:, None], jnp.moveaxis(b, 0, 1)], axis=1)
+                                         for a, b in zip(first[:n_draws], rest[:n_draws]))
+        mask = live.astype(jnp.float32)
+        routing = [_by_position(p, r, prompt_lengths) for p, r in zip(first[n_draws:], rest[n_draws:])]
+        if routing and not topk:
+            topk = [None, None]
+        return SampleOutput(tokens, logprobs, mask, mask.sum(axis=1).astype(jnp.int32), *topk, *routing)
 
     return jax.jit(run)
+
+
+def _by_position(prompt_part: jax.Array, steps: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
+    """[B, P + n, ...]: the prefill's record [B, P, ...] at positions 0 .. P - 1, then decode
+    step t's [n, B, ...] (t = 1 .. n, which fed token t - 1) at position ``len_b + t - 1``."""
+    b, n = prompt_part.shape[0], steps.shape[0]
+    out = jnp.concatenate([prompt_part, jnp.zeros((b, n) + prompt_part.shape[2:], prompt_part.dtype)], axis=1)
+    pos = prompt_lengths.astype(jnp.int32)[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
+    return out.at[jnp.arange(b)[:, None], pos].set(jnp.moveaxis(steps, 0, 1))
 
 
 def sample(model: Transformer, prompts: jax.Array, prompt_lengths: jax.Array, *,

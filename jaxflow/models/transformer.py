@@ -172,16 +172,18 @@ class Block(nnx.Module):
         self.mlp = MoE(config, rngs=rngs) if self.is_moe else SwiGLU(config, rngs=rngs, layer=layer)
 
     def forward(self, x, positions, segment_ids, *, attention: str | None = None,
-                interpret: bool = False) -> tuple[jax.Array, MoEStats | None]:
+                interpret: bool = False, experts: jax.Array | None = None
+                ) -> tuple[jax.Array, MoEStats | None]:
         """Packed rows: segment_ids [B, T] (0 = padding), attention by backend (default the
-        config's). Returns (x [B, T, d], MoEStats on MoE layers else None)."""
+        config's); ``experts`` [B, T, k]: replayed routing of a MoE layer (R3). Returns
+        (x [B, T, d], MoEStats on MoE layers else None)."""
         h = self.attn_norm(x)
         return self._mlp(x + self.attn.segments(h, positions, segment_ids, attention=attention,
-                                                interpret=interpret))
+                                                interpret=interpret), experts)
 
-    def _mlp(self, x) -> tuple[jax.Array, MoEStats | None]:
+    def _mlp(self, x, experts=None) -> tuple[jax.Array, MoEStats | None]:
         if self.is_moe:
-            y, stats = self.mlp.apply(self.mlp_norm(x))
+            y, stats = self.mlp.apply(self.mlp_norm(x), experts)
             return x + y, stats
         return x + self.mlp(self.mlp_norm(x)), None
 
@@ -245,7 +247,8 @@ class Transformer(nnx.Module):
                                positions: jax.Array | None = None,
                                segment_ids: jax.Array | None = None,
                                inputs_embeds: jax.Array | None = None,
-                               attention: str | None = None, interpret: bool = False
+                               attention: str | None = None, interpret: bool = False,
+                               routing: jax.Array | None = None
                                ) -> tuple[jax.Array, tuple[MoEStats, ...]]:
         """Final-RMSNorm output that the LM head sees, and each MoE layer's MoEStats.
 
@@ -260,6 +263,9 @@ class Transformer(nnx.Module):
           attention: attention backend for this call (``ATTENTION_BACKENDS``); default the
             config's ``attention``.
           interpret: run a Pallas attention kernel (splash / flash) in interpret mode.
+          routing: [B, T, L_moe, k] expert ids (any integer dtype) replayed by the MoE layers in
+            layer order instead of their routers' top-k (R3, :mod:`jaxflow.models.moe`); not
+            with ``scan_layers``.
 
         Returns:
           ([B, T, d_model] in the compute dtype, one MoEStats per MoE layer in layer order;
@@ -284,9 +290,14 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
-        def forward(blk, h):
+        def forward(blk, h, experts=None):
             return blk.forward(h, positions, segment_ids, attention=attention,
-                               interpret=interpret)
+                               interpret=interpret, experts=experts)
+
+        n_moe = sum(block.is_moe for block in self.layers)
+        if routing is not None and (self.config.scan_layers or routing.shape[:3] != (b, t, n_moe)):
+            raise ValueError(f"routing shape {routing.shape}: need [B, T, MoE layers, k] = [{b}, {t}, {n_moe}, k] "
+                             f"and scan_layers off (it is {self.config.scan_layers})")
 
         policy = (getattr(jax.checkpoint_policies, self.config.remat_policy)
                   if self.config.remat else None)
@@ -296,7 +307,8 @@ class Transformer(nnx.Module):
             forward = nnx.remat(forward, policy=policy)
         stats = []
         for block in self.layers:
-            x, s = forward(block, x)
+            replayed = None if routing is None or not block.is_moe else routing[:, :, len(stats)]
+            x, s = forward(block, x, replayed)
             if s is not None:
                 stats.append(s)
         return self.final_norm(x), tuple(stats)

@@ -49,6 +49,8 @@ The entries, each with its reference's published defaults (:class:`CorrectionMen
   when its row's min ``rho`` is below ``prime_seq_low`` (0: off) or max above ``prime_seq_high``
   (100); kept tokens weigh ``rho``, the denominator is the given mask's count.
 
+:func:`correction_mask` is the one mask every term of the loss takes (RS's or a menu entry's).
+
 No adaptive-bound variant: no reference code for the adaptive IcePop regions could be found.
 """
 
@@ -223,3 +225,48 @@ def menu_correction(name: str, menu: CorrectionMenuConfig, old_logp: jax.Array, 
     weights = jax.lax.stop_gradient(jnp.where(keep, weights, 0.0).astype(rho.dtype))
     masked = jnp.logical_and(mask, jnp.logical_or(~keep, weights == 0))
     return MenuCorrection(keep, weights, masked)
+
+
+def rs_token_mask(config, old_logp: jax.Array, behaviour_logp: jax.Array | None,
+                  given: jax.Array) -> jax.Array:
+    """[B, T] bool: the tokens of ``given`` that RS keeps (verl's token rejection sampling:
+    ``rs_threshold_lower <= pi_old / mu <= rs_threshold``, :attr:`jaxflow.rl.PolicyLossConfig.rs_bounds`);
+    ``given`` itself when ``config`` uses no RS. Shapes and cleaning as :func:`correction_mask`."""
+    if not config.uses_rs:
+        return given
+    low, high = config.rs_bounds
+    return jnp.logical_and(given, corrections.rs_keep_mask(_clean(old_logp, given), _clean(behaviour_logp, given),
+                                                           low, high))
+
+
+def _clean(x: jax.Array, given: jax.Array) -> jax.Array:
+    """``x`` in (at least) f32, zero outside ``given`` (so inf / nan padding reaches nothing)."""
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    return jnp.where(given, x.astype(dtype), jnp.zeros((), dtype))
+
+
+def correction_mask(config, old_logp: jax.Array, behaviour_logp: jax.Array | None,
+                    given: jax.Array) -> tuple[jax.Array, MenuCorrection | None]:
+    """The tokens the loss uses after the behaviour correction's mask, and the menu correction.
+
+    The one place the correction's mask is computed: :func:`jaxflow.rl.policy_loss` and the GRPO step's KL /
+    entropy terms (``jaxflow.rl.grpo_step``) both take it, so RS- and menu-removed tokens leave
+    every term, as verl's ``response_mask``.
+
+    Args:
+      config: the :class:`jaxflow.rl.PolicyLossConfig`; its ``correction`` decides the mask.
+      old_logp, behaviour_logp: [B, T] pi_old's and the sampler's log-probs of the sampled tokens;
+        entries outside ``given`` may hold anything (even inf): they are zeroed first.
+        ``behaviour_logp`` may be None when the correction needs none.
+      given: [B, T] bool response mask.
+
+    Returns:
+      ``(keep [B, T] bool, menu)``: ``keep`` is ``given`` less RS's out-of-range tokens
+      (:func:`rs_token_mask`) or a menu correction's removed tokens; ``menu`` the
+      :class:`MenuCorrection` (its weights too) for a menu correction, else None.
+    """
+    if config.correction in MENU:  # a menu correction: its mask, then its weights
+        menu = menu_correction(config.correction, config.menu, _clean(old_logp, given),
+                               _clean(behaviour_logp, given), given, tis_cap=config.tis_cap)
+        return menu.keep, menu
+    return rs_token_mask(config, old_logp, behaviour_logp, given), None

@@ -400,13 +400,14 @@ class GRPOTrainer:
                                          normalize_std=self.config.normalize_std))
         size = self.config.minibatch_size
         sharding = batch_sharding(self.trainer_mesh, size)
-        out = []
-        for j in range(self.config.lag):
-            rows = slice(j * size, (j + 1) * size)
-            out.append(MiniBatch(*(put(x[rows], sharding) for x in (
-                batch.prompts, batch.prompt_lengths, batch.tokens, batch.mask,
-                batch.behaviour_logp, adv.astype(np.float32)))))
-        return out
+        fields = dict(zip(MiniBatch._fields, (batch.prompts, batch.prompt_lengths, batch.tokens, batch.mask,
+                                              batch.behaviour_logp, adv.astype(np.float32))))
+        if self.config.loss.sis_proposal == "behaviour":  # sis_b: the sampler's top-K, sharded as the rows
+            fields.update(zip(MiniBatch._fields[6:8], batch.behaviour_topk("correction 'sis_b'")))
+        if self.config.routing_replay != "off":  # R3: the sampler's experts per position
+            fields["routing"] = batch.routing_record(f"routing_replay={self.config.routing_replay!r}")
+        return [MiniBatch(**{f: put(x[j * size:(j + 1) * size], sharding) for f, x in fields.items()})
+                for j in range(self.config.lag)]
 
     def train_on_rollout(self, state: dict, batch: RolloutBatch, *, key: jax.Array | None = None
                          ) -> tuple[dict, list[dict], SyncRecord | None]:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jaxflow.config_domains import COUNT, COUNT0, INT32_MAX, NON_NEGATIVE, POSITIVE, Int, domains
 from jaxflow.mesh import jit_on
 from jaxflow.models.lora import LoraConfig
+from jaxflow.models.moe import routing_disagreement
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl import sis
 from jaxflow.rl.logprobs import fused_logprobs
@@ -33,6 +34,7 @@ from jaxflow.train.lm_state import LMFunctions, OptimConfig, lm_functions, make_
 from jaxflow.train.state import TrainState
 
 KL_ESTIMATORS = ("k1", "k3")
+ROUTING_REPLAY = ("off", "record", "replay")
 FILTER_METRICS = ("acc", "seq_reward")
 
 
@@ -58,7 +60,9 @@ class GRPOConfig:
         per-token estimator on the sampled tokens; 0 turns it off (no reference kept).
       entropy_coef: bonus on the exact per-token entropy (materialises [B, T, V]; the vocab
         here is tiny).
-      sis_topk: K of pi_old's top-K kept for the SIS envelope (vocab size = exact envelope).
+      sis_topk: K of pi_old's top-K kept for the SIS envelope (vocab size = exact envelope);
+        with ``loss.correction="sis_b"`` the K of the behaviour policy's top-K the sampler
+        records (capped at the vocab size).
       sis_diagnostics: also log ``sis_accept_expected``, the probability SIS would accept a
         token, min(1, w / M) (1 where log_w == 0), averaged over the response tokens, whatever
         the correction (an uncorrected run reports the accept rate SIS would have had). Costs
@@ -85,6 +89,12 @@ class GRPOConfig:
         (:attr:`old_from_update`: lag 1, no SIS top-K, no SIS diagnostics, no KL reference),
         the old log-probs are the stop-gradient of the update's own forward (ratio == 1
         exactly) instead of a separate pi_old forward; False always runs that forward.
+      routing_replay: R3 for MoE models (:mod:`jaxflow.models.moe`): "off"; "record" (the
+        sampler records each MoE layer's experts per position, the trainer routes anew and logs
+        ``moe/router_disagreement``: the share of (position, layer) whose top-k set differs from
+        the sampler's); "replay" (the trainer's forwards, pi_old's and the update's, replay the
+        sampler's experts, gates from the trainer's router; the metric is then its own routers'
+        disagreement with the replayed choice).
       lora: low-rank adapters trained over the frozen policy (``--set rl.lora.rank=8``;
         :mod:`jaxflow.models.lora`): the warm start's weights stay frozen, fresh adapters
         (B = 0: step 0 is the warm start) are the only trainable params, and the sampler gets
@@ -116,6 +126,7 @@ class GRPOConfig:
     overlong_buffer: OverlongBufferConfig | None = None
     truncated_reward: str = "zero"
     reuse_forward: bool = True
+    routing_replay: str = "off"
     lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
@@ -130,6 +141,8 @@ class GRPOConfig:
         if self.rollout_size % self.lag:
             raise ValueError(f"lag={self.lag} must divide the rollout size prompts_per_rollout * "
                              f"group_size = {self.rollout_size}")
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"routing_replay={self.routing_replay!r}; valid: {ROUTING_REPLAY}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator={self.kl_estimator!r}; valid: {KL_ESTIMATORS}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
@@ -162,7 +175,9 @@ class GRPOConfig:
         return RolloutSpec(group_size=self.group_size, temperature=self.temperature,
                            max_new_tokens=self.max_new_tokens, mismatch=self.mismatch,
                            sampler=self.sampler, engine=self.engine,
-                           truncated_reward=self.truncated_reward)
+                           truncated_reward=self.truncated_reward,
+                           behaviour_topk=self.sis_topk if self.loss.sis_proposal == "behaviour" else 0,
+                           record_routing=self.routing_replay != "off")
 
     @property
     def old_from_update(self) -> bool:
@@ -224,7 +239,9 @@ def make_rl_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTrans
 
 class MiniBatch(NamedTuple):
     """Trainer-side rows: prompts [b, P], prompt_lengths [b], tokens / mask / behaviour_logp
-    [b, N], advantages [b]."""
+    [b, N], advantages [b]; with ``sis_b`` the behaviour policy's top-K log-probs and ids
+    [b, N, K] (:class:`jaxflow.rl.rollout.RolloutBatch`), None otherwise; with routing replay
+    the sampler's expert ids [b, P + N - 1, L, k] (``routing``), None otherwise."""
 
     prompts: jax.Array
     prompt_lengths: jax.Array
@@ -232,6 +249,9 @@ class MiniBatch(NamedTuple):
     mask: jax.Array
     behaviour_logp: jax.Array
     advantages: jax.Array
+    behaviour_topk_logp: jax.Array | None = None
+    behaviour_topk_ids: jax.Array | None = None
+    routing: jax.Array | None = None
 
 
 class OldStats(NamedTuple):
@@ -246,30 +266,55 @@ class OldStats(NamedTuple):
 
 
 def response_hidden(fns: LMFunctions, params: Any, prompts: jax.Array,
-                    prompt_lengths: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    prompt_lengths: jax.Array, tokens: jax.Array, routing: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
     """Final hidden states that predict each response token, and the LM head.
 
     Row b is ``prompt[:len_b] ++ tokens`` (positions 0.., as the sampler saw it); the hidden
-    state at position ``len_b + t - 1`` predicts response token t.
+    state at position ``len_b + t - 1`` predicts response token t. ``routing`` [B, P + N - 1,
+    L, k]: the MoE layers replay these experts (R3, :func:`routed_response_hidden`).
 
     Returns:
       (hidden [B, N, d], head [d, V]) in the model's compute dtype.
     """
+    return routed_response_hidden(fns, params, prompts, prompt_lengths, tokens, routing)[:2]
+
+
+def routed_response_hidden(fns: LMFunctions, params: Any, prompts: jax.Array, prompt_lengths: jax.Array,
+                           tokens: jax.Array, routing: jax.Array | None = None
+                           ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """:func:`response_hidden` and the forward's own top-k experts [B, P + N - 1, L, k] int32
+    (its routers' choice, whatever it replayed; None for a dense model)."""
     model = fns.model(params)
     b, p = prompts.shape
     n = tokens.shape[1]
     rows = jnp.arange(b)[:, None]
     slot = prompt_lengths[:, None].astype(jnp.int32) + jnp.arange(n, dtype=jnp.int32)[None]
     seq = jnp.pad(prompts, ((0, 0), (0, n))).at[rows, slot].set(tokens)
-    hidden = model.hidden_states(seq[:, :-1])
+    hidden, stats = model.hidden_states_with_aux(seq[:, :-1], routing=routing)
     hidden = jnp.take_along_axis(hidden, (slot - 1)[..., None], axis=1)
-    return hidden, model.head_weight().astype(hidden.dtype)
+    k = model.config.n_experts_per_token
+    own = (jnp.stack([jax.lax.top_k(s.router_logits, k)[1].reshape(b, p + n - 1, k) for s in stats], axis=2)
+           if stats else None)
+    return hidden, model.head_weight().astype(hidden.dtype), own
+
+
+def router_disagreement(own: jax.Array, recorded: jax.Array, prompt_lengths: jax.Array,
+                        mask: jax.Array) -> jax.Array:
+    """Share of (position, MoE layer) whose top-k expert set differs between the trainer's
+    routers (``own``) and the sampler's record, over the positions the forward feeds real
+    tokens (``< len_b + response_len_b - 1``). own, recorded: [B, S, L, k]; mask [B, N]."""
+    end = prompt_lengths.astype(jnp.int32) + jnp.sum(as_bool_mask(mask), axis=1).astype(jnp.int32) - 1
+    valid = jnp.arange(own.shape[1])[None] < end[:, None]
+    return routing_disagreement(own, recorded, valid[..., None])
 
 
 def old_stats(fns: LMFunctions, params: Any, ref_params: Any | None, mb: MiniBatch, *,
               config: GRPOConfig) -> OldStats:
-    """pi_old's (and the reference's) log-probs for one mini-batch; no gradient."""
-    hidden, head = response_hidden(fns, params, mb.prompts, mb.prompt_lengths, mb.tokens)
+    """pi_old's (and the reference's) log-probs for one mini-batch; no gradient (replaying the
+    sampler's routing with ``routing_replay="replay"``)."""
+    hidden, head = response_hidden(fns, params, mb.prompts, mb.prompt_lengths, mb.tokens,
+                                   mb.routing if config.routing_replay == "replay" else None)
     out = fused_logprobs(hidden, head, mb.tokens, own_topk=min(config.sis_topk, head.shape[1]),
                          temperature=config.temperature, backend=config.logprob_backend)
     ref = jnp.zeros_like(out.target_logp)
@@ -310,20 +355,36 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFuncti
     if old is None and not config.old_from_update:
         raise ValueError("grpo_loss(old=None) needs config.old_from_update (lag 1, no SIS, no "
                          "SIS diagnostics, no KL); pass old_stats(...) otherwise")
-    hidden, head = response_hidden(fns, params, mb.prompts, mb.prompt_lengths, mb.tokens)
+    replay = config.routing_replay == "replay"
+    if config.routing_replay != "off" and mb.routing is None:
+        raise ValueError(f"routing_replay={config.routing_replay!r} needs the mini-batch's routing "
+                         "[b, P + N - 1, L, k] (a rollout sampled with RolloutSpec.record_routing); got None")
+    hidden, head, own = routed_response_hidden(fns, params, mb.prompts, mb.prompt_lengths, mb.tokens,
+                                               mb.routing if replay else None)
+    if config.routing_replay != "off" and own is None:
+        raise ValueError(f"routing_replay={config.routing_replay!r} needs an MoE model (n_experts > 0, "
+                         "scan_layers off); this one has no MoE layer")
     loss_cfg = config.loss
-    out = fused_logprobs(hidden, head, mb.tokens,
-                         old.topk_indices if old is not None and loss_cfg.uses_sis else None,
+    by_behaviour = loss_cfg.sis_proposal == "behaviour"  # sis_b: pi_theta at mu's top-K
+    if by_behaviour and mb.behaviour_topk_ids is None:
+        raise ValueError("correction 'sis_b' needs the mini-batch's behaviour_topk_logp / _ids "
+                         "[b, N, K] (a rollout sampled with RolloutSpec.behaviour_topk = K > 0); got None")
+    proposal_ids = (mb.behaviour_topk_ids if by_behaviour
+                    else old.topk_indices if old is not None and loss_cfg.uses_sis else None)
+    out = fused_logprobs(hidden, head, mb.tokens, proposal_ids,
                          temperature=config.temperature, backend=config.logprob_backend)
     logp = out.target_logp
     if old is None:
         old = OldStats(jax.lax.stop_gradient(logp), None, None, None)
     loss, metrics = policy_loss(
         logp, old.logp, mb.advantages, mb.mask, config=loss_cfg, key=key,
-        old_topk_logp=old.topk_logp if loss_cfg.uses_sis else None,
-        new_topk_logp=out.topk_logp, behaviour_logp=mb.behaviour_logp)
+        old_topk_logp=old.topk_logp if loss_cfg.sis_proposal == "old" else None,
+        new_topk_logp=out.topk_logp, behaviour_logp=mb.behaviour_logp,
+        behaviour_topk_logp=mb.behaviour_topk_logp if by_behaviour else None)
     metrics = dict(metrics)
     metrics["policy_loss"] = loss
+    if config.routing_replay != "off":
+        metrics["moe/router_disagreement"] = router_disagreement(own, mb.routing, mb.prompt_lengths, mb.mask)
     given = as_bool_mask(mb.mask)
     if config.sis_diagnostics:
         metrics["sis_accept_expected"] = _expected_sis_accept(hidden, head, mb, old, config, given)

@@ -35,7 +35,8 @@ def check_rows(name: str, x: Any, logp: jax.Array) -> None:
 
 
 def validate_loss_inputs(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_topk_logp,
-                         behaviour_logp, uniforms=None, rewards=None, target_reward=None) -> None:
+                         behaviour_logp, uniforms=None, rewards=None, target_reward=None,
+                         behaviour_topk_logp=None) -> None:
     """Raises ValueError naming the first of :func:`jaxflow.rl.policy_loss`'s arguments that is
     malformed (shape, dtype) or missing for ``config`` (a PolicyLossConfig): its SIS inputs,
     ``behaviour_logp``, sa_gcpo's ``rewards`` / ``target_reward``."""
@@ -70,13 +71,15 @@ def validate_loss_inputs(logp, old_logp, advantages, mask, config, key, old_topk
         if uniforms is not None and getattr(uniforms, "shape", None) != logp.shape:
             raise ValueError(f"uniforms shape {getattr(uniforms, 'shape', None)} does not match "
                              f"logp shape {logp.shape} [B, T]")
-        for name, arr in (("old_topk_logp", old_topk_logp), ("new_topk_logp", new_topk_logp)):
+        behaviour = config.sis_proposal == "behaviour"
+        proposal = ("behaviour_topk_logp", behaviour_topk_logp) if behaviour else ("old_topk_logp", old_topk_logp)
+        for name, arr in (proposal, ("new_topk_logp", new_topk_logp)):
             if arr is None:
-                raise ValueError(f"correction {config.correction!r} needs {name}= [B, T, K] "
-                                 "(log-probs at pi_old's top-K tokens); got None")
+                raise ValueError(f"correction {config.correction!r} needs {name}= [B, T, K] (log-probs at "
+                                 f"{'the behaviour policy' if behaviour else 'pi_old'}'s top-K tokens); got None")
             check_like(name, arr, logp, ndim_extra=1)
-        if old_topk_logp.shape != new_topk_logp.shape:
-            raise ValueError(f"old_topk_logp shape {old_topk_logp.shape} does not match "
+        if proposal[1].shape != new_topk_logp.shape:
+            raise ValueError(f"{proposal[0]} shape {proposal[1].shape} does not match "
                              f"new_topk_logp shape {new_topk_logp.shape}")
     if config.needs_behaviour_logp:
         if behaviour_logp is None:

@@ -34,6 +34,11 @@ of a rejected token's ratio; an accepted token's value is 1, so its gradient is 
 the unclipped difference, see :func:`jaxflow.rl.sis.sis_log_ratio`).
 A rejected token goes through the base algorithm unchanged, except that for GSPO the sequence
 ratio is the mean of ``log_w`` over the sequence's *rejected* tokens only (1 when none are).
+``sis_b`` is SIS with the behaviour policy mu as its proposal: the same accept / reject
+handling, but the rejection test is on ``pi_theta / mu`` (``clip(logp - behaviour_logp)``)
+with the envelope over mu's top-K (``behaviour_topk_logp``, recorded by the sampler, and
+``new_topk_logp`` at those ids); with ``mu == pi_old`` (and mu's top-K = pi_old's) it is
+``sis`` exactly.
 
 Behaviour-policy corrections (:mod:`jaxflow.rl.corrections`, rho = pi_old / mu):
 TIS / MIS weights multiply every unmasked token's loss (a token MIS zeroes stays in the
@@ -55,12 +60,14 @@ import jax.numpy as jnp
 from jaxflow.config_domains import ABOVE_ONE, CAP_OR_OFF, NON_NEGATIVE, POSITIVE, WIDTH_OR_OFF, domains
 from jaxflow.rl import advantages as advantages_lib
 from jaxflow.rl import correction_menu, corrections, sis
+from jaxflow.rl.correction_menu import correction_mask, rs_token_mask  # noqa: F401  (API: re-export)
 from jaxflow.rl.loss_checks import validate_loss_inputs
 from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.metrics import loss_metrics, masked_percentile  # noqa: F401  (API: re-export)
 
 ALGOS = ("grpo", "dapo", "gspo", "cispo", "sa_gcpo")
-CORRECTIONS = ("none", "sis", "tis", "mis", "rs", "tis+rs", "sis+tis", "sis+mis", "sis+rs") + correction_menu.MENU
+CORRECTIONS = ("none", "sis", "sis_b", "tis", "mis", "rs", "tis+rs", "sis+tis", "sis+mis", "sis+rs",
+               *correction_menu.MENU)
 # Algorithms with a dual clip (``dual_clip_c``); the others have none.
 DUAL_CLIP_ALGOS = ("grpo", "dapo")
 DEFAULT_DUAL_CLIP_C = 3.0  # verl's clip_ratio_c default
@@ -91,7 +98,9 @@ class PolicyLossConfig:
     Attributes:
       algo: one of ``ALGOS`` ("grpo", "dapo", "gspo", "cispo", "sa_gcpo"). Default "grpo".
       correction: one of ``CORRECTIONS``. Default "none". "sis" needs ``key`` and both top-K
-        arrays; "tis" / "mis" / "rs" need ``behaviour_logp``. "tis+rs" is verl's token TIS
+        arrays; "sis_b" (SIS with the behaviour policy as proposal) needs ``key``,
+        ``behaviour_logp``, ``behaviour_topk_logp`` and ``new_topk_logp`` at the behaviour
+        top-K; "tis" / "mis" / "rs" need ``behaviour_logp``. "tis+rs" is verl's token TIS
         weights on top of its token rejection mask. The menu of :mod:`jaxflow.rl.correction_menu`
         ("icepop", "seq-mask-tis", "geo-rs", ...) needs ``behaviour_logp``; its bounds are ``menu``.
       agg: one of ``AGGS``, or None (the default) for the algorithm's default: "token-mean"
@@ -202,6 +211,13 @@ class PolicyLossConfig:
         return self.correction.startswith("sis")
 
     @property
+    def sis_proposal(self) -> str | None:
+        """SIS's proposal: "old" (pi_old, the authors' SIS), "behaviour" (mu, ``sis_b``) or None."""
+        if not self.uses_sis:
+            return None
+        return "behaviour" if self.correction == "sis_b" else "old"
+
+    @property
     def behaviour_correction(self) -> str | None:
         """The behaviour-policy weights: "tis", "mis" or None (RS alone weighs nothing)."""
         parts = () if self.correction in correction_menu.MENU else self.correction.split("+")
@@ -215,7 +231,8 @@ class PolicyLossConfig:
     @property
     def needs_behaviour_logp(self) -> bool:
         """Whether the loss needs the sampler's (behaviour policy's) log-probs."""
-        return self.behaviour_correction is not None or self.uses_rs or self.correction in correction_menu.MENU
+        return (self.behaviour_correction is not None or self.uses_rs or self.correction in correction_menu.MENU
+                or self.sis_proposal == "behaviour")
 
 
 # ----------------------------------------------------------------------------- base losses
@@ -302,52 +319,6 @@ def aggregate(token_loss: jax.Array, mask: jax.Array, agg: str) -> jax.Array:
 # ----------------------------------------------------------------------------- the loss
 
 
-def rs_token_mask(config: PolicyLossConfig, old_logp: jax.Array, behaviour_logp: jax.Array | None,
-                  given: jax.Array) -> jax.Array:
-    """[B, T] bool: the tokens of ``given`` that RS keeps (verl's token rejection sampling:
-    ``rs_threshold_lower <= pi_old / mu <= rs_threshold``, :attr:`PolicyLossConfig.rs_bounds`);
-    ``given`` itself when ``config`` uses no RS. Shapes and cleaning as :func:`correction_mask`."""
-    if not config.uses_rs:
-        return given
-    low, high = config.rs_bounds
-    return jnp.logical_and(given, corrections.rs_keep_mask(_clean(old_logp, given), _clean(behaviour_logp, given),
-                                                           low, high))
-
-
-def _clean(x: jax.Array, given: jax.Array) -> jax.Array:
-    """``x`` in (at least) f32, zero outside ``given`` (so inf / nan padding reaches nothing)."""
-    dtype = jnp.promote_types(x.dtype, jnp.float32)
-    return jnp.where(given, x.astype(dtype), jnp.zeros((), dtype))
-
-
-def correction_mask(config: PolicyLossConfig, old_logp: jax.Array, behaviour_logp: jax.Array | None,
-                    given: jax.Array) -> tuple[jax.Array, correction_menu.MenuCorrection | None]:
-    """The tokens the loss uses after the behaviour correction's mask, and the menu correction.
-
-    The one place the correction's mask is computed: :func:`policy_loss` and the GRPO step's KL /
-    entropy terms (``jaxflow.rl.grpo_step``) both take it, so RS- and menu-removed tokens leave
-    every term, as verl's ``response_mask``.
-
-    Args:
-      config: the loss config; its ``correction`` decides the mask.
-      old_logp, behaviour_logp: [B, T] pi_old's and the sampler's log-probs of the sampled tokens;
-        entries outside ``given`` may hold anything (even inf): they are zeroed first.
-        ``behaviour_logp`` may be None when the correction needs none.
-      given: [B, T] bool response mask.
-
-    Returns:
-      ``(keep [B, T] bool, menu)``: ``keep`` is ``given`` less RS's out-of-range tokens
-      (:func:`rs_token_mask`) or a menu correction's removed tokens; ``menu`` the
-      :class:`jaxflow.rl.correction_menu.MenuCorrection` (its weights too) for a menu
-      correction, else None.
-    """
-    if config.correction in correction_menu.MENU:  # a menu correction: its mask, then its weights
-        menu = correction_menu.menu_correction(config.correction, config.menu, _clean(old_logp, given),
-                                               _clean(behaviour_logp, given), given, tis_cap=config.tis_cap)
-        return menu.keep, menu
-    return rs_token_mask(config, old_logp, behaviour_logp, given), None
-
-
 def policy_loss(
     logp: jax.Array,
     old_logp: jax.Array,
@@ -362,6 +333,7 @@ def policy_loss(
     uniforms: jax.Array | None = None,
     rewards: jax.Array | None = None,
     target_reward: jax.Array | None = None,
+    behaviour_topk_logp: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The policy-gradient loss (to minimise) and its diagnostics.
 
@@ -377,13 +349,15 @@ def policy_loss(
       key: PRNG key for the SIS uniforms (needed when ``config.correction`` has "sis"); the
         uniforms are ``sis.sis_uniforms(key, logp.shape)``.
       old_topk_logp, new_topk_logp: [B, T, K] pi_old's / the current policy's log-probs at
-        pi_old's top-K tokens (needed for SIS). K = |V| gives the exact envelope.
+        pi_old's top-K tokens (needed for SIS). K = |V| gives the exact envelope. With ``sis_b``
+        ``new_topk_logp`` is the current policy at the behaviour policy's top-K tokens.
       behaviour_logp: [B, T] the sampler's log-probs (needed for TIS / MIS / RS).
       uniforms: optional [B, T] SIS uniforms in [0, 1] used instead of drawing them from
         ``key`` (an extension beyond the SIS paper for replays and for exact expectations over the
         accept coin: 0 forces acceptance, 1 forces rejection unless log_w == 0).
       rewards, target_reward: optional [B] each, sa_gcpo only (both or neither): positive
         advantages of rows with ``rewards < target_reward`` are set to 0 before the gate.
+      behaviour_topk_logp: [B, T, K] the behaviour policy's top-K log-probs (``sis_b`` only).
 
     Returns:
       ``(loss, metrics)``: a scalar in f32 (or wider, matching logp) and a dict of scalars,
@@ -409,7 +383,7 @@ def policy_loss(
     if not isinstance(config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
     validate_loss_inputs(logp, old_logp, advantages, mask, config, key, old_topk_logp, new_topk_logp,
-                         behaviour_logp, uniforms, rewards, target_reward)
+                         behaviour_logp, uniforms, rewards, target_reward, behaviour_topk_logp)
     dtype = jnp.promote_types(logp.dtype, jnp.float32)
     given = as_bool_mask(mask)
 
@@ -428,11 +402,16 @@ def policy_loss(
 
     if config.uses_sis:
         keep_k = keep[..., None]
-        log_m = sis.sis_log_envelope(log_w, clean(new_topk_logp, keep_k),
-                                     clean(old_topk_logp, keep_k), config.log_ratio_clip)
+        test_log_w, proposal_topk = log_w, old_topk_logp  # the authors' SIS: pi_theta / pi_old
+        if config.sis_proposal == "behaviour":  # sis_b: the test on pi_theta / mu
+            test_log_w = sis.clipped_log_ratio(logp_c, jax.lax.stop_gradient(clean(behaviour_logp, keep)),
+                                               config.log_ratio_clip)
+            proposal_topk = behaviour_topk_logp
+        log_m = sis.sis_log_envelope(test_log_w, clean(new_topk_logp, keep_k),
+                                     clean(proposal_topk, keep_k), config.log_ratio_clip)
         if uniforms is None:
             uniforms = sis.sis_uniforms(key, logp.shape)
-        accept = jnp.logical_and(sis.sis_accept(log_w, log_m, uniforms), keep)
+        accept = jnp.logical_and(sis.sis_accept(test_log_w, log_m, uniforms), keep)
     else:
         accept = jnp.zeros(logp.shape, bool)
     sis_log_w = sis.sis_log_ratio(log_w, accept, logp_c - old_c)

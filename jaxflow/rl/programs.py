@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxflow.compile_only.program import Program, count_params, transformer_train_flops
+from jaxflow.models.moe import expert_index_dtype
 from jaxflow.rl.grpo_step import MiniBatch, OldStats
 from jaxflow.rl.rollout import batch_sharding
 from jaxflow.sync.programs import sync_programs
@@ -27,6 +29,11 @@ from jaxflow.train.state import TrainState
 
 def _sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def _routing_bytes(record: jax.ShapeDtypeStruct) -> int:
+    """Bytes of an R3 routing record: layers x top-k x tokens x itemsize."""
+    return int(np.prod(record.shape)) * record.dtype.itemsize
 
 
 def _sharding_note(mesh) -> str:
@@ -54,8 +61,17 @@ def grpo_programs(trainer, *, prefix: str = "") -> list[Program]:
     k = min(cfg.sis_topk, model.vocab_size)
     row = batch_sharding(tm, b)
     f32, i32 = jnp.float32, jnp.int32
+    extra, note_t = {}, _sharding_note(tm)
+    if cfg.loss.sis_proposal == "behaviour":  # sis_b: the sampler's top-K rides with the rows
+        extra.update(behaviour_topk_logp=_sds((b, n, k), f32, row), behaviour_topk_ids=_sds((b, n, k), i32, row))
+    if cfg.routing_replay != "off":  # R3: experts per position and MoE layer, the smallest uint
+        n_moe = sum(model.is_moe_layer(i) for i in range(model.n_layers))
+        dtype = expert_index_dtype(model.n_experts)
+        extra["routing"] = _sds((b, width + n - 1, n_moe, model.n_experts_per_token), dtype, row)
+        note_t += (f"; R3 record {n_moe} layers x top-{model.n_experts_per_token} x {b * (width + n - 1)} "
+                   f"tokens x {dtype.itemsize} B ({dtype.name}) = {_routing_bytes(extra['routing'])} B per mini-batch")
     mb = MiniBatch(_sds((b, width), i32, row), _sds((b,), i32, row), _sds((b, n), i32, row),
-                   _sds((b, n), f32, row), _sds((b, n), f32, row), _sds((b,), f32, row))
+                   _sds((b, n), f32, row), _sds((b, n), f32, row), _sds((b,), f32, row), **extra)
     old = OldStats(_sds((b, n), f32, row), _sds((b, n, k), f32, row),
                    _sds((b, n, k), i32, row), _sds((b, n), f32, row))
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -65,7 +81,6 @@ def grpo_programs(trainer, *, prefix: str = "") -> list[Program]:
     d_attn = model.n_heads * model.head_dim
     train_flops = transformer_train_flops(n_params, b * seq, n_layers=model.n_layers,
                                           seq_len=seq, d_attn=d_attn)
-    note_t = _sharding_note(tm)
     programs = [
         Program(prefix + "trainer/old_stats", trainer.old_stats_fn, (policy.params, ref, mb), tm,
                 kind="forward", model_flops=train_flops / 3, tokens=b * seq, note=note_t),

@@ -83,6 +83,10 @@ class _RolloutFields(NamedTuple):
     behaviour_logp: np.ndarray
     rewards: np.ndarray
     versions: np.ndarray
+    behaviour_topk_logp: np.ndarray
+    behaviour_topk_ids: np.ndarray
+    routing_experts: np.ndarray
+    routing_gates: np.ndarray
 
 
 class RolloutBatch(_RolloutFields):
@@ -92,17 +96,65 @@ class RolloutBatch(_RolloutFields):
     tokens [B, N] int32 (pad after EOS), mask [B, N] float32 (1 up to and including EOS),
     behaviour_logp [B, N] float32 (sampler's log-probs, 0 where masked), rewards [B] float32,
     versions [B, N] int32 (the weights version that sampled each token, -1 where masked or
-    unknown; omitted: all -1).
+    unknown; omitted: all -1), behaviour_topk_logp [B, N, K] float32 and behaviour_topk_ids
+    [B, N, K] int32 (the K largest log-probs of the distribution each token was drawn from and
+    their ids, 0 where masked; recorded for ``sis_b``, :attr:`RolloutSpec.behaviour_topk`),
+    routing_experts [B, P + N - 1, L, k] (:func:`jaxflow.models.moe.expert_index_dtype`, e.g.
+    uint8) and routing_gates [B, P + N - 1, L, k] float32 (each MoE layer's experts and gates at
+    each position of ``prompt[:len] ++ tokens``, what R3 replays; :attr:`RolloutSpec.record_routing`).
+
+    Optional records not taken are empty (K = 0: [B, N, 0]; routing [B, 0, 0, 0]), not None, so every row operation
+    (slicing, selecting groups, concatenating generation batches) treats all fields alike;
+    :attr:`has_behaviour_topk` says whether they were recorded.
     """
 
     __slots__ = ()
 
     def __new__(cls, prompts, prompt_lengths, tokens, mask, behaviour_logp, rewards,
-                versions=None):
+                versions=None, behaviour_topk_logp=None, behaviour_topk_ids=None, routing_experts=None,
+                routing_gates=None):
+        shape = np.shape(tokens)
         if versions is None:
-            versions = np.full(np.shape(tokens), -1, np.int32)
+            versions = np.full(shape, -1, np.int32)
+        if (behaviour_topk_logp is None) != (behaviour_topk_ids is None):
+            given = "behaviour_topk_logp" if behaviour_topk_ids is None else "behaviour_topk_ids"
+            raise ValueError(f"RolloutBatch: behaviour_topk_logp and behaviour_topk_ids go together; "
+                             f"got only {given}")
+        if behaviour_topk_logp is None:
+            behaviour_topk_logp = np.zeros(shape + (0,), np.float32)
+            behaviour_topk_ids = np.zeros(shape + (0,), np.int32)
+        if routing_experts is None:
+            routing_experts = np.zeros((shape[0], 0, 0, 0), np.uint8)
+            routing_gates = np.zeros((shape[0], 0, 0, 0), np.float32)
         return super().__new__(cls, prompts, prompt_lengths, tokens, mask, behaviour_logp,
-                               rewards, versions)
+                               rewards, versions, behaviour_topk_logp, behaviour_topk_ids, routing_experts,
+                               routing_gates)
+
+    @property
+    def has_routing(self) -> bool:
+        """Whether the sampler recorded the MoE routing (R3)."""
+        return np.size(self.routing_experts) > 0
+
+    def routing_record(self, needed_by: str) -> np.ndarray:
+        """routing_experts [B, P + N - 1, L, k]; ValueError naming ``needed_by`` when the
+        sampler recorded none."""
+        if not self.has_routing:
+            raise ValueError(f"{needed_by} needs a rollout with the MoE routing recorded "
+                             "(RolloutSpec.record_routing=True); this batch has none")
+        return self.routing_experts
+
+    @property
+    def has_behaviour_topk(self) -> bool:
+        """Whether the sampler recorded the behaviour policy's top-K (K > 0)."""
+        return np.shape(self.behaviour_topk_ids)[-1] > 0
+
+    def behaviour_topk(self, needed_by: str) -> list[np.ndarray]:
+        """[behaviour_topk_logp, behaviour_topk_ids] ([B, N, K] each); ValueError naming
+        ``needed_by`` when the sampler recorded none."""
+        if not self.has_behaviour_topk:
+            raise ValueError(f"{needed_by} needs a rollout with the behaviour top-K recorded "
+                             "(RolloutSpec.behaviour_topk > 0); this batch has none")
+        return [self.behaviour_topk_logp, self.behaviour_topk_ids]
 
 
 def stamp_versions(mask: np.ndarray, version: int) -> np.ndarray:
@@ -168,9 +220,10 @@ class EngineSettings:
         if self.attention not in PAGED_BACKENDS:
             raise ValueError(f"engine.attention={self.attention!r}; valid: {PAGED_BACKENDS}")
 
-    def engine_config(self, rows: int, prompt_width: int, max_new_tokens: int):
+    def engine_config(self, rows: int, prompt_width: int, max_new_tokens: int, behaviour_topk: int = 0):
         """The :class:`jaxflow.rollout.EngineConfig` for generation batches of ``rows``
-        sequences, prompts ``prompt_width`` wide, ``max_new_tokens`` new tokens."""
+        sequences, prompts ``prompt_width`` wide, ``max_new_tokens`` new tokens; with
+        ``behaviour_topk=K > 0`` the engine records the sampled distribution's top-K."""
         from jaxflow.rollout import EngineConfig
         from jaxflow.rollout.pages import pool_pages
 
@@ -182,15 +235,20 @@ class EngineSettings:
                             prefill_chunk=self.prefill_chunk or prompt_width,
                             prefill_rows=self.prefill_rows, prefill_calls=self.prefill_calls,
                             decode_steps=self.decode_steps, max_seq_len=width,
-                            attention=self.attention)
+                            attention=self.attention, top_logprobs=behaviour_topk,
+                            sampled_topk=behaviour_topk > 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSpec:
     """What a rollout samples: G responses per prompt, temperature, length (tokens), mismatch
-    knob, which sampler (:data:`SAMPLERS`, module doc), the engine's settings, and how a
+    knob, which sampler (:data:`SAMPLERS`, module doc), the engine's settings, how a
     response that hit ``max_new_tokens`` without an EOS is rewarded (``truncated_reward``:
-    "zero", or "score" it like the others; :func:`jaxflow.rl.tasks.score_with_truncation`)."""
+    "zero", or "score" it like the others; :func:`jaxflow.rl.tasks.score_with_truncation`),
+    ``behaviour_topk``: K > 0 records, per token, the sampled distribution's top-K
+    log-probs and ids (``RolloutBatch.behaviour_topk_*``, what ``sis_b`` needs); 0: off; and
+    ``record_routing``: record each MoE layer's experts and gates per position
+    (``RolloutBatch.routing_*``, R3; the static samplers)."""
 
     group_size: int = 8
     temperature: float = 1.0
@@ -199,8 +257,16 @@ class RolloutSpec:
     sampler: str = "static"
     engine: EngineSettings = EngineSettings()
     truncated_reward: str = "zero"
+    behaviour_topk: int = 0
+    record_routing: bool = False
 
     def __post_init__(self):
+        if self.record_routing and self.sampler == "engine":
+            raise ValueError("record_routing=True (R3) records through the static samplers; sampler='engine' "
+                             "does not record routing yet: use sampler='static' or 'static_per_row'")
+        if isinstance(self.behaviour_topk, bool) or not isinstance(self.behaviour_topk, int) \
+                or self.behaviour_topk < 0:
+            raise ValueError(f"behaviour_topk={self.behaviour_topk!r}: need an int >= 0 (0 = off)")
         if self.truncated_reward not in TRUNCATED_REWARDS:
             raise ValueError(f"truncated_reward={self.truncated_reward!r}; valid: "
                              f"{', '.join(TRUNCATED_REWARDS)}")
@@ -229,6 +295,7 @@ class RolloutWorker:
         self.mesh, self.spec, self.task, self.tokenizer = mesh, spec, task, tokenizer
         self.fns = lm_functions(model_cfg, mesh)  # f32: the policy itself (eval, shardings)
         kind, noise = parse_mismatch(spec.mismatch)
+        self.behaviour_topk = min(spec.behaviour_topk, model_cfg.vocab_size)  # K recorded for sis_b
         stops = stop_ids(tokenizer)
         sampling = SamplingConfig(max_new_tokens=spec.max_new_tokens,
                                   temperature=spec.temperature, eos_id=stops[0],
@@ -238,11 +305,9 @@ class RolloutWorker:
             "bf16") else model_cfg
         self._sampler_fns = lm_functions(sampler_cfg, mesh) if kind.startswith("bf16") else self.fns
         self._sampler_cfg, self._sampling, self._noise = sampler_cfg, sampling, noise
-        if spec.sampler == "static" and noise > 0:
-            self._sample = make_noisy_sampler(self._sampler_fns.graphdef, sampling, noise)
-        else:
-            self._sample = make_sampler(self._sampler_fns.graphdef, sampling, noise,
-                                        per_row_keys=spec.sampler != "static")
+        self._sample = make_sampler(self._sampler_fns.graphdef, sampling, noise,
+                                    per_row_keys=spec.sampler != "static",
+                                    behaviour_topk=self.behaviour_topk, record_routing=spec.record_routing)
         if spec.sampler == "engine" and jax.process_count() > 1:
             raise ValueError(f"sampler='engine' runs in one process (its scheduler is host "
                              f"state); this job has {jax.process_count()} processes: use "
@@ -293,7 +358,8 @@ class RolloutWorker:
         from jaxflow.rollout import RolloutEngine
 
         if self.engine is None:
-            cfg = self.spec.engine.engine_config(rows, self.prompt_width, self.spec.max_new_tokens)
+            cfg = self.spec.engine.engine_config(rows, self.prompt_width, self.spec.max_new_tokens,
+                                                 self.behaviour_topk)
             self.engine = RolloutEngine(self._sampler_cfg, params, cfg, self._sampling,
                                         logit_noise_std=self._noise, version=version,
                                         mesh=self.mesh)
@@ -338,6 +404,7 @@ class RolloutWorker:
             out = self.sample_engine(params, prompts, lengths, key, version=version,
                                      replica=replica)
             tokens, mask, logp, versions = out.tokens, out.mask, out.logprobs, out.versions
+            topk = (out.topk_logprobs, out.topk_indices) if self.spec.behaviour_topk else (None, None)
         else:
             if replica is not None:
                 raise ValueError(f"generate(replica=...) needs sampler='engine'; this worker's "
@@ -345,13 +412,19 @@ class RolloutWorker:
             out = self.sample(params, prompts, lengths, key)
             tokens, mask, logp = (to_host(x) for x in (out.tokens, out.mask, out.logprobs))
             versions = stamp_versions(mask, version)
+            topk = ((to_host(out.topk_logprobs), to_host(out.topk_indices))
+                    if self.spec.behaviour_topk else (None, None))
+            if self.spec.record_routing:
+                topk += (to_host(out.routing_experts), to_host(out.routing_gates))
         start = time.perf_counter()
         rewards = score_completions(self.task, self.tokenizer, texts, tokens,
                                     truncated_reward=self.spec.truncated_reward)
         self.last_reward_s = time.perf_counter() - start
         return RolloutBatch(prompts, lengths, np.asarray(tokens, np.int32),
                             np.asarray(mask, np.float32), np.asarray(logp, np.float32), rewards,
-                            np.asarray(versions, np.int32))
+                            np.asarray(versions, np.int32),
+                            *(None if x is None else np.asarray(x, d)
+                              for x, d in zip(topk, (np.float32, np.int32, None, np.float32))))
 
     def sampler_programs(self, rows: int, *, prefix: str = "", model_flops: float = 0.0,
                          note: str = "") -> list:
@@ -367,7 +440,7 @@ class RolloutWorker:
         if self.spec.sampler == "engine":
             from jaxflow.rollout.programs import engine_programs
 
-            engine_cfg = self.spec.engine.engine_config(rows, width, n)
+            engine_cfg = self.spec.engine.engine_config(rows, width, n, self.behaviour_topk)
             return engine_programs(self._sampler_cfg, self.mesh, engine_cfg, self._sampling,
                                    prompt_len=width, param_dtype=None,
                                    prefix=prefix + "rollout/engine/")

@@ -82,6 +82,9 @@ class EngineConfig:
         attention; "tpu" / "gpu" the upstream paged-attention kernels; "auto" the platform's).
       interpret: run a Pallas attention kernel in interpret mode.
       top_logprobs: K of the per-token top-K log-probs (0: none).
+      sampled_topk: the top-K of the distribution each token was drawn from (temperature, logit
+        noise, hook, top-k / top-p: the behaviour policy's, as ``sis_b`` needs) instead of the
+        model's raw log_softmax (:func:`jaxflow.rollout.model_step.make_steps`).
     """
 
     slots: int = 8
@@ -97,6 +100,7 @@ class EngineConfig:
     attention: str = "auto"
     interpret: bool = False
     top_logprobs: int = 0
+    sampled_topk: bool = False
 
     def __post_init__(self):
         _int_at_least("slots", self.slots, 1)
@@ -219,7 +223,8 @@ class RolloutEngine:
                                 attention=config.attention, interpret=config.interpret,
                                 top_logprobs=config.top_logprobs,
                                 logit_noise_std=float(logit_noise_std), logits_hook=logits_hook,
-                                vocab_size=model_cfg.vocab_size, mesh=mesh)
+                                vocab_size=model_cfg.vocab_size, mesh=mesh,
+                                sampled_topk_of=config.sampled_topk)
         self.pools = empty_pools(n_layers=model_cfg.n_layers, n_kv_heads=model_cfg.n_kv_heads,
                                  num_pages=config.num_pages, page_size=config.page_size,
                                  head_dim=model_cfg.head_dim, dtype=model_cfg.compute_dtype,

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxflow.models.attention import dot_product_attention
 from jaxflow.models.attention_backends import HEAD_AXIS
-from jaxflow.models.sampler import LogitsHook, SamplingConfig, _draw, is_stop
+from jaxflow.models.sampler import LogitsHook, SamplingConfig, draw_with_dist, is_stop, sampled_topk
 from jaxflow.models.transformer import Transformer
 from jaxflow.rollout.paged_attention import gather_pages, paged_attention
 from jaxflow.rollout.pages import NULL_PAGE
@@ -132,9 +132,15 @@ def _slots(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_s
 def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: int,
                attention: str = "auto", interpret: bool = False, top_logprobs: int = 0,
                logit_noise_std: float = 0.0, logits_hook: LogitsHook | None = None,
-               vocab_size: int = 0, mesh: Mesh | None = None) -> Steps:
+               vocab_size: int = 0, mesh: Mesh | None = None, sampled_topk_of: bool = False) -> Steps:
     """The engine's programs for one model structure and sampling config (see Steps); on
-    ``mesh``: MeshJit programs keeping the pools sharded (module docstring)."""
+    ``mesh``: MeshJit programs keeping the pools sharded (module docstring).
+
+    ``top_logprobs=K``: each step also returns K top log-probs and ids: of the model
+    (log_softmax of the raw logits, temperature 1) by default, or with ``sampled_topk_of`` of
+    the distribution the token was drawn from (temperature, logit noise, hook and top-k / top-p
+    applied: the behaviour policy's top-K that ``sis_b`` needs, as
+    :func:`jaxflow.models.sampler.sampled_topk`), 0 where the row has no real token."""
 
     def placed(pools: Pools) -> Pools:
         if mesh is None:
@@ -184,9 +190,11 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
             new_v.append(vp)
         logits = model._logits(model.final_norm(x))[:, 0]
         step_keys = jax.vmap(jax.random.fold_in)(keys, t)
-        token, logprob = _draw(logits, step_keys, sampling, logit_noise_std, True, logits_hook,
-                               hook_state, t, None)
-        if top_logprobs:
+        token, logprob, dist = draw_with_dist(logits, step_keys, sampling, logit_noise_std, True,
+                                              logits_hook, hook_state, t, None)
+        if top_logprobs and sampled_topk_of:
+            top_lp, top_idx = sampled_topk(dist, top_logprobs, live)
+        elif top_logprobs:
             top_lp, top_idx = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_logprobs)
         else:
             top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
