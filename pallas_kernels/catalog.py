@@ -271,6 +271,11 @@ SWEEP = {
                       for dim in (16, 32, 64, 96, 100, 128, 136, 256)]
     + [dict(vocab=10_000_000, dim=dim, bags=16_384, bag_len=32, dtype=jnp.bfloat16)
        for dim in (64, 128, 136)],
+    # bags longer than a TPU program's id chunk (block_l 128; 257 once overflowed the DMA
+    # semaphores' 2 KiB) and a Llama-3-405B head (d 16,384, V 128,256: past the measured rows)
+    "long_bags": [dict(vocab=1_000_000, dim=128, bags=1024, bag_len=n) for n in (257, 4096)]
+    + [dict(vocab=1_000_000, dim=128, bags=1024, bag_len=1000, dtype=jnp.bfloat16)],
+    "wide_heads": [dict(n=8192, d=16_384, vocab=128_256, k=100, dtype=jnp.bfloat16)],
 }
 
 
@@ -279,15 +284,23 @@ def _dtype_name(dt) -> str:
 
 
 def sweep_cases() -> list[KernelCase]:
-    """The compile sweep: fused log-probs forward + backward over ``SWEEP`` (d, V, dtype),
-    embedding bag forward and backward at every dim and dtype of ``SWEEP``, sync at 64M
+    """The compile sweep: fused log-probs forward + backward over ``SWEEP`` (d, V, dtype;
+    the 405B-class ``wide_heads`` too), embedding bag forward and backward at every dim and
+    dtype of ``SWEEP`` and at the ``long_bags`` lengths, sync at 64M
     elements (a bf16 dim-136 backward's temporaries exceed v5e's HBM: "does not fit")."""
     out = []
     for p in SWEEP["fused_logprobs"]:
         size = f"d{p['d']}_v{p['vocab']}_{_dtype_name(p['dtype'])}"
         out.append(KernelCase("fused_logprobs_bwd", size, _fused(size, True, p)))
+    for p in SWEEP["wide_heads"]:
+        size = f"d{p['d']}_v{p['vocab']}_{_dtype_name(p['dtype'])}"
+        out.append(KernelCase("fused_logprobs_bwd", size, _fused(size, True, p)))
     for p in SWEEP["embedding_bag"]:
         size = f"dim{p['dim']}_{_dtype_name(p.get('dtype', jnp.float32))}"
+        out += [KernelCase("embedding_bag_fwd", size, _bag(size, False, p)),
+                KernelCase("embedding_bag_bwd", size, _bag(size, True, p))]
+    for p in SWEEP["long_bags"]:
+        size = f"len{p['bag_len']}_{_dtype_name(p.get('dtype', jnp.float32))}"
         out += [KernelCase("embedding_bag_fwd", size, _bag(size, False, p)),
                 KernelCase("embedding_bag_bwd", size, _bag(size, True, p))]
     out += [KernelCase("sync_diff_compact", "production", _diff("production")),

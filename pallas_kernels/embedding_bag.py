@@ -11,20 +11,24 @@ rows a bag names are fetched, accumulated in f32. Tables are float32 or bfloat16
 XLA). Every embedding dim is supported, none padded:
 
 * TPU (Mosaic), forward: grid (bag blocks, column blocks); each program's ids arrive in SMEM
-  (a per-program ``(block_b, L)`` SMEM block rather than one whole-array scalar prefetch:
-  16,384 bags of 32 ids are 2 MiB, more than a TensorCore's SMEM), and the rows of bag b+1
-  are DMA'd into one half of a double buffer while bag b is summed from the other. A DMA
+  (a per-program SMEM block, not a whole-array scalar prefetch: 16,384 bags of 32 ids are
+  2 MiB, more than SMEM); bag b+1's rows are DMA'd into one half of a double buffer while
+  bag b is summed from the other. A DMA
   moves whole rows: Mosaic refuses a column slice at a dynamic offset that is not a multiple
   of 128 lanes, so the columns are split into ``block_d`` blocks only when ``block_d`` is a
   multiple of 128 that divides the dim (256, 512, ...); otherwise (16, 32, 64, 96, 100, 136,
   ...) a program takes the whole row. f32 rows are DMA'd one by one; bf16 rows are packed in
   8-row tiles in HBM (a single-row DMA at a dynamic row does not compile), so the aligned
   8-row window holding the row is DMA'd and the row selected in VMEM (8x the bytes moved; a
-  bf16 table whose row count is not a multiple of 8 is padded, a copy).
+  bf16 table whose row count is not a multiple of 8 is padded, a copy). A bag longer than
+  ``block_l`` ids is tiled over (a third, "arbitrary" grid dimension of chunks accumulating
+  into the resident output block): buffers and DMA semaphores are sized to the chunk.
 * TPU, backward: the table gradient is an in-place row update of a zero f32 [V, D] buffer in
   HBM (aliased input -> output; never a VMEM block): per bag, its rows (deduplicated within
   the bag beforehand, with multiplicities) are DMA'd in, the bag's cotangent added, and DMA'd
-  back. Bag blocks run sequentially ("arbitrary") so repeated ids across bags are ordered.
+  back. Bag blocks run sequentially ("arbitrary") so repeated ids across bags are ordered;
+  a long bag is walked in ``block_l``-id chunks the same way (its ids are deduplicated over
+  the whole bag first, so chunks never share a row).
 * GPU (Triton, chosen over Mosaic GPU: row gathers at data-dependent addresses are plain
   pointer loads in Triton, while Mosaic GPU needs 128-byte aligned TMA copies per row):
   forward programs loop over their bags and ids loading rows straight from the HBM table;
@@ -32,11 +36,10 @@ XLA). Every embedding dim is supported, none padded:
   block is a power of two; the lanes past the dim are masked (loads and atomics), so the
   table is never padded.
 
-XLA on TPU stores a 2-D array whose last dim is not a multiple of 128 column-major by
-default, and a Pallas call takes its operands row-major: a table passed straight from the
-caller (a jit argument) with such a dim is transposed by XLA before the call (HBM temp about
-V x roundup(D, 128) x 4 bytes). Inside ``jaxflow.embeddings`` the kernel pools the
-deduplicated rows the lookup produced, which XLA writes in the kernel's layout directly.
+XLA on TPU stores a 2-D array whose last dim is not a multiple of 128 column-major, a Pallas
+call takes it row-major: such a table passed as a jit argument is transposed first (an HBM
+temp of about V x roundup(D, 128) x 4 bytes); ``jaxflow.embeddings`` pools the deduplicated
+rows its lookup wrote, already in the kernel's layout.
 
 The ids get no gradient. On CPU the kernels run only with ``interpret=True``; the default CPU
 path (``jaxflow.embeddings.pooling``) is the reference.
@@ -61,24 +64,30 @@ _DTYPES = ("float32", "bfloat16")
 _ANY = pl.BlockSpec(memory_space=pl.ANY)
 LANES = 128
 BF16_ROW_WINDOW = 8  # rows per aligned DMA window of a 16-bit table on TPU
+MAX_BLOCK_L = 256  # ids per TPU program chunk: 2 x 256 DMA semaphores are Mosaic's 2 KiB
 
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddingBagBlockSizes:
-    """Bags per program (block_b) and table columns per program (block_d: on TPU used only
+    """Bags per program (block_b), table columns per program (block_d: on TPU used only
     when it is a multiple of 128 dividing the dim, else a program takes the whole row; on GPU
-    a power of two, the lanes past the dim masked), and the kernel layout."""
+    a power of two, the lanes past the dim masked), TPU ids per program (block_l <= 256: a
+    longer bag is tiled over in chunks), and the kernel layout."""
 
     platform: str = "tpu"
     block_b: int = 32
     block_d: int = 128
     num_warps: int = 4
     num_stages: int = 1
+    block_l: int = 128
 
     def __post_init__(self):
         if self.platform not in _PLATFORMS:
             raise ValueError(f"platform {self.platform!r}; valid: {', '.join(_PLATFORMS)}")
-        for name in ("block_b", "block_d"):
+        if self.block_l > MAX_BLOCK_L:
+            raise ValueError(f"block_l={self.block_l!r}; valid: a power of two in [8, "
+                             f"{MAX_BLOCK_L}] (two chunks' DMA semaphores fit 2 KiB)")
+        for name in ("block_b", "block_d", "block_l"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 8 or v & (v - 1):
                 raise ValueError(f"{name}={v!r}; must be a power of two >= 8")
@@ -101,6 +110,10 @@ class EmbeddingBagBlockSizes:
             split = self.block_d % LANES == 0 and dim > self.block_d and dim % self.block_d == 0
             return self.block_d if split else dim
         return min(self.block_d, max(8, 1 << (dim - 1).bit_length()))
+
+    def chunk(self, bag_len: int) -> int:
+        """TPU ids per program: the whole bag up to ``block_l`` ids, else ``block_l``."""
+        return bag_len if bag_len <= self.block_l else self.block_l
 
 
 def unsupported_reason(table_dtype) -> str | None:
@@ -130,12 +143,9 @@ def _bag_weights(ids: jax.Array, mode: str) -> jax.Array:
 
 
 def _pad_to(x, axis, multiple, value=0):
-    pad = -x.shape[axis] % multiple
-    if not pad:
-        return x
     widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
+    widths[axis] = (0, -x.shape[axis] % multiple)
+    return jnp.pad(x, widths, constant_values=value) if widths[axis][1] else x
 
 
 def _cost(ids, dim, row_bytes, *, backward):
@@ -149,8 +159,7 @@ def _cost(ids, dim, row_bytes, *, backward):
         + ids.shape[0] * dim * 4)
 
 
-# ------------------------------------------------------------------------------------ TPU
-
+# TPU
 
 def _row_window(dtype) -> int:
     """Rows per DMA on TPU: 1 for 32-bit tables, an aligned 8-row window for 16-bit ones."""
@@ -184,9 +193,10 @@ def _read_row(buf, ids_ref, b, l, slot, window):
     return jnp.sum(jnp.where(pick, rows, 0.0), axis=0, keepdims=True)
 
 
-def _fwd_kernel_tpu(ids_ref, table_hbm, out_ref, buf, sem, *, bag_len, dim, window):
+def _fwd_kernel_tpu(ids_ref, table_hbm, out_ref, buf, sem, *, bag_len, dim, window, chunks):
     block_b, block_d = out_ref.shape
     cols = _tpu_cols(pl.program_id(1), block_d, dim)
+    first_chunk = pl.program_id(2) == 0  # read here: not inside the loops (interpret mode)
 
     def start(b, slot):
         def one(l, _):
@@ -210,6 +220,8 @@ def _fwd_kernel_tpu(ids_ref, table_hbm, out_ref, buf, sem, *, bag_len, dim, wind
             return acc + jnp.where(ids_ref[b, l] >= 0, row, 0.0)
 
         acc = jax.lax.fori_loop(0, bag_len, add, jnp.zeros((1, block_d), jnp.float32))
+        if chunks > 1:  # the output block stays resident over the bag's chunks
+            acc += jnp.where(first_chunk, 0.0, out_ref[pl.ds(b, 1), :])
         out_ref[pl.ds(b, 1), :] = acc.astype(out_ref.dtype)
         return 0
 
@@ -256,22 +268,27 @@ def _bwd_kernel_tpu(ids_ref, mult_ref, g_ref, grad_in, grad_hbm, buf, sem_in, se
 
 
 def _forward_tpu(table, ids, bs, interpret):
+    chunk = bs.chunk(ids.shape[1])
+    ids = _pad_to(ids, 1, chunk, -1)
     n_bags, bag_len = ids.shape
+    chunks = bag_len // chunk
     dim = table.shape[1]
     block_d = bs.columns(dim)
     window = _row_window(table.dtype)
     table = _pad_to(table, 0, window)  # a copy only for a 16-bit table of V % 8 != 0 rows
-    buf = (2, bag_len, block_d) if window == 1 else (2, bag_len, window, block_d)
+    buf = (2, chunk, block_d) if window == 1 else (2, chunk, window, block_d)
     out = pl.pallas_call(
-        functools.partial(_fwd_kernel_tpu, bag_len=bag_len, dim=dim, window=window),
-        grid=(n_bags // bs.block_b, dim // block_d),
-        in_specs=[pl.BlockSpec((bs.block_b, bag_len), lambda i, j: (i, 0),
+        functools.partial(_fwd_kernel_tpu, bag_len=chunk, dim=dim, window=window,
+                          chunks=chunks),
+        grid=(n_bags // bs.block_b, dim // block_d, chunks),
+        in_specs=[pl.BlockSpec((bs.block_b, chunk), lambda i, j, c: (i, c),
                                memory_space=pltpu.SMEM),
                   _ANY],
-        out_specs=pl.BlockSpec((bs.block_b, block_d), lambda i, j: (i, j)),
+        out_specs=pl.BlockSpec((bs.block_b, block_d), lambda i, j, c: (i, j)),
         out_shape=jax.ShapeDtypeStruct((n_bags, dim), jnp.float32),
-        scratch_shapes=[pltpu.VMEM(buf, table.dtype), pltpu.SemaphoreType.DMA((2, bag_len))],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        scratch_shapes=[pltpu.VMEM(buf, table.dtype), pltpu.SemaphoreType.DMA((2, chunk))],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=_cost(ids, dim, window * dim * table.dtype.itemsize, backward=False),
         interpret=interpret,
         name="embedding_bag_fwd",
@@ -284,39 +301,43 @@ def _dedupe_bags(ids):
     s = jnp.sort(ids, axis=1)
     first = jnp.concatenate([jnp.ones_like(s[:, :1], bool), s[:, 1:] != s[:, :-1]], axis=1)
     first = first & (s >= 0)
-    mult = jnp.sum(s[:, :, None] == s[:, None, :], axis=2).astype(jnp.float32)
+    # sorted: an id's count is where its run ends minus where it starts (no [L, L] compare)
+    ends = jax.vmap(lambda row: jnp.searchsorted(row, row, side="right"))(s)
+    mult = (ends - jnp.arange(s.shape[1])[None, :]).astype(jnp.float32)
     return jnp.where(first, s, -1), jnp.where(first, mult, 0.0)
 
 
 def _table_grad_tpu(ids, g, vocab, bs, interpret):
-    n_bags, bag_len = ids.shape
+    chunk = bs.chunk(ids.shape[1])
+    uniq, mult = _dedupe_bags(ids)  # over the whole bag: its chunks never share a row
+    uniq, mult = _pad_to(uniq, 1, chunk, -1), _pad_to(mult, 1, chunk)
+    n_bags, bag_len = uniq.shape
     dim = g.shape[1]
     block_d = bs.columns(dim)
-    uniq, mult = _dedupe_bags(ids)
     zeros = jnp.zeros((vocab, dim), jnp.float32)
-    smem = functools.partial(pl.BlockSpec, (bs.block_b, bag_len), lambda j, i: (i, 0),
+    smem = functools.partial(pl.BlockSpec, (bs.block_b, chunk), lambda j, i, c: (i, c),
                              memory_space=pltpu.SMEM)
     return pl.pallas_call(
-        functools.partial(_bwd_kernel_tpu, bag_len=bag_len, dim=dim),
-        grid=(dim // block_d, n_bags // bs.block_b),
+        functools.partial(_bwd_kernel_tpu, bag_len=chunk, dim=dim),
+        grid=(dim // block_d, n_bags // bs.block_b, bag_len // chunk),
         in_specs=[smem(), smem(),
-                  pl.BlockSpec((bs.block_b, block_d), lambda j, i: (i, j)),
+                  pl.BlockSpec((bs.block_b, block_d), lambda j, i, c: (i, j)),
                   _ANY],
         out_specs=_ANY,
         out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
-        scratch_shapes=[pltpu.VMEM((bag_len, block_d), jnp.float32),
-                        pltpu.SemaphoreType.DMA((bag_len,)),
-                        pltpu.SemaphoreType.DMA((bag_len,))],
+        scratch_shapes=[pltpu.VMEM((chunk, block_d), jnp.float32),
+                        pltpu.SemaphoreType.DMA((chunk,)),
+                        pltpu.SemaphoreType.DMA((chunk,))],
         input_output_aliases={3: 0},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         cost_estimate=_cost(ids, dim, dim * 4, backward=True),
         interpret=interpret,
         name="embedding_bag_bwd",
     )(uniq, mult, g, zeros)
 
 
-# ------------------------------------------------------------------------------------ GPU
-
+# GPU
 
 def _gpu_cols(block_d, dim):
     """A program's column block and the mask of its lanes inside the dim ([1, block_d])."""
@@ -418,8 +439,7 @@ def _table_grad_gpu(ids, g, vocab, bs, interpret):
     )(ids, g_p, zeros)
 
 
-# ------------------------------------------------------------------------------- wrapper
-
+# wrapper
 
 def _pad_bags(ids, bs):
     """Bags padded to a multiple of block_b, and on GPU the bag length to a power of two
@@ -432,10 +452,8 @@ def _pad_bags(ids, bs):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _embedding_bag(table, ids, mode, bs, interpret):
-    n_bags = ids.shape[0]
-    ids_p = _pad_bags(ids, bs)
     forward = _forward_gpu if bs.platform == "gpu" else _forward_tpu
-    sums = forward(table, ids_p, bs, interpret)[:n_bags]
+    sums = forward(table, _pad_bags(ids, bs), bs, interpret)[:ids.shape[0]]
     return (sums * _bag_weights(ids, mode)).astype(table.dtype)
 
 
@@ -447,11 +465,9 @@ def _embedding_bag_fwd(table, ids, mode, bs, interpret):
 
 def _embedding_bag_bwd(mode, bs, interpret, res, g):
     ids, like = res
-    g = g.astype(jnp.float32) * _bag_weights(ids, mode)
-    ids_p = _pad_bags(ids, bs)
-    g = _pad_to(g, 0, bs.block_b)
+    g = _pad_to(g.astype(jnp.float32) * _bag_weights(ids, mode), 0, bs.block_b)
     grad = _table_grad_gpu if bs.platform == "gpu" else _table_grad_tpu
-    return grad(ids_p, g, like.shape[0], bs, interpret).astype(like.dtype), None
+    return grad(_pad_bags(ids, bs), g, like.shape[0], bs, interpret).astype(like.dtype), None
 
 
 _embedding_bag.defvjp(_embedding_bag_fwd, _embedding_bag_bwd)
@@ -476,8 +492,7 @@ def embedding_bag(table: jax.Array, ids: jax.Array, *, mode: str = "sum",
         raise ValueError(f"ids must be integers, got {ids.dtype}")
     if mode not in _MODES:
         raise ValueError(f"mode={mode!r}; valid: {', '.join(_MODES)}")
-    reason = unsupported_reason(table.dtype)
-    if reason:
+    if reason := unsupported_reason(table.dtype):
         raise ValueError(reason + " (use embedding_bag_reference)")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         return jnp.zeros((ids.shape[0], table.shape[1]), table.dtype)

@@ -80,6 +80,41 @@ def test_every_dim_forward_and_gradient(layout, dim):
     assert np.abs(np.asarray(want)).sum() > 0
 
 
+#: TPU layout with 8-id chunks: a 21-id bag is walked in 3 chunks (padded to 24).
+CHUNKED = EmbeddingBagBlockSizes(block_b=8, block_d=128, block_l=8)
+
+
+@pytest.mark.parametrize("dtype,mode", [(jnp.float32, "sum"), (jnp.bfloat16, "mean")])
+def test_long_bags_are_tiled_over_the_bag(dtype, mode):
+    """Bags longer than block_l (tiled in chunks, the output accumulated across them) ==
+    the reference, forward and table gradient; a repeated id spans two chunks."""
+    table, _ = inputs(dtype, vocab=23, dim=64)
+    ids = jax.random.randint(jax.random.key(1), (9, 21), -1, 23)
+    ids = ids.at[2].set(-1).at[5].set(jnp.array([3] * 10 + [4] * 11))  # empty; 3 in chunks
+    # 0-1 and 4 in chunks 1-2
+    got = embedding_bag(table, ids, mode=mode, block_sizes=CHUNKED, interpret=True)
+    want = embedding_bag_reference(table, ids, mode)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tol, atol=tol)
+    if dtype != jnp.float32:
+        return
+    w = jax.random.normal(jax.random.key(2), (9, 64))
+    loss = lambda f: (lambda t: jnp.sum(f(t) * w))
+    g = jax.grad(loss(lambda t: embedding_bag(t, ids, mode=mode, block_sizes=CHUNKED,
+                                              interpret=True)))(table)
+    want_g = jax.grad(loss(lambda t: embedding_bag_reference(t, ids, mode)))(table)
+    np.testing.assert_allclose(g, want_g, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(want_g)[[3, 4]]).sum() > 0
+
+
+def test_chunk_and_block_l_bounds():
+    assert [CHUNKED.chunk(n) for n in (3, 8, 9, 300)] == [3, 8, 8, 8]
+    assert EmbeddingBagBlockSizes().chunk(257) == 128
+    with pytest.raises(ValueError, match=r"block_l=512; valid: a power of two in \[8, 256\]"):
+        EmbeddingBagBlockSizes(block_l=512)
+
+
 def test_column_blocks_per_platform():
     """TPU splits columns only into 128-multiples that divide the dim; GPU masks a tail."""
     tpu, gpu = LAYOUTS["tpu"], LAYOUTS["gpu"]
