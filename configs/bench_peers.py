@@ -2,7 +2,7 @@
 alternated rounds: wall and CPU-second ratios with their ranges, memory, and the load.
 
     bash scripts/peer_venvs.sh                                   # once: /work/.venv-peers/{torchrec,tunix,trl}
-    python -m jaxflow.run --exp=bench_peers --variant=quick      # small shapes, 4 rounds (~2 min on 2 cores)
+    python -m jaxflow.run --exp=bench_peers --variant=quick      # small shapes, 4 rounds (10 min at load 28 on 2 cores)
     python -m jaxflow.run --exp=bench_peers --variant=full       # the shapes, 10 rounds
     python -m jaxflow.run --exp=bench_peers --set peers.torchrec_python=/path/to/python
 
@@ -35,6 +35,7 @@ from jaxflow.config_domains import COUNT, COUNT0, POSITIVE, SEED, domains
 DESCRIPTION = ("jaxflow vs its peers (TorchRec embeddings, tunix generation) on the same work, alternated rounds, "
                "wall / CPU ratios")
 ENTRY = "jaxflow.main.bench_peers:main"
+HEADLINES = "jaxflow.study.headlines_bench:driver_headlines"  # the driver's own (jaxflow.bench.peers.cases.headlines)
 HEADLINES = "jaxflow.study.headlines_bench:driver_headlines"  # the driver computes its own
 
 CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal", "generation_long_tail")

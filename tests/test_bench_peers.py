@@ -74,8 +74,10 @@ def test_rounds_alternate_and_ratios_come_from_the_replies(fake, tmp_path):
     assert summary["first_loss_rel_diff"] == {"peer_a": 0.0, "peer_b": pytest.approx(0.25)}
     assert summary["last_loss_rel_diff"]["peer_b"] == pytest.approx(0.2)
     heads = cases.headlines({"emb": summary})
-    assert len(heads) == 1
-    h = heads[0]
+    assert [h["name"] for h in heads] == ["emb_vs_strongest_peer", "emb_cpu_vs_strongest_peer"]
+    h, cpu = heads
+    assert cpu["baseline"] == "peer_b" and cpu["value"] == pytest.approx(0.25) and cpu["met"] is True  # 0.02 / 0.08
+    assert cpu["higher_is_better"] is False and cpu["metric"] == "CPU seconds per sample ratio (jaxflow / peer)"
     assert h["baseline"] == "peer_b" and h["value"] == pytest.approx(1.0) and h["met"] is True  # the faster peer
     assert set(h["baselines"]) == {"peer_a", "peer_b"} and h["spread"]["kind"] == "pairs" and h["spread"]["n"] == 3
     assert set(h) >= {"name", "metric", "algorithm", "baseline", "baseline_rule", "baselines", "value", "unit",

@@ -25,7 +25,7 @@ import statistics
 import sys
 from collections.abc import Mapping, Sequence
 
-from jaxflow.bench.peers.harness import ArmSpec, case_headline, missing_interpreter, pair_ratios
+from jaxflow.bench.peers.harness import ArmSpec, case_cpu_headline, case_headline, missing_interpreter, pair_ratios
 from jaxflow.bench.peers.workloads import embedding_case, generation_case
 
 __all__ = ["PEERS", "CASES", "LOGITS_TOLERANCE", "arm_command", "interpreters", "build_cases", "logits_check",
@@ -179,8 +179,9 @@ def summarize_case(results: Mapping[str, list], infos: Mapping[str, dict], ours:
 
 
 def headlines(cases: Mapping[str, dict], ours: str = "jaxflow") -> list[dict]:
-    """One headline per case with a peer arm: our rate over the strongest peer arm's
-    (:func:`jaxflow.bench.peers.harness.case_headline`), target 1.0x."""
+    """Two headlines per case with a peer arm: our rate over the strongest peer arm's
+    (:func:`jaxflow.bench.peers.harness.case_headline`, target >= 1.0x) and our CPU seconds per
+    unit over that arm's (:func:`jaxflow.bench.peers.harness.case_cpu_headline`, target <= 1.0x)."""
     out = []
     for name, case in cases.items():
         arms = case["arms"]
@@ -191,4 +192,7 @@ def headlines(cases: Mapping[str, dict], ours: str = "jaxflow") -> list[dict]:
                              {k: v["rate"] for k, v in arms.items()}, case["ratios"])
         if head is not None:
             out.append(head)
+            out.append(case_cpu_headline(name, unit[:-1] if unit.endswith("s") else unit, ours,
+                                         {k: v["cpu_s_per_unit"] for k, v in arms.items()}, case["ratios"],
+                                         head["baseline"]))
     return out

@@ -22,7 +22,7 @@ from typing import Any
 from jaxflow.bench.peers.arm_protocol import decode
 
 __all__ = ["ArmSpec", "ArmProcess", "ArmError", "missing_interpreter", "run_alternated", "pair_ratios",
-           "ratio_range", "case_headline"]
+           "ratio_range", "case_headline", "case_cpu_headline"]
 
 
 class ArmError(RuntimeError):
@@ -219,3 +219,21 @@ def case_headline(case: str, metric: str, ours: str, rates: Mapping[str, float],
             "spread": {"kind": "pairs", "n": r["n"], "low": r["low"], "high": r["high"],
                        "interval": "range of alternated pairs"},
             "target": target, "target_text": f">= {target:g}x the strongest peer", "met": bool(r["median"] >= target)}
+
+
+def case_cpu_headline(case: str, unit: str, ours: str, cpu_per_unit: Mapping[str, float], ratios: Mapping[str, dict],
+                      baseline: str, target: float = 1.0) -> dict:
+    """The case's CPU headline in the shared schema: our CPU seconds per ``unit`` over
+    ``baseline``'s (the peer arm of :func:`case_headline`; lower is better), with the range of
+    the alternated pairs."""
+    r = ratios[baseline]["cpu"]
+    peers = {k: float(v) for k, v in cpu_per_unit.items() if k != ours}
+    return {"name": f"{case}_cpu_vs_strongest_peer", "metric": f"CPU seconds per {unit} ratio (jaxflow / peer)",
+            "algorithm": ours, "baseline": baseline,
+            "baseline_rule": "the peer arm of the throughput headline (highest median rate of the peer arms measured "
+                             "in this run: " + ", ".join(peers) + ")",
+            "baselines": peers, "value": r["median"], "unit": "x", "higher_is_better": False,
+            "spread": {"kind": "pairs", "n": r["n"], "low": r["low"], "high": r["high"],
+                       "interval": "range of alternated pairs"},
+            "target": target, "target_text": f"<= {target:g}x the peer's CPU seconds",
+            "met": bool(r["median"] <= target)}
