@@ -32,16 +32,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxflow.compile_only.program import Program
-from jaxflow.embeddings.lookup import ShardedEmbeddings
+from jaxflow.embeddings.lookup import ShardedEmbeddings, check_stats
 from jaxflow.embeddings.optimizers import make_sparse_optimizer
 from jaxflow.embeddings.reference import reference_lookup
 from jaxflow.embeddings.spec import TableSpec
-from jaxflow.embeddings.step import abstract_state, make_train_step
+from jaxflow.embeddings.step import abstract_state, make_train_step, step_backend
 from jaxflow.experiment import RunContext
 from pallas_kernels.embedding_bag import embedding_bag, embedding_bag_reference
 
-__all__ = ["Steps", "bench_kernel", "dense_baseline_step", "kernel_fns", "make_steps", "programs",
-           "ratio_summary", "regression_loss", "sparse_baseline_step", "table_specs", "timed"]
+__all__ = ["Steps", "bench_kernel", "compare_step_backends", "dense_baseline_step", "kernel_fns", "make_steps",
+           "programs", "ratio_summary", "regression_loss", "sparse_baseline_step", "table_specs", "timed"]
 
 
 def _block(tree):
@@ -128,6 +128,46 @@ def sparse_baseline_step(specs, learning_rate: float, eps: float = 1e-8):
         return new_t, new_a
 
     return jax.jit(step, donate_argnums=(0, 1))
+
+
+def compare_step_backends(specs, batches, optimizer, capacity: int, rounds: int, *, devices: int = 1,
+                          seed: int = 0, warmup: int = 2) -> dict:
+    """The train step in XLA vs what ``make_train_step``'s "auto" backend runs on ``devices``
+    CPU devices (one: the fused host-kernel step; several: the ``shard_map`` step with the
+    owners' updates by the host kernel), the same tables, batches and loss
+    (:func:`regression_loss` over the local batch), alternated (order flipped every round)
+    after ``warmup`` rounds. ``batches``: ``[(ids {name: int32[B, L]}, targets {name: f32[B,
+    D]})]`` cycled. Returns the "auto" implementation's name, per backend the per-step wall and
+    CPU seconds (lists) and their medians, the per-round wall ratios xla / auto (median, min,
+    max) and the final tables' max |diff|."""
+    mesh = Mesh(np.asarray(jax.devices("cpu")[:devices]), ("data",))
+    emb = ShardedEmbeddings(specs, mesh, optimizer, capacity=capacity)
+    local_b = next(iter(batches[0][0].values())).shape[0] // devices
+
+    def loss_fn(params, outputs, w):
+        return regression_loss(outputs, w) / local_b, {}
+
+    steps = {b: make_train_step(emb, loss_fn, backend=b) for b in ("xla", "auto")}
+    state = {b: {"emb": emb.init(seed), "dense": {}} for b in steps}
+    placed = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches]
+    wall = {b: [] for b in steps}
+    cpu = {b: [] for b in steps}
+    for i in range(warmup + rounds):
+        ids, w = placed[i % len(placed)]
+        for b in (("xla", "auto") if i % 2 else ("auto", "xla")):
+            c0, t0 = time.process_time(), time.perf_counter()
+            state[b], stats = steps[b](state[b], ids, w)
+            _block(state[b])
+            if i >= warmup:
+                wall[b].append(time.perf_counter() - t0)
+                cpu[b].append(time.process_time() - c0)
+        check_stats(jax.device_get(stats), capacity)
+    a, b = (emb.to_dense(state[k]["emb"])[0] for k in steps)
+    return {"auto": step_backend(emb), "wall": wall, "cpu": cpu,
+            "wall_median": {k: float(np.median(v)) for k, v in wall.items()},
+            "cpu_median": {k: float(np.median(v)) for k, v in cpu.items()},
+            "speedup": ratio_summary(wall["xla"], wall["auto"]),
+            "max_abs_diff": max(float(np.max(np.abs(a[n] - b[n]))) for n in a)}
 
 
 def kernel_fns(interpret: bool):

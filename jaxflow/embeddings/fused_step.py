@@ -11,6 +11,12 @@ bit-identical; row-wise Adagrad within float rounding). Per group of tables:
   4. ``host_kernel.fused_update``: dedup by direct addressing, per-row gradient accumulation
      and the optimizer's row update, in place in the donated table and accumulator.
 
+On a CPU mesh of several devices the ``shard_map`` step stays (dedup, All2All, pooling in
+XLA) but each owner's update of its shard is :func:`owner_update_kernel`: the received row
+gradients summed per row (in the order ``lookup.apply_owner_update`` sums them) and the
+optimizer applied in place by the same kernel, instead of a sort-based unique, capacity-sized
+gathers and scatters.
+
 Nothing is capacity-sized: ``capacity`` only sets the overflow flag the metrics report (as
 the XLA step does, so ``check_stats`` raises at the same point), and the update applied is
 complete even then. Supported: CPU, one device on the embedding axis, float32 tables, pooled
@@ -26,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxflow.embeddings import host_kernel
 from jaxflow.embeddings.lookup import ShardedEmbeddings, check_id_dtype, narrow_ids
-from jaxflow.embeddings.routing import table_keys
+from jaxflow.embeddings.routing import SENTINEL, table_keys
 from jaxflow.embeddings.spec import Pooling
 from jaxflow.train.state import TrainState
 
@@ -48,6 +54,35 @@ def fused_unsupported(emb: ShardedEmbeddings) -> str | None:
     if emb.optimizer.name not in _KINDS:
         return f"optimizer {emb.optimizer.name!r}, the kernels apply {' / '.join(_KINDS)}"
     return None
+
+
+def owner_kernel_unsupported(emb: ShardedEmbeddings) -> str | None:
+    """Why :func:`owner_update_kernel` cannot update ``emb``'s shards, or None when it can."""
+    platforms = {d.platform for d in emb.mesh.devices.flat}
+    if platforms != {"cpu"}:
+        return f"devices are {sorted(platforms)}, the host kernels run on cpu only"
+    if jnp.dtype(emb.param_dtype) != jnp.float32:
+        return f"param_dtype {jnp.dtype(emb.param_dtype)}, the kernels take float32"
+    if emb.optimizer.name not in _KINDS:
+        return f"optimizer {emb.optimizer.name!r}, the kernels apply {' / '.join(_KINDS)}"
+    return None
+
+
+def owner_update_kernel(optimizer, shard: jax.Array, opt_shard: dict, recv_ids: jax.Array,
+                        recv_grads: jax.Array, step: jax.Array):
+    """``lookup.apply_owner_update`` with the fused host kernel (per device, inside
+    ``shard_map``): shard f32[S, D], recv_ids int32[P, Cb] (-1 = none), recv_grads f32[P, Cb,
+    D] -> (new shard, new optimizer state); every requested row's gradients summed in
+    ``recv`` order, then SGD / row-wise Adagrad on the row, in place."""
+    hyper = dict(optimizer.hyper)
+    keys = jnp.where(recv_ids >= 0, recv_ids, SENTINEL).reshape(-1).astype(jnp.int32)
+    n = keys.shape[0]
+    desc, _ = host_kernel.bag_layout([(n, 1, False)])
+    accum = opt_shard.get("accum", jnp.zeros((1,), jnp.float32))
+    table, accum, _ = host_kernel.fused_update(
+        shard, accum, keys, desc, recv_grads.reshape(n, -1).astype(jnp.float32), _KINDS[optimizer.name],
+        hyper["learning_rate"], hyper.get("eps", 0.0), n)
+    return table, ({"accum": accum} if "accum" in opt_shard else {})
 
 
 def _group_keys(emb: ShardedEmbeddings, group, ids: dict):

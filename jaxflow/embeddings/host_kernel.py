@@ -42,6 +42,8 @@ __all__ = ["KIND_ADAGRAD", "KIND_SGD", "bag_layout", "fused_update", "pool_from_
 #: optimizer kinds the fused update applies
 KIND_SGD, KIND_ADAGRAD = 0, 1
 _SENTINEL = np.int32(np.iinfo(np.int32).max)
+#: ids x dim below which a kernel runs on the calling thread (a parallel region costs more)
+_PARALLEL_WORK = 1 << 18
 _POOL_TARGET, _UPDATE_TARGET = "jaxflow_embedding_pool", "jaxflow_embedding_fused_update"
 
 
@@ -58,27 +60,43 @@ def bag_layout(tables: list[tuple[int, int, bool]]) -> tuple[np.ndarray, int]:
 
 # ---- the kernels (plain numba on numpy arrays: also callable from Python, as the tests do) ----
 
-@numba.njit(parallel=True, nogil=True, cache=True)
-def pool_numpy(table, keys, desc, out):
-    """out[b] = sum (or mean) of ``table[k]`` over bag b's keys k != SENTINEL, in id order."""
+def _pool(table, keys, desc, out):
+    """:func:`pool_numpy`'s body (compiled twice: with threads over bags, and serial)."""
     rows, dim = table.shape
-    for t in range(desc.shape[0]):
-        start, length, base, n_bags, mean = desc[t, 0], desc[t, 1], desc[t, 2], desc[t, 3], desc[t, 4]
-        for j in numba.prange(n_bags):
-            b = base + j
-            for d in range(dim):
-                out[b, d] = np.float32(0.0)
-            count = 0
-            for pos in range(length):
-                k = keys[start + j * length + pos]
-                if k >= 0 and k < rows:
-                    count += 1
-                    for d in range(dim):
-                        out[b, d] += table[k, d]
-            if mean:
-                den = np.float32(max(count, 1))
+    for b in numba.prange(out.shape[0]):
+        t = 0
+        while t + 1 < desc.shape[0] and desc[t + 1, 2] <= b:
+            t += 1
+        length, j = desc[t, 1], b - desc[t, 2]
+        start = desc[t, 0] + j * length
+        for d in range(dim):
+            out[b, d] = np.float32(0.0)
+        count = 0
+        for pos in range(length):
+            k = keys[start + pos]
+            if k >= 0 and k < rows:
+                count += 1
                 for d in range(dim):
-                    out[b, d] = out[b, d] / den
+                    out[b, d] += table[k, d]
+        if desc[t, 4]:
+            den = np.float32(max(count, 1))
+            for d in range(dim):
+                out[b, d] = out[b, d] / den
+
+
+_pool_threads = numba.njit(parallel=True, nogil=True, cache=True)(_pool)
+_pool_serial = numba.njit(nogil=True, cache=True)(_pool)
+
+
+@numba.njit(nogil=True, cache=True)
+def pool_numpy(table, keys, desc, out):
+    """``out`` f32[NB, D] <- every bag's sum (mean where ``desc`` says so) of ``table[k]`` over
+    its keys k (SENTINEL / out of range = padding), in id order; threads over bags for a
+    large batch."""
+    if keys.shape[0] * table.shape[1] >= _PARALLEL_WORK:
+        _pool_threads(table, keys, desc, out)
+    else:
+        _pool_serial(table, keys, desc, out)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -113,12 +131,8 @@ def _dedup(keys, rows):
     return uniq, inv
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
-def update_numpy(table, accum, keys, desc, grad, hyper, config, stats):
-    """In place: ``table[k]`` (and ``accum[k]``) for every distinct key k of ``keys``, from the
-    bag cotangents ``grad`` f32[NB, D]. ``hyper`` f32[2] = (learning rate, eps); ``config``
-    int32[2] = (KIND_SGD | KIND_ADAGRAD, capacity); ``stats`` int32[2] <- (distinct keys,
-    1 if more than capacity)."""
+def _apply_rows(table, accum, keys, desc, grad, hyper, config, stats):
+    """:func:`update_numpy`'s body (compiled twice: with threads over rows, and serial)."""
     rows, dim = table.shape
     n = keys.shape[0]
     bag_of = np.empty(n, np.int32)
@@ -126,7 +140,7 @@ def update_numpy(table, accum, keys, desc, grad, hyper, config, stats):
     use_den = np.zeros(grad.shape[0], np.bool_)
     for t in range(desc.shape[0]):
         start, length, base, n_bags, mean = desc[t, 0], desc[t, 1], desc[t, 2], desc[t, 3], desc[t, 4]
-        for j in numba.prange(n_bags):
+        for j in range(n_bags):
             count = 0
             for pos in range(length):
                 i = start + j * length + pos
@@ -183,6 +197,22 @@ def update_numpy(table, accum, keys, desc, grad, hyper, config, stats):
                     table[k, d] = table[k, d] - lr * g[d]
     stats[0] = u
     stats[1] = 1 if u > config[1] else 0
+
+
+_apply_threads = numba.njit(parallel=True, nogil=True, cache=True)(_apply_rows)
+_apply_serial = numba.njit(nogil=True, cache=True)(_apply_rows)
+
+
+@numba.njit(nogil=True, cache=True)
+def update_numpy(table, accum, keys, desc, grad, hyper, config, stats):
+    """In place: ``table[k]`` (and ``accum[k]``) for every distinct key k of ``keys``, from the
+    bag cotangents ``grad`` f32[NB, D]. ``hyper`` f32[2] = (learning rate, eps); ``config``
+    int32[2] = (KIND_SGD | KIND_ADAGRAD, capacity); ``stats`` int32[2] <- (distinct keys,
+    1 if more than capacity). Threads over the unique rows for a large batch."""
+    if keys.shape[0] * table.shape[1] >= _PARALLEL_WORK:
+        _apply_threads(table, accum, keys, desc, grad, hyper, config, stats)
+    else:
+        _apply_serial(table, accum, keys, desc, grad, hyper, config, stats)
 
 
 # ---- XLA FFI handlers: numba cfuncs reading the call frame (xla/ffi/api/c_api.h) ----------------

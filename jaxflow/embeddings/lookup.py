@@ -188,12 +188,15 @@ def group_pool(plan: EmbeddingPlan, group: str, unique_emb: jax.Array, ctx: Grou
 
 
 def group_update(plan: EmbeddingPlan, group: str, optimizer: SparseOptimizer, table: jax.Array,
-                 opt_state: dict, ctx: GroupContext, grad_unique: jax.Array, step: jax.Array):
-    """Stage 7 for one group on one device: (new table shard, new optimizer state shard)."""
+                 opt_state: dict, ctx: GroupContext, grad_unique: jax.Array, step: jax.Array,
+                 owner_update=apply_owner_update):
+    """Stage 7 for one group on one device: (new table shard, new optimizer state shard);
+    ``owner_update``: the owner side of a sharded group (:func:`apply_owner_update`'s signature;
+    ``fused_step.owner_update_kernel`` on CPU)."""
     if plan.group(group).replicated:
         return replicated_update(optimizer, table, opt_state, ctx.routing, grad_unique, plan.axis, step)
     recv_grads = exchange_grads(grad_unique, ctx.routing, plan.axis)
-    return apply_owner_update(optimizer, table, opt_state, ctx.recv_ids, recv_grads, step)
+    return owner_update(optimizer, table, opt_state, ctx.recv_ids, recv_grads, step)
 
 
 def error_stats(ctxs: dict[str, GroupContext], axis: str) -> dict[str, jax.Array]:
@@ -327,14 +330,15 @@ class ShardedEmbeddings:
                                   {n: ids[n] for n in g.tables}, self.pooling_backend))
         return out
 
-    def local_update(self, state: dict, ctxs: dict, grads: dict) -> dict:
-        """Applies row gradients (d loss / d unique_emb per group) with the sparse optimizer."""
+    def local_update(self, state: dict, ctxs: dict, grads: dict, owner_update=apply_owner_update) -> dict:
+        """Applies row gradients (d loss / d unique_emb per group) with the sparse optimizer
+        (``owner_update`` as in :func:`group_update`)."""
         step = state["step"] + 1
         tables, opt = {}, {}
         for g in self.plan.groups:
             tables[g.name], opt[g.name] = group_update(self.plan, g.name, self.optimizer,
                                                        state["tables"][g.name], state["opt"][g.name],
-                                                       ctxs[g.name], grads[g.name], step)
+                                                       ctxs[g.name], grads[g.name], step, owner_update)
         return {"tables": tables, "opt": opt, "step": step}
 
     # -- global (jitted) --

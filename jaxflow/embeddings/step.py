@@ -13,9 +13,11 @@ State: ``{"emb": ShardedEmbeddings state, "dense": TrainState | {}}``. The dense
 
 ``backend``: "auto" (default) runs the fused host-kernel step (``fused_step.py``: pooling
 straight from the table, dedup + row-gradient accumulation + optimizer in one in-place kernel)
-where it applies (CPU, one device, float32 pooled tables, SGD / row-wise Adagrad), else this
-``shard_map`` step; "xla" always this step (the reference, and the accelerator path);
-"host_kernel" the fused step or a ValueError saying why not.
+where it applies (CPU, one device, float32 pooled tables, SGD / row-wise Adagrad); on a CPU
+mesh of several devices, this ``shard_map`` step with the owners' updates done by that kernel
+(``fused_step.owner_update_kernel``); elsewhere this step as written. "xla": always this step
+in XLA (the reference, and the accelerator path); "host_kernel": the fused step or a
+ValueError saying why not.
 """
 
 from __future__ import annotations
@@ -26,8 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxflow.embeddings.fused_step import fused_unsupported, make_fused_train_step
-from jaxflow.embeddings.lookup import ShardedEmbeddings, error_stats
+from jaxflow.embeddings.fused_step import (
+    fused_unsupported,
+    make_fused_train_step,
+    owner_kernel_unsupported,
+    owner_update_kernel,
+)
+from jaxflow.embeddings.lookup import ShardedEmbeddings, apply_owner_update, error_stats
 from jaxflow.train.state import TrainState
 
 #: loss_fn(dense_params, embeddings {table: [b, D] | [b, L, D]}, batch slice) -> (loss, aux dict)
@@ -38,8 +45,10 @@ STEP_BACKENDS = ("auto", "xla", "host_kernel")
 
 
 def step_backend(emb: ShardedEmbeddings, backend: str = "auto") -> str:
-    """The implementation ``make_train_step(emb, ..., backend=backend)`` runs: "host_kernel" or
-    "xla". ValueError (one line) for an unknown backend, or "host_kernel" where it cannot run."""
+    """The implementation ``make_train_step(emb, ..., backend=backend)`` runs: "host_kernel"
+    (the fused step), "xla+owner_kernel" (``shard_map`` step, owners update with the host
+    kernel) or "xla". ValueError (one line) for an unknown backend, or "host_kernel" where it
+    cannot run."""
     if backend not in STEP_BACKENDS:
         raise ValueError(f"embedding step backend {backend!r}; valid: {', '.join(STEP_BACKENDS)}")
     if backend == "xla":
@@ -50,7 +59,7 @@ def step_backend(emb: ShardedEmbeddings, backend: str = "auto") -> str:
     if backend == "host_kernel":
         raise ValueError(f"embedding step backend 'host_kernel' unavailable: {reason}; valid: "
                          "'xla' or 'auto'")
-    return "xla"
+    return "xla" if owner_kernel_unsupported(emb) else "xla+owner_kernel"
 
 
 def state_specs(emb: ShardedEmbeddings, dense_state: Any = None) -> dict:
@@ -96,8 +105,10 @@ def make_train_step(emb: ShardedEmbeddings, loss_fn: LossFn, *, donate: bool = T
     call ``lookup.check_stats(metrics)`` (a host sync) every step or every few steps; a step
     that overflowed its capacity applied an incomplete update and the run must stop there.
     """
-    if step_backend(emb, backend) == "host_kernel":
+    impl = step_backend(emb, backend)
+    if impl == "host_kernel":
         return make_fused_train_step(emb, loss_fn, donate=donate)
+    owner_update = owner_update_kernel if impl == "xla+owner_kernel" else apply_owner_update
     axis, n = emb.axis, emb.plan.num_shards
 
     def local(state, ids, batch):
@@ -110,7 +121,7 @@ def make_train_step(emb: ShardedEmbeddings, loss_fn: LossFn, *, donate: bool = T
 
         (_, (loss, aux)), (g_dense, g_rows) = jax.value_and_grad(
             objective, argnums=(0, 1), has_aux=True)(dense_params(dense), embs)
-        new_state = {"emb": emb.local_update(state["emb"], ctxs, g_rows), "dense": dense}
+        new_state = {"emb": emb.local_update(state["emb"], ctxs, g_rows, owner_update), "dense": dense}
         if isinstance(dense, TrainState):
             new_state["dense"] = dense.apply_gradients(jax.lax.psum(g_dense, axis))
         metrics = {"loss": jax.lax.pmean(loss, axis),
