@@ -1,5 +1,5 @@
-"""bench_rollout: the paged rollout engine vs the static sampler and the MARL engine's compacting
-decode: useful tokens/s and peak KV bytes at equal slots and KV budget.
+"""bench_rollout: the paged rollout engine vs the static sampler: useful tokens/s and peak KV
+bytes at equal slots and KV budget.
 
     python -m jaxflow.run --exp=bench_rollout --variant=quick     # 64 sequences; 4.5M stand-in for the large shape
     python -m jaxflow.run --exp=bench_rollout --variant=default   # flagship + ~100M shape, 256 sequences
@@ -19,7 +19,7 @@ lengths uniform in [P / 2, P]. Lengths are forced by a logits hook that gives EO
 at every step, identically in every arm (random-init weights; see
 ``jaxflow/rollout/bench_arms.py``). Useful tokens: up to and including EOS. Every arm is
 run once untimed on the exact workload first (compiles every shape it hits); then ``pairs``
-alternated rounds (engine, static, marl; reversed every other round).
+alternated rounds (engine, static; reversed every other round).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from jaxflow.config import Variants, require_positive
 from jaxflow.config_domains import COUNT, NON_NEGATIVE, POSITIVE, SEED, Real, domains
 from jaxflow.models.transformer import TransformerConfig
 
-DESCRIPTION = ("paged rollout engine vs static sampler / MARL compacting decode: useful tokens/s, "
+DESCRIPTION = ("paged rollout engine vs static sampler: useful tokens/s, "
                "peak KV bytes (equal / long-tailed / GRPO lengths)")
 ENTRY = "jaxflow.main.bench_rollout:main"
+HEADLINES = "jaxflow.study.headlines_bench:bench_rollout"
 
 #: The flagship's model (configs/flagship.py WARM_START.model), random init.
 FLAGSHIP = TransformerConfig(vocab_size=23, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
@@ -106,7 +107,7 @@ class ServeCase:
 
 
 @domains(seed=SEED, devices=COUNT, requests=COUNT, group_size=COUNT, tail_median_frac=Real(0.0, 1.0, low_open=True),
-         tail_sigma=NON_NEGATIVE, temperature=POSITIVE, prefill_calls=COUNT, marl_chunk=COUNT)
+         tail_sigma=NON_NEGATIVE, temperature=POSITIVE, prefill_calls=COUNT)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
@@ -123,11 +124,10 @@ class Config:
     tail_sigma: float = 1.0  # ... and its log-std
     temperature: float = 1.0
     prefill_calls: int = 2  # engine: prefill calls per step at most
-    marl_chunk: int = 4  # MARL engine: decode steps between compactions
     serve: ServeCase | None = None  # --compile-only's production engine (variant full)
 
     def __post_init__(self):
-        require_positive(self, "requests", "group_size", "prefill_calls", "marl_chunk")
+        require_positive(self, "requests", "group_size", "prefill_calls")
         bad = set(self.cases) - {"equal", "long_tail", "grpo"}
         if bad or not self.cases:
             raise ValueError(f"cases={self.cases}: valid: equal, long_tail, grpo (at least one)")

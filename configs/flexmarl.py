@@ -41,6 +41,7 @@ from jaxflow.train.lm_state import OptimConfig
 
 DESCRIPTION = "FlexMARL micro-batch pipeline (strict / bounded) vs synchronous multi-agent GRPO"
 ENTRY = "jaxflow.main.flexmarl:main"
+HEADLINES = "jaxflow.study.headlines_systems:flexmarl"
 
 
 @domains(seed=SEED, group_size=COUNT, max_digits=COUNT, solver_tokens=COUNT, verifier_tokens=COUNT, n_inputs=COUNT,
@@ -71,12 +72,14 @@ class Config:
     # pipeline's fill / drain is a larger share of a short run)
     micro_inputs: int = 2        # inputs per trainer micro-batch
     rollout_batch: int = 1       # inputs per rollout engine call (sync and pipeline alike)
+    # the paged rollout engine (jaxflow.rollout, through jaxflow.marl.sampling.AgentSampler):
+    # decode steps per decode call; a finished row leaves the decode batch after its call
     rollout_workers: int = 1     # 1, or >= 2: per-agent worker pools (agent-level balancing)
-    engine_chunk: int = 2        # decode steps between compactions of finished rows
+    engine_chunk: int = 2
     etas: tuple[int, ...] = (1, 2)  # bounded-staleness runs
-    bench_tokens: int = 24       # engine benchmark: compacted vs padded decode of the solver
+    bench_tokens: int = 24       # engine benchmark: bucketed vs padded decode of the solver
     bench_rows: int = 64
-    bench_chunk: int = 4
+    bench_chunk: int = 4         # ... its decode steps per decode call
     entropy_coef: float = 0.01
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=0)
     # write the simulator's calibration file here (flexmarl_scale reads it; see its config)

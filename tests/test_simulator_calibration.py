@@ -127,7 +127,7 @@ def test_flexmarl_calibration_round_trip_and_sensitivity(tmp_path):
 def test_sync_counts_from_a_run():
     spec = types.SimpleNamespace(group_size=4, max_new_tokens=6)
     rt = lambda n: types.SimpleNamespace(  # noqa: E731
-        spec=spec, engine=types.SimpleNamespace(prompt_width=5),
+        spec=spec, sampler=types.SimpleNamespace(prompt_width=5),
         fns=types.SimpleNamespace(abstract_params=lambda: {"w": np.zeros((n, 3)), "b": np.zeros(n)}))
     run = types.SimpleNamespace(engine={"calls": 32, "row_steps": 370, "useful_row_steps": 367,
                                         "padded_row_steps": 384},

@@ -1,12 +1,13 @@
 """Entry of the `bench_rollout` experiment (config: configs/bench_rollout.py).
 
 For each model case (the flagship's shape; a ~100M-parameter shape) and each length case
-(equal, long-tailed, GRPO groups) it samples the same ``requests`` sequences with three arms at
+(equal, long-tailed, GRPO groups) it samples the same ``requests`` sequences with two arms at
 equal slots and KV budget (:mod:`jaxflow.rollout.bench_arms`): the paged engine
-(:mod:`jaxflow.rollout`), the static sampler (``make_sampler``) and the MARL engine's
-compacting decode. Each arm runs once untimed on the exact workload, then ``pairs`` alternated
+(:mod:`jaxflow.rollout`) and the static sampler (``make_sampler``). (The MARL engine's
+compacting decode, a third arm until the paged engine was faster in every case, is gone:
+FlexMARL samples through the paged engine.) Each arm runs once untimed on the exact workload, then ``pairs`` alternated
 timed rounds (:func:`jaxflow.rollout.bench.run_case`). Reported per case: useful tokens/s per
-arm (medians), the per-round ratio engine / better baseline (median, min, max), peak KV bytes,
+arm (medians), the per-round ratio engine / static (median, min, max), peak KV bytes,
 and for GRPO the peak KV bytes holding prompt tokens.
 """
 
@@ -18,7 +19,6 @@ from typing import Any
 import jax
 
 from jaxflow.experiment import RunContext
-from jaxflow.marl.engine import RolloutEngine as CompactingEngine
 from jaxflow.rollout.bench import TARGET_RATIO, machine, run_model
 from jaxflow.rollout.bench_arms import sampling_config
 
@@ -27,17 +27,17 @@ def main(config, run: RunContext) -> dict[str, Any]:
     """Every model's cases; the results (also ``results.json``)."""
     results = {
         "machine": machine(), "load_avg_start": list(os.getloadavg()),
-        "budget": "equal slots and KV bytes: static / marl waves of `slots` rows with a [slots, "
+        "budget": "equal slots and KV bytes: static waves of `slots` rows with a [slots, "
                   "P + N] cache; the engine `slots` decode rows and a pool of slots * ceil((P + N) "
                   "/ page_size) pages + the null page",
         "useful_tokens": "generated tokens up to and including EOS (equal across arms)",
-        "ratio": "per round: engine useful tokens/s / max(static, marl) of the same round",
+        "ratio": "per round: engine useful tokens/s / static useful tokens/s of the same round",
         "targets": TARGET_RATIO | {"grpo_prompt_kv": "engine peak <= baseline / G + one page "
                                                      "per slot"},
         "models": {},
     }
     for mc in config.models():
-        results["models"][mc.name] = run_model(config, mc, run, marl_engine_cls=CompactingEngine)
+        results["models"][mc.name] = run_model(config, mc, run)
     results["load_avg_end"] = list(os.getloadavg())
     run.write_json("results.json", results)
     return results

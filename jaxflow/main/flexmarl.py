@@ -1,7 +1,8 @@
 """The ``flexmarl`` experiment: the fastest bit-identical lockstep vs the FlexMARL pipeline.
 
-All runs: the built-in solver / verifier workflow, the same rollout engine (per-row keys,
-finished rows compacted away), batch sizes, GRPO kernels and initial params. Lockstep is the
+All runs: the built-in solver / verifier workflow, the same sampling (the paged rollout engine
+through :class:`jaxflow.marl.sampling.AgentSampler`: per-row keys, finished rows leave the decode
+batch), batch sizes, GRPO kernels and initial params. Lockstep is the
 MARTI-style barrier (roll out every agent on every input, then one full-batch step per agent)
 in two bit-identical forms: ``sync`` waits for each agent's step (its stage times calibrate the
 simulator), ``sync_unblocked`` only dispatches them (one wait per version). ``strict`` is the
@@ -27,8 +28,9 @@ them). Also: samples/s medians, busy fraction per role (busy seconds / wall; rol
 rollout engine and one trainer per agent; ``sync_utilisation`` is the blocked lockstep's,
 device seconds, which the calibration reads), per-step reward means of the first round,
 ``strict_max_param_diff`` (max over steps and agents of the per-leaf relative difference
-strict vs sync), the observed staleness of bounded runs, decode row-steps saved by compaction
-vs a padded batch decode, and a strict run with agent state swapping (bit-exact).
+strict vs sync), the observed staleness of bounded runs, decode row-steps saved by bucketing
+the running rows vs a padded batch decode (the engine benchmark), and a strict run with agent
+state swapping (bit-exact).
 
 The system is :class:`jaxflow.marl.system.FlexMARLSystem`, the modes and their timing
 :mod:`jaxflow.marl.speedup`, the engine benchmark :mod:`jaxflow.marl.engine_bench`.
@@ -65,8 +67,8 @@ def main(config, run) -> dict:
     parts = state.parts
     wf, runtimes, names = parts.workflow, parts.runtimes, parts.workflow.order()
     run.info(f"warm-up (compilation) on {n_dev} device(s) ...")
-    for n, rt in runtimes.items():  # every compacted decode shape, so no timed run compiles
-        rt.engine.precompile(rt.publish(state.policies[n]), config.rollout_batch * rt.spec.group_size)
+    for n, rt in runtimes.items():  # the engine's full-batch shapes; the warm-up runs compile the rest
+        rt.sampler.warm_up(rt.publish(state.policies[n]), config.rollout_batch * rt.spec.group_size)
     # every run starts from SYSTEM.restart (fresh buffers): keep only the initial params
     state = dataclasses.replace(state, policies={})
     modes, pipeline = run_modes(SYSTEM, state)

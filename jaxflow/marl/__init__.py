@@ -1,12 +1,13 @@
 """FlexMARL-style multi-agent RL: workflow as data, experience store, micro-batch pipeline
-(strict / bounded staleness), rollout engine with hierarchical load balancing, agent state
-swapping (see each module's doc). Across processes every mesh spans every process alike and
+(strict / bounded staleness), sampling through the paged rollout engine (``sampling``:
+:class:`AgentSampler` over :class:`jaxflow.rollout.RolloutEngine`) with hierarchical load
+balancing, agent state swapping (see each module's doc). Across processes every mesh spans every process alike and
 ``jaxflow.marl.processes`` keeps the processes in step.
 
 ``system`` is the whole as one :class:`jaxflow.system.System` (:class:`FlexMARLSystem`: typed
 state, a lockstep version as its step, the ``--compile-only`` programs); ``speedup`` the run
 modes, their fair timing and the speedup summary of the ``flexmarl`` experiment;
-``engine_bench`` the compacted vs padded decode benchmark; ``scale_report`` the cluster
+``engine_bench`` the bucketed vs padded decode benchmark of the sampler; ``scale_report`` the cluster
 simulator's (``simulate``) sweep beside the paper's figures (the ``flexmarl_scale``
 experiment)."""
 
@@ -19,7 +20,6 @@ from jaxflow.marl.balance import (
     round_robin,
     work_stealing_makespan,
 )
-from jaxflow.marl.engine import EngineStats, RolloutEngine, row_keys
 from jaxflow.marl.pipeline import (
     AgentRuntime,
     Interrupted,
@@ -34,6 +34,7 @@ from jaxflow.marl.pipeline import (
     run_sync,
     weighted_grad,
 )
+from jaxflow.marl.sampling import AgentSampler, SamplingStats, replica_mesh, row_keys
 from jaxflow.marl.scale_report import paper_checks, plot_scale, scale_summary
 from jaxflow.marl.speedup import LOCKSTEP, ModeTimings, fastest_lockstep, run_modes, speedup_summary, time_modes
 from jaxflow.marl.store import ExperienceStore, Row, SampleId
@@ -42,7 +43,7 @@ from jaxflow.marl.system import FlexMARLParts, FlexMARLState, FlexMARLSystem, ag
 from jaxflow.marl.workflow import AgentSpec, Edge, VerifyAdditionTask, Workflow, solver_verifier_workflow
 
 __all__ = ["allocate_workers", "assign", "busy_fraction", "longest_first", "makespan", "round_robin",
-           "work_stealing_makespan", "EngineStats", "RolloutEngine", "row_keys", "AgentRuntime",
+           "work_stealing_makespan", "AgentSampler", "SamplingStats", "replica_mesh", "row_keys", "AgentRuntime",
            "Interrupted", "PipelineConfig", "RunResult", "accumulate", "apply_accumulated",
            "relative_param_diff", "run_bounded", "run_pipeline", "run_strict", "run_sync",
            "weighted_grad", "ExperienceStore", "Row", "SampleId", "AgentStateSwapper", "swap_in",

@@ -1,9 +1,11 @@
-"""Compacted vs padded batch decode of the FlexMARL rollout engine on the same rows and keys.
+"""Bucketed vs padded decode of FlexMARL's sampler (the paged engine) on the same rows and keys.
 
-:func:`engine_benchmark` samples the solver's prompts twice per round with one
-:class:`~jaxflow.marl.engine.RolloutEngine` (built by :func:`jaxflow.marl.system.bench_engine`):
-compacting finished rows away between ``bench_chunk``-step chunks, and as one padded
-``bench_tokens``-step scan; alternating, medians over ``reps`` rounds.
+:func:`engine_benchmark` samples the solver's prompts twice per round with two
+:class:`~jaxflow.marl.sampling.AgentSampler` of the same shapes (built by
+:func:`jaxflow.marl.system.bench_engine`): decode calls carrying only the running rows (finished
+rows leave after each ``bench_chunk``-step decode call; ``bucket_rows``), and every slot in every
+decode call until the last row ends (the padded batch decode); alternating, medians over
+``reps`` rounds.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from jaxflow.marl.engine import row_keys
+from jaxflow.marl.sampling import row_keys
 from jaxflow.marl.speedup import bit_equal
 from jaxflow.marl.system import bench_engine
 from jaxflow.marl.workflow import Workflow
@@ -26,24 +28,24 @@ __all__ = ["engine_benchmark"]
 
 def engine_benchmark(config: Any, workflow: Workflow, meshes: Mapping[str, Any], params: Any,
                      log: Callable[[str], Any]) -> dict:
-    """Compacted vs padded batch decode of the solver (``params``, published for the rollout
-    mesh ``meshes["rollout"]``) on ``config.bench_rows`` prompts drawn from the seed's
+    """Bucketed vs padded decode of the solver (``params``, published for the sampler on the
+    rollout mesh ``meshes["rollout"]``) on ``config.bench_rows`` prompts drawn from the seed's
     stream ``[seed, 0xE6]``: row-steps executed / saved, the median time ratio padded /
-    compacted and its spread, and whether tokens, masks and log-probs are identical (XLA CPU
-    picks matmul kernels by batch size, so a compacted batch's log-probs may differ from the
+    bucketed and its spread, and whether tokens, masks and log-probs are identical (XLA CPU
+    picks matmul kernels by batch size, so a smaller bucket's log-probs may differ from the
     padded batch's in the last bits: their max abs / rel difference). ``log``: one line."""
-    rt_task = workflow.task("solver")
+    task = workflow.task("solver")
     eng = bench_engine(config, workflow, meshes["rollout"])
-    texts = rt_task.prompts(np.random.default_rng([config.seed, 0xE6]), config.bench_rows)
+    padded = bench_engine(config, workflow, meshes["rollout"], bucket_rows=False)
+    texts = task.prompts(np.random.default_rng([config.seed, 0xE6]), config.bench_rows)
     prompts, lengths = encode_prompts(eng.tokenizer, texts, eng.prompt_width)
     keys = row_keys(jax.random.key(config.seed), len(texts))
-    padded_kw = dict(compact=False, chunk=config.bench_tokens)
     a, sa = eng.sample(params, prompts, lengths, keys)
-    b, sb = eng.sample(params, prompts, lengths, keys, **padded_kw)
+    b, sb = padded.sample(params, prompts, lengths, keys)
     ratios, tc, tp = [], [], []
     for _ in range(config.reps):
         t0 = time.perf_counter()
-        eng.sample(params, prompts, lengths, keys, **padded_kw)
+        padded.sample(params, prompts, lengths, keys)
         t1 = time.perf_counter()
         eng.sample(params, prompts, lengths, keys)
         t2 = time.perf_counter()
@@ -53,7 +55,7 @@ def engine_benchmark(config: Any, workflow: Workflow, meshes: Mapping[str, Any],
     out = {"rows": len(texts), "max_new_tokens": config.bench_tokens,
            "chunk": config.bench_chunk, "row_steps": sa.row_steps,
            "padded_row_steps": sb.row_steps, "useful_row_steps": sa.useful_row_steps,
-           "saved_fraction": sa.saved_fraction,
+           "saved_fraction": 1.0 - sa.row_steps / sb.row_steps if sb.row_steps else 0.0,
            "mean_length": float(a.mask.sum(1).mean()),
            "speedup_vs_padded": statistics.median(ratios),
            "speedup_spread": [min(ratios), max(ratios)],

@@ -3,10 +3,11 @@
 Per agent (an :class:`~jaxflow.marl.pipeline.AgentRuntime`): the barrier's (``run_sync``) pi_old
 statistics and GRPO update on the version's full batch, the pipeline's (``AgentTrainer``)
 gradient accumulation over micro-batches (first, later, last + optimizer step); per rollout
-engine (:class:`~jaxflow.marl.engine.RolloutEngine`) the prefill and one decode chunk on an
-engine call's rows - the largest of the engine's shapes (compaction decodes smaller buckets).
-Arguments that a program's output feeds (pi_old statistics, gradient sums, the decode carry)
-take that output's shardings from its compile (:func:`~jaxflow.compile_only.program.compile_ahead`).
+sampler (:class:`~jaxflow.marl.sampling.AgentSampler`) the paged engine's prefill and decode
+calls for an engine call's rows (:func:`jaxflow.rollout.programs.engine_programs`; the decode over
+every slot, the largest of its shapes). Arguments that a program's output feeds (pi_old
+statistics, gradient sums) take that output's shardings from its compile
+(:func:`~jaxflow.compile_only.program.compile_ahead`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from jaxflow.compile_only.program import (
     sds,
     transformer_train_flops,
 )
-from jaxflow.marl.engine import RolloutEngine, row_keys
-from jaxflow.models.transformer import TransformerConfig
+from jaxflow.marl.sampling import AgentSampler
 from jaxflow.rl.grpo import MiniBatch
 from jaxflow.rl.rollout import batch_sharding
 from jaxflow.train.state import TrainState
@@ -52,7 +52,7 @@ def agent_programs(rt, *, n_inputs: int, micro_inputs: int) -> list[Program]:
     name, cfg, mesh, model = rt.spec.name, rt.config, rt.mesh, rt.spec.model
     params = rt.fns.abstract_params()
     policy = TrainState.abstract(rt.tx, params, rt.fns.param_shardings)
-    width, n = rt.engine.prompt_width, cfg.max_new_tokens
+    width, n = rt.sampler.prompt_width, cfg.max_new_tokens
     key = _key(mesh)
     embed = 0 if model.tie_embeddings else model.vocab_size * model.d_model
     n_matmul = count_params(params) - embed
@@ -88,48 +88,13 @@ def agent_programs(rt, *, n_inputs: int, micro_inputs: int) -> list[Program]:
     return out
 
 
-def engine_programs(name: str, eng: RolloutEngine, model: TransformerConfig, rows: int
-                    ) -> tuple[list[Program], dict]:
-    """``eng``'s (of ``model``) ``NAME/prefill`` and ``NAME/decode`` (its first chunk) on
-    ``rows`` rows, and the arguments a decode call takes (for :func:`padded_decode_program`)."""
-    mesh, n = eng.mesh, eng.config.max_new_tokens
-    row, rep = batch_sharding(mesh, rows), NamedSharding(mesh, PartitionSpec())
-    key = jax.eval_shape(lambda: row_keys(jax.random.key(0), rows))
-    params = eng.fns.abstract_params()
-    state = eng.fns.nnx_state(params)
-    prefill_args = (state, sds((rows, eng.prompt_width), np.int32, row),
-                    sds((rows,), np.int32, row), sds(key.shape, key.dtype, rep))
-    prefill, (carry, _) = compile_ahead(Program(
-        f"{name}/prefill", eng.prefill_fn, prefill_args, mesh, "sample",
-        model_flops=2.0 * count_params(params) * rows * eng.prompt_width,
-        tokens=rows * eng.prompt_width, note=_engine_note(eng, rows)))
-    decode_args = dict(state=state, carry=carry, lengths=prefill_args[2], keys=prefill_args[3],
-                       t0=sds((), np.int32, rep))
-    return [prefill, _decode(f"{name}/decode", eng, model, rows, decode_args,
-                             min(eng.chunk, n - 1))], decode_args
+def engine_programs(name: str, sampler: AgentSampler, rows: int) -> list[Program]:
+    """``NAME/prefill`` and ``NAME/decode``: the paged engine's public programs
+    (:func:`jaxflow.rollout.programs.engine_programs`) on ``sampler``'s replica mesh, shaped as
+    its engine is for calls of ``rows`` rows (every slot decoded: the largest decode call), with
+    the f32 weights a FlexMARL trainer publishes."""
+    from jaxflow.rollout.programs import engine_programs as paged_engine_programs
 
-
-def padded_decode_program(name: str, eng: RolloutEngine, model: TransformerConfig, rows: int,
-                          decode_args: dict) -> Program:
-    """``NAME/decode_padded``: every step after the prefill in one decode call on ``rows``
-    padded rows (the engine benchmark's baseline); ``decode_args`` from :func:`engine_programs`
-    on the same engine shapes."""
-    return _decode(f"{name}/decode_padded", eng, model, rows, decode_args,
-                   eng.config.max_new_tokens - 1)
-
-
-def _engine_note(eng: RolloutEngine, rows: int) -> str:
-    ctx = eng.prompt_width + eng.config.max_new_tokens
-    return f"{mesh_note(eng.mesh)}; {rows} rows, KV cache of {ctx} slots (XLA attention)"
-
-
-def _decode(name: str, eng: RolloutEngine, model: TransformerConfig, rows: int, a: dict,
-            steps: int) -> Program:
-    ctx = eng.prompt_width + eng.config.max_new_tokens
-    n_params = count_params(a["state"])
-    flops = 2.0 * rows * steps * (n_params + 2 * model.n_layers * ctx * model.n_heads
-                                  * model.head_dim)
-    return Program(name, eng.decode_fn, (a["state"], a["carry"], a["lengths"], a["keys"], a["t0"],
-                                       steps), eng.mesh, "sample", model_flops=flops,
-                   tokens=rows * steps,
-                   note=_engine_note(eng, rows) + f"; {steps} decode steps per call")
+    return paged_engine_programs(sampler.model, sampler.mesh, sampler.engine_config(rows),
+                                 sampler.config, prompt_len=sampler.prompt_width, param_dtype=None,
+                                 prefix=name + "/")

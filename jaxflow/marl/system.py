@@ -25,12 +25,13 @@ from jax.sharding import Mesh
 
 from jaxflow.compile_only.program import Program
 from jaxflow.data.tokenizer import CharTokenizer
-from jaxflow.marl.engine import RolloutEngine
 from jaxflow.marl.meshes import agent_centric_meshes
 from jaxflow.marl.pipeline import AgentRuntime, input_prompts, lockstep_step, rollout_inputs
 from jaxflow.marl.processes import host_tree
-from jaxflow.marl.programs import agent_programs, engine_programs, padded_decode_program
+from jaxflow.marl.programs import agent_programs, engine_programs
+from jaxflow.marl.sampling import AgentSampler
 from jaxflow.marl.workflow import Workflow, solver_verifier_workflow
+from jaxflow.rl.rollout import EngineSettings
 from jaxflow.system import static_field, system_state
 from jaxflow.train.lm_state import init_params
 from jaxflow.train.state import TrainState
@@ -84,19 +85,24 @@ def meshes_by_agent(workflow: Workflow, meshes: Mapping[str, Mesh]) -> dict[str,
 def build_runtimes(config: Any, workflow: Workflow, meshes: Mapping[str, Mapping[str, Mesh]]
                    ) -> dict[str, AgentRuntime]:
     """Each agent's :class:`~jaxflow.marl.pipeline.AgentRuntime` (compiled GRPO functions,
-    optimizer, engine) on its ``{"trainer": mesh, "rollout": mesh}``: what the run trains with."""
+    optimizer, sampler: the paged engine with ``engine_chunk`` decode steps per decode call) on
+    its ``{"trainer": mesh, "rollout": mesh}``: what the run trains with."""
     return {a.name: AgentRuntime(a, workflow, meshes[a.name], config.optim,
                                  n_inputs=config.n_inputs, total_steps=config.steps + 1,
                                  entropy_coef=config.entropy_coef,
-                                 engine_chunk=config.engine_chunk) for a in workflow.agents}
+                                 engine=EngineSettings(decode_steps=config.engine_chunk))
+            for a in workflow.agents}
 
 
-def bench_engine(config: Any, workflow: Workflow, mesh: Mesh) -> RolloutEngine:
-    """The engine benchmark's solver engine (``bench_tokens`` new tokens, temperature 1,
-    ``bench_chunk`` steps between compactions) on the rollout ``mesh``."""
-    return RolloutEngine(config.solver, mesh, max_new_tokens=config.bench_tokens,
-                         temperature=1.0, task=workflow.task("solver"), tokenizer=CharTokenizer(),
-                         chunk=config.bench_chunk)
+def bench_engine(config: Any, workflow: Workflow, mesh: Mesh, *, bucket_rows: bool = True
+                 ) -> AgentSampler:
+    """The engine benchmark's solver sampler (``bench_tokens`` new tokens, temperature 1,
+    ``bench_chunk`` decode steps per decode call; ``bucket_rows`` False: the padded batch
+    decode) on the rollout ``mesh``."""
+    return AgentSampler(config.solver, mesh, max_new_tokens=config.bench_tokens,
+                        temperature=1.0, task=workflow.task("solver"), tokenizer=CharTokenizer(),
+                        settings=EngineSettings(decode_steps=config.bench_chunk),
+                        bucket_rows=bucket_rows)
 
 
 def agent_keys(n_agents: int) -> jax.Array:
@@ -176,30 +182,25 @@ class FlexMARLSystem:
     def programs(self, config: Any, meshes: Mapping[str, Mesh]) -> list[Program]:
         """``--compile-only``: a run's jitted programs on ``meshes`` (:func:`resolve_meshes`'
         on the target's devices): per agent its trainer programs
-        (:func:`~jaxflow.marl.programs.agent_programs`) and its engine's prefill and decode
-        chunk on one rollout call's rows; the engine benchmark's padded decode (and its prefill
-        and chunk when its shapes differ from the solver's rollout)."""
+        (:func:`~jaxflow.marl.programs.agent_programs`) and its sampler's paged-engine prefill
+        and decode calls for one rollout call's rows; the engine benchmark's (its decode over
+        every slot is also the padded decode) when its shapes differ from the solver's."""
         workflow = workflow_of(config)
         by_agent = meshes_by_agent(workflow, meshes)
         runtimes = build_runtimes(config, workflow, by_agent)
-        programs, decode_args = [], {}
+        programs = []
         for name, rt in runtimes.items():
             programs += agent_programs(rt, n_inputs=config.n_inputs,
                                        micro_inputs=config.micro_inputs)
-            engine, decode_args[name] = engine_programs(f"{name}/rollout", rt.engine,
-                                                        rt.spec.model,
-                                                        config.rollout_batch * rt.spec.group_size)
-            programs += engine
+            programs += engine_programs(f"{name}/rollout", rt.sampler,
+                                        config.rollout_batch * rt.spec.group_size)
         bench = bench_engine(config, workflow, by_agent["solver"]["rollout"])
         solver = runtimes["solver"]
-        args = decode_args["solver"]
-        if not (bench.config == solver.engine.config and bench.chunk == solver.engine.chunk
-                and config.bench_rows == config.rollout_batch * solver.spec.group_size):
-            engine, args = engine_programs("solver/bench", bench, config.solver,
-                                           config.bench_rows)
-            programs += engine
-        return programs + [padded_decode_program("solver/bench", bench, config.solver,
-                                                 config.bench_rows, args)]
+        rows = config.rollout_batch * solver.spec.group_size
+        if (bench.config, bench.engine_config(config.bench_rows)) != (
+                solver.sampler.config, solver.sampler.engine_config(rows)):
+            programs += engine_programs("solver/bench", bench, config.bench_rows)
+        return programs
 
     def evaluate(self, state: FlexMARLState) -> dict[str, float]:
         """Each agent's reward mean (``eval/reward/AGENT``) on ``n_inputs`` held-out prompts

@@ -2,11 +2,11 @@
 :mod:`jaxflow.rollout.bench_arms`).
 
 For one model (:func:`run_model`) and each length case (:func:`run_case`: equal, long-tailed, GRPO
-groups) the three arms sample the same ``requests`` sequences at equal slots and KV budget: each
-runs once untimed on the exact workload (compiles every shape it hits; its outputs are compared
-across arms), then ``pairs`` alternated timed rounds. Reported per case: useful tokens/s per arm
-(medians), the per-round ratio engine / better baseline (median, min, max), peak KV bytes, and
-for GRPO the peak KV bytes holding prompt tokens (:func:`prompt_kv`).
+groups) the two arms (the paged engine, the static sampler) sample the same ``requests``
+sequences at equal slots and KV budget: each runs once untimed on the exact workload (compiles
+every shape it hits; its outputs are compared across arms), then ``pairs`` alternated timed
+rounds. Reported per case: useful tokens/s per arm (medians), the per-round ratio engine /
+static (median, min, max), peak KV bytes, and for GRPO the peak KV bytes holding prompt tokens (:func:`prompt_kv`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from jaxflow.experiment import RunContext
 from jaxflow.models.transformer import Transformer
 from jaxflow.rollout.bench_arms import (
     EngineArm,
-    MarlArm,
     StaticArm,
     Workload,
     describe_lengths,
@@ -35,9 +34,9 @@ from jaxflow.rollout.bench_arms import (
 
 __all__ = ["ARMS", "TARGET_RATIO", "machine", "prompt_kv", "run_case", "run_model"]
 
-#: engine / better baseline, useful tokens/s (same run)
+#: engine / static sampler, useful tokens/s (same run)
 TARGET_RATIO = {"equal": 0.9, "long_tail": 2.0, "grpo": 1.5}
-ARMS = ("engine", "static", "marl")
+ARMS = ("engine", "static")
 
 
 def machine() -> dict[str, Any]:
@@ -101,8 +100,7 @@ def run_case(config, mc, case: str, arms: dict, run: RunContext) -> dict[str, An
             seconds[name].append(t)
     secs = {n: np.asarray(s) for n, s in seconds.items()}
     tps = {n: useful["engine"] / s for n, s in secs.items()}
-    better = np.maximum(tps["static"], tps["marl"])
-    ratios = tps["engine"] / better
+    ratios = tps["engine"] / tps["static"]
     mid = int(np.argsort(ratios)[len(ratios) // 2])
     medians = {n: float(np.median(v)) for n, v in tps.items()}
     bpt = kv_bytes_per_token(mc.model)
@@ -114,22 +112,18 @@ def run_case(config, mc, case: str, arms: dict, run: RunContext) -> dict[str, An
         "useful_tokens": useful["engine"],
         "useful_tokens_equal": len(set(useful.values())) == 1,
         "mismatched_rows_engine_vs_static": _mismatched_rows(outs["engine"], outs["static"]),
-        "mismatched_rows_engine_vs_marl": _mismatched_rows(outs["engine"], outs["marl"]),
         "tokens_per_second": medians,
-        "better_baseline": max(("static", "marl"), key=medians.get),
         "ratio_median": float(np.median(ratios)),
         "ratio_min": float(ratios.min()), "ratio_max": float(ratios.max()),
         "ratios": ratios.tolist(),
         "ratio_vs_static_median": float(np.median(tps["engine"] / tps["static"])),
-        "ratio_vs_marl_median": float(np.median(tps["engine"] / tps["marl"])),
         "median_round": {n: float(secs[n][mid]) for n in ARMS} | {"ratio": float(ratios[mid])},
         "seconds": {n: s.tolist() for n, s in secs.items()},
         "warmup_seconds_compile_included": warm,
         "target_ratio": TARGET_RATIO[case],
         "target_ratio_met": bool(np.median(ratios) >= TARGET_RATIO[case]),
         "peak_kv_bytes": {"engine": engine.peak_kv_bytes(),
-                          "static": arms["static"].peak_kv_bytes(w, mc.model),
-                          "marl": arms["marl"].peak_kv_bytes(w, mc.model)},
+                          "static": arms["static"].peak_kv_bytes(w, mc.model)},
         "engine_pool_bytes": engine.config.num_pages * engine.page_bytes,
         "engine_stats": engine_stats,
         "load_avg_1min": [load_before[0], os.getloadavg()[0]],
@@ -137,7 +131,7 @@ def run_case(config, mc, case: str, arms: dict, run: RunContext) -> dict[str, An
     if case == "grpo":
         result["prompt_kv"] = prompt_kv(w, engine, mc.slots, bpt)
     run.info(f"{mc.name}/{case}: tokens/s {({k: round(v) for k, v in medians.items()})}; engine / "
-             f"better baseline {result['ratio_median']:.2f} [{result['ratio_min']:.2f}, "
+             f"static {result['ratio_median']:.2f} [{result['ratio_min']:.2f}, "
              f"{result['ratio_max']:.2f}] (target {TARGET_RATIO[case]})")
     return result
 
@@ -150,9 +144,8 @@ def _length_doc(case: str, config, mc) -> dict[str, Any]:
             "cap": mc.max_new}
 
 
-def run_model(config, mc, run: RunContext, *, marl_engine_cls: Any) -> dict[str, Any]:
-    """Every length case of one model (``mc``, a ``configs.bench_rollout.ModelCase``);
-    ``marl_engine_cls``: the MARL arm's engine class (``jaxflow.marl.engine.RolloutEngine``)."""
+def run_model(config, mc, run: RunContext) -> dict[str, Any]:
+    """Every length case of one model (``mc``, a ``configs.bench_rollout.ModelCase``)."""
     graphdef, state = nnx.split(Transformer(mc.model, rngs=nnx.Rngs(config.seed)))
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(state)))
     sampling = sampling_config(mc.max_new, config.temperature)
@@ -161,8 +154,6 @@ def run_model(config, mc, run: RunContext, *, marl_engine_cls: Any) -> dict[str,
                             prompt_len=mc.prompt_len, prefill_rows=mc.prefill_rows,
                             prefill_calls=config.prefill_calls, decode_steps=mc.decode_steps),
         "static": StaticArm(graphdef, state, sampling, mc.slots),
-        "marl": MarlArm(mc.model, nnx.to_pure_dict(state), sampling, mc.slots, config.marl_chunk,
-                        mc.prompt_len, engine_cls=marl_engine_cls),
     }
     bpt = kv_bytes_per_token(mc.model)
     out = {"params": n_params, "prompt_len": mc.prompt_len, "max_new": mc.max_new,

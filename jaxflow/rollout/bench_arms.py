@@ -1,5 +1,5 @@
-"""bench_rollout's workloads and its three arms: the paged engine, the static sampler, the MARL
-engine's compacting decode, all sampling the same sequences (driver ``jaxflow/main/bench_rollout.py``,
+"""bench_rollout's workloads and its two arms: the paged engine and the static sampler, both
+sampling the same sequences (driver ``jaxflow/main/bench_rollout.py``,
 the cases in :mod:`jaxflow.rollout.bench`).
 
 Output lengths are forced, identically for every arm, by a stateless :class:`LogitsHook`: at
@@ -9,8 +9,8 @@ other tokens the rest (renormalised without EOS). Every arm draws token t of a s
 same in every arm, and its length is an independent draw from the pmf the hazard encodes
 (``hazard[t] = P(L = t + 1) / P(L >= t + 1)``; ``hazard[N - 1] = 1``, the cap).
 
-KV budget (equal for every arm): ``slots`` rows of ``P + N`` tokens. The static sampler and the
-MARL engine run the sequences in waves of ``slots`` rows with a ``[slots, P + N]`` cache each;
+KV budget (equal for every arm): ``slots`` rows of ``P + N`` tokens. The static sampler runs the
+sequences in waves of ``slots`` rows with a ``[slots, P + N]`` cache each;
 the paged engine gets ``slots`` decode rows and a pool of ``slots * ceil((P + N) / page_size)``
 pages plus its null page.
 """
@@ -20,13 +20,11 @@ from __future__ import annotations
 import functools
 import math
 import time
-import types
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.models.sampler import LogitsHook, SamplingConfig, make_sampler
 from jaxflow.rollout import EngineConfig, RolloutEngine
@@ -176,53 +174,6 @@ class StaticArm:
 
     def peak_kv_bytes(self, w: Workload, model_cfg) -> int:
         """The wave's cache: slots x (P + N) tokens."""
-        return self.slots * (w.prompts.shape[1] + self.sampling.max_new_tokens) * \
-            kv_bytes_per_token(model_cfg)
-
-
-class MarlArm:
-    """``jaxflow.marl.engine.RolloutEngine.sample`` (compaction between ``chunk``-step decode
-    chunks) over waves of ``slots`` rows, with the workload's hook (the engine's
-    ``logits_hook``: one engine per hook, built at its first run).
-
-    ``engine_cls`` is that engine class, passed in by the caller (``jaxflow.marl`` imports this
-    package, so this package does not import it)."""
-
-    name = "marl"
-
-    def __init__(self, model_cfg, params_pure, sampling: SamplingConfig, slots: int, chunk: int,
-                 prompt_len: int, *, engine_cls: Any):
-        self.engine_cls = engine_cls
-        self.mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-        self.model_cfg, self.chunk, self.prompt_len = model_cfg, chunk, prompt_len
-        self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.params, self.slots, self.sampling = params_pure, slots, sampling
-        self._engines: dict[Any, Any] = {}
-
-    def engine(self, hook: LogitsHook) -> Any:
-        """The MARL engine sampling with ``hook`` (built once per hook; its programs are cached
-        by (graphdef, sampling, hook), so engines of one hook share them)."""
-        if hook not in self._engines:
-            self._engines[hook] = self.engine_cls(
-                self.model_cfg, self.mesh, max_new_tokens=self.sampling.max_new_tokens,
-                temperature=self.sampling.temperature,
-                task=types.SimpleNamespace(max_prompt_len=self.prompt_len - 1),
-                tokenizer=types.SimpleNamespace(eos_id=EOS_ID, pad_id=PAD_ID), chunk=self.chunk,
-                logits_hook=hook)
-        return self._engines[hook]
-
-    def run(self, w: Workload) -> ArmOutput:
-        """Samples every sequence of ``w`` (host outputs)."""
-        eng = self.engine(w.hook)
-        prompts, lengths = w.rows()
-        keys = jax.device_put(w.keys, self.replicated)
-        outs = [eng.sample(self.params, prompts[i:i + self.slots], lengths[i:i + self.slots],
-                           keys[i:i + self.slots])[0] for i in range(0, w.sequences, self.slots)]
-        return ArmOutput(np.concatenate([o.tokens for o in outs]),
-                         np.concatenate([o.mask for o in outs]))
-
-    def peak_kv_bytes(self, w: Workload, model_cfg) -> int:
-        """The wave's cache before any compaction: slots x (P + N) tokens."""
         return self.slots * (w.prompts.shape[1] + self.sampling.max_new_tokens) * \
             kv_bytes_per_token(model_cfg)
 

@@ -22,11 +22,11 @@ import dataclasses
 import functools
 from typing import Any, Callable, Mapping
 
-from jaxflow.marl.engine import EngineStats
 from jaxflow.marl.pipeline.accumulate import Accumulator, group_rows
 from jaxflow.marl.pipeline.runtime import AgentRuntime
 from jaxflow.marl.pipeline.versions import VersionBoard
 from jaxflow.marl.processes import multi_process
+from jaxflow.marl.sampling import SamplingStats
 from jaxflow.marl.store import ExperienceStore, SampleId
 from jaxflow.marl.swap import AgentStateSwapper
 from jaxflow.marl.workflow import Workflow
@@ -171,7 +171,7 @@ class RunResult:
     ``params[v]`` / ``rewards[v]`` are empty dicts for versions a resumed run did not train.
     ``staleness``: max / mean version lag (step - policy version) of the consumed rows.
     ``engine``: decode row-steps executed vs a padded batch decode (see
-    :class:`~jaxflow.marl.engine.EngineStats`). ``workers``: rollout workers per agent.
+    :class:`~jaxflow.marl.sampling.SamplingStats`). ``workers``: rollout workers per agent.
     """
 
     params: list[dict[str, Any]]
@@ -185,17 +185,17 @@ class RunResult:
     swap: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-def engine_snapshot(runtimes: Mapping[str, AgentRuntime]) -> dict[str, EngineStats]:
-    """A copy of every agent's engine counters (to subtract later)."""
-    return {n: dataclasses.replace(rt.engine.stats) for n, rt in runtimes.items()}
+def engine_snapshot(runtimes: Mapping[str, AgentRuntime]) -> dict[str, SamplingStats]:
+    """A copy of every agent's sampler counters (to subtract later)."""
+    return {n: dataclasses.replace(rt.sampler.stats) for n, rt in runtimes.items()}
 
 
-def engine_stats_since(runtimes: Mapping[str, AgentRuntime], before: dict[str, EngineStats]
+def engine_stats_since(runtimes: Mapping[str, AgentRuntime], before: dict[str, SamplingStats]
                        ) -> dict[str, float]:
-    """Decode work of all engines since the snapshot ``before``, plus ``saved_fraction``."""
-    total = EngineStats()
+    """Decode work of all samplers since the snapshot ``before``, plus ``saved_fraction``."""
+    total = SamplingStats()
     for n, rt in runtimes.items():
-        s = dataclasses.replace(rt.engine.stats)
+        s = dataclasses.replace(rt.sampler.stats)
         for f in dataclasses.fields(s):
             setattr(s, f.name, getattr(s, f.name) - getattr(before[n], f.name))
         total.add(s)

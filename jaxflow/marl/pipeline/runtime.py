@@ -1,4 +1,4 @@
-"""One agent's runtime (compiled GRPO functions, optimizer, rollout engine) and the pure
+"""One agent's runtime (compiled GRPO functions, optimizer, sampler) and the pure
 functions that key and batch rollouts.
 
 Samples are a pure function of (seed, version v, input, turn, row): input i's G rows of agent
@@ -21,29 +21,31 @@ from jax.sharding import Mesh
 
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.distributed import put
-from jaxflow.marl.engine import RolloutEngine, row_keys
 from jaxflow.marl.pipeline.accumulate import accumulate, accumulate_apply, weighted_grad
 from jaxflow.marl.processes import host_tree, multi_process
+from jaxflow.marl.sampling import AgentSampler, row_keys
 from jaxflow.marl.workflow import AgentSpec, Workflow
 from jaxflow.mesh import jit_on
 from jaxflow.rl.grpo import GRPOConfig, MiniBatch, compiled_functions
 from jaxflow.rl.publish import publish_weights
-from jaxflow.rl.rollout import RolloutBatch, batch_sharding
+from jaxflow.rl.rollout import EngineSettings, RolloutBatch, batch_sharding
 from jaxflow.rl.tasks import completion_text
 from jaxflow.train.lm_state import OptimConfig
 from jaxflow.train.state import TrainState
 
 
 class AgentRuntime:
-    """One agent's compiled functions, optimizer and rollout engine (shared GRPO code).
+    """One agent's compiled functions, optimizer and sampler (shared GRPO code).
 
+    ``sampler``: the agent's :class:`~jaxflow.marl.sampling.AgentSampler` on ``meshes["rollout"]``
+    (the paged engine, ``engine`` its shapes: :class:`jaxflow.rl.rollout.EngineSettings`).
     ``shardings``: the train state's, a ``TrainState`` of ``NamedSharding``; ``update``: the
     single-agent GRPO step ``(policy, mb, old, key=) -> (policy, metrics)`` (the barrier's);
     ``accumulate`` / ``accumulate_apply``: :mod:`~jaxflow.marl.pipeline.accumulate`'s, jitted."""
 
     def __init__(self, spec: AgentSpec, workflow: Workflow, meshes: dict[str, Mesh],
-                 optim: OptimConfig, *, n_inputs: int, total_steps: int, engine_chunk: int = 2,
-                 engine_compact: bool = True, **grpo_overrides):
+                 optim: OptimConfig, *, n_inputs: int, total_steps: int,
+                 engine: EngineSettings = EngineSettings(), **grpo_overrides):
         self.spec = spec
         self.config = GRPOConfig(prompts_per_rollout=n_inputs, group_size=spec.group_size,
                                  max_new_tokens=spec.max_new_tokens, lag=1,
@@ -53,11 +55,10 @@ class AgentRuntime:
          self.update) = compiled_functions(spec.model, self.mesh, self.config, optim, total_steps)
         self.tokenizer = CharTokenizer()
         self.task = workflow.task(spec.name)
-        self.engine = RolloutEngine(spec.model, meshes["rollout"],
+        self.sampler = AgentSampler(spec.model, meshes["rollout"],
                                     max_new_tokens=spec.max_new_tokens,
                                     temperature=self.config.temperature, task=self.task,
-                                    tokenizer=self.tokenizer, chunk=engine_chunk,
-                                    compact=engine_compact)
+                                    tokenizer=self.tokenizer, settings=engine)
         self.weighted_grad = jit_on(self.mesh, functools.partial(weighted_grad, fns=self.fns,
                                                                  config=self.config))
         self.accumulate = jit_on(self.mesh, functools.partial(accumulate, fns=self.fns,
@@ -80,13 +81,13 @@ class AgentRuntime:
         return MiniBatch(*put(tuple(mb), sharding))
 
     def publish(self, policy: TrainState) -> Any:
-        """A copy of ``policy.params`` laid out for the rollout engine; across processes, when
-        the trainer and rollout meshes differ, through the host (JAX reshards across processes
+        """A copy of ``policy.params`` laid out for the sampler's engine; across processes, when
+        the trainer and engine meshes differ, through the host (JAX reshards across processes
         only within one device set; :mod:`jaxflow.marl.processes`)."""
         if multi_process() and (set(self.mesh.devices.flat)
-                                != set(self.engine.mesh.devices.flat)):
-            return put(host_tree(policy.params), self.engine.param_shardings)
-        return publish_weights(policy.params, self.engine.param_shardings)
+                                != set(self.sampler.mesh.devices.flat)):
+            return put(host_tree(policy.params), self.sampler.param_shardings)
+        return publish_weights(policy.params, self.sampler.param_shardings)
 
 
 def agent_loads(workflow: Workflow, runtimes: dict[str, AgentRuntime]) -> dict[str, float]:
@@ -177,7 +178,7 @@ def rollout_inputs(workflow: Workflow, runtimes: dict[str, AgentRuntime], publis
                 completion_text(src.tokenizer, out[edge.source].tokens[k * g + edge.trajectory]))
                 for k in range(len(prompts))]
         keys = group_row_keys(key, input_ids, workflow.turn(name), rt.spec.group_size)
-        out[name] = rt.engine.generate_rows(published[name], texts[name], keys,
+        out[name] = rt.sampler.generate_rows(published[name], texts[name], keys,
                                             rt.spec.group_size)
     return out
 

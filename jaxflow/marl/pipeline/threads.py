@@ -138,7 +138,7 @@ def rollout_serial(plan: PipelinePlan, version: int, weights_version: int, weigh
         for chunk in chunks(need[n], cfg.rollout_batch):
             t0 = time.perf_counter()
             ids = [version * cfg.n_inputs + i for i in chunk]
-            batch = rt.engine.generate_rows(
+            batch = rt.sampler.generate_rows(
                 params, [texts[n][i] for i in chunk],
                 request_row_keys(cfg.seed, version, ids, cfg.turns[n], g), g)
             busy += time.perf_counter() - t0
@@ -208,7 +208,7 @@ def rollout_worker(plan: PipelinePlan, rq: RequestQueues, name: str, version: in
         chunk = rq.requests[r]
         t0 = time.perf_counter()
         ids = [version * cfg.n_inputs + i for i in chunk]
-        batch = rt.engine.generate_rows(
+        batch = rt.sampler.generate_rows(
             params, [rq.text[name, i] for i in chunk],
             request_row_keys(cfg.seed, version, ids, cfg.turns[name], g), g)
         rq.add_busy(name, time.perf_counter() - t0)

@@ -114,7 +114,7 @@ def sync_counts(sync_runs: Sequence, runtimes: Mapping, order: Sequence[str]) ->
             "useful_decode_row_steps": float(first.engine["useful_row_steps"]),
             "padded_decode_row_steps": float(first.engine.get("padded_row_steps", 0)),
             "decode_steps": calls + row_steps / g,
-            "solver_sample_tokens": int(solver.engine.prompt_width + solver.spec.max_new_tokens),
+            "solver_sample_tokens": int(solver.sampler.prompt_width + solver.spec.max_new_tokens),
             "max_new_tokens": {n: int(runtimes[n].spec.max_new_tokens) for n in order},
             "params": params, "solver_params": params[order[0]],
             "samples_per_round": int(first.samples)}
