@@ -264,7 +264,7 @@ class MoE(nnx.Module):
         self.k, self.norm_topk_prob = config.n_experts_per_token, config.norm_topk_prob
         self.impl, self.capacity_factor = config.moe_impl, config.capacity_factor
         self.expert_axis, self.dtype = config.expert_axis, config.compute_dtype
-        # True: every __call__ sows its routing (experts [B, T, k], gates [B, T, k] f32) as
+        # True: every __call__ keeps its routing (experts [B, T, k], gates [B, T, k] f32) as the
         # nnx.Intermediate "routing" -- how a sampler records it (:func:`pop_routing`)
         self.record_routing = False
 
@@ -302,23 +302,23 @@ class MoE(nnx.Module):
                 gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
             shape = x.shape[:2] + (self.k,)
             dtype = expert_index_dtype(self.router.shape[1])
-            self.sow(nnx.Intermediate, "routing", (experts.reshape(shape).astype(dtype), gates.reshape(shape)))
+            self.routing = nnx.Intermediate((experts.reshape(shape).astype(dtype), gates.reshape(shape)))
         return y
 
 
 def record_routing(model) -> None:
     """Makes every MoE layer of ``model`` (a Transformer, e.g. merged inside a sampler's jitted
-    function) sow its routing at each call; :func:`pop_routing` collects it."""
+    function) keep its routing at each call; :func:`pop_routing` collects it."""
     for block in model.layers:
         if block.is_moe:
             block.mlp.record_routing = True
 
 
 def pop_routing(model) -> tuple[jax.Array, jax.Array]:
-    """The routing the MoE layers of ``model`` sowed in their last call (:func:`record_routing`),
+    """The routing the MoE layers of ``model`` kept in their last call (:func:`record_routing`),
     removed from the model: (experts [B, T, L_moe, k] in :func:`expert_index_dtype`, gates
     [B, T, L_moe, k] f32), layers in order."""
-    per_layer = [nnx.pop(block.mlp, nnx.Intermediate)["routing"].get_value()[-1]
+    per_layer = [nnx.pop(block.mlp, nnx.Intermediate)["routing"].get_value()
                  for block in model.layers if block.is_moe]
     if not per_layer:
         raise ValueError("pop_routing: the model has no MoE layer (n_experts = 0): nothing to record")

@@ -349,7 +349,7 @@ def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
         prompt_lengths = prompt_lengths.astype(jnp.int32)
 
         def step(carry, t):
-            model = merged(params_state)  # merged per step: its MoE layers sow inside the scan
+            model = merged(params_state)  # merged per step: its MoE layers record inside the scan
             logits, cache = model.decode(carry.token[:, None], carry.cache,
                                          positions=(prompt_lengths + t - 1)[:, None],
                                          valid=carry.live[:, None])
