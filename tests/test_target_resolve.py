@@ -4,10 +4,14 @@ gpu-h200x8: pure functions of the config and the target, nothing compiled."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import configs.flagship as flagship_config
+import configs.flexmarl as flexmarl_config
 import configs.lm_pretrain as lm_config
+import configs.rl as rl_config
 from jaxflow.compile_only import resolve
 from jaxflow.compile_only.target import parse_target
 from jaxflow.compile_only.variants import resolve_for_target
@@ -20,6 +24,15 @@ LM = {"tpu-v5p:4x4x4": (64, 1), "tpu-v6e:16x16": (256, 1), "gpu-h100x8": (8, 8),
 #: where it exits 2.
 RL = {"tpu-v5p:4x4x4": (32, 2, 1), "tpu-v6e:16x16": (128, 8, 1), "gpu-h100x8": None,
       "gpu-h200x8": (4, 2, 1)}
+
+#: rl full (Qwen3-8B GRPO, 2,048 tokens): (rollout devices, trainer model, rollout model), or
+#: None where it exits 2 (the smallest target its estimate fits: v5p:4x4x4).
+RL_EXP = {"tpu-v5p:4x4x4": (32, 2, 1), "tpu-v6e:16x16": (128, 8, 1), "gpu-h100x8": None,
+          "gpu-h200x8": None}
+#: flexmarl full (Qwen3-8B solver + 4B-shaped verifier): (trainer model, rollout model), or
+#: None where it exits 2 (the smallest target: 8 x H200).
+MARL = {"tpu-v5p:4x4x4": (2, 1), "tpu-v6e:16x16": (8, 1), "gpu-h100x8": None,
+        "gpu-h200x8": (2, 1)}
 
 
 def _resolve(name, config, text, overrides=()):
@@ -96,3 +109,59 @@ def test_a_model_no_candidate_holds_says_so():
 def test_llama_8b_shape_is_counted_from_the_config():
     shape = resolve.ModelShape.of(lm_config.get_config("full").model)
     assert 8.0e9 < shape.params < 8.1e9 and shape.param_bytes == 2  # Llama-3-8B: 8.03B
+
+
+@pytest.mark.parametrize("text", TARGETS)
+def test_rl_full_roles_come_from_the_target_or_exit_naming_where(text):
+    base = rl_config.get_config("full")
+    if RL_EXP[text] is None:
+        with pytest.raises(resolve.DoesNotFit) as err:
+            _resolve("rl", base, text)
+        message = str(err.value)
+        assert "\n" not in message and "of 2048 tokens do not fit the trainer" in message
+        assert message.endswith("the smallest target this estimate fits: tpu-v5p:4x4x4"), message
+        return
+    config, line = _resolve("rl", base, text)
+    roles = config.roles
+    assert (roles.rollout_devices, roles.trainer_model, roles.rollout_model) == RL_EXP[text]
+    assert config.rl == base.rl and config.model == base.model  # the stated run, unchanged
+
+
+@pytest.mark.parametrize("text", TARGETS)
+def test_flexmarl_full_model_degrees_come_from_the_target_or_exit_naming_where(text):
+    base = flexmarl_config.get_config("full")
+    if MARL[text] is None:
+        with pytest.raises(resolve.DoesNotFit) as err:
+            _resolve("flexmarl", base, text)
+        message = str(err.value)
+        assert "\n" not in message and "do not fit the trainer/solver" in message
+        assert message.endswith("the smallest target this estimate fits: gpu-h200x8"), message
+        return
+    config, line = _resolve("flexmarl", base, text)
+    assert (config.trainer_model, config.rollout_model) == MARL[text]
+    assert config.solver == base.solver and config.n_inputs == base.n_inputs
+    for role in ("trainer/solver", "trainer/verifier", "rollout"):
+        assert role + " params" in line
+    config, line = _resolve("flexmarl", base, text, ["trainer_model=4"])
+    assert config is base and "as set" in line
+
+
+def test_marl_layout_splits_trainers_like_the_meshes_and_sums_the_samplers():
+    small = resolve.ModelShape(params=10 ** 6, n_layers=2, d_model=64, d_ff=128, vocab=256,
+                               n_heads=4, n_kv_heads=4, head_dim=16)
+    big = dataclasses.replace(small, params=3 * 10 ** 6)
+    chip = parse_target("gpu-h100x8").chip
+    lay = resolve.marl_layout({"a": big, "b": small}, train_rows=8, sample_rows=8, tokens=16,
+                              chip=chip, n_devices=8)
+    assert (lay.rollout_devices, lay.trainer_model, lay.rollout_model) == (4, 1, 1)
+    # 4 trainer devices split 3:1 by parameters (allocate_workers): 8 rows over 3 and over 1
+    a = resolve.train_estimate(big, 8 / 3, 16, shards=1, model_width=1,
+                               capacity=chip.hbm_bytes, fused_logprobs=True)
+    assert lay.estimates["trainer/a"] == a
+    parts = [resolve.sample_estimate(m, 2, 16, model_width=1, capacity=chip.hbm_bytes)
+             for m in (big, small)]
+    assert lay.estimates["rollout"].params == sum(p.params for p in parts)
+    assert lay.estimates["rollout"].activations == sum(p.activations for p in parts)
+    with pytest.raises(resolve.DoesNotFit, match="trainer/a"):  # 3 devices: a shared trainer
+        resolve.marl_layout({"a": big, "b": small}, train_rows=10 ** 7, sample_rows=8,
+                            tokens=16, chip=chip, n_devices=3)

@@ -23,7 +23,14 @@ The rule (:func:`lm_train_layout`, :func:`rl_layout`):
   RL (trainer + sampler on disjoint halves): each role gets N/2 devices ("data" x "model") and
     the smallest power-of-2 model width (dividing the role's devices and the KV heads) whose
     estimate fits; the trainer's rows are the mini-batch (one policy-lag step), the sampler's
-    the whole rollout.
+    the whole rollout. Used for flagship and rl full (Qwen3-8B GRPO: rows = prompts x group,
+    the trainer's a 1 / lag mini-batch; rl's tokens are its prompt and response budgets).
+  MARL (:func:`marl_layout`, flexmarl full: several agents): the rollout role gets N/2 devices
+    (every agent's sampler on them, their estimates summed), the trainer devices are split over
+    the agents as :func:`jaxflow.marl.meshes.agent_centric_meshes` splits them (in proportion to
+    parameter counts, in blocks of the trainers' model degree); the trainer and rollout model
+    degrees are each the smallest power of 2 at which every agent fits (they are the caps
+    ``trainer_model`` / ``rollout_model``).
 A variant no layout fits raises :class:`DoesNotFit` naming the smallest target of
 :data:`CANDIDATES` it fits and the estimate that decided it.
 """
@@ -247,6 +254,63 @@ def _rl_layout(model, train_rows, sample_rows, tokens, chip, n) -> RlLayout | tu
     if not r_est.fits:
         return "rollout", r_est
     return RlLayout(rollout, t_width, r_width, {"trainer": t_est, "rollout": r_est})
+
+
+def marl_layout(agents: dict, *, train_rows: int, sample_rows: int, tokens: int,
+                chip: targets.Chip, n_devices: int) -> RlLayout:
+    """The MARL layout (module docstring) of ``agents`` ({name: :class:`ModelShape`}, run order)
+    on ``n_devices`` ``chip``s: ``train_rows`` per trainer micro-batch, ``sample_rows`` per
+    rollout call, ``tokens`` each; ``estimates`` keyed "trainer/NAME" and "rollout".
+    DoesNotFit naming the smallest candidate that fits."""
+    found = _marl_layout(agents, train_rows, sample_rows, tokens, chip, n_devices)
+    if isinstance(found, RlLayout):
+        return found
+    role, estimate = found
+    raise DoesNotFit(_where_it_fits(
+        f"{train_rows}-row updates, {sample_rows}-row rollouts of {tokens} tokens do not fit "
+        f"the {role}", estimate,
+        lambda c, n: isinstance(_marl_layout(agents, train_rows, sample_rows, tokens, c, n),
+                                RlLayout)))
+
+
+def _pow2(n: int) -> list[int]:
+    return [w for w in (2 ** i for i in range(n.bit_length())) if n % w == 0]
+
+
+def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout | tuple:
+    from jaxflow.marl.balance import allocate_workers
+
+    cap = chip.hbm_bytes
+    if n < 2 * len(agents):  # shared trainer mesh: not a production layout
+        name = max(agents, key=lambda a: agents[a].params)
+        return f"trainer/{name}", train_estimate(agents[name], train_rows, tokens, shards=1,
+                                                 model_width=1, capacity=cap,
+                                                 fused_logprobs=True)
+    n_roll = n // 2
+    n_train = n - n_roll
+    kv = min(m.n_kv_heads for m in agents.values())
+    trainer, worst = None, None
+    for tp in (w for w in _pow2(n_train) if kv % w == 0 and n_train // w >= len(agents)):
+        split = allocate_workers({a: float(m.params) for a, m in agents.items()}, n_train // tp)
+        ests = {f"trainer/{a}": train_estimate(m, max(1.0, train_rows / split[a]), tokens,
+                                               shards=tp, model_width=tp, capacity=cap,
+                                               fused_logprobs=True)
+                for a, m in agents.items()}
+        worst = max(ests.items(), key=lambda kv_: kv_[1].needed / kv_[1].capacity)
+        if worst[1].fits:
+            trainer = (tp, ests)
+            break
+    if trainer is None:
+        return worst
+    rollout = None
+    for w in (w for w in _pow2(n_roll) if kv % w == 0):
+        parts = [sample_estimate(m, max(1.0, sample_rows / (n_roll // w)), tokens, model_width=w,
+                                 capacity=cap) for m in agents.values()]
+        rollout = HbmEstimate(params=sum(e.params for e in parts), optimizer=0.0,
+                              activations=sum(e.activations for e in parts), capacity=cap)
+        if rollout.fits:
+            return RlLayout(n_roll, trainer[0], w, trainer[1] | {"rollout": rollout})
+    return "rollout", rollout
 
 
 def _where_it_fits(what: str, estimate: HbmEstimate, fits) -> str:

@@ -5,10 +5,15 @@ programs are built, so one variant (a model and a global batch) compiles on any 
   lm_pretrain (a ``mesh`` and a ``train`` with ``microbatches``): ``mesh`` becomes
     (data 1, fsdp F, model T) and ``train.microbatches`` the gradient-accumulation steps of
     :func:`~jaxflow.compile_only.resolve.lm_train_layout`;
-  flagship (``roles`` and a ``pretrain.model``): ``roles`` becomes the trainer / rollout split
-    and model widths of :func:`~jaxflow.compile_only.resolve.rl_layout`.
-Keys the user set (``--set roles.*``, ``--set mesh.*``, ``--set train.microbatches=...``) are
-kept as given. Other variants and experiments pass through unchanged.
+  flagship (``roles`` and a ``pretrain.model``) and rl (``roles``; ``model.hf_path``'s shapes,
+    else Qwen3-8B's, as its ``compile_programs`` builds them): ``roles`` becomes the trainer /
+    rollout split and model widths of :func:`~jaxflow.compile_only.resolve.rl_layout`;
+  flexmarl (``solver`` / ``verifier``, caps ``trainer_model`` / ``rollout_model``): the caps
+    become the model degrees of :func:`~jaxflow.compile_only.resolve.marl_layout` (trainer
+    rows: ``micro_inputs`` x ``group_size``; rollout rows: ``rollout_batch`` x ``group_size``;
+    tokens: ``solver_tokens`` + ``verifier_tokens``, the verifier reading the solver's answer).
+Keys the user set (``--set roles.*``, ``--set mesh.*``, ``--set train.microbatches=...``,
+``--set trainer_model`` / ``rollout_model``) are kept as given. Other variants and experiments pass through unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import dataclasses
 from jaxflow.compile_only import resolve
 
 #: Experiments whose full variant the rule lays out: name -> the layout kind.
-RESOLVED = {"lm_pretrain": "lm", "flagship": "rl"}
+RESOLVED = {"lm_pretrain": "lm", "flagship": "rl", "rl": "rl", "flexmarl": "marl"}
 
 
 def _user_set(overrides, *prefixes: str) -> bool:
@@ -39,6 +44,8 @@ def resolve_for_target(name: str, variant: str, config, chip, n_devices: int,
         return config, ""
     if kind == "lm":
         return _lm(config, chip, n_devices, overrides)
+    if kind == "marl":
+        return _marl(config, chip, n_devices, overrides)
     return _rl(config, chip, n_devices, overrides)
 
 
@@ -61,8 +68,11 @@ def _rl(config, chip, n, overrides):
         return config, "roles as set (--set roles.*)"
     rl = config.rl
     rows = rl.prompts_per_rollout * rl.group_size
-    tokens = config.task.max_prompt_len + rl.max_new_tokens
-    lay = resolve.rl_layout(resolve.ModelShape.of(config.pretrain.model),
+    if hasattr(config, "pretrain"):  # flagship
+        model, tokens = config.pretrain.model, config.task.max_prompt_len + rl.max_new_tokens
+    else:  # rl: what jaxflow.main.rl.compile_programs compiles
+        model, tokens = _rl_model(config), 2 * rl.max_new_tokens
+    lay = resolve.rl_layout(resolve.ModelShape.of(model),
                             train_rows=rows // rl.lag, sample_rows=rows, tokens=tokens,
                             chip=chip, n_devices=n)
     roles = dataclasses.replace(config.roles, rollout_devices=lay.rollout_devices,
@@ -73,3 +83,28 @@ def _rl(config, chip, n, overrides):
             f"{lay.trainer_model}), rollout {lay.rollout_devices} (model {lay.rollout_model}) "
             f"(estimates: {est})")
     return dataclasses.replace(config, roles=roles), text
+
+
+def _rl_model(config):
+    from jaxflow.models.architectures import read_transformer_config, shipped_config
+
+    hf = config.model.hf_path
+    model = read_transformer_config(hf) if hf else shipped_config("qwen3-8b")
+    return dataclasses.replace(model, param_dtype="float32")
+
+
+def _marl(config, chip, n, overrides):
+    if _user_set(overrides, "trainer_model", "rollout_model"):
+        return config, "model degrees as set (--set trainer_model / rollout_model)"
+    agents = {"solver": resolve.ModelShape.of(config.solver),
+              "verifier": resolve.ModelShape.of(config.verifier)}
+    lay = resolve.marl_layout(agents, train_rows=config.micro_inputs * config.group_size,
+                              sample_rows=config.rollout_batch * config.group_size,
+                              tokens=config.solver_tokens + config.verifier_tokens, chip=chip,
+                              n_devices=n)
+    est = "; ".join(f"{k} {v.text()}" for k, v in lay.estimates.items())
+    text = (f"layout for {n} {chip.name}: trainers {n - lay.rollout_devices} (model "
+            f"{lay.trainer_model}), rollout {lay.rollout_devices} (model {lay.rollout_model}) "
+            f"(estimates: {est})")
+    return dataclasses.replace(config, trainer_model=lay.trainer_model,
+                               rollout_model=lay.rollout_model), text
