@@ -8,9 +8,11 @@ import dataclasses
 
 import pytest
 
+import configs.dlrm_train as dlrm_config
 import configs.flagship as flagship_config
 import configs.flexmarl as flexmarl_config
 import configs.lm_pretrain as lm_config
+import configs.nestpipe as nestpipe_config
 import configs.rl as rl_config
 from jaxflow.compile_only import resolve
 from jaxflow.compile_only.target import parse_target
@@ -82,7 +84,7 @@ def test_other_variants_and_experiments_pass_through():
     quick = lm_config.get_config("quick")
     target = parse_target("gpu-h100x8")
     assert resolve_for_target("lm_pretrain", "quick", quick, target.chip, 8) == (quick, "")
-    assert resolve_for_target("dlrm_train", "full", quick, target.chip, 8) == (quick, "")
+    assert resolve_for_target("decoratelm", "full", quick, target.chip, 8) == (quick, "")
 
 
 def test_the_estimate_counts_state_over_shards_and_logits_per_row():
@@ -165,3 +167,34 @@ def test_marl_layout_splits_trainers_like_the_meshes_and_sums_the_samplers():
     with pytest.raises(resolve.DoesNotFit, match="trainer/a"):  # 3 devices: a shared trainer
         resolve.marl_layout({"a": big, "b": small}, train_rows=10 ** 7, sample_rows=8,
                             tokens=16, chip=chip, n_devices=3)
+
+
+@pytest.mark.parametrize("name,module", [("dlrm_train", dlrm_config),
+                                         ("nestpipe", nestpipe_config)])
+def test_recsys_full_keeps_its_data_mesh_on_every_target_and_says_the_fit(name, module):
+    base = module.get_config("full")
+    for text in TARGETS:
+        config, line = _resolve(name, base, text)
+        n = parse_target(text).n_devices
+        assert config is base and f"mesh data {n} (tables row-wise, batch {65536 // n} " in line
+    with pytest.raises(resolve.DoesNotFit) as err:  # 4 v5p: 123 GiB of table rows per chip
+        _resolve(name, base, "tpu-v5p:2x2x1")
+    message = str(err.value)
+    assert "\n" not in message and "26 tables of 1,032,000,000 rows x 128" in message
+    assert message.endswith("the smallest target this estimate fits: gpu-h100x8"), message
+
+
+def test_the_table_estimate_counts_rows_per_shard_optimizer_state_and_ids():
+    kw = dict(local_ids=10, dense_params=100, n_devices=4, capacity=10 ** 9)
+    sgd = resolve.table_estimate((10, 7), 8, optimizer="sgd", **kw)
+    assert sgd.params == (3 + 2) * 8 * 4 + 100 * 4  # ceil(10/4) + ceil(7/4) rows of each shard
+    assert sgd.optimizer == 100 * 12 and sgd.activations == 2 * 10 * 8 * 4
+    ada = resolve.table_estimate((10, 7), 8, optimizer="rowwise_adagrad", **kw)
+    adam = resolve.table_estimate((10, 7), 8, optimizer="adam", **kw)
+    assert ada.optimizer - sgd.optimizer == 5 * 4 and adam.optimizer - sgd.optimizer == 5 * 8 * 8
+    with pytest.raises(ValueError, match="sparse optimizer 'lamb'; valid: sgd, rowwise_adagrad"):
+        resolve.table_estimate((10,), 8, optimizer="lamb", **kw)
+    chip = parse_target("gpu-h100x8").chip
+    with pytest.raises(resolve.DoesNotFit, match=r"batch 10 \(not divisible by 8 devices\)"):
+        resolve.table_layout((10,), 8, batch=10, ids_per_row=1, dense_params=1,
+                             optimizer="sgd", chip=chip, n_devices=8)

@@ -31,6 +31,13 @@ The rule (:func:`lm_train_layout`, :func:`rl_layout`):
     parameter counts, in blocks of the trainers' model degree); the trainer and rollout model
     degrees are each the smallest power of 2 at which every agent fits (they are the caps
     ``trainer_model`` / ``rollout_model``).
+  Sharded-embedding recommenders (:func:`table_layout`, dlrm_train and nestpipe full): the mesh
+    stays one "data" axis over every device, every table row-wise over it and the global batch
+    split over it; the target decides only whether it fits: per device ``ceil(V / N)`` rows of
+    each table (f32) and the sparse optimizer's state (row-wise Adagrad: one f32 per row; Adam:
+    two per element; SGD: none), the dense model replicated with its gradients and Adam moments,
+    and as activations (counted :data:`TRAIN_SLACK` times) the local batch's ids' rows and
+    their gradients (local batch x ids per row x tables x dim, f32).
 A variant no layout fits raises :class:`DoesNotFit` naming the smallest target of
 :data:`CANDIDATES` it fits and the estimate that decided it.
 """
@@ -311,6 +318,47 @@ def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout |
         if rollout.fits:
             return RlLayout(n_roll, trainer[0], w, trainer[1] | {"rollout": rollout})
     return "rollout", rollout
+
+
+#: f32 words of sparse optimizer state per table row ("per_row") or per element ("per_elem").
+SPARSE_STATE = {"sgd": (0, 0), "rowwise_adagrad": (1, 0), "adam": (0, 2)}
+
+
+def table_estimate(vocabs, dim: int, *, local_ids: int, dense_params: int, optimizer: str,
+                   n_devices: int, capacity: int) -> HbmEstimate:
+    """Per device: ``vocabs`` (rows per table) row-wise over ``n_devices`` at ``dim`` (f32) with
+    ``optimizer``'s state (:data:`SPARSE_STATE`), ``dense_params`` replicated (weights,
+    gradients, Adam: 16 bytes each), ``local_ids`` looked-up rows and their gradients."""
+    if optimizer not in SPARSE_STATE:
+        raise ValueError(f"sparse optimizer {optimizer!r}; valid: {', '.join(SPARSE_STATE)}")
+    rows = sum(-(-v // n_devices) for v in vocabs)
+    per_row, per_elem = SPARSE_STATE[optimizer]
+    return HbmEstimate(params=rows * dim * 4 + dense_params * 4,
+                       optimizer=rows * (per_row + per_elem * dim) * 4 + dense_params * 12,
+                       activations=2 * local_ids * dim * 4, capacity=capacity, slack=TRAIN_SLACK)
+
+
+def table_layout(vocabs, dim: int, *, batch: int, ids_per_row: int, dense_params: int,
+                 optimizer: str, chip: targets.Chip, n_devices: int) -> HbmEstimate:
+    """The estimate of ``batch`` rows (``ids_per_row`` ids each, all tables) on one "data" axis
+    of ``n_devices`` ``chip``s (module docstring); DoesNotFit naming the smallest candidate that
+    fits when it does not, or when ``batch`` does not split over the devices."""
+    def est(c, n):
+        return table_estimate(vocabs, dim, local_ids=-(-batch // n) * ids_per_row,
+                              dense_params=dense_params, optimizer=optimizer, n_devices=n,
+                              capacity=c.hbm_bytes)
+
+    found = est(chip, n_devices)
+    if found.fits and batch % n_devices == 0:
+        return found
+    what = (f"{len(vocabs)} tables of {sum(vocabs):,} rows x {dim}, batch {batch}" +
+            (f" (not divisible by {n_devices} devices)" if batch % n_devices else "") +
+            " do not fit")
+    return _raise(what, found, lambda c, n: batch % n == 0 and est(c, n).fits)
+
+
+def _raise(what, estimate, fits):
+    raise DoesNotFit(_where_it_fits(what, estimate, fits))
 
 
 def _where_it_fits(what: str, estimate: HbmEstimate, fits) -> str:

@@ -12,6 +12,9 @@ programs are built, so one variant (a model and a global batch) compiles on any 
     become the model degrees of :func:`~jaxflow.compile_only.resolve.marl_layout` (trainer
     rows: ``micro_inputs`` x ``group_size``; rollout rows: ``rollout_batch`` x ``group_size``;
     tokens: ``solver_tokens`` + ``verifier_tokens``, the verifier reading the solver's answer).
+  dlrm_train and nestpipe (``vocab_sizes`` tables row-wise over one "data" axis): the mesh is
+    already every device; :func:`~jaxflow.compile_only.resolve.table_layout` only checks the
+    target holds the tables (exit 2 naming the smallest that does), and the line says so.
 Keys the user set (``--set roles.*``, ``--set mesh.*``, ``--set train.microbatches=...``,
 ``--set trainer_model`` / ``rollout_model``) are kept as given. Other variants and experiments pass through unchanged.
 """
@@ -23,7 +26,10 @@ import dataclasses
 from jaxflow.compile_only import resolve
 
 #: Experiments whose full variant the rule lays out: name -> the layout kind.
-RESOLVED = {"lm_pretrain": "lm", "flagship": "rl", "rl": "rl", "flexmarl": "marl"}
+RESOLVED = {"lm_pretrain": "lm", "flagship": "rl", "rl": "rl", "flexmarl": "marl",
+            "dlrm_train": "table", "nestpipe": "table"}
+#: Dense features per row of Criteo (and the synthetic Criteo-like data).
+CRITEO_DENSE = 13
 
 
 def _user_set(overrides, *prefixes: str) -> bool:
@@ -44,6 +50,8 @@ def resolve_for_target(name: str, variant: str, config, chip, n_devices: int,
         return config, ""
     if kind == "lm":
         return _lm(config, chip, n_devices, overrides)
+    if kind == "table":
+        return _table(name, config, chip, n_devices)
     if kind == "marl":
         return _marl(config, chip, n_devices, overrides)
     return _rl(config, chip, n_devices, overrides)
@@ -108,3 +116,26 @@ def _marl(config, chip, n, overrides):
             f"(estimates: {est})")
     return dataclasses.replace(config, trainer_model=lay.trainer_model,
                                rollout_model=lay.rollout_model), text
+
+
+def _mlp_params(widths) -> int:
+    return sum(a * b + b for a, b in zip(widths, widths[1:]))
+
+
+def _table(name, config, chip, n):
+    if name == "dlrm_train":  # tables: config.data, model: config.model, optimizer: train
+        vocabs, dim, mc = config.data.vocab_sizes, config.model.embed_dim, config.model
+        ids, batch, opt = config.data.multi_hot, config.train.batch_size, \
+            config.train.sparse_optimizer
+        bottom, top = mc.bottom, mc.top
+    else:  # nestpipe: flat fields, row-wise Adagrad (jaxflow.nestpipe.model.sparse_optimizer)
+        vocabs, dim, ids, batch = config.vocab_sizes, config.embed_dim, config.multi_hot, \
+            config.batch_size
+        opt, bottom, top = "rowwise_adagrad", config.bottom, config.top
+    t = len(vocabs)
+    dense = _mlp_params((CRITEO_DENSE, *bottom, dim)) + \
+        _mlp_params((dim + t * (t + 1) // 2, *top, 1))
+    est = resolve.table_layout(vocabs, dim, batch=batch, ids_per_row=ids * t,
+                               dense_params=dense, optimizer=opt, chip=chip, n_devices=n)
+    return config, (f"layout for {n} {chip.name}: mesh data {n} (tables row-wise, batch "
+                    f"{batch // n} per device; estimate: {est.text()})")
