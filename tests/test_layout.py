@@ -380,6 +380,22 @@ def test_one_training_loop():
     assert not hooks, f"environment-variable fault hooks (use Fault / --kill-after-checkpoint): {hooks}"
 
 
+def test_one_rollout_engine():
+    """One class named ``RolloutEngine`` (jaxflow.rollout's paged engine), and no second
+    sampling loop in jaxflow.marl: it samples through jaxflow.rollout, never through the
+    foundation's decoder or static sampler."""
+    engines = [_rel(p) for p in _modules() for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.ClassDef) and node.name == "RolloutEngine"]
+    assert engines == ["jaxflow/rollout/engine.py"], f"classes named RolloutEngine: {engines}"
+    loops = {"make_decoder", "make_sampler", "sample", "draw_with_dist", "Decoder", "DecodeCarry"}
+    marl = list(_imports(PKG / "marl"))
+    found = [f"{_rel(path)}:{node.lineno} {n}" for _, node, names, path in marl for n in names
+             if n.rpartition(".")[0] in ("jaxflow.models", "jaxflow.models.sampler")
+             and n.rpartition(".")[2] in loops]
+    assert not found, f"jaxflow.marl samples outside jaxflow.rollout (use AgentSampler): {found}"
+    assert any(n == "jaxflow.rollout" for *_, names, _ in marl for n in names)  # the one engine
+
+
 def test_runner_contract_is_the_protocol():
     """Every experiment keeps jaxflow.contract, and the runner reads configs / drivers only
     through it (no hasattr / getattr probing)."""
