@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+import configs.bench_rollout as bench_rollout_config
 import configs.dlrm_train as dlrm_config
 import configs.flagship as flagship_config
 import configs.flexmarl as flexmarl_config
@@ -198,3 +199,33 @@ def test_the_table_estimate_counts_rows_per_shard_optimizer_state_and_ids():
     with pytest.raises(resolve.DoesNotFit, match=r"batch 10 \(not divisible by 8 devices\)"):
         resolve.table_layout((10,), 8, batch=10, ids_per_row=1, dense_params=1,
                              optimizer="sgd", chip=chip, n_devices=8)
+
+
+#: bench_rollout full (one Qwen3-8B engine, 256 slots of 4,096 tokens): model_parallel.
+SERVE = {"tpu-v5p:4x4x4": 2, "tpu-v6e:16x16": 8, "gpu-h100x8": 4, "gpu-h200x8": 2}
+
+
+@pytest.mark.parametrize("text", TARGETS)
+def test_bench_rollout_full_engine_width_comes_from_the_target(text):
+    base = bench_rollout_config.get_config("full")
+    config, line = _resolve("bench_rollout", base, text)
+    assert config.serve.model_parallel == SERVE[text]
+    assert dataclasses.replace(config.serve, model_parallel=8) == base.serve  # nothing else
+    assert f"one engine on {SERVE[text]} chip(s)" in line
+
+
+def test_serve_layout_takes_the_smallest_width_that_fits_or_names_where():
+    model = resolve.ModelShape(params=10 ** 9, n_layers=4, d_model=64, d_ff=64, vocab=64,
+                               n_heads=8, n_kv_heads=8, head_dim=128)
+    chip = parse_target("gpu-h100x8").chip
+    width, est = resolve.serve_layout(model, slots=4, tokens=64, chip=chip, n_devices=8)
+    assert width == 1 and est.fits
+    kv_one = resolve.sample_estimate(model, 8192, 4096, model_width=1, capacity=chip.hbm_bytes)
+    width, est = resolve.serve_layout(model, slots=8192, tokens=4096, chip=chip, n_devices=8)
+    assert width == 8 and est.activations == pytest.approx(kv_one.activations / 8)
+    base = bench_rollout_config.get_config("full")
+    with pytest.raises(resolve.DoesNotFit, match="256 slots of 4096 tokens do not fit one "
+                                                 "engine: .* fits: gpu-h100x8$"):
+        _resolve("bench_rollout", base, "tpu-v6e:2x2")
+    config, line = _resolve("bench_rollout", base, "gpu-h100x8", ["serve.model_parallel=8"])
+    assert config is base and "as set" in line

@@ -38,6 +38,10 @@ The rule (:func:`lm_train_layout`, :func:`rl_layout`):
     two per element; SGD: none), the dense model replicated with its gradients and Adam moments,
     and as activations (counted :data:`TRAIN_SLACK` times) the local batch's ids' rows and
     their gradients (local batch x ids per row x tables x dim, f32).
+  Serving engine (:func:`serve_layout`, bench_rollout full): one engine replica's
+    ``model_parallel`` is the smallest power of 2 (at most the devices, dividing the KV heads)
+    whose sampler estimate (bf16 weights and the KV cache of every slot at full length, split
+    that many ways) fits; a larger target runs one such replica per group of chips.
 A variant no layout fits raises :class:`DoesNotFit` naming the smallest target of
 :data:`CANDIDATES` it fits and the estimate that decided it.
 """
@@ -318,6 +322,22 @@ def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout |
         if rollout.fits:
             return RlLayout(n_roll, trainer[0], w, trainer[1] | {"rollout": rollout})
     return "rollout", rollout
+
+
+def serve_layout(model: ModelShape, *, slots: int, tokens: int, chip: targets.Chip,
+                 n_devices: int) -> tuple[int, HbmEstimate]:
+    """(model-parallel width, its estimate) of one engine replica serving ``slots`` sequences
+    of ``tokens`` (module docstring); DoesNotFit naming the smallest candidate that fits."""
+    def layout(c, n):
+        return _role_width(lambda w, _: sample_estimate(model, slots, tokens, model_width=w,
+                                                        capacity=c.hbm_bytes),
+                           n, model.n_kv_heads)
+
+    width, est = layout(chip, n_devices)
+    if est.fits:
+        return width, est
+    return _raise(f"{slots} slots of {tokens} tokens do not fit one engine", est,
+                  lambda c, n: layout(c, n)[1].fits)
 
 
 #: f32 words of sparse optimizer state per table row ("per_row") or per element ("per_elem").

@@ -15,8 +15,12 @@ programs are built, so one variant (a model and a global batch) compiles on any 
   dlrm_train and nestpipe (``vocab_sizes`` tables row-wise over one "data" axis): the mesh is
     already every device; :func:`~jaxflow.compile_only.resolve.table_layout` only checks the
     target holds the tables (exit 2 naming the smallest that does), and the line says so.
+  bench_rollout (``serve``, one engine replica): ``serve.model_parallel`` becomes the width
+    of :func:`~jaxflow.compile_only.resolve.serve_layout`.
 Keys the user set (``--set roles.*``, ``--set mesh.*``, ``--set train.microbatches=...``,
-``--set trainer_model`` / ``rollout_model``) are kept as given. Other variants and experiments pass through unchanged.
+``--set trainer_model`` / ``rollout_model``, ``--set serve.model_parallel``) are kept as given.
+Other variants and experiments pass through unchanged (flowtrain and bench_embedding full keep
+their stated meshes: not laid out by the rule yet).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from jaxflow.compile_only import resolve
 
 #: Experiments whose full variant the rule lays out: name -> the layout kind.
 RESOLVED = {"lm_pretrain": "lm", "flagship": "rl", "rl": "rl", "flexmarl": "marl",
-            "dlrm_train": "table", "nestpipe": "table"}
+            "dlrm_train": "table", "nestpipe": "table",
+            "bench_rollout": "serve"}
 #: Dense features per row of Criteo (and the synthetic Criteo-like data).
 CRITEO_DENSE = 13
 
@@ -50,6 +55,8 @@ def resolve_for_target(name: str, variant: str, config, chip, n_devices: int,
         return config, ""
     if kind == "lm":
         return _lm(config, chip, n_devices, overrides)
+    if kind == "serve":
+        return _serve(config, chip, n_devices, overrides)
     if kind == "table":
         return _table(name, config, chip, n_devices)
     if kind == "marl":
@@ -139,3 +146,19 @@ def _table(name, config, chip, n):
                                dense_params=dense, optimizer=opt, chip=chip, n_devices=n)
     return config, (f"layout for {n} {chip.name}: mesh data {n} (tables row-wise, batch "
                     f"{batch // n} per device; estimate: {est.text()})")
+
+
+def _serve(config, chip, n, overrides):
+    from jaxflow.models.architectures import shipped_config
+
+    serve = config.serve
+    if serve is None or _user_set(overrides, "serve.model_parallel"):
+        return config, "" if serve is None else "model_parallel as set (--set serve.*)"
+    layers = {} if serve.n_layers is None else {"n_layers": serve.n_layers}
+    model = shipped_config(serve.model, param_dtype="bfloat16", **layers)  # the sync replica
+    tokens = serve.prompt_len + serve.max_new
+    width, est = resolve.serve_layout(resolve.ModelShape.of(model), slots=serve.slots,
+                                      tokens=tokens, chip=chip, n_devices=n)
+    text = (f"layout for {n} {chip.name}: one engine on {width} chip(s) (model {width}; "
+            f"estimate: {est.text()})")
+    return dataclasses.replace(config, serve=dataclasses.replace(serve, model_parallel=width)), text
