@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.config import Variants, require_positive
-from jaxflow.config_domains import COUNT, NON_NEGATIVE, POSITIVE, SEED, Real, domains
+from jaxflow.config_domains import COUNT, COUNT0, NON_NEGATIVE, POSITIVE, SEED, Real, domains
 from jaxflow.models.transformer import TransformerConfig
 
 DESCRIPTION = ("paged rollout engine vs static sampler: useful tokens/s, "
@@ -47,7 +47,7 @@ MEDIUM = TransformerConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=4, 
 
 
 @domains(prompt_len=COUNT, max_new=COUNT, slots=COUNT, page_size=COUNT, pairs=COUNT, decode_steps=COUNT,
-         prefill_rows=COUNT)
+         prefill_rows=COUNT, loop_steps=COUNT0, loop_refill=COUNT)
 @dataclasses.dataclass(frozen=True)
 class ModelCase:
     """One model and its shapes: prompts of P = ``prompt_len`` tokens at most, answers of N =
@@ -65,6 +65,8 @@ class ModelCase:
     page_size: int = 8
     pairs: int = 10
     decode_steps: int = 8
+    loop_steps: int = 64  # engine: decode steps of one compiled loop while no request waits (0: off)
+    loop_refill: int = 16  # ... returning once this many slots freed while work is queued
     prefill_rows: int = 32
 
     def __post_init__(self):

@@ -17,12 +17,17 @@ Modules, one idea each:
 * ``model_step``: the jitted programs (prefill chunk, decode of ``decode_steps`` steps, page
   copy), the static sampler's arithmetic over the paged pool; rows bucketed to powers of two
   (``bucket_rows``); on a mesh, pools sharded by K/V heads over "model".
+* ``decode_loop``: the multi-step decode (``EngineConfig.loop_steps``): while no request waits
+  for a slot, many decode steps in one compiled ``lax.while_loop`` (page tables as narrow as a
+  single step's: an inner loop per width; pages allocated ahead and the unwritten ones given
+  back), back on the host when ``loop_refill`` slots free while work waits; with
+  ``loop_refill=1`` bit-identical to single steps.
 * ``paged_attention``: decode attention over the pool by backend (XLA gather on CPU, the
   upstream Pallas kernels on TPU / GPU).
 * ``programs``: the engine's prefill and decode programs with abstract arguments for
   ``--compile-only`` (``bench_rollout --variant=full``; the flagship with ``rl.sampler=engine``).
-* ``bench_arms`` / ``bench``: bench_rollout's workloads (forced output lengths), its three arms
-  (this engine, the static sampler, the MARL compacting decode) and its cases.
+* ``bench_arms`` / ``bench``: bench_rollout's workloads (forced output lengths), its two arms
+  (this engine, the static sampler) and its cases.
 * ``engine``: :class:`RolloutEngine` (``generate``; streaming ``add_request`` / ``step`` /
   ``result``; ``update_weights`` / ``follow(replica)`` for SparseRL-Sync's bf16 replica, with a
   weights version recorded per token).
@@ -39,6 +44,7 @@ Logits hooks: ``apply`` gets each row's own step [B]; a hook state must be per r
 Not supported yet: preemption (admission reserves each sequence's worst case instead), prefix
 caching across requests, ``hook_args``.
 """
+from jaxflow.rollout import decode_loop
 from jaxflow.rollout.engine import (
     EngineConfig,
     EngineOutput,
@@ -49,4 +55,4 @@ from jaxflow.rollout.engine import (
 )
 
 __all__ = ["EngineConfig", "EngineOutput", "EngineStats", "RequestOutput",
-           "RolloutConfigError", "RolloutEngine"]
+           "RolloutConfigError", "RolloutEngine", "decode_loop"]

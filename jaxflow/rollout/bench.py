@@ -152,7 +152,8 @@ def run_model(config, mc, run: RunContext) -> dict[str, Any]:
     arms = {
         "engine": EngineArm(graphdef, state, sampling, slots=mc.slots, page_size=mc.page_size,
                             prompt_len=mc.prompt_len, prefill_rows=mc.prefill_rows,
-                            prefill_calls=config.prefill_calls, decode_steps=mc.decode_steps),
+                            prefill_calls=config.prefill_calls, decode_steps=mc.decode_steps,
+                            loop_steps=mc.loop_steps, loop_refill=mc.loop_refill),
         "static": StaticArm(graphdef, state, sampling, mc.slots),
     }
     bpt = kv_bytes_per_token(mc.model)

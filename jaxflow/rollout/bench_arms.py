@@ -185,13 +185,15 @@ class EngineArm:
     name = "engine"
 
     def __init__(self, graphdef, state, sampling: SamplingConfig, *, slots: int, page_size: int,
-                 prompt_len: int, prefill_rows: int, prefill_calls: int, decode_steps: int):
+                 prompt_len: int, prefill_rows: int, prefill_calls: int, decode_steps: int,
+                 loop_steps: int = 0, loop_refill: int = 1):
         self.graphdef, self.state, self.sampling = graphdef, state, sampling
         max_len = prompt_len + sampling.max_new_tokens
         self.config = EngineConfig(
             slots=slots, page_size=page_size, num_pages=pool_pages(slots, max_len, page_size),
             prefill_chunk=prompt_len, prefill_rows=prefill_rows, prefill_calls=prefill_calls,
-            decode_steps=decode_steps, max_seq_len=max_len, attention="xla")
+            decode_steps=decode_steps, loop_steps=min(loop_steps, sampling.max_new_tokens),
+            loop_refill=loop_refill, max_seq_len=max_len, attention="xla")
         self.last: RolloutEngine | None = None
         self.prompt_trace: list[tuple[int, int, int]] = []
 

@@ -36,10 +36,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.errors import UserError
 from jaxflow.models.sampler import LogitsHook, SamplingConfig, _check_options
 from jaxflow.models.transformer import Transformer, TransformerConfig
+from jaxflow.rollout.decode_loop import loop_min_live, make_decode_loop
 from jaxflow.rollout.model_step import empty_pools, make_steps
 from jaxflow.rollout.paged_attention import PAGED_BACKENDS
 from jaxflow.rollout.pages import pages_for
-from jaxflow.rollout.scheduler import Request, Scheduler
+from jaxflow.rollout.scheduler import Request, Scheduler, copy_batches, hook_init_arrays, request_arrays
 from jaxflow.rollout.scheduler import Sequence as Seq
 
 
@@ -75,6 +76,12 @@ class EngineConfig:
         logits hook with per-row state decodes all slots (its state is kept per slot).
       decode_steps: decode steps per decode call (one host round trip); a sequence that ends
         inside a call idles for the rest of it, and its slot is refilled after the call.
+      loop_steps: > 0: while no request waits for a slot, decode calls run up to this many
+        steps in one compiled loop (:mod:`jaxflow.rollout.decode_loop`: draws bit-identical to
+        ``decode_steps=1``); other calls run ``decode_steps``. 0: off.
+      loop_refill: with work queued, a loop returns once this many slots have freed (1: the
+        single-step schedule; more: fewer round trips, ended rows idle until then; the same
+        draws bit for bit on fixed shapes, ``narrow_tables`` and ``bucket_rows`` False).
       max_seq_len: the longest sequence (prompt + new tokens) a row can hold; its page table
         has ceil(max_seq_len / page_size) entries. None: the model's max_seq_len.
       attention: decode attention backend of :func:`jaxflow.rollout.paged_attention.paged_attention`
@@ -94,6 +101,8 @@ class EngineConfig:
     prefill_rows: int = 4
     prefill_calls: int = 2
     decode_steps: int = 1
+    loop_steps: int = 0
+    loop_refill: int = 1
     narrow_tables: bool = True
     bucket_rows: bool = True
     max_seq_len: int | None = None
@@ -110,6 +119,8 @@ class EngineConfig:
         _int_at_least("prefill_rows", self.prefill_rows, 1)
         _int_at_least("prefill_calls", self.prefill_calls, 1)
         _int_at_least("decode_steps", self.decode_steps, 1)
+        _int_at_least("loop_steps", self.loop_steps, 0)
+        _int_at_least("loop_refill", self.loop_refill, 1)
         _int_at_least("top_logprobs", self.top_logprobs, 0)
         if self.max_seq_len is not None:
             _int_at_least("max_seq_len", self.max_seq_len, 2)
@@ -144,10 +155,12 @@ class EngineOutput(RequestOutput):
 
 @dataclasses.dataclass
 class EngineStats:
-    """Counters since construction: decode / prefill calls, row-steps executed by decode calls
-    (rows x decode_steps per call), tokens generated, page copies, peak pages in use."""
+    """Counters since construction: decode / prefill calls (``loop_calls`` of the decode calls
+    ran the multi-step loop), row-steps executed by decode calls (rows x steps run per call),
+    tokens generated, page copies, peak pages in use."""
 
     decode_calls: int = 0
+    loop_calls: int = 0
     prefill_calls: int = 0
     decode_row_steps: int = 0
     tokens: int = 0
@@ -225,6 +238,10 @@ class RolloutEngine:
                                 logit_noise_std=float(logit_noise_std), logits_hook=logits_hook,
                                 vocab_size=model_cfg.vocab_size, mesh=mesh,
                                 sampled_topk_of=config.sampled_topk)
+        self.loop = None if not config.loop_steps else make_decode_loop(
+            self.graphdef, self.steps.one_step, sampling, page_size=config.page_size,
+            pages_per_seq=width, narrow=config.narrow_tables, max_steps=config.loop_steps,
+            mesh=mesh)
         self.pools = empty_pools(n_layers=model_cfg.n_layers, n_kv_heads=model_cfg.n_kv_heads,
                                  num_pages=config.num_pages, page_size=config.page_size,
                                  head_dim=model_cfg.head_dim, dtype=model_cfg.compute_dtype,
@@ -364,15 +381,24 @@ class RolloutEngine:
             self._copy(copies)
         completed: list[Request] = []
         if sched.running():
-            n_steps = self.config.decode_steps
+            by_slot = self.hook_state is not None
+            min_live = None if self.loop is None else loop_min_live(
+                sched, packed=self.config.bucket_rows and not by_slot,
+                refill=self.config.loop_refill)
+            looped = min_live is not None
+            n_steps = self.config.loop_steps if looped else self.config.decode_steps
             args = sched.decode_batch(self.sampling.pad_id, self._key_shape, n_steps,
-                                      by_slot=self.hook_state is not None)
-            self.pools, out, self.hook_state = self.steps.decode(
-                self._state, self.pools, *args, n_steps, self.hook_state)
+                                      by_slot=by_slot, ahead=looped)
+            self.pools, out, self.hook_state = (
+                self.loop(self._state, self.pools, *args, min_live, self.hook_state) if looped
+                else self.steps.decode(self._state, self.pools, *args, n_steps, self.hook_state))
             out = jax.device_get(out)
-            completed = sched.finish_decode(out, self.version, self.sampling.stop_ids)
+            completed = sched.finish_decode(out, self.version, self.sampling.stop_ids,
+                                            trim=looped)
             self.stats.decode_calls += 1
-            self.stats.decode_row_steps += len(args[0]) * n_steps
+            self.stats.loop_calls += looped
+            self.stats.decode_row_steps += len(args[0]) * (
+                int(out.live.any(axis=1).sum()) if looped else n_steps)
             self.stats.tokens += int(out.live.sum())
         self.stats.peak_pages = sched.pages.peak_in_use
         for req in completed:
@@ -380,25 +406,14 @@ class RolloutEngine:
         return [req.rid for req in completed]
 
     def _init_hook_rows(self, assigned) -> None:
-        b, width = len(self.scheduler.slots), self.max_seq_len
-        rows = np.full((b,), b, np.int32)  # b: dropped
-        prompts = np.full((b, width), self.sampling.pad_id, np.int32)
-        valid = np.zeros((b, width), bool)
-        for i, seq in enumerate(assigned):
-            n = len(seq.request.prompt)
-            rows[i], prompts[i, :n], valid[i, :n] = seq.slot, seq.request.prompt, True
+        rows, prompts, valid = hook_init_arrays(assigned, len(self.scheduler.slots),
+                                                self.max_seq_len, self.sampling.pad_id)
         self.hook_state = self.steps.init_hook_rows(self.hook_state, rows, prompts, valid)
 
     def _copy(self, copies: list[tuple[int, int]]) -> None:
-        b = len(self.scheduler.slots)
-        for i in range(0, len(copies), b):
-            part = copies[i:i + b]
-            src = np.zeros((b,), np.int32)
-            dst = np.zeros((b,), np.int32)
-            src[:len(part)] = [s for s, _ in part]
-            dst[:len(part)] = [d for _, d in part]
+        for src, dst in copy_batches(copies, len(self.scheduler.slots)):
             self.pools = self.steps.copy_pages(self.pools, src, dst)
-            self.stats.page_copies += len(part)
+        self.stats.page_copies += len(copies)
 
     def run(self) -> None:
         """Steps until idle."""
@@ -412,21 +427,7 @@ class RolloutEngine:
         return self._output(self._done.pop(rid))
 
     def _output(self, req: Request) -> RequestOutput:
-        g, n, k = len(req.sequences), req.max_new_tokens, self.config.top_logprobs
-        tokens = np.full((g, n), self.sampling.pad_id, np.int32)
-        logprobs = np.zeros((g, n), np.float32)
-        mask = np.zeros((g, n), np.float32)
-        versions = np.full((g, n), -1, np.int32)
-        top_lp = np.zeros((g, n, k), np.float32)
-        top_idx = np.zeros((g, n, k), np.int32)
-        for i, seq in enumerate(req.sequences):
-            m = len(seq.tokens)
-            tokens[i, :m], logprobs[i, :m], mask[i, :m] = seq.tokens, seq.logprobs, 1.0
-            versions[i, :m] = seq.versions
-            if k:
-                top_lp[i, :m], top_idx[i, :m] = seq.topk_logprobs, seq.topk_indices
-        return RequestOutput(tokens, logprobs, mask, mask.sum(1).astype(np.int32), versions,
-                             top_lp, top_idx)
+        return RequestOutput(*request_arrays(req, self.sampling.pad_id, self.config.top_logprobs))
 
     def generate(self, prompts, prompt_lengths, keys: jax.Array, group_size: int = 1
                  ) -> EngineOutput:

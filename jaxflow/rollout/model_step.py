@@ -99,12 +99,17 @@ class Steps(NamedTuple):
     init_hook_rows(hook_state, rows [n], prompts [n, W], prompt_valid [n, W]) -> hook_state
         the logits hook's ``init`` for n sequences written to rows ``rows`` of the per-slot
         state (leaves [B, ...]; a row index >= B is dropped); hook_state None: the new state.
+    one_step(model, pools, tokens [B], lengths [B], page_table [B, W], keys [B], t [B],
+             live [B], hook_state) -> (pools, DecodeOut [B, ...], hook_state)
+        not jitted: one decode step of ``decode``'s body, for programs built on it
+        (:mod:`jaxflow.rollout.decode_loop`).
     """
 
     prefill: Callable
     decode: Callable
     copy_pages: Callable
     init_hook_rows: Callable
+    one_step: Callable | None = None
 
 
 def _write(pool: jax.Array, new: jax.Array, dest: jax.Array) -> jax.Array:
@@ -244,9 +249,9 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
     jitted = Steps(jax.jit(prefill, donate_argnums=1),
                    jax.jit(decode, donate_argnums=(1, 9), static_argnums=8),
                    jax.jit(copy_pages, donate_argnums=0),
-                   jax.jit(init_hook_rows, donate_argnums=0))
+                   jax.jit(init_hook_rows, donate_argnums=0), one_step)
     if mesh is None:
         return jitted
     from jaxflow.mesh import MeshJit
 
-    return Steps(*(MeshJit(fn, mesh) for fn in jitted))
+    return Steps(*(MeshJit(fn, mesh) for fn in jitted[:4]), one_step)

@@ -74,8 +74,10 @@ class PageAllocator:
             raise RuntimeError(f"cannot unreserve {n} pages: {self.reserved} reserved")
         self.reserved -= n
 
-    def alloc(self, *, reserved: bool = True) -> int:
-        """One page with reference count 1; by default drawn from a reservation."""
+    def alloc(self, *, reserved: bool = True, ahead: bool = False) -> int:
+        """One page with reference count 1; by default drawn from a reservation. ``ahead``: a
+        page allocated before it is written (a multi-step decode's), not counted in
+        ``peak_in_use`` until :meth:`note_peak` (unwritten ones go back by :meth:`give_back`)."""
         if reserved:
             self.unreserve(1)
         if not self._free:
@@ -83,8 +85,25 @@ class PageAllocator:
         page = heapq.heappop(self._free)
         self.refcount[page] = 1
         self.allocations += 1
-        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        if not ahead:
+            self.note_peak()
         return page
+
+    def give_back(self, pages) -> None:
+        """Frees pages allocated ahead but never written (each held once) into the reservation
+        they were drawn from: the reverse of ``alloc()``, not counted in ``allocations``."""
+        for page in pages:
+            if page == NULL_PAGE or self.refcount[page] != 1:
+                raise RuntimeError(f"give_back of page {page} (reference count "
+                                   f"{self.refcount[page]}): only a page held once")
+            self.refcount[page] = 0
+            heapq.heappush(self._free, page)
+            self.allocations -= 1
+        self.reserved += len(pages)
+
+    def note_peak(self) -> None:
+        """``peak_in_use`` = max(itself, pages in use now)."""
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
 
     def incref(self, page: int) -> None:
         """One more holder of an allocated ``page`` (a sequence sharing a prefix page)."""

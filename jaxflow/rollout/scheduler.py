@@ -242,8 +242,9 @@ class Scheduler:
         return [s for s in self.slots if s is not None]
 
     def decode_batch(self, pad_id: int, key_shape: tuple[int, ...], n_steps: int, *,
-                     by_slot: bool = False):
-        """The next decode call's inputs, allocating the pages its ``n_steps`` steps may write:
+                     by_slot: bool = False, ahead: bool = False):
+        """The next decode call's inputs, allocating the pages its ``n_steps`` steps may write
+        (``ahead``: not counted in the peak until :meth:`finish_decode` trims them):
         tokens [B], lengths [B], page_table [B, W] (W = :meth:`table_width` of the longest
         row), key_data [B, ...], t [B], remaining [B] (0 for padding rows). Rows: the running
         sequences packed in slot order, B = :meth:`row_count` of them (``bucket_rows``), or
@@ -268,7 +269,7 @@ class Scheduler:
             left = seq.request.max_new_tokens - len(seq.tokens)
             last = seq.length - 1 + min(n_steps, left) - 1  # the last position this call writes
             while last // self.page_size >= len(seq.pages):
-                seq.pages.append(self.pages.alloc())
+                seq.pages.append(self.pages.alloc(ahead=ahead))
                 seq.budget -= 1
             tokens[i], lengths[i], t[i] = seq.next_token, seq.length, len(seq.tokens)
             remaining[i] = left
@@ -281,14 +282,18 @@ class Scheduler:
         return tokens, lengths, table, key_data, t, remaining
 
     def finish_decode(self, out, version: int,
-                      eos_id: int | typing.Sequence[int] | None) -> list[Request]:
+                      eos_id: int | typing.Sequence[int] | None, *,
+                      trim: bool = False) -> list[Request]:
         """Records a decode call's draws (host DecodeOut, fields [n, B, ...], rows as
         ``decode_rows``); retires finished sequences (their last token one of ``eos_id``, an
-        id or every stop id, or their ``max_new_tokens`` drawn). Returns the requests completed
-        by this call."""
+        id or every stop id, or their ``max_new_tokens`` drawn). ``trim``: first gives back the
+        pages allocated ahead that the call did not write (a multi-step decode's) and counts
+        the rest in the peak. Returns the requests completed by this call."""
         stops = () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
         completed = []
         counts = out.live.sum(axis=0)
+        if trim:
+            self._trim(counts)
         for i, seq in enumerate(self.decode_rows):
             if seq is None:
                 continue
@@ -314,6 +319,66 @@ class Scheduler:
                 seq.next_token, seq.length = seq.tokens[-1], len(req.prompt) + len(seq.tokens)
         return completed
 
+    def _trim(self, counts) -> None:
+        """Gives back each row's pages past the positions written (prompt + drawn tokens - 1:
+        the last draw is written by the next step), then notes the peak."""
+        for i, seq in enumerate(self.decode_rows):
+            if seq is None:
+                continue
+            keep = pages_for(len(seq.request.prompt) + len(seq.tokens) + int(counts[i]) - 1,
+                             self.page_size)
+            if len(seq.pages) > keep:
+                extra, seq.pages = seq.pages[keep:], seq.pages[:keep]
+                self.pages.give_back(extra)
+                seq.budget += len(extra)
+        self.pages.note_peak()
+
     def idle(self) -> bool:
         """Nothing waiting, prefilling, ready or running."""
         return not (self.waiting or self.prefilling or self.ready or self.running())
+
+
+def request_arrays(req: Request, pad_id: int, top_k: int) -> tuple[np.ndarray, ...]:
+    """A completed request's outputs as host arrays, N = its max_new_tokens: tokens [G, N]
+    (``pad_id`` after the last), logprobs [G, N], mask [G, N], lengths [G], versions [G, N]
+    (-1 where masked), top-K log-probs [G, N, K] and indices [G, N, K] (K = ``top_k``)."""
+    g, n, k = len(req.sequences), req.max_new_tokens, top_k
+    tokens = np.full((g, n), pad_id, np.int32)
+    logprobs = np.zeros((g, n), np.float32)
+    mask = np.zeros((g, n), np.float32)
+    versions = np.full((g, n), -1, np.int32)
+    top_lp = np.zeros((g, n, k), np.float32)
+    top_idx = np.zeros((g, n, k), np.int32)
+    for i, seq in enumerate(req.sequences):
+        m = len(seq.tokens)
+        tokens[i, :m], logprobs[i, :m], mask[i, :m] = seq.tokens, seq.logprobs, 1.0
+        versions[i, :m] = seq.versions
+        if k:
+            top_lp[i, :m], top_idx[i, :m] = seq.topk_logprobs, seq.topk_indices
+    return tokens, logprobs, mask, mask.sum(1).astype(np.int32), versions, top_lp, top_idx
+
+
+def copy_batches(copies: list[tuple[int, int]], b: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Page copies (src, dst) as page-copy calls of ``b`` rows: [(src [b], dst [b]) int32],
+    unused rows copying the null page onto itself."""
+    calls = []
+    for i in range(0, len(copies), b):
+        part = copies[i:i + b]
+        src, dst = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+        src[:len(part)] = [s for s, _ in part]
+        dst[:len(part)] = [d for _, d in part]
+        calls.append((src, dst))
+    return calls
+
+
+def hook_init_arrays(assigned: list[Sequence], b: int, width: int, pad_id: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The logits hook's ``init`` inputs for sequences that took slots: rows [b] (each one's
+    slot; ``b``: none, dropped), prompts [b, width] right-padded with ``pad_id``, valid [b, width]."""
+    rows = np.full((b,), b, np.int32)
+    prompts = np.full((b, width), pad_id, np.int32)
+    valid = np.zeros((b, width), bool)
+    for i, seq in enumerate(assigned):
+        n = len(seq.request.prompt)
+        rows[i], prompts[i, :n], valid[i, :n] = seq.slot, seq.request.prompt, True
+    return rows, prompts, valid
