@@ -26,7 +26,11 @@ master weights, every block rematerialised and the blocks run as one scan over t
 Sharding: meshes data x model with 8-way tensor parallelism (heads / mlp / vocab by the logical
 rules); on a v5p:4x4x4 pod the rollout role has 32 chips (4 x 8, both agents' engines) and each
 agent's trainer 16 (2 x 8). On fewer devices the model axis shrinks to what the blocks allow
-(8 GPUs: rollout 1 x 4, each trainer 1 x 2).
+(8 GPUs: rollout 1 x 4, each trainer 1 x 2). ``--compile-only --target=T`` sets the caps
+``trainer_model`` / ``rollout_model`` for T instead (:mod:`jaxflow.compile_only.variants`: the
+smallest power-of-2 degrees whose HBM estimate fits every agent; v5p:4x4x4 and 8 x H200: 2 / 1,
+v6e:16x16: 8 / 1); on 8 x H100 it exits 2, the solver's trainer not fitting (the smallest target
+its HBM estimate fits: 8 x H200).
 """
 
 from __future__ import annotations

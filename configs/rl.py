@@ -216,9 +216,11 @@ def _full() -> Config:
     Qwen3-8B-shaped policy (``configs/hf/qwen3-8b.json``) with 1,024-token responses, 64 prompts
     x 16 samples per rollout, lag 8, SIS top-8; trainer 32 chips (data 4 x model 8) and rollout
     32 (data 4 x model 8). ``model.hf_path`` names the real checkpoint to train; compiling needs
-    only its shapes (without one, Qwen3-8B's). ``--target=gpu-h100x8`` needs other role sizes
-    and meets XLA:GPU's known "Couldn't find output tile sizes" failure, an accelerator issue
-    of its own, not this experiment's."""
+    only its shapes (without one, Qwen3-8B's). ``--compile-only --target=T`` lays the roles
+    out for T instead (:mod:`jaxflow.compile_only.variants`: halves, the smallest model widths
+    whose HBM estimate fits; v5p:4x4x4 trainer model 2, rollout model 1); on 8 x H100 or H200
+    it exits 2, the trainer's 128-row update of 2,048 tokens not fitting (the smallest target
+    its HBM estimate fits: v5p:4x4x4)."""
     return dataclasses.replace(
         Config(), devices=None, rollouts=200,
         rl=dataclasses.replace(Config().rl, prompts_per_rollout=64, group_size=16,

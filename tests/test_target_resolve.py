@@ -229,3 +229,13 @@ def test_serve_layout_takes_the_smallest_width_that_fits_or_names_where():
         _resolve("bench_rollout", base, "tpu-v6e:2x2")
     config, line = _resolve("bench_rollout", base, "gpu-h100x8", ["serve.model_parallel=8"])
     assert config is base and "as set" in line
+
+
+@pytest.mark.parametrize("loads,units", [({"a": 3.0, "b": 1.0}, 4), ({"a": 1.0, "b": 1.0}, 5),
+                                         ({"s": 8.0e9, "v": 4.0e9}, 16),
+                                         ({"x": 0.0, "y": 0.0, "z": 0.0}, 7),
+                                         ({"p": 2.0, "q": 5.0, "r": 1.0}, 11)])
+def test_split_units_is_the_meshes_allocation(loads, units):
+    from jaxflow.marl.balance import allocate_workers
+
+    assert resolve.split_units(loads, units) == allocate_workers(loads, units)

@@ -49,6 +49,7 @@ A variant no layout fits raises :class:`DoesNotFit` naming the smallest target o
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxflow.errors import UserError
 from pallas_kernels import targets
@@ -284,13 +285,26 @@ def marl_layout(agents: dict, *, train_rows: int, sample_rows: int, tokens: int,
                                 RlLayout)))
 
 
+def split_units(loads: dict, units: int) -> dict:
+    """``units`` (>= one per agent) over the agents of ``loads`` in proportion, at least one
+    each, the rest by largest remainder (ties by order): what
+    :func:`jaxflow.marl.balance.allocate_workers` gives the trainers (not imported: marl
+    imports this package)."""
+    spare = units - len(loads)
+    total = float(sum(loads.values())) or 1.0
+    share = {a: spare * v / total for a, v in loads.items()}
+    out = {a: 1 + math.floor(share[a]) for a in loads}
+    rest = units - sum(out.values())
+    for a in sorted(loads, key=lambda a: -(share[a] - math.floor(share[a])))[:rest]:
+        out[a] += 1
+    return out
+
+
 def _pow2(n: int) -> list[int]:
     return [w for w in (2 ** i for i in range(n.bit_length())) if n % w == 0]
 
 
 def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout | tuple:
-    from jaxflow.marl.balance import allocate_workers
-
     cap = chip.hbm_bytes
     if n < 2 * len(agents):  # shared trainer mesh: not a production layout
         name = max(agents, key=lambda a: agents[a].params)
@@ -302,7 +316,7 @@ def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout |
     kv = min(m.n_kv_heads for m in agents.values())
     trainer, worst = None, None
     for tp in (w for w in _pow2(n_train) if kv % w == 0 and n_train // w >= len(agents)):
-        split = allocate_workers({a: float(m.params) for a, m in agents.items()}, n_train // tp)
+        split = split_units({a: float(m.params) for a, m in agents.items()}, n_train // tp)
         ests = {f"trainer/{a}": train_estimate(m, max(1.0, train_rows / split[a]), tokens,
                                                shards=tp, model_width=tp, capacity=cap,
                                                fused_logprobs=True)
