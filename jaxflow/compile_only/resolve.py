@@ -15,7 +15,7 @@ Training activations are a floor: XLA's temporaries come on top (Llama-3-8B, 4 s
 :data:`TRAIN_SLACK` times; a sampler's KV cache is allocated as estimated. A layout is taken when
 params + optimizer + slack x activations is at most :data:`HEADROOM` of the chip's HBM.
 
-The rule (:func:`lm_train_layout`, :func:`rl_layout`):
+The rule, per system (:func:`lm_train_layout`, :func:`rl_layout`, and as named below):
   LM training: ZeRO-3 / FSDP over every device (``mesh = (data 1, fsdp N, model 1)``), the
     global batch split over them; then the fewest micro-batches (gradient accumulation, a
     divisor of the per-device rows) whose estimate fits. A batch smaller than the device count
