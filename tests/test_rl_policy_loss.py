@@ -25,20 +25,20 @@ def make_batch(seed, B=3, T=5, K=4, scale=0.5):
     new_topk = -jnp.abs(f(B, T, K)) - 0.1
     return dict(logp=logp, old_logp=old_logp, adv=f(B), mask=jnp.ones((B, T), bool),
                 new_topk=new_topk, old_topk=new_topk + scale * f(B, T, K),
-                behaviour=old_logp + scale * f(B, T))
+                behaviour=old_logp + scale * f(B, T), behaviour_topk=new_topk + scale * f(B, T, K))
 
 
 def run(b, config, key=jax.random.PRNGKey(0), logp=None, **over):
     args = dict(old_logp=b["old_logp"], advantages=b["adv"], mask=b["mask"],
                 old_topk_logp=b["old_topk"], new_topk_logp=b["new_topk"],
-                behaviour_logp=b["behaviour"])
+                behaviour_logp=b["behaviour"], behaviour_topk_logp=b.get("behaviour_topk"))
     args.update(over)
 
     def f(lp):
         return policy_loss(lp, args["old_logp"],
                            args["advantages"], args["mask"], config=config, key=key,
                            **{k: args[k] for k in ("old_topk_logp", "new_topk_logp",
-                                                   "behaviour_logp")})
+                                                   "behaviour_logp", "behaviour_topk_logp")})
     (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(b["logp"] if logp is None
                                                                  else logp)
     return loss, metrics, grad

@@ -35,15 +35,28 @@ from jaxflow.embeddings.lookup import ShardedEmbeddings, check_id_dtype, narrow_
 from jaxflow.embeddings.routing import SENTINEL, table_keys
 from jaxflow.embeddings.spec import Pooling
 from jaxflow.train.state import TrainState
+from pallas_kernels import dispatch
 
 _KINDS = {"sgd": host_kernel.KIND_SGD, "rowwise_adagrad": host_kernel.KIND_ADAGRAD}
 
 
-def fused_unsupported(emb: ShardedEmbeddings) -> str | None:
-    """Why the fused host-kernel step cannot run ``emb``'s tables, or None when it can."""
+def _not_on_cpu(emb: ShardedEmbeddings) -> str | None:
+    """Why the program is not built for CPU: the mesh's devices, or the platform the program is
+    being built for (``dispatch.backend_platform``: a TPU / GPU target lowered on a CPU mesh)."""
     platforms = {d.platform for d in emb.mesh.devices.flat}
     if platforms != {"cpu"}:
         return f"devices are {sorted(platforms)}, the host kernels run on cpu only"
+    building = dispatch.backend_platform()
+    if building != "cpu":
+        return f"the program is built for {building}, the host kernels run on cpu only"
+    return None
+
+
+def fused_unsupported(emb: ShardedEmbeddings) -> str | None:
+    """Why the fused host-kernel step cannot run ``emb``'s tables, or None when it can."""
+    why = _not_on_cpu(emb)
+    if why is not None:
+        return why
     if emb.plan.num_shards != 1:
         return f"axis {emb.axis!r} has {emb.plan.num_shards} devices, the fused step takes 1"
     if jnp.dtype(emb.param_dtype) != jnp.float32:
@@ -58,9 +71,9 @@ def fused_unsupported(emb: ShardedEmbeddings) -> str | None:
 
 def owner_kernel_unsupported(emb: ShardedEmbeddings) -> str | None:
     """Why :func:`owner_update_kernel` cannot update ``emb``'s shards, or None when it can."""
-    platforms = {d.platform for d in emb.mesh.devices.flat}
-    if platforms != {"cpu"}:
-        return f"devices are {sorted(platforms)}, the host kernels run on cpu only"
+    why = _not_on_cpu(emb)
+    if why is not None:
+        return why
     if jnp.dtype(emb.param_dtype) != jnp.float32:
         return f"param_dtype {jnp.dtype(emb.param_dtype)}, the kernels take float32"
     if emb.optimizer.name not in _KINDS:

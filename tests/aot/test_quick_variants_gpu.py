@@ -7,7 +7,9 @@ projection's gemm, ``f32[2304,64]`` static and ``f32[36,64]`` engine) when the a
 probs @ values product came out with the time axis minor
 (:func:`jaxflow.models.attention.dot_product_attention` now keeps head_dim minor). Every
 program of one RL step (:meth:`jaxflow.rl.system.GRPOSystem.programs`) is compiled in this
-process, on the meshes the runner would build (``resolve_meshes``) from the target's devices.
+process, on the meshes the runner would build (``resolve_meshes``) from the target's devices;
+with the engine only the rollout programs are compiled (the trainer and sync programs are the
+static case's, compiled there), which keeps the gate's added time near half.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def test_flagship_quick_compiles_for_eight_h100s(sampler):
     rollout = {"static": "rollout/sample", "engine": "rollout/engine/prefill"}[sampler]
     assert rollout in names, names
     chip = targets.chip("h100")
+    if sampler != "static":
+        programs = [p for p in programs if p.name.startswith("rollout/")]
     for program in programs:
         entry = compile_program(program, chip)
         assert entry["status"] == "ok", (program.name, entry.get("error"))

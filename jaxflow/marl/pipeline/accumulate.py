@@ -26,7 +26,9 @@ from jaxflow.rl.grpo import GRPOConfig, MiniBatch, grpo_loss, old_stats
 from jaxflow.rl.rollout import RolloutBatch
 from jaxflow.train.state import TrainState
 
-PAYLOAD_FIELDS = MiniBatch._fields  # prompts, prompt_lengths, tokens, mask, behaviour_logp, advantages
+# A row's payload: MiniBatch's array fields. MARL rows carry no behaviour top-K or routing
+# records (sis_b / routing replay are the GRPO trainer's), so those fields stay None.
+PAYLOAD_FIELDS = ("prompts", "prompt_lengths", "tokens", "mask", "behaviour_logp", "advantages")
 
 
 def loss_weight(mb: MiniBatch, agg: str) -> jax.Array:
