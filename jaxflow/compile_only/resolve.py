@@ -223,15 +223,21 @@ def rl_layout(model: ModelShape, *, train_rows: int, sample_rows: int, tokens: i
     """The trainer / sampler split for ``model`` on ``n_devices`` ``chip``s: ``train_rows``
     sequences per trainer step (a mini-batch), ``sample_rows`` per rollout, ``tokens`` each
     (see the module docstring); DoesNotFit naming the smallest candidate that fits."""
-    found = _rl_layout(model, train_rows, sample_rows, tokens, chip, n_devices)
+    return _layout_or_raise(lambda c, n: _rl_layout(model, train_rows, sample_rows, tokens, c, n),
+                            train_rows, sample_rows, tokens, chip, n_devices)
+
+
+def _layout_or_raise(search, train_rows: int, sample_rows: int, tokens: int,
+                     chip: targets.Chip, n_devices: int) -> RlLayout:
+    """``search(chip, n)``'s RlLayout on (``chip``, ``n_devices``), or DoesNotFit naming the
+    role that does not fit and the smallest candidate where ``search`` finds a layout."""
+    found = search(chip, n_devices)
     if isinstance(found, RlLayout):
         return found
     role, estimate = found
     raise DoesNotFit(_where_it_fits(
         f"{train_rows}-row updates, {sample_rows}-row rollouts of {tokens} tokens do not fit "
-        f"the {role}", estimate,
-        lambda c, n: isinstance(_rl_layout(model, train_rows, sample_rows, tokens, c, n),
-                                RlLayout)))
+        f"the {role}", estimate, lambda c, n: isinstance(search(c, n), RlLayout)))
 
 
 def _role_width(estimate, devices: int, kv_heads: int) -> tuple[int, HbmEstimate]:
@@ -274,15 +280,8 @@ def marl_layout(agents: dict, *, train_rows: int, sample_rows: int, tokens: int,
     on ``n_devices`` ``chip``s: ``train_rows`` per trainer micro-batch, ``sample_rows`` per
     rollout call, ``tokens`` each; ``estimates`` keyed "trainer/NAME" and "rollout".
     DoesNotFit naming the smallest candidate that fits."""
-    found = _marl_layout(agents, train_rows, sample_rows, tokens, chip, n_devices)
-    if isinstance(found, RlLayout):
-        return found
-    role, estimate = found
-    raise DoesNotFit(_where_it_fits(
-        f"{train_rows}-row updates, {sample_rows}-row rollouts of {tokens} tokens do not fit "
-        f"the {role}", estimate,
-        lambda c, n: isinstance(_marl_layout(agents, train_rows, sample_rows, tokens, c, n),
-                                RlLayout)))
+    return _layout_or_raise(lambda c, n: _marl_layout(agents, train_rows, sample_rows, tokens, c, n),
+                            train_rows, sample_rows, tokens, chip, n_devices)
 
 
 def split_units(loads: dict, units: int) -> dict:

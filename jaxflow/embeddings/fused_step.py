@@ -52,23 +52,6 @@ def _not_on_cpu(emb: ShardedEmbeddings) -> str | None:
     return None
 
 
-def fused_unsupported(emb: ShardedEmbeddings) -> str | None:
-    """Why the fused host-kernel step cannot run ``emb``'s tables, or None when it can."""
-    why = _not_on_cpu(emb)
-    if why is not None:
-        return why
-    if emb.plan.num_shards != 1:
-        return f"axis {emb.axis!r} has {emb.plan.num_shards} devices, the fused step takes 1"
-    if jnp.dtype(emb.param_dtype) != jnp.float32:
-        return f"param_dtype {jnp.dtype(emb.param_dtype)}, the kernels take float32"
-    unpooled = [s.name for s in emb.plan.specs if s.pooling == Pooling.NONE.value]
-    if unpooled:
-        return f"tables {unpooled} are unpooled (pooling='none'), the kernels pool sum / mean"
-    if emb.optimizer.name not in _KINDS:
-        return f"optimizer {emb.optimizer.name!r}, the kernels apply {' / '.join(_KINDS)}"
-    return None
-
-
 def owner_kernel_unsupported(emb: ShardedEmbeddings) -> str | None:
     """Why :func:`owner_update_kernel` cannot update ``emb``'s shards, or None when it can."""
     why = _not_on_cpu(emb)
@@ -78,6 +61,20 @@ def owner_kernel_unsupported(emb: ShardedEmbeddings) -> str | None:
         return f"param_dtype {jnp.dtype(emb.param_dtype)}, the kernels take float32"
     if emb.optimizer.name not in _KINDS:
         return f"optimizer {emb.optimizer.name!r}, the kernels apply {' / '.join(_KINDS)}"
+    return None
+
+
+def fused_unsupported(emb: ShardedEmbeddings) -> str | None:
+    """Why the fused host-kernel step cannot run ``emb``'s tables, or None when it can: the
+    owner update's conditions, one device, pooled tables only."""
+    why = owner_kernel_unsupported(emb)
+    if why is not None:
+        return why
+    if emb.plan.num_shards != 1:
+        return f"axis {emb.axis!r} has {emb.plan.num_shards} devices, the fused step takes 1"
+    unpooled = [s.name for s in emb.plan.specs if s.pooling == Pooling.NONE.value]
+    if unpooled:
+        return f"tables {unpooled} are unpooled (pooling='none'), the kernels pool sum / mean"
     return None
 
 
