@@ -21,7 +21,10 @@ loader: jaxflow's paged rollout engine vs tunix's ``Sampler``; the two models' l
 tokens must agree to 1e-5 before timing, else the tunix arm is listed under ``not_run``.
 ``generation_long_tail``: the same with lognormal output lengths (median ``gen_max_new`` / 4,
 capped at ``gen_max_new``), forced identically in both arms (EOS at the given token).
-Not yet here: GRPO-group lengths vs tunix, a GRPO iteration vs tunix's learner,
+``generation_grpo``: GRPO groups, ``gen_sequences / gen_group_size`` prompts each sampled G times
+at temperature 1, every sequence ``gen_max_new`` tokens: the engine prefills a prompt once for its
+G slots; tunix's ``Sampler`` gets each prompt repeated G times, as its GRPO learner does.
+Not yet here: a GRPO iteration vs tunix's learner,
 a GRPO step vs TRL (their venvs are created; their arms are not written).
 """
 
@@ -36,9 +39,8 @@ DESCRIPTION = ("jaxflow vs its peers (TorchRec embeddings, tunix generation) on 
                "wall / CPU ratios")
 ENTRY = "jaxflow.main.bench_peers:main"
 HEADLINES = "jaxflow.study.headlines_bench:driver_headlines"  # the driver's own (jaxflow.bench.peers.cases.headlines)
-HEADLINES = "jaxflow.study.headlines_bench:driver_headlines"  # the driver computes its own
 
-CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal", "generation_long_tail")
+CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal", "generation_long_tail", "generation_grpo")
 TORCHREC_VARIANTS = ("fused", "unfused")
 
 
@@ -55,7 +57,8 @@ class PeersConfig:
          emb_rows=COUNT, emb_dim=COUNT, emb_batch=COUNT, emb_bag=COUNT, emb_batches=COUNT,
          emb_learning_rate=POSITIVE, gen_vocab=COUNT, gen_d_model=COUNT, gen_layers=COUNT, gen_heads=COUNT,
          gen_kv_heads=COUNT, gen_d_ff=COUNT, gen_sequences=COUNT, gen_prompt_len=COUNT, gen_max_new=COUNT,
-         gen_page_size=COUNT, gen_decode_steps=COUNT, gen_prefill_rows=COUNT0, gen_loop_steps=COUNT0)
+         gen_page_size=COUNT, gen_group_size=COUNT, gen_decode_steps=COUNT, gen_prefill_rows=COUNT0,
+         gen_loop_steps=COUNT0)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
@@ -82,6 +85,7 @@ class Config:
     gen_prompt_len: int = 16
     gen_max_new: int = 64
     gen_page_size: int = 16
+    gen_group_size: int = 8  # G of generation_grpo (sequences per prompt)
     gen_decode_steps: int = 1  # the engine's EngineConfig.decode_steps (decode steps per host round trip)
     gen_prefill_rows: int = 0  # its prefill_rows; 0 = every prompt in one prefill call
     gen_loop_steps: int = 0  # its loop_steps (the multi-step decode loop) where the engine has it; 0 = not passed
@@ -98,6 +102,9 @@ class Config:
         if self.gen_d_model % self.gen_heads or self.gen_heads % self.gen_kv_heads:
             raise ValueError(f"gen_d_model={self.gen_d_model}, gen_heads={self.gen_heads}, gen_kv_heads="
                              f"{self.gen_kv_heads}; valid: heads divide d_model and kv_heads divide heads")
+        if "generation_grpo" in self.cases and self.gen_sequences % self.gen_group_size:
+            raise ValueError(f"gen_group_size={self.gen_group_size} with gen_sequences={self.gen_sequences}; valid: "
+                             "a group size dividing gen_sequences")
         if "generation_long_tail" in self.cases and self.gen_vocab <= self.gen_max_new + 1:
             raise ValueError(f"gen_vocab={self.gen_vocab} with gen_max_new={self.gen_max_new}: the long-tailed "
                              "case writes each length as a token id; valid: gen_vocab > gen_max_new + 1")

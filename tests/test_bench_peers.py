@@ -175,3 +175,27 @@ def test_protocol_lines_and_config_errors():
         Config(gen_vocab=60)
     with pytest.raises(ValueError, match="pair_ratios: 1 rounds against 2"):
         harness.pair_ratios([{}], [{}, {}])
+
+
+def test_grpo_group_case_has_distinct_prompts_sampled_g_times(tmp_path):
+    from configs.bench_peers import Config, PeersConfig
+
+    config = Config(cases=("generation_grpo",), gen_vocab=40, gen_d_model=8, gen_layers=1, gen_heads=2,
+                    gen_kv_heads=1, gen_d_ff=16, gen_sequences=12, gen_group_size=4, gen_max_new=5,
+                    peers=PeersConfig(tunix_python=sys.executable))
+    specs, skipped = cases.build_cases(config, str(tmp_path), {"tunix": sys.executable})
+    assert skipped == {"generation_grpo": {}}
+    ours, peer = specs["generation_grpo"]
+    assert (ours.name, peer.name) == ("jaxflow", "tunix_sampler") and peer.command[1].endswith("tunix_arm.py")
+    for arm in (ours, peer):  # the same work: 3 prompts x G = 4, sampled, no forced lengths
+        assert arm.case["group_size"] == 4 and arm.case["sampled"] is True and arm.case["lengths"] is None
+    prompts = workloads.read_array(ours.case["arrays"]["prompts"])
+    assert prompts.shape == (3, 16) and 1 <= prompts.min() and prompts.max() < 39  # never the stop id 39
+    assert ours.case["logits_out"] != peer.case["logits_out"]
+    with pytest.raises(ValueError, match="gen_group_size=5 with gen_sequences=12; valid: a group size dividing"):
+        Config(cases=("generation_grpo",), gen_sequences=12, gen_group_size=5)
+    with pytest.raises(ValueError, match="group_size=2 with sequences=4, long_tail=True; valid: G >= 1 dividing"):
+        workloads.generation_case(str(tmp_path / "x"), vocab=40, d_model=8, layers=1, heads=2, kv_heads=1, d_ff=16,
+                                  sequences=4, prompt_len=4, max_new=5, page_size=4, warmup=1, long_tail=True,
+                                  group_size=2)
+

@@ -32,7 +32,7 @@ __all__ = ["PEERS", "CASES", "LOGITS_TOLERANCE", "arm_command", "interpreters", 
            "summarize_case", "headlines"]
 
 PEERS = ("torchrec", "tunix", "trl")
-CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal", "generation_long_tail")
+CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal", "generation_long_tail", "generation_grpo")
 #: the largest |logit difference| between jaxflow's model and a peer's on the same checkpoint
 LOGITS_TOLERANCE = 1e-5
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -100,7 +100,8 @@ def _generation_arms(config, directory: str, ok: Mapping[str, str], missing: Map
                            heads=config.gen_heads, kv_heads=config.gen_kv_heads, d_ff=config.gen_d_ff,
                            sequences=config.gen_sequences, prompt_len=config.gen_prompt_len,
                            max_new=config.gen_max_new, page_size=config.gen_page_size, warmup=config.warmup,
-                           seed=config.seed, long_tail=directory.endswith("long_tail"))
+                           seed=config.seed, long_tail=directory.endswith("long_tail"),
+                           group_size=config.gen_group_size if directory.endswith("grpo") else 1)
     engine = {"decode_steps": config.gen_decode_steps, "prefill_rows": config.gen_prefill_rows or config.gen_sequences}
     if config.gen_loop_steps:  # the engine's multi-step decode loop; the option exists only where the engine has it
         engine["loop_steps"] = config.gen_loop_steps

@@ -10,8 +10,9 @@ from the case's array; one step = one batch of ``batch`` samples.
 ``generation``: :class:`jaxflow.rollout.RolloutEngine` (one slot per sequence, pages of the
 case's ``page_size``, XLA attention, the case's ``engine`` options) on the case's checkpoint
 (``jaxflow.models.from_pretrained``), greedy, no stop token, so every sequence is ``max_new``
-tokens (long-tailed: the case's lengths, :func:`forced_length_hook`); one step = one
-``generate`` of every prompt (a fresh engine, its programs cached).
+tokens (long-tailed: the case's lengths, :func:`forced_length_hook`; GRPO groups: G sequences
+per prompt sharing its prefilled pages, sampled at temperature 1, one slot per sequence); one
+step = one ``generate`` of every prompt (a fresh engine, its programs cached).
 Before timing it writes the logits of the case's ``probe`` tokens to ``case["logits_out"]``
 (the harness compares them with the peer's).
 """
@@ -112,17 +113,21 @@ def setup_generation(case: dict):
     graphdef, state = nnx.split(model)
     prompts = read_array(case["arrays"]["prompts"])
     r, p, n = prompts.shape[0], prompts.shape[1], case["max_new"]
-    config = EngineConfig(slots=r, page_size=case["page_size"], num_pages=pool_pages(r, p + n, case["page_size"]),
+    slots = r * int(case.get("group_size", 1))
+    config = EngineConfig(slots=slots, page_size=case["page_size"],
+                          num_pages=pool_pages(slots, p + n, case["page_size"]),
                           prefill_chunk=p, max_seq_len=p + n, attention="xla", **case.get("engine", {}))
-    forced = case.get("lengths")
-    sampling = SamplingConfig(max_new_tokens=n, temperature=0.0, eos_id=case["eos"] if forced else None)
+    forced, g = case.get("lengths"), int(case.get("group_size", 1))
+    sampling = SamplingConfig(max_new_tokens=n, temperature=1.0 if case.get("sampled") else 0.0,
+                              eos_id=case["eos"] if forced else None)
     hook = forced_length_hook(case["eos"]) if forced else None
     lengths = np.full((r,), p, np.int32)
-    keys = jax.random.split(jax.random.key(0), r)
-    want = sum(forced) if forced else r * n
+    keys = jax.random.split(jax.random.key(0), r * g)
+    want = sum(forced) if forced else r * g * n
 
     def step():
-        out = RolloutEngine(graphdef, state, config, sampling, logits_hook=hook).generate(prompts, lengths, keys)
+        engine = RolloutEngine(graphdef, state, config, sampling, logits_hook=hook)
+        out = engine.generate(prompts, lengths, keys, group_size=g)
         tokens = int(np.asarray(out.mask).sum())
         return {"units": tokens, "unit": "tokens", "first_tokens": np.asarray(out.tokens)[0, :4].tolist()}
 

@@ -11,7 +11,8 @@ The case's Hugging Face checkpoint loaded by tunix's own loader
 = one sampler call on every prompt. Prompts reach the sampler as text of space-separated ids
 through an identity tokenizer (no BOS, pad 0). Long-tailed lengths: :func:`forced_lengths_model`
 ends each row where the case says (EOS forced, as jaxflow's arm does with a logits hook); the
-sampler's one loop runs until every row has ended.
+sampler's one loop runs until every row has ended. GRPO groups: each prompt repeated G times
+(adjacent copies), sampled at temperature 1 (top-p 1.0: tunix's sampling mode; greedy without it).
 """
 
 from __future__ import annotations
@@ -115,13 +116,16 @@ def setup(case: dict):
     sampler = sampler_lib.Sampler(sampled, IdTokenizer(case["eos"]),
                                   sampler_lib.CacheConfig(cache_size=p + n, num_layers=case["layers"],
                                                           num_kv_heads=case["kv_heads"], head_dim=case["head_dim"]))
-    texts = [" ".join(str(int(x)) for x in row) for row in prompts]
+    g = int(case.get("group_size", 1))
+    # GRPO groups: each prompt repeated G times, its copies adjacent (as tunix's GRPO learner repeats them)
+    texts = [" ".join(str(int(x)) for x in row) for row in prompts for _ in range(g)]
+    sampling = {"temperature": 1.0, "top_p": 1.0, "seed": 0} if case.get("sampled") else {"temperature": 0.0}
 
-    want = list(forced) if forced else [n] * r
+    want = list(forced) if forced else [n] * (r * g)
 
     def step():
         out = sampler(texts, max_generation_steps=n, max_prompt_length=p, eos_tokens=[case["eos"]],
-                      forbidden_tokens=None if forced else [case["eos"]], temperature=0.0)
+                      forbidden_tokens=None if forced else [case["eos"]], **sampling)
         got = [len(x) for x in out.tokens]
         if forced:  # the sampler's tokens stop before EOS; the useful tokens count it, as jaxflow's mask does
             got = [g + 1 if g < w else g for g, w in zip(got, want)]

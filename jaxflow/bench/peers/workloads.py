@@ -13,6 +13,8 @@ own loaders; RoPE theta 1e6, the value tunix 0.1.7's Llama3 always uses), ``sequ
 of exactly ``prompt_len`` tokens (ids in [1, vocab - 1): 0 is the pad and the last id the
 stop token no arm may emit), ``max_new`` greedy tokens each, every sequence the same length;
 ``probe`` int32[2, prompt_len]: the tokens whose logits each arm writes before timing.
+GRPO groups (``group_size`` G > 1): ``sequences / G`` distinct prompts, each sampled G times at
+temperature 1 (``sampled``), the stop token forbidden so every sequence is ``max_new`` tokens.
 """
 
 from __future__ import annotations
@@ -84,14 +86,20 @@ def long_tail_lengths(sequences: int, max_new: int, seed: int, median_frac: floa
 
 def generation_case(directory: str, *, vocab: int, d_model: int, layers: int, heads: int, kv_heads: int,
                     d_ff: int, sequences: int, prompt_len: int, max_new: int, page_size: int, warmup: int,
-                    seed: int = 0, long_tail: bool = False) -> dict:
+                    seed: int = 0, long_tail: bool = False, group_size: int = 1) -> dict:
     """Writes the generation case's checkpoint and arrays under ``directory`` and returns its JSON
     case (the model's shape, ``checkpoint``, ``prompts`` int32[sequences, prompt_len], ``probe``,
     ``max_new``, ``page_size``, ``eos``: the stop id). Equal lengths: ``lengths`` is None and no
     arm may emit ``eos``, so every sequence is ``max_new`` tokens. ``long_tail``: ``lengths``
     (:func:`long_tail_lengths`) and each prompt's first token is its sequence's length, from
     which every arm forces ``eos`` as token ``length - 1`` and forbids it before (so every arm
-    generates the same lengths, EOS included); ValueError when ``vocab <= max_new + 1``."""
+    generates the same lengths, EOS included); ValueError when ``vocab <= max_new + 1``.
+    ``group_size`` G > 1 (GRPO groups, equal lengths only): ``prompts`` int32[sequences / G,
+    prompt_len], each sampled G times at temperature 1 (``sampled``: True); ValueError when G
+    does not divide ``sequences``."""
+    if group_size < 1 or sequences % group_size or (group_size > 1 and long_tail):
+        raise ValueError(f"group_size={group_size} with sequences={sequences}, long_tail={long_tail}; valid: "
+                         "G >= 1 dividing sequences, and G = 1 with long tails")
     if long_tail and vocab <= max_new + 1:
         raise ValueError(f"vocab={vocab} with max_new={max_new}: a long-tailed case writes each length as a "
                          f"token id; valid: vocab > max_new + 1")
@@ -105,7 +113,7 @@ def generation_case(directory: str, *, vocab: int, d_model: int, layers: int, he
     checkpoint = os.path.join(directory, "checkpoint")
     write_random_checkpoint(config, checkpoint, seed=seed)
     rng = np.random.default_rng([seed, 0x6E4])
-    prompts = rng.integers(1, vocab - 1, (sequences, prompt_len), dtype=np.int32)
+    prompts = rng.integers(1, vocab - 1, (sequences // group_size, prompt_len), dtype=np.int32)
     probe = rng.integers(1, vocab - 1, (2, prompt_len), dtype=np.int32)
     lengths = long_tail_lengths(sequences, max_new, seed) if long_tail else None
     if lengths is not None:
@@ -113,7 +121,8 @@ def generation_case(directory: str, *, vocab: int, d_model: int, layers: int, he
     return {"kind": "generation", "checkpoint": checkpoint, "vocab": vocab, "d_model": d_model, "layers": layers,
             "heads": heads, "kv_heads": kv_heads, "head_dim": d_model // heads, "d_ff": d_ff, "rope_theta": 1e6,
             "norm_eps": 1e-5, "sequences": sequences, "prompt_len": prompt_len, "max_new": max_new,
-            "page_size": page_size, "eos": vocab - 1, "warmup": warmup,
+            "page_size": page_size, "eos": vocab - 1, "warmup": warmup, "group_size": group_size,
+            "sampled": group_size > 1,
             "lengths": None if lengths is None else lengths.tolist(),
             "arrays": {"prompts": write_array(directory, "prompts", prompts),
                        "probe": write_array(directory, "probe", probe)}}
