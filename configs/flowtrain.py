@@ -23,8 +23,9 @@ within f32 rounding: gloo sums the cross-process all-reduces in another order).
 4096; grayscale digits at 112-336 px, so 64-576 patches per image, a 336 px image like
 ViT-L/14-336) feeding Meta-Llama-3-8B (its config.json, vocabulary included; the character
 tokenizer uses its first ids), both computing in bf16 on float32 master weights with every block
-rematerialised (the backbone's blocks run as one scan over the layers, ``scan_layers``); 256
-samples per step packed into rows of up to 4096 tokens (image tokens included). Sharding
+rematerialised (the encoder's and the backbone's blocks each run as one scan over the layers,
+``scan_layers``); 256 samples per step packed into rows of up to 4096 tokens (image tokens
+included). Sharding
 (``mesh`` data x model, TP over heads / mlp / vocab by the logical rules): the monolithic
 baselines run on all devices as data x 8-way model (on a v5p:4x4x4 pod 8 x 8, on 8 GPUs 1 x 8);
 the decoupled candidates give the encoder 4 or 8 devices (data parallel, replicated weights) and
@@ -152,7 +153,8 @@ def _full() -> Config:
         data=DigitsConfig(patch_size=14, sizes=(112, 168, 224, 280, 336),
                           size_weights=(4.0, 3.0, 2.0, 1.5, 1.0)),
         vit=ViTConfig(patch_size=14, max_grid=24, d_model=1024, n_layers=24, n_heads=16,
-                      d_ff=4096, out_dim=llama.d_model, dtype="bfloat16", remat=True),
+                      d_ff=4096, out_dim=llama.d_model, dtype="bfloat16", remat=True,
+                      scan_layers=True),
         model=dataclasses.replace(llama, dtype="bfloat16"),  # bf16 compute, f32 master weights
         packing=PackingConfig(token_budget=4096, row_granularity=512),
         flow=FlowConfig(pool_capacity=512),

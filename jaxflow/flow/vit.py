@@ -18,14 +18,14 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.config_domains import COUNT, domains
-from jaxflow.models.transformer import Block, RMSNorm, TransformerConfig
+from jaxflow.models.transformer import Block, RMSNorm, TransformerConfig, scan_blocks
 
 
 @domains(patch_size=COUNT, max_grid=COUNT, d_model=COUNT, n_layers=COUNT, n_heads=COUNT, d_ff=COUNT, out_dim=COUNT)
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
     """The ViT encoder's size: patch size, largest grid, width, depth, heads, MLP width, output width (the LM's
-    ``d_model``), dtype and remat."""
+    ``d_model``), dtype, remat and whether the blocks run as one scan (``scan_layers``)."""
     patch_size: int = 4
     max_grid: int = 8  # largest image = max_grid * patch_size pixels per side
     d_model: int = 32
@@ -38,6 +38,9 @@ class ViTConfig:
     # block inputs as residuals).
     dtype: str = "float32"
     remat: bool = False
+    # Run the blocks as one ``lax.scan`` over stacked weights (compiled once for the layer
+    # body, as the backbone's ``scan_layers``); the same arithmetic as the Python loop.
+    scan_layers: bool = False
 
     def block_config(self) -> TransformerConfig:
         """The TransformerConfig of the encoder's blocks (bidirectional use of the LM's block)."""
@@ -98,11 +101,15 @@ class ViTEncoder(nnx.Module):
         def forward(block, h):
             return block(h, positions, mask)
 
-        if block_cfg.remat:
-            forward = nnx.remat(forward, policy=getattr(jax.checkpoint_policies,
-                                                        block_cfg.remat_policy))
-        for block in self.blocks:
-            x = forward(block, x)
+        policy = (getattr(jax.checkpoint_policies, block_cfg.remat_policy)
+                  if block_cfg.remat else None)
+        if self.config.scan_layers:  # one loop over the layers, not n_layers copies
+            x = scan_blocks(self.blocks, lambda blk, h: (forward(blk, h), None), x, policy)
+        else:
+            if policy is not None:
+                forward = nnx.remat(forward, policy=policy)
+            for block in self.blocks:
+                x = forward(block, x)
         x = self.norm(x)
         return jax.nn.gelu(x @ self.proj_in[...]) @ self.proj_out[...]
 
