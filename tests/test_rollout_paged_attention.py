@@ -23,6 +23,7 @@ the gate (``tests/aot/test_rollout_paged_attention_gate.py``).
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ S, PPS, POOL = 8, 5, 32  # page size, pages per sequence, pages in the pool
 LENGTHS = np.array([1, 17, 40, 8], np.int32)  # 1 token, page boundary + 1, full table, one page
 
 
-def _problem(dtype, static_len=41, seed=0):
+def _problem(dtype, static_len=41, seed=0, D=D):  # noqa: N803 (the module's shape name)
     """q, a contiguous cache [B, static_len, KVH, D] and the same tokens scattered over pages
     (a random page per logical page; every other slot of the pool holds garbage)."""
     rng = np.random.default_rng(seed)
@@ -135,6 +136,51 @@ def test_free_slots_of_length_0_give_zeros(backend):
                                      interpret=backend != "xla"))
     np.testing.assert_array_equal(got[1], 0.0)
     assert np.isfinite(got).all() and np.abs(got[[0, 2, 3]]).max() > 0
+
+
+def _pallas_operand_widths(fn, *args) -> set[int]:
+    """The last-axis sizes of every array operand of the pallas_calls ``fn`` traces to."""
+    widths = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                widths.update(v.aval.shape[-1] for v in eqn.invars if v.aval.ndim >= 3)
+        for sub in jax.extend.core.subjaxprs(jaxpr):
+            walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return widths
+
+
+def test_tpu_kernel_at_head_dim_64_runs_in_the_padded_layout():
+    """head_dim 64 (which upstream's Mosaic blocks reject): the TPU kernel sees 128 lanes and
+    gives the XLA reference's result (f32, bf16-rounded K/V as above; atol 1e-6)."""
+    q, pk, pv, lengths, table, *_ = _problem(jnp.float32, D=64)
+    fn = lambda *a: paged_attention(*a, backend="tpu", interpret=True)  # noqa: E731
+    assert _pallas_operand_widths(fn, q, pk, pv, lengths, table) == {128}
+    got = fn(q, pk, pv, lengths, table)
+    pk, pv = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (pk, pv))
+    want = paged_attention(q, pk, pv, lengths, table, backend="xla")
+    assert got.shape == q.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["xla", "tpu", "gpu"])
+def test_a_pool_stored_padded_gives_the_unpadded_result(backend):
+    """The padded layout (pools of 128 lanes, zeros past q's 64): every backend returns what it
+    returns on the unpadded pool, bit for bit (xla slices, the kernels pad q / see zeros)."""
+    q, pk, pv, lengths, table, *_ = _problem(jnp.float32, D=64)
+    if backend == "tpu":
+        pk, pv = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (pk, pv))
+    pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, 64)])  # noqa: E731
+    run = lambda k, v: paged_attention(q, k, v, lengths, table, backend=backend,  # noqa: E731
+                                       interpret=backend != "xla")
+    got, want = run(pad(pk), pad(pv)), run(pk, pv)
+    assert got.shape == q.shape and np.abs(np.asarray(want)).max() > 0
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match=r"D=64\] \(or D=128, the padded layout\)"):
+        paged_attention(q, pk[..., :32], pv[..., :32], lengths, table, backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])

@@ -4,7 +4,8 @@
 row to that row's cached keys/values, which live in fixed-size pages of a shared pool:
 
   q           [B, H, D]        the decode token of each row (RoPE applied)
-  k_pages     [KVH, P, S, D]   the pool: P pages of S tokens per K/V head (H = KVH * groups)
+  k_pages     [KVH, P, S, D]   the pool: P pages of S tokens per K/V head (H = KVH * groups);
+                               D may also be ``padded_head_dim(D)``, zeros past q's D
   v_pages     [KVH, P, S, D]
   lengths     [B] int32        valid tokens of each row, the current one included
   page_table  [B, pages_per_seq] int32   row b's token t lives in page page_table[b, t // S]
@@ -22,6 +23,11 @@ The pool layout is the one the upstream decode kernels take. Backends (``PAGED_B
         (P + max_new_tokens); the gathered cache is cut or zero-padded to it.
   tpu   ``jax.experimental.pallas.ops.tpu.paged_attention`` (Mosaic TPU decode kernel: per row
         and K/V head, DMAs ``pages_per_compute_block`` pages at a time, online softmax in f32).
+        Its blocks' lane dimension is head_dim, which Mosaic needs a multiple of 128: a head_dim
+        of 64 (1B-class models) runs in the padded layout, q and the pools zero-padded to 128
+        lanes (zeros add exactly 0 to q.k, and P.V's padded lanes are sliced off). A pool
+        already stored padded (D' = ``padded_head_dim(D)``, zeros past D) costs nothing more;
+        an unpadded one is padded per call (a copy of the pool at twice its width).
   gpu   ``jax.experimental.pallas.ops.gpu.paged_attention`` (Triton: split-K over the page
         table, ``k_splits`` partial softmaxes combined in XLA).
   auto  per platform: CPU -> xla; TPU -> tpu; GPU -> gpu, each only where it builds for these
@@ -67,7 +73,8 @@ from jaxflow.models.attention_backends import HEAD_AXIS
 from pallas_kernels import dispatch
 
 __all__ = ["PAGED_BACKENDS", "RAGGED_BACKENDS", "choose_paged_backend", "combine_kv_pages",
-           "gather_pages", "gpu_paged_attention", "paged_attention", "ragged_paged_attention",
+           "gather_pages", "gpu_paged_attention", "padded_head_dim", "paged_attention",
+           "ragged_paged_attention",
            "resolve_paged_backend", "split_kv_pages", "tpu_paged_attention",
            "tpu_ragged_paged_attention", "xla_paged_attention", "xla_ragged_paged_attention"]
 
@@ -82,6 +89,13 @@ TPU_SMEM_TABLE = 512 * 2**10  # bytes of page table per TPU kernel call (scalar-
 # SMEM, 1 MiB on v5e / v5p / v6e with the other prefetched scalars)
 RAGGED_KV_BUFFER = 8 * 2**20  # bytes of one of the ragged kernel's two K/V VMEM buffers (at most)
 RAGGED_VMEM_LIMIT = 32 * 2**20  # its scoped VMEM limit (VMEM per core: 64 MiB v5p, 128 v5e/v6e)
+TPU_LANES = 128  # Mosaic's lane width: the decode kernel's head_dim must be a multiple of it
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head_dim of the padded layout the TPU decode kernel takes: the next multiple of 128
+    (64 -> 128; 128 stays 128)."""
+    return -(-int(head_dim) // TPU_LANES) * TPU_LANES
 
 
 def _platform_name(platform: str) -> str:
@@ -112,9 +126,9 @@ def _check(q, k_pages, v_pages, lengths, page_table) -> None:
                          f"v_pages {v_pages.shape}")
     b, h, d = q.shape
     kvh = k_pages.shape[0]
-    if k_pages.shape[3] != d or h % kvh:
+    if k_pages.shape[3] not in (d, padded_head_dim(d)) or h % kvh:
         raise ValueError(f"paged_attention: k_pages {k_pages.shape} must be [KVH, P, S, D={d}] "
-                         f"with KVH dividing H={h}")
+                         f"(or D={padded_head_dim(d)}, the padded layout) with KVH dividing H={h}")
     if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"paged_attention: lengths must be int [B={b}]; got "
                          f"{lengths.dtype}{list(lengths.shape)}")
@@ -160,14 +174,21 @@ def xla_paged_attention(q, k_pages, v_pages, lengths, page_table, *, kv_len: int
     del interpret
     n = page_table.shape[1] * k_pages.shape[2]
     kv_len = n if kv_len is None else int(kv_len)
-    k = _fit(gather_pages(k_pages, page_table), kv_len)
-    v = _fit(gather_pages(v_pages, page_table), kv_len)
+    d = q.shape[-1]  # a padded pool's lanes past d are cut (a slice XLA fuses into the gather)
+    k = _fit(gather_pages(k_pages[..., :d], page_table), kv_len)
+    v = _fit(gather_pages(v_pages[..., :d], page_table), kv_len)
     valid = jnp.arange(kv_len, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
     return dot_product_attention(q[:, None], k, v, valid[:, None, :])[:, 0]
 
 
 def _scaled(q: jax.Array) -> jax.Array:
     return (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
+
+
+def _pad_lanes(x: jax.Array, width: int) -> jax.Array:
+    """``x`` zero-padded on its last axis to ``width`` (no-op when it already has it)."""
+    extra = width - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
@@ -187,20 +208,24 @@ def tpu_paged_attention(q, k_pages, v_pages, lengths, page_table, *, interpret: 
     """Upstream Mosaic TPU decode kernel: [B, H, D]. ``pages_per_compute_block``: the largest
     divisor of pages_per_seq with at most ``TPU_BLOCK_TOKENS`` tokens. The kernel prefetches
     its whole page table into SMEM, so rows go through it in groups of at most
-    ``TPU_SMEM_TABLE`` bytes of table (256 sequences at 32k tokens in pages of 16 are 2 MiB)."""
+    ``TPU_SMEM_TABLE`` bytes of table (256 sequences at 32k tokens in pages of 16 are 2 MiB).
+    A head_dim that is not a multiple of 128 runs in the padded layout (module docstring)."""
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
 
     b, pps = page_table.shape
+    d, width = q.shape[-1], padded_head_dim(q.shape[-1])
     block = _largest_divisor(pps, max(1, TPU_BLOCK_TOKENS // k_pages.shape[2]))
     table = jnp.clip(page_table.astype(jnp.int32), 0, k_pages.shape[1] - 1)
-    q, lengths = _scaled(q), lengths.astype(jnp.int32)
+    # scaled by the true D^-0.5 before the zero lanes are added
+    q, lengths = _pad_lanes(_scaled(q), width), lengths.astype(jnp.int32)
+    k_pages, v_pages = _pad_lanes(k_pages, width), _pad_lanes(v_pages, width)
     rows = max(1, TPU_SMEM_TABLE // (4 * pps))
     outs = []
     with _tpu_interpret(interpret):
         for r in range(0, b, rows):
             outs.append(kernel(q[r:r + rows], k_pages, v_pages, lengths[r:r + rows],
                                table[r:r + rows], pages_per_compute_block=block))
-    out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+    out = (jnp.concatenate(outs) if len(outs) > 1 else outs[0])[..., :d]
     # the kernel skips the K/V of rows of length 0 (free slots): their output is set to xla's
     # zeros here rather than taken from a row the kernel did not compute
     return jnp.where(lengths[:, None, None] > 0, out, 0).astype(q.dtype)
@@ -222,10 +247,11 @@ def gpu_paged_attention(q, k_pages, v_pages, lengths, page_table, *, interpret: 
 
     splits, block = _gpu_blocks(page_table.shape[1], k_pages.shape[2])
     table = jnp.clip(page_table.astype(jnp.int32), 0, k_pages.shape[1] - 1)
-    out = kernel(_scaled(q), k_pages, v_pages, table, lengths.astype(jnp.int32),
-                 block_h=GPU_BLOCK_H, pages_per_compute_block=block, k_splits=splits,
-                 interpret=interpret)
-    return out.astype(q.dtype)
+    d = q.shape[-1]  # a padded pool: q gets its zero lanes (cheap), the output loses them
+    out = kernel(_pad_lanes(_scaled(q), k_pages.shape[-1]), k_pages, v_pages, table,
+                 lengths.astype(jnp.int32), block_h=GPU_BLOCK_H, pages_per_compute_block=block,
+                 k_splits=splits, interpret=interpret)
+    return out[..., :d].astype(q.dtype)
 
 
 _CALLS = {"xla": xla_paged_attention, "tpu": tpu_paged_attention, "gpu": gpu_paged_attention}
@@ -301,8 +327,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
 
     Args:
       q: [B, H, D] queries (RoPE applied).
-      k_pages: [KVH, P, S, D] key pool, KVH divides H.
-      v_pages: [KVH, P, S, D] value pool.
+      k_pages: [KVH, P, S, D] key pool, KVH divides H (or [KVH, P, S, padded_head_dim(D)],
+        zeros past D: the padded layout).
+      v_pages: value pool, k_pages' shape.
       lengths: [B] int32 valid tokens per row, the current one included.
       page_table: [B, pages_per_seq] int32.
       backend: one of ``PAGED_BACKENDS``.

@@ -5,7 +5,8 @@ abstract chips (nothing runs): the upstream TPU decode kernel (``tpu``) and ragg
 (a decode batch, T = 256 queries, and a mixed chunked-prefill batch, T = 2048) by XLA:TPU with
 Mosaic for v5e / v5p / v6e, the upstream GPU decode kernel (``gpu``) by XLA:GPU with Triton for
 H100 / H200. Shapes: Qwen3-8B's heads (32 query heads, 8 K/V heads, head_dim 128), bf16, 256
-sequences at contexts 4k and 32k, page sizes 16 and 128, one layer's pool holding every
+sequences at contexts 4k and 32k, page sizes 16 and 128 (and head_dim 64, Llama-3.2-1B's
+heads, at 4k: the padded layout), one layer's pool holding every
 sequence at the full context (P = 256 * context / page size). The ragged kernel's page table
 lives in SMEM (1 MiB): at 32k with pages of 16 it is refused, asserted so. Where that pool does not fit the
 chip's HBM (32k on v5e and v6e), the chip compiles its shard of a tensor-parallel mesh (K/V
@@ -160,6 +161,34 @@ def test_auto_takes_the_kernel(chip):
         if platform == "tpu":
             hlo = _auto_hlo(pa.ragged_paged_attention, ragged_args(4096, 128, 1, BATCH), chip)
             assert KERNEL_CALL[platform] in hlo
+
+
+SMALL_HEADS = (32, 8, 64)  # Llama-3.2-1B's (H, KVH, head_dim): head_dim 64, which Mosaic's
+# 128-lane blocks reject in upstream's decode kernel; it runs in the padded layout
+
+
+def small_head_args(context: int, page: int):
+    """(q, k_pages, v_pages, lengths, page_table) at ``SMALL_HEADS``, BATCH rows, bf16."""
+    h, kvh, d = SMALL_HEADS
+    pps = context // page
+    pool = (kvh, BATCH * pps, page, d)
+    return (_sds((BATCH, h, d), DTYPE), _sds(pool, DTYPE), _sds(pool, DTYPE), _sds((BATCH,)),
+            _sds((BATCH, pps)))
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+@pytest.mark.parametrize("chip", TPU)
+def test_tpu_decode_kernel_at_head_dim_64_compiles(chip, page):
+    """The padded layout compiles where the raw 64-lane kernel does not, and ``auto`` takes it
+    (no fallback warning) at the largest page size."""
+    args = small_head_args(4096, page)
+    r = targets.compile_on(pa.tpu_paged_attention, args, chip, keep_hlo=True)
+    assert r.ok, f"{chip} page {page}: {r.error}"
+    assert KERNEL_CALL["tpu"] in r.hlo_text
+    if page == max(PAGE_SIZES):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            assert KERNEL_CALL["tpu"] in _auto_hlo(pa.paged_attention, args, chip)
 
 
 MESHES = {"v5p": ("v5p:2x2x1", 4), "h100": ("1x1x8", 8)}  # chip: (topology, model axis)
