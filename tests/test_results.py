@@ -162,6 +162,19 @@ def test_unknown_placeholder_is_reported(root, tmp_path):
                for p in checks.check(root, [EXP]))
 
 
+def test_prefix_placeholder_fills_every_matching_figure_named(root, tmp_path):
+    _record(root, tmp_path)
+    (root / "experiments" / "pages" / f"{EXP}.md").write_text(
+        f"# x\n\nAll: {{{{{EXP}.speed*}}}}; every: {{{{{EXP}.*}}}}; none: {{{{{EXP}.nope*}}}}\n")
+    results.render_all(root, [EXP])
+    page = (root / "docs" / "experiments" / f"{EXP}.md").read_text()
+    machine = results.machine_info()["short"]
+    assert f"All: `speed_vs_strongest` 1.25x [1.1, 1.4] ({machine}, quick); every: `speed_vs_strongest`" in page
+    assert [p for p in checks.check(root, [EXP]) if "placeholder" in p] == [
+        f"experiments/pages/{EXP}.md: placeholder {{{{{EXP}.nope*}}}} names no figure of a record; "
+        f"valid: a headline name or key figure of {EXP}'s records"]
+
+
 def test_measured_hash_reads_contents_and_honours_excludes(tmp_path):
     (tmp_path / "pkg" / "sim").mkdir(parents=True)
     (tmp_path / "pkg" / "a.py").write_text("a")

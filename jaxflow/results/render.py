@@ -117,19 +117,27 @@ def _stale_word(rec: Mapping, stale: Staleness) -> str:
 
 def lookup_figure(records: Mapping[str, list], stale: Staleness):
     """The template lookup: ``(experiment, figure)`` -> the figure of each machine's newest record
-    (machine named, stale marked), or None when no record of the experiment has that figure."""
+    (machine named, stale marked), or None when no record of the experiment has that figure. A
+    figure ``prefix*`` gives every figure whose name starts with ``prefix``, each named."""
+    def value(fig: Mapping) -> str:
+        spread = f" [{number(fig['spread']['low'])}, {number(fig['spread']['high'])}]" if fig.get("spread") else ""
+        return f"{with_unit(fig['value'], fig.get('unit'))}{spread}"
+
     def lookup(experiment: str, name: str) -> str | None:
         recs = records.get(experiment)
         if not recs:
             return f"({NO_RECORD})" if experiment else None
         out = []
         for _, rec in newest_per_machine(recs):
+            note = f"{rec['machine']['short']}, {rec['variant']}" + (", stale" if stale(rec) else "")
+            if name.endswith("*"):
+                figs = [f for f in figures(rec) if str(f["name"]).startswith(name[:-1])]
+                if figs:
+                    out.append(", ".join(f"`{f['name']}` {value(f)}" for f in figs) + f" ({note})")
+                continue
             fig = next((f for f in figures(rec) if f["name"] == name), None)
             if fig is not None:
-                note = f"{rec['machine']['short']}, {rec['variant']}" + (", stale" if stale(rec) else "")
-                spread = f" [{number(fig['spread']['low'])}, {number(fig['spread']['high'])}]" \
-                    if fig.get("spread") else ""
-                out.append(f"{with_unit(fig['value'], fig.get('unit'))}{spread} ({note})")
+                out.append(f"{value(fig)} ({note})")
         return "; ".join(out) or None
     return lookup
 

@@ -3,7 +3,9 @@
 A template (``experiments/pages/<experiment>.md``) says what an experiment does, how to run it
 and what its figures mean; every figure in it is a placeholder ``{{experiment.figure}}`` (a
 headline's ``name`` or a key figure of the newest records), filled by :func:`fill` with the
-figure of every machine recorded. The rule that keeps prose from holding a stale number
+figure of every machine recorded; ``{{experiment.prefix*}}`` (``{{experiment.*}}``) fills every
+figure whose name starts with ``prefix``, named, for figures whose names carry a setting
+(``sis_vs_strongest[grpo, lag=4, ...]``). The rule that keeps prose from holding a stale number
 (:func:`literal_figures`): outside placeholders, inline code and fenced code blocks, a number
 with a decimal point (``0.89``), a number with an ``x`` suffix (``6x``, ``1.5x``) or a percentage
 (``12%``) is a literal figure, and ``--check`` reports it. Counts and dates (``3 seeds``,
@@ -15,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-PLACEHOLDER = re.compile(r"\{\{\s*([a-z0-9_]+)\.([A-Za-z0-9_.+/-]+?)\s*\}\}")
+PLACEHOLDER = re.compile(r"\{\{\s*([a-z0-9_]+)\.([A-Za-z0-9_.+/-]*\*|[A-Za-z0-9_.+/-]+?)\s*\}\}")
 _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 _INLINE_CODE = re.compile(r"`[^`\n]*`")
 _LINK_TARGET = re.compile(r"\]\([^)\s]*\)")
