@@ -41,6 +41,8 @@ MEASURED_PATHS: Mapping[str, tuple[str, ...]] = {
     "bench_sparsegpt": _RL + ("jaxflow/prune",) + _own("bench_sparsegpt"),
     "bench_sync_codec": _BENCH + _own("bench_sync_codec"),
     "calibration_tradeoffs": _RL + ("jaxflow/prune",) + _own("calibration_tradeoffs"),
+    "corrections_study": _RL + _own("corrections_study", None, "configs/sis_offpolicy.py", "configs/flagship.py",
+                                    "configs/bench_policy_loss.py") + _WARM_START,
     "decoratelm": _LM + ("jaxflow/decorate",) + _own("decoratelm"),
     "dlrm_train": _RECSYS + _own("dlrm_train"),
     "figa": _RL + ("jaxflow/align",) + _own("figa", None, "configs/sis_offpolicy.py") + _WARM_START,

@@ -22,12 +22,15 @@ Modules (one idea each):
   step_metrics  the trainer's rows named as verl's (actor/*, perf/*, timing_s/*, response_length/*)
   warm_start    an lm_pretrain checkpoint (trained on the fly, cached) as the RL starting point
 
-The SIS studies' library (their drivers, ``sis_offpolicy`` / ``sis_study``, ``sis_regime``,
+The SIS studies' library (their drivers, ``sis_offpolicy`` / ``sis_study``, ``sis_regime``, ``corrections_study``,
 ``sis_exact_gradient`` and ``bench_policy_loss``, live in ``jaxflow/main/``):
   offpolicy_cells       one GRPO run per off-policy setting and seed, the sis_offpolicy grid
   offpolicy_report      seed means, paired correction-minus-control intervals, tables, curves
   sis_regime            the regime map's settings, the in-regime test, the phase-2 choice
   sis_regime_report     the regime study's tables and plots/sis_regime_map.png
+  corrections_study     every correction in each degraded regime: the cells, ranking, R3 rows
+  corrections_study_report  the corrections study's tables
+  correction_overhead   each correction's loss-step overhead (alternated pairs)
   exact_gradient_study  the toy problem, sampled estimator moments, bias / variance rows
   policy_loss_bench     the SIS loss step's overhead and memory, the GRPO iteration arm
 

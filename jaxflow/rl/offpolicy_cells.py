@@ -37,7 +37,9 @@ __all__ = ["Cell", "group_key", "grid_cells", "run_cell", "study_task", "study_t
 
 class Cell(NamedTuple):
     """One RL run. ``lr_scale`` multiplies ``optim.lr``; ``prompts`` > 0 replaces
-    ``rl.prompts_per_rollout`` (rows = prompts x group size), 0 keeps it."""
+    ``rl.prompts_per_rollout`` (rows = prompts x group size), 0 keeps it; ``moe`` "" runs the
+    study's dense policy, "record" / "replay" its MoE policy with that ``rl.routing_replay``
+    (without / with R3; the caller passes the MoE config and warm start)."""
 
     algo: str
     correction: str
@@ -47,12 +49,13 @@ class Cell(NamedTuple):
     seed: int
     lr_scale: float = 1.0
     prompts: int = 0
+    moe: str = ""
 
     @property
     def label(self) -> str:
         """The cell's unique name, e.g. ``grpo-sis-none-lag8-k0-s2`` (its checkpoints' folder)."""
         extra = (f"-lr{self.lr_scale:g}" if self.lr_scale != 1.0 else "") + (
-            f"-p{self.prompts}" if self.prompts else "")
+            f"-p{self.prompts}" if self.prompts else "") + (f"-moe-{self.moe}" if self.moe else "")
         return (f"{self.algo}-{self.correction}-{self.mismatch}-lag{self.lag}-k{self.staleness}"
                 f"{extra}-s{self.seed}")
 
@@ -143,7 +146,8 @@ def _cell_trainer(cell: Cell, config, meshes) -> GRPOTrainer:
     loss = dataclasses.replace(config.rl.loss, algo=cell.algo, correction=cell.correction)
     rl = dataclasses.replace(config.rl, loss=loss, mismatch=cell.mismatch, lag=cell.lag,
                              staleness=cell.staleness,
-                             prompts_per_rollout=cell.prompts or config.rl.prompts_per_rollout)
+                             prompts_per_rollout=cell.prompts or config.rl.prompts_per_rollout,
+                             routing_replay=cell.moe or config.rl.routing_replay)
     optim = dataclasses.replace(config.optim, lr=config.optim.lr * cell.lr_scale)
     return GRPOTrainer(config.pretrain.model, rl, optim, study_task(config), study_tokenizer(config),
                        meshes, seed=config.seed * 1000 + cell.seed,
@@ -197,6 +201,13 @@ def run_cell(cell: Cell, index: int, config, run: RunContext, *, meshes, warm_pa
         "d_original": mean_of(history, "actor/d_original"),
         "d_sis": mean_of(history, "actor/d_sis"),
         "sis_accept_expected": mean_of(history, "actor/sis_accept_expected"),
+        # train / inference mismatch (jaxflow.rl.mismatch_metrics): KL(mu || pi_old) per token,
+        # the share of tokens the correction masks, the MoE routers' disagreement with the sampler
+        "mismatch_kl": mean_of(history, "actor/mismatch/kl"),
+        "masked_fraction": next((v for v in (mean_of(history, f"actor/mismatch/masked_fraction/{part}")
+                                             for part in (cell.correction, *cell.correction.split("+")))
+                                 if v is not None), None),
+        "router_disagreement": mean_of(history, "actor/moe/router_disagreement"),
         # wall seconds of this process's rollouts (sample + update; evaluation excluded), the
         # first rollout (compile) dropped: median per rollout, and the cell's total
         "rollout_seconds_median": median_after_warmup(step_seconds),

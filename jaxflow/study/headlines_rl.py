@@ -14,7 +14,7 @@ from jaxflow.study.headline import Headline, headline_from_arms
 
 __all__ = ["flagship", "rl", "figa", "sis_offpolicy", "sis_regime", "sis_exact_gradient", "lm_pretrain",
            "oxygenrec", "decoratelm", "calibration_tradeoffs", "sparse_sync", "sync_cost_model",
-           "sis_vs_strongest"]
+           "sis_vs_strongest", "corrections_study"]
 
 
 def _by_seed(rows: Sequence[Mapping[str, Any]], key: str) -> dict[int, float]:
@@ -99,6 +99,36 @@ def sis_regime(summary: Mapping[str, Any]) -> list[Headline]:
     """SIS vs the strongest other correction in the chosen off-policy regime(s)
     (:func:`sis_vs_strongest` of ``compare``)."""
     return sis_vs_strongest(summary["compare"])
+
+
+def corrections_study(summary: Mapping[str, Any]) -> list[Headline]:
+    """Per regime and algorithm, the correction with the best mean final held-out pass@1
+    (``none`` included) minus the strongest other one, and in the MoE regime R3 against no R3,
+    each with the paired t-interval over seeds (``summary["finals"]``: per (regime, algo,
+    correction, moe) ``{seed: final pass@1}``)."""
+    blocks: dict[tuple, dict[str, dict]] = {}
+    for row in summary["finals"]:
+        if row["regime"] in ("staleness", "lr"):
+            blocks.setdefault((row["regime"], row["algo"]), {})[row["correction"]] = row["per_seed"]
+        elif row["regime"] == "moe":
+            arm = "r3" if row["moe"] == "replay" else "no r3"
+            blocks.setdefault(("moe", row["algo"], row["correction"]), {})[arm] = row["per_seed"]
+    out = []
+    for key, arms in blocks.items():
+        means = {a: sum(v.values()) / len(v) for a, v in arms.items() if v}
+        if len(means) < 2:
+            continue
+        if key[0] == "moe":
+            if set(means) != {"r3", "no r3"}:
+                continue
+            name, algorithm, arm = f"r3_vs_no_r3[moe, {key[1]}, {key[2]}]", f"{key[1]} + {key[2]} + R3", "r3"
+        else:
+            arm = max(means, key=lambda a: (means[a], a == "none"))
+            name, algorithm = f"best_correction_vs_strongest[{key[0]}, {key[1]}]", f"{key[1]} + {arm}"
+        out.append(headline_from_arms(name, "final held-out pass@1 difference", algorithm, means, arm=arm,
+                                      baselines=[a for a in means if a != arm], compare="difference",
+                                      unit="pass@1", per_seed=arms))
+    return out
 
 
 def sis_exact_gradient(summary: Mapping[str, Any]) -> list[Headline]:
