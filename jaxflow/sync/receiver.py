@@ -10,6 +10,7 @@ an integer scatter cannot.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +51,11 @@ def apply(payload: Payload, params, *, version: int, inplace: bool = False,
         for leaves living on an accelerator, off on CPU where host numpy is faster.
       rollback: allow a full payload older than ``version`` (an explicit rollback).
       scatter: the on-device write of sparse updates: "auto" (the Pallas
-        ``sync_scatter_apply`` kernel on GPU/TPU for single-device leaves where
-        ``pallas_kernels.dispatch`` says it builds, else XLA's scatter), "xla", or "pallas"
-        (forced on single-device leaves; ``KernelUnavailable`` where it does not build).
+        ``sync_scatter_apply`` kernel on GPU/TPU where ``pallas_kernels.dispatch`` says it
+        builds, else XLA's scatter), "xla", or "pallas" (forced; ``KernelUnavailable`` where
+        it does not build). A leaf sharded over a mesh (a multi-chip replica) runs the kernel
+        per shard in a ``shard_map``, each device on its own update list
+        (:func:`shard_update_lists`).
       interpret: run a forced Pallas kernel in interpret mode (CPU tests).
     Raises:
       PayloadError: the payload does not apply; ``params`` are unchanged.
@@ -194,8 +197,17 @@ def _write_on_device(leaf: jax.Array, update, scatter: str = "xla", interpret: b
         host = np.asarray(update[1]).view(np.dtype(leaf.dtype)).reshape(leaf.shape)
         return jax.device_put(host, leaf.sharding)
     kind, pos, values = update
-    capacity = _capacity(pos.size)
-    if _use_scatter_kernel(scatter, leaf, capacity, interpret):
+    if len(leaf.sharding.device_set) > 1:
+        if _sharded_kernel_may_serve(scatter, leaf):
+            pos_all, vals_all = shard_update_lists(leaf.sharding, leaf.shape, pos, values)
+            if _use_scatter_kernel(scatter, leaf.sharding.shard_shape(leaf.shape),
+                                   pos_all.shape[-1], interpret):
+                out = _sharded_kernel_scatter(leaf, pos_all, vals_all, mesh=leaf.sharding.mesh,
+                                              spec=leaf.sharding.spec, delta=kind == "delta",
+                                              interpret=interpret)
+                return out if out.sharding == leaf.sharding else jax.device_put(out, leaf.sharding)
+    elif _use_scatter_kernel(scatter, leaf.shape, _capacity(pos.size), interpret):
+        capacity = _capacity(pos.size)
         flat_pos = np.full(capacity, -1, np.int32)
         flat_pos[: pos.size] = pos
         flat_vals = np.zeros(capacity, np.uint16)
@@ -207,6 +219,7 @@ def _write_on_device(leaf: jax.Array, update, scatter: str = "xla", interpret: b
         return out if out.sharding == leaf.sharding else jax.device_put(out, leaf.sharding)
     # n-d indices: a flat view of a sharded leaf would need a reshape across shards. Padded
     # to ``capacity`` with an out-of-range index (dropped by the scatter).
+    capacity = _capacity(pos.size)
     index = []
     for dim, i in zip(leaf.shape, np.unravel_index(pos, leaf.shape)):
         padded = np.full(capacity, dim, np.int32)
@@ -225,13 +238,16 @@ def _write_on_device(leaf: jax.Array, update, scatter: str = "xla", interpret: b
     return out if out.sharding == sharding else jax.device_put(out, sharding)
 
 
-def _use_scatter_kernel(scatter: str, leaf: jax.Array, capacity: int, interpret: bool) -> bool:
-    """The Pallas scatter for this leaf (single-device leaves only; ``dispatch`` verdict)."""
-    if scatter == "xla" or len(leaf.sharding.device_set) != 1 or leaf.size >= 2**31:
+def _use_scatter_kernel(scatter: str, shape: tuple[int, ...], capacity: int,
+                        interpret: bool) -> bool:
+    """The Pallas scatter for a leaf (or one device's shard of it) of ``shape`` taking
+    ``capacity`` updates (``dispatch`` verdict for that one-device kernel)."""
+    size = math.prod(shape)
+    if scatter == "xla" or size >= 2**31:
         return False
     if scatter == "pallas" and interpret:
         return True
-    dst = jax.ShapeDtypeStruct((leaf.size,), jnp.uint16)
+    dst = jax.ShapeDtypeStruct((size,), jnp.uint16)
     pos = jax.ShapeDtypeStruct((capacity,), jnp.int32)
     vals = jax.ShapeDtypeStruct((capacity,), jnp.uint16)
     return dispatch.choose_kernel("sync_scatter_apply", scatter, scatter_apply,
@@ -247,6 +263,72 @@ def _kernel_scatter(leaf, positions, values, *, delta: bool, interpret: bool):
         values = flat[jnp.maximum(positions, 0)] + values
     out = scatter_apply(flat, positions, values, interpret=interpret)
     return jax.lax.bitcast_convert_type(out.reshape(leaf.shape), leaf.dtype)
+
+
+def _sharded_kernel_may_serve(scatter: str, leaf: jax.Array) -> bool:
+    """Whether building per-shard update lists can pay off: a NamedSharding leaf of rank >= 1,
+    the kernel forced or the leaf on an accelerator (auto never takes it on CPU)."""
+    if scatter == "xla" or leaf.ndim == 0 or not isinstance(leaf.sharding, NamedSharding):
+        return False
+    return scatter == "pallas" or next(iter(leaf.sharding.device_set)).platform != "cpu"
+
+
+def shard_update_lists(sharding: NamedSharding, shape: tuple[int, ...], positions: np.ndarray,
+                       values: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """Each device's own updates of a leaf laid out by ``sharding``, for the per-shard kernel.
+
+    Args:
+      sharding: the leaf's NamedSharding over a mesh of axis sizes M = (m0, m1, ...).
+      shape: the leaf's global shape.
+      positions: int [k] ascending, distinct row-major positions in the global leaf.
+      values: uint16 [k] bit patterns (new values or deltas) at those positions.
+
+    Returns:
+      (positions [*M, c] int32, values [*M, c] uint16), sharded so that each device holds its
+      own [1, ..., 1, c] row: the row-major positions inside its shard (a block of the leaf,
+      so still ascending) of the updates that land there, -1 past them; c = ``_capacity`` of
+      the longest list (shards replicated over a mesh axis get the same list)."""
+    mesh = sharding.mesh
+    index = np.unravel_index(np.asarray(positions, np.int64), shape)
+    lists: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    block_of = {}
+    for device, slices in sharding.devices_indices_map(tuple(shape)).items():
+        block = tuple(s.indices(n)[:2] for s, n in zip(slices, shape))
+        block_of[device] = block
+        if block not in lists:
+            inside = np.ones(len(positions), bool)
+            for (lo, hi), i in zip(block, index):
+                inside &= (i >= lo) & (i < hi)
+            local = tuple(i[inside] - lo for (lo, _), i in zip(block, index))
+            sizes = tuple(hi - lo for lo, hi in block)
+            lists[block] = (np.ravel_multi_index(local, sizes).astype(np.int32),
+                            np.asarray(values)[inside])
+    capacity = _capacity(max(p.size for p, _ in lists.values()))
+    pos_all = np.full(mesh.devices.shape + (capacity,), -1, np.int32)
+    vals_all = np.zeros(mesh.devices.shape + (capacity,), np.uint16)
+    for where in np.ndindex(mesh.devices.shape):
+        p, v = lists[block_of[mesh.devices[where]]]
+        pos_all[where][: p.size], vals_all[where][: p.size] = p, v
+    rows = NamedSharding(mesh, PartitionSpec(*mesh.axis_names, None))
+    return jax.device_put(pos_all, rows), jax.device_put(vals_all, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "spec", "delta", "interpret"))
+def _sharded_kernel_scatter(leaf, positions, values, *, mesh, spec: PartitionSpec, delta: bool,
+                            interpret: bool):
+    """``_kernel_scatter`` on every device's shard of a leaf laid out as ``spec`` on ``mesh``,
+    in a ``shard_map`` (no collective: each device writes its own shard from its own list of
+    :func:`shard_update_lists`). Same bits as ``_device_scatter``."""
+    rows = PartitionSpec(*mesh.axis_names, None)
+
+    def local(shard, p, v):
+        return _kernel_scatter(shard, p.reshape(-1), v.reshape(-1), delta=delta,
+                               interpret=interpret)
+
+    # check_vma off: a shard replicated over an axis is written identically on each device
+    # of that axis (the same list), which the vma check cannot see
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, rows, rows), out_specs=spec,
+                         check_vma=False)(leaf, positions, values)
 
 
 @functools.partial(jax.jit, static_argnames=("delta", "gathered", "kept"))
