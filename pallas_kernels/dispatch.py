@@ -22,11 +22,16 @@ on GPU/TPU and only where the verdict is good, otherwise warns once (naming kern
 platform, shapes and reason) and returns False (use XLA); a forced kernel raises
 ``KernelUnavailable`` with that message.
 (levanter's attention backend selection follows the same warn-or-raise pattern.)
+Every ``"auto"`` fall-back to XLA is also handed to the :func:`recording_fallbacks` blocks
+open in the tracing thread (each time, not once like the warning), so a compile report can
+list them per program.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +44,7 @@ from pallas_kernels import lowering
 
 ACCELERATORS = ("gpu", "tpu")
 _VERDICTS: dict[tuple, str | None] = {}
+_RECORDERS = threading.local()  # .logs: the lists of the recording_fallbacks blocks open here
 
 
 class KernelUnavailable(RuntimeError):
@@ -228,11 +234,31 @@ def choose_kernel(kernel: str, mode: str, fn: Callable, args, *, options: tuple 
     message = unavailable_message(kernel, platform, args, reason)
     if mode != "auto":
         raise KernelUnavailable(message)
+    for log in getattr(_RECORDERS, "logs", ()):
+        log.append({"kernel": kernel, "platform": platform, "shapes": describe(args),
+                    "reason": reason})
     key = (kernel, platform, describe(args), options)
     if key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(message + "; using XLA", RuntimeWarning, stacklevel=3)
     return False
+
+
+@contextlib.contextmanager
+def recording_fallbacks():
+    """Yields a list that receives one dict {kernel, platform, shapes, reason} per ``"auto"``
+    decision for XLA (:func:`choose_kernel`) traced in this thread while the block runs
+    (nested blocks each receive it). A program whose trace jax has cached is not traced again,
+    so a block around a second ``.lower()`` of the same function and shapes sees nothing."""
+    logs = getattr(_RECORDERS, "logs", None)
+    if logs is None:
+        logs = _RECORDERS.logs = []
+    log: list[dict] = []
+    logs.append(log)
+    try:
+        yield log
+    finally:  # by identity: an equal (e.g. empty) list of another block is not this one
+        del logs[next(i for i, x in enumerate(logs) if x is log)]
 
 
 def partition_context():

@@ -9,11 +9,15 @@
 * :mod:`~jaxflow.compile_only.compile`: compiling the programs (two at a time, the persistent
   cache);
 * :mod:`~jaxflow.compile_only.hlo`: collectives and kernels read from the compiled HLO;
-* :mod:`~jaxflow.compile_only.report`: memory, cost, roofline, MFU, the table;
+* :mod:`~jaxflow.compile_only.report`: memory, cost, roofline, efficiency, compile seconds,
+  kernel fall-backs, the table;
+* :mod:`~jaxflow.compile_only.efficiency`: the roofline MFU bound and the MFU estimate
+  (collectives against the chip's interconnect) of a train step, beside MaxText's published MFU;
 * :mod:`~jaxflow.compile_only.cli`: the runner's ``--compile-only`` branch.
 """
 
 from jaxflow.compile_only import resolve, variants
 from jaxflow.compile_only.program import KINDS, Program, count_params, transformer_train_flops
 
-__all__ = ["KINDS", "Program", "count_params", "resolve", "transformer_train_flops", "variants"]
+__all__ = ["KINDS", "Program", "count_params", "efficiency", "resolve", "transformer_train_flops",
+           "variants"]

@@ -14,8 +14,11 @@ each failure there is a user error: exit 2, one line, nothing written. Then the 
 compiled two at a time (:mod:`jaxflow.compile_only.compile`), the table
 (:func:`jaxflow.compile_only.report.table`) is printed and ``config.json`` and
 ``compile_report.json`` are written in the run directory (``--out``, default
-``runs/NAME/<timestamp>``). jax's persistent compilation cache lives in
-``$JAXFLOW_COMPILATION_CACHE`` (default ``~/.cache/jaxflow/xla``); see
+``runs/NAME/<timestamp>``); the report holds each program's lower and compile seconds
+(``compile_seconds``) and every kernel whose ``auto`` dispatch fell back to XLA while the
+programs were built and traced (``kernel_fallbacks``, with the programs it hit). jax's
+persistent compilation cache lives in ``$JAXFLOW_COMPILATION_CACHE`` (default
+``~/.cache/jaxflow/xla``); see
 :mod:`jaxflow.compile_only.compile` for why it does not yet save deviceless compiles.
 
 Exit codes: 0 when every program compiles and fits the chip's HBM; 2 when one does not fit
@@ -182,10 +185,13 @@ def run(plan, out, *, git_commit: str, prog: str) -> int:
         workers = compile_lib.parallel_compiles()
     except ValueError as e:
         raise CompileOnlyUsageError(str(e)) from None
+    from pallas_kernels import dispatch
+
     cache = compile_lib.cache_dir()
     start = time.time()
     with compile_lib.persistent_cache(cache) as events:
-        programs, n_devices = build_programs(plan, target, driver)
+        with dispatch.recording_fallbacks() as building:
+            programs, n_devices = build_programs(plan, target, driver)
         print(f"[jaxflow] {plan.name} [{plan.variant}] --compile-only for {target.text} "
               f"({n_devices} x {target.chip.device_kind}): {len(programs)} program(s), "
               f"{workers} compile(s) at a time -> {out}", flush=True)
@@ -210,6 +216,8 @@ def run(plan, out, *, git_commit: str, prog: str) -> int:
             "note": "jax's persistent cache; deviceless executables are written but, with jax "
                     "0.10.2, cannot be read back (unreadable_entries), so each run compiles"},
         "wall_seconds": time.time() - start,
+        "compile_seconds": {e["name"]: e["seconds"] for e in entries},
+        "kernel_fallbacks": report_lib.fallback_summary(entries, building),
         "warnings": notes,
         "programs": entries,
         "config": plan.config,

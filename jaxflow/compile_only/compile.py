@@ -3,7 +3,8 @@
 Each :class:`~jaxflow.compile_only.program.Program` is lowered under ``jax.set_mesh(mesh)``
 (the mesh context is per thread, so each worker enters it) and ``.compile()``d by the target's
 real compiler; the result becomes the program's report entry
-(:func:`jaxflow.compile_only.report.program_entry`).
+(:func:`jaxflow.compile_only.report.program_entry`), with the kernels whose ``auto`` dispatch
+fell back to XLA while the program was traced (``pallas_kernels.dispatch.recording_fallbacks``).
 
 jax's persistent compilation cache (``jax_compilation_cache_dir``) is switched on for the
 compiles (:func:`persistent_cache`). With jax 0.10.2 it does not help deviceless targets: the
@@ -26,7 +27,7 @@ import jax
 
 from jaxflow.compile_only import hlo as hlo_lib
 from jaxflow.compile_only.report import Memory, cost_of, program_entry
-from pallas_kernels import targets
+from pallas_kernels import dispatch, targets
 
 #: Compiles at a time by default (each holds one core and host memory: an 8B-class training
 #: step for 64 TPU chips up to ~10 GiB, so two of them fit a 24 GiB host only just).
@@ -93,11 +94,12 @@ def compile_program(program, chip: targets.Chip) -> dict:
     the compiler refuses is an entry with ``status`` "does_not_fit" (RESOURCE_EXHAUSTED: HBM)
     or "failed", never an exception."""
     if program.compiled is not None:  # compiled ahead (program.compile_ahead)
-        return _entry_of(program, chip, program.compiled, program.seconds)
+        return _entry_of(program, chip, program.compiled, program.seconds, program.fallbacks)
     start = time.perf_counter()
     lowered_at = None
+    fallbacks: list[dict] = []
     try:
-        with jax.set_mesh(program.mesh):
+        with jax.set_mesh(program.mesh), dispatch.recording_fallbacks() as fallbacks:
             lowered = program.fn.lower(*program.args, **program.kwargs)
             lowered_at = time.perf_counter()
             compiled = lowered.compile()
@@ -107,15 +109,17 @@ def compile_program(program, chip: targets.Chip) -> dict:
                    "compile": now - lowered_at if lowered_at else 0.0}
         text = _error_text(err)
         kind = targets.error_kind(str(err)) if lowered_at else "lowering"
-        return program_entry(program, chip, error=text, error_kind=kind, seconds=seconds)
+        return program_entry(program, chip, error=text, error_kind=kind, seconds=seconds,
+                             fallbacks=fallbacks)
     done = time.perf_counter()
     return _entry_of(program, chip, compiled,
-                     {"lower": lowered_at - start, "compile": done - lowered_at})
+                     {"lower": lowered_at - start, "compile": done - lowered_at}, fallbacks)
 
 
-def _entry_of(program, chip: targets.Chip, compiled, seconds: dict) -> dict:
+def _entry_of(program, chip: targets.Chip, compiled, seconds: dict, fallbacks) -> dict:
     return program_entry(program, chip, memory=Memory.of(compiled), cost=cost_of(compiled),
-                         hlo=hlo_lib.summarize(compiled.as_text()), seconds=seconds)
+                         hlo=hlo_lib.summarize(compiled.as_text()), seconds=seconds,
+                         fallbacks=fallbacks)
 
 
 def compile_all(programs, chip: targets.Chip, *, workers: int | None = None

@@ -36,8 +36,8 @@ class Program:
     model_bytes: analytic HBM bytes of one call over all devices (weights, KV cache read),
     for the roofline's memory term, since ``cost_analysis`` counts a Pallas call's reads as ~0
     and a loop body once; tokens: tokens (or rows) one call processes, for throughput; note: the sharding stated
-    in words ("data 8 x model 8, TP over heads / mlp / vocab"); compiled / seconds: set by
-    :func:`compile_ahead` when a later program's arguments are this one's outputs."""
+    in words ("data 8 x model 8, TP over heads / mlp / vocab"); compiled / seconds / fallbacks:
+    set by :func:`compile_ahead` when a later program's arguments are this one's outputs."""
 
     name: str
     fn: Callable
@@ -53,6 +53,8 @@ class Program:
     # {"lower": s, "compile": s}: the compile step reuses it instead of compiling again
     compiled: Any = None
     seconds: dict | None = None
+    # the kernels whose "auto" dispatch fell back to XLA while compile_ahead traced it
+    fallbacks: tuple = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -91,9 +93,11 @@ def compile_ahead(program: Program, fallback: Callable[[Any], Any] | None = None
     compiling twice. When the compiler refuses (e.g. the program does not fit), the program
     comes back uncompiled (the compile step reports the refusal) and the outputs are
     ``fallback(eval_shape outputs)`` (default: replicated on the program's mesh)."""
+    from pallas_kernels import dispatch
+
     start = time.perf_counter()
     try:
-        with jax.set_mesh(program.mesh):
+        with jax.set_mesh(program.mesh), dispatch.recording_fallbacks() as fallbacks:
             lowered = program.fn.lower(*program.args, **program.kwargs)
             lowered_at = time.perf_counter()
             compiled = lowered.compile()
@@ -106,7 +110,8 @@ def compile_ahead(program: Program, fallback: Callable[[Any], Any] | None = None
     seconds = {"lower": lowered_at - start, "compile": time.perf_counter() - lowered_at}
     outputs = jax.tree.map(lambda i, s: sds(i.shape, i.dtype, s), compiled.out_info,
                            compiled.output_shardings)
-    return dataclasses.replace(program, compiled=compiled, seconds=seconds), outputs
+    return dataclasses.replace(program, compiled=compiled, seconds=seconds,
+                               fallbacks=tuple(fallbacks)), outputs
 
 
 def mesh_note(mesh: Mesh, tp: str = "TP over heads / kv heads / mlp / vocab",

@@ -1,4 +1,5 @@
-"""The ``--compile-only`` report: per program, memory against the chip, cost, roofline, MFU.
+"""The ``--compile-only`` report: per program, memory against the chip, cost, roofline, the
+efficiency figures, compile seconds and the kernels that fell back to XLA.
 
 Every figure is per device: the compiled module is the SPMD-partitioned program of one device,
 and ``compiled.cost_analysis()`` counts its flops and bytes (checked: a [1024, 2048] x
@@ -25,7 +26,16 @@ figures of :data:`pallas_kernels.targets.CHIPS`. Collectives are not overlapped 
 the estimate is pessimistic there and optimistic everywhere else (perfect overlap of compute
 and HBM traffic, no launch or pipeline bubbles).
 
-MFU estimate of a "train" program: (model_flops / n_devices / peak_flops) / roofline.
+Efficiency of a "train" program (:mod:`jaxflow.compile_only.efficiency`): the **roofline MFU
+bound** (model_flops / n_devices / peak_flops over the longest of the compute, HBM and
+interconnect times: everything overlapped, an upper bound) and the **MFU estimate** (over
+max(compute, HBM) + the exposed collectives, each collective's bytes by its ring algorithm
+against the chip's ICI / NVLink bandwidth). Both assume peak FLOP/s; neither is measured.
+
+Compile time: ``seconds`` {"lower", "compile"} of each program. Kernel fall-backs: the
+kernels whose ``auto`` dispatch chose XLA while the program was traced
+(``kernel_fallbacks``: kernel, platform, shapes, reason), so a pod program that lost its
+kernel says so here and not only in a warning.
 
 HBM per device: total = arguments + outputs + temporaries - aliased (donated) bytes, from
 ``compiled.memory_analysis()``; it fits when total <= the chip's HBM.
@@ -37,6 +47,7 @@ import dataclasses
 import re
 from typing import Any
 
+from jaxflow.compile_only import efficiency
 from jaxflow.compile_only.hlo import COLLECTIVES, HloSummary
 from pallas_kernels import targets
 
@@ -45,7 +56,12 @@ MiB = 2**20
 ROOFLINE_FORMULA = ("max(max(flops, model_flops / n_devices) / peak_flops, max(bytes_accessed, "
                     "model_bytes / n_devices) / hbm_bandwidth) + collective_bytes / "
                     "ici_bandwidth")
-MFU_FORMULA = "(model_flops / n_devices / peak_flops) / roofline_seconds"
+ROOFLINE_MFU_BOUND_FORMULA = ("(model_flops / n_devices / peak_flops) / max(compute_seconds, "
+                              "memory_seconds, interconnect_seconds)")
+MFU_ESTIMATE_FORMULA = ("(model_flops / n_devices / peak_flops) / (max(compute_seconds, "
+                        "memory_seconds) + (1 - overlap) * interconnect_seconds), overlap = "
+                        f"{efficiency.OVERLAP}; interconnect_seconds = ring wire bytes of the "
+                        "collectives / ici_bandwidth")
 _REQUIRED = re.compile(r"memory required for ([\w ]+?) \(([0-9.]+)([KMGT])?\) exceeds")
 _USED = re.compile(r"Used ([0-9.]+)([KMGT])? of ([0-9.]+)([KMGT])? hbm")
 _ALLOCATE = re.compile(r"allocate ([0-9]+) bytes")
@@ -115,12 +131,6 @@ def roofline(flops: float, bytes_accessed: float, collective_bytes: float,
             "collective_seconds": collective, "seconds": seconds, "bound": bound}
 
 
-def mfu(model_flops: float, n_devices: int, chip: targets.Chip, seconds: float) -> float:
-    """Model-FLOPs utilisation of a step that takes ``seconds``: (model_flops / n_devices /
-    peak_flops) / seconds."""
-    return (model_flops / n_devices / chip.peak_flops) / seconds if seconds > 0 else 0.0
-
-
 def hbm_error_bytes(message: str) -> tuple[int | None, str]:
     """(per-device bytes, what they count) a RESOURCE_EXHAUSTED compile error names, or
     (None, ""): XLA:TPU's "the total memory required for HLO temporaries (29.01G) exceeds
@@ -137,16 +147,21 @@ def hbm_error_bytes(message: str) -> tuple[int | None, str]:
 def program_entry(program, chip: targets.Chip, *, memory: Memory | None = None,
                   cost: tuple[float, float, str] | None = None,
                   hlo: HloSummary | None = None, seconds: dict | None = None,
-                  error: str = "", error_kind: str = "") -> dict:
+                  error: str = "", error_kind: str = "", fallbacks=()) -> dict:
     """The report's entry for one program (``program`` a
     :class:`~jaxflow.compile_only.program.Program`); without ``memory`` it failed to compile
-    (``error``, ``error_kind``: "hbm" counts as not fitting)."""
+    (``error``, ``error_kind``: "hbm" counts as not fitting). ``seconds``: {"lower",
+    "compile"}; ``fallbacks``: the dicts ``pallas_kernels.dispatch.recording_fallbacks``
+    collected while it was traced (listed once each)."""
     n = int(program.mesh.devices.size)
     entry: dict[str, Any] = {
         "name": program.name, "kind": program.kind, "note": program.note,
         "mesh": {k: int(v) for k, v in program.mesh.shape.items()}, "n_devices": n,
         "model_flops": program.model_flops, "tokens": program.tokens,
-        "seconds": seconds or {}}
+        "seconds": seconds or {},
+        "kernel_fallbacks": [dict(t) for t in dict.fromkeys(
+            tuple(sorted(f.items())) for f in fallbacks)],
+        "efficiency": None, "roofline_mfu_bound": None, "mfu_estimate": None}
     capacity = chip.hbm_bytes
     if memory is None:
         needed, what = hbm_error_bytes(error) if error_kind == "hbm" else (None, "")
@@ -175,9 +190,11 @@ def program_entry(program, chip: targets.Chip, *, memory: Memory | None = None,
         collectives=hlo.collectives, collective_bytes=hlo.collective_bytes,
         kernels={"pallas": hlo.pallas_kernels, "pallas_count": hlo.kernel_count,
                  "cudnn": hlo.cudnn_calls, "cudnn_count": sum(hlo.cudnn_calls.values())},
-        roofline=line,
-        mfu=(mfu(program.model_flops, n, chip, line["seconds"])
-             if program.kind == "train" and program.model_flops else None))
+        roofline=line)
+    figures = efficiency.of_entry(entry, chip)
+    entry.update(efficiency=figures,
+                 roofline_mfu_bound=figures and figures["roofline_mfu_bound"],
+                 mfu_estimate=figures and figures["mfu_estimate"])
     return entry
 
 
@@ -186,15 +203,34 @@ def chip_figures(chip: targets.Chip) -> dict:
     return {"name": chip.name, "platform": chip.platform, "device_kind": chip.device_kind,
             "hbm_bytes": chip.hbm_bytes, "peak_flops": chip.peak_flops,
             "hbm_bandwidth": chip.hbm_bandwidth, "ici_bandwidth": chip.ici_bandwidth,
-            "source": chip.source}
+            "source": chip.source,
+            "ici_source": efficiency.INTERCONNECT_SOURCES.get(chip.name, "")}
 
 
 def formulas() -> dict:
-    return {"roofline_seconds": ROOFLINE_FORMULA, "mfu": MFU_FORMULA,
+    """The report's formulas, as text."""
+    return {"roofline_seconds": ROOFLINE_FORMULA,
+            "roofline_mfu_bound": ROOFLINE_MFU_BOUND_FORMULA,
+            "mfu_estimate": MFU_ESTIMATE_FORMULA,
+            "compile_seconds": "lower + compile, wall seconds on the compiling host",
             "hbm_total_bytes": "argument + output + temp - alias (per device)",
             "collective_bytes": "sum of the collectives' result bytes in the compiled HLO "
                                 f"(per device; kinds {', '.join(COLLECTIVES)})",
             "scope": "every figure is per device, per call"}
+
+
+def fallback_summary(entries: list[dict], while_building=()) -> list[dict]:
+    """Every distinct kernel fall-back of the run: {kernel, platform, shapes, reason,
+    programs} (the programs whose trace made it; empty for one made only while the driver
+    built its programs, ``while_building``, e.g. by an ``eval_shape`` whose trace jax then
+    reused for the compile)."""
+    seen: dict[tuple, list[str]] = {}
+    for e in entries:
+        for f in e.get("kernel_fallbacks", ()):
+            seen.setdefault(tuple(sorted(f.items())), []).append(e["name"])
+    for f in while_building:
+        seen.setdefault(tuple(sorted(f.items())), [])
+    return [{**dict(k), "programs": v} for k, v in seen.items()]
 
 
 def not_fitting_line(entry: dict, chip: targets.Chip) -> str:
@@ -213,13 +249,19 @@ def not_fitting_line(entry: dict, chip: targets.Chip) -> str:
 
 
 _COLUMNS = ("program", "HBM GiB (total/cap)", "fits", "TFLOP", "coll MiB", "kernels",
-            "roofline ms", "MFU")
+            "XLA fallbacks", "roofline ms", "roofline MFU bound", "MFU estimate", "compile s")
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def table(entries: list[dict]) -> str:
     """One row per program: HBM total / capacity, fits, TFLOP (the roofline's, per device),
-    collective MiB, kernels (Pallas [+ cuDNN]), roofline ms (">=": a program with loops, whose
-    compiler bytes are a lower bound), MFU."""
+    collective MiB, kernels (Pallas [+ cuDNN]), kernels whose ``auto`` dispatch fell back to
+    XLA (their names), roofline ms (">=": a program with loops, whose compiler bytes are a
+    lower bound), the roofline MFU bound and the MFU estimate of a train step, and its lower +
+    compile seconds."""
     rows = [_COLUMNS]
     for e in entries:
         mem = e["memory"]
@@ -230,21 +272,25 @@ def table(entries: list[dict]) -> str:
             total = f">{mem['required_bytes'] / GiB:.2f}"
         else:
             total = "?"
+        fallbacks = ",".join(sorted({f["kernel"] for f in e.get("kernel_fallbacks", ())})) or "-"
+        took = sum(e.get("seconds", {}).values())
+        took = f"{took:.1f}" if took else "-"
         if e["status"] == "failed":
-            rows.append((e["name"], f"{total}/{cap}", "-", "-", "-", "-", "-",
-                         "compile failed"))
+            rows.append((e["name"], f"{total}/{cap}", "-", "-", "-", "-", fallbacks, "-",
+                         "compile failed", "-", took))
             continue
         if "cost" not in e:  # refused by the compiler for HBM
-            rows.append((e["name"], f"{total}/{cap}", "no", "-", "-", "-", "-", "-"))
+            rows.append((e["name"], f"{total}/{cap}", "no", "-", "-", "-", fallbacks, "-", "-",
+                         "-", took))
             continue
         k = e["kernels"]
         kernels = str(k["pallas_count"]) + (f"+{k['cudnn_count']} cudnn" if k["cudnn_count"]
                                             else "")
         rows.append((e["name"], f"{total}/{cap}", "yes" if mem["fits"] else "no",
                      f"{e['cost']['roofline_flops'] / 1e12:.3f}",
-                     f"{e['collective_bytes'] / MiB:.1f}", kernels,
+                     f"{e['collective_bytes'] / MiB:.1f}", kernels, fallbacks,
                      (">=" if e["cost"].get("bytes_lower_bound") else "")
                      + f"{e['roofline']['seconds'] * 1e3:.2f}",
-                     "-" if e["mfu"] is None else f"{e['mfu']:.2f}"))
+                     _percent(e["roofline_mfu_bound"]), _percent(e["mfu_estimate"]), took))
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
