@@ -22,6 +22,9 @@ Modules, one idea each:
   single step's: an inner loop per width; pages allocated ahead and the unwritten ones given
   back), back on the host when ``loop_refill`` slots free while work waits; with
   ``loop_refill=1`` bit-identical to single steps.
+* ``records``: what a request hands back (``RequestOutput`` / ``EngineOutput``) and the MoE
+  routing record (``EngineConfig.record_routing``: each MoE layer's experts and gates per
+  position, as the static sampler records them for R3).
 * ``paged_attention``: decode attention over the pool by backend (XLA gather on CPU, the
   upstream Pallas kernels on TPU / GPU).
 * ``programs``: the engine's prefill and decode programs with abstract arguments for
@@ -44,7 +47,7 @@ Logits hooks: ``apply`` gets each row's own step [B]; a hook state must be per r
 Not supported yet: preemption (admission reserves each sequence's worst case instead), prefix
 caching across requests, ``hook_args``.
 """
-from jaxflow.rollout import decode_loop
+from jaxflow.rollout import decode_loop, records
 from jaxflow.rollout.engine import (
     EngineConfig,
     EngineOutput,
@@ -55,4 +58,4 @@ from jaxflow.rollout.engine import (
 )
 
 __all__ = ["EngineConfig", "EngineOutput", "EngineStats", "RequestOutput",
-           "RolloutConfigError", "RolloutEngine", "decode_loop"]
+           "RolloutConfigError", "RolloutEngine", "decode_loop", "records"]

@@ -99,7 +99,7 @@ def make_decode_loop(graphdef: nnx.GraphDef, one_step: Callable, sampling: Sampl
         live = remaining > 0
         shapes = jax.eval_shape(lambda: one_step(model, pools, tokens, lengths, page_table, keys,
                                                  t, live, hook_state))[1]
-        fills = DecodeOut(sampling.pad_id, 0, 0, 0, False)
+        fills = DecodeOut(sampling.pad_id, 0, 0, 0, False, 0, 0)
         outs = DecodeOut(*(jnp.full((max_steps,) + s.shape, f, s.dtype)
                            for s, f in zip(shapes, fills)))
         carry = (jnp.int32(0), pools, tokens, lengths, t, remaining, live, hook_state, outs)

@@ -25,7 +25,7 @@ continue with the new weights; every token records the version that produced it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ from jaxflow.rollout.decode_loop import loop_min_live, make_decode_loop
 from jaxflow.rollout.model_step import empty_pools, make_steps
 from jaxflow.rollout.paged_attention import PAGED_BACKENDS
 from jaxflow.rollout.pages import pages_for
+from jaxflow.rollout.records import EngineOutput, RequestOutput, RoutingRecord
 from jaxflow.rollout.scheduler import Request, Scheduler, copy_batches, hook_init_arrays, request_arrays
 from jaxflow.rollout.scheduler import Sequence as Seq
 
@@ -92,6 +93,8 @@ class EngineConfig:
       sampled_topk: the top-K of the distribution each token was drawn from (temperature, logit
         noise, hook, top-k / top-p: the behaviour policy's, as ``sis_b`` needs) instead of the
         model's raw log_softmax (:func:`jaxflow.rollout.model_step.make_steps`).
+      record_routing: MoE models: each MoE layer's experts and gates at every position fed, in
+        ``RequestOutput.routing_*`` (R3; :mod:`jaxflow.rollout.records`).
     """
 
     slots: int = 8
@@ -110,6 +113,7 @@ class EngineConfig:
     interpret: bool = False
     top_logprobs: int = 0
     sampled_topk: bool = False
+    record_routing: bool = False
 
     def __post_init__(self):
         _int_at_least("slots", self.slots, 1)
@@ -127,30 +131,6 @@ class EngineConfig:
         if self.attention not in PAGED_BACKENDS:
             raise RolloutConfigError(f"EngineConfig.attention={self.attention!r}; valid: "
                                      f"{PAGED_BACKENDS}")
-
-
-class RequestOutput(NamedTuple):
-    """One request's G sequences (host arrays), N = the request's max_new_tokens.
-
-    tokens [G, N] int32 (pad_id after EOS); logprobs [G, N] f32 of the distribution sampled from
-    (0 where masked); mask [G, N] f32 (1 up to and including EOS); lengths [G] int32;
-    versions [G, N] int32 (the weights version that drew each token, -1 where masked);
-    topk_logprobs [G, N, K] f32 and topk_indices [G, N, K] int32 (the model's top-K under
-    log_softmax of the raw logits, temperature 1; 0 where masked).
-    """
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    mask: np.ndarray
-    lengths: np.ndarray
-    versions: np.ndarray
-    topk_logprobs: np.ndarray
-    topk_indices: np.ndarray
-
-
-class EngineOutput(RequestOutput):
-    """:meth:`RolloutEngine.generate`'s rows: request i's sequence g at row i * G + g (fields as
-    :class:`RequestOutput`, leading axis R * G; N = max_new_tokens)."""
 
 
 @dataclasses.dataclass
@@ -237,7 +217,7 @@ class RolloutEngine:
                                 top_logprobs=config.top_logprobs,
                                 logit_noise_std=float(logit_noise_std), logits_hook=logits_hook,
                                 vocab_size=model_cfg.vocab_size, mesh=mesh,
-                                sampled_topk_of=config.sampled_topk)
+                                sampled_topk_of=config.sampled_topk, record_routing=config.record_routing)
         self.loop = None if not config.loop_steps else make_decode_loop(
             self.graphdef, self.steps.one_step, sampling, page_size=config.page_size,
             pages_per_seq=width, narrow=config.narrow_tables, max_steps=config.loop_steps,
@@ -252,6 +232,7 @@ class RolloutEngine:
                                    prefill_rows=config.prefill_rows,
                                    narrow_tables=config.narrow_tables,
                                    bucket_rows=config.bucket_rows)
+        self.routing = RoutingRecord(model_cfg, max_len, on=config.record_routing)
         self.hook_state = None
         if logits_hook is not None and logits_hook.init is not None:
             self.hook_state = self.steps.init_hook_rows(
@@ -368,7 +349,8 @@ class RolloutEngine:
             if not sched.prefilling or len(sched.ready) >= sched.free_slots():
                 break
             reqs, tokens, start, n_valid, table = sched.prefill_batch()
-            self.pools = self.steps.prefill(self._state, self.pools, tokens, start, n_valid, table)
+            self.pools = self.routing.prefilled(
+                self.steps.prefill(self._state, self.pools, tokens, start, n_valid, table), reqs, start, n_valid)
             sched.finish_prefill(reqs)
             self.stats.prefill_calls += 1
         sched.assign_slots()
@@ -393,6 +375,7 @@ class RolloutEngine:
                 self.loop(self._state, self.pools, *args, min_live, self.hook_state) if looped
                 else self.steps.decode(self._state, self.pools, *args, n_steps, self.hook_state))
             out = jax.device_get(out)
+            self.routing.decoded(sched.decode_rows, out)
             completed = sched.finish_decode(out, self.version, self.sampling.stop_ids,
                                             trim=looped)
             self.stats.decode_calls += 1
@@ -427,7 +410,8 @@ class RolloutEngine:
         return self._output(self._done.pop(rid))
 
     def _output(self, req: Request) -> RequestOutput:
-        return RequestOutput(*request_arrays(req, self.sampling.pad_id, self.config.top_logprobs))
+        return RequestOutput(*request_arrays(req, self.sampling.pad_id, self.config.top_logprobs),
+                             *self.routing.arrays(req))
 
     def generate(self, prompts, prompt_lengths, keys: jax.Array, group_size: int = 1
                  ) -> EngineOutput:

@@ -11,6 +11,12 @@ the row's pages gathered into a contiguous cache, token t at slot t), MLP and LM
 same draw (:func:`jaxflow.models.sampler._draw` with per-row keys, token t of a row drawn with
 ``fold_in(row_key, t)``). Pools are donated, so page writes happen in place.
 
+Routing record (R3, ``make_steps(record_routing=True)``, MoE models): prefill also returns each
+MoE layer's experts and gates at every chunk position, and every decode step at the position it
+feeds (``DecodeOut.routing_*``), computed from the router logits of the step's own forward as
+:class:`jaxflow.models.moe.MoE` records them for the static sampler; the host collects them per
+sequence (:mod:`jaxflow.rollout.records`).
+
 Pool layout (the upstream paged-attention kernels'): per layer, keys and values
 ``[n_kv_heads, num_pages, page_size, head_dim]`` in the model's compute dtype; token t of a row
 lives in page ``page_table[t // page_size]`` at offset ``t % page_size``. Padding tokens and
@@ -38,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxflow.models.attention import dot_product_attention
 from jaxflow.models.attention_backends import HEAD_AXIS
+from jaxflow.models.moe import expert_index_dtype
 from jaxflow.models.sampler import LogitsHook, SamplingConfig, draw_with_dist, is_stop, sampled_topk
 from jaxflow.models.transformer import Transformer
 from jaxflow.rollout.paged_attention import gather_pages, paged_attention
@@ -74,20 +81,26 @@ def empty_pools(*, n_layers: int, n_kv_heads: int, num_pages: int, page_size: in
 class DecodeOut(NamedTuple):
     """Draws per decode step and slot: token [n, B] int32 (pad_id where not live), logprob
     [n, B] f32 (of the distribution sampled from; 0 where not live), topk_logprobs [n, B, K]
-    f32 and topk_indices [n, B, K] int32 (K = 0: empty), live [n, B] bool (a real token)."""
+    f32 and topk_indices [n, B, K] int32 (K = 0: empty), live [n, B] bool (a real token),
+    routing_experts [n, B, L, k] (:func:`jaxflow.models.moe.expert_index_dtype`) and
+    routing_gates [n, B, L, k] f32: each MoE layer's experts and gates at the position the step
+    fed (``record_routing``; else [n, B, 0, 0])."""
 
     token: jax.Array
     logprob: jax.Array
     topk_logprobs: jax.Array
     topk_indices: jax.Array
     live: jax.Array
+    routing_experts: jax.Array
+    routing_gates: jax.Array
 
 
 class Steps(NamedTuple):
     """Jitted programs (pools donated):
 
     prefill(state, pools, tokens [R, C], start [R], n_valid [R], page_table [R, W]) -> pools
-        writes the keys/values of ``tokens[r, :n_valid[r]]`` at positions ``start[r] + i``.
+        writes the keys/values of ``tokens[r, :n_valid[r]]`` at positions ``start[r] + i``;
+        with ``record_routing`` -> (pools, (experts [R, C, L, k], gates [R, C, L, k])).
     decode(state, pools, tokens [B], lengths [B], page_table [B, W], key_data [B, ...], t [B],
            remaining [B], n_steps, hook_state=None) -> (pools, DecodeOut [n_steps, B, ...],
            hook_state): up to ``n_steps``
@@ -133,11 +146,36 @@ def _slots(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_s
     return jnp.where(valid, real, pad)
 
 
+def _mlp(block, h: jax.Array, record: bool) -> tuple[jax.Array, tuple | None]:
+    """The block's MLP on h [B, T, d] -> (y [B, T, d], routing): with ``record`` and an MoE
+    block, routing = (experts, gates) [B, T, k] as :class:`jaxflow.models.moe.MoE` records them
+    (its router's top-k of the softmax, renormalised when ``norm_topk_prob``); else None."""
+    if not (record and block.is_moe):
+        return block.mlp(h), None
+    mlp = block.mlp
+    y, stats = mlp.apply(h)
+    gates, experts = jax.lax.top_k(jax.nn.softmax(stats.router_logits, axis=-1), mlp.k)
+    if mlp.norm_topk_prob:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    shape = h.shape[:2] + (mlp.k,)
+    return y, (experts.reshape(shape).astype(expert_index_dtype(mlp.router.shape[1])), gates.reshape(shape))
+
+
+def _stack_routing(per_layer: list, rows: int, n_experts: int) -> tuple[jax.Array, jax.Array]:
+    """Per MoE layer (experts, gates) [B, T, k] -> (experts, gates) [B, T, L, k]; none recorded:
+    empty [B, 0, 0] (a decode step's record when ``record_routing`` is off)."""
+    if not per_layer:
+        return (jnp.zeros((rows, 0, 0), expert_index_dtype(max(n_experts, 1))),
+                jnp.zeros((rows, 0, 0), jnp.float32))
+    return tuple(jnp.stack([layer[i] for layer in per_layer], axis=2) for i in range(2))
+
+
 @functools.lru_cache(maxsize=32)
 def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: int,
                attention: str = "auto", interpret: bool = False, top_logprobs: int = 0,
                logit_noise_std: float = 0.0, logits_hook: LogitsHook | None = None,
-               vocab_size: int = 0, mesh: Mesh | None = None, sampled_topk_of: bool = False) -> Steps:
+               vocab_size: int = 0, mesh: Mesh | None = None, sampled_topk_of: bool = False,
+               record_routing: bool = False) -> Steps:
     """The engine's programs for one model structure and sampling config (see Steps); on
     ``mesh``: MeshJit programs keeping the pools sharded (module docstring).
 
@@ -145,7 +183,9 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
     (log_softmax of the raw logits, temperature 1) by default, or with ``sampled_topk_of`` of
     the distribution the token was drawn from (temperature, logit noise, hook and top-k / top-p
     applied: the behaviour policy's top-K that ``sis_b`` needs, as
-    :func:`jaxflow.models.sampler.sampled_topk`), 0 where the row has no real token."""
+    :func:`jaxflow.models.sampler.sampled_topk`), 0 where the row has no real token.
+    ``record_routing`` (MoE models): prefill and every decode step also return each MoE layer's
+    experts and gates per position fed (module docstring; :class:`DecodeOut`)."""
 
     def placed(pools: Pools) -> Pools:
         if mesh is None:
@@ -166,33 +206,40 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
         # (cache_causal_mask) for real tokens, whose earlier positions are all real.
         mask = jnp.arange(keys_len, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
         x = model._embed(tokens)
-        new_k, new_v = [], []
+        new_k, new_v, routing = [], [], []
         for block, kp, vp in zip(model.layers, pools.k, pools.v):
             q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
             kp, vp = _write(kp, k, dest), _write(vp, v, dest)
             attn = dot_product_attention(q, gather_pages(kp, page_table),
                                          gather_pages(vp, page_table), mask)
             x = x + block.attn.project_out(attn)
-            x = x + block.mlp(block.mlp_norm(x))
+            y, routed = _mlp(block, block.mlp_norm(x), record_routing)
+            x = x + y
             new_k.append(kp)
             new_v.append(vp)
-        return placed(Pools(tuple(new_k), tuple(new_v)))
+            routing += [routed] if routed is not None else []
+        pools = placed(Pools(tuple(new_k), tuple(new_v)))
+        if not record_routing:
+            return pools
+        return pools, _stack_routing(routing, tokens.shape[0], model.config.n_experts)
 
     def one_step(model: Transformer, pools: Pools, tokens, lengths, page_table, keys, t, live,
                  hook_state):
         positions = (lengths - 1)[:, None]
         dest = _slots(page_table, positions, live[:, None], page_size)
         x = model._embed(tokens[:, None])
-        new_k, new_v = [], []
+        new_k, new_v, routing = [], [], []
         for block, kp, vp in zip(model.layers, pools.k, pools.v):
             q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
             kp, vp = _write(kp, k, dest), _write(vp, v, dest)
             attn = paged_attention(q[:, 0], kp, vp, lengths, page_table, backend=attention,
                                    interpret=interpret)
             x = x + block.attn.project_out(attn[:, None])
-            x = x + block.mlp(block.mlp_norm(x))
+            y, routed = _mlp(block, block.mlp_norm(x), record_routing)
+            x = x + y
             new_k.append(kp)
             new_v.append(vp)
+            routing += [routed] if routed is not None else []
         logits = model._logits(model.final_norm(x))[:, 0]
         step_keys = jax.vmap(jax.random.fold_in)(keys, t)
         token, logprob, dist = draw_with_dist(logits, step_keys, sampling, logit_noise_std, True,
@@ -204,8 +251,11 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
         else:
             top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
             top_idx = jnp.zeros((logits.shape[0], 0), jnp.int32)
+        experts, gates = _stack_routing(routing, tokens.shape[0], model.config.n_experts)
+        if routing:  # [B, 1, L, k] -> [B, L, k]
+            experts, gates = experts[:, 0], gates[:, 0]
         out = DecodeOut(jnp.where(live, token, sampling.pad_id), jnp.where(live, logprob, 0.0),
-                        top_lp, top_idx.astype(jnp.int32), live)
+                        top_lp, top_idx.astype(jnp.int32), live, experts, gates)
         if logits_hook is not None and logits_hook.update is not None:
             new_state = logits_hook.update(hook_state, out.token, None)
             hook_state = jax.tree.map(  # rows without a real token keep their state

@@ -83,7 +83,7 @@ def engine_programs(model: TransformerConfig, mesh: Mesh, config: EngineConfig,
     state = fns.nnx_state(params)
     steps = make_steps(fns.graphdef, sampling, page_size=config.page_size,
                        attention=config.attention, top_logprobs=config.top_logprobs,
-                       vocab_size=model.vocab_size, mesh=mesh)
+                       vocab_size=model.vocab_size, mesh=mesh, record_routing=config.record_routing)
     n_params = count_params(params)
     fig = engine_figures(model, mesh, config, param_dtype, n_params=n_params)
     width = fig["pages_per_seq"]
