@@ -80,11 +80,13 @@ def code_state(experiment: str, root: pathlib.Path) -> dict:
 
 def mark_start(run_dir: "str | os.PathLike", experiment: str, root: pathlib.Path | None = None) -> dict:
     """Writes ``run_dir/measured.json`` (the code state as the run starts, the load, the time)
-    and returns it; :func:`build_record` prefers it to a state taken later. ``root``: the
+    and returns it; :func:`build_record` prefers it (and its commit) to a state taken later. ``root``: the
     repository (default :data:`jaxflow.provenance.REPO_ROOT`, read at the call)."""
     path = _local(run_dir)
-    state = code_state(experiment, provenance.REPO_ROOT if root is None else root)
-    state |= {"load_start": load_average(), "started": _now()}
+    root = provenance.REPO_ROOT if root is None else root
+    state = code_state(experiment, root)
+    # the commit the run started from: the summary's is read at the end, after others may commit
+    state |= {"commit": provenance.git_commit(root), "load_start": load_average(), "started": _now()}
     path.mkdir(parents=True, exist_ok=True)
     (path / "measured.json").write_text(json.dumps(state, indent=1) + "\n")
     return state
@@ -161,6 +163,7 @@ def build_record(run_dir: "str | os.PathLike", *, root: pathlib.Path = provenanc
     if (run_dir / "measured.json").exists():
         state = _read_json(run_dir / "measured.json", "measured.json")
         measured_at = "run start"
+        commit = state.get("commit") or commit
     else:
         if commit and commit != provenance.git_commit(root):
             stale, why = provenance.stale_calibration(commit, list(paths), root)
