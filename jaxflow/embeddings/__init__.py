@@ -3,9 +3,10 @@ optimizers, host-resident tables, checkpoints. See ``lookup.py`` for the stage l
 the ``bench_embedding`` measurement (this layer vs ``jnp.take`` baselines, the Pallas bag kernel).
 ``step`` is the train step: on a one-device CPU mesh it runs ``fused_step`` (the compiled host
 kernels of ``host_kernel``: pooling straight from the table, dedup + row-gradient accumulation +
-optimizer fused in place, FBGEMM TBE's design), else the ``shard_map`` stages."""
+optimizer fused in place, FBGEMM TBE's design), else the ``shard_map`` stages; ``ffi_abi`` the XLA FFI
+call-frame layout those kernels read, checked against jaxlib's header at load."""
 
-from jaxflow.embeddings import bench, fused_step, host_kernel
+from jaxflow.embeddings import bench, ffi_abi, fused_step, host_kernel
 from jaxflow.embeddings.lookup import (
     CapacityOverflowError,
     GroupContext,
@@ -28,7 +29,7 @@ from jaxflow.embeddings.spec import EmbeddingPlan, IdPolicy, Placement, Pooling,
 from jaxflow.embeddings.step import STEP_BACKENDS, make_train_step, step_backend
 
 __all__ = [
-    "bench", "fused_step", "host_kernel", "STEP_BACKENDS", "step_backend",
+    "bench", "ffi_abi", "fused_step", "host_kernel", "STEP_BACKENDS", "step_backend",
     "adam", "apply_id_policy", "apply_owner_update", "CapacityOverflowError", "check_ids_host",
     "check_stats", "dedup", "EmbeddingPlan", "exchange_grads", "exchange_ids", "exchange_rows",
     "gather_rows", "group_forward", "group_pool", "group_update", "GroupContext", "IdPolicy",

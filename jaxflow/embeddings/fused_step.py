@@ -20,7 +20,8 @@ gathers and scatters.
 Nothing is capacity-sized: ``capacity`` only sets the overflow flag the metrics report (as
 the XLA step does, so ``check_stats`` raises at the same point), and the update applied is
 complete even then. Supported: CPU, one device on the embedding axis, float32 tables, pooled
-("sum" / "mean") tables, SGD or row-wise Adagrad; :func:`fused_unsupported` says why not.
+("sum" / "mean") tables, SGD or row-wise Adagrad, and the host kernels loading
+(``host_kernel.unavailable``: else XLA, with one warning); :func:`fused_unsupported` says why not.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ from pallas_kernels import dispatch
 _KINDS = {"sgd": host_kernel.KIND_SGD, "rowwise_adagrad": host_kernel.KIND_ADAGRAD}
 
 
-def _not_on_cpu(emb: ShardedEmbeddings) -> str | None:
+def _not_on_cpu(mesh) -> str | None:
     """Why the program is not built for CPU: the mesh's devices, or the platform the program is
     being built for (``dispatch.backend_platform``: a TPU / GPU target lowered on a CPU mesh)."""
-    platforms = {d.platform for d in emb.mesh.devices.flat}
+    platforms = {d.platform for d in mesh.devices.flat}
     if platforms != {"cpu"}:
         return f"devices are {sorted(platforms)}, the host kernels run on cpu only"
     building = dispatch.backend_platform()
@@ -52,16 +53,24 @@ def _not_on_cpu(emb: ShardedEmbeddings) -> str | None:
     return None
 
 
-def owner_kernel_unsupported(emb: ShardedEmbeddings) -> str | None:
-    """Why :func:`owner_update_kernel` cannot update ``emb``'s shards, or None when it can."""
-    why = _not_on_cpu(emb)
+def kernel_unsupported(mesh, param_dtype, optimizer) -> str | None:
+    """Why the fused host kernel cannot update rows of ``param_dtype`` with ``optimizer`` (a
+    ``SparseOptimizer``) on ``mesh``'s devices, or None when it can: a CPU program, float32,
+    SGD / row-wise Adagrad, and ``host_kernel.unavailable()`` (the FFI layout and numba's
+    threads, checked once per process) None."""
+    why = _not_on_cpu(mesh)
     if why is not None:
         return why
-    if jnp.dtype(emb.param_dtype) != jnp.float32:
-        return f"param_dtype {jnp.dtype(emb.param_dtype)}, the kernels take float32"
-    if emb.optimizer.name not in _KINDS:
-        return f"optimizer {emb.optimizer.name!r}, the kernels apply {' / '.join(_KINDS)}"
-    return None
+    if jnp.dtype(param_dtype) != jnp.float32:
+        return f"param_dtype {jnp.dtype(param_dtype)}, the kernels take float32"
+    if optimizer.name not in _KINDS:
+        return f"optimizer {optimizer.name!r}, the kernels apply {' / '.join(_KINDS)}"
+    return host_kernel.unavailable()
+
+
+def owner_kernel_unsupported(emb: ShardedEmbeddings) -> str | None:
+    """Why :func:`owner_update_kernel` cannot update ``emb``'s shards, or None when it can."""
+    return kernel_unsupported(emb.mesh, emb.param_dtype, emb.optimizer)
 
 
 def fused_unsupported(emb: ShardedEmbeddings) -> str | None:

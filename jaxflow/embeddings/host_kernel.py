@@ -18,8 +18,14 @@ inside ``jit`` with :func:`jax.ffi.ffi_call`:
 Keys are a group's packed rows (``routing.table_keys``; ``SENTINEL`` = padding). The bags are
 described by ``desc`` int32[T, 5]: per table ``(first key, bag length, first bag, bags, mean)``.
 The sums run in the same order as the XLA step's (bag: ids in order; row gradient: occurrences
-in batch order), so pooling and SGD are bit-identical to it; Adagrad's ``mean(g^2)`` over the
-row may differ in the last bit (XLA vectorises that reduction), see ``tests/test_embedding_host_kernel.py``.
+in batch order), so pooling is bit-identical to it and SGD is the float32 loop bit for bit; XLA
+may contract ``row - lr * g`` into an FMA and vectorises Adagrad's ``mean(g^2)``, so updated rows
+can differ from its in the last bit, see ``tests/test_embedding_host_kernel.py``.
+
+The handlers read the FFI call frame by fixed offsets (``ffi_abi``): :func:`unavailable` checks
+the installed header's layout, numba's threading layer and a probe call once per process, and
+the handlers compare every ``struct_size``, dtype and rank on each call (touching no buffer on a
+mismatch); where anything fails, the embedding steps run in XLA after one warning.
 The ``numba`` kernels compile on first use (cached on disk).
 """
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +43,10 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from jaxflow.embeddings import ffi_abi
+
 __all__ = ["KIND_ADAGRAD", "KIND_SGD", "bag_layout", "fused_update", "pool_from_table",
-           "update_numpy", "pool_numpy"]
+           "update_numpy", "pool_numpy", "unavailable"]
 
 #: optimizer kinds the fused update applies
 KIND_SGD, KIND_ADAGRAD = 0, 1
@@ -230,20 +239,29 @@ _i64p = _pointer_cast(types.int64, ir.IntType(64))
 _i32p = _pointer_cast(types.int32, ir.IntType(32))
 _f32p = _pointer_cast(types.float32, ir.FloatType())
 
-# int64 word offsets: XLA_FFI_CallFrame {struct_size, extension_start, api, ctx, stage,
-# args {struct_size, ext, size, types, args}, rets {...}, ...}; XLA_FFI_Buffer {struct_size,
-# ext, dtype, data, rank, dims}
+# int64 word offsets (``ffi_abi.FIELDS``): XLA_FFI_CallFrame {struct_size, extension_start, api,
+# ctx, stage, args {struct_size, ext, size, types, args}, rets {...}, ...}; XLA_FFI_Buffer
+# {struct_size, ext, dtype, data, rank, dims}
 _FRAME_EXT, _FRAME_STAGE, _FRAME_ARGS, _FRAME_RETS = 1, 4, 9, 14
-_BUF_DATA, _BUF_DIMS = 3, 5
+_BUF_DTYPE, _BUF_DATA, _BUF_RANK, _BUF_DIMS = 2, 3, 4, 5
 _STAGE_EXECUTE, _EXT_METADATA = 3, 1
 _API_VERSION_STRUCT_SIZE, _API_MINOR = 28, 3
+_FRAME_SIZE = ffi_abi.STRUCT_SIZES["XLA_FFI_CallFrame"]
+_LIST_SIZE = ffi_abi.STRUCT_SIZES["XLA_FFI_Args"]  # XLA_FFI_Rets has the same layout
+_BUFFER_SIZE = ffi_abi.STRUCT_SIZES["XLA_FFI_Buffer"]
+_EXT_SIZE = ffi_abi.STRUCT_SIZES["XLA_FFI_Metadata_Extension"]
+_BUFFER_KIND, _F32, _S32 = 1, 11, 4  # XLA_FFI_ArgType / RetType BUFFER, XLA_FFI_DataType codes
+#: (dtype, rank) of every argument and result of the two handlers
+_POOL_ARGS, _POOL_RETS = ((_F32, 2), (_S32, 1), (_S32, 2)), ((_F32, 2),)
+_UPDATE_ARGS = ((_F32, 2), (_F32, 1), (_S32, 1), (_S32, 2), (_F32, 2), (_F32, 1), (_S32, 1))
+_UPDATE_RETS = ((_F32, 2), (_F32, 1), (_S32, 1))
 
 
 @numba.njit(nogil=True)
 def _handle_metadata(ext):
     """Fills XLA_FFI_Metadata (api version 0.3, no traits) when XLA asks for it; 1 if it did."""
     e = numba.carray(_i64p(ext), 4)
-    if (e[1] & 0xFFFFFFFF) != _EXT_METADATA:
+    if e[0] != _EXT_SIZE or (e[1] & 0xFFFFFFFF) != _EXT_METADATA:
         return 0
     m = numba.carray(_i64p(e[3]), 6)
     m[1] = _API_VERSION_STRUCT_SIZE
@@ -252,6 +270,38 @@ def _handle_metadata(ext):
     m[4] = 0  # traits
     m[5] = 0  # state type id: none
     return 1
+
+
+@numba.njit(nogil=True)
+def _buffers_fit(frame, list_at, specs):
+    """Whether the frame's argument (``list_at`` 5) or result (10) list is ``len(specs)``
+    buffers of the ``(dtype, rank)`` in ``specs``, every struct of the size this code reads."""
+    if frame[list_at] != _LIST_SIZE or frame[list_at + 2] != len(specs):
+        return False
+    kinds = numba.carray(_i32p(frame[list_at + 3]), len(specs))
+    ptrs = numba.carray(_i64p(frame[list_at + 4]), len(specs))
+    for i in range(len(specs)):
+        buf = numba.carray(_i64p(ptrs[i]), 6)
+        if kinds[i] != _BUFFER_KIND or buf[0] != _BUFFER_SIZE:
+            return False
+        if (buf[_BUF_DTYPE] & 0xFFFFFFFF) != specs[i][0] or buf[_BUF_RANK] != specs[i][1]:
+            return False
+    return True
+
+
+@numba.njit(nogil=True)
+def _execute_frame(frame_address, arg_specs, ret_specs):
+    """Whether the frame is an execute call whose structs and buffers have the sizes, dtypes and
+    ranks the handler reads (False: metadata answered, another stage, or a layout this code
+    does not know, and then no buffer may be touched)."""
+    frame = numba.carray(_i64p(frame_address), 16)
+    if frame[0] != _FRAME_SIZE:
+        return False
+    if frame[_FRAME_EXT] != 0 and _handle_metadata(frame[_FRAME_EXT]):
+        return False
+    if (frame[_FRAME_STAGE] & 0xFFFFFFFF) != _STAGE_EXECUTE:
+        return False
+    return _buffers_fit(frame, _FRAME_ARGS - 4, arg_specs) and _buffers_fit(frame, _FRAME_RETS - 4, ret_specs)
 
 
 @numba.njit(nogil=True)
@@ -277,11 +327,9 @@ def _1d(frame, which, i, ptr_of):
 
 def _pool_handler(frame_address):
     """XLA FFI handler: :func:`pool_numpy` on the frame's buffers."""
+    if not _execute_frame(frame_address, _POOL_ARGS, _POOL_RETS):
+        return 0
     frame = numba.carray(_i64p(frame_address), 16)
-    if frame[_FRAME_EXT] != 0 and _handle_metadata(frame[_FRAME_EXT]):
-        return 0
-    if (frame[_FRAME_STAGE] & 0xFFFFFFFF) != _STAGE_EXECUTE:
-        return 0
     table = _f32_2d(frame, _FRAME_ARGS, 0)
     keys = _1d(frame, _FRAME_ARGS, 1, _i32p)
     d_data, d_dims = _buffer(frame, _FRAME_ARGS, 2)
@@ -292,11 +340,9 @@ def _pool_handler(frame_address):
 
 def _update_handler(frame_address):
     """XLA FFI handler: :func:`update_numpy` on the frame's buffers."""
+    if not _execute_frame(frame_address, _UPDATE_ARGS, _UPDATE_RETS):
+        return 0
     frame = numba.carray(_i64p(frame_address), 16)
-    if frame[_FRAME_EXT] != 0 and _handle_metadata(frame[_FRAME_EXT]):
-        return 0
-    if (frame[_FRAME_STAGE] & 0xFFFFFFFF) != _STAGE_EXECUTE:
-        return 0
     # results 0 and 1 alias arguments 0 and 1 (the table and accumulator): updated in place
     table = _f32_2d(frame, _FRAME_RETS, 0)
     accum = _1d(frame, _FRAME_RETS, 1, _f32p)
@@ -313,6 +359,16 @@ def _update_handler(frame_address):
 _registered = False
 _handlers: list = []
 _lock = threading.Lock()
+_verdict: list = []  # [why the kernels cannot run, or None], once checked
+_verdict_lock = threading.Lock()
+
+
+def _start_threads() -> None:
+    """Starts numba's threading layer through its public API (``get_num_threads`` launches it):
+    the parallel runtime's symbols (allocate_sched, ...) must be loaded before a cached cfunc
+    that calls a parallel kernel is linked. Raises when no layer started."""
+    numba.get_num_threads()
+    numba.threading_layer()  # ValueError when no threading layer was started
 
 
 def _register() -> None:
@@ -321,9 +377,7 @@ def _register() -> None:
     with _lock:
         if _registered:
             return
-        # the parallel runtime's symbols (allocate_sched, ...) must be loaded before a cached
-        # cfunc that calls a parallel kernel is linked
-        numba.np.ufunc.parallel._launch_threads()
+        _start_threads()
         new = ctypes.pythonapi.PyCapsule_New
         new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
         for name, fn in ((_POOL_TARGET, _pool_handler), (_UPDATE_TARGET, _update_handler)):
@@ -332,6 +386,62 @@ def _register() -> None:
             jax.ffi.register_ffi_target(name, new(handler.address, b"xla._CUSTOM_CALL_TARGET", None),
                                         platform="cpu")
         _registered = True
+
+
+def _probe() -> str | None:
+    """Both ops once through ``jit`` on tiny inputs against the same kernels called on numpy
+    (exact: the same code on the same values); why they differ, or None."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((7, 3)).astype(np.float32)
+    accum = rng.random(7).astype(np.float32)
+    keys = np.array([3, 1, 3, _SENTINEL, 6, 0, 1, 1], np.int32)
+    desc, n_bags = bag_layout([(2, 2, False), (2, 2, True)])
+    grad = rng.standard_normal((n_bags, 3)).astype(np.float32)
+    want_pool = np.zeros((n_bags, 3), np.float32)
+    pool_numpy(table, keys, desc, want_pool)
+    want_table, want_accum, want_stats = table.copy(), accum.copy(), np.zeros(2, np.int32)
+    update_numpy(want_table, want_accum, keys, desc, grad, np.array([0.1, 1e-8], np.float32),
+                 np.array([KIND_ADAGRAD, 8], np.int32), want_stats)
+    cpu = jax.devices("cpu")[0]
+    args = jax.device_put((table, accum, keys, grad), cpu)
+    got_pool = jax.jit(lambda t, k: pool_from_table(t, k, desc, n_bags))(args[0], args[2])
+    got = jax.jit(lambda t, a, k, g: fused_update(t, a, k, desc, g, KIND_ADAGRAD, 0.1, 1e-8, 8))(*args)
+    for what, have, want in (("pooled bags", got_pool, want_pool), ("updated table", got[0], want_table),
+                             ("accumulator", got[1], want_accum), ("stats", got[2], want_stats)):
+        if not np.array_equal(np.asarray(have), want):
+            return f"the FFI probe's {what} differ from the kernel's own (the call frame is not read as laid out)"
+    return None
+
+
+def _check() -> str | None:
+    reason = ffi_abi.check_header()
+    if reason is not None:
+        return reason
+    try:
+        _start_threads()
+    except Exception as e:  # noqa: BLE001 - any failure means: no threads, run in XLA
+        return f"numba's threading layer did not start ({type(e).__name__}: {e})"
+    try:
+        _register()
+        return _probe()
+    except Exception as e:  # noqa: BLE001 - a handler that cannot be built or called: run in XLA
+        return f"the FFI handlers failed to build or run ({type(e).__name__}: {e})"
+
+
+def unavailable() -> str | None:
+    """Why the host kernels cannot run in this process, or None when they can. Checked once
+    (then cached): the installed XLA FFI header declares the call-frame layout the handlers
+    read (``ffi_abi.check_header``), numba's threading layer starts, and both ops called
+    through ``jit`` on a tiny probe return exactly what the kernels return on numpy. The
+    first failure warns once (RuntimeWarning); the embedding steps then run in XLA."""
+    with _verdict_lock:
+        if not _verdict:
+            reason = _check()
+            if reason is not None:
+                warnings.warn(f"embedding host kernels disabled, the embedding steps run in XLA: {reason}",
+                              RuntimeWarning, stacklevel=2)
+            _verdict.append(reason)
+        return _verdict[0]
 
 
 # ---- the JAX ops ------------------------------------------------------------------------------
