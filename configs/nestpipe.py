@@ -49,6 +49,8 @@ from jaxflow.config_domains import COUNT, COUNT0, POSITIVE, SEED, domains
 DESCRIPTION = "NestPipe dual-buffer / frozen-window pipelines vs sync over host-resident tables"
 ENTRY = "jaxflow.main.nestpipe:main"
 HEADLINES = "jaxflow.study.headlines_systems:nestpipe"
+#: the owner update's implementations (jaxflow.nestpipe.sharded.UPDATE_BACKENDS)
+UPDATE_BACKENDS = ("auto", "xla", "host_kernel")
 PIPELINE_NAMES = ("sync", "sparse_dist", "dbp", "fwp", "dbp+fwp", "sync_accum", "semi_sync")
 #: the paper's frozen window's All2All schedules (sharded.FROZEN_EXCHANGES less ``window``,
 #: which is the sync_accum pipeline)
@@ -103,6 +105,10 @@ class Config:
     # bag pooling in the compute programs: "auto" = the Pallas embedding-bag kernel on GPU /
     # TPU where it builds, XLA on a CPU (the same values as "xla" there)
     pooling_backend: str = "auto"
+    # the owner buffers' sparse update: "auto" = the fused host kernel (numba via XLA FFI, in
+    # place) on a CPU program, XLA on GPU / TPU; "xla" always XLA; "host_kernel" the kernel or
+    # an error saying why not (nestpipe.sharded.UPDATE_BACKENDS)
+    update_backend: str = "auto"
 
     def __post_init__(self):
         bad = [p for p in self.pipelines if p not in PIPELINE_NAMES]
@@ -120,6 +126,8 @@ class Config:
         if self.pooling_backend not in POOLING_BACKENDS:
             raise ValueError(f"pooling_backend={self.pooling_backend!r}; valid: "
                              f"{', '.join(POOLING_BACKENDS)}")
+        if self.update_backend not in UPDATE_BACKENDS:
+            raise ValueError(f"update_backend={self.update_backend!r}; valid: {', '.join(UPDATE_BACKENDS)}")
         if self.cluster_method not in ("vote", "greedy"):
             raise ValueError(f"cluster_method={self.cluster_method!r}; valid: vote, greedy")
         if self.devices is not None and (self.devices < 1 or

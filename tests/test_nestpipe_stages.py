@@ -1,7 +1,10 @@
 """NestPipe's device stages one at a time (``jaxflow.nestpipe.device_stages``), on 8 devices:
 route == the owners' distinct local rows, exchange == a gather of the host tables, forward ==
 a dense reference, the accumulation of N micro-batch gradients == the gradient of the whole
-batch, and the update == per-slot sums + row-wise Adagrad + Adam written out by hand."""
+batch, and the update == per-slot sums + row-wise Adagrad + Adam written out by hand, by both
+owner-update backends (the fused host kernel == XLA within f32 rounding: XLA contracts SGD's
+row update into an FMA and vectorises Adagrad's ``mean(g^2)``; the kernel's SGD == the float32
+loop bit for bit)."""
 
 import dataclasses
 
@@ -24,7 +27,7 @@ from jaxflow.nestpipe.device_stages import (
     sample_loss_sum,
     window_grads,
 )
-from jaxflow.nestpipe.sharded import MeshStages, OwnerBuffer
+from jaxflow.nestpipe.sharded import UPDATE_BACKENDS, MeshStages, OwnerBuffer, owner_update_backend
 from jaxflow.train.state import TrainState
 
 SPECS = [TableSpec("a", 40, 4, "row_wise", "sum"), TableSpec("b", 21, 4, "row_wise", "sum")]
@@ -42,10 +45,11 @@ def mesh():
     return Mesh(np.array(jax.devices()[:8]), (AXIS,))
 
 
-def stages_for(mesh, micro_batches=1, frozen_exchange="per_micro_batch"):
-    return MeshStages(SPECS, mesh, make_sparse_optimizer("rowwise_adagrad", LR), apply,
+def stages_for(mesh, micro_batches=1, frozen_exchange="per_micro_batch", update_backend="auto",
+               optimizer="rowwise_adagrad"):
+    return MeshStages(SPECS, mesh, make_sparse_optimizer(optimizer, LR), apply,
                       batch_size=B, multi_hot=BAG, micro_batches=micro_batches,
-                      frozen_exchange=frozen_exchange)
+                      frozen_exchange=frozen_exchange, update_backend=update_backend)
 
 
 def batch(seed=0):
@@ -155,31 +159,45 @@ def test_accumulate_grads_sums_in_micro_batch_order():
     assert float(accumulate_grads(trees[:1])[0]) == 1.0
 
 
-def test_update_equals_a_reference_update(mesh):
-    """Row gradients summed per owner slot, row-wise Adagrad at step 1 on the owner buffer,
-    Adam on the sum of the devices' dense gradients; the loss summed over devices."""
-    st = stages_for(mesh)
-    lay, co, d, cb = st.layout, st.owner_capacity, st.dim, st.bucket_capacity
-    rng = np.random.default_rng(7)
+def update_inputs(st, seed=7):
+    """(rows [P*Co, D], accum [P*Co], owner inverse int32[P, P*Cb] (-1 = none), received
+    gradients [P*P, Cb, D], dense gradients {name: [P, ...]}, losses [P]) for ``st``."""
+    co, d, cb = st.owner_capacity, st.dim, st.bucket_capacity
+    rng = np.random.default_rng(seed)
     rows = rng.standard_normal((8 * co, d)).astype(np.float32)
     accum = rng.random(8 * co).astype(np.float32)
     inverse = rng.integers(-1, co, (8, 8 * cb)).astype(np.int32)
     recv = rng.standard_normal((64, cb, d)).astype(np.float32)  # [P x P, Cb, D]
     g_params = {k: rng.standard_normal((8,) + v.shape).astype(np.float32) for k, v in params().items()}
-    losses = rng.random(8).astype(np.float32)
+    return rows, accum, inverse, recv, g_params, rng.random(8).astype(np.float32)
+
+
+def run_update(mesh, st, rows, opt, inverse, recv, g_params, losses):
+    """``apply_update`` on every device of ``st``'s mesh from a fresh Adam state."""
     tx = optax.adam(1e-2)
     replicated = NamedSharding(mesh, P())
     state = TrainState.create(tx, params(), jax.tree.map(lambda _: replicated, params()))
 
-    def local(state, rows, accum, inverse, g_params, recv, loss):
-        return apply_update(lay, st.optimizer, state, rows, {"accum": accum}, inverse[0],
+    def local(state, rows, opt, inverse, g_params, recv, loss):
+        return apply_update(st.layout, st.optimizer, state, rows, opt, inverse[0],
                             first(g_params), recv, loss[0])
 
     sh = P(AXIS)
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), sh, sh, sh, sh, sh, sh),
                                out_specs=(P(), sh, sh, P()), check_vma=False))
-    new_state, new_rows, new_opt, loss = fn(state, *st.shard((rows, accum, inverse, g_params, recv,
-                                                              losses)))
+    return tx, fn(state, *st.shard((rows, opt, inverse, g_params, recv, losses)))
+
+
+@pytest.mark.parametrize("update_backend", ["xla", "host_kernel"])
+def test_update_equals_a_reference_update(mesh, update_backend):
+    """Row gradients summed per owner slot, row-wise Adagrad at step 1 on the owner buffer,
+    Adam on the sum of the devices' dense gradients; the loss summed over devices."""
+    st = stages_for(mesh, update_backend=update_backend)
+    assert st.update_backend == update_backend and st.layout.update_kernel == (update_backend == "host_kernel")
+    co, d = st.owner_capacity, st.dim
+    rows, accum, inverse, recv, g_params, losses = update_inputs(st)
+    tx, (new_state, new_rows, new_opt, loss) = run_update(mesh, st, rows, {"accum": accum}, inverse,
+                                                          recv, g_params, losses)
     # sparse: per device, per slot sums of the received gradients, then row-wise Adagrad
     want_rows, want_acc = rows.copy(), accum.copy()
     for q in range(8):
@@ -200,3 +218,59 @@ def test_update_equals_a_reference_update(mesh):
                                    rtol=TOL, atol=1e-7)
     assert int(new_state.step) == 1 and new_state.tx is tx
     np.testing.assert_allclose(float(loss), losses.astype(np.float64).sum(), rtol=TOL)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_host_kernel_update_equals_the_xla_update(mesh, optimizer):
+    """The fused host kernel against XLA on the same inputs, within f32 rounding (XLA contracts
+    SGD's ``row - lr * g`` into an FMA and vectorises Adagrad's ``mean(g^2)``); SGD against the
+    float32 loop (per-slot sums in request order, then the row update) bit for bit; slots no
+    request names keep their values exactly."""
+    xla, kernel = (stages_for(mesh, update_backend=b, optimizer=optimizer) for b in ("xla", "host_kernel"))
+    rows, accum, inverse, recv, g_params, losses = update_inputs(xla, seed=11)
+    inverse[inverse == xla.owner_capacity - 1] = -1  # every owner's last slot: asked by nobody
+    opt = {"accum": accum} if optimizer == "rowwise_adagrad" else {}
+    _, want = run_update(mesh, xla, rows, opt, inverse, recv, g_params, losses)
+    _, got = run_update(mesh, kernel, rows, opt, inverse, recv, g_params, losses)
+    jax.tree.map(np.testing.assert_array_equal, got[0].params, want[0].params)  # dense: unchanged path
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=TOL, atol=1e-7)
+    if optimizer == "rowwise_adagrad":
+        np.testing.assert_allclose(np.asarray(got[2]["accum"]), np.asarray(want[2]["accum"]), rtol=TOL)
+    co, d = xla.owner_capacity, xla.dim
+    if optimizer == "sgd":  # the kernel is the float32 loop bit for bit (XLA fuses row - lr * g
+        seq = rows.copy()   # into one FMA: 1 ulp away from it on some rows)
+        for q in range(8):
+            g = np.zeros((co, d), np.float32)
+            for i, slot in enumerate(inverse[q]):
+                if slot >= 0:
+                    g[slot] += recv[q * 8:(q + 1) * 8].reshape(-1, d)[i]
+            seq[q * co:(q + 1) * co] -= np.float32(LR) * g
+        np.testing.assert_array_equal(np.asarray(got[1]), seq)
+    idle = np.ones((8, co), bool)
+    for q in range(8):
+        idle[q, inverse[q][inverse[q] >= 0]] = False
+    assert idle[:, -1].all()  # slots nobody asked for come back untouched
+    np.testing.assert_array_equal(np.asarray(got[1])[idle.reshape(-1)], rows[idle.reshape(-1)])
+    assert not np.array_equal(np.asarray(got[1]), rows)
+
+
+def test_update_backend_choice_and_errors(mesh):
+    assert UPDATE_BACKENDS == ("auto", "xla", "host_kernel")
+    adagrad, adam = make_sparse_optimizer("rowwise_adagrad", LR), make_sparse_optimizer("adam", LR)
+    assert owner_update_backend(mesh, adagrad) == "host_kernel"  # a CPU mesh of 8 devices
+    assert owner_update_backend(mesh, adam) == "xla"  # auto: the kernel applies SGD / Adagrad only
+    assert owner_update_backend(mesh, adagrad, "xla") == "xla"
+    with pytest.raises(ValueError, match=r"^update_backend='pallas'; valid: auto, xla, host_kernel$"):
+        stages_for(mesh, update_backend="pallas")
+    with pytest.raises(ValueError, match=r"^update_backend='host_kernel' unavailable: optimizer 'adam'.*"
+                                         r"valid: 'xla' or 'auto'$"):
+        owner_update_backend(mesh, adam, "host_kernel")
+
+
+def test_nestpipe_config_validates_update_backend():
+    from configs import nestpipe
+
+    assert nestpipe.UPDATE_BACKENDS == UPDATE_BACKENDS
+    assert nestpipe.get_config("quick").update_backend == "auto"
+    with pytest.raises(ValueError, match=r"^update_backend='gpu'; valid: auto, xla, host_kernel$"):
+        dataclasses.replace(nestpipe.get_config("quick"), update_backend="gpu")

@@ -15,8 +15,9 @@ dim, b this device's samples, B the global batch, L ids per bag.
   window        :func:`window_grads`      N micro-batches against one set of unique rows
                 :func:`frozen_window_grads`  N micro-batches, each routed alone, their row
                                           All2Alls interleaved with compute (FWP)
-  update        :func:`apply_update`      row gradients summed per owner slot, sparse optimizer,
-                                          dense ``TrainState.apply_gradients`` on the AllReduce
+  update        :func:`apply_update`      row gradients summed per owner slot, sparse optimizer
+                                          (on CPU: the fused host kernel, in place), dense
+                                          ``TrainState.apply_gradients`` on the AllReduce
   patch         :func:`patch_local`       the dual buffer's intersection copy
 
 :func:`compute_local` and :func:`frozen_local` are the two compute programs (one routed unit /
@@ -34,6 +35,7 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
+from jaxflow.embeddings.fused_step import owner_update_kernel
 from jaxflow.embeddings.lookup import (
     GroupContext,
     exchange_grads,
@@ -48,6 +50,7 @@ from jaxflow.embeddings.optimizers import SparseOptimizer
 from jaxflow.embeddings.routing import SENTINEL, Routing, dedup, route_ids
 from jaxflow.embeddings.spec import EmbeddingPlan
 from jaxflow.train.state import TrainState
+from pallas_kernels import dispatch
 
 AXIS = "data"
 #: apply(dense params, dense features f32[b, F], embeddings f32[b, T, D]) -> logits f32[b]
@@ -74,6 +77,10 @@ class MeshLayout:
     # the cross-device sums (dense gradients, loss) as all-gather + a left-to-right sum in
     # device order instead of psum (``all_reduce_sum``; MeshStages sets it on the CPU)
     ordered_sums: bool = False
+    # the owner update (row gradients summed per slot + sparse optimizer) by the fused host
+    # kernel (``embeddings.fused_step.owner_update_kernel``) when the program is built for CPU
+    # (``MeshStages`` sets it from its ``update_backend``)
+    update_kernel: bool = False
 
 
 def split_micro_batches(x: jax.Array, n: int) -> jax.Array:
@@ -274,14 +281,22 @@ def apply_update(lay: MeshLayout, optimizer: SparseOptimizer, dense_state: Train
                  recv_grads: jax.Array, loss: jax.Array):
     """The update: row gradients summed per owner slot (:func:`owner_slot_grads`), the sparse
     optimizer on the owner buffer [Co, D] (and ``owner_opt`` {name: [Co, ...]}) at step
-    ``dense_state.step + 1``; the dense gradient AllReduced (:func:`all_reduce_sum`) and
+    ``dense_state.step + 1`` (with ``lay.update_kernel`` on a CPU program: both by the fused
+    host kernel, in place); the dense gradient AllReduced (:func:`all_reduce_sum`) and
     applied by ``dense_state.apply_gradients`` (the same on every device).
 
     Returns ``(dense_state, owner_rows, owner_opt, loss summed over the axis)``.
     """
     step = dense_state.step + 1
-    g_rows = owner_slot_grads(lay, owner_inverse, recv_grads)
-    new_rows, new_opt = optimizer.apply(owner_rows, g_rows, owner_opt, step)
+    if lay.update_kernel and dispatch.backend_platform() == "cpu":
+        # every slot's gradients summed in request order, then the row update, in place (within
+        # f32 rounding of XLA's: it contracts the update into FMAs); slots no request names are
+        # not touched (XLA's update adds a zero gradient to them)
+        new_rows, new_opt = owner_update_kernel(optimizer, owner_rows, owner_opt, owner_inverse,
+                                                recv_grads, step)
+    else:
+        g_rows = owner_slot_grads(lay, owner_inverse, recv_grads)
+        new_rows, new_opt = optimizer.apply(owner_rows, g_rows, owner_opt, step)
     g_params, loss = all_reduce_sum(lay, (g_params, loss))
     dense_state = dense_state.apply_gradients(g_params)
     return dense_state, new_rows, new_opt, loss

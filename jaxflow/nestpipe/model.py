@@ -4,7 +4,7 @@ each pipeline runs.
 
 Every function takes the experiment's config (``configs/nestpipe.py``'s ``Config``: ``seed``,
 ``vocab_sizes``, ``embed_dim``, ``multi_hot``, ``batch_size``, ``micro_batches``, the capacities,
-``frozen_exchange``, ``pooling_backend``, ...). :class:`jaxflow.nestpipe.system.NestPipeSystem`
+``frozen_exchange``, ``pooling_backend``, ``update_backend``, ...). :class:`jaxflow.nestpipe.system.NestPipeSystem`
 builds its state and programs from them.
 """
 
@@ -132,4 +132,5 @@ def make_stages(config, specs: list[TableSpec], mesh: Mesh, optimizer: SparseOpt
                       bucket_capacity=(caps["micro_bucket_capacity"] if per_micro_batch
                                        else caps["bucket_capacity"]),
                       owner_capacity=caps["owner_capacity"], frozen_exchange=exchange,
-                      pooling_backend=config.pooling_backend)
+                      pooling_backend=config.pooling_backend,
+                      update_backend=getattr(config, "update_backend", "auto"))

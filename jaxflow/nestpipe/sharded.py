@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxflow.embeddings.fused_step import kernel_unsupported
 from jaxflow.embeddings.lookup import check_stats
 from jaxflow.embeddings.optimizers import SparseOptimizer
 from jaxflow.embeddings.routing import Routing
@@ -59,8 +60,8 @@ from jaxflow.nestpipe.device_stages import (
 )
 from jaxflow.train.state import TrainState
 
-__all__ = ["AXIS", "FROZEN_EXCHANGES", "MeshStages", "OwnerBuffer", "Routed",
-           "check_frozen_exchange"]
+__all__ = ["AXIS", "FROZEN_EXCHANGES", "MeshStages", "OwnerBuffer", "Routed", "UPDATE_BACKENDS",
+           "check_frozen_exchange", "owner_update_backend"]
 
 #: the frozen window's All2All schedule: ``per_micro_batch`` (the paper's frozen-window
 #: pipelining: every micro-batch routed and deduped alone, micro-batch i+1's rows issued before
@@ -80,6 +81,30 @@ def check_frozen_exchange(frozen_exchange: str) -> str:
         raise ValueError(f"frozen_exchange={frozen_exchange!r}; valid: "
                          f"{', '.join(FROZEN_EXCHANGES)}")
     return frozen_exchange
+
+
+#: the owner update's implementations (``MeshStages(update_backend=...)``): ``auto`` the fused
+#: host kernel where :func:`owner_update_backend` finds it runs (a CPU program; SGD / row-wise
+#: Adagrad), else XLA; ``xla`` always the XLA update (the accelerator path, and the reference);
+#: ``host_kernel`` the kernel or a ValueError saying why not
+UPDATE_BACKENDS = ("auto", "xla", "host_kernel")
+
+
+def owner_update_backend(mesh: Mesh, optimizer: SparseOptimizer, backend: str = "auto") -> str:
+    """The owner update ``MeshStages(update_backend=backend)`` builds: "host_kernel" (the
+    fused host kernel, ``embeddings.fused_step.owner_update_kernel``: each owner's received row
+    gradients summed per buffer slot and SGD / row-wise Adagrad applied in place) or "xla".
+    ValueError (one line) for an unknown backend, or "host_kernel" where it cannot run."""
+    if backend not in UPDATE_BACKENDS:
+        raise ValueError(f"update_backend={backend!r}; valid: {', '.join(UPDATE_BACKENDS)}")
+    if backend == "xla":
+        return "xla"
+    reason = kernel_unsupported(mesh, "float32", optimizer)  # owner buffers are float32
+    if reason is None:
+        return "host_kernel"
+    if backend == "host_kernel":
+        raise ValueError(f"update_backend='host_kernel' unavailable: {reason}; valid: 'xla' or 'auto'")
+    return "xla"
 
 
 class Routed(NamedTuple):
@@ -115,6 +140,9 @@ class MeshStages:
     ``layout`` (a ``device_stages.MeshLayout``) holds the sizes every stage program reads.
     ``pooling_backend``: the bag pooling of the compute programs (an
     ``embeddings.pooling.PoolingBackend`` value; "auto" = the Pallas kernel on GPU / TPU).
+    ``update_backend``: the owner update (``UPDATE_BACKENDS``; :attr:`update_backend` is
+    the one built: "host_kernel" or "xla"; with "host_kernel" a program traced for GPU / TPU
+    still updates in XLA).
     ``multiprocess``: None = whether the mesh spans several processes; True in one process
     runs the multi-process path there (per-shard placement, replicated routing outputs, the
     launch order, ordered sums on CPU): the same values, for tests.
@@ -125,11 +153,12 @@ class MeshStages:
                  multi_hot: int, micro_batches: int = 1, capacity: int = 0,
                  bucket_capacity: int = 0, owner_capacity: int = 0,
                  frozen_exchange: str = "per_micro_batch", pooling_backend: str = "xla",
-                 multiprocess: bool | None = None):
+                 update_backend: str = "auto", multiprocess: bool | None = None):
         self.frozen_exchange = frozen_exchange = check_frozen_exchange(frozen_exchange)
         if tuple(mesh.axis_names) != (AXIS,):
             raise ValueError(f"mesh axes {mesh.axis_names}; NestPipe wants one axis {AXIS!r}")
         self.mesh, self.specs, self.optimizer = mesh, list(specs), optimizer
+        self.update_backend = owner_update_backend(mesh, optimizer, update_backend)
         self.num_shards = p = mesh.shape[AXIS]
         self.plan: EmbeddingPlan = plan_tables(specs, p, AXIS)
         if len(self.plan.groups) != 1 or self.plan.groups[0].replicated:
@@ -164,7 +193,8 @@ class MeshStages:
                                  p, micro_batches, self.route_units, self.capacity,
                                  self.bucket_capacity, self.owner_capacity, self.dim, batch_size,
                                  pooling_backend=pooling_backend,
-                                 ordered_sums=self._on_cpu(mesh))
+                                 ordered_sums=self._on_cpu(mesh),
+                                 update_kernel=self.update_backend == "host_kernel")
         self._build(apply)
 
     @staticmethod

@@ -221,7 +221,8 @@ class NestPipeSystem:
                     f"data={st.num_shards} ({sum(s.vocab_size for s in specs):,} rows), owner "
                     f"buffers of {st.owner_capacity} rows split over data; batch {b} split over "
                     f"data ({key[0]} micro-batch(es), {key[1]}); capacity {st.capacity}, per "
-                    f"owner {st.bucket_capacity}; DLRM replicated; pooling {config.pooling_backend}")
+                    f"owner {st.bucket_capacity}; DLRM replicated; pooling {config.pooling_backend}; "
+                    f"owner update {st.update_backend}")
             for stage, (fn, args) in calls.items():
                 train = stage in ("compute", "frozen")
                 out.append(Program(f"N{key[0]}-{key[1]}/{stage}", fn, args, mesh,
