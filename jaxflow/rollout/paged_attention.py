@@ -72,7 +72,8 @@ from jaxflow.models.attention import dot_product_attention
 from jaxflow.models.attention_backends import HEAD_AXIS
 from pallas_kernels import dispatch
 
-__all__ = ["PAGED_BACKENDS", "RAGGED_BACKENDS", "choose_paged_backend", "combine_kv_pages",
+__all__ = ["PAGED_BACKENDS", "RAGGED_BACKENDS", "choose_paged_backend", "choose_ragged_backend",
+           "combine_kv_pages",
            "gather_pages", "gpu_paged_attention", "padded_head_dim", "paged_attention",
            "ragged_paged_attention",
            "resolve_paged_backend", "split_kv_pages", "tpu_paged_attention",
@@ -464,10 +465,22 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     if interpret and backend == "tpu":
         return _on_mesh(functools.partial(tpu_ragged_paged_attention, interpret=True),
                         RAGGED_HEAD_DIMS, 1, combined=True)(*args)
+    if choose_ragged_backend(*args, backend=backend) == "xla":
+        return xla_ragged_paged_attention(*args)
+    return _on_mesh(tpu_ragged_paged_attention, RAGGED_HEAD_DIMS, 1, combined=True)(*args)
+
+
+def choose_ragged_backend(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
+                          backend: str = "auto") -> str:
+    """The backend ``ragged_paged_attention`` runs for these arguments (arrays or
+    ShapeDtypeStructs) here: "tpu" where the kernel builds (named: ``KernelUnavailable`` where
+    not; auto: one warning), else "xla"."""
+    _check_ragged(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    args = (q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
     platform = _platform_name(dispatch.backend_platform())
     resolved = resolve_paged_backend(backend, platform, valid=RAGGED_BACKENDS)
     if resolved == "xla":
-        return xla_ragged_paged_attention(*args)
+        return "xla"
     shapes = tuple(jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in args)
     table_bytes = 4 * math.prod(page_table.shape)
     too_big = (f"its page table ({table_bytes} bytes) is prefetched into SMEM, at most "
@@ -480,4 +493,4 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
                                  "auto" if resolved == "auto" else "pallas", kernel, shapes,
                                  options=options,
                                  blocked=too_big or dispatch.auto_partition_problem(platform))
-    return kernel(*args) if use else xla_ragged_paged_attention(*args)
+    return "tpu" if use else "xla"
