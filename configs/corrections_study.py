@@ -21,8 +21,9 @@ lr 1e-4, SIS top-8), every cell a fresh run from the warm start with paired seed
 
 The report ranks the corrections per regime and algorithm by their paired final-pass@1 effect
 against none (95% t-interval), beside each correction's policy-loss step overhead: alternated
-(none, correction) pairs of the loss step on ``bench_policy_loss``'s quick synthetic rollout
-(``overhead``), run once per run directory and kept in ``overheads.json``; SIS's figure from
+(none, correction) pairs (``study.overhead_pairs``) of the loss step on ``bench_policy_loss``'s
+quick synthetic rollout, run once per run directory after the cells (the cells get a loaded
+machine's CPU first) and kept in ``overheads.json``; SIS's figure from
 the latest ``bench_policy_loss`` record in ``experiments/results`` too, when there is one.
 
     python -m jaxflow.run --exp=corrections_study --variant=quick     # ~2 min on 2 CPU cores

@@ -4,9 +4,10 @@ See ``configs/corrections_study.py``. Cells (:func:`jaxflow.rl.corrections_study
 run through :func:`jaxflow.rl.offpolicy_cells.run_cell` and resume as ``sis_regime``'s do
 (finished cells in ``cells.jsonl``, the running one from its checkpoint; ``reuse`` adds other
 run directories' cells). The MoE cells run the MoE warm start (``moe_pretrain``), loaded when
-the first one runs. Each correction's loss-step overhead is measured once per run directory
-(:func:`jaxflow.rl.correction_overhead.cached_overheads`). Outputs: ``results.md`` (ranking per
-regime, the regimes against lag 1, R3 with the router disagreement), ``summary.json``.
+the first one runs. Each correction's loss-step overhead is measured once per run directory,
+after the cells (:func:`jaxflow.rl.correction_overhead.cached_overheads`; ``report_only`` too).
+Outputs: ``results.md`` (ranking per regime, the regimes against lag 1, R3 with the router
+disagreement), ``summary.json``.
 """
 
 from __future__ import annotations
@@ -75,9 +76,6 @@ def main(config, run: RunContext) -> dict:
     run.info(f"{len(cells)} cells, {len(cells) - len(todo)} done ({len(reused)} reused), {len(todo)} to run")
     run.set_total_steps(len(cells) * config.train.rollouts, "corrections_study")
 
-    bench = dataclasses.replace(bench_config("quick"), algo=study.algos[0])
-    overheads = {} if config.report_only else cached_overheads(run, lambda: loss_step_overheads(
-        bench, study.corrections, key=jax.random.key(config.seed), pairs=study.overhead_pairs, log=run.info))
     policy, loaded = _policies(config, meshes, run)
 
     def run_one(cell, index):
@@ -87,6 +85,10 @@ def main(config, run: RunContext) -> dict:
     result = run_cells(cells, run_one, run=run, done=done, indices=itertools.count(len(done)),
                        report_only=config.report_only, describe=_describe)
     records = list({r["label"]: r for r in result.records}.values())
+    # after the cells: on a loaded machine the cells get the CPU first (measured once per run directory)
+    bench = dataclasses.replace(bench_config("quick"), algo=study.algos[0])
+    overheads = cached_overheads(run, lambda: loss_step_overheads(
+        bench, study.corrections, key=jax.random.key(config.seed), pairs=study.overhead_pairs, log=run.info))
     ranking = rank_corrections(records, overheads)
     controls = lag1_controls(records)
     r3 = r3_rows(records)
