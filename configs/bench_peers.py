@@ -24,8 +24,11 @@ capped at ``gen_max_new``), forced identically in both arms (EOS at the given to
 ``generation_grpo``: GRPO groups, ``gen_sequences / gen_group_size`` prompts each sampled G times
 at temperature 1, every sequence ``gen_max_new`` tokens: the engine prefills a prompt once for its
 G slots; tunix's ``Sampler`` gets each prompt repeated G times, as its GRPO learner does.
-Not yet here: a GRPO iteration vs tunix's learner,
-a GRPO step vs TRL (their venvs are created; their arms are not written).
+``grpo_iteration``: one GRPO iteration on that work (rollout at temperature 1, rewards: the
+fraction of even token ids, group advantages, one AdamW update with ``grpo_learning_rate``, no
+KL, no separate old-policy pass): jaxflow's ``GRPOTrainer`` vs tunix's ``GRPOLearner``
+(``tunix_grpo``), the same checkpoint (logits checked to 1e-5), prompts, G, lengths and optimizer.
+Not yet here: a GRPO step vs TRL (its venv is created; its arm is not written).
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ import dataclasses
 from jaxflow.config import Variants
 from jaxflow.config_domains import COUNT, COUNT0, POSITIVE, SEED, domains
 
-DESCRIPTION = ("jaxflow vs its peers (TorchRec embeddings, tunix generation) on the same work, alternated rounds, "
-               "wall / CPU ratios")
+DESCRIPTION = ("jaxflow vs its peers (TorchRec embeddings, tunix generation and GRPO) on the same work, "
+               "alternated rounds, wall / CPU ratios")
 ENTRY = "jaxflow.main.bench_peers:main"
 HEADLINES = "jaxflow.study.headlines_bench:driver_headlines"  # the driver's own (jaxflow.bench.peers.cases.headlines)
 
-CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal", "generation_long_tail", "generation_grpo")
+CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal", "generation_long_tail", "generation_grpo",
+         "grpo_iteration")
 TORCHREC_VARIANTS = ("fused", "unfused")
 
 
@@ -58,7 +62,7 @@ class PeersConfig:
          emb_learning_rate=POSITIVE, gen_vocab=COUNT, gen_d_model=COUNT, gen_layers=COUNT, gen_heads=COUNT,
          gen_kv_heads=COUNT, gen_d_ff=COUNT, gen_sequences=COUNT, gen_prompt_len=COUNT, gen_max_new=COUNT,
          gen_page_size=COUNT, gen_group_size=COUNT, gen_decode_steps=COUNT, gen_prefill_rows=COUNT0,
-         gen_loop_steps=COUNT0)
+         gen_loop_steps=COUNT0, grpo_learning_rate=POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
@@ -89,6 +93,7 @@ class Config:
     gen_decode_steps: int = 1  # the engine's EngineConfig.decode_steps (decode steps per host round trip)
     gen_prefill_rows: int = 0  # its prefill_rows; 0 = every prompt in one prefill call
     gen_loop_steps: int = 0  # its loop_steps (the multi-step decode loop) where the engine has it; 0 = not passed
+    grpo_learning_rate: float = 1e-4  # grpo_iteration's constant AdamW learning rate (every arm)
     peers: PeersConfig = PeersConfig()
 
     def __post_init__(self):
@@ -102,7 +107,7 @@ class Config:
         if self.gen_d_model % self.gen_heads or self.gen_heads % self.gen_kv_heads:
             raise ValueError(f"gen_d_model={self.gen_d_model}, gen_heads={self.gen_heads}, gen_kv_heads="
                              f"{self.gen_kv_heads}; valid: heads divide d_model and kv_heads divide heads")
-        if "generation_grpo" in self.cases and self.gen_sequences % self.gen_group_size:
+        if {"generation_grpo", "grpo_iteration"} & set(self.cases) and self.gen_sequences % self.gen_group_size:
             raise ValueError(f"gen_group_size={self.gen_group_size} with gen_sequences={self.gen_sequences}; valid: "
                              "a group size dividing gen_sequences")
         if "generation_long_tail" in self.cases and self.gen_vocab <= self.gen_max_new + 1:

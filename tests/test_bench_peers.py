@@ -199,3 +199,36 @@ def test_grpo_group_case_has_distinct_prompts_sampled_g_times(tmp_path):
                                   sequences=4, prompt_len=4, max_new=5, page_size=4, warmup=1, long_tail=True,
                                   group_size=2)
 
+
+
+def test_grpo_iteration_case_gives_both_arms_the_same_work(tmp_path):
+    from configs.bench_peers import Config, PeersConfig
+    from jaxflow.bench.peers import jaxflow_arm
+
+    config = Config(cases=("grpo_iteration",), gen_vocab=40, gen_d_model=8, gen_layers=1, gen_heads=2,
+                    gen_kv_heads=1, gen_d_ff=16, gen_sequences=6, gen_group_size=3, gen_max_new=5,
+                    grpo_learning_rate=0.25, peers=PeersConfig(tunix_python=str(tmp_path / "absent")))
+    specs, skipped = cases.build_cases(config, str(tmp_path), {"tunix": config.peers.tunix_python})
+    assert [s.name for s in specs["grpo_iteration"]] == ["jaxflow"]
+    assert "no interpreter at" in skipped["grpo_iteration"]["tunix_grpo"]  # listed, not raised
+    specs, skipped = cases.build_cases(config, str(tmp_path), {"tunix": sys.executable})
+    ours, peer = specs["grpo_iteration"]
+    assert peer.name == "tunix_grpo" and peer.command[1].endswith("tunix_arm.py") and skipped["grpo_iteration"] == {}
+    shared = {k: v for k, v in ours.case.items() if k != "logits_out"}
+    assert shared == {k: v for k, v in peer.case.items() if k != "logits_out"}  # the same work, file for file
+    assert ours.case["kind"] == "grpo" and ours.case["group_size"] == 3
+    assert ours.case["optimizer"] == dict(cases.GRPO_OPTIMIZER, lr=0.25)
+    # the arms' prompts as the trainer's task sees them, and the reward every arm computes
+    prompts = [" ".join(str(int(x)) for x in row) for row in workloads.read_array(ours.case["arrays"]["prompts"])]
+    task = jaxflow_arm.PromptsTask(prompts, 5)
+    assert task.prompts(None, 4) == prompts + prompts[:2] and task.max_prompt_tokens == 16
+    assert task.score("p", "2 3 4 7") == jaxflow_arm.even_token_reward("2 3 4 7") == 0.5
+    tok = jaxflow_arm.IdTokenizer(40, 40)
+    assert tok.decode(tok.encode("5 0 39")) == "5 0 39" and tok.eos_ids == (40,) and tok.bos_id is None
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tunix_arm", peer.command[1])  # the peer's script, no tunix import
+    tunix_arm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tunix_arm)
+    for text in ("2 3 4 7", "1 3", "0 8 38 12 5"):  # the peer's reward is jaxflow's
+        assert tunix_arm.even_token_reward(text) == jaxflow_arm.even_token_reward(text)

@@ -10,7 +10,8 @@ Modules:
   cases         which arms run which case with which interpreter; a case's figures
   jaxflow_arm   jaxflow's arms (``python -m jaxflow.bench.peers.jaxflow_arm``)
   torchrec_arm  TorchRec's fused / unfused embedding arms (a script for the TorchRec venv)
-  tunix_arm     tunix's Sampler on the generation case (a script for the tunix venv)
+  tunix_arm     tunix's Sampler on the generation cases, its GRPOLearner on the GRPO iteration
+                (a script for the tunix venv)
 """
 
 # the arm modules are run as programs (``-m`` / a script path), so the package does not import them

@@ -16,6 +16,14 @@ missing is not an error: the case lists it under ``not_run`` with the reason.
       the peer arm is left out with the difference as its reason.
   generation_long_tail: the same with lognormal output lengths (median a quarter of
       ``gen_max_new``, capped there), forced identically in both arms (EOS included).
+  generation_grpo: GRPO groups: ``gen_sequences / gen_group_size`` prompts, each sampled G
+      times at temperature 1, every sequence ``gen_max_new`` tokens (the stop token never ends
+      one): the engine prefills each prompt once for its G slots, tunix's ``Sampler`` gets each
+      prompt repeated G times (as its GRPO learner does).
+  grpo_iteration: one GRPO iteration (rollout of the generation_grpo work, rewards, group
+      advantages, one AdamW update with global-norm clipping; no KL, no separate old-policy
+      pass) by :class:`jaxflow.rl.grpo.GRPOTrainer` vs tunix's ``GRPOLearner`` (``tunix_grpo``),
+      the same checkpoint (logits checked as above), prompts, G, lengths, reward and optimizer.
 """
 
 from __future__ import annotations
@@ -28,13 +36,16 @@ from collections.abc import Mapping, Sequence
 from jaxflow.bench.peers.harness import ArmSpec, case_cpu_headline, case_headline, missing_interpreter, pair_ratios
 from jaxflow.bench.peers.workloads import embedding_case, generation_case
 
-__all__ = ["PEERS", "CASES", "LOGITS_TOLERANCE", "arm_command", "interpreters", "build_cases", "logits_check",
-           "summarize_case", "headlines"]
+__all__ = ["PEERS", "CASES", "LOGITS_TOLERANCE", "GRPO_OPTIMIZER", "arm_command", "interpreters", "build_cases",
+           "logits_check", "summarize_case", "headlines"]
 
 PEERS = ("torchrec", "tunix", "trl")
-CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal", "generation_long_tail", "generation_grpo")
+CASES = ("embedding_rowwise_adagrad", "embedding_sgd", "generation_equal", "generation_long_tail", "generation_grpo",
+         "grpo_iteration")
 #: the largest |logit difference| between jaxflow's model and a peer's on the same checkpoint
 LOGITS_TOLERANCE = 1e-5
+#: the GRPO case's AdamW in every arm (jaxflow's OptimConfig defaults; lr from the config, constant)
+GRPO_OPTIMIZER = {"weight_decay": 0.01, "b1": 0.9, "b2": 0.98, "grad_clip": 1.0}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -71,6 +82,9 @@ def build_cases(config, work_dir: str, pythons: Mapping[str, str]) -> tuple[dict
     for name in config.cases:
         if name not in CASES:
             raise ValueError(f"case {name!r}; valid: {', '.join(CASES)}")
+        if name == "grpo_iteration":
+            specs[name] = _grpo_arms(config, os.path.join(work_dir, name), ok, missing, skipped.setdefault(name, {}))
+            continue
         if name.startswith("generation_"):
             specs[name] = _generation_arms(config, os.path.join(work_dir, name), ok, missing,
                                            skipped.setdefault(name, {}))
@@ -92,6 +106,24 @@ def build_cases(config, work_dir: str, pythons: Mapping[str, str]) -> tuple[dict
                 skipped.setdefault(name, {})[arm] = missing["torchrec"]
         specs[name] = arms
     return specs, skipped
+
+
+def _grpo_arms(config, directory: str, ok: Mapping[str, str], missing: Mapping[str, str],
+               skipped: dict) -> list[ArmSpec]:
+    case = generation_case(directory, vocab=config.gen_vocab, d_model=config.gen_d_model, layers=config.gen_layers,
+                           heads=config.gen_heads, kv_heads=config.gen_kv_heads, d_ff=config.gen_d_ff,
+                           sequences=config.gen_sequences, prompt_len=config.gen_prompt_len,
+                           max_new=config.gen_max_new, page_size=config.gen_page_size, warmup=config.warmup,
+                           seed=config.seed, group_size=config.gen_group_size)
+    case = dict(case, kind="grpo", seed=config.seed, optimizer=dict(GRPO_OPTIMIZER, lr=config.grpo_learning_rate))
+    arms = [ArmSpec("jaxflow", "jaxflow", arm_command("jaxflow"),
+                    dict(case, logits_out=os.path.join(directory, "logits_jaxflow.bin")))]
+    if "tunix" in ok:
+        arms.append(ArmSpec("tunix_grpo", "tunix", arm_command("tunix", ok["tunix"]),
+                            dict(case, logits_out=os.path.join(directory, "logits_tunix_grpo.bin"))))
+    else:
+        skipped["tunix_grpo"] = missing["tunix"]
+    return arms
 
 
 def _generation_arms(config, directory: str, ok: Mapping[str, str], missing: Mapping[str, str],

@@ -15,13 +15,19 @@ per prompt sharing its prefilled pages, sampled at temperature 1, one slot per s
 step = one ``generate`` of every prompt (a fresh engine, its programs cached).
 Before timing it writes the logits of the case's ``probe`` tokens to ``case["logits_out"]``
 (the harness compares them with the peer's).
+
+``grpo``: :class:`jaxflow.rl.grpo.GRPOTrainer` (its default static sampler, lag 1, no KL) on the
+case's checkpoint, the case's prompts as a task (:class:`PromptsTask`, reward
+:func:`even_token_reward`) through an id tokenizer whose stop id is never sampled, so every
+response is ``max_new`` tokens; one step = one iteration (rollout, advantages, update, publish).
 """
 
 from __future__ import annotations
 
 import sys
 
-__all__ = ["setup_embedding", "setup_generation", "forced_length_hook", "setup", "main"]
+__all__ = ["setup_embedding", "setup_generation", "forced_length_hook", "IdTokenizer", "PromptsTask",
+           "even_token_reward", "setup_grpo", "setup", "main"]
 
 
 def setup_embedding(case: dict):
@@ -139,9 +145,103 @@ def setup_generation(case: dict):
     return step, {"devices": 1, "jax": jax.__version__, "first_tokens": first["first_tokens"]}
 
 
+class IdTokenizer:
+    """Text of space-separated token ids <-> ids, no BOS, pad 0, stop id ``eos`` (the GRPO case
+    passes ``vocab``, an id no model row emits, so every response is ``max_new`` tokens)."""
+
+    def __init__(self, vocab: int, eos: int):
+        self.vocab_size, self.eos_id, self.eos_ids, self.bos_id, self.pad_id = vocab, eos, (eos,), None, 0
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``."""
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids) -> str:
+        """The text of ``ids``."""
+        return " ".join(str(int(i)) for i in ids)
+
+
+class PromptsTask:
+    """The GRPO case's prompts (text of ids) as a :class:`jaxflow.rl.tasks.Task`: every rollout
+    draws the same ``prompts``; :func:`even_token_reward` scores a completion."""
+
+    name = "bench_peers_prompts"
+
+    def __init__(self, prompts: list[str], max_new: int):
+        self._prompts, self.max_completion_len = prompts, max_new
+        self.max_prompt_len = self.max_prompt_tokens = max(len(p.split()) for p in prompts)
+
+    def prompts(self, rng, n: int) -> list[str]:
+        """The case's prompts (``n`` of them, cycled)."""
+        return [self._prompts[i % len(self._prompts)] for i in range(n)]
+
+    def heldout_prompts(self, n: int, seed: int = 0) -> list[str]:
+        """The same prompts (the case evaluates nothing)."""
+        return self.prompts(None, n)
+
+    def score(self, prompt: str, completion: str) -> float:
+        """:func:`even_token_reward` of ``completion``."""
+        return even_token_reward(completion)
+
+
+def even_token_reward(completion: str) -> float:
+    """The fraction of even token ids in a completion (text of ids): the GRPO case's reward in
+    every arm (cheap, deterministic, different across a group)."""
+    ids = completion.split()
+    return sum(int(t) % 2 == 0 for t in ids) / max(len(ids), 1)
+
+
+def setup_grpo(case: dict):
+    """(step, info) of the GRPO iteration case: :class:`jaxflow.rl.grpo.GRPOTrainer` (rollout of
+    G samples per prompt at temperature 1, group advantages, one AdamW update, publish) on the
+    case's checkpoint; one step = one iteration (``trainer.step``)."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from jaxflow.bench.peers.workloads import read_array
+    from jaxflow.models import from_pretrained
+    from jaxflow.models.architectures import config_from_hf, read_config
+    from jaxflow.models.hf_checkpoint import load_hf_params
+    from jaxflow.rl.grpo import GRPOConfig, GRPOTrainer
+    from jaxflow.train.lm_state import OptimConfig
+
+    probe = read_array(case["arrays"]["probe"])
+    np.asarray(from_pretrained(case["checkpoint"], dtype="float32")(jax.numpy.asarray(probe)),
+               np.float32).tofile(case["logits_out"])
+    # the rollout's prompt rows are one token wider than the prompts (a BOS slot, padded here: no BOS)
+    model_cfg = dataclasses.replace(config_from_hf(read_config(case["checkpoint"]), dtype="float32"),
+                                    max_seq_len=case["prompt_len"] + case["max_new"] + 1)
+    mesh = Mesh(np.asarray(jax.devices("cpu")[:1]), ("data",))
+    prompts = [" ".join(str(int(x)) for x in row) for row in read_array(case["arrays"]["prompts"])]
+    opt = case["optimizer"]
+    trainer = GRPOTrainer(model_cfg, GRPOConfig(prompts_per_rollout=len(prompts), group_size=case["group_size"],
+                                                max_new_tokens=case["max_new"], temperature=1.0),
+                          OptimConfig(lr=opt["lr"], warmup_steps=0, weight_decay=opt["weight_decay"], b1=opt["b1"],
+                                      b2=opt["b2"], grad_clip=opt["grad_clip"]),
+                          PromptsTask(prompts, case["max_new"]), IdTokenizer(case["vocab"], case["vocab"]),
+                          {"trainer": mesh, "rollout": mesh}, seed=case.get("seed", 0), total_rollouts=10**6)
+    params, _ = load_hf_params(case["checkpoint"], model_cfg, mesh=mesh)
+    box = {"state": trainer.init_state(params)}
+    want = len(prompts) * case["group_size"] * case["max_new"]
+
+    def step():
+        box["state"], row = trainer.step(box["state"])
+        tokens = int(round(row["response_length/mean"] * len(prompts) * case["group_size"]))
+        if tokens != want:
+            raise RuntimeError(f"the rollout sampled {tokens} tokens; the case asks {want}")
+        return {"units": 1, "unit": "iterations", "tokens": tokens}
+
+    for _ in range(max(case["warmup"], 1)):
+        step()
+    return step, {"devices": 1, "jax": jax.__version__}
+
+
 def setup(case: dict):
     """The case's (step, info) by its ``kind``; ValueError naming the valid kinds."""
-    kinds = {"embedding": setup_embedding, "generation": setup_generation}
+    kinds = {"embedding": setup_embedding, "generation": setup_generation, "grpo": setup_grpo}
     if case.get("kind") not in kinds:
         raise ValueError(f"case kind={case.get('kind')!r}; valid: {', '.join(kinds)}")
     return kinds[case["kind"]](case)

@@ -1,4 +1,4 @@
-"""tunix's arm of ``bench_peers``' generation case, run as a script by the tunix venv's
+"""tunix's arm of ``bench_peers``' generation and GRPO cases, run as a script by the tunix venv's
 interpreter (``peers.tunix_python``); it imports tunix, jax, flax, numpy and the standard
 library only (its protocol from ``arm_protocol.py`` beside it), never jaxflow.
 
@@ -13,13 +13,15 @@ through an identity tokenizer (no BOS, pad 0). Long-tailed lengths: :func:`force
 ends each row where the case says (EOS forced, as jaxflow's arm does with a logits hook); the
 sampler's one loop runs until every row has ended. GRPO groups: each prompt repeated G times
 (adjacent copies), sampled at temperature 1 (top-p 1.0: tunix's sampling mode; greedy without it).
+The GRPO iteration: tunix's ``GRPOLearner`` on the same checkpoint (:func:`setup_grpo`).
 """
 
 from __future__ import annotations
 
 import sys
 
-__all__ = ["IdTokenizer", "forced_lengths_model", "setup", "main"]
+__all__ = ["IdTokenizer", "forced_lengths_model", "load_model", "setup_generation", "even_token_reward",
+           "setup_grpo", "setup", "main"]
 
 
 class IdTokenizer:
@@ -85,17 +87,15 @@ def _array(spec):
     return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
 
 
-def setup(case: dict):
-    """(step, info) of the generation case; ValueError for another kind."""
+def load_model(case: dict):
+    """(tunix's Llama3 of the case's checkpoint, its one-device ("fsdp", "tp") mesh); writes the
+    logits of the case's ``probe`` tokens to ``case["logits_out"]``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from tunix.generate import sampler as sampler_lib
     from tunix.models.llama3 import model as model_lib
     from tunix.models.llama3 import params as params_lib
 
-    if case.get("kind") != "generation":
-        raise ValueError(f"case kind={case.get('kind')!r}; valid: generation")
     config = model_lib.ModelConfig(num_layers=case["layers"], vocab_size=case["vocab"], embed_dim=case["d_model"],
                                    hidden_dim=case["d_ff"], num_heads=case["heads"], head_dim=case["head_dim"],
                                    num_kv_heads=case["kv_heads"], rope_theta=int(case["rope_theta"]),
@@ -109,6 +109,15 @@ def setup(case: dict):
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     logits, _ = model(jnp.asarray(probe), positions, None, mask)
     np.asarray(logits, np.float32).tofile(case["logits_out"])
+    return model, mesh
+
+
+def setup_generation(case: dict):
+    """(step, info) of the generation cases (module docstring)."""
+    import jax
+    from tunix.generate import sampler as sampler_lib
+
+    model, _ = load_model(case)
     prompts = _array(case["arrays"]["prompts"])
     r, p, n = prompts.shape[0], prompts.shape[1], case["max_new"]
     forced = case.get("lengths")
@@ -139,6 +148,104 @@ def setup(case: dict):
     import tunix  # noqa: F401
 
     return step, {"jax": jax.__version__, "first_tokens": first["first_tokens"]}
+
+
+def even_token_reward(completion: str) -> float:
+    """The fraction of even token ids in a completion (text of ids); jaxflow's arm scores with
+    the same function."""
+    ids = completion.split()
+    return sum(int(t) % 2 == 0 for t in ids) / max(len(ids), 1)
+
+
+def setup_grpo(case: dict):
+    """(step, info) of the GRPO iteration case: tunix's ``GRPOLearner`` (vanilla rollout = its
+    ``Sampler`` on the actor's own weights, G samples per prompt at temperature 1 / top-p 1,
+    rewards, group advantages, one AdamW update of the actor; ``beta`` 0: no reference model,
+    ``num_iterations`` 1: no separate old-policy pass). ``train`` runs in a thread over a dataset
+    fed one batch (the case's prompts) per step; a step returns when that global step has run
+    (``_run_global_step``: rollout and update; the actor is the rollout model, so there is no
+    weight sync to wait for). The stop id is ``vocab`` (never sampled): every response is
+    ``max_new`` tokens, as in jaxflow's arm."""
+    import queue
+    import threading
+
+    import jax
+    import numpy as np
+    import optax
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.grpo import grpo_learner
+    from tunix.rl.rollout import base_rollout
+
+    model, mesh = load_model(case)
+    prompts = _array(case["arrays"]["prompts"])
+    p, n, g, opt = prompts.shape[1], case["max_new"], case["group_size"], case["optimizer"]
+    roles = rl_cluster_lib.Role
+    optimizer = optax.chain(optax.clip_by_global_norm(opt["grad_clip"]),
+                            optax.adamw(opt["lr"], b1=opt["b1"], b2=opt["b2"], weight_decay=opt["weight_decay"]))
+    cluster_config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh}, rollout_engine="vanilla",
+        training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optimizer, eval_every_n_steps=10**9,
+                                                        max_steps=10**9),
+        rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=n, max_prompt_length=p,
+                                                  kv_cache_size=p + n, temperature=1.0, top_p=1.0,
+                                                  eos_tokens=[case["vocab"]]))
+    cluster = rl_cluster_lib.RLCluster(actor=model, reference=None, tokenizer=IdTokenizer(case["vocab"]),
+                                       cluster_config=cluster_config)
+    tokens = []
+
+    def reward(prompts, completions, **kwargs):
+        tokens.append(sum(len(c.split()) for c in completions))
+        return [even_token_reward(c) for c in completions]
+
+    learner = grpo_learner.GRPOLearner(
+        cluster, grpo_learner.GRPOConfig(num_generations=g, num_iterations=1, beta=0.0, epsilon=0.2), reward_fns=reward)
+    batches, done = queue.Queue(), queue.Queue()
+    run_global_step = learner._run_global_step  # the one hook on an iteration's end tunix offers
+
+    def counted(*args, **kwargs):
+        try:
+            run_global_step(*args, **kwargs)
+        finally:
+            done.put(1)
+
+    learner._run_global_step = counted
+
+    def dataset():
+        while (batch := batches.get()) is not None:
+            yield batch
+
+    errors = []
+
+    def train():
+        try:
+            learner.train(dataset())
+        except BaseException as e:  # reported by the next step
+            errors.append(e)
+            done.put(0)
+
+    threading.Thread(target=train, daemon=True).start()
+    texts = np.asarray([" ".join(str(int(x)) for x in row) for row in prompts])  # tunix repeats arrays G times
+    want = len(texts) * g * n
+
+    def step():
+        batches.put({"prompts": texts})
+        if not done.get(timeout=3600) or errors:
+            raise RuntimeError(f"tunix's train loop ended: {errors[0] if errors else 'no error'}")
+        if tokens[-1] != want:
+            raise RuntimeError(f"the rollout sampled {tokens[-1]} tokens; the case asks {want}")
+        return {"units": 1, "unit": "iterations", "tokens": tokens[-1]}
+
+    for _ in range(max(case["warmup"], 1)):
+        step()
+    return step, {"jax": jax.__version__}
+
+
+def setup(case: dict):
+    """The case's (step, info) by its ``kind``; ValueError naming the valid kinds."""
+    kinds = {"generation": setup_generation, "grpo": setup_grpo}
+    if case.get("kind") not in kinds:
+        raise ValueError(f"case kind={case.get('kind')!r}; valid: {', '.join(kinds)}")
+    return kinds[case["kind"]](case)
 
 
 def main() -> int:
