@@ -66,7 +66,9 @@ class ModelCase:
     pairs: int = 10
     decode_steps: int = 8
     loop_steps: int = 64  # engine: decode steps of one compiled loop while no request waits (0: off)
-    loop_refill: int = 16  # ... returning once this many slots freed while work is queued
+    # ... returning once this many slots freed while work is queued; at ``slots`` or more a loop
+    # with work queued runs until every row has ended: the static sampler's waves (keep < slots)
+    loop_refill: int = 16
     prefill_rows: int = 32
 
     def __post_init__(self):
@@ -153,9 +155,11 @@ class Config:
 
 
 def _quick() -> Config:
-    return Config(requests=64, flagship=ModelCase(max_new=32, slots=16, pairs=3),
+    # loop_refill = slots / 2, as the default's 16 of 32
+    return Config(requests=64, flagship=ModelCase(max_new=32, slots=16, pairs=3, loop_refill=8),
                   large=ModelCase(name="medium_standin", model=MEDIUM, prompt_len=16, max_new=16,
-                                  slots=16, page_size=8, pairs=3, decode_steps=2, prefill_rows=8))
+                                  slots=16, page_size=8, pairs=3, decode_steps=2, prefill_rows=8,
+                                  loop_refill=8))
 
 
 def _full() -> Config:
