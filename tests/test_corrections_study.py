@@ -100,17 +100,21 @@ def _records():
     return study, recs
 
 
-def test_ranking_orders_corrections_by_paired_effect_with_none_last():
+def test_ranking_orders_corrections_by_paired_effect_none_at_zero():
     study, recs = _records()
     overheads = {"tis": {"ratio_median": 1.01, "ratio_min": 0.9, "ratio_max": 1.2}}
     rows = cs.rank_corrections(recs, overheads)
     stale = [r for r in rows if r["regime"] == "staleness"]
-    assert [r["correction"] for r in stale] == ["tis", "icepop", "sis", "none"]
+    assert [r["correction"] for r in stale] == ["tis", "icepop", "none", "sis"]
     assert [r["rank"] for r in stale] == [1, 2, 3, 4]
     tis = stale[0]
     assert tis["diff"] == pytest.approx((0.2 + 0.15 + 0.17) / 3) and tis["seeds"] == 3 and tis["half_width"] > 0
     assert (tis["overhead"], tis["overhead_range"]) == (1.01, [0.9, 1.2])
-    assert stale[1]["overhead"] is None and stale[-1]["overhead"] == 1.0
+    assert stale[1]["overhead"] is None and stale[2]["overhead"] == 1.0 and stale[3]["diff"] < 0
+    # a correction equal to none (an identity in the regime) ranks after none
+    same = [dict(r, final_accuracy=0.5) if r["correction"] in ("none", "icepop") and r["staleness"] else r
+            for r in recs]
+    assert [r["correction"] for r in cs.rank_corrections(same) if r["regime"] == "staleness"][1:3] == ["none", "icepop"]
     assert {r["regime"] for r in rows} == {"staleness", "lr"}
     # a correction without a paired none seed is left out
     no_none = [r for r in recs if not (r["correction"] == "none" and r["staleness"])]

@@ -98,7 +98,8 @@ def _interval(treat: Mapping[int, float], control: Mapping[int, float]) -> tuple
 
 def rank_corrections(records: Sequence[Mapping], overheads: Mapping[str, Mapping] | None = None) -> list[dict]:
     """Per dense regime (staleness, lr) and algorithm, one row per correction, ranked by the
-    paired final-pass@1 difference to none (best first; none itself last with 0): ``rank``,
+    paired final-pass@1 difference to none (best first; none itself with 0, ahead of the
+    corrections whose difference is exactly 0): ``rank``,
     ``seeds`` (pairs with none), ``final_mean``, ``diff`` / ``half_width`` (95% t over paired
     seeds; None with one pair), ``auc_diff``, the mean ``masked_fraction`` and ``mismatch_kl``,
     and the policy-loss step ``overhead`` (median time ratio to none; None when not measured)
@@ -130,7 +131,8 @@ def rank_corrections(records: Sequence[Mapping], overheads: Mapping[str, Mapping
                     "mismatch_kl": mean_of(have, "mismatch_kl"),
                     "overhead": 1.0 if corr == "none" else over.get("ratio_median"),
                     "overhead_range": ([over["ratio_min"], over["ratio_max"]] if "ratio_min" in over else None)})
-            block.sort(key=lambda row: (row["correction"] == "none", -row["diff"], row["correction"]))
+            # none (0 by definition) before the corrections that change nothing (identities here)
+            block.sort(key=lambda row: (-row["diff"], row["correction"] != "none", row["correction"]))
             rows += [dict(row, rank=i + 1) for i, row in enumerate(block)]
     return rows
 

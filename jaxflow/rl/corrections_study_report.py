@@ -51,7 +51,8 @@ def format_ranking(rows: Sequence[Mapping], study) -> str:
 def format_controls(rows: Sequence[Mapping]) -> str:
     """Markdown: each dense regime's uncorrected run minus the lag-1 run
     (:func:`jaxflow.rl.corrections_study.lag1_controls`)."""
-    lines = ["| regime | algo | seeds | none final pass@1 | lag-1 final pass@1 | minus lag 1 (95% t) |",
+    lines = ["Each regime's uncorrected run against the on-policy lag-1 run (is it degraded?):", "",
+             "| regime | algo | seeds | none final pass@1 | lag-1 final pass@1 | minus lag 1 (95% t) |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['regime']} | {r['algo']} | {r['seeds']} | {r['final_mean']:.3f} | {r['lag1_mean']:.3f} | "
               f"{_pm(r['diff'], r['half_width'])} |" for r in rows]
@@ -65,7 +66,8 @@ def format_r3(rows: Sequence[Mapping]) -> str:
         rng = r[f"disagreement_{arm}_range"]
         return "-" if rng is None else f"{r[f'disagreement_{arm}']:.4f} [{rng[0]:.4f}, {rng[1]:.4f}]"
 
-    lines = ["| algo | correction | seeds | no R3 final | R3 final | R3 minus no R3 (95% t) | router "
+    lines = ["MoE regime: routing replay (R3) against none, and the measured router disagreement:", "",
+             "| algo | correction | seeds | no R3 final | R3 final | R3 minus no R3 (95% t) | router "
              "disagreement, no R3 (mean [min, max] over seeds) | with R3 |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['algo']} | {r['correction']} | {r['seeds']} | {_f(r['final_no_r3'])} | {_f(r['final_r3'])} | "
               f"{_pm(r['diff'], r['half_width'])} | {dis(r, 'record')} | {dis(r, 'replay')} |" for r in rows]
