@@ -175,6 +175,19 @@ def test_prefix_placeholder_fills_every_matching_figure_named(root, tmp_path):
         f"valid: a headline name or key figure of {EXP}'s records"]
 
 
+def test_a_spread_of_one_round_is_shown_as_none(root, tmp_path):
+    one = _headline(value=1.2, low=1.2, high=1.2)
+    one["spread"] |= {"kind": "rounds", "n": 1}
+    run = _run_dir(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps(summary | {"headlines": [one]}))
+    results.record_run(run, root=root, load_start=1.5, load_end=2.0)
+    results.render_all(root, [EXP])
+    page = (root / "docs" / "experiments" / f"{EXP}.md").read_text()
+    assert f"Fused is 1.2x ({results.machine_info()['short']}, quick) the packed step" in page
+    assert "| 1.2x | one round only, no spread |" in page and "[1.2, 1.2]" not in page
+
+
 def test_measured_hash_reads_contents_and_honours_excludes(tmp_path):
     (tmp_path / "pkg" / "sim").mkdir(parents=True)
     (tmp_path / "pkg" / "a.py").write_text("a")

@@ -63,10 +63,16 @@ def with_unit(value, unit: str | None) -> str:
     return f"{number(value)} {unit}" if unit else number(value)
 
 
+def has_spread(spread: Mapping | None) -> bool:
+    """Whether ``spread`` spans more than one seed / round / pair (one gives no interval)."""
+    return bool(spread) and int(spread.get("n") or 0) > 1
+
+
 def spread_text(spread: Mapping | None, unit: str | None = None) -> str:
-    """``low-high (interval, n=N)`` or ``one run`` when the run measured no spread."""
-    if not spread:
-        return "one run, no spread"
+    """``low-high (interval, n=N)`` or ``one run`` when the run measured no spread (or one
+    seed / round / pair)."""
+    if not has_spread(spread):
+        return "one run, no spread" if not spread else f"one {str(spread.get('kind', 'runs'))[:-1]} only, no spread"
     return (f"{with_unit(spread['low'], unit)} to {with_unit(spread['high'], unit)} "
             f"({spread.get('interval', spread.get('kind', ''))}, n={spread.get('n')})")
 
@@ -120,7 +126,8 @@ def lookup_figure(records: Mapping[str, list], stale: Staleness):
     (machine named, stale marked), or None when no record of the experiment has that figure. A
     figure ``prefix*`` gives every figure whose name starts with ``prefix``, each named."""
     def value(fig: Mapping) -> str:
-        spread = f" [{number(fig['spread']['low'])}, {number(fig['spread']['high'])}]" if fig.get("spread") else ""
+        spread = f" [{number(fig['spread']['low'])}, {number(fig['spread']['high'])}]" \
+            if has_spread(fig.get("spread")) else ""
         return f"{with_unit(fig['value'], fig.get('unit'))}{spread}"
 
     def lookup(experiment: str, name: str) -> str | None:
@@ -197,7 +204,7 @@ def _headline_cells(name: str, records: Mapping[str, list], stale: Staleness) ->
     fig = figs[0] if figs else {"name": "-", "value": "-"}
     base = f" vs {fig['baseline']}" if fig.get("baseline") else ""
     head = f"{fig['name']}: {with_unit(fig['value'], fig.get('unit'))}{base}"
-    if fig.get("spread"):
+    if has_spread(fig.get("spread")):
         head += f" [{number(fig['spread']['low'])}, {number(fig['spread']['high'])}]"
     if not rec.get("headlines"):
         head += " (key figure; no headline declared)"
