@@ -27,6 +27,8 @@ Modules, one idea each:
   position, as the static sampler records them for R3).
 * ``paged_attention``: decode attention over the pool by backend (XLA gather on CPU, the
   upstream Pallas kernels on TPU / GPU).
+* ``prefill_attention``: the prefill chunk's attention over the pool by backend (XLA gather on
+  CPU, the upstream ragged paged-attention kernel on TPU).
 * ``programs``: the engine's prefill and decode programs with abstract arguments for
   ``--compile-only`` (``bench_rollout --variant=full``; the flagship with ``rl.sampler=engine``).
 * ``bench_arms`` / ``bench``: bench_rollout's workloads (forced output lengths), its two arms
@@ -47,7 +49,7 @@ Logits hooks: ``apply`` gets each row's own step [B]; a hook state must be per r
 Not supported yet: preemption (admission reserves each sequence's worst case instead), prefix
 caching across requests, ``hook_args``.
 """
-from jaxflow.rollout import decode_loop, records
+from jaxflow.rollout import decode_loop, prefill_attention, records
 from jaxflow.rollout.engine import (
     EngineConfig,
     EngineOutput,
@@ -58,4 +60,4 @@ from jaxflow.rollout.engine import (
 )
 
 __all__ = ["EngineConfig", "EngineOutput", "EngineStats", "RequestOutput",
-           "RolloutConfigError", "RolloutEngine", "decode_loop", "records"]
+           "RolloutConfigError", "RolloutEngine", "decode_loop", "prefill_attention", "records"]

@@ -42,13 +42,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxflow.models.attention import dot_product_attention
 from jaxflow.models.attention_backends import HEAD_AXIS
 from jaxflow.models.moe import expert_index_dtype
 from jaxflow.models.sampler import LogitsHook, SamplingConfig, draw_with_dist, is_stop, sampled_topk
 from jaxflow.models.transformer import Transformer
-from jaxflow.rollout.paged_attention import gather_pages, paged_attention
+from jaxflow.rollout.paged_attention import paged_attention
 from jaxflow.rollout.pages import NULL_PAGE
+from jaxflow.rollout.prefill_attention import prefill_attention
 
 
 class Pools(NamedTuple):
@@ -201,17 +201,15 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
         positions = start[:, None] + offs[None, :]
         valid = offs[None, :] < n_valid[:, None]
         dest = _slots(page_table, positions, valid, page_size)
-        keys_len = page_table.shape[1] * page_size
-        # Query at position p sees the keys at positions <= p: the static prefill's mask
-        # (cache_causal_mask) for real tokens, whose earlier positions are all real.
-        mask = jnp.arange(keys_len, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
         x = model._embed(tokens)
         new_k, new_v, routing = [], [], []
         for block, kp, vp in zip(model.layers, pools.k, pools.v):
             q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
             kp, vp = _write(kp, k, dest), _write(vp, v, dest)
-            attn = dot_product_attention(q, gather_pages(kp, page_table),
-                                         gather_pages(vp, page_table), mask)
+            # query at position p sees the keys at positions <= p (the static prefill's mask
+            # for real tokens); xla on CPU, the ragged kernel on TPU (auto)
+            attn = prefill_attention(q, kp, vp, page_table, start, n_valid, backend=attention,
+                                     interpret=interpret)
             x = x + block.attn.project_out(attn)
             y, routed = _mlp(block, block.mlp_norm(x), record_routing)
             x = x + y
