@@ -68,6 +68,9 @@ def sync_programs(params: Any, shardings: Any, rollout_shardings: Any, trainer_m
                        note=f"leaf {tuple(leaf.shape)} spec {sharding.spec}; capacity {capacity} "
                             f"per shard ({changed_fraction:.0%} changed assumed)"))
     r_sh = jax.tree.leaves(rollout_shardings)[big]
+    kernel_scatter = _sharded_scatter_program(prefix, leaf.shape, r_sh, rm, changed_fraction)
+    if kernel_scatter is not None:
+        return out + [kernel_scatter]
     changes = receiver._capacity(int(math.prod(leaf.shape) * changed_fraction))
     rep = NamedSharding(rm, P())
     index = tuple(_sds((changes,), jnp.int32, rep) for _ in leaf.shape)
@@ -77,3 +80,28 @@ def sync_programs(params: Any, shardings: Any, rollout_shardings: Any, trainer_m
                         _sds((changes,), jnp.uint16, rep)), rm, kind="sync", tokens=changes,
                        note=f"{changes} bf16 deltas scattered into the replica's leaf"))
     return out
+
+
+def _sharded_scatter_program(prefix: str, shape: tuple[int, ...], sharding, rm: Mesh,
+                             changed_fraction: float) -> Program | None:
+    """The replica scatter as a multi-chip replica runs it where ``auto`` takes the kernel
+    (``receiver.apply``: ``sync_scatter_apply`` per shard in a shard_map, each device on its
+    own update list of ``changed_fraction`` of its shard); None where it would not."""
+    if not isinstance(sharding, NamedSharding) or rm.devices.size < 2:
+        return None
+    local = sharding.shard_shape(tuple(shape))
+    capacity = receiver._capacity(int(math.prod(local) * changed_fraction))
+    # the verdict as a run takes it: the kernel alone on one device of the replica's chip
+    with jax.set_mesh(Mesh(np.asarray(rm.devices.flat[:1]), ("_chip",))):
+        if not receiver._use_scatter_kernel("auto", local, capacity, False):
+            return None
+    rows = NamedSharding(rm, P(*rm.axis_names, None))
+    lists = rm.devices.shape + (capacity,)
+    fn = functools.partial(receiver._sharded_kernel_scatter, mesh=rm, spec=sharding.spec,
+                           delta=True, interpret=False)
+    return Program(prefix + "sync/replica_scatter_largest_leaf", jax.jit(fn),
+                   (_sds(shape, jnp.bfloat16, sharding), _sds(lists, jnp.int32, rows),
+                    _sds(lists, jnp.uint16, rows)), rm, kind="sync",
+                   tokens=capacity * rm.devices.size,
+                   note=f"{capacity} bf16 deltas per device scattered into its shard {local} "
+                        "of the replica's leaf by the Pallas kernel (no collective)")

@@ -48,3 +48,21 @@ def test_sharded_replica_scatter_compiles_per_shard(chip):
     shard = math.prod(LEAF) // tp * 2  # bytes; the update lists add 6 bytes per slot, padded
     # to the chip's tiles (TPU: 33.5 MB where shard + lists are 31.5 MB)
     assert shard + 6 * capacity <= r.argument_bytes <= shard + 16 * capacity, r.argument_bytes
+
+
+def test_compile_only_sync_programs_carry_the_per_shard_kernel():
+    """``jaxflow.sync.programs.sync_programs`` (what ``--compile-only`` reports for a publish)
+    builds the replica scatter as a multi-chip replica runs it under ``auto``: the kernel."""
+    from jaxflow.sync.programs import sync_programs
+
+    mesh = targets.mesh("v5p", (1, 4), ("data", "model"), "v5p:2x2x1")
+    sharding = NamedSharding(mesh, P(None, "model"))
+    params = {"w": jax.ShapeDtypeStruct(LEAF, jnp.float32, sharding=sharding)}
+    programs = {p.name: p for p in sync_programs(params, {"w": sharding}, {"w": sharding},
+                                                  mesh, mesh)}
+    scatter = programs["sync/replica_scatter_largest_leaf"]
+    assert "Pallas kernel" in scatter.note, scatter.note
+    r = targets.compile_on(scatter.fn, scatter.args, "v5p", mesh=scatter.mesh, keep_hlo=True)
+    assert r.ok, r.error
+    assert KERNEL_CALL["tpu"] in r.hlo_text
+    assert not [c for c in COLLECTIVES if c in r.hlo_text]
