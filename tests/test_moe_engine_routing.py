@@ -122,3 +122,32 @@ def test_dense_model_refuses_to_record():
         RolloutEngine(dense, nnx.split(Transformer(dense, rngs=nnx.Rngs(0)))[1],
                       EngineConfig(slots=2, page_size=4, num_pages=8, max_seq_len=8, record_routing=True),
                       SamplingConfig(max_new_tokens=2))
+
+
+def test_rl_engine_programs_compile_with_the_record():
+    """``--compile-only`` of an MoE RL run with R3 on and ``rl.sampler=engine``: the rollout
+    worker's engine programs (abstract arguments) compile, and their outputs carry the record."""
+    from jaxflow.compile_only.program import compile_ahead
+    from jaxflow.data.tokenizer import CharTokenizer
+    from jaxflow.mesh import role_meshes
+    from jaxflow.rl.rollout import RolloutSpec, RolloutWorker
+    from jaxflow.rl.tasks import AdditionRLTask
+
+    tok = CharTokenizer()
+    model = dataclasses.replace(MOE, vocab_size=tok.vocab_size)
+    mesh = role_meshes({"trainer": 1, "rollout": 1}, devices=jax.devices()[:2])["rollout"]
+    spec = RolloutSpec(group_size=2, max_new_tokens=3, sampler="engine", record_routing=True)
+    worker = RolloutWorker(model, mesh, spec, AdditionRLTask(max_digits=1), tok)
+    programs = {p.name: p for p in worker.sampler_programs(4)}
+    assert set(programs) == {"rollout/engine/prefill", "rollout/engine/decode"}
+    cfg = spec.engine.engine_config(4, worker.prompt_width, 3, record_routing=True)
+    for name, program in programs.items():
+        compiled, outputs = compile_ahead(program)
+        assert compiled.compiled is not None, name
+        if name.endswith("prefill"):
+            experts, gates = outputs[1]
+            assert experts.shape == (cfg.prefill_rows, cfg.prefill_chunk, 2, 2)
+        else:
+            experts, gates = outputs[1].routing_experts, outputs[1].routing_gates
+            assert experts.shape == (cfg.decode_steps, cfg.slots, 2, 2)
+        assert experts.dtype == np.uint8 and gates.dtype == np.float32 and gates.shape == experts.shape

@@ -120,8 +120,8 @@ def test_routing_replay_config_and_the_step_metric(moe_model):
         GRPOConfig(routing_replay="on")
     assert GRPOConfig(routing_replay="replay").rollout_spec.record_routing
     assert not GRPOConfig().rollout_spec.record_routing
-    with pytest.raises(ValueError, match="sampler='engine' does not record routing"):
-        RolloutSpec(record_routing=True, sampler="engine")
+    engine_spec = RolloutSpec(record_routing=True, sampler="engine")  # the engine records too
+    assert engine_spec.engine.engine_config(4, 5, 3, record_routing=True).record_routing
     from jaxflow.mesh import role_meshes
     from jaxflow.train.lm_state import init_params, lm_functions
 

@@ -117,8 +117,8 @@ def run_seeds(config, run: RunContext) -> dict:
         from jaxflow.rl.remote.client import RemoteRollout
 
         remote = RemoteRollout(config.remote.endpoints(), config.rl.rollout_spec, config.task,
-                               CharTokenizer(), config.sync, timeout_s=config.remote.timeout_s,
-                               start_timeout_s=config.remote.start_timeout_s, log=run.info)
+                               CharTokenizer(), config.sync, timeout_s=config.remote.timeout_s, log=run.info,
+                               start_timeout_s=config.remote.start_timeout_s, model=config.pretrain.model)
     fns = lm_functions(config.pretrain.model, meshes["trainer"])
     run.set_total_steps(config.seeds * config.rollouts, "flagship")
     done = finished_cells(run, filename=SEEDS_FILE, key="seed_index")

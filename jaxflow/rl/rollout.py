@@ -220,10 +220,12 @@ class EngineSettings:
         if self.attention not in PAGED_BACKENDS:
             raise ValueError(f"engine.attention={self.attention!r}; valid: {PAGED_BACKENDS}")
 
-    def engine_config(self, rows: int, prompt_width: int, max_new_tokens: int, behaviour_topk: int = 0):
+    def engine_config(self, rows: int, prompt_width: int, max_new_tokens: int, behaviour_topk: int = 0,
+                      record_routing: bool = False):
         """The :class:`jaxflow.rollout.EngineConfig` for generation batches of ``rows``
         sequences, prompts ``prompt_width`` wide, ``max_new_tokens`` new tokens; with
-        ``behaviour_topk=K > 0`` the engine records the sampled distribution's top-K."""
+        ``behaviour_topk=K > 0`` the engine records the sampled distribution's top-K, with
+        ``record_routing`` each MoE layer's routing (R3)."""
         from jaxflow.rollout import EngineConfig
         from jaxflow.rollout.pages import pool_pages
 
@@ -236,7 +238,7 @@ class EngineSettings:
                             prefill_rows=self.prefill_rows, prefill_calls=self.prefill_calls,
                             decode_steps=self.decode_steps, max_seq_len=width,
                             attention=self.attention, top_logprobs=behaviour_topk,
-                            sampled_topk=behaviour_topk > 0)
+                            sampled_topk=behaviour_topk > 0, record_routing=record_routing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +250,7 @@ class RolloutSpec:
     ``behaviour_topk``: K > 0 records, per token, the sampled distribution's top-K
     log-probs and ids (``RolloutBatch.behaviour_topk_*``, what ``sis_b`` needs); 0: off; and
     ``record_routing``: record each MoE layer's experts and gates per position
-    (``RolloutBatch.routing_*``, R3; the static samplers)."""
+    (``RolloutBatch.routing_*``, R3; every sampler)."""
 
     group_size: int = 8
     temperature: float = 1.0
@@ -261,9 +263,6 @@ class RolloutSpec:
     record_routing: bool = False
 
     def __post_init__(self):
-        if self.record_routing and self.sampler == "engine":
-            raise ValueError("record_routing=True (R3) records through the static samplers; sampler='engine' "
-                             "does not record routing yet: use sampler='static' or 'static_per_row'")
         if isinstance(self.behaviour_topk, bool) or not isinstance(self.behaviour_topk, int) \
                 or self.behaviour_topk < 0:
             raise ValueError(f"behaviour_topk={self.behaviour_topk!r}: need an int >= 0 (0 = off)")
@@ -359,7 +358,7 @@ class RolloutWorker:
 
         if self.engine is None:
             cfg = self.spec.engine.engine_config(rows, self.prompt_width, self.spec.max_new_tokens,
-                                                 self.behaviour_topk)
+                                                 self.behaviour_topk, self.spec.record_routing)
             self.engine = RolloutEngine(self._sampler_cfg, params, cfg, self._sampling,
                                         logit_noise_std=self._noise, version=version,
                                         mesh=self.mesh)
@@ -405,6 +404,9 @@ class RolloutWorker:
                                      replica=replica)
             tokens, mask, logp, versions = out.tokens, out.mask, out.logprobs, out.versions
             topk = (out.topk_logprobs, out.topk_indices) if self.spec.behaviour_topk else (None, None)
+            if self.spec.record_routing:  # [B, max_seq_len - 1, ...] -> the static sampler's P + N - 1
+                width = prompts.shape[1] + self.spec.max_new_tokens - 1
+                topk += (out.routing_experts[:, :width], out.routing_gates[:, :width])
         else:
             if replica is not None:
                 raise ValueError(f"generate(replica=...) needs sampler='engine'; this worker's "
@@ -440,7 +442,8 @@ class RolloutWorker:
         if self.spec.sampler == "engine":
             from jaxflow.rollout.programs import engine_programs
 
-            engine_cfg = self.spec.engine.engine_config(rows, width, n, self.behaviour_topk)
+            engine_cfg = self.spec.engine.engine_config(rows, width, n, self.behaviour_topk,
+                                                        self.spec.record_routing)
             return engine_programs(self._sampler_cfg, self.mesh, engine_cfg, self._sampling,
                                    prompt_len=width, param_dtype=None,
                                    prefix=prefix + "rollout/engine/")

@@ -111,14 +111,20 @@ class RemoteRollout:
       secret: the job secret (default ``jaxflow.job_auth.job_secret`` of the first endpoint's
         host). Every connection presents one random session id (``session``), which the
         rollout job binds at RSET: only it may sync, roll and say DONE there.
+      model: the policy's TransformerConfig, to check the records a batch carries: the routing
+        record's shape (needed with ``spec.record_routing``), the top-K's ids below its vocabulary.
     """
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], spec: RolloutSpec, task, tokenizer,
                  config: SyncConfig, *, timeout_s: float = 120.0, start_timeout_s: float = 900.0,
                  io_timeout_s: float = 600.0, log: Callable[[str], None] = print,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, model: Any = None):
         if not endpoints:
             raise ValueError("RemoteRollout needs at least one rollout endpoint")
+        if spec is not None and spec.record_routing and model is None:
+            raise ValueError("RemoteRollout: spec.record_routing=True (R3) needs model= (the policy's "
+                             "TransformerConfig: its MoE layers and top-k fix the routing record's shape)")
+        self.model = model
         self._secrets = {h: job_auth.job_secret(h, secret) for h, _ in endpoints}
         self.session = job_auth.new_session()
         self.spec, self.task, self.tokenizer = spec, task, tokenizer
@@ -266,13 +272,19 @@ class RemoteRollout:
 
     # -- rollouts ------------------------------------------------------------------------
 
-    def expected_arrays(self, rows: int) -> dict[str, tuple[tuple[int, ...], str]]:
-        """The (shape, dtype) of each array a rollout of ``rows`` rows must return."""
-        n = self.spec.max_new_tokens
-        return {"prompts": ((rows, self.prompt_width), "int32"), "prompt_lengths": ((rows,), "int32"),
-                "tokens": ((rows, n), "int32"), "mask": ((rows, n), "float32"),
-                "behaviour_logp": ((rows, n), "float32"), "rewards": ((rows,), "float32"),
-                "versions": ((rows, n), "int32")}
+    def expected_arrays(self, rows: int) -> dict[str, tuple]:
+        """The (shape, dtype[, id bound]) of each array a rollout of ``rows`` rows must return
+        (:func:`jaxflow.rl.remote.protocol.expected_batch`): with the spec's ``behaviour_topk``
+        the top-K (K capped at the vocabulary, as the rollout worker caps it), with its
+        ``record_routing`` the model's routing record."""
+        m, k = self.model, self.spec.behaviour_topk
+        routing = None
+        if self.spec.record_routing:
+            layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+            routing = (layers, m.n_experts_per_token, max(m.n_experts, 1))
+        return P.expected_batch(rows, self.prompt_width, self.spec.max_new_tokens,
+                                behaviour_topk=min(k, m.vocab_size) if m is not None else k,
+                                vocab_size=None if m is None else m.vocab_size, routing=routing)
 
     def generate(self, params: RemoteParams, prompt_texts: Sequence[str], key: jax.Array, *,
                  version: int | None = None, replica: Any = None) -> RolloutBatch:
@@ -291,7 +303,7 @@ class RemoteRollout:
             request = P.json_body({"version": params.version, "digest": params.digest,
                                    "prompts": list(prompt_texts),
                                    "key": np.asarray(jax.random.key_data(key)).tolist()})
-            bound = sum(int(np.prod(s)) * 4 for s, _ in expected.values()) * 2 + (1 << 20)
+            bound = sum(int(np.prod(s)) * 4 for s, *_ in expected.values()) * 2 + (1 << 20)
             arrays = self._retrying("a rollout", lambda: self._roll(request, expected, bound))
             prompts, _ = encode_prompts(self.tokenizer, [p for p in prompt_texts
                                                          for _ in range(self.spec.group_size)],
@@ -299,9 +311,10 @@ class RemoteRollout:
             if not np.array_equal(prompts, arrays["prompts"]):
                 raise P.RolloutRefused("the rollout job encoded other prompts than the trainer's")
         else:
-            arrays = {k: np.zeros(s, d) for k, (s, d) in expected.items()}
+            arrays = {k: np.zeros(s, d) for k, (s, d, *_) in expected.items()}
         arrays = _broadcast(arrays)
-        return RolloutBatch(*(np.asarray(arrays[k]) for k in P.BATCH_FIELDS))
+        return RolloutBatch(*(None if k not in arrays else np.asarray(arrays[k])
+                              for k in P.BATCH_FIELDS + P.RECORD_FIELDS))
 
     def _roll(self, request: bytes, expected: dict, bound: int) -> dict[str, np.ndarray]:
         for ep in self._endpoints:  # every rollout process samples, together
@@ -311,7 +324,7 @@ class RemoteRollout:
             _, body = ep.recv(bound)
             _, arrays = P.decode_batch(body, expected, f"rollout {ep.name}")
             batches.append(arrays)
-            digests.add(hashlib.blake2b(b"".join(arrays[k].tobytes() for k in P.BATCH_FIELDS),
+            digests.add(hashlib.blake2b(b"".join(arrays[k].tobytes() for k in sorted(arrays)),
                                         digest_size=16).hexdigest())
         if len(digests) != 1:
             raise P.RolloutRefused(f"the rollout processes returned {len(digests)} different batches")

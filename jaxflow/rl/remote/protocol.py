@@ -19,7 +19,11 @@ resumed from an older checkpoint). ROLL samples G responses per prompt with the 
 exactly ``version`` whose digest must be ``digest`` (else ERR): the rollout's tokens depend only
 on the replica's bits, the prompts and the key. A BTCH body is a 4-byte little-endian header
 length, the JSON header (version, digest, array names / shapes / dtypes) and the arrays as an
-``.npz``; the trainer checks every shape and dtype against what it asked for before using it.
+``.npz``; the trainer checks every shape and dtype (and the range of the id arrays) against what
+it asked for before using it (:func:`expected_batch`, :func:`decode_batch`). Beside the
+:data:`BATCH_FIELDS` a batch carries the :data:`RECORD_FIELDS` its sampler records (the
+behaviour policy's top-K for ``sis_b``, the MoE routing for R3), exactly when the trainer's
+:class:`jaxflow.rl.rollout.RolloutSpec` asks for them.
 
 Only peers holding the job's secret are answered at all. The trainer's session (the random id
 its connections present) is bound by its RSET: only that session may ROLL or say DONE, and the
@@ -47,6 +51,8 @@ KINDS = (b"STAT", b"RSET", b"ROLL", b"DONE", b"OK  ", b"BTCH", b"ERR ")
 #: the arrays of a rollout batch, in :class:`jaxflow.rl.rollout.RolloutBatch` order
 BATCH_FIELDS = ("prompts", "prompt_lengths", "tokens", "mask", "behaviour_logp", "rewards",
                 "versions")
+#: the optional records of a rollout batch, in RolloutBatch order after :data:`BATCH_FIELDS`
+RECORD_FIELDS = ("behaviour_topk_logp", "behaviour_topk_ids", "routing_experts", "routing_gates")
 _LEN = struct.Struct("<I")
 
 
@@ -183,6 +189,49 @@ def parse_json(body, who: str) -> dict:
     return obj
 
 
+def batch_arrays(batch) -> dict[str, np.ndarray]:
+    """The arrays a BTCH body carries for a :class:`jaxflow.rl.rollout.RolloutBatch` (or any
+    sequence of its arrays in its order): the :data:`BATCH_FIELDS`, and the :data:`RECORD_FIELDS`
+    of the records it holds (the top-K pair, the routing pair: not empty, i.e. recorded)."""
+    named = dict(zip(BATCH_FIELDS + RECORD_FIELDS, batch))
+    arrays = {k: named[k] for k in BATCH_FIELDS}
+    for pair in (RECORD_FIELDS[:2], RECORD_FIELDS[2:]):
+        if all(k in named and np.size(named[k]) for k in pair):
+            arrays.update((k, named[k]) for k in pair)
+    return arrays
+
+
+def expected_batch(rows: int, prompt_width: int, max_new_tokens: int, *, behaviour_topk: int = 0,
+                   vocab_size: int | None = None, routing: tuple[int, int, int] | None = None
+                   ) -> dict[str, tuple]:
+    """What a rollout of ``rows`` rows must return, name -> (shape, dtype) or (shape, dtype,
+    bound) for id arrays (every value in [0, bound)).
+
+    Args:
+      rows, prompt_width, max_new_tokens: B, P (BOS included) and N.
+      behaviour_topk: K > 0: the behaviour top-K [B, N, K] (log-probs float32, ids int32 below
+        ``vocab_size`` when given).
+      routing: (MoE layers L, top-k k, expert count E): the routing record [B, P + N - 1, L, k]
+        (experts in the smallest unsigned int holding E, below E; gates float32).
+    """
+    n = max_new_tokens
+    out: dict[str, tuple] = {
+        "prompts": ((rows, prompt_width), "int32"), "prompt_lengths": ((rows,), "int32"),
+        "tokens": ((rows, n), "int32"), "mask": ((rows, n), "float32"),
+        "behaviour_logp": ((rows, n), "float32"), "rewards": ((rows,), "float32"),
+        "versions": ((rows, n), "int32")}
+    if behaviour_topk:
+        out["behaviour_topk_logp"] = ((rows, n, behaviour_topk), "float32")
+        out["behaviour_topk_ids"] = ((rows, n, behaviour_topk), "int32") + ((vocab_size,) if vocab_size else ())
+    if routing is not None:
+        layers, k, n_experts = routing
+        shape = (rows, prompt_width + n - 1, layers, k)
+        dtype = next(d for d in ("uint8", "uint16", "uint32") if n_experts - 1 <= np.iinfo(d).max)
+        out["routing_experts"] = (shape, dtype, n_experts)
+        out["routing_gates"] = (shape, "float32")
+    return out
+
+
 def encode_batch(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
     """A BTCH body: header (with each array's shape and dtype added) and the arrays."""
     head = dict(header, arrays={k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()})
@@ -192,10 +241,11 @@ def encode_batch(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
     return _LEN.pack(len(head_bytes)) + head_bytes + buf.getvalue()
 
 
-def decode_batch(body, expected: dict[str, tuple[tuple[int, ...], str]], who: str
-                 ) -> tuple[dict, dict[str, np.ndarray]]:
+def decode_batch(body, expected: dict[str, tuple], who: str) -> tuple[dict, dict[str, np.ndarray]]:
     """(header, arrays) of a BTCH body whose arrays must be exactly ``expected`` (name ->
-    (shape, dtype)); RolloutRefused naming ``who`` and the first difference otherwise."""
+    (shape, dtype) or (shape, dtype, bound): ids in [0, bound), :func:`expected_batch`);
+    RolloutRefused naming ``who`` and the first difference otherwise. Nothing is returned (so
+    nothing can be used) unless every array passes."""
     view = memoryview(body)
     if view.nbytes < _LEN.size:
         raise RolloutRefused(f"{who}: batch frame of {view.nbytes} bytes has no header")
@@ -208,13 +258,17 @@ def decode_batch(body, expected: dict[str, tuple[tuple[int, ...], str]], who: st
         raise RolloutRefused(f"{who}: batch arrays unreadable ({e})") from None
     if set(arrays) != set(expected):
         raise RolloutRefused(f"{who}: batch has arrays {sorted(arrays)}, expected {sorted(expected)}")
-    for name, (shape, dtype) in expected.items():
+    for name, (shape, dtype, *bound) in expected.items():
         got = arrays[name]
         if tuple(got.shape) != tuple(shape) or str(got.dtype) != dtype:
             raise RolloutRefused(f"{who}: batch array {name!r} is {got.dtype}{list(got.shape)}, "
                                  f"expected {dtype}{list(shape)}")
+        if bound and got.size and not (0 <= got.min() and got.max() < bound[0]):
+            bad = got[(got < 0) | (got >= bound[0])].reshape(-1)[0]
+            raise RolloutRefused(f"{who}: batch array {name!r} holds id {bad}; valid: ids in [0, {bound[0]})")
     return header, arrays
 
 
-__all__ = ["BATCH_FIELDS", "KINDS", "ROLES", "RemoteConfig", "RolloutLost", "RolloutRefused",
-           "decode_batch", "encode_batch", "parse_endpoint", "parse_reset", "parse_roll"]
+__all__ = ["BATCH_FIELDS", "KINDS", "RECORD_FIELDS", "ROLES", "RemoteConfig", "RolloutLost", "RolloutRefused",
+           "batch_arrays", "decode_batch", "encode_batch", "expected_batch", "parse_endpoint", "parse_reset",
+           "parse_roll"]

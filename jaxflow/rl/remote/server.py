@@ -327,7 +327,7 @@ class RolloutService:
             params = self._params(version, digest)
             batch = self.worker.generate(params, prompts, key, version=version)
         self.rollouts_served += 1
-        arrays = dict(zip(P.BATCH_FIELDS, batch))
+        arrays = P.batch_arrays(batch)  # the records (sis_b top-K, R3 routing) when taken
         return P.encode_batch({"version": version, "digest": digest,
                                "sample_seconds": time.perf_counter() - t0}, arrays)
 
