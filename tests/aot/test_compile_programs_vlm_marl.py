@@ -2,7 +2,7 @@
 abstract TPU v5e (``v5e:2x2``, 4 chips) and 2 H100s with the real compilers, and fits the chip.
 
 Each experiment runs a small variant (``quick`` with two layers run as one scan over the
-layers, as the ``full`` variants run their LM blocks, one candidate split for
+layers, as the ``full`` variants run their LM blocks and FlowTrain's ViT blocks, one candidate split for
 FlowTrain, micro-batches as large as the version for FlexMARL, the engine benchmark on the
 rollout's own shapes): small enough that each program compiles in seconds, with every program
 kind the production variant has. Programs are built on the meshes
@@ -35,7 +35,8 @@ TARGETS = {"v5e-2x2": ("v5e", "v5e:2x2"), "h100x2": ("h100", "1x1x2")}
 WIDE_HEADS = ["solver.head_dim_override=64", "verifier.d_model=64", "verifier.d_ff=128",
               "verifier.n_heads=4", "verifier.n_kv_heads=4", "verifier.head_dim_override=64"]
 SMALL = {
-    "flowtrain": ["model.n_layers=2", "model.scan_layers=True", "train.batch_size=8",
+    "flowtrain": ["model.n_layers=2", "model.scan_layers=True", "vit.n_layers=2",
+                  "vit.scan_layers=True", "train.batch_size=8",
                   "train.eval_examples=8", "allocator.encoder_candidates=1"],
     "flexmarl": ["solver.n_layers=2", "solver.scan_layers=True", "verifier.scan_layers=True",
                  "micro_inputs=4", "bench_tokens=6", "bench_rows=4", "bench_chunk=2",
