@@ -31,8 +31,8 @@ from jaxflow.rollout import EngineConfig, RolloutEngine
 MOE = TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=32, max_seq_len=24,
                         n_experts=8, n_experts_per_token=2, d_ff_expert=16)
 G, P, N = 2, 6, 7
-LENGTHS = np.array([6, 2, 4], np.int32)
-EOS = 20  # drawn early by rows 0 and 1 of this seed: sequences end at EOS
+LENGTHS = np.array([6, 1, 4], np.int32)  # a 1-token prompt: nothing to prefill, all recorded by decode
+EOS = 20  # drawn early by three rows of this seed: sequences end at EOS
 SAMPLING = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_id=EOS)
 LOGPROB_ATOL = 1e-5
 
