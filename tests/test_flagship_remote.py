@@ -81,6 +81,7 @@ def single(tmp_path_factory):
         tmp / "single" / "metrics.jsonl")
 
 
+@pytest.mark.multiprocess
 def test_trainer_and_rollout_jobs_equal_the_one_job_run(single):
     tmp, s1, rows1 = single
     (tcode, _, terr), (rcode, _, rerr) = _two_jobs(tmp, "pair")
