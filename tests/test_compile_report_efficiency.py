@@ -74,6 +74,10 @@ def test_comparison_sits_beside_maxtexts_published_figure_for_the_chip():
     assert "roofline MFU bound" in text[0] and "MFU estimate" in text[0]
     assert "50.0%" in text[1] and "45.5% (Llama-3.1-8B, 256 chips" in text[1]
     assert text[2].endswith("none published")
+    assert efficiency.missing_chips(rows) == [
+        "v5p: no compile report given (MaxText: none published)"]
+    assert efficiency.missing_chips([])[1] == (
+        "v6e: no compile report given (MaxText: Llama-3.1-8B 45.46% on 256 chips, SL 8192)")
     seventy = efficiency.comparison_rows([_report("v5p", "tpu-v5p:8x8x8", times)],
                                          model="Llama-3-70B")
     assert seventy[0]["maxtext"] is None  # v5p: MaxText publishes Llama-2-70B, not Llama-3
