@@ -188,6 +188,19 @@ def test_a_spread_of_one_round_is_shown_as_none(root, tmp_path):
     assert "| 1.2x | one round only, no spread |" in page and "[1.2, 1.2]" not in page
 
 
+def test_a_headline_note_is_shown_wherever_its_figure_is(root, tmp_path):
+    noted = _headline() | {"stale": True, "note": "(stale calibration: measured code changed since abc)"}
+    run = _run_dir(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps(summary | {"headlines": [noted]}))
+    results.record_run(run, root=root, load_start=1.5, load_end=2.0)
+    results.render_all(root, [EXP])
+    page = (root / "docs" / "experiments" / f"{EXP}.md").read_text()
+    assert "Fused is 1.25x [1.1, 1.4] (stale calibration: measured code changed since abc) (" in page
+    assert "| 1.25x (stale calibration: measured code changed since abc) |" in page
+    assert "(stale calibration: measured code changed since abc)" in (root / "experiments" / "README.md").read_text()
+
+
 def test_measured_hash_reads_contents_and_honours_excludes(tmp_path):
     (tmp_path / "pkg" / "sim").mkdir(parents=True)
     (tmp_path / "pkg" / "a.py").write_text("a")

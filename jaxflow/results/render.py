@@ -85,6 +85,11 @@ def figures(record: Mapping) -> list[dict]:
              "target_text": "", "met": None} for k, v in (record.get("key_figures") or {}).items()]
 
 
+def _note(fig: Mapping) -> str:
+    """`` (the headline's own note)``, e.g. a simulator's stale calibration, or nothing."""
+    return f" {fig['note']}" if fig.get("note") else ""
+
+
 def _met(value) -> str:
     return {True: "yes", False: "**no**"}.get(value, "n/a")
 
@@ -128,7 +133,7 @@ def lookup_figure(records: Mapping[str, list], stale: Staleness):
     def value(fig: Mapping) -> str:
         spread = f" [{number(fig['spread']['low'])}, {number(fig['spread']['high'])}]" \
             if has_spread(fig.get("spread")) else ""
-        return f"{with_unit(fig['value'], fig.get('unit'))}{spread}"
+        return f"{with_unit(fig['value'], fig.get('unit'))}{spread}{_note(fig)}"
 
     def lookup(experiment: str, name: str) -> str | None:
         recs = records.get(experiment)
@@ -165,7 +170,8 @@ def render_page(name: str, template: str, records: Mapping[str, list], stale: St
             load = rec.get("load") or {}
             for fig in figures(rec):
                 rows.append([rec["machine"]["short"], rec["variant"], fig["name"],
-                             with_unit(fig["value"], fig.get("unit")), spread_text(fig.get("spread"), fig.get("unit")),
+                             with_unit(fig["value"], fig.get("unit")) + _note(fig),
+                             spread_text(fig.get("spread"), fig.get("unit")),
                              _baseline(fig), fig.get("target_text") or "n/a", _met(fig.get("met")),
                              f"{load.get('start_1min')} / {load.get('end_1min')}",
                              _commit(rec),
@@ -206,6 +212,7 @@ def _headline_cells(name: str, records: Mapping[str, list], stale: Staleness) ->
     head = f"{fig['name']}: {with_unit(fig['value'], fig.get('unit'))}{base}"
     if has_spread(fig.get("spread")):
         head += f" [{number(fig['spread']['low'])}, {number(fig['spread']['high'])}]"
+    head += _note(fig)
     if not rec.get("headlines"):
         head += " (key figure; no headline declared)"
     machines = len(newest_per_machine(recs))
