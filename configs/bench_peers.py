@@ -27,8 +27,8 @@ G slots; tunix's ``Sampler`` gets each prompt repeated G times, as its GRPO lear
 ``grpo_iteration``: one GRPO iteration on that work (rollout at temperature 1, rewards: the
 fraction of even token ids, group advantages, one AdamW update with ``grpo_learning_rate``, no
 KL, no separate old-policy pass): jaxflow's ``GRPOTrainer`` vs tunix's ``GRPOLearner``
-(``tunix_grpo``), the same checkpoint (logits checked to 1e-5), prompts, G, lengths and optimizer.
-Not yet here: a GRPO step vs TRL (its venv is created; its arm is not written).
+(``tunix_grpo``) and TRL's ``GRPOTrainer`` (``trl_grpo``, torch on the CPU), the same checkpoint
+(logits checked to 1e-5), prompts, G, lengths and optimizer.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import dataclasses
 from jaxflow.config import Variants
 from jaxflow.config_domains import COUNT, COUNT0, POSITIVE, SEED, domains
 
-DESCRIPTION = ("jaxflow vs its peers (TorchRec embeddings, tunix generation and GRPO) on the same work, "
+DESCRIPTION = ("jaxflow vs its peers (TorchRec embeddings, tunix generation and GRPO, TRL GRPO) on the same work, "
                "alternated rounds, wall / CPU ratios")
 ENTRY = "jaxflow.main.bench_peers:main"
 HEADLINES = "jaxflow.study.headlines_bench:driver_headlines"  # the driver's own (jaxflow.bench.peers.cases.headlines)

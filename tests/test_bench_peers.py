@@ -211,11 +211,14 @@ def test_grpo_iteration_case_gives_both_arms_the_same_work(tmp_path):
     specs, skipped = cases.build_cases(config, str(tmp_path), {"tunix": config.peers.tunix_python})
     assert [s.name for s in specs["grpo_iteration"]] == ["jaxflow"]
     assert "no interpreter at" in skipped["grpo_iteration"]["tunix_grpo"]  # listed, not raised
-    specs, skipped = cases.build_cases(config, str(tmp_path), {"tunix": sys.executable})
-    ours, peer = specs["grpo_iteration"]
+    assert skipped["grpo_iteration"]["trl_grpo"] == "no interpreter configured"
+    specs, skipped = cases.build_cases(config, str(tmp_path), {"tunix": sys.executable, "trl": sys.executable})
+    ours, peer, trl = specs["grpo_iteration"]
     assert peer.name == "tunix_grpo" and peer.command[1].endswith("tunix_arm.py") and skipped["grpo_iteration"] == {}
+    assert trl.name == "trl_grpo" and trl.command[1].endswith("trl_arm.py")
     shared = {k: v for k, v in ours.case.items() if k != "logits_out"}
-    assert shared == {k: v for k, v in peer.case.items() if k != "logits_out"}  # the same work, file for file
+    for arm in (peer, trl):  # the same work, file for file
+        assert shared == {k: v for k, v in arm.case.items() if k != "logits_out"}
     assert ours.case["kind"] == "grpo" and ours.case["group_size"] == 3
     assert ours.case["optimizer"] == dict(cases.GRPO_OPTIMIZER, lr=0.25)
     # the arms' prompts as the trainer's task sees them, and the reward every arm computes
@@ -230,5 +233,9 @@ def test_grpo_iteration_case_gives_both_arms_the_same_work(tmp_path):
     spec = importlib.util.spec_from_file_location("tunix_arm", peer.command[1])  # the peer's script, no tunix import
     tunix_arm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tunix_arm)
-    for text in ("2 3 4 7", "1 3", "0 8 38 12 5"):  # the peer's reward is jaxflow's
-        assert tunix_arm.even_token_reward(text) == jaxflow_arm.even_token_reward(text)
+    spec = importlib.util.spec_from_file_location("trl_arm", trl.command[1])  # no torch / trl import at the top
+    trl_arm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trl_arm)
+    for text in ("2 3 4 7", "1 3", "0 8 38 12 5"):  # the peers' reward is jaxflow's
+        ours = jaxflow_arm.even_token_reward(text)
+        assert tunix_arm.even_token_reward(text) == trl_arm.even_token_reward([int(t) for t in text.split()]) == ours

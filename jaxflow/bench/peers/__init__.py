@@ -1,4 +1,4 @@
-"""jaxflow and its peers (TorchRec, tunix; TRL to follow) on the same work, measured inside the
+"""jaxflow and its peers (TorchRec, tunix, TRL) on the same work, measured inside the
 project (the ``bench_peers`` experiment): each arm is a process of its own, the peers' run by their
 own interpreters (``scripts/peer_venvs.sh``), and they take turns in alternated rounds.
 
@@ -12,6 +12,7 @@ Modules:
   torchrec_arm  TorchRec's fused / unfused embedding arms (a script for the TorchRec venv)
   tunix_arm     tunix's Sampler on the generation cases, its GRPOLearner on the GRPO iteration
                 (a script for the tunix venv)
+  trl_arm       TRL's GRPOTrainer on the GRPO iteration (a script for the TRL venv)
 """
 
 # the arm modules are run as programs (``-m`` / a script path), so the package does not import them
@@ -20,6 +21,6 @@ from jaxflow.bench.peers.cases import build_cases, summarize_case
 from jaxflow.bench.peers.harness import ArmError, ArmProcess, ArmSpec, pair_ratios, run_alternated
 
 __all__ = [
-    "arm_protocol", "cases", "harness", "jaxflow_arm", "torchrec_arm", "tunix_arm", "workloads",
+    "arm_protocol", "cases", "harness", "jaxflow_arm", "torchrec_arm", "trl_arm", "tunix_arm", "workloads",
     "ArmError", "ArmProcess", "ArmSpec", "build_cases", "pair_ratios", "run_alternated", "summarize_case",
 ]

@@ -23,7 +23,8 @@ missing is not an error: the case lists it under ``not_run`` with the reason.
   grpo_iteration: one GRPO iteration (rollout of the generation_grpo work, rewards, group
       advantages, one AdamW update with global-norm clipping; no KL, no separate old-policy
       pass) by :class:`jaxflow.rl.grpo.GRPOTrainer` vs tunix's ``GRPOLearner`` (``tunix_grpo``),
-      the same checkpoint (logits checked as above), prompts, G, lengths, reward and optimizer.
+      the same checkpoint (logits checked as above), prompts, G, lengths, reward and optimizer;
+      and vs TRL's ``GRPOTrainer`` (``trl_grpo``, torch on the CPU, the same work).
 """
 
 from __future__ import annotations
@@ -122,7 +123,12 @@ def _grpo_arms(config, directory: str, ok: Mapping[str, str], missing: Mapping[s
         arms.append(ArmSpec("tunix_grpo", "tunix", arm_command("tunix", ok["tunix"]),
                             dict(case, logits_out=os.path.join(directory, "logits_tunix_grpo.bin"))))
     else:
-        skipped["tunix_grpo"] = missing["tunix"]
+        skipped["tunix_grpo"] = missing.get("tunix", "no interpreter configured")
+    if "trl" in ok:
+        arms.append(ArmSpec("trl_grpo", "trl", arm_command("trl", ok["trl"]),
+                            dict(case, logits_out=os.path.join(directory, "logits_trl_grpo.bin"))))
+    else:
+        skipped["trl_grpo"] = missing.get("trl", "no interpreter configured")
     return arms
 
 
