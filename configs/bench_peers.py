@@ -2,7 +2,7 @@
 alternated rounds: wall and CPU-second ratios with their ranges, memory, and the load.
 
     bash scripts/peer_venvs.sh                                   # once: /work/.venv-peers/{torchrec,tunix,trl}
-    python -m jaxflow.run --exp=bench_peers --variant=quick      # small shapes, 4 rounds (10 min at load 28 on 2 cores)
+    python -m jaxflow.run --exp=bench_peers --variant=quick      # small shapes, 4 rounds (~17 min at load 25, 2 cores)
     python -m jaxflow.run --exp=bench_peers --variant=full       # the shapes, 10 rounds
     python -m jaxflow.run --exp=bench_peers --set peers.torchrec_python=/path/to/python
 
