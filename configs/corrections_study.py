@@ -26,9 +26,13 @@ quick synthetic rollout, run once per run directory after the cells (the cells g
 machine's CPU first) and kept in ``overheads.json``; SIS's figure from
 the latest ``bench_policy_loss`` record in ``experiments/results`` too, when there is one.
 
-    python -m jaxflow.run --exp=corrections_study --variant=quick     # ~2 min on 2 CPU cores
+    python -m jaxflow.run --exp=corrections_study --variant=quick     # 18 cells, ~4 CPU-minutes
     python -m jaxflow.run --exp=corrections_study --out /work/studies/corrections   # the study
     python -m jaxflow.run --exp=corrections_study --out /work/studies/corrections --resume
+
+The default study is 640 cells (GRPO and DAPO: 16 lag-1 controls, 19 corrections x 8 seeds in
+each dense regime; 16 MoE cells), ~40-50 CPU-seconds each (a 30-rollout cell with three
+held-out evaluations; measured at nice 19 under load ~20: 334 s wall): ~8 CPU-hours.
 
 Cells resume: the finished ones in ``cells.jsonl`` count as done, the running one restarts from
 its checkpoint; ``reuse`` adds other run directories' finished cells (labels equal
@@ -150,8 +154,9 @@ def _default() -> Config:
 
 
 def _quick() -> Config:
-    """Every code path in ~2 min: none, sis_b (the behaviour top-K) and icepop (a menu entry) in
-    both regimes, the MoE cells with and without R3, GRPO, 2 seeds, 6 rollouts."""
+    """Every code path in ~4 CPU-minutes (236 CPU-s measured, warm starts cached): none, sis_b
+    (the behaviour top-K) and icepop (a menu entry) in both regimes, the MoE cells with and
+    without R3, GRPO, 2 seeds, 6 rollouts."""
     study = StudyGrid(algos=("grpo",), corrections=("none", "sis_b", "icepop"), seeds=2, overhead_pairs=3)
     return Config(study=study, train=ScheduleConfig(rollouts=6, eval_every=3, eval_examples=64,
                                                     eval_samples=2, checkpoint_every=3))
