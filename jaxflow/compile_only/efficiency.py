@@ -179,7 +179,7 @@ def comparison_table(rows: list[dict]) -> str:
                      for row in out)
 
 
-#: The chips the comparison covers (issue 57: v5p, v6e, H100).
+#: The chips the comparison covers: a TPU v5p and a v6e pod, and NVIDIA H100s.
 COMPARED_CHIPS = ("v5p", "v6e", "h100")
 
 
