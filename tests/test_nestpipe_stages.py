@@ -29,6 +29,7 @@ from jaxflow.nestpipe.device_stages import (
 )
 from jaxflow.nestpipe.sharded import UPDATE_BACKENDS, MeshStages, OwnerBuffer, owner_update_backend
 from jaxflow.train.state import TrainState
+from pallas_kernels import dispatch
 
 SPECS = [TableSpec("a", 40, 4, "row_wise", "sum"), TableSpec("b", 21, 4, "row_wise", "sum")]
 B, BAG, F, LR = 64, 2, 3, 0.1
@@ -172,8 +173,9 @@ def update_inputs(st, seed=7):
     return rows, accum, inverse, recv, g_params, rng.random(8).astype(np.float32)
 
 
-def run_update(mesh, st, rows, opt, inverse, recv, g_params, losses):
-    """``apply_update`` on every device of ``st``'s mesh from a fresh Adam state."""
+def update_program(mesh, st, rows, opt, inverse, recv, g_params, losses):
+    """(Adam, ``apply_update`` jitted over every device of ``st``'s mesh, its arguments from a
+    fresh Adam state)."""
     tx = optax.adam(1e-2)
     replicated = NamedSharding(mesh, P())
     state = TrainState.create(tx, params(), jax.tree.map(lambda _: replicated, params()))
@@ -185,7 +187,13 @@ def run_update(mesh, st, rows, opt, inverse, recv, g_params, losses):
     sh = P(AXIS)
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), sh, sh, sh, sh, sh, sh),
                                out_specs=(P(), sh, sh, P()), check_vma=False))
-    return tx, fn(state, *st.shard((rows, opt, inverse, g_params, recv, losses)))
+    return tx, fn, (state, *st.shard((rows, opt, inverse, g_params, recv, losses)))
+
+
+def run_update(mesh, st, *inputs):
+    """(Adam, ``apply_update``'s outputs on every device of ``st``'s mesh)."""
+    tx, fn, args = update_program(mesh, st, *inputs)
+    return tx, fn(*args)
 
 
 @pytest.mark.parametrize("update_backend", ["xla", "host_kernel"])
@@ -252,6 +260,20 @@ def test_host_kernel_update_equals_the_xla_update(mesh, optimizer):
     assert idle[:, -1].all()  # slots nobody asked for come back untouched
     np.testing.assert_array_equal(np.asarray(got[1])[idle.reshape(-1)], rows[idle.reshape(-1)])
     assert not np.array_equal(np.asarray(got[1]), rows)
+
+
+def test_update_kernel_only_in_programs_built_for_cpu(mesh, monkeypatch):
+    """``auto`` builds the kernel into CPU programs; the same stages traced for a TPU target
+    (``dispatch.backend_platform``, as the lowering gate does) update in XLA."""
+    st = stages_for(mesh)
+    rows, accum, inverse, recv, g_params, losses = update_inputs(st)
+    inputs = (rows, {"accum": accum}, inverse, recv, g_params, losses)
+    _, fn, args = update_program(mesh, st, *inputs)
+    assert "jaxflow_embedding_fused_update" in fn.lower(*args).as_text()
+    monkeypatch.setattr(dispatch, "backend_platform", lambda: "tpu")
+    _, fn, args = update_program(mesh, st, *inputs)
+    text = fn.lower(*args).as_text()
+    assert "jaxflow_embedding_fused_update" not in text and "scatter" in text
 
 
 def test_update_backend_choice_and_errors(mesh):
