@@ -402,7 +402,7 @@ def _probe() -> str | None:
     want_table, want_accum, want_stats = table.copy(), accum.copy(), np.zeros(2, np.int32)
     update_numpy(want_table, want_accum, keys, desc, grad, np.array([0.1, 1e-8], np.float32),
                  np.array([KIND_ADAGRAD, 8], np.int32), want_stats)
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]  # this process's own (a multi-process job's first is not)
     args = jax.device_put((table, accum, keys, grad), cpu)
     got_pool = jax.jit(lambda t, k: pool_from_table(t, k, desc, n_bags))(args[0], args[2])
     got = jax.jit(lambda t, a, k, g: fused_update(t, a, k, desc, g, KIND_ADAGRAD, 0.1, 1e-8, 8))(*args)
