@@ -52,7 +52,7 @@ from jaxflow.train.state import TrainState
 # %% [markdown]
 # The program: the library's LM train step (`make_train_step`), built for a mesh and described
 # by abstract arguments (`jax.ShapeDtypeStruct` with shardings), so no parameter is ever
-# created. `Program` also carries the analytic FLOPs, for the MFU estimate.
+# created. `Program` also carries the analytic FLOPs, for the roofline MFU bound and the MFU estimate.
 
 # %%
 cfg = TransformerConfig(vocab_size=1024, d_model=256, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=1024,
@@ -104,4 +104,4 @@ for entry in entries:
           "collectives:", entry["collectives"])
     assert entry["status"] == "ok" and entry["memory"]["fits"], entry.get("error")
     assert entry["memory"]["total_bytes"] < entry["memory"]["capacity_bytes"]
-    assert entry["collective_bytes"] > 0 and entry["mfu"] is not None
+    assert entry["collective_bytes"] > 0 and entry["roofline_mfu_bound"] is not None and entry["mfu_estimate"] is not None
