@@ -109,13 +109,18 @@ def build_cases(config, work_dir: str, pythons: Mapping[str, str]) -> tuple[dict
     return specs, skipped
 
 
-def _grpo_arms(config, directory: str, ok: Mapping[str, str], missing: Mapping[str, str],
-               skipped: dict) -> list[ArmSpec]:
-    case = generation_case(directory, vocab=config.gen_vocab, d_model=config.gen_d_model, layers=config.gen_layers,
+def _config_case(config, directory: str, **extra) -> dict:
+    """``generation_case`` with the config's model, lengths, warm-up and seed (+ ``extra``)."""
+    return generation_case(directory, vocab=config.gen_vocab, d_model=config.gen_d_model, layers=config.gen_layers,
                            heads=config.gen_heads, kv_heads=config.gen_kv_heads, d_ff=config.gen_d_ff,
                            sequences=config.gen_sequences, prompt_len=config.gen_prompt_len,
                            max_new=config.gen_max_new, page_size=config.gen_page_size, warmup=config.warmup,
-                           seed=config.seed, group_size=config.gen_group_size)
+                           seed=config.seed, **extra)
+
+
+def _grpo_arms(config, directory: str, ok: Mapping[str, str], missing: Mapping[str, str],
+               skipped: dict) -> list[ArmSpec]:
+    case = _config_case(config, directory, group_size=config.gen_group_size)
     case = dict(case, kind="grpo", seed=config.seed, optimizer=dict(GRPO_OPTIMIZER, lr=config.grpo_learning_rate))
     arms = [ArmSpec("jaxflow", "jaxflow", arm_command("jaxflow"),
                     dict(case, logits_out=os.path.join(directory, "logits_jaxflow.bin")))]
@@ -134,12 +139,8 @@ def _grpo_arms(config, directory: str, ok: Mapping[str, str], missing: Mapping[s
 
 def _generation_arms(config, directory: str, ok: Mapping[str, str], missing: Mapping[str, str],
                      skipped: dict) -> list[ArmSpec]:
-    case = generation_case(directory, vocab=config.gen_vocab, d_model=config.gen_d_model, layers=config.gen_layers,
-                           heads=config.gen_heads, kv_heads=config.gen_kv_heads, d_ff=config.gen_d_ff,
-                           sequences=config.gen_sequences, prompt_len=config.gen_prompt_len,
-                           max_new=config.gen_max_new, page_size=config.gen_page_size, warmup=config.warmup,
-                           seed=config.seed, long_tail=directory.endswith("long_tail"),
-                           group_size=config.gen_group_size if directory.endswith("grpo") else 1)
+    case = _config_case(config, directory, long_tail=directory.endswith("long_tail"),
+                        group_size=config.gen_group_size if directory.endswith("grpo") else 1)
     engine = {"decode_steps": config.gen_decode_steps, "prefill_rows": config.gen_prefill_rows or config.gen_sequences}
     if config.gen_loop_steps:  # the engine's multi-step decode loop; the option exists only where the engine has it
         engine["loop_steps"] = config.gen_loop_steps
