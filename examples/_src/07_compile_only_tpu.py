@@ -104,4 +104,5 @@ for entry in entries:
           "collectives:", entry["collectives"])
     assert entry["status"] == "ok" and entry["memory"]["fits"], entry.get("error")
     assert entry["memory"]["total_bytes"] < entry["memory"]["capacity_bytes"]
-    assert entry["collective_bytes"] > 0 and entry["roofline_mfu_bound"] is not None and entry["mfu_estimate"] is not None
+    assert entry["collective_bytes"] > 0
+    assert entry["roofline_mfu_bound"] is not None and entry["mfu_estimate"] is not None
