@@ -199,12 +199,12 @@ def test_kernels_under_a_mesh_split_heads_over_model(backend):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
 
 
-def _ragged(dtype, seed=1):
+def _ragged(dtype, seed=1, d=128):
     """A ragged batch over the combined pool: a decode row (1 query, 17 tokens), a chunk of 5
     continuing a 4-token prefix, a fresh 3-token prefill, then one unused row; 2 padding
-    query tokens. D = 128: the ragged kernel's minimum."""
+    query tokens. D = 128: the ragged kernel's lane width (64: its padded layout)."""
     rng = np.random.default_rng(seed)
-    h, kvh, d, s, pool = 4, 2, 128, 8, 24
+    h, kvh, s, pool = 4, 2, 8, 24
     q = jnp.asarray(rng.normal(size=(11, h, d)), dtype)
     kp, vp = (jnp.asarray(rng.normal(size=(kvh, pool, s, d)), dtype) for _ in range(2))
     table = jnp.asarray(rng.permutation(pool)[:16].reshape(4, 4), jnp.int32)
@@ -260,3 +260,35 @@ def test_ragged_bad_input_is_named():
         pa.ragged_paged_attention(q, kv, kv_lens, table, cu[:4], n)
     with pytest.raises(ValueError, match="backend 'gpu'; valid: auto, xla, tpu"):
         pa.ragged_paged_attention(q, kv, kv_lens, table, cu, n, backend="gpu")
+
+
+def test_tpu_ragged_at_head_dim_64_runs_in_the_padded_layout(monkeypatch):
+    """head_dim 64: the ragged kernel sees 128 lanes (q and an unpadded pool padded, a pool
+    stored padded as it is) with the true D^-0.5 scale, and the output loses the padded lanes.
+    The kernel does not run in jax 0.10.2's TPU interpreter (module docstring): the wrapper is
+    run around upstream's ``ref_ragged_paged_attention`` in its place and must give the XLA
+    reference (f32, atol 1e-6); the gate compiles the kernel itself at these widths."""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as upstream
+
+    q, kp, vp, kv_lens, table, cu, n = _ragged(jnp.float32, d=64)
+    kv = pa.combine_kv_pages(kp, vp)
+    args = (kv_lens, table, cu, n)
+    assert _pallas_operand_widths(lambda *a: pa.tpu_ragged_paged_attention(q, *a), kv, *args) == {128}
+    seen = []
+
+    def kernel(q, kv_pages, *rest, sm_scale, **blocks):
+        seen.append((q.shape[-1], kv_pages.shape[-1], sm_scale))
+        return upstream.ref_ragged_paged_attention(q, kv_pages, *rest, sm_scale=sm_scale)
+
+    monkeypatch.setattr(upstream, "ragged_paged_attention", kernel)
+    want = np.asarray(pa.ragged_paged_attention(q, kv, *args, backend="xla"))
+    padded_kv = jnp.pad(kv, [(0, 0)] * 3 + [(0, 64)])
+    np.testing.assert_array_equal(  # the xla reference cuts a padded pool: same result
+        np.asarray(pa.ragged_paged_attention(q, padded_kv, *args, backend="xla")), want)
+    for pool in (kv, padded_kv):
+        got = np.asarray(pa.tpu_ragged_paged_attention(q, pool, *args))
+        assert got.shape == (9, 4, 64)  # upstream's reference returns the real tokens only
+        np.testing.assert_allclose(got, want[:9], rtol=0, atol=1e-6)
+    assert seen == [(128, 128, 64**-0.5)] * 2
+    with pytest.raises(ValueError, match=r"D=64\] \(or D=128, the padded layout\)"):
+        pa.ragged_paged_attention(q, kv[..., :32], *args)

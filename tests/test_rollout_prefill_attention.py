@@ -55,3 +55,17 @@ def test_auto_on_cpu_is_the_xla_arithmetic_and_bad_input_is_named():
         pf.prefill_attention(q[0], k, v, table, start, n_valid)
     with pytest.raises(ValueError, match="runs on tpu only"):
         pf.prefill_attention(q, k, v, table, start, n_valid, backend="tpu")
+
+
+def test_pools_stored_padded_give_the_unpadded_result():
+    """The engine's padded layout (pools of 128 lanes, zeros past D): the xla attention and the
+    ragged route (through the ragged xla reference) return what they return on the unpadded
+    pools, bit for bit (both cut the zero lanes before any arithmetic)."""
+    q, k, v, table, start, n_valid = _problem(2)
+    pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, 128 - D)])  # noqa: E731
+    for fn in (pf.xla_prefill_attention,
+               lambda *a: pf.ragged_prefill_attention(*a, backend="xla")):
+        want = np.asarray(fn(q, k, v, table, start, n_valid))
+        got = np.asarray(fn(q, pad(k), pad(v), table, start, n_valid))
+        assert got.shape == (R, C, H, D) and np.abs(want).max() > 0
+        np.testing.assert_array_equal(got, want)

@@ -10,7 +10,8 @@ prefixes, weights updated in place -- and its paged decode attention.
 Modules, one idea each:
 
 * ``pages``: the host page allocator (page 0 is the null page; reference counts; reservations,
-  so an admitted request never finds the pool empty and nothing is preempted).
+  so an admitted request never finds the pool empty and nothing is preempted) and the pool's
+  head width (``pool_head_dim``: 128 lanes where decode runs the TPU kernel, else head_dim).
 * ``scheduler``: requests (a prompt and its G sequences), FIFO admission, chunked prefill of
   each prompt ONCE per group, slot assignment with copy-on-write of the prompt's partial last
   page (the full pages are shared by reference count), retirement at EOS / max_new_tokens.

@@ -39,7 +39,7 @@ from jaxflow.models.transformer import Transformer, TransformerConfig
 from jaxflow.rollout.decode_loop import loop_min_live, make_decode_loop
 from jaxflow.rollout.model_step import empty_pools, make_steps
 from jaxflow.rollout.paged_attention import PAGED_BACKENDS
-from jaxflow.rollout.pages import pages_for
+from jaxflow.rollout.pages import pages_for, pool_head_dim
 from jaxflow.rollout.records import EngineOutput, RequestOutput, RoutingRecord
 from jaxflow.rollout.scheduler import Request, Scheduler, copy_batches, hook_init_arrays, request_arrays
 from jaxflow.rollout.scheduler import Sequence as Seq
@@ -222,9 +222,14 @@ class RolloutEngine:
             self.graphdef, self.steps.one_step, sampling, page_size=config.page_size,
             pages_per_seq=width, narrow=config.narrow_tables, max_steps=config.loop_steps,
             mesh=mesh)
+        self.pool_head_dim = pool_head_dim(  # 128 lanes where decode runs the TPU kernel
+            n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.n_kv_heads, head_dim=model_cfg.head_dim,
+            rows=config.slots, num_pages=config.num_pages, page_size=config.page_size,
+            pages_per_seq=width, dtype=model_cfg.compute_dtype, backend=config.attention,
+            interpret=config.interpret, mesh=mesh)
         self.pools = empty_pools(n_layers=model_cfg.n_layers, n_kv_heads=model_cfg.n_kv_heads,
                                  num_pages=config.num_pages, page_size=config.page_size,
-                                 head_dim=model_cfg.head_dim, dtype=model_cfg.compute_dtype,
+                                 head_dim=self.pool_head_dim, dtype=model_cfg.compute_dtype,
                                  mesh=mesh)
         self.scheduler = Scheduler(slots=config.slots, page_size=config.page_size,
                                    num_pages=config.num_pages, pages_per_seq=width,
@@ -247,9 +252,10 @@ class RolloutEngine:
     @property
     def page_bytes(self) -> int:
         """KV bytes of one page over all layers (keys and values): peak KV bytes of a run are
-        ``stats.peak_pages * page_bytes``; the pool's ``config.num_pages * page_bytes``."""
+        ``stats.peak_pages * page_bytes``; the pool's ``config.num_pages * page_bytes`` (at the
+        pool's stored head width, ``pool_head_dim``)."""
         c = self.model_config
-        return (2 * c.n_layers * c.n_kv_heads * self.config.page_size * c.head_dim
+        return (2 * c.n_layers * c.n_kv_heads * self.config.page_size * self.pool_head_dim
                 * np.dtype(c.compute_dtype).itemsize)
 
     # -- weights ---------------------------------------------------------------------------

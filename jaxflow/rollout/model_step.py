@@ -18,7 +18,8 @@ feeds (``DecodeOut.routing_*``), computed from the router logits of the step's o
 sequence (:mod:`jaxflow.rollout.records`).
 
 Pool layout (the upstream paged-attention kernels'): per layer, keys and values
-``[n_kv_heads, num_pages, page_size, head_dim]`` in the model's compute dtype; token t of a row
+``[n_kv_heads, num_pages, page_size, head_dim]`` in the model's compute dtype (head_dim padded
+to 128 lanes where decode runs the TPU kernel: :func:`jaxflow.rollout.pages.pool_head_dim`); token t of a row
 lives in page ``page_table[t // page_size]`` at offset ``t % page_size``. Padding tokens and
 empty slots write to the null page 0 (never read unmasked).
 
@@ -127,9 +128,12 @@ class Steps(NamedTuple):
 
 def _write(pool: jax.Array, new: jax.Array, dest: jax.Array) -> jax.Array:
     """pool [KVH, P, S, D] with new [B, T, KVH, D] written at flat slots dest [B, T] (page * S +
-    offset)."""
+    offset); a pool stored padded (D' > D, :func:`jaxflow.rollout.pages.pool_head_dim`) gets
+    new's values zero-padded to D'."""
     kvh, p, s, d = pool.shape
     flat = pool.reshape(kvh, p * s, d)
+    if new.shape[-1] != d:
+        new = jnp.pad(new, [(0, 0)] * (new.ndim - 1) + [(0, d - new.shape[-1])])
     update = jnp.transpose(new.reshape(-1, kvh, d), (1, 0, 2)).astype(pool.dtype)
     return flat.at[:, dest.reshape(-1)].set(update).reshape(kvh, p, s, d)
 

@@ -26,8 +26,9 @@ The pool layout is the one the upstream decode kernels take. Backends (``PAGED_B
         Its blocks' lane dimension is head_dim, which Mosaic needs a multiple of 128: a head_dim
         of 64 (1B-class models) runs in the padded layout, q and the pools zero-padded to 128
         lanes (zeros add exactly 0 to q.k, and P.V's padded lanes are sliced off). A pool
-        already stored padded (D' = ``padded_head_dim(D)``, zeros past D) costs nothing more;
-        an unpadded one is padded per call (a copy of the pool at twice its width).
+        stored padded (D' = ``padded_head_dim(D)``, zeros past D: the engine's, by
+        :func:`jaxflow.rollout.pages.pool_head_dim`) costs nothing more; an unpadded one is
+        padded per call (a copy of the pool at twice its width).
   gpu   ``jax.experimental.pallas.ops.gpu.paged_attention`` (Triton: split-K over the page
         table, ``k_splits`` partial softmaxes combined in XLA).
   auto  per platform: CPU -> xla; TPU -> tpu; GPU -> gpu, each only where it builds for these
@@ -54,7 +55,8 @@ and V at odd heads (:func:`combine_kv_pages` / :func:`split_kv_pages` convert). 
 (a per-token gather: O(T * L) memory, a reference for tests and small batches) and tpu
 (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, the kernel behind tpu-inference;
 its page table, scalar-prefetched into SMEM, must fit ``TPU_SMEM_TABLE``: 256 sequences of 32k
-tokens need pages of >= 64 tokens, else auto falls back to xla with a warning).
+tokens need pages of >= 64 tokens, else auto falls back to xla with a warning; head_dim 64 in
+the padded layout, as decode).
 """
 
 from __future__ import annotations
@@ -73,11 +75,10 @@ from jaxflow.models.attention_backends import HEAD_AXIS
 from pallas_kernels import dispatch
 
 __all__ = ["PAGED_BACKENDS", "RAGGED_BACKENDS", "choose_paged_backend", "choose_ragged_backend",
-           "combine_kv_pages",
-           "gather_pages", "gpu_paged_attention", "padded_head_dim", "paged_attention",
-           "ragged_paged_attention",
-           "resolve_paged_backend", "split_kv_pages", "tpu_paged_attention",
-           "tpu_ragged_paged_attention", "xla_paged_attention", "xla_ragged_paged_attention"]
+           "combine_kv_pages", "gather_pages", "gpu_paged_attention", "padded_head_dim",
+           "paged_attention", "ragged_paged_attention", "resolve_paged_backend", "split_kv_pages",
+           "tpu_paged_attention", "tpu_ragged_paged_attention", "xla_paged_attention",
+           "xla_ragged_paged_attention"]
 
 PAGED_BACKENDS = ("auto", "xla", "tpu", "gpu")
 RAGGED_BACKENDS = ("auto", "xla", "tpu")
@@ -159,9 +160,7 @@ def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
 
 def _fit(x: jax.Array, kv_len: int) -> jax.Array:
     n = x.shape[1]
-    if kv_len <= n:
-        return x[:, :kv_len]
-    return jnp.pad(x, [(0, 0), (0, kv_len - n)] + [(0, 0)] * (x.ndim - 2))
+    return x[:, :kv_len] if kv_len <= n else jnp.pad(x, [(0, 0), (0, kv_len - n)] + [(0, 0)] * (x.ndim - 2))
 
 
 def xla_paged_attention(q, k_pages, v_pages, lengths, page_table, *, kv_len: int | None = None,
@@ -370,10 +369,12 @@ def split_kv_pages(kv_pages: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _check_ragged(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs) -> None:
-    if q.ndim != 3 or kv_pages.ndim != 4 or kv_pages.shape[2] % 2 or kv_pages.shape[3] != q.shape[2]:
+    d = q.shape[-1] if q.ndim == 3 else "?"
+    if (q.ndim != 3 or kv_pages.ndim != 4 or kv_pages.shape[2] % 2
+            or kv_pages.shape[3] not in (d, padded_head_dim(d))):
         raise ValueError(f"ragged_paged_attention needs q [T, H, D] and kv_pages [P, S, 2*KVH, "
-                         f"D={q.shape[-1] if q.ndim == 3 else '?'}]; got q {q.shape}, kv_pages "
-                         f"{kv_pages.shape}")
+                         f"D={d}] (or D={padded_head_dim(d) if q.ndim == 3 else '?'}, the padded "
+                         f"layout); got q {q.shape}, kv_pages {kv_pages.shape}")
     if q.shape[1] % (kv_pages.shape[2] // 2):
         raise ValueError(f"ragged_paged_attention: KVH={kv_pages.shape[2] // 2} must divide "
                          f"H={q.shape[1]}")
@@ -399,7 +400,7 @@ def xla_ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_
     real = (tok < cu_q_lens[num_seqs[0]]) & (seq < num_seqs[0])
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     pos = kv_lens[seq] - q_len + (tok - cu_q_lens[seq])  # the token's slot in its sequence
-    k_pages, v_pages = split_kv_pages(kv_pages)
+    k_pages, v_pages = split_kv_pages(kv_pages[..., :q.shape[-1]])  # a padded pool: cut
     k = gather_pages(k_pages, page_table[seq])  # [T, L, KVH, D]
     v = gather_pages(v_pages, page_table[seq])
     slots = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
@@ -427,16 +428,19 @@ def _ragged_blocks(q, kv_pages, pages_per_seq: int) -> tuple[int, int]:
 
 def tpu_ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
                                interpret: bool = False) -> jax.Array:
-    """Upstream Mosaic TPU ragged paged attention (softmax scale D^-0.5): [T, H, D]."""
+    """Upstream Mosaic TPU ragged paged attention (softmax scale D^-0.5): [T, H, D]; head_dim 64
+    in the padded layout (q and an unpadded pool zero-padded to 128 lanes, the output cut)."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
+    d, width = q.shape[-1], padded_head_dim(q.shape[-1])
+    q, kv_pages = _pad_lanes(q, width), _pad_lanes(kv_pages, width)
     bkv, bq = _ragged_blocks(q, kv_pages, page_table.shape[1])
     table = jnp.clip(page_table, 0, kv_pages.shape[0] - 1)
     with _tpu_interpret(interpret):
-        return ragged_paged_attention(q, kv_pages, kv_lens, table, cu_q_lens, num_seqs,
-                                      sm_scale=q.shape[-1] ** -0.5, num_kv_pages_per_block=bkv,
-                                      num_queries_per_block=bq,
-                                      vmem_limit_bytes=RAGGED_VMEM_LIMIT)
+        out = ragged_paged_attention(q, kv_pages, kv_lens, table, cu_q_lens, num_seqs,
+                                     sm_scale=d ** -0.5, num_kv_pages_per_block=bkv,
+                                     num_queries_per_block=bq, vmem_limit_bytes=RAGGED_VMEM_LIMIT)
+    return out[..., :d]
 
 
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array,
@@ -448,7 +452,7 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
       q: [T, H, D] query tokens of all sequences, concatenated (RoPE applied); T may exceed
         the real tokens (padding at the end).
       kv_pages: [P, S, 2*KVH, D] combined pool (``combine_kv_pages``), the new tokens' K/V
-        already written.
+        already written (or [..., padded_head_dim(D)], zeros past D: the padded layout).
       kv_lens: [N] int32 tokens of each sequence in the pool, its new ones included.
       page_table: [N, pages_per_seq] int32.
       cu_q_lens: [N + 1] int32: sequence i's queries are q[cu_q_lens[i]:cu_q_lens[i+1]], its

@@ -12,13 +12,22 @@ Reservations make admission safe without preemption: a request reserves the most
 ever need when it is admitted and draws its pages from that reservation as it grows, so an
 admitted request never finds the pool empty; :meth:`PageAllocator.available` is what new
 admissions may still reserve.
+
+:func:`pool_head_dim` decides the pool's last axis: the model's head_dim, or 128 lanes (zeros
+past head_dim) where decode runs the TPU kernel, which needs them (the padded layout of
+:mod:`jaxflow.rollout.paged_attention`): stored padded, the pool is not padded per call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 
+import jax
 import numpy as np
+from jax.sharding import Mesh
+
+from jaxflow.rollout.paged_attention import choose_paged_backend, padded_head_dim
 
 NULL_PAGE = 0
 
@@ -147,3 +156,29 @@ def page_table_row(pages, width: int) -> np.ndarray:
     row = np.full((width,), NULL_PAGE, np.int32)
     row[:len(pages)] = pages
     return row
+
+
+def pool_head_dim(*, n_heads: int, n_kv_heads: int, head_dim: int, rows: int, num_pages: int,
+                  page_size: int, pages_per_seq: int, dtype, backend: str = "auto",
+                  interpret: bool = False, mesh: Mesh | None = None) -> int:
+    """The last axis to allocate the K/V pools [KVH, num_pages, page_size, D'] with.
+
+    ``padded_head_dim(head_dim)`` (128 for 64) where the decode attention ``backend`` resolves
+    to the TPU kernel for a decode of ``rows`` rows over such a padded pool (the verdict the
+    decode's trace takes, cached; on ``mesh``: under ``jax.set_mesh(mesh)``, as the engine's
+    programs are traced); ``interpret`` with backend "tpu" pads too (the kernel runs). Else
+    ``head_dim``: every other backend, and every head_dim that is already a multiple of 128,
+    keeps the unpadded layout (CPU: nothing changes). Raises ValueError where
+    :func:`jaxflow.rollout.paged_attention.resolve_paged_backend` does."""
+    width = padded_head_dim(head_dim)
+    if width == head_dim:
+        return head_dim
+    if interpret:
+        return width if backend == "tpu" else head_dim
+    sds = jax.ShapeDtypeStruct
+    pool = sds((n_kv_heads, num_pages, page_size, width), dtype)
+    args = (sds((rows, n_heads, head_dim), dtype), pool, pool, sds((rows,), np.int32),
+            sds((rows, pages_per_seq), np.int32))
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        chosen = choose_paged_backend(*args, backend=backend)
+    return width if chosen == "tpu" else head_dim

@@ -5,8 +5,8 @@
 positions <= its own (the chunk's keys and values already written to the pool):
 
   q           [R, C, H, D]      the chunk's queries (RoPE applied); entries past n_valid: padding
-  k_pages     [KVH, P, S, D]    the decode pools (:mod:`jaxflow.rollout.paged_attention`)
-  v_pages     [KVH, P, S, D]
+  k_pages     [KVH, P, S, D]    the decode pools (:mod:`jaxflow.rollout.paged_attention`); D
+  v_pages     [KVH, P, S, D]    may be ``padded_head_dim(D)`` (the padded layout, zeros past D)
   page_table  [R, W] int32      must cover start[r] + n_valid[r] tokens
   start       [R] int32, n_valid [R] int32
 
@@ -22,7 +22,8 @@ Backends (``PREFILL_BACKENDS``, the engine's ``attention`` names):
         the chunk reads gathered into a combined [R * W, S, 2 * KVH, D] pool with the table
         renumbered (the bytes xla's gather moves, not a copy of the whole pool); the kernel
         replaces xla's [R, H, C, W * S] f32 logits with its online softmax. Padding queries
-        give zeros.
+        give zeros. head_dim 64 runs in the padded layout (128 lanes; a pool stored padded is
+        gathered as it is, an unpadded one's gathered pages padded).
   gpu   xla (no GPU prefill kernel here yet).
   auto  tpu on TPU where the ragged kernel builds for these shapes (else one warning, then
         xla), xla elsewhere.
@@ -57,8 +58,9 @@ def xla_prefill_attention(q, k_pages, v_pages, page_table, start, n_valid) -> ja
     positions = start[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
     keys_len = page_table.shape[1] * k_pages.shape[2]
     mask = jnp.arange(keys_len, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
-    return dot_product_attention(q, gather_pages(k_pages, page_table),
-                                 gather_pages(v_pages, page_table), mask)
+    d = q.shape[-1]  # pools stored padded: their lanes past d are cut (fused into the gather)
+    return dot_product_attention(q, gather_pages(k_pages[..., :d], page_table),
+                                 gather_pages(v_pages[..., :d], page_table), mask)
 
 
 def ragged_prefill_attention(q, k_pages, v_pages, page_table, start, n_valid, *,
@@ -113,9 +115,9 @@ def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 def _ragged_shapes(q, k_pages, page_table) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The arguments ``ragged_prefill_attention`` hands the ragged kernel, as shapes."""
-    (r, c, h, d), (kvh, _, s, _) = q.shape, k_pages.shape
+    (r, c, h, d), (kvh, _, s, width) = q.shape, k_pages.shape
     i32 = jnp.int32
     return (jax.ShapeDtypeStruct((r * c, h, d), q.dtype),
-            jax.ShapeDtypeStruct((page_table.size, s, 2 * kvh, d), k_pages.dtype),
+            jax.ShapeDtypeStruct((page_table.size, s, 2 * kvh, width), k_pages.dtype),
             jax.ShapeDtypeStruct((r,), i32), jax.ShapeDtypeStruct(page_table.shape, i32),
             jax.ShapeDtypeStruct((r + 1,), i32), jax.ShapeDtypeStruct((1,), i32))

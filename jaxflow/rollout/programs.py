@@ -21,22 +21,26 @@ from jaxflow.models.sampler import SamplingConfig
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rollout.engine import EngineConfig
 from jaxflow.rollout.model_step import Pools, make_steps, pool_sharding
-from jaxflow.rollout.pages import bucket, pages_for
+from jaxflow.rollout.pages import bucket, pages_for, pool_head_dim
 
 __all__ = ["engine_figures", "engine_programs"]
 
 
 def engine_figures(model: TransformerConfig, mesh: Mesh, config: EngineConfig,
-                   param_dtype=jnp.bfloat16, *, n_params: int | None = None) -> dict:
+                   param_dtype=jnp.bfloat16, *, n_params: int | None = None,
+                   stored_head_dim: int | None = None) -> dict:
     """Per-device sizes of an engine on ``mesh``: ``kv_bytes_per_token`` (all layers, K and V),
-    ``pool_bytes`` (the whole pool) and ``pool_bytes_per_device`` (its head shard),
+    ``pool_bytes`` (the whole pool, at ``stored_head_dim``: the pool's last axis,
+    :func:`jaxflow.rollout.pages.pool_head_dim`; default the model's head_dim) and
+    ``pool_bytes_per_device`` (its head shard),
     ``n_params`` (counted from the model when not given), ``weights_bytes`` /
     ``weights_bytes_per_device`` (``param_dtype`` leaves over the tensor-parallel axis),
     ``max_seq_len`` and ``pages_per_seq``."""
     max_len = config.max_seq_len or model.max_seq_len
     itemsize = jnp.dtype(model.compute_dtype).itemsize
     per_token = 2 * model.n_layers * model.n_kv_heads * model.head_dim * itemsize
-    pool = config.num_pages * config.page_size * per_token
+    pool = config.num_pages * config.page_size * per_token * (
+        stored_head_dim or model.head_dim) // model.head_dim
     heads_here = pool_sharding(mesh, model.n_kv_heads).shard_shape(
         (model.n_kv_heads, 1, 1, 1))[0]
     tp = mesh.shape.get("model", 1)
@@ -85,9 +89,16 @@ def engine_programs(model: TransformerConfig, mesh: Mesh, config: EngineConfig,
                        attention=config.attention, top_logprobs=config.top_logprobs,
                        vocab_size=model.vocab_size, mesh=mesh, record_routing=config.record_routing)
     n_params = count_params(params)
-    fig = engine_figures(model, mesh, config, param_dtype, n_params=n_params)
+    max_len = config.max_seq_len or model.max_seq_len
+    head_dim = pool_head_dim(  # the engine's own choice (128 lanes where decode runs the TPU kernel)
+        n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, head_dim=model.head_dim,
+        rows=config.slots, num_pages=config.num_pages, page_size=config.page_size,
+        pages_per_seq=pages_for(max_len, config.page_size), dtype=model.compute_dtype,
+        backend=config.attention, interpret=config.interpret, mesh=mesh)
+    fig = engine_figures(model, mesh, config, param_dtype, n_params=n_params,
+                         stored_head_dim=head_dim)
     width = fig["pages_per_seq"]
-    pool = sds((model.n_kv_heads, config.num_pages, config.page_size, model.head_dim),
+    pool = sds((model.n_kv_heads, config.num_pages, config.page_size, head_dim),
                model.compute_dtype, pool_sharding(mesh, model.n_kv_heads))
     pools = Pools((pool,) * model.n_layers, (pool,) * model.n_layers)
     rep = NamedSharding(mesh, P())
