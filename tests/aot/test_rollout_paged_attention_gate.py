@@ -6,7 +6,7 @@ abstract chips (nothing runs): the upstream TPU decode kernel (``tpu``) and ragg
 Mosaic for v5e / v5p / v6e, the upstream GPU decode kernel (``gpu``) by XLA:GPU with Triton for
 H100 / H200. Shapes: Qwen3-8B's heads (32 query heads, 8 K/V heads, head_dim 128), bf16, 256
 sequences at contexts 4k and 32k, page sizes 16 and 128 (and head_dim 64, Llama-3.2-1B's
-heads, at 4k: the padded layout), one layer's pool holding every
+heads, at 4k: the padded layout, decode and ragged), one layer's pool holding every
 sequence at the full context (P = 256 * context / page size). The ragged kernel's page table
 lives in SMEM (1 MiB): at 32k with pages of 16 it is refused, asserted so. Where that pool does not fit the
 chip's HBM (32k on v5e and v6e), the chip compiles its shard of a tensor-parallel mesh (K/V
@@ -189,6 +189,22 @@ def test_tpu_decode_kernel_at_head_dim_64_compiles(chip, page):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             assert KERNEL_CALL["tpu"] in _auto_hlo(pa.paged_attention, args, chip)
+
+
+@pytest.mark.parametrize("chip", TPU)
+def test_ragged_kernel_at_head_dim_64_compiles(chip):
+    """The ragged kernel in the padded layout at ``SMALL_HEADS`` (16 sequences of 1k tokens in
+    pages of 128, a chunk of 256 query tokens; small: the kernel's compile is what is checked)
+    compiles, its q padded to 128 lanes. ``auto`` taking it in an engine's prefill:
+    ``tests/aot/test_rollout_pool_layout_gate.py``."""
+    h, kvh, d = SMALL_HEADS
+    seqs, pps, tokens = 16, 1024 // 128, 256
+    args = (_sds((tokens, h, d), DTYPE), _sds((seqs * pps, 128, 2 * kvh, d), DTYPE),
+            _sds((seqs,)), _sds((seqs, pps)), _sds((seqs + 1,)), _sds((1,)))
+    r = targets.compile_on(pa.tpu_ragged_paged_attention, args, chip, keep_hlo=True)
+    assert r.ok, f"{chip}: {r.error}"
+    assert KERNEL_CALL["tpu"] in r.hlo_text
+    assert f"bf16[{tokens},{h},128]" in r.hlo_text, "the kernel's q is not padded to 128 lanes"
 
 
 MESHES = {"v5p": ("v5p:2x2x1", 4), "h100": ("1x1x8", 8)}  # chip: (topology, model axis)
