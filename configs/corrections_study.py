@@ -26,7 +26,7 @@ quick synthetic rollout, run once per run directory after the cells (the cells g
 machine's CPU first) and kept in ``overheads.json``; SIS's figure from
 the latest ``bench_policy_loss`` record in ``experiments/results`` too, when there is one.
 
-    python -m jaxflow.run --exp=corrections_study --variant=quick     # 18 cells, ~4 CPU-minutes
+    python -m jaxflow.run --exp=corrections_study --variant=quick     # 14 cells, ~2.5 CPU-minutes
     python -m jaxflow.run --exp=corrections_study --out /work/studies/corrections   # the study
     python -m jaxflow.run --exp=corrections_study --out /work/studies/corrections --resume
 
@@ -37,7 +37,10 @@ held-out evaluations; measured at nice 19 under load ~20: 334 s wall): ~8 CPU-ho
 Cells resume: the finished ones in ``cells.jsonl`` count as done, the running one restarts from
 its checkpoint; ``reuse`` adds other run directories' finished cells (labels equal
 ``sis_regime``'s phase-2 cells, so its run directories can be reused), ``report_only`` reports
-what is done.
+what is done. The tables of a run directory, partial or complete, at any time (running no cell,
+measuring nothing, writing nothing; the missing cells show as missing)::
+
+    python -m jaxflow.rl.corrections_study_report /work/studies/corrections
 """
 
 from __future__ import annotations
@@ -154,12 +157,17 @@ def _default() -> Config:
 
 
 def _quick() -> Config:
-    """Every code path in ~4 CPU-minutes (236 CPU-s measured, warm starts cached): none, sis_b
-    (the behaviour top-K) and icepop (a menu entry) in both regimes, the MoE cells with and
-    without R3, GRPO, 2 seeds, 6 rollouts."""
-    study = StudyGrid(algos=("grpo",), corrections=("none", "sis_b", "icepop"), seeds=2, overhead_pairs=3)
-    return Config(study=study, train=ScheduleConfig(rollouts=6, eval_every=3, eval_examples=64,
-                                                    eval_samples=2, checkpoint_every=3))
+    """Every code path once, in about two minutes on 2 cores: the lag-1 control, none and sis_b
+    (the behaviour top-K record) in both dense regimes, the MoE cells without and with R3, GRPO,
+    2 seeds (paired intervals), 4 rollouts of 8 prompts x G 8, one evaluation per cell; the
+    default's regimes otherwise (staleness 2 so the stale version advances within 4 rollouts).
+    Measured with the warm starts cached: 147 CPU-s (144 user + 3 sys; 376 s wall at load ~10
+    on 2 cores), most of it compiling the 7 distinct cell programs (the second seed's cells take
+    1-4 s each); the former quick (18 cells, 6 rollouts of 16 x 16) took 209 CPU-s."""
+    study = StudyGrid(algos=("grpo",), corrections=("none", "sis_b"), seeds=2, staleness=2, overhead_pairs=2)
+    rl = dataclasses.replace(Config().rl, prompts_per_rollout=8, group_size=8)
+    return Config(study=study, rl=rl, train=ScheduleConfig(rollouts=4, eval_every=4, eval_examples=32,
+                                                           eval_samples=2, checkpoint_every=4))
 
 
 get_config = Variants(quick=_quick, default=_default)

@@ -13,7 +13,14 @@ from configs.sis_regime import get_config as regime_config
 from jaxflow.rl import corrections_study as cs
 from jaxflow.rl import sis_regime
 from jaxflow.rl.correction_overhead import loss_step_overheads, recorded_sis_overhead
-from jaxflow.rl.corrections_study_report import format_r3, format_ranking, seed_figures
+from jaxflow.rl.corrections_study_report import (
+    format_progress,
+    format_r3,
+    format_ranking,
+    main,
+    report_from_dir,
+    seed_figures,
+)
 from jaxflow.rl.offpolicy_cells import Cell
 from jaxflow.rl.policy_loss import CORRECTIONS
 from jaxflow.study import headlines_rl
@@ -52,11 +59,14 @@ def test_cell_labels_equal_sis_regime_labels_so_its_runs_can_be_reused():
 
 
 def test_quick_variant_runs_every_code_path():
-    cells = cs.study_cells(get_config("quick").study)
-    assert {c.correction for c in cells} == {"none", "sis_b", "icepop"}
+    quick = get_config("quick")
+    cells = cs.study_cells(quick.study)
+    assert {c.correction for c in cells} == {"none", "sis_b"}
     assert {c.moe for c in cells} == {"", "record", "replay"}
     assert {cs.regime_of(c._asdict()) for c in cells} == {"lag1", "staleness", "lr", "moe"}
-    assert len(cells) == 2 * (1 + 3 + 3 + 2)
+    assert len(cells) == 2 * (1 + 2 + 2 + 2)
+    # the stale version advances within the quick run (rollout r samples version r - 1 - k)
+    assert quick.train.rollouts > quick.study.staleness + 1
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -134,6 +144,86 @@ def test_controls_and_r3_rows():
     assert r3["disagreement_record_range"] == pytest.approx([0.02, 0.04])
     assert r3["disagreement_replay"] == 0.0
     assert "| grpo | none | 3 | 0.310 | 0.410 | +0.100 +- 0.000 | 0.0300 [0.0200, 0.0400] |" in format_r3([r3])
+
+
+def test_a_partial_study_shows_its_missing_cells_as_missing():
+    study, recs = _records()
+    # icepop has not run at all, lr has not started, the MoE regime has its no-R3 arm only
+    part = [r for r in recs if r["correction"] != "icepop" and cs.regime_of(r) != "lr" and r["moe"] != "replay"]
+    planned = cs.planned_seeds(cs.study_cells(study))
+    rows = cs.rank_corrections(part, planned=planned)
+    stale = [(r["correction"], r["rank"], r["seeds"], r["planned"]) for r in rows if r["regime"] == "staleness"]
+    assert stale == [("tis", 1, 3, 3), ("none", 2, 3, 3), ("sis", 3, 3, 3), ("icepop", None, 0, 3)]
+    assert {r["correction"] for r in rows if r["regime"] == "lr"} == {"none", "tis", "icepop", "sis"}
+    assert all(r["rank"] is None and r["diff"] is None for r in rows if r["regime"] == "lr")
+    text = format_ranking(rows, study)
+    assert "| - | icepop | 0/3 | missing | - |" in text
+    assert "**grpo, lr x3 at policy lag N=8**: missing (no correction has a finished seed paired with none's; " \
+           "12 cells planned)" in text
+    (r3,) = cs.r3_rows(part, planned=planned)
+    assert (r3["seeds"], r3["seeds_no_r3"], r3["seeds_r3"], r3["final_r3"], r3["diff"]) == (0, 3, 0, None, None)
+    assert "| grpo | none | 0/3 | 0.310 | missing | - | 0.0300 [0.0200, 0.0400] | - |" in format_r3([r3])
+    progress = {(p["regime"], p["algo"]): (p["done"], p["planned"], p["missing"])
+                for p in cs.progress(cs.study_cells(study), part)}
+    assert progress == {("lag1", "grpo"): (3, 3, 0), ("staleness", "grpo"): (9, 12, 3), ("moe", "grpo"): (3, 6, 3),
+                        ("lr", "grpo"): (0, 12, 12)}
+    assert format_progress(cs.progress(cs.study_cells(study), part)).startswith("Cells: 15/33 finished, 18 missing:")
+    assert format_progress(cs.progress(cs.study_cells(study), recs)) == "Cells: 33/33, complete."
+    # no cell at all: every table says so instead of failing
+    assert "missing" in format_ranking(cs.rank_corrections([], planned=planned), study)
+    assert [r["seeds_no_r3"] for r in cs.r3_rows([], planned=planned)] == [0]
+
+
+def _study_dir(tmp_path, study, records, torn=""):
+    config = {"experiment": "corrections_study", "variant": "default",
+              "config": {"study": json.loads(json.dumps(dataclasses.asdict(study)))}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    stray = dict(records[0], label="grpo-other-s0")  # not a cell of this study: not counted
+    (tmp_path / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*records, stray]) + torn)
+    return tmp_path
+
+
+def test_report_from_a_run_directory_reads_a_partial_study_without_running_anything(tmp_path, capsys):
+    study, recs = _records()
+    part = [r for r in recs if r["seed"] < 2 and not r["moe"]]
+    run_dir = _study_dir(tmp_path, study, part, torn='{"label": "grpo-tis-none-lag4-k4-s2", "fin')
+    before = sorted(p.name for p in tmp_path.iterdir())
+    text = report_from_dir(run_dir, bench_records=tmp_path / "no_records")
+    assert text.startswith(f"corrections_study report of {run_dir} (default)")
+    assert "Cells: 18/33 finished, 15 missing:" in text and "| moe | grpo | 0/6 |" in text
+    assert "| 1 | tis | 2/3 | 0.725 | +0.175 +- " in text and "| grpo | none | 0/3 | missing | missing |" in text
+    assert "Overheads: not measured in this run yet" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # wrote nothing
+    # the same tables as the driver's results.md for the same records
+    from jaxflow.rl.corrections_study_report import study_report
+
+    assert "\n\n".join(study_report(study, part, {}, None)[1]) in text
+    assert main([str(run_dir)]) == 0 and "| 1 | tis |" in capsys.readouterr().out
+    # without this run's overheads the sis column is bench_policy_loss's recorded SIS figure
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    head = {"name": "sis_overhead", "value": 1.2, "spread": {"low": 1.0, "high": 1.4, "n": 10}}
+    (bench / "r.json").write_text(json.dumps({"started": "2026-12-06 10:00 UTC", "headlines": [head],
+                                              "load": {"start_1min": 6.5, "end_1min": 9.0}}))
+    text = report_from_dir(run_dir, bench_records=bench)
+    sis = [line for line in text.splitlines() if "| sis | 2/3 |" in line]  # staleness, lr
+    assert len(sis) == 2 and all(line.endswith("| 1.200 [1.00, 1.40] |") for line in sis)
+    assert "recorded SIS step (the sis column): 1.200x [1.000, 1.400], 10 pairs, r.json (" in text
+    assert "load 6.5 -> 9.0)" in text
+
+
+def test_report_of_a_directory_that_is_no_study_is_one_line(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m jaxflow.rl.corrections_study_report: error: ")
+    assert "cannot read config.json" in err and "valid: the --out directory of a corrections_study run" in err
+    (tmp_path / "config.json").write_text(json.dumps({"experiment": "sis_regime", "config": {}}))
+    with pytest.raises(ValueError, match=r"experiment 'sis_regime'; valid: a corrections_study run$"):
+        report_from_dir(tmp_path)
+    study, recs = _records()
+    _study_dir(tmp_path, study, recs[:2], torn="not json\n" + json.dumps(recs[2]) + "\n")
+    with pytest.raises(ValueError, match=r"cells.jsonl: line 4 is not JSON; valid: one cell record per line$"):
+        report_from_dir(tmp_path)
 
 
 def test_headlines_name_the_winner_against_the_strongest_other_and_r3():

@@ -6,8 +6,10 @@ run through :func:`jaxflow.rl.offpolicy_cells.run_cell` and resume as ``sis_regi
 run directories' cells). The MoE cells run the MoE warm start (``moe_pretrain``), loaded when
 the first one runs. Each correction's loss-step overhead is measured once per run directory,
 after the cells (:func:`jaxflow.rl.correction_overhead.cached_overheads`; ``report_only`` too).
-Outputs: ``results.md`` (ranking per regime, the regimes against lag 1, R3 with the router
-disagreement), ``summary.json``.
+Outputs: ``results.md`` (:func:`jaxflow.rl.corrections_study_report.study_report`: the cells
+done against the plan, ranking per regime, the regimes against lag 1, R3 with the router
+disagreement), ``summary.json``. ``python -m jaxflow.rl.corrections_study_report RUN_DIR``
+prints the same tables from a run directory at any time, running nothing.
 """
 
 from __future__ import annotations
@@ -21,14 +23,8 @@ from configs.bench_policy_loss import get_config as bench_config
 from jaxflow.experiment import RunContext
 from jaxflow.mesh import RolesConfig, trainer_rollout_meshes
 from jaxflow.rl.correction_overhead import cached_overheads, loss_step_overheads, recorded_sis_overhead
-from jaxflow.rl.corrections_study import lag1_controls, per_seed, r3_rows, rank_corrections, study_cells
-from jaxflow.rl.corrections_study_report import (
-    format_controls,
-    format_overhead_sources,
-    format_r3,
-    format_ranking,
-    seed_figures,
-)
+from jaxflow.rl.corrections_study import study_cells
+from jaxflow.rl.corrections_study_report import study_report
 from jaxflow.rl.offpolicy_cells import pass_at_1_definition, run_cell, warm_policy, warm_start_accuracy
 from jaxflow.rl.warm_start import cache_dir
 from jaxflow.study import finished_cells, read_cells, record_cell, run_cells, warm_start_report, write_results
@@ -89,14 +85,8 @@ def main(config, run: RunContext) -> dict:
     bench = dataclasses.replace(bench_config("quick"), algo=study.algos[0])
     overheads = cached_overheads(run, lambda: loss_step_overheads(
         bench, study.corrections, key=jax.random.key(config.seed), pairs=study.overhead_pairs, log=run.info))
-    ranking = rank_corrections(records, overheads)
-    controls = lag1_controls(records)
-    r3 = r3_rows(records)
-    recorded_sis = recorded_sis_overhead()
-    results = {"ranking": ranking, "controls": controls, "r3": r3, "overheads": overheads,
-               "recorded_sis_overhead": recorded_sis, "finals": seed_figures(per_seed(records))}
-    write_results(run, results, [format_ranking(ranking, study), format_controls(controls), format_r3(r3),
-                                 format_overhead_sources(overheads, recorded_sis)])
+    results, sections = study_report(study, records, overheads, recorded_sis_overhead())
+    write_results(run, results, sections)
     return {
         "task": config.task_name, **results, "pass_at_1": pass_at_1_definition(config), "roles": roles,
         "cells_total": len(cells), "cells_done": len(records), "missing": result.missing,

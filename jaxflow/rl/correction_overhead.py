@@ -103,9 +103,12 @@ def recorded_sis_overhead(results_dir: str | pathlib.Path = "experiments/results
         return None
     started, path, rec, head = max(found, key=lambda f: (f[0], str(f[1])))
     spread = head.get("spread") or {}
+    load = rec.get("load")
+    if isinstance(load, dict):  # the results records' {"start_1min", "end_1min"}
+        load = f"{load.get('start_1min')} -> {load.get('end_1min')}"
     return {"ratio_median": head["value"], "ratio_min": spread.get("low"), "ratio_max": spread.get("high"),
             "pairs": spread.get("n"), "source": f"{path.name} (bench_policy_loss {rec.get('variant')} at "
-                                                f"{str(rec.get('commit', ''))[:7]}, load {rec.get('load')})"}
+                                                f"{str(rec.get('commit', ''))[:7]}, load {load})"}
 
 
 def cached_overheads(run, compute: Callable[[], dict], *, filename: str = "overheads.json") -> dict:

@@ -9,6 +9,8 @@ control (dense regimes) then every correction. :func:`regime_of` names a record'
 final-pass@1 effect against none (95% t-interval over seeds); :func:`r3_rows` compares R3 with
 no R3 in the MoE regime and reports the measured router disagreement; :func:`lag1_controls`
 tests whether each regime's uncorrected runs are degraded against lag 1 at their own seeds.
+On a partial study (a resumed or running one) :func:`planned_seeds` and :func:`progress` say
+what each table still misses, so the rows of unfinished corrections show as missing.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import numpy as np
 from jaxflow.rl.offpolicy_cells import Cell
 from jaxflow.study import mean_of, paired_by_seed
 
-__all__ = ["regime_block", "study_cells", "regime_of", "per_seed", "rank_corrections", "r3_rows",
-           "lag1_controls"]
+__all__ = ["regime_block", "study_cells", "regime_of", "per_seed", "planned_seeds", "rank_corrections",
+           "r3_rows", "lag1_controls", "progress"]
 
 
 def _regime_cell(study, regime: str, *, algo: str, correction: str, seed: int, moe: str = "") -> Cell:
@@ -96,7 +98,24 @@ def _interval(treat: Mapping[int, float], control: Mapping[int, float]) -> tuple
     return float(iv.mean), half, len(set(treat) & set(control))
 
 
-def rank_corrections(records: Sequence[Mapping], overheads: Mapping[str, Mapping] | None = None) -> list[dict]:
+def planned_seeds(cells: Sequence[Cell]) -> dict[tuple, int]:
+    """``{(regime, algo, correction, moe): number of seeds}`` the study plans (its cells, e.g.
+    :func:`study_cells`), in cell order: what a partial ``cells.jsonl`` is measured against."""
+    out: dict[tuple, int] = {}
+    for c in cells:
+        key = (regime_of(c._asdict()), c.algo, c.correction, c.moe)
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _missing_row(regime: str, algo: str, corr: str, planned: int) -> dict:
+    return {"regime": regime, "algo": algo, "correction": corr, "seeds": 0, "planned": planned, "rank": None,
+            "final_mean": None, "diff": None, "half_width": None, "auc_diff": None, "auc_half_width": None,
+            "masked_fraction": None, "mismatch_kl": None, "overhead": None, "overhead_range": None}
+
+
+def rank_corrections(records: Sequence[Mapping], overheads: Mapping[str, Mapping] | None = None, *,
+                     planned: Mapping[tuple, int] | None = None) -> list[dict]:
     """Per dense regime (staleness, lr) and algorithm, one row per correction, ranked by the
     paired final-pass@1 difference to none (best first; none itself with 0, ahead of the
     corrections whose difference is exactly 0): ``rank``,
@@ -104,14 +123,19 @@ def rank_corrections(records: Sequence[Mapping], overheads: Mapping[str, Mapping
     seeds; None with one pair), ``auc_diff``, the mean ``masked_fraction`` and ``mismatch_kl``,
     and the policy-loss step ``overhead`` (median time ratio to none; None when not measured)
     and its ``overhead_range`` from ``overheads`` (``{correction: {"ratio_median", "ratio_min",
-    "ratio_max"}}``). Corrections without a paired none seed are left out."""
+    "ratio_max"}}``). Corrections without a paired none seed are left out, unless ``planned``
+    (:func:`planned_seeds` of the study's cells) lists them: then every planned (regime, algo,
+    correction) has a row, ``planned`` its planned seeds, the missing ones after the ranked
+    ones with ``rank`` None, ``seeds`` 0 and no figures (a partial study)."""
     finals, aucs = per_seed(records), per_seed(records, "auc")
     by_key = {}
     for r in records:
         by_key.setdefault((regime_of(r), r["algo"], r["correction"]), []).append(r)
+    planned = planned or {}
     rows = []
     for regime in ("staleness", "lr"):
-        for algo in dict.fromkeys(r["algo"] for r in records if regime_of(r) == regime):
+        algos = [k[1] for k in planned if k[0] == regime] + [r["algo"] for r in records if regime_of(r) == regime]
+        for algo in dict.fromkeys(algos):
             control = finals.get((regime, algo, "none", ""), {})
             block = []
             for (reg, alg, corr, _), vals in finals.items():
@@ -133,28 +157,37 @@ def rank_corrections(records: Sequence[Mapping], overheads: Mapping[str, Mapping
                     "overhead_range": ([over["ratio_min"], over["ratio_max"]] if "ratio_min" in over else None)})
             # none (0 by definition) before the corrections that change nothing (identities here)
             block.sort(key=lambda row: (-row["diff"], row["correction"] != "none", row["correction"]))
-            rows += [dict(row, rank=i + 1) for i, row in enumerate(block)]
+            rows += [dict(row, rank=i + 1, planned=planned.get((regime, algo, row["correction"], ""), row["seeds"]))
+                     for i, row in enumerate(block)]
+            ranked = {row["correction"] for row in block}
+            rows += [_missing_row(regime, algo, corr, n) for (reg, alg, corr, _), n in planned.items()
+                     if (reg, alg) == (regime, algo) and corr not in ranked]
     return rows
 
 
-def r3_rows(records: Sequence[Mapping]) -> list[dict]:
+def r3_rows(records: Sequence[Mapping], *, planned: Mapping[tuple, int] | None = None) -> list[dict]:
     """The MoE regime, per algorithm and correction: seed-mean final pass@1 without R3
     (``record``) and with it (``replay``), the paired R3-minus-no-R3 difference (95% t), and the
     measured router disagreement (share of (token, layer) whose top-k expert set differs between
-    the bf16 sampler and the f32 trainer) of each arm, with its min / max over seeds."""
+    the bf16 sampler and the f32 trainer) of each arm, with its min / max over seeds. An arm
+    without records has None figures (``seeds_no_r3`` / ``seeds_r3``: its finished seeds);
+    ``planned`` (:func:`planned_seeds`) adds the planned (algo, correction) pairs none of whose
+    cells has finished."""
     finals = per_seed(records)
     dis = per_seed([r for r in records if r.get("router_disagreement") is not None], "router_disagreement")
+    pairs = [(k[1], k[2]) for k in planned or {} if k[0] == "moe"]
+    pairs += [(algo, corr) for (regime, algo, corr, _) in finals if regime == "moe"]
     rows = []
-    for (regime, algo, corr, moe), vals in finals.items():
-        if regime != "moe" or moe != "replay":
-            continue
-        base = finals.get((regime, algo, corr, "record"), {})
-        diff, half, pairs = _interval(vals, base)
-        row = {"algo": algo, "correction": corr, "seeds": pairs, "diff": diff, "half_width": half,
+    for algo, corr in dict.fromkeys(pairs):
+        base = finals.get(("moe", algo, corr, "record"), {})
+        vals = finals.get(("moe", algo, corr, "replay"), {})
+        diff, half, n = _interval(vals, base)
+        row = {"algo": algo, "correction": corr, "seeds": n, "seeds_no_r3": len(base), "seeds_r3": len(vals),
+               "planned": (planned or {}).get(("moe", algo, corr, "replay")), "diff": diff, "half_width": half,
                "final_no_r3": float(np.mean(list(base.values()))) if base else None,
-               "final_r3": float(np.mean(list(vals.values())))}
+               "final_r3": float(np.mean(list(vals.values()))) if vals else None}
         for arm in ("record", "replay"):
-            d = list(dis.get((regime, algo, corr, arm), {}).values())
+            d = list(dis.get(("moe", algo, corr, arm), {}).values())
             row[f"disagreement_{arm}"] = float(np.mean(d)) if d else None
             row[f"disagreement_{arm}_range"] = [float(min(d)), float(max(d))] if d else None
         rows.append(row)
@@ -176,3 +209,17 @@ def lag1_controls(records: Sequence[Mapping]) -> list[dict]:
                 list(vals.values()))), "lag1_mean": float(np.mean([base[s] for s in vals if s in base])),
                 "diff": diff, "half_width": half})
     return rows
+
+
+def progress(cells: Sequence[Cell], records: Sequence[Mapping]) -> list[dict]:
+    """Per (regime, algo) block of the study's ``cells`` (in run order, the lag-1 controls a
+    block of their own): ``{"regime", "algo", "done", "planned", "missing"}``: the block's cells
+    with a record (by label), all of them, and those without one."""
+    have = {r["label"] for r in records}
+    blocks: dict[tuple, dict] = {}
+    for c in cells:
+        row = blocks.setdefault((regime_of(c._asdict()), c.algo), {
+            "regime": regime_of(c._asdict()), "algo": c.algo, "done": 0, "planned": 0, "missing": 0})
+        row["planned"] += 1
+        row["done" if c.label in have else "missing"] += 1
+    return list(blocks.values())

@@ -1,16 +1,40 @@
-"""The ``corrections_study`` report (markdown): the ranking of the corrections per regime, the
-regimes' uncorrected runs against lag 1, R3 in the MoE regime with the router disagreement, and
-where the overhead figures come from. Rows come from :mod:`jaxflow.rl.corrections_study`.
+"""The ``corrections_study`` report (markdown): the finished cells against the plan, the
+ranking of the corrections per regime, the regimes' uncorrected runs against lag 1, R3 in the
+MoE regime with the router disagreement, and where the overhead figures come from. Rows come
+from :mod:`jaxflow.rl.corrections_study`; :func:`study_report` builds them all (the driver's
+``results.md``), :func:`report_from_dir` reads a run directory without running or measuring
+anything, also while the study runs::
+
+    python -m jaxflow.rl.corrections_study_report /work/studies/corrections_study
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import pathlib
+import sys
+import types
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from jaxflow.study import format_pm
+from jaxflow.rl.correction_overhead import recorded_sis_overhead
+from jaxflow.rl.corrections_study import (
+    lag1_controls,
+    per_seed,
+    planned_seeds,
+    progress,
+    r3_rows,
+    rank_corrections,
+    study_cells,
+)
+from jaxflow.study import CELLS_FILE, format_pm
 
 __all__ = ["REGIME_WORDS", "format_ranking", "format_controls", "format_r3", "format_overhead_sources",
-           "seed_figures"]
+           "format_progress", "seed_figures", "study_report", "report_from_dir", "main"]
+
+#: bench_policy_loss's results records, beside this package in the repository
+_BENCH_RECORDS = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "results" / "bench_policy_loss"
 
 #: each regime in the tables' words (``configs.corrections_study.StudyGrid`` fields)
 REGIME_WORDS = {"staleness": "async staleness k={staleness}, N={inner_lag}",
@@ -34,14 +58,24 @@ def format_ranking(rows: Sequence[Mapping], study) -> str:
     out = []
     blocks = dict.fromkeys((r["regime"], r["algo"]) for r in rows)
     for regime, algo in blocks:
-        out += [f"**{algo}, {REGIME_WORDS[regime].format(**vars(study))}**", "",
+        block = [r for r in rows if (r["regime"], r["algo"]) == (regime, algo)]
+        title = f"**{algo}, {REGIME_WORDS[regime].format(**vars(study))}**"
+        if all(r["rank"] is None for r in block):
+            out += [f"{title}: missing (no correction has a finished seed paired with none's; "
+                    f"{sum(r['planned'] for r in block)} cells planned)", ""]
+            continue
+        out += [title, "",
                 "| rank | correction | seeds | final pass@1 | minus none (95% t) | AUC minus none | "
                 "masked share | KL(mu, pi_old) | loss-step time / none's [range] |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for r in (r for r in rows if (r["regime"], r["algo"]) == (regime, algo)):
+        for r in block:
+            if r["rank"] is None:
+                out.append(f"| - | {r['correction']} | 0/{r['planned']} | missing | - | - | - | - | - |")
+                continue
             over = _f(r["overhead"]) + ("" if r["overhead_range"] is None else
-                                        f" [{r['overhead_range'][0]:.2f}, {r['overhead_range'][1]:.2f}]")
-            out.append(f"| {r['rank']} | {r['correction']} | {r['seeds']} | {_f(r['final_mean'])} | "
+                                        f" [{_f(r['overhead_range'][0], '.2f')}, {_f(r['overhead_range'][1], '.2f')}]")
+            seeds = f"{r['seeds']}" + (f"/{r['planned']}" if r.get("planned", r["seeds"]) != r["seeds"] else "")
+            out.append(f"| {r['rank']} | {r['correction']} | {seeds} | {_f(r['final_mean'])} | "
                        f"{_pm(r['diff'], r['half_width'])} | {_pm(r['auc_diff'], r['auc_half_width'])} | "
                        f"{_f(r['masked_fraction'], '.4f')} | {_f(r['mismatch_kl'], '.2e')} | {over} |")
         out.append("")
@@ -69,8 +103,25 @@ def format_r3(rows: Sequence[Mapping]) -> str:
     lines = ["MoE regime: routing replay (R3) against none, and the measured router disagreement:", "",
              "| algo | correction | seeds | no R3 final | R3 final | R3 minus no R3 (95% t) | router "
              "disagreement, no R3 (mean [min, max] over seeds) | with R3 |", "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['algo']} | {r['correction']} | {r['seeds']} | {_f(r['final_no_r3'])} | {_f(r['final_r3'])} | "
-              f"{_pm(r['diff'], r['half_width'])} | {dis(r, 'record')} | {dis(r, 'replay')} |" for r in rows]
+    for r in rows:
+        seeds = f"{r['seeds']}" if r.get("planned") in (None, r["seeds"]) else f"{r['seeds']}/{r['planned']}"
+        final_no_r3 = "missing" if not r.get("seeds_no_r3", 1) else _f(r["final_no_r3"])
+        final_r3 = "missing" if not r.get("seeds_r3", 1) else _f(r["final_r3"])
+        lines.append(f"| {r['algo']} | {r['correction']} | {seeds} | {final_no_r3} | {final_r3} | "
+                     f"{_pm(r['diff'], r['half_width'])} | {dis(r, 'record')} | {dis(r, 'replay')} |")
+    return "\n".join(lines)
+
+
+def format_progress(rows: Sequence[Mapping]) -> str:
+    """Markdown: the finished cells of each (regime, algo) block of the study against its plan
+    (:func:`jaxflow.rl.corrections_study.progress`); "complete" when nothing is missing."""
+    missing = sum(r["missing"] for r in rows)
+    done, planned = sum(r["done"] for r in rows), sum(r["planned"] for r in rows)
+    if not missing:
+        return f"Cells: {done}/{planned}, complete."
+    lines = [f"Cells: {done}/{planned} finished, {missing} missing:", "", "| regime | algo | finished / planned |",
+             "|---|---|---|"]
+    lines += [f"| {r['regime']} | {r['algo']} | {r['done']}/{r['planned']} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -78,10 +129,12 @@ def format_overhead_sources(overheads: Mapping[str, Mapping], recorded_sis: Mapp
     """One paragraph: where the overhead column comes from, and the recorded SIS figure of
     ``bench_policy_loss`` beside this run's."""
     sources = sorted({o["source"] for o in overheads.values()})
-    text = ("Overheads: " + ("; ".join(sources) if sources else "not measured") +
-            " (median of the (correction / none) ratios of alternated pairs, range in brackets).")
+    text = ("Overheads: " + "; ".join(sources) + " (median of the (correction / none) ratios of alternated pairs, "
+            "range in brackets)." if sources else "Overheads: not measured in this run yet (the study measures "
+            "them once, after its cells: overheads.json).")
     if recorded_sis:
-        text += (f" bench_policy_loss's recorded SIS step: {recorded_sis['ratio_median']:.3f}x "
+        text += (f" bench_policy_loss's recorded SIS step{'' if 'sis' in overheads else ' (the sis column)'}: "
+                 f"{recorded_sis['ratio_median']:.3f}x "
                  f"[{_f(recorded_sis['ratio_min'])}, {_f(recorded_sis['ratio_max'])}], "
                  f"{recorded_sis['pairs']} pairs, {recorded_sis['source']}.")
     return text
@@ -92,3 +145,83 @@ def seed_figures(finals: Mapping[tuple, Mapping[int, float]]) -> list[dict]:
     (:func:`jaxflow.rl.corrections_study.per_seed`) as JSON rows, for the headline builder."""
     return [{"regime": k[0], "algo": k[1], "correction": k[2], "moe": k[3],
              "per_seed": {str(s): v for s, v in sorted(vals.items())}} for k, vals in finals.items()]
+
+
+def study_report(study, records: Sequence[Mapping], overheads: Mapping[str, Mapping],
+                 recorded_sis: Mapping | None) -> tuple[dict[str, Any], list[str]]:
+    """(results, markdown sections) of the study ``study`` (``configs.corrections_study.
+    StudyGrid`` or any object with its fields) over the finished cell ``records``, which may
+    be any part of the study (the rest shows as missing): ``results`` holds ``progress``,
+    ``ranking``, ``controls``, ``r3``, ``overheads``, ``recorded_sis_overhead`` and ``finals``."""
+    cells = study_cells(study)
+    planned = planned_seeds(cells)
+    per_step = dict(overheads)  # the column: this run's pairs, else bench_policy_loss's recorded SIS pairs
+    if recorded_sis and "sis" not in per_step:
+        per_step["sis"] = {k: recorded_sis[k] for k in ("ratio_median", "ratio_min", "ratio_max")}
+    results = {"progress": progress(cells, records), "ranking": rank_corrections(records, per_step, planned=planned),
+               "controls": lag1_controls(records), "r3": r3_rows(records, planned=planned),
+               "overheads": dict(overheads), "recorded_sis_overhead": recorded_sis,
+               "finals": seed_figures(per_seed(records))}
+    return results, [format_progress(results["progress"]), format_ranking(results["ranking"], study),
+                     format_controls(results["controls"]), format_r3(results["r3"]),
+                     format_overhead_sources(overheads, recorded_sis)]
+
+
+def _read_records(path: pathlib.Path) -> list[dict]:
+    """cells.jsonl's records; a last line the running study is still writing is left out."""
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not JSON; valid: one cell record per line") from None
+    return records
+
+
+def report_from_dir(run_dir: str | pathlib.Path, *, bench_records: str | pathlib.Path = _BENCH_RECORDS) -> str:
+    """The report (markdown) of the ``corrections_study`` run directory ``run_dir``, running no
+    cell and measuring nothing, writing nothing: its ``config.json``'s study grid, the finished
+    cells of ``cells.jsonl`` (those of the grid; none yet is fine), ``overheads.json`` when the
+    study measured it, and the newest ``bench_policy_loss`` record under ``bench_records``.
+    ValueError names a directory that is no corrections_study run."""
+    run_dir = pathlib.Path(run_dir)
+    config_path = run_dir / "config.json"
+    try:
+        saved = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{run_dir}: cannot read {config_path.name} ({e}); valid: the --out directory "
+                         "of a corrections_study run") from None
+    if saved.get("experiment") != "corrections_study":
+        raise ValueError(f"{run_dir}: experiment {saved.get('experiment')!r}; valid: a corrections_study run")
+    study = types.SimpleNamespace(**{k: tuple(v) if isinstance(v, list) else v
+                                     for k, v in saved["config"]["study"].items()})
+    labels = {c.label for c in study_cells(study)}
+    cells_path = run_dir / CELLS_FILE
+    records = list({r["label"]: r for r in (_read_records(cells_path) if cells_path.exists() else [])
+                    if r["label"] in labels}.values())
+    overheads_path = run_dir / "overheads.json"
+    overheads = json.loads(overheads_path.read_text(encoding="utf-8")) if overheads_path.exists() else {}
+    _, sections = study_report(study, records, overheads, recorded_sis_overhead(bench_records))
+    return f"corrections_study report of {run_dir} ({saved.get('variant')})\n\n" + "\n\n".join(sections)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m jaxflow.rl.corrections_study_report RUN_DIR``: prints :func:`report_from_dir`;
+    exit status 2 with one line on stderr for a directory that is no corrections_study run."""
+    parser = argparse.ArgumentParser(prog="python -m jaxflow.rl.corrections_study_report",
+                                     description="The corrections_study tables of a run directory, "
+                                                 "partial or complete, without running anything.")
+    parser.add_argument("run_dir", help="the study's --out directory (holding config.json, cells.jsonl)")
+    args = parser.parse_args(argv)
+    try:
+        print(report_from_dir(args.run_dir))
+    except ValueError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
