@@ -161,9 +161,11 @@ def _quick() -> Config:
     (the behaviour top-K record) in both dense regimes, the MoE cells without and with R3, GRPO,
     2 seeds (paired intervals), 4 rollouts of 8 prompts x G 8, one evaluation per cell; the
     default's regimes otherwise (staleness 2 so the stale version advances within 4 rollouts).
-    Measured with the warm starts cached: 147 CPU-s (144 user + 3 sys; 376 s wall at load ~10
-    on 2 cores), most of it compiling the 7 distinct cell programs (the second seed's cells take
-    1-4 s each); the former quick (18 cells, 6 rollouts of 16 x 16) took 209 CPU-s."""
+    Measured with the warm starts cached, two runs at load ~10-11 on 2 cores: 147 and 125 CPU-s
+    (376 and 269 s wall): mostly compiling, each of the 7 cell configurations its own GRPO update
+    (more than half of the compile time) and the samplers once per policy (and for sis_b's
+    top-K); the second seed's cells take 1-4 s each. The former quick (18 cells, 6 rollouts of
+    16 x 16) took 209 CPU-s."""
     study = StudyGrid(algos=("grpo",), corrections=("none", "sis_b"), seeds=2, staleness=2, overhead_pairs=2)
     rl = dataclasses.replace(Config().rl, prompts_per_rollout=8, group_size=8)
     return Config(study=study, rl=rl, train=ScheduleConfig(rollouts=4, eval_every=4, eval_examples=32,
