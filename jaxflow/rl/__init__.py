@@ -29,7 +29,8 @@ The SIS studies' library (their drivers, ``sis_offpolicy`` / ``sis_study``, ``si
   sis_regime            the regime map's settings, the in-regime test, the phase-2 choice
   sis_regime_report     the regime study's tables and plots/sis_regime_map.png
   corrections_study     every correction in each degraded regime: the cells, ranking, R3 rows
-  corrections_study_report  the corrections study's tables
+  corrections_study_report  the corrections study's tables (``python -m`` it on a run directory:
+                        read-only, partial studies' missing cells shown)
   correction_overhead   each correction's loss-step overhead (alternated pairs)
   exact_gradient_study  the toy problem, sampled estimator moments, bias / variance rows
   policy_loss_bench     the SIS loss step's overhead and memory, the GRPO iteration arm
