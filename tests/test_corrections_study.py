@@ -20,6 +20,7 @@ from jaxflow.rl.corrections_study_report import (
     main,
     report_from_dir,
     seed_figures,
+    standing,
 )
 from jaxflow.rl.offpolicy_cells import Cell
 from jaxflow.rl.policy_loss import CORRECTIONS
@@ -131,6 +132,11 @@ def test_ranking_orders_corrections_by_paired_effect_none_at_zero():
     assert not [r for r in cs.rank_corrections(no_none) if r["regime"] == "staleness"]
     text = format_ranking(rows, study)
     assert "**grpo, async staleness k=4, N=4**" in text and "| 1 | tis | 3 | 0.723 | +0.173 +- " in text
+    # icepop's interval holds 0, sis's lies below it
+    lines = [x for x in text.splitlines() if x.startswith("Standing: best tis +0.173 +- ")]  # staleness, lr
+    assert len(lines) == 2
+    assert all(x.endswith(" against none; 95% interval above 0: tis; below 0: sis; sis rank 4 of 4.") for x in lines)
+    assert "Standing: best none" not in text and standing([]) == "Standing: no correction has a paired seed yet."
 
 
 def test_controls_and_r3_rows():

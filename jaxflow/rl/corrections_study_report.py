@@ -30,7 +30,7 @@ from jaxflow.rl.corrections_study import (
 )
 from jaxflow.study import CELLS_FILE, format_pm
 
-__all__ = ["REGIME_WORDS", "format_ranking", "format_controls", "format_r3", "format_overhead_sources",
+__all__ = ["REGIME_WORDS", "format_ranking", "standing", "format_controls", "format_r3", "format_overhead_sources",
            "format_progress", "seed_figures", "study_report", "report_from_dir", "main"]
 
 #: bench_policy_loss's results records, beside this package in the repository
@@ -78,8 +78,24 @@ def format_ranking(rows: Sequence[Mapping], study) -> str:
             out.append(f"| {r['rank']} | {r['correction']} | {seeds} | {_f(r['final_mean'])} | "
                        f"{_pm(r['diff'], r['half_width'])} | {_pm(r['auc_diff'], r['auc_half_width'])} | "
                        f"{_f(r['masked_fraction'], '.4f')} | {_f(r['mismatch_kl'], '.2e')} | {over} |")
-        out.append("")
+        out += ["", standing(block), ""]
     return "\n".join(out) if out else "(no dense-regime correction has a paired none seed yet)"
+
+
+def standing(block: Sequence[Mapping]) -> str:
+    """One line on one (regime, algo) block of ranked rows: the best correction, those whose
+    95% interval against none lies wholly above / below 0, and where SIS and ``sis_b`` rank."""
+    ranked = [r for r in block if r["rank"] is not None and r["correction"] != "none"]
+    if not ranked:
+        return "Standing: no correction has a paired seed yet."
+    best = ranked[0]
+    above = [r["correction"] for r in ranked if r["half_width"] is not None and r["diff"] - r["half_width"] > 0]
+    below = [r["correction"] for r in ranked if r["half_width"] is not None and r["diff"] + r["half_width"] < 0]
+    n = len([r for r in block if r["rank"] is not None])
+    text = (f"Standing: best {best['correction']} {_pm(best['diff'], best['half_width'])} against none; "
+            f"95% interval above 0: {', '.join(above) or '-'}; below 0: {', '.join(below) or '-'}")
+    places = [f"{r['correction']} rank {r['rank']} of {n}" for r in ranked if r["correction"] in ("sis", "sis_b")]
+    return text + ("; " + ", ".join(places) if places else "") + "."
 
 
 def format_controls(rows: Sequence[Mapping]) -> str:
