@@ -37,7 +37,7 @@ from jaxflow.errors import UserError
 from jaxflow.models.sampler import LogitsHook, SamplingConfig, _check_options
 from jaxflow.models.transformer import Transformer, TransformerConfig
 from jaxflow.rollout.decode_loop import loop_min_live, make_decode_loop
-from jaxflow.rollout.model_step import empty_pools, make_steps
+from jaxflow.rollout.model_step import by_identity, empty_pools, host_out, make_steps
 from jaxflow.rollout.paged_attention import PAGED_BACKENDS
 from jaxflow.rollout.pages import pages_for, pool_head_dim
 from jaxflow.rollout.records import EngineOutput, RequestOutput, RoutingRecord
@@ -198,7 +198,8 @@ class RolloutEngine:
                             "Transformer (its structure); with a GraphDef pass an nnx.State")
         self._state = self._as_state(params)
         if model_cfg is None:
-            model_cfg = nnx.merge(self.graphdef, self._state).config
+            model_cfg = by_identity(self.graphdef, ("config",),
+                                     lambda: nnx.merge(self.graphdef, self._state).config)
         self.model_config = model_cfg
         max_len = model_cfg.max_seq_len if config.max_seq_len is None else config.max_seq_len
         if max_len > model_cfg.max_seq_len:
@@ -212,16 +213,18 @@ class RolloutEngine:
                 f"sequence of max_seq_len={max_len} tokens, i.e. >= {width + 1} pages of "
                 f"page_size={config.page_size} (page 0 is reserved)")
         self.version = int(version)
-        self.steps = make_steps(self.graphdef, sampling, page_size=config.page_size,
-                                attention=config.attention, interpret=config.interpret,
-                                top_logprobs=config.top_logprobs,
-                                logit_noise_std=float(logit_noise_std), logits_hook=logits_hook,
-                                vocab_size=model_cfg.vocab_size, mesh=mesh,
-                                sampled_topk_of=config.sampled_topk, record_routing=config.record_routing)
-        self.loop = None if not config.loop_steps else make_decode_loop(
-            self.graphdef, self.steps.one_step, sampling, page_size=config.page_size,
-            pages_per_seq=width, narrow=config.narrow_tables, max_steps=config.loop_steps,
-            mesh=mesh)
+        step_options = dict(page_size=config.page_size, attention=config.attention,
+                            interpret=config.interpret, top_logprobs=config.top_logprobs,
+                            logit_noise_std=float(logit_noise_std), logits_hook=logits_hook,
+                            vocab_size=model_cfg.vocab_size, mesh=mesh,
+                            sampled_topk_of=config.sampled_topk, record_routing=config.record_routing)
+        self.steps = by_identity(self.graphdef, ("steps", sampling, *step_options.items()),
+                                  lambda: make_steps(self.graphdef, sampling, **step_options))
+        loop_options = dict(page_size=config.page_size, pages_per_seq=width,
+                            narrow=config.narrow_tables, max_steps=config.loop_steps, mesh=mesh)
+        self.loop = None if not config.loop_steps else by_identity(
+            self.graphdef, ("loop", self.steps.one_step, sampling, *loop_options.items()),
+            lambda: make_decode_loop(self.graphdef, self.steps.one_step, sampling, **loop_options))
         self.pool_head_dim = pool_head_dim(  # 128 lanes where decode runs the TPU kernel
             n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.n_kv_heads, head_dim=model_cfg.head_dim,
             rows=config.slots, num_pages=config.num_pages, page_size=config.page_size,
@@ -313,7 +316,11 @@ class RolloutEngine:
         prompt's KV pages). ``keys``: [G] per-sequence PRNG keys (typed keys, or their
         ``jax.random.key_data`` [G, ...] uint32 for the default PRNG implementation). Returns
         the request id."""
-        prompt = _token_ids(prompt, self.model_config.vocab_size, "prompt")
+        return self._queue(_token_ids(prompt, self.model_config.vocab_size, "prompt"), keys,
+                           max_new_tokens)
+
+    def _queue(self, prompt: np.ndarray, keys, max_new_tokens: int | None = None) -> int:
+        """:meth:`add_request` of checked token ids [L] int32."""
         n_new = self.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or not (
                 1 <= n_new <= self.sampling.max_new_tokens):
@@ -380,7 +387,7 @@ class RolloutEngine:
             self.pools, out, self.hook_state = (
                 self.loop(self._state, self.pools, *args, min_live, self.hook_state) if looped
                 else self.steps.decode(self._state, self.pools, *args, n_steps, self.hook_state))
-            out = jax.device_get(out)
+            out = host_out(out)
             self.routing.decoded(sched.decode_rows, out)
             completed = sched.finish_decode(out, self.version, self.sampling.stop_ids,
                                             trim=looped)
@@ -448,10 +455,10 @@ class RolloutEngine:
         if bad.any():
             raise RolloutConfigError(f"prompt_lengths={lengths[bad][0]}: must be in [1, "
                                      f"{prompts.shape[1]}] (the prompts' width)")
-        for i in range(r):  # every row checked before any is queued
-            _token_ids(prompts[i, :lengths[i]], self.model_config.vocab_size, f"prompts[{i}]")
-        rids = [self.add_request(prompts[i, :lengths[i]], keys[i * g:(i + 1) * g])
-                for i in range(r)]
+        # every row checked before any is queued
+        ids = [_token_ids(prompts[i, :lengths[i]], self.model_config.vocab_size, f"prompts[{i}]")
+               for i in range(r)]
+        rids = [self._queue(ids[i], keys[i * g:(i + 1) * g]) for i in range(r)]
         self.run()
         outs = [self.result(rid) for rid in rids]
         return EngineOutput(*(np.concatenate([getattr(o, f) for o in outs])

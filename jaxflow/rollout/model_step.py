@@ -34,11 +34,13 @@ repeats the same work.
 
 from __future__ import annotations
 
+import collections
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -70,13 +72,20 @@ def empty_pools(*, n_layers: int, n_kv_heads: int, num_pages: int, page_size: in
                 head_dim: int, dtype, mesh: Mesh | None = None) -> Pools:
     """All-zero pools (zeros, not garbage: a masked NaN would poison the products); on ``mesh``
     sharded as :func:`pool_sharding` (each device allocates only its shard)."""
-    shape = (n_kv_heads, num_pages, page_size, head_dim)
-    if mesh is None:
-        zeros = functools.partial(jnp.zeros, shape, dtype)
-    else:
-        zeros = jax.jit(functools.partial(jnp.zeros, shape, dtype),
-                        out_shardings=pool_sharding(mesh, n_kv_heads))
-    return Pools(tuple(zeros() for _ in range(n_layers)), tuple(zeros() for _ in range(n_layers)))
+    return _pool_maker(n_layers, (n_kv_heads, num_pages, page_size, head_dim), jnp.dtype(dtype), mesh)()
+
+
+@functools.lru_cache(maxsize=32)
+def _pool_maker(n_layers: int, shape: tuple[int, ...], dtype, mesh: Mesh | None) -> Callable[[], Pools]:
+    """One jitted call making every layer's K and V pool (a fresh engine's pools in one dispatch
+    instead of 2 * n_layers)."""
+    sharding = None if mesh is None else pool_sharding(mesh, shape[0])
+
+    def make() -> Pools:
+        return Pools(*(tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)) for _ in range(2)))
+
+    return jax.jit(make, out_shardings=None if sharding is None else Pools(
+        *((sharding,) * n_layers for _ in range(2))))
 
 
 class DecodeOut(NamedTuple):
@@ -307,3 +316,33 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
     from jaxflow.mesh import MeshJit
 
     return Steps(*(MeshJit(fn, mesh) for fn in jitted[:4]), one_step)
+
+
+_BY_IDENTITY: collections.OrderedDict = collections.OrderedDict()
+
+
+def by_identity(graphdef: nnx.GraphDef, key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()`` memoised on this very ``graphdef`` object and ``key`` (hashable options): a
+    fresh engine on the same model finds its config and programs without hashing the GraphDef,
+    which the programs' own caches do on every call (~0.3 ms each on a two-layer model). Holds
+    the graphdef, so its id is not reused while cached; the 64 latest entries are kept."""
+    full = (id(graphdef),) + key
+    hit = _BY_IDENTITY.get(full)
+    if hit is not None and hit[0] is graphdef:
+        _BY_IDENTITY.move_to_end(full)
+        return hit[1]
+    value = make()
+    _BY_IDENTITY[full] = (graphdef, value)
+    while len(_BY_IDENTITY) > 64:
+        _BY_IDENTITY.popitem(last=False)
+    return value
+
+
+def host_out(out: DecodeOut) -> DecodeOut:
+    """A decode call's draws on the host; empty fields (top-K off, no routing record) are made
+    here rather than fetched (each fetch is a transfer of its own)."""
+    fetch = [i for i, x in enumerate(out) if x.size]
+    fields = [np.empty(x.shape, x.dtype) for x in out]
+    for i, x in zip(fetch, jax.device_get([out[i] for i in fetch])):
+        fields[i] = x
+    return DecodeOut(*fields)

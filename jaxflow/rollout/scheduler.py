@@ -294,17 +294,21 @@ class Scheduler:
         counts = out.live.sum(axis=0)
         if trim:
             self._trim(counts)
+        # one conversion per call, not per row: rows [B] of python lists
+        tokens, logprobs, counts = out.token.T.tolist(), out.logprob.T.tolist(), counts.tolist()
+        top_k = out.topk_logprobs.shape[-1] > 0
         for i, seq in enumerate(self.decode_rows):
             if seq is None:
                 continue
-            c = int(counts[i])
+            c = counts[i]
             if c == 0:  # (a running row always draws; kept for callers feeding partial outputs)
                 continue
-            seq.tokens.extend(out.token[:c, i].tolist())
-            seq.logprobs.extend(out.logprob[:c, i].tolist())
+            seq.tokens.extend(tokens[i][:c])
+            seq.logprobs.extend(logprobs[i][:c])
             seq.versions.extend([version] * c)
-            seq.topk_logprobs.extend(out.topk_logprobs[:c, i])
-            seq.topk_indices.extend(out.topk_indices[:c, i])
+            if top_k:
+                seq.topk_logprobs.extend(out.topk_logprobs[:c, i])
+                seq.topk_indices.extend(out.topk_indices[:c, i])
             req = seq.request
             if seq.tokens[-1] in stops or len(seq.tokens) == req.max_new_tokens:
                 seq.done = True
