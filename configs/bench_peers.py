@@ -92,7 +92,7 @@ class Config:
     gen_group_size: int = 8  # G of generation_grpo (sequences per prompt)
     gen_decode_steps: int = 1  # the engine's EngineConfig.decode_steps (decode steps per host round trip)
     gen_prefill_rows: int = 0  # its prefill_rows; 0 = every prompt in one prefill call
-    gen_loop_steps: int = 0  # its loop_steps (the multi-step decode loop) where the engine has it; 0 = not passed
+    gen_loop_steps: int = 64  # its loop_steps (the multi-step decode loop, at most gen_max_new used); 0 = not passed
     grpo_learning_rate: float = 1e-4  # grpo_iteration's constant AdamW learning rate (every arm)
     peers: PeersConfig = PeersConfig()
 

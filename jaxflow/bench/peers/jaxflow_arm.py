@@ -8,11 +8,12 @@ optimizer (``rowwise_adagrad`` / ``sgd``) on the touched rows, capacity the case
 from the case's array; one step = one batch of ``batch`` samples.
 
 ``generation``: :class:`jaxflow.rollout.RolloutEngine` (one slot per sequence, pages of the
-case's ``page_size``, XLA attention, the case's ``engine`` options) on the case's checkpoint
-(``jaxflow.models.from_pretrained``), greedy, no stop token, so every sequence is ``max_new``
-tokens (long-tailed: the case's lengths, :func:`forced_length_hook`; GRPO groups: G sequences
-per prompt sharing its prefilled pages, sampled at temperature 1, one slot per sequence); one
-step = one ``generate`` of every prompt (a fresh engine, its programs cached).
+case's ``page_size``, XLA attention, the case's ``engine`` options, ``loop_steps`` at most
+``max_new``) on the case's checkpoint (``jaxflow.models.from_pretrained``), greedy, no stop
+token, so every sequence is ``max_new`` tokens (long-tailed: the case's lengths,
+:func:`forced_length_hook`; GRPO groups: G sequences per prompt sharing its prefilled pages,
+sampled at temperature 1, one slot per sequence); one step = one ``generate`` of every prompt (a
+fresh engine, its programs cached).
 Before timing it writes the logits of the case's ``probe`` tokens to ``case["logits_out"]``
 (the harness compares them with the peer's).
 
@@ -120,9 +121,12 @@ def setup_generation(case: dict):
     prompts = read_array(case["arrays"]["prompts"])
     r, p, n = prompts.shape[0], prompts.shape[1], case["max_new"]
     slots = r * int(case.get("group_size", 1))
+    options = dict(case.get("engine", {}))
+    if "loop_steps" in options:  # a loop of more steps than a sequence draws would only widen its outputs
+        options["loop_steps"] = min(int(options["loop_steps"]), n)
     config = EngineConfig(slots=slots, page_size=case["page_size"],
                           num_pages=pool_pages(slots, p + n, case["page_size"]),
-                          prefill_chunk=p, max_seq_len=p + n, attention="xla", **case.get("engine", {}))
+                          prefill_chunk=p, max_seq_len=p + n, attention="xla", **options)
     forced, g = case.get("lengths"), int(case.get("group_size", 1))
     sampling = SamplingConfig(max_new_tokens=n, temperature=1.0 if case.get("sampled") else 0.0,
                               eos_id=case["eos"] if forced else None)
