@@ -37,10 +37,12 @@ held-out evaluations; measured at nice 19 under load ~20: 334 s wall): ~8 CPU-ho
 Cells resume: the finished ones in ``cells.jsonl`` count as done, the running one restarts from
 its checkpoint; ``reuse`` adds other run directories' finished cells (labels equal
 ``sis_regime``'s phase-2 cells, so its run directories can be reused), ``report_only`` reports
-what is done. The tables of a run directory, partial or complete, at any time (running no cell,
+what is done (with ``reuse`` into a new run directory: ``--resume`` takes only the run's own
+config). The tables of a run directory, partial or complete, at any time (running no cell,
 measuring nothing, writing nothing; the missing cells show as missing)::
 
     python -m jaxflow.rl.corrections_study_report /work/studies/corrections
+    python -m jaxflow.run --exp=corrections_study --out NEW --set reuse=DIR --set report_only=true
 """
 
 from __future__ import annotations

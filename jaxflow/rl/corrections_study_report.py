@@ -84,7 +84,8 @@ def format_ranking(rows: Sequence[Mapping], study) -> str:
 
 def standing(block: Sequence[Mapping]) -> str:
     """One line on one (regime, algo) block of ranked rows: the best correction, those whose
-    95% interval against none lies wholly above / below 0, and where SIS and ``sis_b`` rank."""
+    95% interval against none lies wholly above / below 0, and where none, SIS and ``sis_b``
+    rank."""
     ranked = [r for r in block if r["rank"] is not None and r["correction"] != "none"]
     if not ranked:
         return "Standing: no correction has a paired seed yet."
@@ -94,7 +95,8 @@ def standing(block: Sequence[Mapping]) -> str:
     n = len([r for r in block if r["rank"] is not None])
     text = (f"Standing: best {best['correction']} {_pm(best['diff'], best['half_width'])} against none; "
             f"95% interval above 0: {', '.join(above) or '-'}; below 0: {', '.join(below) or '-'}")
-    places = [f"{r['correction']} rank {r['rank']} of {n}" for r in ranked if r["correction"] in ("sis", "sis_b")]
+    places = [f"{r['correction']} rank {r['rank']} of {n}" for r in block
+              if r["rank"] is not None and r["correction"] in ("none", "sis", "sis_b")]
     return text + ("; " + ", ".join(places) if places else "") + "."
 
 
