@@ -163,8 +163,8 @@ def _quick() -> Config:
     (the behaviour top-K record) in both dense regimes, the MoE cells without and with R3, GRPO,
     2 seeds (paired intervals), 4 rollouts of 8 prompts x G 8, one evaluation per cell; the
     default's regimes otherwise (staleness 2 so the stale version advances within 4 rollouts).
-    Measured with the warm starts cached, two runs at load ~10-11 on 2 cores: 147 and 125 CPU-s
-    (376 and 269 s wall): mostly compiling, each of the 7 cell configurations its own GRPO update
+    Measured with the warm starts cached, three runs at load ~9-11 on 2 cores: 147, 125 and 128
+    CPU-s (376, 269 and 237 s wall): mostly compiling, each of the 7 cell configurations its own GRPO update
     (more than half of the compile time) and the samplers once per policy (and for sis_b's
     top-K); the second seed's cells take 1-4 s each. The former quick (18 cells, 6 rollouts of
     16 x 16) took 209 CPU-s."""
