@@ -25,6 +25,7 @@ CASE_KEYS = {"sequences", "prompts", "group_size", "length_distribution", "reali
              "useful_tokens", "useful_tokens_equal", "mismatched_rows_engine_vs_static",
              "tokens_per_second",
              "ratio_median", "ratio_min", "ratio_max", "ratios", "median_round", "seconds",
+             "cpu_seconds", "cpu_ratio_median", "cpu_ratio_min", "cpu_ratio_max",
              "target_ratio", "target_ratio_met", "peak_kv_bytes", "engine_pool_bytes",
              "engine_stats", "load_avg_1min"}
 
@@ -53,6 +54,10 @@ def test_results_fields_and_counts(results):
         assert case["ratio_min"] <= case["ratio_median"] <= case["ratio_max"]
         assert case["target_ratio"] == TARGET_RATIO[name]
         assert all(len(s) == 2 and min(s) > 0 for s in case["seconds"].values())
+        assert all(len(s) == 2 and min(s) > 0 for s in case["cpu_seconds"].values())
+        assert case["cpu_ratio_min"] <= case["cpu_ratio_median"] <= case["cpu_ratio_max"]
+        assert case["cpu_ratio_median"] == pytest.approx(float(np.median(
+            np.divide(case["cpu_seconds"]["static"], case["cpu_seconds"]["engine"]))))
         # equal budget: the engine's pool is the baselines' cache plus its null page
         page = model["kv_bytes_per_token"] * 4
         assert case["peak_kv_bytes"]["static"] == model["kv_budget_bytes"]

@@ -6,7 +6,9 @@ groups) the two arms (the paged engine, the static sampler) sample the same ``re
 sequences at equal slots and KV budget: each runs once untimed on the exact workload (compiles
 every shape it hits; its outputs are compared across arms), then ``pairs`` alternated timed
 rounds. Reported per case: useful tokens/s per arm (medians), the per-round ratio engine /
-static (median, min, max), peak KV bytes, and for GRPO the peak KV bytes holding prompt tokens (:func:`prompt_kv`).
+static (median, min, max) by wall time and by CPU seconds of the process (every thread; less
+moved by other processes' load), peak KV bytes, and for GRPO the peak KV bytes holding prompt
+tokens (:func:`prompt_kv`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from jaxflow.rollout.bench_arms import (
     make_workload,
     sampling_config,
     timed,
+    timed_cpu,
 )
 
 __all__ = ["ARMS", "TARGET_RATIO", "machine", "prompt_kv", "run_case", "run_model"]
@@ -93,14 +96,17 @@ def run_case(config, mc, case: str, arms: dict, run: RunContext) -> dict[str, An
     lengths = outs["engine"].mask.sum(axis=1).astype(int)
     run.info(f"{mc.name}/{case}: warm-up (compile incl.) {warm}; useful tokens {useful}")
 
-    seconds = {name: [] for name in ARMS}
+    seconds, cpu_seconds = {name: [] for name in ARMS}, {name: [] for name in ARMS}
     for i in range(mc.pairs):
         for name in (ARMS if i % 2 == 0 else ARMS[::-1]):
-            t, _ = timed(arms[name], w)
+            t, cpu, _ = timed_cpu(arms[name], w)
             seconds[name].append(t)
+            cpu_seconds[name].append(cpu)
     secs = {n: np.asarray(s) for n, s in seconds.items()}
+    cpus = {n: np.asarray(s) for n, s in cpu_seconds.items()}
     tps = {n: useful["engine"] / s for n, s in secs.items()}
     ratios = tps["engine"] / tps["static"]
+    cpu_ratios = cpus["static"] / cpus["engine"]  # tokens per CPU-second, engine / static
     mid = int(np.argsort(ratios)[len(ratios) // 2])
     medians = {n: float(np.median(v)) for n, v in tps.items()}
     bpt = kv_bytes_per_token(mc.model)
@@ -119,6 +125,9 @@ def run_case(config, mc, case: str, arms: dict, run: RunContext) -> dict[str, An
         "ratio_vs_static_median": float(np.median(tps["engine"] / tps["static"])),
         "median_round": {n: float(secs[n][mid]) for n in ARMS} | {"ratio": float(ratios[mid])},
         "seconds": {n: s.tolist() for n, s in secs.items()},
+        "cpu_seconds": {n: s.tolist() for n, s in cpus.items()},
+        "cpu_ratio_median": float(np.median(cpu_ratios)),
+        "cpu_ratio_min": float(cpu_ratios.min()), "cpu_ratio_max": float(cpu_ratios.max()),
         "warmup_seconds_compile_included": warm,
         "target_ratio": TARGET_RATIO[case],
         "target_ratio_met": bool(np.median(ratios) >= TARGET_RATIO[case]),
@@ -132,7 +141,8 @@ def run_case(config, mc, case: str, arms: dict, run: RunContext) -> dict[str, An
         result["prompt_kv"] = prompt_kv(w, engine, mc.slots, bpt)
     run.info(f"{mc.name}/{case}: tokens/s {({k: round(v) for k, v in medians.items()})}; engine / "
              f"static {result['ratio_median']:.2f} [{result['ratio_min']:.2f}, "
-             f"{result['ratio_max']:.2f}] (target {TARGET_RATIO[case]})")
+             f"{result['ratio_max']:.2f}] (target {TARGET_RATIO[case]}); by CPU seconds "
+             f"{result['cpu_ratio_median']:.2f} [{result['cpu_ratio_min']:.2f}, {result['cpu_ratio_max']:.2f}]")
     return result
 
 

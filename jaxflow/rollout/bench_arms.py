@@ -253,10 +253,17 @@ class EngineArm:
 
 def timed(arm, w: Workload) -> tuple[float, ArmOutput]:
     """(seconds, output) of one run of ``arm`` on ``w`` (the engine built before the clock)."""
+    wall, _, out = timed_cpu(arm, w)
+    return wall, out
+
+
+def timed_cpu(arm, w: Workload) -> tuple[float, float, ArmOutput]:
+    """(wall seconds, CPU seconds of this process (every thread), output) of one run of ``arm``
+    on ``w`` (the engine built before the clocks)."""
     engine = arm.build(w) if isinstance(arm, EngineArm) else None
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = arm.run(w, engine) if engine is not None else arm.run(w)
-    return time.perf_counter() - start, out
+    return time.perf_counter() - start, time.process_time() - cpu, out
 
 
 def describe_lengths(lengths: np.ndarray, cap: int) -> dict[str, Any]:
