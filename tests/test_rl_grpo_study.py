@@ -5,7 +5,7 @@ import json
 from jaxflow.plots import read_metrics
 from jaxflow.rl.offpolicy_cells import grid_cells
 from jaxflow.rl.step_metrics import deterministic_fields
-from tests._cli import run_cli
+from tests._cli import compile_cache_env, run_cli
 
 TINY = [
     "--set", "pretrain.model.d_model=32", "--set", "pretrain.model.n_layers=1",
@@ -37,7 +37,8 @@ def test_grid_cells_cover_the_blocks():
 def test_study_runs_and_resumes_bit_identically(tmp_path):
     common = ["--exp=sis_offpolicy", "--variant=quick", "--devices=2", *TINY,
               "--set", f"cache_root={tmp_path / 'cache'}"]
-    full = run_cli([*common, f"--out={tmp_path / 'full'}"], timeout=600)
+    xla_cache = compile_cache_env(tmp_path / "xla_cache")  # the three runs share their programs
+    full = run_cli([*common, f"--out={tmp_path / 'full'}"], env_extra=xla_cache, timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]
     assert "roles: disjoint: trainer 1 device(s), rollout 1 device(s)" in full.stdout
     assert len(list((tmp_path / "cache").iterdir())) == 1  # the cached warm start
@@ -47,10 +48,11 @@ def test_study_runs_and_resumes_bit_identically(tmp_path):
 
     killed_dir = tmp_path / "killed"
     # the fault step is the global logged step: cell 0, rollout 2
-    killed = run_cli([*common, f"--out={killed_dir}", "--kill-after-checkpoint=2"], timeout=600)
+    killed = run_cli([*common, f"--out={killed_dir}", "--kill-after-checkpoint=2"],
+                     env_extra=xla_cache, timeout=600)
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])
     assert "training lm_pretrain" not in killed.stdout  # reused the cache
-    resumed = run_cli(["--resume", f"--out={killed_dir}"], timeout=600)
+    resumed = run_cli(["--resume", f"--out={killed_dir}"], env_extra=xla_cache, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint at step 2" in resumed.stdout
 
