@@ -1,5 +1,6 @@
 """Helpers for tests that run ``python -m jaxflow.run`` in a subprocess."""
 
+import contextlib
 import os
 import pathlib
 import socket
@@ -34,6 +35,24 @@ def compile_cache_env(folder) -> dict:
     return {"JAX_COMPILATION_CACHE_DIR": str(folder),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+@contextlib.contextmanager
+def persistent_compile_cache(folder):
+    """The in-process twin of :func:`compile_cache_env`: while the block runs, jax caches every
+    program it compiles in ``folder`` (previous settings restored after), so a program built
+    again by a new ``jax.jit`` of the same function (the same HLO) is loaded, not compiled."""
+    import jax
+
+    from jaxflow.compile_only.compile import persistent_cache
+
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        with persistent_cache(str(folder)):
+            yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def free_port() -> int:

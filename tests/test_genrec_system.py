@@ -14,6 +14,15 @@ from jaxflow.genrec import train as train_lib
 from jaxflow.genrec.data.synthetic import SyntheticGenRecConfig
 from jaxflow.genrec.rl import RLConfig
 from jaxflow.system import check_system, is_system_state
+from tests._cli import persistent_compile_cache
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_compiled_once(tmp_path_factory):
+    """The module's tests build the same programs several times (``fit`` and the SFT stage,
+    each test's own ``init``): each is compiled once and loaded after."""
+    with persistent_compile_cache(tmp_path_factory.mktemp("xla_cache")):
+        yield
 
 
 @pytest.fixture(scope="module")
