@@ -54,16 +54,24 @@ def setup():
     return fns, warm, rows, replicated
 
 
+@pytest.fixture(scope="module")
+def adapter_policy(setup):
+    """One LoRA policy for every arm: immutable (each arm's state starts from its params), so
+    the arms share its model functions and its compiled merge."""
+    fns, warm, _, replicated = setup
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    return lora_policy(MODEL, LORA, fns, warm, tx, replicated)
+
+
 def _flat(tree):
     return {jax.tree_util.keystr(p): np.asarray(x)
             for p, x in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
 
 
 @pytest.mark.parametrize("method", figa_config.METHODS)
-def test_each_arm_trains_adapters_only_over_the_frozen_warm_start(setup, method):
+def test_each_arm_trains_adapters_only_over_the_frozen_warm_start(setup, adapter_policy, method):
     fns, warm, rows, replicated = setup
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
-    policy = lora_policy(MODEL, LORA, fns, warm, tx, replicated)
+    policy = adapter_policy
     assert policy.model_cfg.lora == LORA and lora.has_adapters(policy.params)
     # fresh adapters (B = 0): the sampler's merge of the initial params is the warm start, bit for bit
     start = _flat(policy.to_sampler(policy.params))
