@@ -27,7 +27,7 @@ from jaxflow.plots import read_metrics
 from jaxflow.sync import tree_digest
 from jaxflow.train.loop import decode_window, encode_window, mean_rows, run_steps
 from jaxflow.train.state import TrainState
-from tests._cli import ROOT, TINY_LM, cli_env
+from tests._cli import ROOT, TINY_LM, cli_env, compile_cache_env
 
 LM = ["--exp=lm_pretrain", "--variant=quick", *TINY_LM, "--set", "train.log_every=1",
       "--set", "train.steps=4", "--set", "train.checkpoint_every=3", "--set", "train.eval_every=4"]
@@ -270,8 +270,9 @@ def test_flagship_stopped_in_its_warm_start_resumes_to_completion(tmp_path):
     checkpoints its step and exits 130; --resume finishes it (each warm-start step logged
     once), caches it and runs RL to the summary."""
     out, cache = tmp_path / "run", tmp_path / "cache"
+    env = cli_env(**compile_cache_env(tmp_path / "xla_cache"))  # the resume loads the programs
     proc = subprocess.Popen([sys.executable, "-m", "jaxflow.run", *FLAGSHIP, "--set",
-                             f"cache_root={cache}", f"--out={out}"], cwd=ROOT, env=_env(),
+                             f"cache_root={cache}", f"--out={out}"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if "step 1/40" in line:  # the warm start's first row
@@ -284,7 +285,7 @@ def test_flagship_stopped_in_its_warm_start_resumes_to_completion(tmp_path):
         f"saved; resume: python -m jaxflow.run --resume --out {out}"), line
     assert not (cache.exists() and any(cache.iterdir()))  # cached only once complete
     resumed = subprocess.run([sys.executable, "-m", "jaxflow.run", "--resume", f"--out={out}"],
-                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint at step" in resumed.stdout
     warm = read_metrics(out / "warm_start" / "seed0" / "metrics.jsonl")
