@@ -25,7 +25,9 @@ batch 65,536, bags of 1..4 ids. Sharding: the jaxflow tables row-wise over the o
 (one packed group; 8.3 GB per device on a v5p:4x4x4 pod of 64), the baselines' tables
 row-sharded by ``NamedSharding(P("data"))`` (every row count divides 64), ids and targets split
 over "data"; the one-device sparse baseline is off (528 GB on one device). It does not run on
-a CPU host (the tables start in host memory); check it with ``--compile-only``.
+a CPU host (the tables start in host memory); check it with ``--compile-only``: it fits
+v5p:4x4x4 and 8 x H100 / H200; on v6e:16x16 it exits 2 (256 devices do not divide every table's
+rows, so the baselines' tables would be replicated: ``jaxflow.compile_only.resolve.table_layout``).
 """
 
 from __future__ import annotations

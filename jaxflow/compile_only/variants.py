@@ -17,22 +17,32 @@ programs are built, so one variant (a model and a global batch) compiles on any 
     target holds the tables (exit 2 naming the smallest that does), and the line says so.
   bench_rollout (``serve``, one engine replica): ``serve.model_parallel`` becomes the width
     of :func:`~jaxflow.compile_only.resolve.serve_layout`.
+  bench_embedding (one "data" axis): :func:`~jaxflow.compile_only.resolve.table_layout`
+    checks the target holds the tables row-wise, and the ``jnp.take`` baselines' tables, which
+    are replicated where a table's rows do not divide the devices (``replicate_uneven``).
+  flowtrain (a ViT encoder and an LM backbone): ``mesh`` becomes (data N / M, model M) and
+    ``allocator`` the encoder counts and the backbone width of
+    :func:`~jaxflow.compile_only.resolve.flow_layout`, on the step's shapes of
+    :func:`flow_step` (expected from ``data``, ``packing`` and ``train.batch_size``).
 Keys the user set (``--set roles.*``, ``--set mesh.*``, ``--set train.microbatches=...``,
-``--set trainer_model`` / ``rollout_model``, ``--set serve.model_parallel``) are kept as given.
-Other variants and experiments pass through unchanged (flowtrain and bench_embedding full keep
-their stated meshes: not laid out by the rule yet).
+``--set trainer_model`` / ``rollout_model``, ``--set serve.model_parallel``, ``--set
+allocator.*`` / ``flow.encoder_devices``) are kept as given. Other variants and experiments
+pass through unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+
+import numpy as np
 
 from jaxflow.compile_only import resolve
 
 #: Experiments whose full variant the rule lays out: name -> the layout kind.
 RESOLVED = {"lm_pretrain": "lm", "flagship": "rl", "rl": "rl", "flexmarl": "marl",
             "dlrm_train": "table", "nestpipe": "table",
-            "bench_rollout": "serve"}
+            "bench_rollout": "serve", "bench_embedding": "bench_table", "flowtrain": "flow"}
 #: Dense features per row of Criteo (and the synthetic Criteo-like data).
 CRITEO_DENSE = 13
 
@@ -61,6 +71,10 @@ def resolve_for_target(name: str, variant: str, config, chip, n_devices: int,
         return _table(name, config, chip, n_devices)
     if kind == "marl":
         return _marl(config, chip, n_devices, overrides)
+    if kind == "bench_table":
+        return _bench_table(config, chip, n_devices)
+    if kind == "flow":
+        return _flow(config, chip, n_devices, overrides)
     return _rl(config, chip, n_devices, overrides)
 
 
@@ -162,3 +176,74 @@ def _serve(config, chip, n, overrides):
     text = (f"layout for {n} {chip.name}: one engine on {width} chip(s) (model {width}; "
             f"estimate: {est.text()})")
     return dataclasses.replace(config, serve=dataclasses.replace(serve, model_parallel=width)), text
+
+
+def _bench_table(config, chip, n):
+    vocabs = config.table_rows()
+    est = resolve.table_layout(vocabs, config.dim, batch=config.batch_size,
+                               ids_per_row=config.bag * config.num_tables, dense_params=0,
+                               optimizer="rowwise_adagrad", chip=chip, n_devices=n,
+                               replicate_uneven=True)
+    return config, (f"layout for {n} {chip.name}: mesh data {n} (tables row-wise, batch "
+                    f"{config.batch_size // n} per device; estimate: {est.text()})")
+
+
+#: Text tokens of a FlowTrain sample, at most: BOS, the longest prompt ("which is larger?")
+#: and answer (four number words, 23 characters) and EOS.
+FLOW_TEXT_TOKENS = 40
+#: Rows over the expected tokens' count: the step's draw and the packing's fill.
+FLOW_ROW_SLACK = 1.1
+
+
+def vit_shape(vit) -> resolve.ModelShape:
+    """The :class:`~jaxflow.compile_only.resolve.ModelShape` of a
+    :class:`jaxflow.flow.vit.ViTConfig` encoder (vocab 0: no logits): patch and grid
+    embeddings, its blocks, the final norm and the two-layer projector."""
+    d = vit.d_model
+    block = 4 * d * d + 3 * d * vit.d_ff + 2 * d
+    params = (vit.patch_size ** 2 * d + 2 * vit.max_grid * d + vit.n_layers * block + d +
+              d * vit.out_dim + vit.out_dim ** 2)
+    return resolve.ModelShape(params=params, n_layers=vit.n_layers, d_model=d, d_ff=vit.d_ff,
+                              vocab=0, n_heads=vit.n_heads, n_kv_heads=vit.n_heads,
+                              head_dim=d // vit.n_heads, param_bytes=4,
+                              compute_bytes=np.dtype(vit.dtype).itemsize)
+
+
+def flow_step(config) -> resolve.VlmStep:
+    """A flowtrain step's shapes, expected from ``config.data``'s task, image-count and size
+    weights (:class:`jaxflow.flow.digits_data.DigitsConfig`; tasks caption, count, sum,
+    compare, text): padded rows as long as the longest sample (4 images of the largest size),
+    packed rows and patch rows :data:`FLOW_ROW_SLACK` times the expected tokens / patches."""
+    data, batch = config.data, config.train.batch_size
+    patches = [(s // data.patch_size) ** 2 for s in data.sizes]
+    per_image = sum(w * p for w, p in zip(data.size_weights, patches)) / sum(data.size_weights)
+    w = data.images_weights
+    any_count = sum(k * x for k, x in enumerate(w, 1)) / sum(w)
+    two_plus = sum(k * x for k, x in enumerate(w, 1) if k > 1) / sum(w[1:])
+    caption, count, summed, compare, _ = data.task_weights
+    images = ((caption + count) * any_count + summed * two_plus + 2 * compare) / \
+        sum(data.task_weights)
+    image_tokens = batch * images * per_image
+    g, budget = config.packing.row_granularity, config.packing.token_budget
+    return resolve.VlmStep(
+        samples=batch, padded_len=-(-(4 * max(patches) + FLOW_TEXT_TOKENS) // g) * g,
+        packed_rows=math.ceil(FLOW_ROW_SLACK * (image_tokens + batch * FLOW_TEXT_TOKENS) / budget),
+        packed_len=budget, patch_rows=math.ceil(FLOW_ROW_SLACK * image_tokens / config.vit.row_len),
+        patch_len=config.vit.row_len)
+
+
+def _flow(config, chip, n, overrides):
+    if _user_set(overrides, "mesh", "allocator", "flow.encoder_devices"):
+        return config, "layout as set (--set mesh / allocator / flow.encoder_devices)"
+    lay = resolve.flow_layout(vit_shape(config.vit), resolve.ModelShape.of(config.model),
+                              flow_step(config), encoder_counts=config.allocator.encoder_candidates,
+                              chip=chip, n_devices=n)
+    m, mb = lay.monolithic_model, lay.backbone_model
+    mesh = dataclasses.replace(config.mesh, axes=("data", "model"), shape=(n // m, m))
+    allocator = dataclasses.replace(config.allocator, encoder_candidates=lay.encoder_counts,
+                                    backbone_model_degrees=(mb,))
+    splits = ", ".join(f"{e} + {(n - e) // mb}x{mb}" for e in lay.encoder_counts)
+    est = "; ".join(f"{k} {v.text()}" for k, v in lay.estimates.items())
+    text = (f"layout for {n} {chip.name}: monolithic mesh {n // m}x{m} (data x model), "
+            f"decoupled splits {splits} (estimates: {est})")
+    return dataclasses.replace(config, mesh=mesh, allocator=allocator), text
