@@ -46,15 +46,16 @@ def test_ragged_route_equals_the_engine_attention_on_real_tokens():
 def test_auto_on_cpu_is_the_xla_arithmetic_and_bad_input_is_named():
     q, k, v, table, start, n_valid = _problem(1)
     want = np.asarray(pf.xla_prefill_attention(q, k, v, table, start, n_valid))
-    for backend in ("auto", "xla", "gpu"):
+    for backend in ("auto", "xla"):
         got = pf.prefill_attention(q, k, v, table, start, n_valid, backend=backend)
         np.testing.assert_array_equal(np.asarray(got), want)
     with pytest.raises(ValueError, match="prefill attention backend 'flash'; valid: auto"):
         pf.prefill_attention(q, k, v, table, start, n_valid, backend="flash")
     with pytest.raises(ValueError, match=r"q \[R, C, H, D\] and page_table \[R, W\]"):
         pf.prefill_attention(q[0], k, v, table, start, n_valid)
-    with pytest.raises(ValueError, match="runs on tpu only"):
-        pf.prefill_attention(q, k, v, table, start, n_valid, backend="tpu")
+    for kernel in ("tpu", "gpu"):  # a kernel off its platform (gpu: tests/test_gpu_prefill_kernel.py)
+        with pytest.raises(ValueError, match=f"runs on {kernel} only"):
+            pf.prefill_attention(q, k, v, table, start, n_valid, backend=kernel)
 
 
 def test_pools_stored_padded_give_the_unpadded_result():

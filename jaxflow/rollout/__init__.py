@@ -29,7 +29,9 @@ Modules, one idea each:
 * ``paged_attention``: decode attention over the pool by backend (XLA gather on CPU, the
   upstream Pallas kernels on TPU / GPU).
 * ``prefill_attention``: the prefill chunk's attention over the pool by backend (XLA gather on
-  CPU, the upstream ragged paged-attention kernel on TPU).
+  CPU, the upstream ragged paged-attention kernel on TPU, ``gpu_prefill_kernel`` on GPU).
+* ``gpu_prefill_kernel``: a Pallas (Triton) prefill kernel reading the pages through the table
+  in the kernel, with each row's causal offset.
 * ``programs``: the engine's prefill and decode programs with abstract arguments for
   ``--compile-only`` (``bench_rollout --variant=full``; the flagship with ``rl.sampler=engine``).
 * ``bench_arms`` / ``bench``: bench_rollout's workloads (forced output lengths), its two arms

@@ -220,7 +220,7 @@ def make_steps(graphdef: nnx.GraphDef, sampling: SamplingConfig, *, page_size: i
             q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
             kp, vp = _write(kp, k, dest), _write(vp, v, dest)
             # query at position p sees the keys at positions <= p (the static prefill's mask
-            # for real tokens); xla on CPU, the ragged kernel on TPU (auto)
+            # for real tokens); xla on CPU, the ragged kernel on TPU, the Triton one on GPU (auto)
             attn = prefill_attention(q, kp, vp, page_table, start, n_valid, backend=attention,
                                      interpret=interpret)
             x = x + block.attn.project_out(attn)

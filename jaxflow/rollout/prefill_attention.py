@@ -24,32 +24,46 @@ Backends (``PREFILL_BACKENDS``, the engine's ``attention`` names):
         replaces xla's [R, H, C, W * S] f32 logits with its online softmax. Padding queries
         give zeros. head_dim 64 runs in the padded layout (128 lanes; a pool stored padded is
         gathered as it is, an unpadded one's gathered pages padded).
-  gpu   xla (no GPU prefill kernel here yet).
-  auto  tpu on TPU where the ragged kernel builds for these shapes (else one warning, then
-        xla), xla elsewhere.
+  gpu   :func:`jaxflow.rollout.gpu_prefill_kernel.gpu_prefill_attention` (Pallas lowered with
+        Triton): the pages read through the table inside the kernel (no gathered copy), GQA
+        heads folded into the query block, online softmax in f32, the causal bound at each
+        row's offset start[r] (key blocks past a block's last real query never loaded);
+        padding queries give zeros. Per head shard under a mesh, as tpu.
+  auto  the platform's kernel (tpu on TPU, gpu on GPU) where it builds for these shapes (else
+        one warning, then xla; the fall-back is recorded for the compile report by
+        ``pallas_kernels.dispatch.recording_fallbacks``), xla elsewhere.
 
-``interpret=True`` keeps the xla arithmetic: jax 0.10.2's TPU interpreter cannot run the ragged
-kernel (its reshaped VMEM refs); the packing is checked on CPU through the ragged xla reference
-(:func:`ragged_prefill_attention`) and the kernel compiled by the gate.
+``interpret=True`` with backend "gpu" runs the GPU kernel in Pallas interpret mode (any
+platform); otherwise it keeps the xla arithmetic: jax 0.10.2's TPU interpreter cannot run the
+ragged kernel (its reshaped VMEM refs); the packing is checked on CPU through the ragged xla
+reference (:func:`ragged_prefill_attention`) and the kernel compiled by the gate.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxflow.models.attention import dot_product_attention
+from jaxflow.rollout.gpu_prefill_kernel import gpu_prefill_attention, kernel_problem
 from jaxflow.rollout.paged_attention import (
+    _on_mesh,
     choose_ragged_backend,
     combine_kv_pages,
     gather_pages,
     ragged_paged_attention,
+    resolve_paged_backend,
 )
+from pallas_kernels import dispatch
 
-__all__ = ["PREFILL_BACKENDS", "prefill_attention", "ragged_prefill_attention",
-           "xla_prefill_attention"]
+__all__ = ["PREFILL_BACKENDS", "choose_prefill_backend", "prefill_attention",
+           "ragged_prefill_attention", "xla_prefill_attention"]
 
 PREFILL_BACKENDS = ("auto", "xla", "tpu", "gpu")
+GPU_KERNEL = "gpu_prefill_attention"  # its name in verdicts, warnings and compile reports
+GPU_HEAD_DIMS = (2, 0, 0, None, None, None)  # q [R, C, H, D], pools [KVH, ...]; heads sharded
 
 
 def xla_prefill_attention(q, k_pages, v_pages, page_table, start, n_valid) -> jax.Array:
@@ -86,6 +100,36 @@ def ragged_prefill_attention(q, k_pages, v_pages, page_table, start, n_valid, *,
     return jnp.where((offs < n_valid[:, None])[..., None, None], back, 0).astype(q.dtype)
 
 
+def _gpu_call(interpret: bool):
+    """The GPU kernel, per head shard under a mesh context (``paged_attention``'s rule)."""
+    return _on_mesh(functools.partial(gpu_prefill_attention, interpret=interpret),
+                    GPU_HEAD_DIMS, 2)
+
+
+def choose_prefill_backend(q, k_pages, v_pages, page_table, start, n_valid, *,
+                           backend: str = "auto") -> str:
+    """The backend ``prefill_attention`` runs for these arguments (arrays or
+    ShapeDtypeStructs) here: "xla", "tpu" or "gpu".
+
+    A kernel named off its platform raises ValueError; a named kernel that does not build for
+    these shapes raises ``KernelUnavailable``; "auto" takes the platform's kernel where it
+    builds, else warns once (and records the fall-back) -> "xla"."""
+    platform = dispatch.backend_platform()
+    resolved = resolve_paged_backend(backend, platform)
+    if resolved == "xla":
+        return "xla"
+    mode = "auto" if resolved == "auto" else "pallas"
+    if platform == "tpu":
+        return choose_ragged_backend(*_ragged_shapes(q, k_pages, page_table),
+                                     backend="auto" if mode == "auto" else "tpu")
+    shapes = tuple(dispatch.abstract(a) for a in (q, k_pages, v_pages, page_table, start, n_valid))
+    context, mesh = dispatch.partition_context()
+    options = (context, None if mesh is None else tuple(mesh.shape.items()))
+    use = dispatch.choose_kernel(GPU_KERNEL, mode, _gpu_call(False), shapes, options=options,
+                                 blocked=kernel_problem(q.shape, k_pages.shape))
+    return "gpu" if use else "xla"
+
+
 def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                       page_table: jax.Array, start: jax.Array, n_valid: jax.Array, *,
                       backend: str = "auto", interpret: bool = False) -> jax.Array:
@@ -94,10 +138,11 @@ def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Args:
       q: [R, C, H, D] queries; k_pages, v_pages: [KVH, P, S, D] pools, KVH divides H.
       page_table: [R, W] int32; start, n_valid: [R] int32 (row r's tokens at start + i).
-      backend: one of ``PREFILL_BACKENDS``; interpret: keep the xla arithmetic (docstring).
+      backend: one of ``PREFILL_BACKENDS``; interpret: with "gpu", the GPU kernel in Pallas
+        interpret mode; otherwise keep the xla arithmetic (module docstring).
 
     Returns:
-      [R, C, H, D] in q.dtype; rows past n_valid are padding (zeros in tpu).
+      [R, C, H, D] in q.dtype; rows past n_valid are padding (zeros in tpu and gpu).
     """
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"prefill attention backend {backend!r}; valid: "
@@ -105,12 +150,13 @@ def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if q.ndim != 4 or page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
         raise ValueError(f"prefill_attention needs q [R, C, H, D] and page_table [R, W]; got "
                          f"q {q.shape}, page_table {page_table.shape}")
-    if backend in ("xla", "gpu") or interpret:
-        return xla_prefill_attention(q, k_pages, v_pages, page_table, start, n_valid)
-    if choose_ragged_backend(*_ragged_shapes(q, k_pages, page_table), backend=backend) == "xla":
-        return xla_prefill_attention(q, k_pages, v_pages, page_table, start, n_valid)
-    return ragged_prefill_attention(q, k_pages, v_pages, page_table, start, n_valid,
-                                    backend="tpu")
+    args = (q, k_pages, v_pages, page_table, start, n_valid)
+    if interpret:
+        return _gpu_call(True)(*args) if backend == "gpu" else xla_prefill_attention(*args)
+    name = choose_prefill_backend(*args, backend=backend)
+    if name == "tpu":
+        return ragged_prefill_attention(*args, backend="tpu")
+    return _gpu_call(False)(*args) if name == "gpu" else xla_prefill_attention(*args)
 
 
 def _ragged_shapes(q, k_pages, page_table) -> tuple[jax.ShapeDtypeStruct, ...]:
