@@ -44,7 +44,7 @@ SMALL = {
 }
 ATTENTION = {"tpu": "splash_mha_fwd", "gpu": "mha_forward"}
 PAGED = {"tpu": "paged_flash_attention_kernel", "gpu": "paged_attention_block_h"}  # names' starts
-RAGGED = "ragged_paged_attention_kernel"  # the engine's TPU prefill (no GPU prefill kernel yet: XLA)
+PREFILL = {"tpu": "ragged_paged_attention_kernel", "gpu": "gpu_prefill_attention"}  # the engine's
 
 
 def _programs(exp: str, target: str):
@@ -118,9 +118,10 @@ def test_every_program_compiles_and_fits(exp, target):
                 assert calls["fused_logprobs_fwd"] >= 1, (p.name, dict(calls))
         elif p.name.endswith("rollout/decode"):  # the paged engine's decode attention, or XLA's
             assert all(k.startswith(PAGED[chip.platform]) for k in calls), (p.name, dict(calls))
-        elif p.name.endswith("rollout/prefill") and chip.platform == "tpu":
-            # the engine's prefill: the ragged paged kernel once per layer (64-wide heads padded
-            # to 128 lanes since eb47fbc), nothing else
-            assert set(calls) == {RAGGED} and calls[RAGGED] >= 1, (p.name, dict(calls))
+        elif p.name.endswith("rollout/prefill"):
+            # the engine's prefill: its kernel once per layer (TPU: the ragged paged kernel,
+            # 64-wide heads padded to 128 lanes since eb47fbc; GPU: the Triton prefill kernel)
+            kernel = PREFILL[chip.platform]
+            assert set(calls) == {kernel} and calls[kernel] >= 1, (p.name, dict(calls))
         else:
             assert not calls, (p.name, dict(calls))

@@ -6,11 +6,12 @@ Qwen3-8B's widths with 2 layers, bf16 weights (the sync replica), 32 slots of 1,
 
 Checked per program: it compiles; its per-device bytes fit; the decode call runs the platform's
 paged-attention kernel once per layer (``auto`` under the mesh: the upstream Mosaic TPU decode
-kernel, the Triton GPU one) and the prefill, on TPU, the upstream ragged paged-attention kernel
-once per layer (:mod:`jaxflow.rollout.prefill_attention`; on GPU none: XLA attention over the
-prompt's gathered pages); the pools come out sharded by K/V heads over "model" (so the donated pool is updated
-in place, each device holding its heads' pages). The flagship's ``rl.sampler=engine`` path
-(:func:`jaxflow.rl.programs.grpo_programs`) builds the same programs on its rollout mesh.
+kernel, the Triton GPU one) and the prefill its prefill kernel once per layer
+(:mod:`jaxflow.rollout.prefill_attention`: on TPU the upstream ragged paged-attention kernel,
+on GPU :mod:`jaxflow.rollout.gpu_prefill_kernel`); the pools come out sharded by K/V heads over
+"model" (so the donated pool is updated in place, each device holding its heads' pages). The
+flagship's ``rl.sampler=engine`` path (:func:`jaxflow.rl.programs.grpo_programs`) builds the
+same programs on its rollout mesh.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pallas_kernels import dispatch, targets
 LAYERS = 2
 TARGETS = {"v5e-2x2": ("v5e", "v5e:2x2", 4), "h100x2": ("h100", "1x1x2", 2)}
 KERNEL = {"tpu": "paged_flash_attention_kernel", "gpu": "paged_attention_block_h"}  # names' starts
-PREFILL_KERNEL = "ragged_paged_attention_kernel"
+PREFILL_KERNEL = {"tpu": "ragged_paged_attention_kernel", "gpu": "gpu_prefill_attention"}
 SMALL = [f"serve.n_layers={LAYERS}", "serve.slots=32", "serve.prompt_len=256",
          "serve.max_new=768", "serve.prefill_rows=4", "serve.prefill_chunk=256"]
 
@@ -65,11 +66,8 @@ def test_engine_programs_compile_fit_and_use_the_kernel(target):
     kernel = KERNEL[targets.chip(chip).platform]
     assert sum(decode.values()) == LAYERS and all(k.startswith(kernel) for k in decode), decode
     prefill = _kernels(programs["rollout/engine/prefill"])
-    if targets.chip(chip).platform == "tpu":
-        assert sum(prefill.values()) == LAYERS and all(
-            k.startswith(PREFILL_KERNEL) for k in prefill), prefill
-    else:
-        assert not prefill, prefill
+    assert sum(prefill.values()) == LAYERS and all(
+        k.startswith(PREFILL_KERNEL[targets.chip(chip).platform]) for k in prefill), prefill
 
 
 def test_flagship_engine_sampler_compiles_the_engine_programs():
