@@ -3,13 +3,13 @@
 The Pallas kernel, lowered with Triton, is compiled by the real XLA:GPU compiler (CUDA PJRT
 plugin) for an abstract H100 (nothing runs): at the interpret-mode test shapes
 (``tests/test_gpu_prefill_kernel.py``) and at production shapes, Qwen3-0.6B's heads (16 query,
-8 K/V heads of 128) and Qwen3-8B's (32 / 8 / 128), bf16 at pages of 16 and 64 tokens (f32
-once), a chunk of 8 rows x 512 tokens over 4k-token page tables; every default tile must fit
-the H100's shared memory (an oversized one is refused: the compile checks it).
-``prefill_attention`` with ``auto`` must take the kernel there (no fall-back warning: its
-verdict compiled for the chip), and its temporaries must undercut the XLA attention's, which
-holds the [R, H, C, W * S] f32 logits. The engine's prefill program on two H100s runs it once
-per layer (``test_rollout_engine_programs.py``).
+8 K/V heads of 128) and Qwen3-8B's (32 / 8 / 128), bf16 at pages of 16 and 64 tokens (f32 once;
+Llama-3.2-1B's 64-wide heads once), a chunk of 8 rows x 512 tokens over 4k-token page tables;
+every default tile must fit the H100's shared memory (an oversized one is refused: the compile
+checks it). ``prefill_attention`` with ``auto`` must take the kernel there (no fall-back
+warning: its verdict compiled for the chip), and its temporaries must undercut the XLA
+attention's, which holds the [R, H, C, W * S] f32 logits. The engine's prefill program on two
+H100s runs it once per layer (``test_rollout_engine_programs.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pallas_kernels import dispatch, targets
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 R, C, CONTEXT = 8, 512, 4096
-HEADS = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}  # (H, KVH, D)
+HEADS = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128),  # (H, KVH, D)
+         "llama-3.2-1b": (32, 8, 64)}  # 64-wide heads: no padded layout needed here
 TEST = dict(r=4, c=6, h=4, kvh=2, d=16, s=4, w=5, pool=32)  # tests/test_gpu_prefill_kernel.py
 
 
@@ -58,7 +59,8 @@ def test_kernel_compiles_for_h100_at_the_test_shapes(dtype):
                    ("test", dtype))
 
 
-PRODUCTION = [(m, p, jnp.bfloat16) for m in sorted(HEADS) for p in (16, 64)] + [
+PRODUCTION = [(m, p, jnp.bfloat16) for m in ("qwen3-0.6b", "qwen3-8b") for p in (16, 64)] + [
+    ("llama-3.2-1b", 16, jnp.bfloat16),
     ("qwen3-8b", 16, jnp.float32)]  # f32 tiles: one case (Triton takes ~5 s per f32 compile)
 
 
