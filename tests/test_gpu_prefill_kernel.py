@@ -121,6 +121,9 @@ def test_bad_shapes_and_blocks_are_named():
     q, k, v, table, start, n_valid = _problem(jnp.float32, s=6)
     with pytest.raises(ValueError, match=r"page size 6 is not a power of 2"):
         gpu_prefill_attention(q, k, v, table, start, n_valid, interpret=True)
+    with pytest.raises(ValueError, match=r"start \(3,\), n_valid \(4,\): need q \[R, C, H, D\]"):
+        gpu_prefill_attention(q, k[:, :, :4], v[:, :, :4], table, start[:3], n_valid,
+                              interpret=True)
     with pytest.raises(ValueError, match=r"block_q=48; valid: a power of 2 >= 16"):
         GpuPrefillBlockSizes(block_q=48)
     with pytest.raises(ValueError, match="runs on gpu only"):  # off GPU, not interpreted

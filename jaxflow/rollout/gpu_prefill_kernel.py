@@ -169,13 +169,17 @@ def gpu_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Returns:
       [R, C, H, D] in q.dtype; queries past n_valid[r] are zeros.
     """
+    ranks_ok = (q.ndim, k_pages.ndim, page_table.ndim, start.ndim, n_valid.ndim) == (4, 4, 2, 1, 1)
+    problem = kernel_problem(q.shape, k_pages.shape) if ranks_ok else None
+    if (not ranks_ok or problem or v_pages.shape != k_pages.shape
+            or {page_table.shape[0], start.shape[0], n_valid.shape[0]} != {q.shape[0]}):
+        raise ValueError(f"gpu_prefill_attention: q {q.shape}, k_pages {k_pages.shape}, "
+                         f"v_pages {v_pages.shape}, page_table {page_table.shape}, start "
+                         f"{start.shape}, n_valid {n_valid.shape}: " + (problem or (
+                             "need q [R, C, H, D], equal pools [KVH, P, S, D'], page_table "
+                             "[R, W], start and n_valid [R]")))
     r, c, h, d = q.shape
     kvh, _, s, width = k_pages.shape
-    problem = kernel_problem(q.shape, k_pages.shape)
-    if problem or v_pages.shape != k_pages.shape or page_table.shape[0] != r:
-        raise ValueError(f"gpu_prefill_attention: q {q.shape}, k_pages {k_pages.shape}, "
-                         f"v_pages {v_pages.shape}, page_table {page_table.shape}: "
-                         f"{problem or 'need equal pools and one table row per q row'}")
     blocks = block_sizes or GpuPrefillBlockSizes.get_default(width, q.dtype)
     lanes = max(MIN_DOT, _next_pow2(width))
     groups = _next_pow2(h // kvh)
