@@ -1,8 +1,10 @@
-"""Decoder-only LM (flax nnx), its jitted KV-cache sampler, per-token log-probs of a sequence
+"""Decoder-only LM (flax nnx), its jitted KV-cache sampler (``decode_kernel``: its decode through
+a paged decode kernel on TPU / GPU, ``DecodeKernel``), per-token log-probs of a sequence
 (``token_logprobs``), LoRA adapters on its projections (``LoraConfig``, ``merge``), and Hugging
 Face checkpoints in and out (Llama-3, Qwen3, Qwen3-MoE; adapters are merged and also written as a
 PEFT adapter; ``export_hf`` adds the source checkpoint's tokenizer files)."""
 from jaxflow.models.architectures import CheckpointError, config_from_hf, hf_config_from
+from jaxflow.models.decode_kernel import DecodeKernel
 from jaxflow.models.hf_checkpoint import from_pretrained, load_hf_params, save_pretrained
 from jaxflow.models.hf_export import export_hf
 from jaxflow.models.kv_cache import KVCache
@@ -26,6 +28,7 @@ __all__ = [
     "TransformersTokenizer",
     "RopeScaling",
     "config_from_hf",
+    "DecodeKernel",
     "export_hf",
     "from_pretrained",
     "hf_config_from",

@@ -7,7 +7,9 @@ notebook convenience wrapper around a live model. Options: per-row PRNG keys (a 
 is a function of its own key only) and a :class:`LogitsHook` applied to the logits before
 sampling (a temperature schedule, a repetition penalty). ``make_decoder`` exposes the prefill
 and the chunked decode separately for callers that compact rows between chunks (the MARL
-rollout engine).
+rollout engine). ``decode_kernel`` (a :class:`jaxflow.models.decode_kernel.DecodeKernel`) runs
+each decode step's attention through a paged decode kernel on TPU / GPU (a heads-major cache);
+on CPU the XLA reference, unchanged.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflow.models import moe
+from jaxflow.models.decode_kernel import DecodeKernel
 from jaxflow.models.transformer import Transformer
 
 
@@ -287,7 +290,8 @@ def _check_options(config: SamplingConfig, logit_noise_std: float,
 @functools.lru_cache(maxsize=32)
 def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std: float = 0.0,
                  *, per_row_keys: bool = False, logits_hook: LogitsHook | None = None,
-                 behaviour_topk: int = 0, record_routing: bool = False) -> Decoder:
+                 behaviour_topk: int = 0, record_routing: bool = False,
+                 decode_kernel: DecodeKernel | None = None) -> Decoder:
     """The prefill and chunked decode of :func:`make_sampler` as separate functions (see
     :class:`Decoder`), for callers that compact or reorder rows between decode chunks.
 
@@ -295,8 +299,12 @@ def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
     log-probs and ids (:func:`behaviour_topk`): ``(token, logprob, live, topk_logprobs [B, K],
     topk_indices [B, K])`` (stacked [n, B, K] by ``decode``). ``record_routing`` (MoE models)
     appends each MoE layer's routing (experts, gates: [B, P, L, k] for the prompt from
-    ``prefill``, [B, L, k] per step from ``decode``, :func:`jaxflow.models.moe.pop_routing`)."""
+    ``prefill``, [B, L, k] per step from ``decode``, :func:`jaxflow.models.moe.pop_routing`).
+    ``decode_kernel``: see :func:`make_sampler` (the carry's cache is then heads-major where the
+    kernel is active)."""
     _check_options(config, logit_noise_std, logits_hook)
+    if decode_kernel is not None and not isinstance(decode_kernel, DecodeKernel):
+        raise TypeError(f"decode_kernel={decode_kernel!r}: must be a DecodeKernel or None")
     if isinstance(behaviour_topk, bool) or not isinstance(behaviour_topk, int) or behaviour_topk < 0:
         raise ValueError(f"behaviour_topk={behaviour_topk!r}: need an int >= 0 (0 = off)")
     n_new = config.max_new_tokens
@@ -319,6 +327,9 @@ def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
             moe.record_routing(model)
         return model
 
+    def kernel() -> DecodeKernel | None:  # decided per trace (the platform), the same in both
+        return decode_kernel if decode_kernel is not None and decode_kernel.active() else None
+
     def routed(model, draws, squeeze=False):
         if not record_routing:
             return draws
@@ -334,8 +345,13 @@ def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
         prompt_lengths = prompt_lengths.astype(jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         prompt_valid = positions < prompt_lengths[:, None]
-        cache = model.init_cache(b, p + n_new)
-        logits, cache = model.decode(prompts, cache, positions=positions, valid=prompt_valid)
+        paged = kernel()
+        if paged is None:
+            cache = model.init_cache(b, p + n_new)
+        else:
+            cache = paged.init_cache(model.config, b, p + n_new)
+        logits, cache = model.decode(prompts, cache, positions=positions, valid=prompt_valid,
+                                     cache_attention=paged and paged.cache_attention)
         last = jnp.clip(prompt_lengths - 1, 0, p - 1)
         last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
         hook_state = None
@@ -347,12 +363,14 @@ def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
 
     def decode(params_state, carry, prompt_lengths, key, hook_args, t0, n_steps):
         prompt_lengths = prompt_lengths.astype(jnp.int32)
+        paged = kernel()
 
         def step(carry, t):
             model = merged(params_state)  # merged per step: its MoE layers record inside the scan
             logits, cache = model.decode(carry.token[:, None], carry.cache,
                                          positions=(prompt_lengths + t - 1)[:, None],
-                                         valid=carry.live[:, None])
+                                         valid=carry.live[:, None],
+                                         cache_attention=paged and paged.cache_attention)
             draws, done, hook_state = emit(logits[:, 0], carry.done, key, t, carry.hook_state,
                                            hook_args)
             return DecodeCarry(cache, draws[0], draws[2], done, hook_state), routed(model, draws, True)
@@ -365,7 +383,8 @@ def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
 @functools.lru_cache(maxsize=32)
 def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std: float = 0.0,
                  *, per_row_keys: bool = False, logits_hook: LogitsHook | None = None,
-                 behaviour_topk: int = 0, record_routing: bool = False) -> Callable:
+                 behaviour_topk: int = 0, record_routing: bool = False,
+                 decode_kernel: DecodeKernel | None = None) -> Callable:
     """Builds a jitted sampler for one model structure and sampling config.
 
     ``logit_noise_std > 0`` adds fresh N(0, std^2) noise to the raw logits of every sampled
@@ -377,6 +396,10 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
     ``topk_indices`` [B, N, K]; the proposal top-K of SIS with the behaviour policy).
     ``record_routing`` (MoE models) also records each MoE layer's expert ids and gates per
     position (``SampleOutput.routing_*``, what R3 replays).
+    ``decode_kernel`` (:class:`jaxflow.models.decode_kernel.DecodeKernel`): on TPU / GPU (or in
+    its interpret mode) each decode step attends through that paged decode kernel over a
+    heads-major cache of P + max_new_tokens slots rounded up to its page; on CPU the XLA
+    reference runs, bit for bit as without it.
 
     Returns:
       fn(params_state, prompts, prompt_lengths, key, hook_args=None) -> SampleOutput where
@@ -392,7 +415,7 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
     """
     dec = make_decoder(graphdef, config, logit_noise_std, per_row_keys=per_row_keys,
                        logits_hook=logits_hook, behaviour_topk=behaviour_topk,
-                       record_routing=record_routing)
+                       record_routing=record_routing, decode_kernel=decode_kernel)
     n_draws = 3 + 2 * bool(behaviour_topk)
 
     def run(params_state, prompts, prompt_lengths, key, hook_args=None) -> SampleOutput:

@@ -16,7 +16,8 @@ them back so the mesh code can map logical names -> mesh axes. Logical names use
 Attention over packed rows runs on the backend ``TransformerConfig.attention`` names
 (:mod:`jaxflow.models.attention_backends`: XLA reference, splash on TPU, Pallas flash or cuDNN
 on GPU, ``auto``); ``remat`` / ``remat_policy`` rematerialise each block under a
-``jax.checkpoint_policies`` policy. KV-cache decoding uses the XLA reference.
+``jax.checkpoint_policies`` policy. KV-cache decoding uses the XLA reference, or a paged decode
+kernel over a heads-major cache (``cache_attention``, :mod:`jaxflow.models.decode_kernel`).
 
 Dtypes: parameters are stored in ``param_dtype`` and cast to ``dtype`` for the matmuls;
 the residual stream is carried in ``dtype``; RMSNorm statistics, attention logits/softmax
@@ -131,10 +132,17 @@ class Attention(nnx.Module):
                                 interpret=interpret)
         return self.project_out(out)
 
-    def decode(self, x, positions, k_cache, v_cache, index, slots, key_valid):
-        """Writes this step's keys/values at `index` and attends over the cache (always the
-        XLA reference: the queries are a few new tokens against a cache of any fill)."""
+    def decode(self, x, positions, k_cache, v_cache, index, slots, key_valid,
+               cache_attention=None):
+        """Writes this step's keys/values at `index` and attends over the cache: the XLA
+        reference, or ``cache_attention(q, k, v, k_cache, v_cache, index, slots, key_valid) ->
+        (out, k_cache, v_cache)`` (another cache layout and a decode kernel,
+        :mod:`jaxflow.models.decode_kernel`)."""
         q, k, v = self.project_qkv(x, positions)
+        if cache_attention is not None:
+            out, k_cache, v_cache = cache_attention(q, k, v, k_cache, v_cache, index, slots,
+                                                    key_valid)
+            return self.project_out(out), k_cache, v_cache
         k_cache = write_rows(k_cache, k, index)
         v_cache = write_rows(v_cache, v, index)
         mask = cache_causal_mask(slots, key_valid)
@@ -191,9 +199,11 @@ class Block(nnx.Module):
         """Under an explicit mask [B, T, T] (XLA reference): x [B, T, d] -> [B, T, d]."""
         return self._mlp(x + self.attn(self.attn_norm(x), positions, mask))[0]
 
-    def decode(self, x, positions, k_cache, v_cache, index, slots, key_valid):
+    def decode(self, x, positions, k_cache, v_cache, index, slots, key_valid,
+               cache_attention=None):
         attn, k_cache, v_cache = self.attn.decode(
-            self.attn_norm(x), positions, k_cache, v_cache, index, slots, key_valid)
+            self.attn_norm(x), positions, k_cache, v_cache, index, slots, key_valid,
+            cache_attention)
         x = x + attn
         return x + self.mlp(self.mlp_norm(x)), k_cache, v_cache
 
@@ -340,7 +350,8 @@ class Transformer(nnx.Module):
                            dtype=c.compute_dtype)
 
     def decode(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array,
-               valid: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+               valid: jax.Array | None = None, cache_attention=None
+               ) -> tuple[jax.Array, KVCache]:
         """Appends tokens to the cache and returns their logits.
 
         Row b's tokens are written at cache slots index[b] .. index[b]+L-1; then index[b]
@@ -354,6 +365,8 @@ class Transformer(nnx.Module):
           cache: KVCache from init_cache or a previous decode.
           positions: [B, L] int32 RoPE positions.
           valid: [B, L] bool, False for padding tokens (never attended to). Default all True.
+          cache_attention: None (the XLA reference over a [B, S, KVH, D] cache), or each
+            layer's write + attention for another cache layout (:class:`Attention.decode`).
 
         Returns:
           (logits [B, L, vocab_size] float32, updated cache). Each token attends to the
@@ -371,7 +384,7 @@ class Transformer(nnx.Module):
         new_k, new_v = [], []
         for block, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
             x, k_cache, v_cache = block.decode(x, positions, k_cache, v_cache, index, slots,
-                                               key_valid)
+                                               key_valid, cache_attention)
             new_k.append(k_cache)
             new_v.append(v_cache)
         logits = self._logits(self.final_norm(x))

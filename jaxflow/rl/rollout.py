@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.config_domains import COUNT, domains
 from jaxflow.data.tokenizer import Tokenizer
 from jaxflow.distributed import put, to_host
+from jaxflow.models.decode_kernel import DecodeKernel
 from jaxflow.models.sampler import SampleOutput, SamplingConfig, make_sampler
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl.tasks import (
@@ -304,9 +305,13 @@ class RolloutWorker:
             "bf16") else model_cfg
         self._sampler_fns = lm_functions(sampler_cfg, mesh) if kind.startswith("bf16") else self.fns
         self._sampler_cfg, self._sampling, self._noise = sampler_cfg, sampling, noise
+        from jaxflow.rollout.paged_attention import paged_attention
+
+        # on TPU / GPU each decode step attends through the paged decode kernel (CPU: XLA)
         self._sample = make_sampler(self._sampler_fns.graphdef, sampling, noise,
                                     per_row_keys=spec.sampler != "static",
-                                    behaviour_topk=self.behaviour_topk, record_routing=spec.record_routing)
+                                    behaviour_topk=self.behaviour_topk, record_routing=spec.record_routing,
+                                    decode_kernel=DecodeKernel(paged_attention))
         if spec.sampler == "engine" and jax.process_count() > 1:
             raise ValueError(f"sampler='engine' runs in one process (its scheduler is host "
                              f"state); this job has {jax.process_count()} processes: use "
