@@ -120,9 +120,13 @@ class DecodeKernel:
         layout = _mesh_layout(batch_size, config.n_heads, config.n_kv_heads)
         if layout is None:
             return cache
-        _, rows, head = layout
+        mesh, rows, head = layout
         spec = P(head, rows, None, None)
-        pin = lambda x: jax.lax.with_sharding_constraint(x, spec)  # noqa: E731
+        explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+
+        def pin(x):
+            return jax.reshard(x, spec) if explicit else jax.lax.with_sharding_constraint(x, spec)
+
         return cache._replace(k=tuple(map(pin, cache.k)), v=tuple(map(pin, cache.v)))
 
     def cache_attention(self, q, k, v, k_cache, v_cache, index, slots, key_valid):
