@@ -130,6 +130,14 @@ def test_sampler_through_the_gpu_kernel_interpret_on_a_mesh_matches_xla(split_mo
                                atol=1e-5)
 
 
+def test_cache_length_is_whole_pages_in_blocks_the_kernel_can_read():
+    kernel = DecodeKernel(paged_attention)  # pages of 64
+    assert kernel.cache_length(1033) == 1152  # 18 pages (not 17: the TPU kernel reads 6 at once)
+    assert kernel.cache_length(4096) == 4096
+    assert kernel.cache_length(40) == 64  # a 128-token chunk would pad by more than 1/8
+    assert DecodeKernel(paged_attention, page_size=PAGE).cache_length(P + N) == 16
+
+
 def test_decode_kernel_validation(split_model):
     with pytest.raises(ValueError, match=r"backend='cuda'; valid: auto, tpu, gpu"):
         DecodeKernel(paged_attention, backend="cuda")
