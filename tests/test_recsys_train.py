@@ -10,6 +10,15 @@ from configs import dlrm_train as cfg_mod
 from jaxflow.experiment import standalone_context
 from jaxflow.main.dlrm_train import main
 from jaxflow.recsys.models import build_model, functional
+from tests._cli import persistent_compile_cache
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_compiled_once(tmp_path_factory):
+    """The runs below build the same programs again (the straight, split and resumed runs; the
+    System and the hand-composed step): each is compiled once and loaded after."""
+    with persistent_compile_cache(tmp_path_factory.mktemp("xla_cache")):
+        yield
 
 
 @pytest.mark.parametrize("arch", ["dlrm", "dcn_v2"])
