@@ -21,10 +21,19 @@ from jaxflow.train.lm_state import (
     make_train_step,
     model_optimizer,
 )
+from tests._cli import persistent_compile_cache
 
 BASE = dataclasses.replace(PRESETS["tiny"], n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
                            d_ff=48, max_seq_len=16)
 LORA = dataclasses.replace(BASE, lora=lora.LoraConfig(rank=4, alpha=8.0))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_compiled_once(tmp_path_factory):
+    """The tests build the same programs again (each ``init_params`` and forward is a new
+    ``jax.jit`` of the same function): each is compiled once and loaded after."""
+    with persistent_compile_cache(tmp_path_factory.mktemp("xla_cache")):
+        yield
 
 
 def _mesh():
@@ -79,8 +88,12 @@ def test_zero_b_is_the_base_and_merged_params_give_the_adapter_forward_bit_for_b
     fns, base_fns = lm_functions(cfg, mesh), lm_functions(base_cfg, mesh)
     params = init_params(fns, cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, BASE.vocab_size)
-    def fwd(f, p):
-        return jax.jit(lambda q: f.model(q)(tokens))(p)
+    programs = {}
+
+    def fwd(f, p):  # one jitted forward per model functions (params of one layout share it)
+        if id(f) not in programs:
+            programs[id(f)] = jax.jit(lambda q: f.model(q)(tokens))
+        return programs[id(f)](p)
 
     base_logits = fwd(base_fns, lora.strip(params))
     np.testing.assert_array_equal(np.asarray(fwd(fns, params)), np.asarray(base_logits))
