@@ -37,25 +37,29 @@ def prompts():
 
 
 @jax.jit(static_argnums=0)
-def _full_logits(graphdef, state, sequences, lengths):
-    """Logits of full forwards (no cache) on right-padded [B, P + N] sequences."""
+def _full_logits_at_generated(graphdef, state, sequences, lengths):
+    """Logits of full forwards (no cache) on right-padded [B, P + N] sequences (prompt of
+    ``lengths - N`` tokens, then N generated), at the N positions predicting the generated
+    tokens: [B, N, V]. One compiled program (no eager ops of per-row shapes)."""
     segment_ids = (jnp.arange(sequences.shape[1])[None] < lengths[:, None]).astype(jnp.int32)
-    return nnx.merge(graphdef, state)(sequences, segment_ids=segment_ids)
+    logits = nnx.merge(graphdef, state)(sequences, segment_ids=segment_ids)
+    idx = lengths[:, None] - N - 1 + jnp.arange(N)[None]
+    return jnp.take_along_axis(logits, idx[:, :, None], axis=1)
 
 
 def _splice(prompts, generated):
-    """Row b: its prompt then its generated tokens, right-padded to P + N."""
-    rows = [jnp.concatenate([prompts[b, :LENGTHS[b]], generated[b],
-                             jnp.zeros((P - LENGTHS[b],), jnp.int32)]) for b in range(B)]
-    return jnp.stack(rows)
+    """Row b: its prompt then its generated tokens, right-padded to P + N (on the host)."""
+    prompts, generated = np.asarray(prompts), np.asarray(generated)
+    rows = np.zeros((B, P + N), np.int32)
+    for b, n in enumerate(np.asarray(LENGTHS)):
+        rows[b, :n + N] = np.concatenate([prompts[b, :n], generated[b]])
+    return rows
 
 
 def _logits_at_generated(split_model, prompts, generated):
     """[B, N, V] full-forward logits predicting each generated token."""
     graphdef, state = split_model
-    logits = _full_logits(graphdef, state, _splice(prompts, generated), LENGTHS + N)
-    idx = LENGTHS[:, None] - 1 + jnp.arange(N)[None]
-    return jnp.take_along_axis(logits, idx[:, :, None], axis=1)
+    return _full_logits_at_generated(graphdef, state, _splice(prompts, generated), LENGTHS + N)
 
 
 def test_greedy_equals_argmax_of_repeated_full_forwards(split_model, prompts):
@@ -63,10 +67,10 @@ def test_greedy_equals_argmax_of_repeated_full_forwards(split_model, prompts):
     out = make_sampler(graphdef, SamplingConfig(max_new_tokens=N, temperature=0.0))(
         state, prompts, LENGTHS, jax.random.key(0))
     assert isinstance(out, SampleOutput)
-    generated = jnp.zeros((B, N), jnp.int32)
+    generated = np.zeros((B, N), np.int32)
     for t in range(N):  # no cache: re-run the whole sequence each step
         logits = _logits_at_generated(split_model, prompts, generated)
-        generated = generated.at[:, t].set(jnp.argmax(logits[:, t], -1))
+        generated[:, t] = np.argmax(np.asarray(logits[:, t]), -1)
     np.testing.assert_array_equal(out.tokens, generated)
     expected = jnp.take_along_axis(jax.nn.log_softmax(logits), generated[..., None], -1)[..., 0]
     np.testing.assert_allclose(out.logprobs, expected, atol=F32_TOL)
@@ -167,7 +171,8 @@ def test_invalid_sampling_config_raises_naming_the_field(field, value):
 
 def test_logit_noise_logprobs_are_those_of_the_noisy_distribution(split_model, prompts):
     graphdef, state = split_model
-    cfg = SamplingConfig(max_new_tokens=N, temperature=0.8)
+    # test_sampler_is_cached_and_sampling_uses_the_key's config: `plain` below is its program
+    cfg = SamplingConfig(max_new_tokens=N, temperature=0.7)
     key = jax.random.key(5)
     std = 0.7
     out = make_sampler(graphdef, cfg, std)(state, prompts, LENGTHS, key)
@@ -176,7 +181,7 @@ def test_logit_noise_logprobs_are_those_of_the_noisy_distribution(split_model, p
     for t in range(N):
         noise_key, _ = jax.random.split(step_keys[t])
         noisy = logits[:, t] + std * jax.random.normal(noise_key, logits[:, t].shape, jnp.float32)
-        want = jnp.take_along_axis(jax.nn.log_softmax(noisy / 0.8, axis=-1),
+        want = jnp.take_along_axis(jax.nn.log_softmax(noisy / cfg.temperature, axis=-1),
                                    out.tokens[:, t, None], axis=-1)[:, 0]
         np.testing.assert_allclose(out.logprobs[:, t], want, atol=F32_TOL, rtol=0)
     plain = make_sampler(graphdef, cfg)(state, prompts, LENGTHS, key)
