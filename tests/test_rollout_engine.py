@@ -50,12 +50,14 @@ def _keys(n, seed=3):
     return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(seed), jnp.arange(n))
 
 
-def _engine(split_model, sampling, **kw):
+def _engine(split_model, sampling, mesh=None, **kw):
     graphdef, state = split_model
-    cfg = dict(slots=3, page_size=8, num_pages=40, prefill_chunk=5, max_seq_len=P + N,
-               narrow_tables=False)  # one compiled width per program: fast tests
+    # one compiled shape per program (page tables always max_seq_len wide, every slot / prefill
+    # row in each call), and one pool size: engines of a sampling config share their programs
+    cfg = dict(slots=3, page_size=8, num_pages=60, prefill_chunk=5, max_seq_len=P + N,
+               narrow_tables=False, bucket_rows=False)
     cfg.update(kw)
-    return RolloutEngine(graphdef, state, EngineConfig(**cfg), sampling)
+    return RolloutEngine(graphdef, state, EngineConfig(**cfg), sampling, mesh=mesh)
 
 
 def _assert_same(out, ref, rows=slice(None)):
@@ -75,8 +77,10 @@ def test_matches_static_sampler(split_model, prompts, sampling):
     graphdef, state = split_model
     keys = _keys(len(LENGTHS))
     ref = make_sampler(graphdef, sampling, per_row_keys=True)(state, prompts, LENGTHS, keys)
-    narrow = sampling.temperature == 1.0  # one case with page tables as wide as rows need
-    out = _engine(split_model, sampling, narrow_tables=narrow).generate(prompts, LENGTHS, keys)
+    # one case with page tables as wide as rows need and calls as many rows as run (defaults)
+    narrow = sampling.temperature == 1.0
+    out = _engine(split_model, sampling, narrow_tables=narrow, bucket_rows=narrow).generate(
+        prompts, LENGTHS, keys)
     _assert_same(out, ref)
     if sampling.eos_id is not None:  # the case is exercised: some rows end early
         assert (out.lengths < N).sum() >= 2, out.lengths
@@ -125,12 +129,14 @@ def test_stateful_logits_hook_matches_static_sampler(split_model, prompts):
         state, prompts, LENGTHS, keys)
     eng = RolloutEngine(graphdef, state, EngineConfig(slots=3, page_size=8, num_pages=40,
                                                       prefill_chunk=5, max_seq_len=P + N,
-                                                      narrow_tables=False, decode_steps=2),
+                                                      narrow_tables=False, bucket_rows=False,
+                                                      decode_steps=2),
                         sampling, logits_hook=REPETITION_PENALTY)
     out = eng.generate(prompts, LENGTHS, keys)
     _assert_same(out, ref)
-    plain = make_sampler(graphdef, sampling, per_row_keys=True)(state, prompts, LENGTHS, keys)
-    assert (np.asarray(plain.tokens) != out.tokens).any()  # the penalty changed the samples
+    # the same engine without the hook (the programs of the shared-prefix and mesh tests)
+    plain = _engine(split_model, sampling).generate(prompts, LENGTHS, keys)
+    assert (plain.tokens != out.tokens).any()  # the penalty changed the samples
 
 
 def test_shared_prefix_groups_match_static_sampler(split_model, prompts):
@@ -143,7 +149,7 @@ def test_shared_prefix_groups_match_static_sampler(split_model, prompts):
     reps = np.repeat(prompts, g, axis=0)
     ref = make_sampler(graphdef, sampling, per_row_keys=True)(state, reps, np.repeat(LENGTHS, g),
                                                               keys)
-    eng = _engine(split_model, sampling, num_pages=60)
+    eng = _engine(split_model, sampling)
     out = eng.generate(prompts, LENGTHS, keys, group_size=g)
     _assert_same(out, ref)
     # rows of a group differ (own keys), and copies happened for the partial prefix pages:
@@ -272,11 +278,12 @@ def test_continuous_batching_independent_of_slots_and_order(split_model):
     tolerance, see module doc)."""
     sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_id=EOS)
     prompts, caps = _long_tailed(10, seed=1)
-    base = _serve(_engine(split_model, sampling, slots=4), prompts, caps, range(10))
+    base = _serve(_engine(split_model, sampling, slots=4, prefill_rows=2), prompts, caps,
+                  range(10))
     for slots, order, steps in ((4, range(9, -1, -1), 1), (1, range(10), 1),
                                 (3, [3, 1, 4, 0, 5, 9, 2, 6, 8, 7], 3)):
         eng = _engine(split_model, sampling, slots=slots, prefill_rows=2, decode_steps=steps,
-                      narrow_tables=steps > 1)
+                      narrow_tables=steps > 1, bucket_rows=steps > 1)
         outs = _serve(eng, prompts, caps, order)
         assert eng.stats.tokens == sum(o.lengths[0] for o in outs) <= eng.stats.decode_row_steps
         for a, b in zip(base, outs):
@@ -335,9 +342,10 @@ def test_follows_sync_replica_in_place(split_model, prompts):
     replica = Replica(jax.device_put(bf16_a), version=0, path="device")
     sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, top_k=8)
     keys = _keys(3, seed=5)
+    model = Transformer(TINY, rngs=nnx.Rngs(0))  # the structure both engines take
 
     def run(follow: bool):
-        eng = RolloutEngine(Transformer(TINY, rngs=nnx.Rngs(0)), bf16_a if not follow else
+        eng = RolloutEngine(model, bf16_a if not follow else
                             replica.params, EngineConfig(slots=2, page_size=8, num_pages=20,
                                                          prefill_chunk=6, max_seq_len=P + N,
                                                          narrow_tables=False),
@@ -390,11 +398,9 @@ def test_engine_on_a_tensor_parallel_mesh(split_model, prompts):
     mesh = make_mesh({"model": 2}, jax.devices()[:2])
     sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_id=EOS)
     keys = _keys(len(LENGTHS) * 2, seed=11)
-    cfg = EngineConfig(slots=3, page_size=8, num_pages=40, prefill_chunk=5, max_seq_len=P + N,
-                       narrow_tables=False)
-    ref = RolloutEngine(graphdef, state, cfg, sampling).generate(prompts, LENGTHS, keys,
-                                                                  group_size=2)
-    eng = RolloutEngine(graphdef, state, cfg, sampling, mesh=mesh)
+    # the reference is test_shared_prefix_groups_match_static_sampler's engine (its programs)
+    ref = _engine(split_model, sampling).generate(prompts, LENGTHS, keys, group_size=2)
+    eng = _engine(split_model, sampling, mesh=mesh)
     out = eng.generate(prompts, LENGTHS, keys, group_size=2)
     _assert_same(out, ref)
     for pool in eng.pools.k + eng.pools.v:  # [KVH=2, pages, S, D]: one head per device
