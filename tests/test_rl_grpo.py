@@ -24,10 +24,13 @@ from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.sync.replica import tree_digest
 from jaxflow.sync.weight_sync import SyncConfig
 from jaxflow.train.lm_state import OptimConfig, init_params
+from tests._cli import persistent_compile_cache
 
 MODEL = TransformerConfig(vocab_size=23, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
                           d_ff=64, max_seq_len=32)
 BASE = GRPOConfig(prompts_per_rollout=4, group_size=4, max_new_tokens=3, sis_topk=4)
+#: SIS, KL and an entropy bonus at lag 2: the on-policy and the resume tests share its programs
+RESUME_KW = dict(loss=PolicyLossConfig(correction="sis"), lag=2, kl_coef=0.1, entropy_coef=0.05)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,15 @@ class StopTask:
 
     def score(self, prompt, completion):
         return 1.0  # score_completions already gives 0 to completions without EOS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_compiled_once(tmp_path_factory):
+    """The tests' trainers differ in config fields that leave most programs unchanged
+    (staleness, the task, reward shaping, a fresh trainer on resume): each program with the same
+    HLO is compiled once and loaded after."""
+    with persistent_compile_cache(tmp_path_factory.mktemp("xla_cache")):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +79,9 @@ def _params(trainer, seed=0):
 
 
 def test_first_minibatch_is_exactly_on_policy_and_later_ones_are_not(meshes):
-    # entropy bonus: gradients are non-zero even when every reward (hence advantage) is 0
-    trainer = _trainer(meshes, loss=PolicyLossConfig(correction="sis"), lag=4, entropy_coef=0.05,
-                       kl_coef=0.1)
+    # entropy bonus: gradients are non-zero even when every reward (hence advantage) is 0;
+    # the loss and lag of test_resume_from_checkpoint_is_bit_identical (its programs reused)
+    trainer = _trainer(meshes, **RESUME_KW)
     state = trainer.init_state(_params(trainer))
     for _ in range(2):
         batch = trainer.generate(state)
@@ -86,7 +98,9 @@ def test_first_minibatch_is_exactly_on_policy_and_later_ones_are_not(meshes):
 
 @pytest.mark.parametrize("lag,staleness", [(2, 2), (3, 0)])
 def test_lag_and_staleness_give_the_intended_parameter_versions(meshes, lag, staleness):
-    trainer = _trainer(meshes, lag=lag, staleness=staleness, prompts_per_rollout=3,
+    # lag 2: the config of test_step_with_sync_returns_what_the_publish_sent (its programs
+    # reused); lag 3 needs a rollout of 3 x 4 rows to split into 3 mini-batches
+    trainer = _trainer(meshes, lag=lag, staleness=staleness, prompts_per_rollout=3 if lag == 3 else 4,
                        entropy_coef=0.05)
     state = trainer.init_state(_params(trainer))
     snapshots = {0: tree_digest(state["policy"].params)}  # version -> params
@@ -109,9 +123,22 @@ def _first_token_prob(trainer, params, token_id):
     from jaxflow.rl.tasks import encode_prompts
 
     ids, lengths = encode_prompts(tok, prompts, trainer.worker.prompt_width)
-    logits = trainer.fns.model(params)(ids)
-    last = logits[np.arange(len(ids)), lengths - 1]
-    return float(np.mean(jax.nn.softmax(last, axis=-1)[:, token_id]))
+    return float(np.mean(_first_token_probs(trainer.fns)(params, ids, lengths)[:, token_id]))
+
+
+_PROBS_FNS: dict = {}  # id(fns) -> (fns, jitted probs); fns kept alive so its id stays its own
+
+
+def _first_token_probs(fns):
+    """Jitted ``(params, ids [B, P], lengths [B]) -> [B, V]`` next-token probabilities after
+    each prompt: one compile per model (before / after a run), not an op-by-op forward."""
+
+    def probs(params, ids, lengths):
+        logits = fns.model(params)(ids)
+        return jax.nn.softmax(logits[jnp.arange(ids.shape[0]), lengths - 1], axis=-1)
+    if id(fns) not in _PROBS_FNS:
+        _PROBS_FNS[id(fns)] = (fns, jax.jit(probs))
+    return _PROBS_FNS[id(fns)][1]
 
 
 def test_two_step_run_learns_a_trivial_task(meshes):
@@ -180,8 +207,7 @@ def test_update_from_its_own_forward_equals_the_separate_pi_old_pass(meshes):
 
 
 def test_resume_from_checkpoint_is_bit_identical(meshes, tmp_path):
-    kw = dict(loss=PolicyLossConfig(correction="sis+tis"), lag=2, staleness=1, kl_coef=0.1,
-              entropy_coef=0.05)
+    kw = dict(RESUME_KW, staleness=1)
     trainer = _trainer(meshes, **kw)
     params = _params(trainer)
 
