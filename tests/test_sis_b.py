@@ -9,6 +9,7 @@ pi_theta / pi_old, so ``sis_b`` equals ``sis`` bit for bit (loss, metrics, gradi
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -169,13 +170,20 @@ def _prompts():
     return jnp.where(jnp.arange(P)[None] < LENGTHS[:, None], prompts, 0)
 
 
+@functools.lru_cache(maxsize=2)
+def _forward(graphdef):
+    """Jitted ``(state, tokens [B, S]) -> logits [B, S, V]``: the three record checks share one
+    compiled forward instead of dispatching it op by op."""
+    return jax.jit(lambda state, seq: nnx.merge(graphdef, state)(seq))
+
+
 def _assert_recorded_topk_is_the_forwards(split_model, prompts, out, b=B, p=P, n=N, k=K, temp=TEMP,
                                           lengths=LENGTHS, atol=1e-5):
     """Recorded top-K == top-K of log_softmax(forward logits / T) at each sampled position."""
     graphdef, state = split_model
     seq = jnp.stack([jnp.concatenate([prompts[i, :lengths[i]], out.tokens[i], jnp.zeros(p - lengths[i], jnp.int32)])
                      for i in range(b)])
-    logits = nnx.merge(graphdef, state)(seq)
+    logits = _forward(graphdef)(state, seq)
     idx = lengths[:, None] - 1 + jnp.arange(n)[None]
     logp = jax.nn.log_softmax(jnp.take_along_axis(logits, idx[..., None], axis=1) / temp, axis=-1)
     ref_lp, ref_idx = jax.lax.top_k(logp, k)
@@ -240,10 +248,11 @@ def test_grpo_loss_with_sis_b_takes_the_mini_batch_top_k():
     config = GRPOConfig(loss=PolicyLossConfig(correction="sis_b"), sis_topk=k, group_size=2,
                         prompts_per_rollout=2, max_new_tokens=n)
     old = OldStats(out.logprobs, None, None, jnp.zeros_like(out.logprobs))
-    _, metrics = grpo_loss(params, mb, old, fns=fns, config=config, key=jax.random.key(1))
+    # one compiled loss for both parameter sets (op-by-op dispatch costs more than the compile)
+    loss = jax.jit(functools.partial(grpo_loss, fns=fns, config=config))
+    _, metrics = loss(params, mb, old, key=jax.random.key(1))
     assert float(metrics["accept_rate"]) == 1.0
     moved = jax.tree.map(lambda x: x * 1.5, params)
-    assert float(grpo_loss(moved, mb, old, fns=fns, config=config, key=jax.random.key(1))[1]["accept_rate"]) < 1
+    assert float(loss(moved, mb, old, key=jax.random.key(1))[1]["accept_rate"]) < 1
     with pytest.raises(ValueError, match="behaviour_topk_logp / _ids"):
-        grpo_loss(params, mb._replace(behaviour_topk_logp=None, behaviour_topk_ids=None), old, fns=fns,
-                  config=config, key=jax.random.key(1))
+        loss(params, mb._replace(behaviour_topk_logp=None, behaviour_topk_ids=None), old, key=jax.random.key(1))
