@@ -1,6 +1,7 @@
 """Transformer: packing/padding/causality equivalences, KV-cache decode == forward, bf16,
 config validation, sharding annotations, gradients. Uses the "tiny" preset (GQA 4:2)."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -203,12 +204,30 @@ def test_gradient_flows_through_split_merge(model):
         assert np.abs(np.asarray(g)).max() > 0
 
 
+@functools.lru_cache(maxsize=None)
+def _scan_pair_state():
+    """The 2-layer loop and scanned models' params, initialised once (remat does not change
+    them): (loop state, scanned state)."""
+    cfg = dataclasses.replace(TINY, n_layers=2)
+    return (nnx.state(_init(cfg)),
+            nnx.state(_init(dataclasses.replace(cfg, scan_layers=True))))
+
+
+def _with_state(config, state):
+    """A model of ``config`` holding ``state`` (no init program compiled for it)."""
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[0]
+    return nnx.merge(graphdef, state)
+
+
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
 def test_scan_layers_equals_the_layer_loop_bitwise(remat):
     """scan_layers=True runs the same arithmetic as the Python loop over blocks: loss and
     every gradient leaf bit-identical on CPU (packed rows, remat on and off)."""
     cfg = dataclasses.replace(TINY, n_layers=2, remat=remat)  # 2 layers: the scan carries layer to layer
-    loop, scanned = _init(cfg), _init(dataclasses.replace(cfg, scan_layers=True))
+    loop_state, scanned_state = _scan_pair_state()
+    loop = _with_state(cfg, loop_state)
+    scanned = _with_state(dataclasses.replace(cfg, scan_layers=True), scanned_state)
+    assert loop.config.remat == scanned.config.remat == remat
     tokens = _tokens(3)
     segments = jnp.ones((2, T), jnp.int32).at[1, 7:].set(2)
 
