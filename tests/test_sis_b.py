@@ -170,20 +170,13 @@ def _prompts():
     return jnp.where(jnp.arange(P)[None] < LENGTHS[:, None], prompts, 0)
 
 
-@functools.lru_cache(maxsize=2)
-def _forward(graphdef):
-    """Jitted ``(state, tokens [B, S]) -> logits [B, S, V]``: the three record checks share one
-    compiled forward instead of dispatching it op by op."""
-    return jax.jit(lambda state, seq: nnx.merge(graphdef, state)(seq))
-
-
 def _assert_recorded_topk_is_the_forwards(split_model, prompts, out, b=B, p=P, n=N, k=K, temp=TEMP,
                                           lengths=LENGTHS, atol=1e-5):
     """Recorded top-K == top-K of log_softmax(forward logits / T) at each sampled position."""
     graphdef, state = split_model
     seq = jnp.stack([jnp.concatenate([prompts[i, :lengths[i]], out.tokens[i], jnp.zeros(p - lengths[i], jnp.int32)])
                      for i in range(b)])
-    logits = _forward(graphdef)(state, seq)
+    logits = nnx.merge(graphdef, state)(seq)
     idx = lengths[:, None] - 1 + jnp.arange(n)[None]
     logp = jax.nn.log_softmax(jnp.take_along_axis(logits, idx[..., None], axis=1) / temp, axis=-1)
     ref_lp, ref_idx = jax.lax.top_k(logp, k)
