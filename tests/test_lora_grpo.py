@@ -13,9 +13,18 @@ from jaxflow.models import lora
 from jaxflow.rl.grpo import GRPOTrainer
 from jaxflow.sync.weight_sync import SyncConfig
 from jaxflow.train.lm_state import OptimConfig, init_params, lm_functions
+from tests._cli import persistent_compile_cache
 from tests.test_rl_grpo import BASE, MODEL, StopTask, _first_token_prob
 
 LORA = lora.LoraConfig(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_compiled_once(tmp_path_factory):
+    """The trainers differ in the publish mode and sync, which leave the update and sampler
+    unchanged: each program with the same HLO is compiled once and loaded after."""
+    with persistent_compile_cache(tmp_path_factory.mktemp("xla_cache")):
+        yield
 
 
 @pytest.fixture(scope="module")
