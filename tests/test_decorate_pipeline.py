@@ -15,6 +15,16 @@ from jaxflow.decorate.teacher import ProgrammaticTeacher
 from jaxflow.experiment import standalone_context
 from jaxflow.mesh import make_mesh
 from jaxflow.models.transformer import TransformerConfig
+from tests._cli import persistent_compile_cache
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_compiled_once(tmp_path_factory):
+    """The tests build the student's programs again (a new ``jax.jit`` of the same
+    function): each is compiled once and loaded after (jax's persistent cache)."""
+    with persistent_compile_cache(tmp_path_factory.mktemp("xla_cache")):
+        yield
+
 
 H = default_hierarchy()
 T = 48
