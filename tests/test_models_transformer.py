@@ -1,7 +1,6 @@
 """Transformer: packing/padding/causality equivalences, KV-cache decode == forward, bf16,
 config validation, sharding annotations, gradients. Uses the "tiny" preset (GQA 4:2)."""
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -204,13 +203,12 @@ def test_gradient_flows_through_split_merge(model):
         assert np.abs(np.asarray(g)).max() > 0
 
 
-@functools.lru_cache(maxsize=None)
-def _scan_pair_state():
+@pytest.fixture(scope="module")
+def scan_pair_state(model):
     """The 2-layer loop and scanned models' params, initialised once (remat does not change
-    them): (loop state, scanned state)."""
-    cfg = dataclasses.replace(TINY, n_layers=2)
-    return (nnx.state(_init(cfg)),
-            nnx.state(_init(dataclasses.replace(cfg, scan_layers=True))))
+    them; the loop's are the ``model`` fixture's): (loop state, scanned state)."""
+    assert TINY.n_layers == 2  # 2 layers: the scan carries layer to layer
+    return nnx.state(model), nnx.state(_init(dataclasses.replace(TINY, scan_layers=True)))
 
 
 def _with_state(config, state):
@@ -220,11 +218,11 @@ def _with_state(config, state):
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
-def test_scan_layers_equals_the_layer_loop_bitwise(remat):
+def test_scan_layers_equals_the_layer_loop_bitwise(remat, scan_pair_state):
     """scan_layers=True runs the same arithmetic as the Python loop over blocks: loss and
     every gradient leaf bit-identical on CPU (packed rows, remat on and off)."""
-    cfg = dataclasses.replace(TINY, n_layers=2, remat=remat)  # 2 layers: the scan carries layer to layer
-    loop_state, scanned_state = _scan_pair_state()
+    cfg = dataclasses.replace(TINY, remat=remat)
+    loop_state, scanned_state = scan_pair_state
     loop = _with_state(cfg, loop_state)
     scanned = _with_state(dataclasses.replace(cfg, scan_layers=True), scanned_state)
     assert loop.config.remat == scanned.config.remat == remat
