@@ -38,6 +38,12 @@ def split_model():
 
 
 @pytest.fixture(scope="module")
+def new_state():
+    """Other weights of the same structure (an update's)."""
+    return nnx.split(Transformer(TINY, rngs=nnx.Rngs(1)))[1]
+
+
+@pytest.fixture(scope="module")
 def prompts():
     rng = np.random.default_rng(0)
     out = np.zeros((len(LENGTHS), P), np.int32)
@@ -293,11 +299,11 @@ def test_continuous_batching_independent_of_slots_and_order(split_model):
     assert [o.tokens.shape[1] for o in base] == list(caps)
 
 
-def test_update_weights_mid_sequence(split_model, prompts):
+def test_update_weights_mid_sequence(split_model, prompts, new_state):
     """An update after step k: tokens 0..k-1 carry version 0, the rest version 1, and they equal
     the static decoder run with the old weights up to token k-1 and the new ones after."""
     graphdef, state_a = split_model
-    state_b = nnx.split(Transformer(TINY, rngs=nnx.Rngs(1)))[1]
+    state_b = new_state
     sampling = SamplingConfig(max_new_tokens=N, temperature=1.0)
     rows, k = [0, 3], 4
     keys = _keys(2, seed=11)
@@ -327,7 +333,7 @@ def test_update_weights_mid_sequence(split_model, prompts):
     assert (np.asarray(tok_only_a).T != got[:, k:]).any()  # the update took effect
 
 
-def test_follows_sync_replica_in_place(split_model, prompts):
+def test_follows_sync_replica_in_place(split_model, prompts, new_state):
     """follow(replica): a SparseRL-Sync payload applied to the bf16 replica between steps is
     picked up by the next step (the replica's arrays themselves, no copy), per-token versions
     say so, and the tokens equal an engine given the same bf16 trees by update_weights."""
@@ -336,13 +342,13 @@ def test_follows_sync_replica_in_place(split_model, prompts):
     from jaxflow.sync.wire import to_bf16
 
     graphdef, state_a = split_model
-    pure_b = nnx.to_pure_dict(nnx.split(Transformer(TINY, rngs=nnx.Rngs(1)))[1])
+    pure_b = nnx.to_pure_dict(new_state)
     bf16_a, bf16_b = to_bf16(nnx.to_pure_dict(state_a)), to_bf16(pure_b)
     sender = SyncSender(bf16_a, version=0)
     replica = Replica(jax.device_put(bf16_a), version=0, path="device")
     sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, top_k=8)
     keys = _keys(3, seed=5)
-    model = Transformer(TINY, rngs=nnx.Rngs(0))  # the structure both engines take
+    model = nnx.merge(graphdef, state_a)  # a Transformer: the structure both engines take
 
     def run(follow: bool):
         eng = RolloutEngine(model, bf16_a if not follow else
