@@ -25,11 +25,21 @@ from jaxflow.sync.replica import tree_digest
 from jaxflow.sync.weight_sync import SyncConfig
 from jaxflow.system import check_system, is_system_state
 from jaxflow.train.lm_state import OptimConfig, init_params
+from tests._cli import persistent_compile_cache
 
 MODEL = TransformerConfig(vocab_size=23, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
                           d_ff=64, max_seq_len=32)
 RL = GRPOConfig(prompts_per_rollout=4, group_size=4, max_new_tokens=3, sis_topk=4, lag=2,
                 kl_coef=0.1, loss=PolicyLossConfig(correction="sis"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_compiled_once(tmp_path_factory):
+    """The tests build the same system's programs again (each test's own init and step, the
+    trainer beside it, sync on or off): each program with the same HLO is compiled once and
+    loaded after."""
+    with persistent_compile_cache(tmp_path_factory.mktemp("xla_cache")):
+        yield
 
 
 @pytest.fixture(scope="module")
