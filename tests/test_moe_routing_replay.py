@@ -4,6 +4,8 @@ and the trainer's router-disagreement metric."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,8 +136,9 @@ def test_routing_replay_config_and_the_step_metric(moe_model):
                    routing=sampled.routing_experts)
     kw = dict(loss=PolicyLossConfig(), group_size=3, prompts_per_rollout=1, max_new_tokens=N)
     for mode in ("record", "replay"):
-        cfg = GRPOConfig(routing_replay=mode, **kw)
-        metrics = grpo_loss(params, mb, None, fns=fns, config=cfg, key=jax.random.key(1))[1]
+        # compiled: op-by-op dispatch of the MoE forward and backward costs more than the compile
+        loss = jax.jit(functools.partial(grpo_loss, fns=fns, config=GRPOConfig(routing_replay=mode, **kw)))
+        metrics = loss(params, mb, None, key=jax.random.key(1))[1]
         assert float(metrics["moe/router_disagreement"]) == 0.0  # same weights: the same routers
     with pytest.raises(ValueError, match="needs the mini-batch's routing"):
         grpo_loss(params, mb._replace(routing=None), None, fns=fns, config=GRPOConfig(routing_replay="record", **kw),
