@@ -19,7 +19,16 @@ from jaxflow.rl.tasks import AdditionRLTask
 from jaxflow.sync import CODECS, Replica, SyncConfig, VersionMismatch, to_bf16, tree_digest
 from jaxflow.sync.transport.inprocess import InProcessLink
 from jaxflow.train.lm_state import OptimConfig, init_params
+from tests._cli import persistent_compile_cache
 from tests.test_rl_grpo import BASE, MODEL
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_compiled_once(tmp_path_factory):
+    """Each test's trainer jits its programs anew (codecs and checks differ, the update does
+    not): each program with the same HLO is compiled once and loaded after."""
+    with persistent_compile_cache(tmp_path_factory.mktemp("xla_cache")):
+        yield
 
 
 @pytest.fixture(scope="module")
