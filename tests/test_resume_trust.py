@@ -30,18 +30,11 @@ from jaxflow.metric_writers import JsonlWriter
 from jaxflow.plots import read_metrics
 from jaxflow.run_dirs import HeldSaveErrors, config_changes, disk_full_line
 from jaxflow.train.loop import StepsBelowCheckpoint, run_steps
-from tests._cli import TINY_LM, one_line_error, persistent_compile_cache
+from tests._cli import TINY_LM, one_line_error
 from tests.test_cli_errors import snapshot
 
 LM = ["--exp=lm_pretrain", "--variant=quick", *TINY_LM, "--set", "train.log_every=1",
       "--set", "train.steps=6", "--set", "train.checkpoint_every=2", "--set", "train.eval_every=6"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _programs_compiled_once(tmp_path_factory):
-    """The resume builds the full-disk run's programs again: compiled once, loaded after."""
-    with persistent_compile_cache(tmp_path_factory.mktemp("xla_cache")):
-        yield
 
 
 @pytest.fixture(scope="module")
