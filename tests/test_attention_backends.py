@@ -22,6 +22,16 @@ from jaxflow.models.attention import dot_product_attention, segment_causal_mask
 from jaxflow.models.transformer import Transformer, TransformerConfig
 from pallas_kernels import lowering
 from pallas_kernels.dispatch import KernelUnavailable
+from tests._cli import persistent_compile_cache
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_compiled_once(tmp_path_factory):
+    """The tests build equal forward / gradient programs again (a new ``jax.jit`` of the same
+    function): each is compiled once and loaded after (jax's persistent cache)."""
+    with persistent_compile_cache(tmp_path_factory.mktemp("xla_cache")):
+        yield
+
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # f32
 B, T, H, K, D = 2, 60, 4, 2, 16  # T 60: the wrappers pad to 64 (flash) and 128 (splash) tokens
