@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["GpuPrefillBlockSizes", "gpu_prefill_attention", "kernel_problem"]
 
@@ -107,6 +106,7 @@ def _prefill_kernel(start_ref, n_valid_ref, table_ref, q_ref, k_ref, v_ref, o_re
                     precision):
     """One (row, K/V head, query block) program. Refs: start / n_valid [1], table [W'],
     q / o [block_c, G, D'], k / v [P, S, D'] (this K/V head's pool)."""
+    from jax.experimental.pallas import triton as plgpu  # imported on use: CPU jobs never load Triton
     block_q, width = block_c * groups, q_ref.shape[-1]
     page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
@@ -194,6 +194,8 @@ def gpu_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     qg = _pad_axis(_pad_axis(_pad_axis(qg, 1, c_pad), 3, groups), 4, lanes)
     k_pages, v_pages = _pad_axis(k_pages, 3, lanes), _pad_axis(v_pages, 3, lanes)
     table = _pad_axis(jnp.clip(page_table.astype(jnp.int32), 0, k_pages.shape[1] - 1), 1, w_pad)
+    from jax.experimental.pallas import triton as plgpu  # imported on use, as above
+
     f32 = jnp.dtype(q.dtype) == jnp.float32 or jnp.dtype(k_pages.dtype) == jnp.float32
     kernel = functools.partial(_prefill_kernel, block_c=block_c, groups=groups,
                                pages_per_block=per_block, sm_scale=d ** -0.5,
