@@ -40,7 +40,11 @@ def empty_cache(
     dtype: jnp.dtype,
 ) -> KVCache:
     """All-zero cache with no valid entries and write index 0 for every row."""
-    shape = (batch_size, max_len, n_kv_heads, head_dim)
+    return _zeros(n_layers, (batch_size, max_len, n_kv_heads, head_dim), batch_size, max_len, dtype)
+
+
+def _zeros(n_layers: int, shape: tuple[int, ...], batch_size: int, max_len: int, dtype) -> KVCache:
+    """Zero k / v buffers of ``shape`` per layer, no valid entries, write index 0 per row."""
     return KVCache(
         k=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
         v=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
@@ -75,13 +79,7 @@ def empty_heads_major_cache(
 ) -> KVCache:
     """All-zero heads-major cache: k / v [n_kv_heads, batch_size, max_len, head_dim] per layer
     (``head_dim`` may be a padded width), no valid entries, write index 0 for every row."""
-    shape = (n_kv_heads, batch_size, max_len, head_dim)
-    return KVCache(
-        k=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
-        valid=jnp.zeros((batch_size, max_len), bool),
-        index=jnp.zeros((batch_size,), jnp.int32),
-    )
+    return _zeros(n_layers, (n_kv_heads, batch_size, max_len, head_dim), batch_size, max_len, dtype)
 
 
 def write_heads_major(buffer: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
