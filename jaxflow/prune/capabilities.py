@@ -27,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflow.data.tokenizer import CharTokenizer
+from jaxflow.models.decode_kernel import DecodeKernel
 from jaxflow.models.sampler import SamplingConfig, make_sampler
+from jaxflow.rollout.paged_attention import paged_attention
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +-=;?.:()[]{}<>|"
 CAPABILITIES = ("math", "code", "general", "commonsense")
@@ -220,7 +222,7 @@ class CapabilityEvaluator:
             max_new = max(len(tokenizer.encode(e.answer)) for e in exs) + 1
             sampler = make_sampler(fns.graphdef, SamplingConfig(
                 max_new_tokens=max_new, temperature=0.0, eos_id=tokenizer.eos_id,
-                pad_id=tokenizer.pad_id))
+                pad_id=tokenizer.pad_id), decode_kernel=DecodeKernel(paged_attention))  # TPU / GPU: the kernel
             self._exact[cap] = (sampler, jnp.asarray(prompts), jnp.asarray(lengths), exs)
         self._choice_ll = jax.jit(self._choice_loglik)
 

@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflow.models.decode_kernel import DecodeKernel
 from jaxflow.models.sampler import LogitsHook, SamplingConfig, make_sampler
+from jaxflow.rollout.paged_attention import paged_attention
 
 _JITTED: dict[tuple[int, str], tuple] = {}
 
@@ -69,7 +71,8 @@ def generate(fns, params, prompts: list[list[int]], *, key: jax.Array, max_new: 
         raise ValueError(f"temperatures must be > 0, got min {temps.min()}")
     config = SamplingConfig(max_new_tokens=max_new, temperature=1.0, top_k=top_k, top_p=top_p,
                             eos_id=eos_id, pad_id=0)
-    sampler = make_sampler(fns.graphdef, config, logits_hook=SELF_GENERATION_HOOK)
+    sampler = make_sampler(fns.graphdef, config, logits_hook=SELF_GENERATION_HOOK,
+                           decode_kernel=DecodeKernel(paged_attention))  # TPU / GPU: the kernel
     out = sampler(fns.nnx_state(params), jnp.asarray(tokens), jnp.asarray(lengths), key,
                   (jnp.float32(repetition_penalty), jnp.asarray(temps)))
     new, live = np.asarray(out.tokens), np.asarray(out.mask) > 0

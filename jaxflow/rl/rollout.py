@@ -307,11 +307,13 @@ class RolloutWorker:
         self._sampler_cfg, self._sampling, self._noise = sampler_cfg, sampling, noise
         from jaxflow.rollout.paged_attention import paged_attention
 
-        # on TPU / GPU each decode step attends through the paged decode kernel (CPU: XLA)
+        # on TPU / GPU each decode step attends through the paged decode kernel (CPU: XLA), in
+        # the rollout sampler and the held-out evaluation's greedy and pass@1 samplers alike
+        kernel = DecodeKernel(paged_attention)
         self._sample = make_sampler(self._sampler_fns.graphdef, sampling, noise,
                                     per_row_keys=spec.sampler != "static",
                                     behaviour_topk=self.behaviour_topk, record_routing=spec.record_routing,
-                                    decode_kernel=DecodeKernel(paged_attention))
+                                    decode_kernel=kernel)
         if spec.sampler == "engine" and jax.process_count() > 1:
             raise ValueError(f"sampler='engine' runs in one process (its scheduler is host "
                              f"state); this job has {jax.process_count()} processes: use "
@@ -320,8 +322,8 @@ class RolloutWorker:
         self._following: Any = None  # the replica the engine follows (None: given params)
         greedy = dataclasses.replace(sampling, temperature=0.0,
                                      max_new_tokens=completion_tokens(task) + 1)
-        self._greedy = make_sampler(self.fns.graphdef, greedy)
-        self._eval_sample = make_sampler(self.fns.graphdef, sampling)
+        self._greedy = make_sampler(self.fns.graphdef, greedy, decode_kernel=kernel)
+        self._eval_sample = make_sampler(self.fns.graphdef, sampling, decode_kernel=kernel)
         self.prompt_width = prompt_tokens(task) + 1  # + BOS
         self.last_reward_s = 0.0
         self._heldout: dict[tuple[int, int], tuple] = {}

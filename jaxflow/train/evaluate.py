@@ -8,7 +8,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxflow.data.arithmetic import AdditionTask, eval_prompts
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.distributed import to_host
+from jaxflow.models.decode_kernel import DecodeKernel
 from jaxflow.models.sampler import SamplingConfig, make_sampler
+from jaxflow.rollout.paged_attention import paged_attention
 from jaxflow.train.lm_state import LMFunctions
 
 
@@ -27,7 +29,8 @@ class ExactMatchEvaluator:
         self.prompt_texts = [tokenizer.decode(p) for p in prompts]
         cfg = SamplingConfig(max_new_tokens=task.max_answer_len + 1, temperature=0.0,
                              eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-        self._sample = make_sampler(fns.graphdef, cfg)
+        # on TPU / GPU the decode attends through the paged decode kernel (CPU: XLA, unchanged)
+        self._sample = make_sampler(fns.graphdef, cfg, decode_kernel=DecodeKernel(paged_attention))
         self._key = jax.random.key(0)
 
     def __call__(self, params) -> float:

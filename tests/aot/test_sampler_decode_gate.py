@@ -6,6 +6,9 @@ it) for tensor-parallel meshes of abstract TPU v5e (``v5e:2x2``: data 2 x model 
 
 Checked per target, on the compiled HLO (:func:`jaxflow.compile_only.hlo.summarize`, counts per
 call with the decode scan's trip count):
+The rollout sampler (bf16, T = 1) and the held-out evaluation's greedy sampler (f32, T = 0) are
+each compiled.
+
 * the decode attention is the platform's paged decode kernel (the upstream Mosaic TPU one, the
   Triton GPU one): exactly once per layer per decode step, and no other Pallas call;
 * its collectives are the tensor-parallel reductions and nothing that moves the KV cache: every
@@ -24,6 +27,7 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -40,14 +44,17 @@ from pallas_kernels import dispatch, targets
 LAYERS, ROWS, PROMPT, NEW = 2, 64, 16, 24
 TARGETS = {"v5e-2x2": ("v5e", "v5e:2x2", (2, 2)), "h100x2": ("h100", "1x1x2", (1, 2))}
 KERNEL = {"tpu": "paged_attention", "gpu": "paged_attention"}  # HLO names (starts)
+#: the RolloutWorker's samplers: the rollout's (bf16 policy copy, T = 1) and the held-out
+#: evaluation's greedy one (the f32 policy itself, T = 0; its pass@1 sampler differs only in T)
+SAMPLERS = {"rollout-bf16": ("bfloat16", 1.0), "greedy-f32": ("float32", 0.0)}
 
 
-def _program(chip: str, topology: str, shape: tuple[int, int]):
+def _program(chip: str, topology: str, shape: tuple[int, int], dtype: str, temperature: float):
     model = dataclasses.replace(flagship_config.get_config("full").pretrain.model,
-                                n_layers=LAYERS, dtype="bfloat16")
+                                n_layers=LAYERS, dtype=dtype)
     mesh = Mesh(np.asarray(targets.devices(chip, topology)).reshape(shape), ("data", "model"))
     fns = lm_functions(model, mesh)
-    sampler = make_sampler(fns.graphdef, SamplingConfig(max_new_tokens=NEW, temperature=1.0),
+    sampler = make_sampler(fns.graphdef, SamplingConfig(max_new_tokens=NEW, temperature=temperature),
                            decode_kernel=DecodeKernel(paged_attention))
     rows = NamedSharding(mesh, PartitionSpec("data"))
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -70,11 +77,13 @@ def _all_reduce_shapes(text: str) -> collections.Counter:
     return out
 
 
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_static_sampler_decodes_through_the_kernel_without_moving_the_cache(target):
+def test_static_sampler_decodes_through_the_kernel_without_moving_the_cache(target, sampler):
     chip, topology, shape = TARGETS[target]
+    dtype, temperature = SAMPLERS[sampler]
     dispatch.clear_cache()
-    model, program = _program(chip, topology, shape)
+    model, program = _program(chip, topology, shape, dtype, temperature)
     compiled, _ = compile_ahead(program)
     assert compiled.compiled is not None, f"the sampler did not compile for {chip}"
     assert not compiled.fallbacks, compiled.fallbacks
@@ -91,9 +100,10 @@ def test_static_sampler_decodes_through_the_kernel_without_moving_the_cache(targ
     shapes = _all_reduce_shapes(text)
     big = {s: n for s, n in shapes.items() if hlo.shape_bytes(s) > 8 * local_rows}
     assert set(big) <= allowed, shapes
-    # the layers' reductions in bf16; the embedding lookup's in bf16 or f32 (XLA:GPU reduces
-    # the f32 table's rows before the cast)
-    bound = ((2 * LAYERS * 2 + 4) * (PROMPT + steps) * local_rows * d
+    # the layers' reductions in the model's dtype; the embedding lookup's in it or f32 (XLA:GPU
+    # reduces the f32 table's rows before the cast)
+    width = jnp.dtype(dtype).itemsize
+    bound = ((2 * LAYERS * width + 4) * (PROMPT + steps) * local_rows * d
              + 64 * local_rows * (steps + 1))
     assert summary.collectives["all-reduce"]["bytes"] <= bound, (summary.collectives, bound)
     assert summary.collectives["all-gather"]["bytes"] <= 4096 * (steps + 1), summary.collectives
