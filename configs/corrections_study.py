@@ -27,8 +27,8 @@ machine's CPU first) and kept in ``overheads.json``; SIS's figure from
 the latest ``bench_policy_loss`` record in ``experiments/results`` too, when there is one.
 
     python -m jaxflow.run --exp=corrections_study --variant=quick     # 14 cells, ~2.5 CPU-minutes
-    python -m jaxflow.run --exp=corrections_study --out /work/studies/corrections   # the study
-    python -m jaxflow.run --exp=corrections_study --out /work/studies/corrections --resume
+    python -m jaxflow.run --exp=corrections_study --out experiments/studies/corrections   # the study
+    python -m jaxflow.run --exp=corrections_study --out experiments/studies/corrections --resume
 
 The default study is 640 cells (GRPO and DAPO: 16 lag-1 controls, 19 corrections x 8 seeds in
 each dense regime; 16 MoE cells), ~40-50 CPU-seconds each (a 30-rollout cell with three
@@ -41,7 +41,7 @@ what is done (with ``reuse`` into a new run directory: ``--resume`` takes only t
 config). The tables of a run directory, partial or complete, at any time (running no cell,
 measuring nothing, writing nothing; the missing cells show as missing)::
 
-    python -m jaxflow.rl.corrections_study_report /work/studies/corrections
+    python -m jaxflow.rl.corrections_study_report experiments/studies/corrections [MORE_DIRS]
     python -m jaxflow.run --exp=corrections_study --out NEW --set reuse=DIR --set report_only=true
 """
 

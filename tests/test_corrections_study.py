@@ -265,3 +265,24 @@ def test_recorded_sis_overhead_reads_the_newest_record(tmp_path):
                                                             "variant": "quick", "commit": "abcdef0123"}))
     got = recorded_sis_overhead(tmp_path)
     assert (got["ratio_median"], got["pairs"]) == (1.2, 10) and got["source"].startswith("1.2.json")
+
+
+def test_report_joins_run_directories_of_one_study_split_by_regime(tmp_path, capsys):
+    study, recs = _records()
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    dense.mkdir(), moe.mkdir()
+    _study_dir(dense, dataclasses.replace(study, regimes=("staleness", "lr")), [r for r in recs if not r["moe"]])
+    _study_dir(moe, dataclasses.replace(study, regimes=("moe",)), [r for r in recs if r["moe"]])
+    alone = report_from_dir(dense, bench_records=tmp_path / "no_records")
+    assert "Cells: 27/27, complete." in alone and "| moe |" not in alone
+    text = report_from_dir(dense, moe, bench_records=tmp_path / "no_records")
+    assert text.startswith(f"corrections_study report of {dense}, {moe} (default)")
+    assert "Cells: 33/33, complete." in text  # the plan of the one study, the cells of both
+    from jaxflow.rl.corrections_study_report import study_report
+
+    assert "\n\n".join(study_report(study, recs, {}, None)[1]) in text
+    assert main([str(dense), str(moe)]) == 0 and "Cells: 33/33, complete." in capsys.readouterr().out
+    _study_dir(moe, dataclasses.replace(study, regimes=("moe",), seeds=2), [r for r in recs if r["moe"]])
+    with pytest.raises(ValueError, match=r"study.seeds=2 differs from .*'s 3; valid: run directories of one "
+                                         r"study split only by study.regimes$"):
+        report_from_dir(dense, moe)

@@ -5,7 +5,8 @@ from :mod:`jaxflow.rl.corrections_study`; :func:`study_report` builds them all (
 ``results.md``), :func:`report_from_dir` reads a run directory without running or measuring
 anything, also while the study runs::
 
-    python -m jaxflow.rl.corrections_study_report /work/studies/corrections_study
+    python -m jaxflow.rl.corrections_study_report experiments/studies/corrections_study_dense \
+        experiments/studies/corrections_study_moe
 """
 
 from __future__ import annotations
@@ -198,13 +199,9 @@ def _read_records(path: pathlib.Path) -> list[dict]:
     return records
 
 
-def report_from_dir(run_dir: str | pathlib.Path, *, bench_records: str | pathlib.Path = _BENCH_RECORDS) -> str:
-    """The report (markdown) of the ``corrections_study`` run directory ``run_dir``, running no
-    cell and measuring nothing, writing nothing: its ``config.json``'s study grid, the finished
-    cells of ``cells.jsonl`` (those of the grid; none yet is fine), ``overheads.json`` when the
-    study measured it, and the newest ``bench_policy_loss`` record under ``bench_records``.
+def _read_run(run_dir: pathlib.Path) -> tuple[dict, dict[str, Any], list[dict]]:
+    """(saved config.json, its study grid's fields, cells.jsonl's records) of one run directory;
     ValueError names a directory that is no corrections_study run."""
-    run_dir = pathlib.Path(run_dir)
     config_path = run_dir / "config.json"
     try:
         saved = json.loads(config_path.read_text(encoding="utf-8"))
@@ -213,28 +210,58 @@ def report_from_dir(run_dir: str | pathlib.Path, *, bench_records: str | pathlib
                          "of a corrections_study run") from None
     if saved.get("experiment") != "corrections_study":
         raise ValueError(f"{run_dir}: experiment {saved.get('experiment')!r}; valid: a corrections_study run")
-    study = types.SimpleNamespace(**{k: tuple(v) if isinstance(v, list) else v
-                                     for k, v in saved["config"]["study"].items()})
-    labels = {c.label for c in study_cells(study)}
+    grid = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["config"]["study"].items()}
     cells_path = run_dir / CELLS_FILE
-    records = list({r["label"]: r for r in (_read_records(cells_path) if cells_path.exists() else [])
-                    if r["label"] in labels}.values())
+    return saved, grid, _read_records(cells_path) if cells_path.exists() else []
+
+
+def report_from_dir(run_dir: str | pathlib.Path, *more: str | pathlib.Path,
+                    bench_records: str | pathlib.Path = _BENCH_RECORDS) -> str:
+    """The report (markdown) of the ``corrections_study`` run directory ``run_dir``, running no
+    cell and measuring nothing, writing nothing: its ``config.json``'s study grid, the finished
+    cells of ``cells.jsonl`` (those of the grid; none yet is fine), ``overheads.json`` when the
+    study measured it, and the newest ``bench_policy_loss`` record under ``bench_records``.
+
+    ``more``: run directories of the same study split by regime (``--set study.regimes=...``,
+    run side by side, one per core): the grid is ``run_dir``'s with the regimes of all of
+    them (in order of appearance), their cells join ``run_dir``'s (``run_dir``'s record wins
+    for a label run twice). Every other grid field must be equal across them. ValueError names
+    a directory that is no corrections_study run, or the field that differs."""
+    run_dir = pathlib.Path(run_dir)
+    saved, grid, found = _read_run(run_dir)
+    regimes = list(grid["regimes"])
+    for other in map(pathlib.Path, more):
+        _, other_grid, other_found = _read_run(other)
+        for field in sorted(set(grid) | set(other_grid)):
+            if field != "regimes" and grid.get(field) != other_grid.get(field):
+                raise ValueError(f"{other}: study.{field}={other_grid.get(field)!r} differs from "
+                                 f"{run_dir}'s {grid.get(field)!r}; valid: run directories of one study "
+                                 "split only by study.regimes")
+        regimes += [r for r in other_grid["regimes"] if r not in regimes]
+        found = other_found + found  # run_dir's records last: they win below
+    study = types.SimpleNamespace(**{**grid, "regimes": tuple(regimes)})
+    labels = {c.label for c in study_cells(study)}
+    records = list({r["label"]: r for r in found if r["label"] in labels}.values())
     overheads_path = run_dir / "overheads.json"
     overheads = json.loads(overheads_path.read_text(encoding="utf-8")) if overheads_path.exists() else {}
     _, sections = study_report(study, records, overheads, recorded_sis_overhead(bench_records))
-    return f"corrections_study report of {run_dir} ({saved.get('variant')})\n\n" + "\n\n".join(sections)
+    dirs = ", ".join(map(str, (run_dir, *more)))
+    return f"corrections_study report of {dirs} ({saved.get('variant')})\n\n" + "\n\n".join(sections)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m jaxflow.rl.corrections_study_report RUN_DIR``: prints :func:`report_from_dir`;
-    exit status 2 with one line on stderr for a directory that is no corrections_study run."""
+    """``python -m jaxflow.rl.corrections_study_report RUN_DIR [RUN_DIR ...]``: prints
+    :func:`report_from_dir` (several directories: one study split by regime); exit status 2 with
+    one line on stderr for a directory that is no corrections_study run or not of the same study."""
     parser = argparse.ArgumentParser(prog="python -m jaxflow.rl.corrections_study_report",
                                      description="The corrections_study tables of a run directory, "
                                                  "partial or complete, without running anything.")
     parser.add_argument("run_dir", help="the study's --out directory (holding config.json, cells.jsonl)")
+    parser.add_argument("more", nargs="*", help="more --out directories of the same study, split by "
+                                                "study.regimes (their regimes and cells join)")
     args = parser.parse_args(argv)
     try:
-        print(report_from_dir(args.run_dir))
+        print(report_from_dir(args.run_dir, *args.more))
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
