@@ -20,11 +20,11 @@ def _program(name, kind, total_gib, *, pallas=0, status="ok", mfu=None):
             "mfu_estimate": None if mfu is None else mfu[1]}
 
 
-def _current_report():
+def _current_report(layout):
     """A fitting current-format report: the largest program is not the step, the first train
     program with the efficiency figures is not named *step, one program does not fit."""
     return {
-        "experiment": "flowtrain", "git_commit": "a" * 40, "wall_seconds": 250.4,
+        "experiment": "flowtrain", "git_commit": "a" * 40, "wall_seconds": 250.4, "layout": layout,
         "chip": {"name": "v5p", "hbm_bytes": 95 * GIB},
         "compile_seconds": {"init": {"lower": 1.0, "compile": 2.0},
                             "encoder/update": {"lower": 3.0, "compile": 40.0},
@@ -47,7 +47,10 @@ def _old_report(commit):
 
 
 def test_matrix_rows_current_old_exit2_and_missing(tmp_path):
-    reports = {"flowtrain-full-tpu-v5p-4x4x4.json": _current_report(),
+    exit2, layout = matrix.rule("flowtrain", "tpu-v5p:4x4x4")
+    assert exit2 is None and layout.startswith("layout for 64 v5p: monolithic mesh 16x4 (data x "
+                                               "model), decoupled splits 4 + 30x2, 8 + 28x2")
+    reports = {"flowtrain-full-tpu-v5p-4x4x4.json": _current_report(layout),
                "flowtrain-full-tpu-v6e-16x16.json": _old_report("c" * 40),
                "bench_rollout-full-tpu-v5p-4x4x4.json": _old_report("b" * 40)}
     for name, report in reports.items():
@@ -70,10 +73,9 @@ def test_matrix_rows_current_old_exit2_and_missing(tmp_path):
                             "tpu-v6e:16x16 (256 x v6e): 256 samples"), exit2
     assert exit2.endswith("the smallest target this estimate fits: tpu-v5p:4x4x4 "
                           "(a report of commit cccccccc predates the rule)"), exit2
-    assert matrix.exit2_line("flowtrain", "tpu-v5p:4x4x4") is None
 
     table = matrix.render(rows, {"a" * 40: "2026-12-07", "b" * 40: "2026-12-05"}).splitlines()
-    assert "Cells: 1 current, 1 exit 2, 1 old, 1 missing." in table
+    assert "Cells: 1 current, 0 stale, 1 exit 2, 1 old, 1 missing." in table
     body = table[table.index("|---|---|---|---|---|---|---|---|---|---|") + 1:]
     assert body[0] == ("| flowtrain | tpu-v5p:4x4x4 | current | 70.2 / 95.0 (eval); does not "
                        "fit: big (does_not_fit) | 100.5 (train/step) / 155.5 | 250 | 160 | 1 | "
@@ -84,3 +86,13 @@ def test_matrix_rows_current_old_exit2_and_missing(tmp_path):
                        "compile seconds) | | | | | | bbbbbbbb (2026-12-05) |")
     assert body[3] == "| bench_rollout | tpu-v6e:16x16 | missing |  | | | | | |  |"
     assert len(body) == 4
+
+    # A current report laid out otherwise than the rule does today is stale, its figures shown.
+    stale = matrix.matrix_row("flowtrain", "tpu-v5p:4x4x4", report=_current_report("mesh 64x1"),
+                              rule=(None, layout))
+    assert stale.status == "stale" and stale.figures == rows[0].figures
+    assert stale.text == f"the rule lays it out otherwise now: {layout}; the report: mesh 64x1"
+    line = matrix.render([stale]).splitlines()[-1]
+    assert line.startswith("| flowtrain | tpu-v5p:4x4x4 | stale | 70.2 / 95.0 (eval); does not "
+                           "fit: big (does_not_fit); the rule lays it out otherwise now: layout "
+                           "for 64 v5p"), line

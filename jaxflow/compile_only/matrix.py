@@ -7,7 +7,10 @@ A cell is, in this order:
              compiled) refuses the target: the one line the runner prints before compiling;
   current    ``NAME-full-TARGET.json`` (``compile_report.json`` of ``python -m jaxflow.run
              --exp=NAME --variant=full --compile-only --target=TARGET``, ':' -> '-') has the
-             current format (top-level ``compile_seconds``): its figures, read, never estimated;
+             current format (top-level ``compile_seconds``) and its ``layout`` is the rule's
+             line today: its figures, read, never estimated;
+  stale      the same, but the rule lays the variant out otherwise now (figures shown, both
+             layout lines quoted);
   old        the report predates that format (no ``compile_seconds``) and the layout rule;
   missing    no report.
 
@@ -47,6 +50,7 @@ here (`python -m jaxflow.run --exp=NAME --variant=full --compile-only --target=T
 tests/test_compile_matrix.py) fails when this file differs from the reports.
 
 Status: **current** (the report has per-program compile seconds and the efficiency figures),
+**stale** (the same, but the report's `layout` is not the rule's layout today),
 **exit 2** (the layout rule refuses the target before compiling; the line the runner prints),
 **old** (a report from before the per-target layout rule and compile seconds; to be compiled
 again), **missing** (no report).
@@ -76,11 +80,12 @@ class _Cell:
     overrides: tuple = ()
 
 
-def exit2_line(name: str, target: str, config=None) -> str | None:
-    """The line ``python -m jaxflow.run --exp=NAME --variant=full --compile-only
-    --target=TARGET`` prints when it exits 2 because no layout of ``config`` (default:
-    ``configs.NAME.get_config("full")``) fits the target; None when one fits. Pure: the rule
-    of :mod:`jaxflow.compile_only.resolve`, nothing compiled."""
+def rule(name: str, target: str, config=None) -> tuple[str | None, str]:
+    """What ``python -m jaxflow.run --exp=NAME --variant=full --compile-only --target=TARGET``
+    decides before compiling, by the layout rule of :mod:`jaxflow.compile_only.resolve` on
+    ``config`` (default: ``configs.NAME.get_config("full")``): (the line it prints when it
+    exits 2 because no layout fits, or None; the layout line it records in the report's
+    ``layout``, or "" when it exits 2). Pure: nothing compiled."""
     from jaxflow.compile_only.cli import CompileOnlyUsageError, resolve_layout
     from jaxflow.compile_only.target import parse_target
     from jaxflow.errors import one_line
@@ -88,10 +93,10 @@ def exit2_line(name: str, target: str, config=None) -> str | None:
     if config is None:
         config = importlib.import_module(f"configs.{name}").get_config("full")
     try:
-        resolve_layout(_Cell(name, "full", config), parse_target(target))
+        _, layout = resolve_layout(_Cell(name, "full", config), parse_target(target))
     except CompileOnlyUsageError as e:
-        return f"{PROG}: error: {one_line(e)}"
-    return None
+        return f"{PROG}: error: {one_line(e)}", ""
+    return None, layout
 
 
 def _step_program(programs: list[dict]) -> dict | None:
@@ -146,9 +151,10 @@ def is_current(report: dict) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One matrix cell: ``status`` ("current", "exit 2", "old", "missing"), ``figures``
-    (:func:`current_figures`, current only), ``text`` (the exit-2 line, or the old report's
-    note), ``commit`` (the report's, "" when none)."""
+    """One matrix cell: ``status`` ("current", "stale", "exit 2", "old", "missing"),
+    ``figures`` (:func:`current_figures`, current and stale), ``text`` (the exit-2 line, the
+    old report's note, or how a stale report's layout differs), ``commit`` (the report's, ""
+    when none)."""
 
     name: str
     target: str
@@ -158,9 +164,12 @@ class Row:
     commit: str = ""
 
 
-def matrix_row(name: str, target: str, *, report: dict | None, exit2: str | None) -> Row:
+def matrix_row(name: str, target: str, *, report: dict | None,
+               rule: tuple[str | None, str]) -> Row:
     """The :class:`Row` of ``name`` x ``target`` from its report (None: no file) and the
-    rule's exit-2 line (None: a layout fits); the order is the module docstring's."""
+    layout rule's (exit-2 line or None, layout line) (:func:`rule`); the order is the module
+    docstring's. A current report whose ``layout`` is not the rule's line today is "stale"."""
+    exit2, layout = rule
     commit = (report or {}).get("git_commit") or ""
     if exit2 is not None:
         note = f" (a report of commit {commit[:8]} predates the rule)" if report else ""
@@ -168,7 +177,10 @@ def matrix_row(name: str, target: str, *, report: dict | None, exit2: str | None
     if report is None:
         return Row(name, target, "missing")
     if is_current(report):
-        return Row(name, target, "current", figures=current_figures(report), commit=commit)
+        same = report.get("layout") == layout
+        return Row(name, target, "current" if same else "stale", figures=current_figures(report),
+                   commit=commit, text="" if same else f"the rule lays it out otherwise now: "
+                   f"{layout}; the report: {report.get('layout')}")
     return Row(name, target, "old", commit=commit,
                text=f"old report (commit {commit[:8]}, no compile seconds)")
 
@@ -185,7 +197,7 @@ def collect(names: Sequence[str] | None = None, targets: Sequence[str] = TARGETS
             path = report_path(name, target, reports)
             report = json.loads(path.read_text()) if path.exists() else None
             rows.append(matrix_row(name, target, report=report,
-                                   exit2=exit2_line(name, target, config)))
+                                   rule=rule(name, target, config)))
     return rows
 
 
@@ -221,7 +233,8 @@ def render(rows: Sequence[Row], dates: dict[str, str] | None = None) -> str:
     """The markdown of ``rows`` (:data:`HEADER`, a summary line, one table row per cell);
     ``dates``: {commit: date} (:func:`commit_dates`)."""
     dates = dates or {}
-    counts = {s: sum(r.status == s for r in rows) for s in ("current", "exit 2", "old", "missing")}
+    counts = {s: sum(r.status == s for r in rows)
+              for s in ("current", "stale", "exit 2", "old", "missing")}
     lines = [HEADER, "Cells: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".", "",
              "| experiment | target | status | HBM GiB (largest program) | compile s slowest "
              "(program) / total | wall s | Pallas calls | fallbacks | MFU bound / estimate "
@@ -229,7 +242,7 @@ def render(rows: Sequence[Row], dates: dict[str, str] | None = None) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         commit = f"{r.commit[:8]} ({dates[r.commit]})" if r.commit in dates else r.commit[:8]
-        if r.status != "current":
+        if r.figures is None:
             lines.append(f"| {r.name} | {r.target} | {r.status} | {_cell(r.text)} | | | | | | "
                          f"{commit if r.status == 'old' else ''} |")
             continue
@@ -238,10 +251,12 @@ def render(rows: Sequence[Row], dates: dict[str, str] | None = None) -> str:
                if f["hbm_gib"] is not None else "")
         if f["not_ok"]:
             hbm += "; does not fit: " + ", ".join(f["not_ok"])
+        if r.text:  # stale
+            hbm += "; " + r.text
         slow = f"{_num(f['slowest'][1])} ({f['slowest'][0]})" if f["slowest"] else ""
         mfu = (f"{_pct(f['mfu_bound'])} / {_pct(f['mfu_estimate'])} ({f['step']})"
                if f["step"] else "none (no train program has them)")
-        lines.append(f"| {r.name} | {r.target} | current | {_cell(hbm)} | {_cell(slow)} / "
+        lines.append(f"| {r.name} | {r.target} | {r.status} | {_cell(hbm)} | {_cell(slow)} / "
                      f"{_num(f['total_seconds'])} | {_num(f['wall_seconds'], 0)} | "
                      f"{f['pallas_calls']} | {f['fallbacks']} | {_cell(mfu)} | {commit} |")
     return "\n".join(lines) + "\n"
