@@ -220,7 +220,8 @@ def report_from_dir(run_dir: str | pathlib.Path, *more: str | pathlib.Path,
     """The report (markdown) of the ``corrections_study`` run directory ``run_dir``, running no
     cell and measuring nothing, writing nothing: its ``config.json``'s study grid, the finished
     cells of ``cells.jsonl`` (those of the grid; none yet is fine), ``overheads.json`` when the
-    study measured it, and the newest ``bench_policy_loss`` record under ``bench_records``.
+    study measured it (the first of the directories that has one), and the newest
+    ``bench_policy_loss`` record under ``bench_records``.
 
     ``more``: run directories of the same study split by regime (``--set study.regimes=...``,
     run side by side, one per core): the grid is ``run_dir``'s with the regimes of all of
@@ -242,8 +243,9 @@ def report_from_dir(run_dir: str | pathlib.Path, *more: str | pathlib.Path,
     study = types.SimpleNamespace(**{**grid, "regimes": tuple(regimes)})
     labels = {c.label for c in study_cells(study)}
     records = list({r["label"]: r for r in found if r["label"] in labels}.values())
-    overheads_path = run_dir / "overheads.json"
-    overheads = json.loads(overheads_path.read_text(encoding="utf-8")) if overheads_path.exists() else {}
+    # the overheads of the first directory that measured them (each measures all corrections)
+    overheads = next((json.loads(p.read_text(encoding="utf-8")) for d in (run_dir, *map(pathlib.Path, more))
+                      if (p := d / "overheads.json").exists()), {})
     _, sections = study_report(study, records, overheads, recorded_sis_overhead(bench_records))
     dirs = ", ".join(map(str, (run_dir, *more)))
     return f"corrections_study report of {dirs} ({saved.get('variant')})\n\n" + "\n\n".join(sections)
