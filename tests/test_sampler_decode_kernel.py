@@ -7,12 +7,18 @@
   exactly; the outputs within the paged-attention tolerances (``test_rollout_paged_attention``:
   f32 GPU kernel atol 1e-6; the TPU kernel rounds K/V to bf16, so on a bf16 cache
   |got - ref| <= 2^-7 * max|V|).
-* The whole sampler (prefill + decode scan) through the GPU kernel in interpret mode, f32, on a
-  data x model mesh (rows over "data", heads over "model" in a shard_map): the same tokens as
-  the XLA sampler, log-probs within 1e-5.
+* The prefill's layer over the empty cache through the segment attention kernel (flash /
+  splash in interpret mode) == the XLA reference: the written caches exactly, real prompt
+  tokens' outputs within the f32 kernel tolerance; padding tokens' outputs differ (the kernel
+  ran, not the reference). A capacity-dispatch MoE model's prefill keeps the reference.
+* The whole sampler (prefill through flash, decode scan through the GPU paged kernel, both in
+  interpret mode), f32, on a data x model mesh (rows over "data", heads over "model" in a
+  shard_map): the same tokens as the XLA sampler, log-probs within 1e-5.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxflow.models import PRESETS, Transformer, make_sampler
+from jaxflow.models import decode_kernel as decode_kernel_module
 from jaxflow.models.attention import cache_causal_mask, dot_product_attention
 from jaxflow.models.decode_kernel import DecodeKernel
 from jaxflow.models.kv_cache import write_heads_major, write_rows
@@ -104,6 +111,53 @@ def test_layer_attention_through_the_kernel_matches_xla(backend, dtype):
                                rtol=0, atol=tol)
 
 
+def _prefill_problem():
+    """The sampler's prefill of one layer: an empty 16-slot cache, P = 5 new tokens per row,
+    rows of 5, 3, 1 and 4 real tokens (right padding), random q / k / v (f32)."""
+    kq, kk, kv = jax.random.split(jax.random.key(11), 3)
+    b, s, h, kvh, d = 4, 16, 4, 2, 16
+    q = jax.random.normal(kq, (b, P, h, d), jnp.float32)
+    k = jax.random.normal(kk, (b, P, kvh, d), jnp.float32)
+    v = jax.random.normal(kv, (b, P, kvh, d), jnp.float32)
+    index = jnp.zeros((b,), jnp.int32)
+    valid = jnp.arange(P)[None, :] < LENGTHS[:, None]
+    key_valid = write_rows(jnp.zeros((b, s), bool), valid, index)
+    slots = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (b, P))
+    return q, k, v, jnp.zeros((b, s, kvh, d)), index, slots, key_valid, valid
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_prefill_over_an_empty_cache_through_the_segment_kernel_matches_xla(backend):
+    q, k, v, empty, index, slots, key_valid, valid = _prefill_problem()
+    want_k, want_v = write_rows(empty, k, index), write_rows(empty, v, index)
+    want = dot_product_attention(q, want_k, want_v, cache_causal_mask(slots, key_valid))
+    kernel = DecodeKernel(paged_attention, backend=backend, interpret=True, page_size=PAGE)
+    width = kernel.stored_head_dim(q.shape[-1])
+
+    def heads_major(x):  # [B, S, KVH, D] -> [KVH, B, S, D'] (zeros past D)
+        x = jnp.transpose(x, (2, 0, 1, 3))
+        return jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+
+    got, got_k, got_v = jax.jit(kernel.prefill_attention)(
+        q, k, v, heads_major(empty), heads_major(empty), index, slots, key_valid)
+    np.testing.assert_array_equal(np.asarray(got_k), np.asarray(heads_major(want_k)))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(heads_major(want_v)))
+    assert got.shape == want.shape and got.dtype == want.dtype
+    real = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=0, atol=1e-6)
+    # padding queries: the reference attends to the row's real tokens, the kernel to padding
+    assert np.abs(np.asarray(got)[~real] - np.asarray(want)[~real]).max() > 0.1
+
+
+def test_capacity_dispatch_moe_prefill_keeps_the_xla_reference():
+    kernel = DecodeKernel(paged_attention, backend="gpu", interpret=True, page_size=PAGE)
+    moe = dataclasses.replace(TINY, n_experts=4, n_experts_per_token=2, d_ff_expert=32)
+    assert kernel.prefill_cache_attention(TINY) == kernel.prefill_attention
+    assert kernel.prefill_cache_attention(moe) == kernel.prefill_attention  # dense MoE
+    assert kernel.prefill_cache_attention(dataclasses.replace(moe, moe_impl="dispatch")) \
+        == kernel.cache_attention
+
+
 def test_heads_major_write_is_the_row_write_transposed():
     buffer = jnp.zeros((3, 5, 2, 4))
     new = jnp.arange(3 * 2 * 2 * 4, dtype=jnp.float32).reshape(3, 2, 2, 4)
@@ -114,15 +168,28 @@ def test_heads_major_write_is_the_row_write_transposed():
     assert not np.asarray(got[..., 4:]).any()
 
 
-def test_sampler_through_the_gpu_kernel_interpret_on_a_mesh_matches_xla(split_model, prompts):
-    """Prefill + decode scan under a data 2 x model 2 mesh (the kernel per device on its rows
-    and K/V heads, in a shard_map) draw the XLA sampler's tokens."""
+def test_sampler_through_the_gpu_kernel_interpret_on_a_mesh_matches_xla(split_model, prompts,
+                                                                        monkeypatch):
+    """Prefill (flash) + decode scan (the paged kernel) under a data 2 x model 2 mesh (the
+    kernels per device on its rows and K/V heads, in shard_maps) draw the XLA sampler's
+    tokens."""
     graphdef, state = split_model
     kernel = DecodeKernel(paged_attention, backend="gpu", interpret=True, page_size=PAGE)
     want = make_sampler(graphdef, CONFIG)(state, prompts, LENGTHS, KEY)
+    calls = []
+
+    def segment_attention(q, k, v, segment_ids, **kw):
+        calls.append((q.shape, kw))
+        return attention(q, k, v, segment_ids, **kw)
+
+    attention = decode_kernel_module.segment_attention
+    monkeypatch.setattr(decode_kernel_module, "segment_attention", segment_attention)
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     with jax.set_mesh(mesh):
         got = make_sampler(graphdef, CONFIG, decode_kernel=kernel)(state, prompts, LENGTHS, KEY)
+    # the prefill's attention: flash in interpret mode, once per layer (traced once)
+    assert calls == [((B, P, TINY.n_heads, TINY.head_dim),
+                      {"backend": "flash", "interpret": True})] * TINY.n_layers
     assert 0 < float(want.mask.sum()) < want.mask.size  # some rows stop at eos_id 19
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))

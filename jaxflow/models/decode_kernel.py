@@ -18,14 +18,40 @@ padding slots are never valid); the kernel reads each row's ``lengths`` tokens o
 masks all S slots every step. On TPU D' is the next multiple of 128 (Mosaic's lane width): a
 head_dim of 64 is stored zero-padded once, so no step pads the pool.
 
-Multi-token calls (the prefill) write the prompt and attend with the XLA reference over the
-cache viewed as [B, S, KVH, D] (one transpose per layer per prefill); one-token calls (each
-decode step) go through the kernel. Under a mesh context (``jax.set_mesh``) the writes and the
-kernel run in ``shard_map`` s: rows over the data axes, K/V heads over "model"
+The sampler's prefill, its first call over an EMPTY cache (:meth:`DecodeKernel.prefill_attention`,
+chosen by :meth:`DecodeKernel.prefill_cache_attention`), writes the prompt as every call does
+and attends through the LM's segment attention kernel
+(:func:`jaxflow.models.attention_backends.attention`, ``auto``: splash on TPU, cuDNN for bf16
+else the Triton flash ``mha`` on GPU; splash / flash in interpret mode) from the new tokens'
+q, k, v directly, segment 1 on a row's real prompt tokens, 0 on its padding. Over an empty
+cache a real token's XLA mask (valid slots at or before its own) is exactly that: the row's
+real tokens at or before it, all in this call. Padding queries differ: the XLA reference lets
+them attend to every real token of their row, the kernels to the earlier padding (the
+segment reference, where a kernel falls back, to nothing). No sampled token and no attended
+K/V sees them:
+
+* the first token is drawn from the logits at slot ``len - 1``, a real token (prompt lengths
+  are >= 1), and later logits come from decode steps;
+* a padding slot's K/V (from layer 1 on it carries the differing output) is never attended:
+  the prefill marks it invalid, and a slot turns valid only when a decode step writes a live
+  token's K/V over it (``Transformer.decode`` writes at ``index``, which starts at ``len`` and
+  advances by live tokens only, and marks the slot with the token's liveness);
+* the other layers (norms, MLP, dense MoE, LoRA) act per token.
+
+A capacity-dispatch MoE layer mixes tokens (padding tokens take expert slots from real
+ones), so for such models the prefill keeps the XLA reference below. With ``record_routing``
+the routing recorded at a prompt's padding positions (those no decode step overwrites) is the
+kernel path's: the pad token's, meaningless either way.
+
+Later multi-token calls (the static sampler makes none) attend with the XLA reference over the
+cache viewed as [B, S, KVH, D] (one transpose per layer per call); one-token calls (each
+decode step) go through the paged kernel. Under a mesh context (``jax.set_mesh``) the writes
+and the paged kernel run in ``shard_map`` s: rows over the data axes, K/V heads over "model"
 (:func:`jaxflow.models.attention_backends.shard_layout`), the cache constrained to that layout
 when it is made, so no call moves cache bytes between devices (the paged dispatch's own mesh
 wrapper replicates rows and pages, since a shared pool's pages may belong to any row; a write
-left to XLA's partitioner gathers every data shard's new rows). The collectives of a
+left to XLA's partitioner gathers every data shard's new rows); the prefill's segment
+attention shards itself the same way (its own ``shard_map``). The collectives of a
 tensor-parallel sampler stay the ones of its XLA decode: each layer's two partial-sum
 all-reduces of [rows per data shard, d_model] per step, the vocab-sharded embedding lookup's
 and the sampling's per-row scalars (``tests/aot/test_sampler_decode_gate.py``).
@@ -43,6 +69,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxflow.models.attention import cache_causal_mask, dot_product_attention
+from jaxflow.models.attention_backends import attention as segment_attention
 from jaxflow.models.attention_backends import shard_layout
 from jaxflow.models.kv_cache import KVCache, empty_heads_major_cache, write_heads_major
 from pallas_kernels import dispatch
@@ -53,6 +80,8 @@ DECODE_BACKENDS = ("auto", "tpu", "gpu")
 KERNEL_PLATFORMS = ("tpu", "gpu")
 TPU_LANES = 128  # Mosaic's lane width: the TPU decode kernel's head_dim is a multiple of it
 BLOCK_TOKENS = 512  # the TPU wrapper's largest block (jaxflow.rollout.paged_attention)
+#: the prefill's segment attention backend (jaxflow.models.attention_backends) per decode backend
+SEGMENT_BACKENDS = {"auto": "auto", "tpu": "splash", "gpu": "flash"}
 
 
 def _platform() -> str:
@@ -172,6 +201,39 @@ class DecodeKernel:
         return _local(self._step, layout, (q, k, v, k_cache, v_cache, index, lengths),
                       ("tokens", "tokens", "tokens", "cache", "cache", "row", "row"),
                       ("tokens", "cache", "cache"))
+
+    def prefill_attention(self, q, k, v, k_cache, v_cache, index, slots, key_valid):
+        """One layer's write + attention of a call over an EMPTY cache (the sampler's prefill;
+        ``Transformer.decode(cache_attention=...)``, arguments as :meth:`cache_attention`):
+        the cache written as there, the attention causal self-attention among the new tokens
+        through the segment attention kernel (module docstring), segment ids [B, L] = whether
+        each new token is valid (``key_valid`` at ``slots``).
+
+        Only correct when no slot was valid before this call (every row's ``index`` 0, as
+        after :meth:`init_cache`): earlier cache entries are not attended.
+
+        Returns:
+          (out [B, L, H, D], k_cache, v_cache): real tokens' rows as the XLA reference's up to
+          the kernel's rounding; padding tokens' rows finite but different (never read: module
+          docstring).
+        """
+        layout = _mesh_layout(q.shape[0], q.shape[2], k.shape[2])
+        k_cache, v_cache = _local(_write, layout, (k, v, k_cache, v_cache, index),
+                                  ("tokens", "tokens", "cache", "cache", "row"),
+                                  ("cache", "cache"))
+        segment_ids = jnp.take_along_axis(key_valid, slots, axis=1).astype(jnp.int32)
+        out = segment_attention(q, k, v, segment_ids, backend=SEGMENT_BACKENDS[self.backend],
+                                interpret=self.interpret)
+        return out.astype(q.dtype), k_cache, v_cache
+
+    def prefill_cache_attention(self, config) -> Callable:
+        """The ``cache_attention`` of a sampler's first call over an empty cache for a model
+        ``config`` (:class:`jaxflow.models.TransformerConfig`): :meth:`prefill_attention`,
+        or :meth:`cache_attention` (the XLA reference for L > 1) where a capacity-dispatch
+        MoE layer lets padding tokens change real tokens' outputs (module docstring)."""
+        if config.n_experts > 0 and config.moe_impl == "dispatch":
+            return self.cache_attention
+        return self.prefill_attention
 
     def _step(self, q, k, v, k_cache, v_cache, index, lengths):
         """Write the token and attend through the paged kernel (arrays: local shards)."""

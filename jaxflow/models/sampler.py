@@ -8,8 +8,9 @@ is a function of its own key only) and a :class:`LogitsHook` applied to the logi
 sampling (a temperature schedule, a repetition penalty). ``make_decoder`` exposes the prefill
 and the chunked decode separately for callers that compact rows between chunks (the MARL
 rollout engine). ``decode_kernel`` (a :class:`jaxflow.models.decode_kernel.DecodeKernel`) runs
-each decode step's attention through a paged decode kernel on TPU / GPU (a heads-major cache);
-on CPU the XLA reference, unchanged.
+each decode step's attention through a paged decode kernel on TPU / GPU (a heads-major cache)
+and the prefill's through the LM's segment attention kernel; on CPU the XLA reference,
+unchanged.
 """
 from __future__ import annotations
 
@@ -350,8 +351,9 @@ def make_decoder(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
             cache = model.init_cache(b, p + n_new)
         else:
             cache = paged.init_cache(model.config, b, p + n_new)
-        logits, cache = model.decode(prompts, cache, positions=positions, valid=prompt_valid,
-                                     cache_attention=paged and paged.cache_attention)
+        logits, cache = model.decode(
+            prompts, cache, positions=positions, valid=prompt_valid,
+            cache_attention=paged and paged.prefill_cache_attention(model.config))
         last = jnp.clip(prompt_lengths - 1, 0, p - 1)
         last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
         hook_state = None
@@ -398,8 +400,10 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplingConfig, logit_noise_std
     position (``SampleOutput.routing_*``, what R3 replays).
     ``decode_kernel`` (:class:`jaxflow.models.decode_kernel.DecodeKernel`): on TPU / GPU (or in
     its interpret mode) each decode step attends through that paged decode kernel over a
-    heads-major cache of P + max_new_tokens slots rounded up to its page; on CPU the XLA
-    reference runs, bit for bit as without it.
+    heads-major cache of P + max_new_tokens slots rounded up to its page, and the prefill
+    through the segment attention kernel (splash / cuDNN / flash; the XLA reference for
+    capacity-dispatch MoE models: :meth:`DecodeKernel.prefill_cache_attention`); on CPU the
+    XLA reference runs, bit for bit as without it.
 
     Returns:
       fn(params_state, prompts, prompt_lengths, key, hook_args=None) -> SampleOutput where
