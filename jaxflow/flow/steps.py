@@ -46,6 +46,7 @@ class Sides:
     bb: SideFunctions
     enc_tx: optax.GradientTransformation
     bb_tx: optax.GradientTransformation
+    # The run's attention backend: the backbone's (causal) and the encoder's (bidirectional).
     backend: AttentionBackend = AttentionBackend.XLA
     # Jitted steps, built once per Sides so every trainer on these sides shares compilations.
     jitted: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -89,9 +90,10 @@ def build_sides(vit: ViTConfig, lm: TransformerConfig, enc_mesh: Mesh, bb_mesh: 
 
 
 def encoder_embeddings(sides: Sides, params: Any, patches: dict) -> jax.Array:
-    """[R, L, P*P] patch rows -> flat [R * L, d_model] image-token embeddings."""
+    """[R, L, P*P] patch rows -> flat [R * L, d_model] image-token embeddings (the encoder's
+    attention on the run's backend, ``sides.backend``, as the backbone's)."""
     out = sides.enc.module(params)(patches["patches"], patches["segment_ids"],
-                                   patches["rows"], patches["cols"])
+                                   patches["rows"], patches["cols"], attention=sides.backend)
     return out.reshape(-1, out.shape[-1])
 
 

@@ -4,7 +4,10 @@ Images of different sizes give different patch counts. Instead of padding every 
 largest, the patches of many images are packed into rows (``pack_patches``): each image is one
 segment, attention is bidirectional within a segment, and learned row/column embeddings give
 each patch its 2-D place. The transformer blocks are the foundation's decoder blocks
-(``jaxflow.models.transformer.Block``) given a non-causal segment mask.
+(``jaxflow.models.transformer.Block``) run on packed rows with bidirectional (``causal=False``)
+segment attention, through the LM's attention switch (``jaxflow.models.attention_backends``:
+the XLA reference on CPU, splash on TPU, Pallas flash / cuDNN on GPU, ``auto``); the flowtrain
+steps give the encoder the run's backend, the backbone's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.config_domains import COUNT, domains
+from jaxflow.models.attention_backends import AttentionBackend
 from jaxflow.models.transformer import Block, RMSNorm, TransformerConfig, scan_blocks
 
 
@@ -60,12 +64,6 @@ class ViTConfig:
         return self.max_grid**2
 
 
-def bidirectional_segment_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, L] int (0 = padding) -> [B, L, L] bool: same segment, key not padding."""
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return same & (segment_ids != 0)[:, None, :]
-
-
 class ViTEncoder(nnx.Module):
     """patches [R, L, P*P] -> embeddings [R, L, out_dim] (one per patch, already projected)."""
 
@@ -88,18 +86,34 @@ class ViTEncoder(nnx.Module):
                               ("mlp", None))
 
     def __call__(self, patches: jax.Array, segment_ids: jax.Array, rows: jax.Array,
-                 cols: jax.Array) -> jax.Array:
-        """Args: patches [R, L, P*P] f32; segment_ids [R, L] (0 = empty slot); rows, cols,
-        [R, L] int grid coordinates. Returns [R, L, out_dim] f32 (empty slots meaningless)."""
+                 cols: jax.Array, *, attention: str | AttentionBackend = "xla",
+                 interpret: bool = False) -> jax.Array:
+        """Encodes packed patch rows; each image attends bidirectionally within its segment.
+
+        Args:
+          patches: [R, L, P*P] f32.
+          segment_ids: [R, L] int, one id per image of a row; 0 = empty slot.
+          rows, cols: [R, L] int grid coordinates of each patch in its image.
+          attention: the blocks' attention backend (``ATTENTION_BACKENDS``; the flowtrain steps
+            pass the run's); default the XLA reference.
+          interpret: run a Pallas attention kernel (splash / flash) in interpret mode.
+
+        Returns:
+          [R, L, out_dim] f32. Real patches: the same on every backend (to kernel round-off).
+          Empty slots are finite and meaningless: on XLA their attention output is zero (each
+          slot's output is the MLP path of its own embedding), in the kernels an empty slot
+          attends to the empty slots of its row; no real patch sees them.
+        """
         x = patches @ self.patch_embed[...]
         x = x + self.row_embed[...][rows] + self.col_embed[...][cols]
         block_cfg = self.config.block_config()
         x = x.astype(block_cfg.compute_dtype)  # the residual stream in the blocks' dtype
-        mask = bidirectional_segment_mask(segment_ids)
         positions = rows * self.config.max_grid + cols
+        backend = attention.value if isinstance(attention, AttentionBackend) else attention
 
         def forward(block, h):
-            return block(h, positions, mask)
+            return block.forward(h, positions, segment_ids, attention=backend,
+                                 interpret=interpret, causal=False)[0]
 
         policy = (getattr(jax.checkpoint_policies, block_cfg.remat_policy)
                   if block_cfg.remat else None)

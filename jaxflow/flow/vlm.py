@@ -8,8 +8,9 @@ monolithic model (buffer = encoder output) and the decoupled backbone (buffer = 
 
 Attention backend: the LM's shared switch (``jaxflow.models.attention_backends``:
 ``AttentionBackend`` xla / splash / flash / cudnn / auto), chosen per run (``resolve_backend``)
-and passed to ``backbone_hidden``; "auto" is XLA on CPU and the platform's kernel on GPU / TPU
-where it builds for the step's shapes.
+and passed to ``backbone_hidden`` and to the ViT encoder (bidirectional within an image,
+``jaxflow.flow.steps.encoder_embeddings``); "auto" is XLA on CPU and the platform's kernel on
+GPU / TPU where it builds for the step's shapes.
 """
 
 from __future__ import annotations

@@ -1,26 +1,30 @@
-"""Causal segment attention by backend: one switch for the LM and the VLM backbone.
+"""Segment attention by backend: one switch for the LM, the VLM backbone and the ViT encoder.
 
-``attention(q, k, v, segment_ids, backend=...)`` computes packed-sequence self-attention:
-token t attends to tokens s <= t of its own segment; segment 0 is padding (a real token never
-attends to it). GQA: k / v carry K heads, each serving H/K query heads. Backends
-(``ATTENTION_BACKENDS``):
+``attention(q, k, v, segment_ids, backend=..., causal=True)`` computes packed-sequence
+self-attention: token t attends to the tokens s of its own segment, s <= t when ``causal``
+(the LM; the default) and every one of them otherwise (the ViT encoder's bidirectional
+attention within an image); segment 0 is padding (a real token never attends to it). GQA:
+k / v carry K heads, each serving H/K query heads. Backends (``ATTENTION_BACKENDS``):
 
-  xla     ``jaxflow.models.attention.dot_product_attention`` with ``segment_causal_mask``:
+  xla     ``jaxflow.models.attention.dot_product_attention`` with :func:`segment_mask`:
           the reference (a materialised [B, T, T] mask and f32 [B, H, T, T] scores). The CPU
           default.
   splash  TPU: the upstream splash attention kernel
-          (``jax.experimental.pallas.ops.tpu.splash_attention``, Mosaic TPU), causal mask +
-          segment ids, vmapped over the batch. GQA natively: the grouped ``make_splash_mha``
-          form reads each K/V head for its H/K query heads (nothing repeated).
+          (``jax.experimental.pallas.ops.tpu.splash_attention``, Mosaic TPU), causal mask (or
+          a full one, non-causal) + segment ids, vmapped over the batch. GQA natively: the
+          grouped ``make_splash_mha`` form reads each K/V head for its H/K query heads
+          (nothing repeated).
   flash   GPU: the upstream Pallas flash attention ``jax.experimental.pallas.ops.gpu.attention
-          .mha`` (Triton: it passes ``plgpu.CompilerParams``), causal + segment ids. The
+          .mha`` (Triton: it passes ``plgpu.CompilerParams``), ``causal=`` + segment ids. The
           kernel indexes K/V by the query head, so GQA repeats K/V H/K times (materialised).
   cudnn   GPU: ``jax.nn.dot_product_attention(implementation="cudnn")`` (cuDNN flash
           attention; bf16 / f16 only, head dim a multiple of 8, <= 128 before Hopper and
           <= 256 from Hopper on). GQA natively. The public API has no segment ids, so packed
           segments enter as a boolean [B, 1, T, T] mask (cuDNN turns it into a bf16 bias, and
           its backward writes the bias gradient: O(B T^2) bytes, one head) with
-          ``is_causal=True`` so that cuDNN skips the blocks above the diagonal.
+          ``is_causal=True`` so that cuDNN skips the blocks above the diagonal. Non-causal,
+          the mask is "same segment" alone (``is_causal=False``): padding queries attend to
+          the padding keys, so no row is fully masked.
   auto    per platform (``resolve_attention_backend``): CPU -> xla; TPU -> splash; GPU ->
           cudnn for bf16 / f16, then flash; each candidate only where its forward and gradient
           build for these shapes (``pallas_kernels.dispatch.choose_kernel``: compiled alone
@@ -32,9 +36,11 @@ on its platform, a kernel that does not build raises ``KernelUnavailable`` (the 
 reason). ``interpret=True`` runs the Pallas kernels (splash, flash) in Pallas interpret mode
 on any platform, without a verdict (tests, CPU); cuDNN has no interpret mode.
 
-Padding queries (segment 0) attend to earlier padding keys in the kernels and to nothing in
-the reference (zeros); their outputs are finite and meaningless in every backend, and no real
-token sees them, so real outputs and their gradients agree.
+Padding queries (segment 0) attend to (earlier, when causal) padding keys in the kernels and to
+nothing in the reference (zeros); their outputs are finite and meaningless in every backend,
+and no real token sees them, so real outputs and their gradients agree. Non-causal, a padding
+query always sees at least itself in the kernels (segment 0 == 0), so no kernel meets a fully
+masked row (NaN softmax, or NaN gradients through an unused output).
 
 Under a mesh context (``jax.set_mesh``; jaxflow's steps are built with ``jaxflow.mesh.jit_on``)
 the Pallas kernels run per shard in a ``shard_map`` (Mosaic TPU refuses automatic
@@ -71,6 +77,7 @@ __all__ = [
     "cudnn_attention",
     "flash_attention",
     "resolve_attention_backend",
+    "segment_mask",
     "shard_layout",
     "splash_attention",
     "xla_attention",
@@ -148,18 +155,32 @@ def _pad_tokens(x: jax.Array, pad: int) -> jax.Array:
 # -- the backends, each on validated [B, T, H, D] / [B, T, K, D] / [B, T] arguments -----------
 
 
-def xla_attention(q, k, v, segment_ids, *, interpret: bool = False) -> jax.Array:
-    """The reference: masked einsum attention (``interpret`` is ignored). [B, T, H, D]."""
+def segment_mask(segment_ids: jax.Array, *, causal: bool = True) -> jax.Array:
+    """The reference's mask: [B, T] int (0 = padding) -> [B, T, T] bool, True where query t
+    may attend to key s: same segment, key not padding, and s <= t when ``causal``
+    (``segment_causal_mask``). Padding queries attend to nothing (the reference gives them
+    zeros)."""
+    if causal:
+        return segment_causal_mask(segment_ids)
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return same & (segment_ids != 0)[:, None, :]
+
+
+def xla_attention(q, k, v, segment_ids, *, causal: bool = True,
+                  interpret: bool = False) -> jax.Array:
+    """The reference: masked einsum attention under :func:`segment_mask` (``interpret`` is
+    ignored). [B, T, H, D]."""
     del interpret
-    return dot_product_attention(q, k, v, segment_causal_mask(segment_ids))
+    return dot_product_attention(q, k, v, segment_mask(segment_ids, causal=causal))
 
 
-def _splash_kernel(t: int, heads: int, block: int, interpret: bool):
+def _splash_kernel(t: int, heads: int, block: int, interpret: bool, causal: bool = True):
     # Built per trace: the kernel holds its mask tables as jax arrays, and arrays kept from
     # one trace would enter the next as constants (jax caches the host-side mask processing).
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    mask = sa.MultiHeadMask([sa.CausalMask((t, t))] * heads)
+    head_mask = sa.CausalMask((t, t)) if causal else sa.FullMask((t, t))
+    mask = sa.MultiHeadMask([head_mask] * heads)
     sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                           block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                           block_q_dq=block, block_kv_dq=block)
@@ -167,8 +188,9 @@ def _splash_kernel(t: int, heads: int, block: int, interpret: bool):
                               interpret=interpret)
 
 
-def splash_attention(q, k, v, segment_ids, *, interpret: bool = False) -> jax.Array:
-    """TPU splash attention (causal, segment ids, grouped K/V heads): [B, T, H, D].
+def splash_attention(q, k, v, segment_ids, *, causal: bool = True,
+                     interpret: bool = False) -> jax.Array:
+    """TPU splash attention (causal or full mask, segment ids, grouped K/V heads): [B, T, H, D].
 
     T is padded with padding tokens to a multiple of 128; the tile is the largest of 512 /
     256 / 128 tokens dividing the padded length. Queries are scaled by D^-0.5 (in f32) before
@@ -181,7 +203,7 @@ def splash_attention(q, k, v, segment_ids, *, interpret: bool = False) -> jax.Ar
     pad = tp - t
     q, k, v = (_pad_tokens(x, pad) for x in (q, k, v))
     seg = _pad_tokens(segment_ids.astype(jnp.int32), pad)
-    kernel = _splash_kernel(tp, h, block, bool(interpret))
+    kernel = _splash_kernel(tp, h, block, bool(interpret), bool(causal))
     qh = jnp.swapaxes((q.astype(jnp.float32) * d**-0.5).astype(q.dtype), 1, 2)  # [B, H, T, D]
     kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, D]
     out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=s)))(
@@ -189,8 +211,9 @@ def splash_attention(q, k, v, segment_ids, *, interpret: bool = False) -> jax.Ar
     return jnp.swapaxes(out, 1, 2)[:, :t].astype(q.dtype)
 
 
-def flash_attention(q, k, v, segment_ids, *, interpret: bool = False) -> jax.Array:
-    """GPU Pallas (Triton) flash attention, causal with segment ids: [B, T, H, D].
+def flash_attention(q, k, v, segment_ids, *, causal: bool = True,
+                    interpret: bool = False) -> jax.Array:
+    """GPU Pallas (Triton) flash attention, causal or not, with segment ids: [B, T, H, D].
 
     K/V are repeated to H heads (the kernel reads K/V at the query's head); T is padded
     with padding tokens to a multiple of ``FLASH_BLOCK``."""
@@ -206,21 +229,26 @@ def flash_attention(q, k, v, segment_ids, *, interpret: bool = False) -> jax.Arr
     b = FLASH_BLOCK
     sizes = BlockSizes(block_q=b, block_k=b, block_q_dkv=b, block_kv_dkv=b, block_q_dq=b,
                        block_kv_dq=b)
-    out = mha(q, k, v, seg, sm_scale=d**-0.5, causal=True, block_sizes=sizes,
+    out = mha(q, k, v, seg, sm_scale=d**-0.5, causal=bool(causal), block_sizes=sizes,
               interpret=interpret)
     return out[:, :t]
 
 
-def cudnn_attention(q, k, v, segment_ids, *, interpret: bool = False) -> jax.Array:
+def cudnn_attention(q, k, v, segment_ids, *, causal: bool = True,
+                    interpret: bool = False) -> jax.Array:
     """cuDNN flash attention through ``jax.nn.dot_product_attention``: [B, T, H, D].
 
-    Segments as a boolean [B, 1, T, T] mask (see the module docstring); bf16 / f16 only.
-    ``interpret`` must be False (cuDNN has no interpret mode)."""
+    Segments as a boolean [B, 1, T, T] mask (see the module docstring; non-causal: same
+    segment only, padding queries seeing the padding keys); bf16 / f16 only. ``interpret``
+    must be False (cuDNN has no interpret mode)."""
     if interpret:
         raise ValueError("attention backend 'cudnn' has no interpret mode (interpret=True "
                          "applies to the Pallas kernels: splash, flash)")
-    mask = segment_causal_mask(segment_ids)[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+    if causal:
+        mask = segment_causal_mask(segment_ids)[:, None]
+    else:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=bool(causal),
                                         implementation="cudnn")
 
 
@@ -244,11 +272,11 @@ def shard_layout(mesh, heads: int, kv_heads: int) -> tuple[tuple[str, ...], str 
     return tuple(mesh.axis_names), None
 
 
-def _kernel_call(name: str, interpret: bool):
+def _kernel_call(name: str, interpret: bool, causal: bool = True):
     """``name``'s call as this trace runs it: Pallas kernels under a mesh context go into a
     shard_map over the mesh (:func:`shard_layout`: rows over the data axes, padded with padding
     rows to their size, and heads over the tensor-parallel axis)."""
-    call = functools.partial(_CALLS[name], interpret=interpret)
+    call = functools.partial(_CALLS[name], interpret=interpret, causal=causal)
     context, mesh = dispatch.partition_context()
     if name not in ("splash", "flash") or context != "mesh":
         return call
@@ -282,10 +310,10 @@ def _static_problem(name: str, q) -> str | None:
     return None
 
 
-def _uses_kernel(name: str, mode: str, q, k, v, segment_ids) -> bool:
+def _uses_kernel(name: str, mode: str, q, k, v, segment_ids, causal: bool = True) -> bool:
     """The dispatch decision for kernel ``name`` (mode "auto": warn and False where it does
     not build; "pallas": raise KernelUnavailable)."""
-    call = _kernel_call(name, False)
+    call = _kernel_call(name, False, causal)
 
     def fwd_and_grad(q, k, v, seg):
         return jax.grad(lambda q, k, v: jnp.sum(call(q, k, v, seg).astype(jnp.float32)),
@@ -293,14 +321,16 @@ def _uses_kernel(name: str, mode: str, q, k, v, segment_ids) -> bool:
 
     context, mesh = dispatch.partition_context()
     options = (context, None if mesh is None else tuple(mesh.shape.items()))
+    if not causal:  # another kernel (mask): its own verdict; causal keys stay as they were
+        options += ("non-causal",)
     return dispatch.choose_kernel(KERNEL_NAMES[name], mode, fwd_and_grad,
                                   (q, k, v, jax.ShapeDtypeStruct(jnp.shape(segment_ids), jnp.int32)),
                                   options=options,
                                   blocked=_static_problem(name, q))
 
 
-def choose_attention_backend(q, k, v, segment_ids, *, backend: str | AttentionBackend = "auto"
-                             ) -> str:
+def choose_attention_backend(q, k, v, segment_ids, *, backend: str | AttentionBackend = "auto",
+                             causal: bool = True) -> str:
     """The backend ``attention`` runs for these arguments here: "xla" or a kernel name.
 
     Forced kernels are checked (ValueError off their platform, KernelUnavailable where they
@@ -312,28 +342,32 @@ def choose_attention_backend(q, k, v, segment_ids, *, backend: str | AttentionBa
     if resolved == "xla":
         return "xla"
     if resolved != "auto":
-        _uses_kernel(resolved, "pallas", q, k, v, segment_ids)
+        _uses_kernel(resolved, "pallas", q, k, v, segment_ids, causal)
         return resolved
     for name in AUTO_CANDIDATES[platform]:
         if name == "cudnn" and _static_problem(name, q):
             continue  # a documented dtype limit, not a failure: no warning
-        if _uses_kernel(name, "auto", q, k, v, segment_ids):
+        if _uses_kernel(name, "auto", q, k, v, segment_ids, causal):
             return name
     return "xla"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-              backend: str | AttentionBackend = "auto", interpret: bool = False) -> jax.Array:
-    """Causal self-attention within segments, by backend (see the module docstring).
+              backend: str | AttentionBackend = "auto", interpret: bool = False,
+              causal: bool = True) -> jax.Array:
+    """Self-attention within segments, causal or bidirectional, by backend (see the module
+    docstring).
 
     Args:
       q: [B, T, H, D] queries (RoPE applied).
       k: [B, T, K, D] keys, K divides H (grouped-query attention).
       v: [B, T, K, D] values.
-      segment_ids: [B, T] int; token t attends to s <= t with the same id; 0 = padding.
+      segment_ids: [B, T] int; token t attends to the tokens s with the same id (s <= t when
+        ``causal``); 0 = padding.
       backend: one of ``ATTENTION_BACKENDS``.
       interpret: with backend "splash" or "flash", run that Pallas kernel in interpret mode,
         on any platform and without a build verdict (other backends ignore it).
+      causal: True (the default): key s <= query t only; False: every key of the segment.
 
     Returns:
       [B, T, H, D] in q.dtype. Rows of padding queries are finite but meaningless.
@@ -341,9 +375,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, 
     value = backend.value if isinstance(backend, AttentionBackend) else backend
     if interpret and value in ("splash", "flash"):
         _check_shapes(q, k, v, segment_ids)
-        return _kernel_call(value, True)(q, k, v, segment_ids.astype(jnp.int32))
-    name = choose_attention_backend(q, k, v, segment_ids, backend=value)
-    return _kernel_call(name, False)(q, k, v, segment_ids).astype(q.dtype)
+        return _kernel_call(value, True, causal)(q, k, v, segment_ids.astype(jnp.int32))
+    name = choose_attention_backend(q, k, v, segment_ids, backend=value, causal=causal)
+    return _kernel_call(name, False, causal)(q, k, v, segment_ids).astype(q.dtype)
 
 
 def catalog_cases() -> list:

@@ -123,13 +123,15 @@ class Attention(nnx.Module):
         return self.project_out(dot_product_attention(q, k, v, mask))
 
     def segments(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, *,
-                 attention: str | None = None, interpret: bool = False) -> jax.Array:
-        """Causal attention within segments (segment_ids [B, T], 0 = padding) by backend
+                 attention: str | None = None, interpret: bool = False,
+                 causal: bool = True) -> jax.Array:
+        """Attention within segments (segment_ids [B, T], 0 = padding), causal by default
+        (``causal=False``: bidirectional within a segment, the ViT encoder's), by backend
         (``attention``, default the config's; see jaxflow.models.attention_backends):
         x [B, T, d] -> [B, T, d]."""
         q, k, v = self.project_qkv(x, positions)
         out = segment_attention(q, k, v, segment_ids, backend=attention or self.attention,
-                                interpret=interpret)
+                                interpret=interpret, causal=causal)
         return self.project_out(out)
 
     def decode(self, x, positions, k_cache, v_cache, index, slots, key_valid,
@@ -180,14 +182,15 @@ class Block(nnx.Module):
         self.mlp = MoE(config, rngs=rngs) if self.is_moe else SwiGLU(config, rngs=rngs, layer=layer)
 
     def forward(self, x, positions, segment_ids, *, attention: str | None = None,
-                interpret: bool = False, experts: jax.Array | None = None
-                ) -> tuple[jax.Array, MoEStats | None]:
+                interpret: bool = False, experts: jax.Array | None = None,
+                causal: bool = True) -> tuple[jax.Array, MoEStats | None]:
         """Packed rows: segment_ids [B, T] (0 = padding), attention by backend (default the
-        config's); ``experts`` [B, T, k]: replayed routing of a MoE layer (R3). Returns
+        config's), causal within a segment unless ``causal=False`` (bidirectional);
+        ``experts`` [B, T, k]: replayed routing of a MoE layer (R3). Returns
         (x [B, T, d], MoEStats on MoE layers else None)."""
         h = self.attn_norm(x)
         return self._mlp(x + self.attn.segments(h, positions, segment_ids, attention=attention,
-                                                interpret=interpret), experts)
+                                                interpret=interpret, causal=causal), experts)
 
     def _mlp(self, x, experts=None) -> tuple[jax.Array, MoEStats | None]:
         if self.is_moe:
