@@ -65,8 +65,9 @@ class FlowConfig:
     run_ahead: int = 0  # encoder may run this many steps ahead (0 = strict)
     pool_capacity: int = 256  # samples held in the embedding pool
     encoder_devices: int = 0  # 0: the allocator decides
-    # The backbone's attention (jaxflow.models.attention_backends): auto | xla | splash (TPU)
-    # | flash | cudnn (GPU); auto is xla on CPU.
+    # The attention of the backbone (causal) and of the ViT encoder (bidirectional within each
+    # image) (jaxflow.models.attention_backends): auto | xla | splash (TPU) | flash | cudnn
+    # (GPU); auto is xla on CPU.
     attention: str = "auto"
 
     def __post_init__(self):
