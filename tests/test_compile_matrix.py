@@ -75,10 +75,10 @@ def test_matrix_rows_current_old_exit2_and_missing(tmp_path):
                           "(a report of commit cccccccc predates the rule)"), exit2
 
     table = matrix.render(rows, {"a" * 40: "2026-12-07", "b" * 40: "2026-12-05"}).splitlines()
-    assert "Cells: 1 current, 0 stale, 1 exit 2, 1 old, 1 missing." in table
+    assert "Cells: 1 current, 0 stale, 0 failed, 1 exit 2, 1 old, 1 missing." in table
     body = table[table.index("|---|---|---|---|---|---|---|---|---|---|") + 1:]
-    assert body[0] == ("| flowtrain | tpu-v5p:4x4x4 | current | 70.2 / 95.0 (eval); does not "
-                       "fit: big (does_not_fit) | 100.5 (train/step) / 155.5 | 250 | 160 | 1 | "
+    assert body[0] == ("| flowtrain | tpu-v5p:4x4x4 | current | 70.2 / 95.0 (eval); not ok: "
+                       "big (does_not_fit) | 100.5 (train/step) / 155.5 | 250 | 160 | 1 | "
                        "100.0% / 58.3% (train/step) | aaaaaaaa (2026-12-07) |")
     assert body[1].startswith("| flowtrain | tpu-v6e:16x16 | exit 2 | python -m jaxflow.run: "
                               "error: flowtrain [full]") and body[1].endswith("| | | | | |  |")
@@ -92,7 +92,16 @@ def test_matrix_rows_current_old_exit2_and_missing(tmp_path):
                               rule=(None, layout))
     assert stale.status == "stale" and stale.figures == rows[0].figures
     assert stale.text == f"the rule lays it out otherwise now: {layout}; the report: mesh 64x1"
+    broken = _current_report(layout)
+    broken["programs"].append({"name": "sample", "kind": "sample", "status": "failed",
+                               "error": "JaxRuntimeError: INTERNAL:\n  RET_CHECK failure",
+                               "memory": {"total_bytes": None}})
+    failed = matrix.matrix_row("flowtrain", "tpu-v5p:4x4x4", report=broken, rule=(None, layout))
+    assert failed.status == "failed" and failed.figures["hbm_program"] == "eval"
+    assert failed.text == ("1 program(s) failed to compile; sample: JaxRuntimeError: INTERNAL: "
+                           "RET_CHECK failure")
+    assert failed.figures["not_ok"] == ["big (does_not_fit)", "sample (failed)"]
     line = matrix.render([stale]).splitlines()[-1]
-    assert line.startswith("| flowtrain | tpu-v5p:4x4x4 | stale | 70.2 / 95.0 (eval); does not "
-                           "fit: big (does_not_fit); the rule lays it out otherwise now: layout "
+    assert line.startswith("| flowtrain | tpu-v5p:4x4x4 | stale | 70.2 / 95.0 (eval); not ok: big "
+                           "(does_not_fit); the rule lays it out otherwise now: layout "
                            "for 64 v5p"), line

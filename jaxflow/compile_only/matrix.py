@@ -11,6 +11,8 @@ A cell is, in this order:
              line today: its figures, read, never estimated;
   stale      the same, but the rule lays the variant out otherwise now (figures shown, both
              layout lines quoted);
+  failed     a current-format report in which programs failed to compile (status "failed"):
+             what it has, and the first error;
   old        the report predates that format (no ``compile_seconds``) and the layout rule;
   missing    no report.
 
@@ -50,12 +52,13 @@ here (`python -m jaxflow.run --exp=NAME --variant=full --compile-only --target=T
 tests/test_compile_matrix.py) fails when this file differs from the reports.
 
 Status: **current** (the report has per-program compile seconds and the efficiency figures),
-**stale** (the same, but the report's `layout` is not the rule's layout today),
+**stale** (the same, but the report's `layout` is not the rule's layout today), **failed**
+(programs of the report failed to compile: the first error, cut at 300 characters),
 **exit 2** (the layout rule refuses the target before compiling; the line the runner prints),
 **old** (a report from before the per-target layout rule and compile seconds; to be compiled
 again), **missing** (no report).
 Columns of a current report: HBM, the largest program's `memory.total_bytes` per device over
-the chip's capacity (GiB; "does not fit" names programs whose status is not ok); compile s, the
+the chip's capacity (GiB; "not ok" names programs whose status is not ok); compile s, the
 slowest program's lower + compile and the sum over programs (two compile at a time, so the sum
 can exceed wall s, the whole run; seconds on the compiling host, whose load the report does not
 record); Pallas calls, the Pallas kernel calls in the compiled HLO over all programs;
@@ -151,10 +154,10 @@ def is_current(report: dict) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One matrix cell: ``status`` ("current", "stale", "exit 2", "old", "missing"),
-    ``figures`` (:func:`current_figures`, current and stale), ``text`` (the exit-2 line, the
-    old report's note, or how a stale report's layout differs), ``commit`` (the report's, ""
-    when none)."""
+    """One matrix cell: ``status`` ("current", "stale", "failed", "exit 2", "old", "missing"),
+    ``figures`` (:func:`current_figures`: current, stale, failed), ``text`` (the exit-2 line,
+    the old report's note, how a stale report's layout differs, or the first compile error),
+    ``commit`` (the report's, "" when none)."""
 
     name: str
     target: str
@@ -177,6 +180,12 @@ def matrix_row(name: str, target: str, *, report: dict | None,
     if report is None:
         return Row(name, target, "missing")
     if is_current(report):
+        failed = [p for p in report.get("programs", []) if p.get("status") == "failed"]
+        if failed:
+            first = " ".join(str(failed[0].get("error", "")).split())[:300]
+            return Row(name, target, "failed", figures=current_figures(report), commit=commit,
+                       text=f"{len(failed)} program(s) failed to compile; "
+                            f"{failed[0]['name']}: {first}")
         same = report.get("layout") == layout
         return Row(name, target, "current" if same else "stale", figures=current_figures(report),
                    commit=commit, text="" if same else f"the rule lays it out otherwise now: "
@@ -234,7 +243,7 @@ def render(rows: Sequence[Row], dates: dict[str, str] | None = None) -> str:
     ``dates``: {commit: date} (:func:`commit_dates`)."""
     dates = dates or {}
     counts = {s: sum(r.status == s for r in rows)
-              for s in ("current", "stale", "exit 2", "old", "missing")}
+              for s in ("current", "stale", "failed", "exit 2", "old", "missing")}
     lines = [HEADER, "Cells: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".", "",
              "| experiment | target | status | HBM GiB (largest program) | compile s slowest "
              "(program) / total | wall s | Pallas calls | fallbacks | MFU bound / estimate "
@@ -250,8 +259,8 @@ def render(rows: Sequence[Row], dates: dict[str, str] | None = None) -> str:
         hbm = (f"{_num(f['hbm_gib'])} / {_num(f['capacity_gib'])} ({f['hbm_program']})"
                if f["hbm_gib"] is not None else "")
         if f["not_ok"]:
-            hbm += "; does not fit: " + ", ".join(f["not_ok"])
-        if r.text:  # stale
+            hbm += ("; " if hbm else "") + "not ok: " + ", ".join(f["not_ok"])
+        if r.text:  # stale or failed
             hbm += "; " + r.text
         slow = f"{_num(f['slowest'][1])} ({f['slowest'][0]})" if f["slowest"] else ""
         mfu = (f"{_pct(f['mfu_bound'])} / {_pct(f['mfu_estimate'])} ({f['step']})"
