@@ -37,7 +37,7 @@ from typing import Sequence
 
 from jaxflow.provenance import REPO_ROOT
 
-#: The targets of issue 57's matrix, spelled as ``--target`` takes them.
+#: The matrix's targets, spelled as ``--target`` takes them.
 TARGETS = ("tpu-v5p:4x4x4", "tpu-v6e:16x16", "gpu-h100x8", "gpu-h200x8")
 REPORTS = REPO_ROOT / "experiments" / "compile_reports"
 README = REPORTS / "README.md"
