@@ -98,3 +98,25 @@ def test_a_topology_libtpu_refuses_is_a_user_error(tmp_path, target):
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert "does not accept topology 'v5p:3x3x3'" in errors[0] and "valid:" in errors[0]
     assert report is None and not (tmp_path / "run").exists()
+
+
+def test_a_sub_mesh_of_the_first_devices_compiles_on_v6e():
+    """The target's devices come in id order (as ``jax.devices()`` on a slice), so a role's or
+    an engine's first k devices are ids 0 .. k-1. In libtpu's topology order v6e:16x16's first 8
+    are ids 0, 1, 16, 17, 2, 3, 18, 19, and a program on them fails to compile (RET_CHECK
+    "Unexpected device_id 16": bench_rollout full's engine hit it)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxflow.compile_only.target import parse_target
+
+    devices = parse_target("tpu-v6e:16x16").devices()
+    assert [d.id for d in devices] == list(range(256))
+    raw = targets.devices("v6e", "16x16")
+    assert [d.id for d in raw[:8]] != list(range(8))  # what the order fixes
+    for sub in (devices[:8], devices[8:16]):
+        mesh = Mesh(np.asarray(sub, dtype=object).reshape(1, 8), ("data", "model"))
+        x = jax.ShapeDtypeStruct((64, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, "model")))
+        jax.jit(lambda a: jnp.sum(a, axis=1), out_shardings=NamedSharding(mesh, PartitionSpec())).lower(x).compile()
