@@ -23,15 +23,16 @@ TARGETS = ("tpu-v5p:4x4x4", "tpu-v6e:16x16", "gpu-h100x8", "gpu-h200x8")
 #: lm_pretrain full (Llama-3-8B, 256 x 4096): (fsdp, micro-batches) per target.
 LM = {"tpu-v5p:4x4x4": (64, 1), "tpu-v6e:16x16": (256, 1), "gpu-h100x8": (8, 8),
       "gpu-h200x8": (8, 4)}
-#: flagship full (Qwen3-8B GRPO): (rollout devices, trainer model, rollout model), or None
-#: where it exits 2.
-RL = {"tpu-v5p:4x4x4": (32, 2, 1), "tpu-v6e:16x16": (128, 8, 1), "gpu-h100x8": None,
-      "gpu-h200x8": (4, 2, 1)}
+#: flagship full (Qwen3-8B GRPO, 128-row updates): (rollout devices, trainer model, rollout
+#: model, trainer micro-batches). 8 x H100 fits with gradient accumulation: model 4 and 4
+#: micro-batches of 32 rows (at M = 1, model 4: 128.3 GiB of 79.1).
+RL = {"tpu-v5p:4x4x4": (32, 2, 1, 1), "tpu-v6e:16x16": (128, 8, 1, 1),
+      "gpu-h100x8": (4, 4, 1, 4), "gpu-h200x8": (4, 2, 1, 1)}
 
-#: rl full (Qwen3-8B GRPO, 2,048 tokens): (rollout devices, trainer model, rollout model), or
-#: None where it exits 2 (the smallest target its estimate fits: v5p:4x4x4).
-RL_EXP = {"tpu-v5p:4x4x4": (32, 2, 1), "tpu-v6e:16x16": (128, 8, 1), "gpu-h100x8": None,
-          "gpu-h200x8": None}
+#: rl full (Qwen3-8B GRPO, 2,048 tokens): as RL, or None where it exits 2: on 8 x H100 the
+#: sampler's KV cache does not fit (the smallest target its estimate fits: 8 x H200).
+RL_EXP = {"tpu-v5p:4x4x4": (32, 2, 1, 1), "tpu-v6e:16x16": (128, 8, 1, 1), "gpu-h100x8": None,
+          "gpu-h200x8": (4, 4, 1, 4)}
 #: flexmarl full (Qwen3-8B solver + 4B-shaped verifier): (trainer model, rollout model), or
 #: None where it exits 2 (the smallest target: 8 x H200).
 MARL = {"tpu-v5p:4x4x4": (2, 1), "tpu-v6e:16x16": (8, 1), "gpu-h100x8": None,
@@ -58,24 +59,39 @@ def test_lm_pretrain_full_is_fsdp_with_accumulation_where_needed(text):
 @pytest.mark.parametrize("text", TARGETS)
 def test_flagship_full_roles_come_from_the_target(text):
     base = flagship_config.get_config("full")
-    if RL[text] is None:
-        with pytest.raises(resolve.DoesNotFit) as err:
-            _resolve("flagship", base, text)
-        message = str(err.value)
-        assert "\n" not in message and "GiB per device of 79.1" in message
-        assert message.endswith("the smallest target this estimate fits: gpu-h200x8"), message
-        return
     config, line = _resolve("flagship", base, text)
-    roles = config.roles
-    assert (roles.rollout_devices, roles.trainer_model, roles.rollout_model) == RL[text]
+    roles, micro = config.roles, config.rl.microbatches
+    assert (roles.rollout_devices, roles.trainer_model, roles.rollout_model, micro) == RL[text]
+    assert config.rl == dataclasses.replace(base.rl, microbatches=micro)  # nothing else changed
     n = parse_target(text).n_devices
-    assert f"trainer {n - roles.rollout_devices} (model {roles.trainer_model})" in line
+    rows = base.rl.minibatch_size
+    assert f"trainer {n - roles.rollout_devices} (model {roles.trainer_model}, {micro} " \
+        f"micro-batch(es) of {rows // micro} row(s) per update)" in line
+    # the rule's estimate at that layout: fits, and with one micro-batch fewer it would not
+    shape = resolve.ModelShape.of(base.pretrain.model)
+    tokens = base.task.max_prompt_len + base.rl.max_new_tokens
+    lay = resolve.rl_layout(shape, train_rows=rows, sample_rows=base.rl.rollout_size,
+                            tokens=tokens, chip=parse_target(text).chip, n_devices=n)
+    assert lay.microbatches == micro and lay.estimates["trainer"].fits
+    if micro > 1:
+        smaller = max(k for k in range(1, micro) if rows % k == 0)
+        with pytest.raises(resolve.DoesNotFit, match="do not fit the trainer"):
+            resolve.rl_layout(shape, train_rows=rows, sample_rows=base.rl.rollout_size,
+                              tokens=tokens, chip=parse_target(text).chip, n_devices=n,
+                              microbatches=smaller)
 
 
 def test_keys_the_user_set_are_kept():
     base = flagship_config.get_config("full")
     config, line = _resolve("flagship", base, "gpu-h100x8", ["roles.rollout_devices=4"])
     assert config is base and "as set" in line
+    # rl.microbatches as set: kept, and the layout checked at it
+    eight = dataclasses.replace(base, rl=dataclasses.replace(base.rl, microbatches=8))
+    config, line = _resolve("flagship", eight, "gpu-h100x8", ["rl.microbatches=8"])
+    assert config.rl.microbatches == 8 and config.roles.trainer_model == 4
+    assert "8 micro-batch(es) of 16 row(s) per update (as set)" in line
+    with pytest.raises(resolve.DoesNotFit, match="do not fit the trainer"):
+        _resolve("flagship", base, "gpu-h100x8", ["rl.microbatches=1"])
     lm = lm_config.get_config("full")
     config, _ = _resolve("lm_pretrain", lm, "gpu-h100x8", ["train.microbatches=2"])
     assert config is lm
@@ -121,13 +137,14 @@ def test_rl_full_roles_come_from_the_target_or_exit_naming_where(text):
         with pytest.raises(resolve.DoesNotFit) as err:
             _resolve("rl", base, text)
         message = str(err.value)
-        assert "\n" not in message and "of 2048 tokens do not fit the trainer" in message
-        assert message.endswith("the smallest target this estimate fits: tpu-v5p:4x4x4"), message
+        assert "\n" not in message and "of 2048 tokens do not fit the rollout" in message
+        assert message.endswith("the smallest target this estimate fits: gpu-h200x8"), message
         return
     config, line = _resolve("rl", base, text)
-    roles = config.roles
-    assert (roles.rollout_devices, roles.trainer_model, roles.rollout_model) == RL_EXP[text]
-    assert config.rl == base.rl and config.model == base.model  # the stated run, unchanged
+    roles, micro = config.roles, config.rl.microbatches
+    assert (roles.rollout_devices, roles.trainer_model, roles.rollout_model, micro) == RL_EXP[text]
+    # the stated run, unchanged but for the trainer's gradient accumulation
+    assert config.rl == dataclasses.replace(base.rl, microbatches=micro) and config.model == base.model
 
 
 @pytest.mark.parametrize("text", TARGETS)

@@ -23,8 +23,16 @@ The rule, per system (:func:`lm_train_layout`, :func:`rl_layout`, and as named b
   RL (trainer + sampler on disjoint halves): each role gets N/2 devices ("data" x "model") and
     the smallest power-of-2 model width (dividing the role's devices and the KV heads) whose
     estimate fits; the trainer's rows are the mini-batch (one policy-lag step), the sampler's
-    the whole rollout. Used for flagship and rl full (Qwen3-8B GRPO: rows = prompts x group,
-    the trainer's a 1 / lag mini-batch; rl's tokens are its prompt and response budgets).
+    the whole rollout. When the trainer fits at no width, at the widest one it then takes the
+    fewest micro-batches M (gradient accumulation inside the update, ``rl.microbatches``; a
+    divisor of its per-device rows) whose estimate fits, counting the f32 gradient sum the
+    accumulation carries on top of the state. Used for flagship and rl full (Qwen3-8B GRPO:
+    rows = prompts x group, the trainer's a 1 / lag mini-batch; rl's tokens are its prompt and
+    response budgets). Per system, today (tests/test_target_resolve.py): on v5p:4x4x4 and
+    v6e:16x16 both fit without accumulation (M = 1, trainer model 2 / 8); on 8 x H200 flagship
+    fits at trainer model 2, M = 1, and rl (2,048 tokens) at trainer model 4, M = 4; on 8 x
+    H100 flagship takes trainer model 4 and M = 4 (128 rows of 1,032 tokens, 32 per
+    micro-batch), and rl exits 2 on its sampler (1,024 rows' KV cache, even at model 4).
   MARL (:func:`marl_layout`, flexmarl full: several agents): the rollout role gets N/2 devices
     (every agent's sampler on them, their estimates summed), the trainer devices are split over
     the agents as :func:`jaxflow.marl.meshes.agent_centric_meshes` splits them (in proportion to
@@ -145,17 +153,19 @@ class HbmEstimate:
 
 
 def train_estimate(model: ModelShape, rows: float, tokens: int, *, shards: int, model_width: int,
-                   capacity: int, fused_logprobs: bool = False) -> HbmEstimate:
+                   capacity: int, fused_logprobs: bool = False,
+                   grad_accumulator: bool = False) -> HbmEstimate:
     """Training step, per device: the state sharded over ``shards`` devices (weights
     ``param_bytes``, f32 gradients, AdamW's two f32 moments), ``rows`` sequences of ``tokens``
     per device (remat per block), vocab and MLP activations split ``model_width`` ways;
-    ``fused_logprobs``: the loss reads the head block by block (no [rows, tokens, vocab])."""
+    ``fused_logprobs``: the loss reads the head block by block (no [rows, tokens, vocab]);
+    ``grad_accumulator``: one more f32 gradient (the sum a micro-batched step carries)."""
     c = model.compute_bytes
     saved = model.n_layers * rows * tokens * model.d_model * c
     block = rows * tokens * (4 * model.d_model + 3 * model.d_ff / model_width) * 4
     logits = 0.0 if fused_logprobs else 2 * rows * tokens * model.vocab / model_width * 4
     return HbmEstimate(params=model.params * model.param_bytes / shards,
-                       optimizer=model.params * 12 / shards,
+                       optimizer=model.params * (16 if grad_accumulator else 12) / shards,
                        activations=saved + block + logits, capacity=capacity, slack=TRAIN_SLACK)
 
 
@@ -183,12 +193,14 @@ class LmLayout:
 @dataclasses.dataclass(frozen=True)
 class RlLayout:
     """An RL layout: ``rollout_devices`` (the trainer has the rest), ``trainer_model`` and
-    ``rollout_model`` widths, and each role's ``estimates`` ({"trainer", "rollout"})."""
+    ``rollout_model`` widths, each role's ``estimates`` ({"trainer", "rollout"}) and the
+    trainer's ``microbatches`` (gradient accumulation steps per update; 1: none)."""
 
     rollout_devices: int
     trainer_model: int
     rollout_model: int
     estimates: dict
+    microbatches: int = 1
 
 
 def _divisors(n: int) -> list[int]:
@@ -225,12 +237,14 @@ def _lm_layout(model, batch, tokens, chip, n) -> LmLayout | HbmEstimate:
 
 
 def rl_layout(model: ModelShape, *, train_rows: int, sample_rows: int, tokens: int,
-              chip: targets.Chip, n_devices: int) -> RlLayout:
+              chip: targets.Chip, n_devices: int, microbatches: int | None = None) -> RlLayout:
     """The trainer / sampler split for ``model`` on ``n_devices`` ``chip``s: ``train_rows``
     sequences per trainer step (a mini-batch), ``sample_rows`` per rollout, ``tokens`` each
-    (see the module docstring); DoesNotFit naming the smallest candidate that fits."""
-    return _layout_or_raise(lambda c, n: _rl_layout(model, train_rows, sample_rows, tokens, c, n),
-                            train_rows, sample_rows, tokens, chip, n_devices)
+    (see the module docstring); DoesNotFit naming the smallest candidate that fits.
+    ``microbatches``: the trainer's gradient accumulation as given (None: the fewest that fit)."""
+    return _layout_or_raise(
+        lambda c, n: _rl_layout(model, train_rows, sample_rows, tokens, c, n, microbatches),
+        train_rows, sample_rows, tokens, chip, n_devices)
 
 
 def _layout_or_raise(search, train_rows: int, sample_rows: int, tokens: int,
@@ -255,7 +269,8 @@ def _role_width(estimate, devices: int, kv_heads: int) -> tuple[int, HbmEstimate
     return width, est
 
 
-def _rl_layout(model, train_rows, sample_rows, tokens, chip, n) -> RlLayout | tuple:
+def _rl_layout(model, train_rows, sample_rows, tokens, chip, n, microbatches=None
+               ) -> RlLayout | tuple:
     if n < 2:
         return "trainer", train_estimate(model, train_rows, tokens, shards=1, model_width=1,
                                          capacity=chip.hbm_bytes, fused_logprobs=True)
@@ -263,21 +278,34 @@ def _rl_layout(model, train_rows, sample_rows, tokens, chip, n) -> RlLayout | tu
     trainer = n - rollout
     cap = chip.hbm_bytes
 
-    def train(width, devices):  # weights sharded over "model" only (replicated over "data")
-        return train_estimate(model, max(1.0, train_rows / (devices // width)), tokens,
-                              shards=width, model_width=width, capacity=cap, fused_logprobs=True)
+    def train(width, devices, micro=1):  # weights sharded over "model" only (replicated over "data")
+        rows = max(1.0, train_rows / (devices // width))
+        return train_estimate(model, rows / micro, tokens, shards=width, model_width=width,
+                              capacity=cap, fused_logprobs=True, grad_accumulator=micro > 1)
 
     def sample(width, devices):
         return sample_estimate(model, max(1.0, sample_rows / (devices // width)), tokens,
                                model_width=width, capacity=cap)
 
-    t_width, t_est = _role_width(train, trainer, model.n_kv_heads)
+    if microbatches is not None and microbatches > 1:  # as given: the widths at that M
+        t_width, t_est = _role_width(lambda w, d: train(w, d, microbatches), trainer,
+                                     model.n_kv_heads)
+        micro = microbatches
+    else:
+        t_width, t_est = _role_width(train, trainer, model.n_kv_heads)
+        micro = 1
+        per_device = train_rows / (trainer // t_width)
+        if not t_est.fits and microbatches is None and per_device == int(per_device):
+            for k in _divisors(int(per_device))[1:]:  # the fewest micro-batches that fit
+                t_est, micro = train(t_width, trainer, k), k
+                if t_est.fits:
+                    break
     r_width, r_est = _role_width(sample, rollout, model.n_kv_heads)
     if not t_est.fits:
         return "trainer", t_est
     if not r_est.fits:
         return "rollout", r_est
-    return RlLayout(rollout, t_width, r_width, {"trainer": t_est, "rollout": r_est})
+    return RlLayout(rollout, t_width, r_width, {"trainer": t_est, "rollout": r_est}, micro)
 
 
 def marl_layout(agents: dict, *, train_rows: int, sample_rows: int, tokens: int,

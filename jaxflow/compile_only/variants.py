@@ -7,7 +7,9 @@ programs are built, so one variant (a model and a global batch) compiles on any 
     :func:`~jaxflow.compile_only.resolve.lm_train_layout`;
   flagship (``roles`` and a ``pretrain.model``) and rl (``roles``; ``model.hf_path``'s shapes,
     else Qwen3-8B's, as its ``compile_programs`` builds them): ``roles`` becomes the trainer /
-    rollout split and model widths of :func:`~jaxflow.compile_only.resolve.rl_layout`;
+    rollout split and model widths of :func:`~jaxflow.compile_only.resolve.rl_layout`, and
+    ``rl.microbatches`` its trainer's gradient accumulation (a ``--set rl.microbatches=M``
+    is kept and the layout checked at that M);
   flexmarl (``solver`` / ``verifier``, caps ``trainer_model`` / ``rollout_model``): the caps
     become the model degrees of :func:`~jaxflow.compile_only.resolve.marl_layout` (trainer
     rows: ``micro_inputs`` x ``group_size``; rollout rows: ``rollout_batch`` x ``group_size``;
@@ -25,6 +27,7 @@ programs are built, so one variant (a model and a global batch) compiles on any 
     :func:`~jaxflow.compile_only.resolve.flow_layout`, on the step's shapes of
     :func:`flow_step` (expected from ``data``, ``packing`` and ``train.batch_size``).
 Keys the user set (``--set roles.*``, ``--set mesh.*``, ``--set train.microbatches=...``,
+``--set rl.microbatches=...``,
 ``--set trainer_model`` / ``rollout_model``, ``--set serve.model_parallel``, ``--set
 allocator.*`` / ``flow.encoder_devices``) are kept as given. Other variants and experiments
 pass through unchanged.
@@ -101,17 +104,22 @@ def _rl(config, chip, n, overrides):
         model, tokens = config.pretrain.model, config.task.max_prompt_len + rl.max_new_tokens
     else:  # rl: what jaxflow.main.rl.compile_programs compiles
         model, tokens = _rl_model(config), 2 * rl.max_new_tokens
+    user_micro = _user_set(overrides, "rl.microbatches")
     lay = resolve.rl_layout(resolve.ModelShape.of(model),
                             train_rows=rows // rl.lag, sample_rows=rows, tokens=tokens,
-                            chip=chip, n_devices=n)
+                            chip=chip, n_devices=n,
+                            microbatches=rl.microbatches if user_micro else None)
     roles = dataclasses.replace(config.roles, rollout_devices=lay.rollout_devices,
                                 trainer_model=lay.trainer_model,
                                 rollout_model=lay.rollout_model)
     est = "; ".join(f"{k} {v.text()}" for k, v in lay.estimates.items())
+    micro = (f", {lay.microbatches} micro-batch(es) of {rows // rl.lag // lay.microbatches} "
+             f"row(s) per update" + (" (as set)" if user_micro else ""))
     text = (f"layout for {n} {chip.name}: trainer {n - lay.rollout_devices} (model "
-            f"{lay.trainer_model}), rollout {lay.rollout_devices} (model {lay.rollout_model}) "
-            f"(estimates: {est})")
-    return dataclasses.replace(config, roles=roles), text
+            f"{lay.trainer_model}{micro}), rollout {lay.rollout_devices} (model "
+            f"{lay.rollout_model}) (estimates: {est})")
+    rl = rl if user_micro else dataclasses.replace(rl, microbatches=lay.microbatches)
+    return dataclasses.replace(config, roles=roles, rl=rl), text
 
 
 def _rl_model(config):

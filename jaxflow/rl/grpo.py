@@ -27,7 +27,10 @@ One RL step = one rollout then N optimizer steps on it:
    When nothing but the log-probs is needed and lag is 1 (``GRPOConfig.old_from_update``),
    there is no separate pass: the update uses the stop-gradient of its own forward.
 4. N optimizer steps, then the trainer's :class:`jaxflow.rl.publish.Publisher` hands the
-   weights to the rollout mesh.
+   weights to the rollout mesh. With ``rl.microbatches`` M > 1 each step accumulates the
+   gradients of M micro-batches of its mini-batch in one program (the activations of one
+   micro-batch at a time) before its one optimizer step
+   (:func:`jaxflow.rl.grpo_step.accumulated_update_step`); M = 1 is the one-pass update.
 
 Rows (:meth:`GRPOTrainer.step`) are named as verl names them (``actor/*``, ``critic/*``,
 ``response_length/*``, ``timing_s/*``, ``perf/*``; :mod:`jaxflow.rl.step_metrics`).

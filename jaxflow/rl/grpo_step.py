@@ -26,7 +26,7 @@ from jaxflow.rl import sis
 from jaxflow.rl.logprobs import fused_logprobs
 from jaxflow.rl.masks import as_bool_mask
 from jaxflow.rl.mismatch_metrics import mismatch_metrics
-from jaxflow.rl.policy_loss import PolicyLossConfig, correction_mask, policy_loss
+from jaxflow.rl.policy_loss import PolicyLossConfig, aggregation_weight, correction_mask, policy_loss
 from jaxflow.rl.reward_shaping import OverlongBufferConfig
 from jaxflow.rl.rollout import EngineSettings, RolloutBatch, RolloutSpec
 from jaxflow.rl.step_metrics import update_rows
@@ -40,7 +40,8 @@ FILTER_METRICS = ("acc", "seq_reward")
 
 @domains(prompts_per_rollout=COUNT, group_size=COUNT, temperature=POSITIVE, max_new_tokens=COUNT, lag=COUNT,
          staleness=COUNT0, kl_coef=NON_NEGATIVE, entropy_coef=NON_NEGATIVE, sis_topk=COUNT,
-         max_num_gen_batches=Int(-INT32_MAX), gen_batch_size=COUNT)  # <= 0: no limit
+         gen_batch_size=COUNT, microbatches=COUNT,
+         max_num_gen_batches=Int(-INT32_MAX))  # <= 0: no limit
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
     """One RL run's algorithm and off-policy knobs.
@@ -55,6 +56,14 @@ class GRPOConfig:
       sampler: "static" | "static_per_row" | "engine" (:data:`jaxflow.rl.rollout.SAMPLERS`;
         "engine" samples through :class:`jaxflow.rollout.RolloutEngine`, ``engine`` its shapes).
       lag: N, mini-batches (= optimizer steps) per rollout; must divide the rollout size.
+      microbatches: M, gradient accumulation inside each update (``--set rl.microbatches=M``):
+        the mini-batch's rows go through the loss in M micro-batches (one ``lax.scan``: the
+        activations of one micro-batch at a time), each gradient weighted by its share of the
+        loss normaliser, and one optimizer step (:func:`accumulated_update_step`). Must divide
+        the mini-batch rows. 1 (default): :func:`update_step`, the whole mini-batch at once.
+        M > 1 refuses what cannot be split exactly: a correction whose mask is a statistic of
+        the whole batch (M2PO) and a ``seq-mean-*`` aggregation with a KL or entropy term
+        (their token means have another normaliser than the sequence mean).
       staleness: k, rollouts sample with the weights published k rollouts earlier.
       kl_coef, kl_estimator: KL(pi_theta || pi_ref) to the frozen initial policy, "k1" or "k3"
         per-token estimator on the sampled tokens; 0 turns it off (no reference kept).
@@ -128,6 +137,7 @@ class GRPOConfig:
     reuse_forward: bool = True
     routing_replay: str = "off"
     lora: LoraConfig = LoraConfig()
+    microbatches: int = 1
 
     def __post_init__(self):
         if not isinstance(self.loss, PolicyLossConfig):
@@ -141,6 +151,7 @@ class GRPOConfig:
         if self.rollout_size % self.lag:
             raise ValueError(f"lag={self.lag} must divide the rollout size prompts_per_rollout * "
                              f"group_size = {self.rollout_size}")
+        self._check_microbatches()
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"routing_replay={self.routing_replay!r}; valid: {ROUTING_REPLAY}")
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -168,6 +179,26 @@ class GRPOConfig:
             if self.overlong_buffer.len > self.max_new_tokens:
                 raise ValueError(f"overlong_buffer.len={self.overlong_buffer.len} exceeds "
                                  f"max_new_tokens={self.max_new_tokens} (the response cap)")
+
+    def _check_microbatches(self) -> None:
+        m = self.microbatches
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1 or self.minibatch_size % m:
+            valid = [k for k in range(1, self.minibatch_size + 1) if self.minibatch_size % k == 0]
+            raise ValueError(f"microbatches={m!r}: need an int >= 1 dividing the mini-batch's "
+                             f"{self.minibatch_size} rows (prompts_per_rollout * group_size / lag); "
+                             f"valid: {valid}")
+        if m == 1:
+            return
+        if self.loss.batch_statistic is not None:
+            raise ValueError(f"microbatches={m} with loss.correction={self.loss.correction!r}: its "
+                             "mask is a statistic of the whole mini-batch, which micro-batches cannot "
+                             "split exactly; use microbatches=1 or another correction")
+        if self.loss.aggregation != "token-mean" and (self.kl_coef > 0 or self.entropy_coef > 0):
+            raise ValueError(f"microbatches={m} with loss.agg={self.loss.aggregation!r} and kl_coef="
+                             f"{self.kl_coef!r} / entropy_coef={self.entropy_coef!r}: the KL / "
+                             "entropy token means and the sequence-mean loss have different "
+                             "normalisers, so one weight per micro-batch is not exact; use "
+                             "microbatches=1, agg='token-mean' or no KL / entropy term")
 
     @property
     def rollout_spec(self) -> RolloutSpec:
@@ -352,6 +383,16 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFuncti
 
     ``old=None`` (only where ``config.old_from_update``): pi_old is ``params`` itself, its
     log-probs the stop-gradient of this forward's (no separate pi_old forward)."""
+    loss, (metrics, _) = _grpo_loss(params, mb, old, fns=fns, config=config, key=key)
+    return loss, metrics
+
+
+def _grpo_loss(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFunctions,
+               config: GRPOConfig, key: jax.Array, uniforms: jax.Array | None = None
+               ) -> tuple[jax.Array, tuple[dict[str, jax.Array], jax.Array]]:
+    """:func:`grpo_loss`, and the [b, N] bool mask every loss term aggregates over (the
+    response mask after the correction's); ``uniforms`` [b, N]: SIS's, instead of drawing them
+    from ``key`` (a micro-batch's slice of the mini-batch's draw)."""
     if old is None and not config.old_from_update:
         raise ValueError("grpo_loss(old=None) needs config.old_from_update (lag 1, no SIS, no "
                          "SIS diagnostics, no KL); pass old_stats(...) otherwise")
@@ -379,7 +420,7 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFuncti
     loss, metrics = policy_loss(
         logp, old.logp, mb.advantages, mb.mask, config=loss_cfg, key=key,
         old_topk_logp=old.topk_logp if loss_cfg.sis_proposal == "old" else None,
-        new_topk_logp=out.topk_logp, behaviour_logp=mb.behaviour_logp,
+        new_topk_logp=out.topk_logp, behaviour_logp=mb.behaviour_logp, uniforms=uniforms,
         behaviour_topk_logp=mb.behaviour_topk_logp if by_behaviour else None)
     metrics = dict(metrics)
     metrics["policy_loss"] = loss
@@ -408,7 +449,7 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFuncti
         loss = loss - config.entropy_coef * entropy
         metrics["entropy"] = entropy
     metrics["loss"] = loss
-    return loss, metrics
+    return loss, (metrics, mask)
 
 
 def update_step(policy: TrainState, mb: MiniBatch, old: OldStats | None, *, fns: LMFunctions,
@@ -424,6 +465,75 @@ def update_step(policy: TrainState, mb: MiniBatch, old: OldStats | None, *, fns:
     return policy.apply_gradients(grads), metrics
 
 
+def split_microbatches(x: jax.Array, m: int) -> jax.Array:
+    """[b, ...] rows -> [m, b / m, ...]: micro-batch j holds rows j, j + m, j + 2m, ... (so
+    each takes the same share of every data shard's contiguous block of rows: no row moves
+    between devices when ``m`` divides the rows per shard)."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def _combine_metrics(metrics: dict[str, jax.Array], weights: jax.Array) -> dict[str, jax.Array]:
+    """Per-micro-batch metrics [m] -> scalars: the max for ``max_*`` / ``*_max`` names, else the
+    mean weighted by ``weights`` [m] (the plain mean when every weight is 0)."""
+    total = jnp.sum(weights)
+
+    def one(name, x):
+        if name.startswith("max_") or name.endswith("_max"):
+            return jnp.max(x, axis=0)
+        w = weights.astype(jnp.promote_types(x.dtype, jnp.float32))
+        weighted = jnp.sum(x * w, axis=0) / jnp.maximum(total, 1.0).astype(w.dtype)
+        return jnp.where(total > 0, weighted, jnp.mean(x, axis=0)).astype(x.dtype)
+
+    return {k: one(k, v) for k, v in metrics.items()}
+
+
+def accumulated_update_step(policy: TrainState, mb: MiniBatch, old: OldStats | None, *,
+                            fns: LMFunctions, config: GRPOConfig, key: jax.Array
+                            ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """:func:`update_step` with gradient accumulation over ``config.microbatches`` = M.
+
+    The mini-batch's b rows (and ``old``'s) are split into M micro-batches of b / M
+    (:func:`split_microbatches`); a ``lax.scan`` computes each one's loss gradient g_j and its
+    weight w_j, the micro-batch's share of the loss normaliser (unmasked tokens after the
+    correction's mask for ``token-mean``, rows with such a token for the ``seq-mean-*``
+    aggregations: :func:`jaxflow.rl.policy_loss.aggregation_weight`), and accumulates
+    ``sum_j w_j g_j`` in f32 (at least). One optimizer step then takes
+    ``sum_j w_j g_j / sum_j w_j``: the whole mini-batch's gradient up to summation order, since
+    ``w_j g_j`` is the gradient of the micro-batch's unnormalised sum. SIS's uniforms are drawn
+    for the whole mini-batch from ``key`` and sliced, so SIS accepts the tokens :func:`update_step`
+    accepts. Metrics as :func:`update_step`'s: per micro-batch, then their ``w``-weighted
+    mean (``max_*`` / ``*_max``: the max); ``grad_norm`` of the accumulated gradient.
+
+    Shapes: ``mb`` fields [b, ...], ``old`` fields [b, N(, K)] or None (pi_old from each
+    micro-batch's own forward, ``config.old_from_update``); b divisible by M."""
+    m = config.microbatches
+    split = functools.partial(split_microbatches, m=m)
+    uniforms = None
+    if config.loss.uses_sis:  # the draw update_step's policy_loss makes, micro-batch by micro-batch
+        uniforms = split(sis.sis_uniforms(key, mb.tokens.shape))
+    xs = (jax.tree.map(split, mb), None if old is None else jax.tree.map(split, old), uniforms)
+    agg = config.loss.aggregation
+    params = policy.params
+
+    def body(grad_sum, x):
+        mb_j, old_j, u_j = x
+        grads, (metrics, keep) = jax.grad(_grpo_loss, has_aux=True)(
+            params, mb_j, old_j, fns=fns, config=config, key=key, uniforms=u_j)
+        w = aggregation_weight(keep, agg)
+        grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype) * w.astype(s.dtype),
+                                grad_sum, grads)
+        return grad_sum, (metrics, w)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)),
+                         params)
+    grad_sum, (metrics, weights) = jax.lax.scan(body, zeros, xs)
+    total = jnp.maximum(jnp.sum(weights), 1.0)  # all masked: every g_j is 0, and so is the step
+    grads = jax.tree.map(lambda s, p: (s / total.astype(s.dtype)).astype(p.dtype), grad_sum, params)
+    metrics = _combine_metrics(metrics, weights)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return policy.apply_gradients(grads), metrics
+
+
 @functools.lru_cache(maxsize=64)
 def compiled_functions(model_cfg: TransformerConfig, mesh: Mesh, config: GRPOConfig,
                        optim: OptimConfig, total_steps: int):
@@ -431,12 +541,14 @@ def compiled_functions(model_cfg: TransformerConfig, mesh: Mesh, config: GRPOCon
     so the cells of a sweep reuse compilations.
 
     The policy shardings are a ``TrainState`` of ``NamedSharding`` (optimizer moments sharded
-    like their params); ``update(policy, mb, old, key=)`` donates ``policy``."""
+    like their params); ``update(policy, mb, old, key=)`` donates ``policy``: :func:`update_step`,
+    or :func:`accumulated_update_step` when ``config.microbatches > 1``."""
     fns = lm_functions(model_cfg, mesh)
     tx = model_optimizer(make_rl_optimizer(optim, total_steps), model_cfg)
     shardings = TrainState.shardings(tx, fns.abstract_params(), fns.param_shardings)
     old_fn = jit_on(mesh, functools.partial(old_stats, fns, config=config))
-    update = jit_on(mesh, functools.partial(update_step, fns=fns, config=config),
+    step = update_step if config.microbatches == 1 else accumulated_update_step
+    update = jit_on(mesh, functools.partial(step, fns=fns, config=config),
                     out_shardings=(shardings, None), donate_argnums=(0,))
     return fns, tx, shardings, old_fn, update
 

@@ -72,6 +72,8 @@ CORRECTIONS = ("none", "sis", "sis_b", "tis", "mis", "rs", "tis+rs", "sis+tis", 
 DUAL_CLIP_ALGOS = ("grpo", "dapo")
 DEFAULT_DUAL_CLIP_C = 3.0  # verl's clip_ratio_c default
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+# Corrections whose mask depends on every token of the batch (M2PO's second-moment cut).
+BATCH_STATISTIC_CORRECTIONS = ("m2po", "m2po+mis")
 
 # (eps_low, eps_high) per algorithm; the clip range of the ratio is [1 - low, 1 + high].
 # CISPO has no lower truncation by default (1 - 1.0 = 0), as in MiniMax-M1. SA-GCPO has no clip
@@ -229,6 +231,14 @@ class PolicyLossConfig:
         return "rs" in self.correction.split("+") and self.correction not in correction_menu.MENU
 
     @property
+    def batch_statistic(self) -> str | None:
+        """The correction whose mask is a statistic of the whole batch (M2PO's second-moment
+        cut over every token: :data:`BATCH_STATISTIC_CORRECTIONS`), else None. Such a loss
+        cannot be split into micro-batches exactly; every other correction acts per token or
+        per row."""
+        return self.correction if self.correction in BATCH_STATISTIC_CORRECTIONS else None
+
+    @property
     def needs_behaviour_logp(self) -> bool:
         """Whether the loss needs the sampler's (behaviour policy's) log-probs."""
         return (self.behaviour_correction is not None or self.uses_rs or self.correction in correction_menu.MENU
@@ -314,6 +324,20 @@ def aggregate(token_loss: jax.Array, mask: jax.Array, agg: str) -> jax.Array:
         per_seq = per_seq / jnp.maximum(count, 1.0)
     nonempty = count > 0
     return jnp.sum(jnp.where(nonempty, per_seq, 0.0)) / jnp.maximum(jnp.sum(nonempty), 1)
+
+
+def aggregation_weight(mask: jax.Array, agg: str) -> jax.Array:
+    """The normaliser :func:`aggregate` divides by (before its floor of 1), a f32 scalar: the
+    unmasked tokens of ``mask`` [B, T] for "token-mean", the rows with at least one for the
+    "seq-mean-*" aggregations. A micro-batch's loss times this is its share of the batch's
+    unnormalised sum, so gradients weighted by it and divided by their total are the batch's
+    gradient (gradient accumulation, :func:`jaxflow.rl.grpo_step.accumulated_update_step`)."""
+    keep = as_bool_mask(mask)
+    if agg == "token-mean":
+        return jnp.sum(keep).astype(jnp.float32)
+    if agg not in AGGS:
+        raise ValueError(f"unknown agg {agg!r}; valid choices: {AGGS}")
+    return jnp.sum(jnp.any(keep, axis=-1)).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- the loss
