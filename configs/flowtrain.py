@@ -31,7 +31,7 @@ baselines run on all devices as data x 8-way model (on a v5p:4x4x4 pod 8 x 8, on
 the decoupled candidates give the encoder 4 or 8 devices (data parallel, replicated weights) and
 the backbone the rest as data x 4 or data x 8 (64 chips: 4 + 15x4, 8 + 14x4, 8 + 7x8; 8 GPUs: 4
 + 1x4). It needs a multiple of 8 devices. With ``--compile-only --target=T`` the target lays it
-out instead (``jaxflow.compile_only.resolve.flow_layout``, keys set by ``--set mesh.*`` /
+out instead (``jaxflow.compile_only.resolve_flow.flow_layout``, keys set by ``--set mesh.*`` /
 ``allocator.*`` kept): the smallest TP widths whose HBM estimate fits, on v5p:4x4x4 a 16 x 4
 monolithic mesh and the splits 4 + 30x2, 8 + 28x2; v6e:16x16 and 8 x H100 / H200 exit 2 (the
 padded step's 256 rows of up to 2,560 tokens need more than 8-way TP gives; v5p:4x4x4 fits).

@@ -21,15 +21,9 @@ import pytest
 
 from jaxflow.mesh import jit_on, role_meshes
 from jaxflow.models.transformer import TransformerConfig
-from jaxflow.rl.grpo_step import (
-    GRPOConfig,
-    MiniBatch,
-    accumulated_update_step,
-    old_stats,
-    split_microbatches,
-    update_step,
-)
+from jaxflow.rl.grpo_step import GRPOConfig, MiniBatch, old_stats
 from jaxflow.rl.policy_loss import PolicyLossConfig
+from jaxflow.rl.update import accumulated_update_step, split_microbatches, update_step
 from jaxflow.train.lm_state import init_params, lm_functions
 from jaxflow.train.state import TrainState
 

@@ -1,4 +1,4 @@
-"""The layout rule for flowtrain full (ViT encoder + LM backbone: :func:`resolve.flow_layout`)
+"""The layout rule for flowtrain full (ViT encoder + LM backbone: :func:`resolve_flow.flow_layout`)
 and bench_embedding full (tables row-wise, the ``jnp.take`` baselines' tables replicated where
 the rows do not divide the devices) on tpu-v5p:4x4x4, tpu-v6e:16x16, gpu-h100x8 and
 gpu-h200x8: pure functions of the config and the target, nothing compiled."""
@@ -11,7 +11,7 @@ import pytest
 
 import configs.bench_embedding as bench_embedding_config
 import configs.flowtrain as flowtrain_config
-from jaxflow.compile_only import resolve
+from jaxflow.compile_only import resolve, resolve_flow
 from jaxflow.compile_only.target import parse_target
 from jaxflow.compile_only.variants import flow_step, resolve_for_target, vit_shape
 
@@ -108,7 +108,7 @@ def test_flow_layout_takes_the_smallest_widths_that_fit():
     config = flowtrain_config.get_config("full")
     enc, bb, step = vit_shape(config.vit), resolve.ModelShape.of(config.model), flow_step(config)
     chip = parse_target("tpu-v5p:4x4x4").chip
-    lay = resolve.flow_layout(enc, bb, step, encoder_counts=(4, 8, 64), chip=chip, n_devices=64)
+    lay = resolve_flow.flow_layout(enc, bb, step, encoder_counts=(4, 8, 64), chip=chip, n_devices=64)
     assert (lay.monolithic_model, lay.encoder_counts, lay.backbone_model) == (4, (4, 8), 2)
 
     def mono(m):
@@ -126,7 +126,7 @@ def test_flow_layout_takes_the_smallest_widths_that_fit():
     tiny = dataclasses.replace(step, samples=10 ** 6)
     with pytest.raises(resolve.DoesNotFit, match="do not fit the monolithic padded step: .* "
                                                  "none of gpu-h100x8, .* fits it$"):
-        resolve.flow_layout(enc, bb, tiny, encoder_counts=(4,), chip=chip, n_devices=64)
+        resolve_flow.flow_layout(enc, bb, tiny, encoder_counts=(4,), chip=chip, n_devices=64)
 
 
 @pytest.mark.parametrize("text", TARGETS)

@@ -24,7 +24,7 @@ programs are built, so one variant (a model and a global batch) compiles on any 
     are replicated where a table's rows do not divide the devices (``replicate_uneven``).
   flowtrain (a ViT encoder and an LM backbone): ``mesh`` becomes (data N / M, model M) and
     ``allocator`` the encoder counts and the backbone width of
-    :func:`~jaxflow.compile_only.resolve.flow_layout`, on the step's shapes of
+    :func:`~jaxflow.compile_only.resolve_flow.flow_layout`, on the step's shapes of
     :func:`flow_step` (expected from ``data``, ``packing`` and ``train.batch_size``).
 Keys the user set (``--set roles.*``, ``--set mesh.*``, ``--set train.microbatches=...``,
 ``--set rl.microbatches=...``,
@@ -40,7 +40,7 @@ import math
 
 import numpy as np
 
-from jaxflow.compile_only import resolve
+from jaxflow.compile_only import resolve, resolve_flow
 
 #: Experiments whose full variant the rule lays out: name -> the layout kind.
 RESOLVED = {"lm_pretrain": "lm", "flagship": "rl", "rl": "rl", "flexmarl": "marl",
@@ -217,7 +217,7 @@ def vit_shape(vit) -> resolve.ModelShape:
                               compute_bytes=np.dtype(vit.dtype).itemsize)
 
 
-def flow_step(config) -> resolve.VlmStep:
+def flow_step(config) -> resolve_flow.VlmStep:
     """A flowtrain step's shapes, expected from ``config.data``'s task, image-count and size
     weights (:class:`jaxflow.flow.digits_data.DigitsConfig`; tasks caption, count, sum,
     compare, text): padded rows as long as the longest sample (4 images of the largest size),
@@ -233,7 +233,7 @@ def flow_step(config) -> resolve.VlmStep:
         sum(data.task_weights)
     image_tokens = batch * images * per_image
     g, budget = config.packing.row_granularity, config.packing.token_budget
-    return resolve.VlmStep(
+    return resolve_flow.VlmStep(
         samples=batch, padded_len=-(-(4 * max(patches) + FLOW_TEXT_TOKENS) // g) * g,
         packed_rows=math.ceil(FLOW_ROW_SLACK * (image_tokens + batch * FLOW_TEXT_TOKENS) / budget),
         packed_len=budget, patch_rows=math.ceil(FLOW_ROW_SLACK * image_tokens / config.vit.row_len),
@@ -243,7 +243,7 @@ def flow_step(config) -> resolve.VlmStep:
 def _flow(config, chip, n, overrides):
     if _user_set(overrides, "mesh", "allocator", "flow.encoder_devices"):
         return config, "layout as set (--set mesh / allocator / flow.encoder_devices)"
-    lay = resolve.flow_layout(vit_shape(config.vit), resolve.ModelShape.of(config.model),
+    lay = resolve_flow.flow_layout(vit_shape(config.vit), resolve.ModelShape.of(config.model),
                               flow_step(config), encoder_counts=config.allocator.encoder_candidates,
                               chip=chip, n_devices=n)
     m, mb = lay.monolithic_model, lay.backbone_model

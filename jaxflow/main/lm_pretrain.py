@@ -15,12 +15,15 @@ from jax.sharding import Mesh
 from jaxflow.compile_only.program import Program, count_params, transformer_train_flops
 from jaxflow.experiment import RunContext
 from jaxflow.mesh import DEFAULT_RULES, require_divisible
+from jaxflow.models.decode_kernel import DecodeKernel
+from jaxflow.rollout.paged_attention import paged_attention
 from jaxflow.train.pretrain import build_task, build_train_step, host_batch, pretrain
 from jaxflow.train.state import TrainState
 
 
 def main(config, run: RunContext) -> dict:
-    return pretrain(config, run)
+    # the held-out evaluation decodes through the paged decode kernel on TPU / GPU (CPU: XLA)
+    return pretrain(config, run, decode_kernel=DecodeKernel(paged_attention))
 
 
 def compile_programs(config, meshes: Mapping[str, Mesh]) -> list[Program]:

@@ -24,8 +24,10 @@ from jaxflow.checkpoint import Checkpointer
 from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.experiment import RunContext, is_local
 from jaxflow.mesh import make_mesh, trainer_rollout_meshes
+from jaxflow.models.decode_kernel import DecodeKernel
 from jaxflow.rl.system import GRPOSetup
 from jaxflow.rl.warm_start import cache_dir, load_pretrained_params
+from jaxflow.rollout.paged_attention import paged_attention
 from jaxflow.study import seed_interval
 from jaxflow.train.lm_state import make_optimizer
 from jaxflow.train.pretrain import pretrain as train_warm_start
@@ -140,7 +142,8 @@ def warm_start(config, run: RunContext, k: int, fns) -> tuple[Any, dict]:
     try:
         ctx.write_json("config.json", {"experiment": "lm_pretrain", "variant": "warm_start",
                                        "config": pretrain})
-        summary = train_warm_start(pretrain, ctx, checkpoint_dir=ckpt_dir)
+        summary = train_warm_start(pretrain, ctx, checkpoint_dir=ckpt_dir,
+                                   decode_kernel=DecodeKernel(paged_attention))
     finally:
         ctx.close()
     ctx.write_json("summary.json", summary)

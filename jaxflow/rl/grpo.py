@@ -1,9 +1,9 @@
 """The GRPO trainer: rollout, pi_old statistics, N updates and publishing, with the off-policy
 knobs policy lag N, async staleness k and train/inference mismatch.
 
-The pure functions it composes (config, loss, update) are in :mod:`jaxflow.rl.grpo_step`;
-:class:`jaxflow.rl.system.GRPOSystem` is this trainer as a System (a typed frozen state, the
-step keyed per rollout), which the drivers use.
+The pure functions it composes are in :mod:`jaxflow.rl.grpo_step` (config, loss) and
+:mod:`jaxflow.rl.update` (the update programs); :class:`jaxflow.rl.system.GRPOSystem` is
+this trainer as a System (a typed frozen state, the step keyed per rollout), for the drivers.
 
 One RL step = one rollout then N optimizer steps on it:
 
@@ -28,9 +28,7 @@ One RL step = one rollout then N optimizer steps on it:
    there is no separate pass: the update uses the stop-gradient of its own forward.
 4. N optimizer steps, then the trainer's :class:`jaxflow.rl.publish.Publisher` hands the
    weights to the rollout mesh. With ``rl.microbatches`` M > 1 each step accumulates the
-   gradients of M micro-batches of its mini-batch in one program (the activations of one
-   micro-batch at a time) before its one optimizer step
-   (:func:`jaxflow.rl.grpo_step.accumulated_update_step`); M = 1 is the one-pass update.
+   gradients of M micro-batches (one's activations at a time) in one program.
 
 Rows (:meth:`GRPOTrainer.step`) are named as verl names them (``actor/*``, ``critic/*``,
 ``response_length/*``, ``timing_s/*``, ``perf/*``; :mod:`jaxflow.rl.step_metrics`).
@@ -92,7 +90,6 @@ from jaxflow.rl.grpo_step import (  # noqa: F401
     GRPOConfig,
     MiniBatch,
     OldStats,
-    compiled_functions,
     grpo_loss,
     make_rl_optimizer,
     old_stats,
@@ -100,13 +97,13 @@ from jaxflow.rl.grpo_step import (  # noqa: F401
     response_hidden,
     rl_learning_rate,
     summarize,
-    update_step,
 )
 from jaxflow.rl.publish import DensePublisher, Publisher, SyncPublisher, params_origin, publish_weights
 from jaxflow.rl.reward_shaping import overlong_penalty
 from jaxflow.rl.rollout import RolloutBatch, RolloutWorker, batch_sharding
 from jaxflow.rl.step_metrics import rollout_row, version_metrics
 from jaxflow.rl.tasks import Task, check_task, stop_ids
+from jaxflow.rl.update import compiled_functions, update_step  # noqa: F401
 from jaxflow.sync.replica import Link
 from jaxflow.sync.weight_sync import SyncConfig, SyncRecord, WeightSync
 from jaxflow.train.lm_state import OptimConfig, lm_functions

@@ -331,7 +331,7 @@ def aggregation_weight(mask: jax.Array, agg: str) -> jax.Array:
     unmasked tokens of ``mask`` [B, T] for "token-mean", the rows with at least one for the
     "seq-mean-*" aggregations. A micro-batch's loss times this is its share of the batch's
     unnormalised sum, so gradients weighted by it and divided by their total are the batch's
-    gradient (gradient accumulation, :func:`jaxflow.rl.grpo_step.accumulated_update_step`)."""
+    gradient (gradient accumulation, :func:`jaxflow.rl.update.accumulated_update_step`)."""
     keep = as_bool_mask(mask)
     if agg == "token-mean":
         return jnp.sum(keep).astype(jnp.float32)

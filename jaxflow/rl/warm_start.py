@@ -41,6 +41,8 @@ def build_pretrain_cache(pretrain_config: Any, cache_root: str | pathlib.Path,
                          *, log=print) -> pathlib.Path:
     """Runs ``lm_pretrain`` with ``pretrain_config`` unless its cache entry exists; returns
     the entry's directory."""
+    from jaxflow.models.decode_kernel import DecodeKernel
+    from jaxflow.rollout.paged_attention import paged_attention
     from jaxflow.train.pretrain import pretrain
 
     target = cache_dir(pretrain_config, cache_root)
@@ -51,7 +53,7 @@ def build_pretrain_cache(pretrain_config: Any, cache_root: str | pathlib.Path,
         try:
             ctx.write_json("config.json", {"experiment": "lm_pretrain", "variant": "warm_start",
                                            "config": pretrain_config})
-            summary = pretrain(pretrain_config, ctx)
+            summary = pretrain(pretrain_config, ctx, decode_kernel=DecodeKernel(paged_attention))
         finally:
             ctx.close()
         ctx.write_json("summary.json", summary)

@@ -10,7 +10,6 @@ from jaxflow.data.tokenizer import CharTokenizer
 from jaxflow.distributed import to_host
 from jaxflow.models.decode_kernel import DecodeKernel
 from jaxflow.models.sampler import SamplingConfig, make_sampler
-from jaxflow.rollout.paged_attention import paged_attention
 from jaxflow.train.lm_state import LMFunctions
 
 
@@ -18,9 +17,13 @@ class ExactMatchEvaluator:
     """Greedy-decodes ``n`` fixed held-out prompts and scores the completions.
 
     Prompts are replicated on ``mesh`` so every process sees the same (global) answers.
+    ``decode_kernel``: the sampler's decode attention on TPU / GPU (the drivers pass
+    ``DecodeKernel(jaxflow.rollout.paged_attention.paged_attention)``: jaxflow.train sits below
+    jaxflow.rollout); None decodes with XLA everywhere (on CPU both are the same program).
     """
 
-    def __init__(self, fns: LMFunctions, task: AdditionTask, tokenizer: CharTokenizer, *, n: int, mesh):
+    def __init__(self, fns: LMFunctions, task: AdditionTask, tokenizer: CharTokenizer, *, n: int, mesh,
+                 decode_kernel: DecodeKernel | None = None):
         self.fns, self.task, self.tokenizer = fns, task, tokenizer
         prompts, lengths, self.answers = eval_prompts(task, tokenizer, n=n)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -29,8 +32,7 @@ class ExactMatchEvaluator:
         self.prompt_texts = [tokenizer.decode(p) for p in prompts]
         cfg = SamplingConfig(max_new_tokens=task.max_answer_len + 1, temperature=0.0,
                              eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-        # on TPU / GPU the decode attends through the paged decode kernel (CPU: XLA, unchanged)
-        self._sample = make_sampler(fns.graphdef, cfg, decode_kernel=DecodeKernel(paged_attention))
+        self._sample = make_sampler(fns.graphdef, cfg, decode_kernel=decode_kernel)
         self._key = jax.random.key(0)
 
     def __call__(self, params) -> float:

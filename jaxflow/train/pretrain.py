@@ -89,16 +89,18 @@ def host_batch(config, task, tokenizer, step: int, *, batch_size: int | None = N
     return vars(host)
 
 
-def pretrain(config, run: RunContext, *, checkpoint_dir=None) -> dict:
+def pretrain(config, run: RunContext, *, checkpoint_dir=None, decode_kernel=None) -> dict:
     """Trains ``config.model`` per ``config.train`` into ``run``'s checkpoints (or
     ``checkpoint_dir``; resuming from the latest when ``run.resume``); returns the summary
-    (final loss, held-out accuracy, checksum)."""
+    (final loss, held-out accuracy, checksum). ``decode_kernel``: the held-out evaluator's
+    (:class:`jaxflow.train.evaluate.ExactMatchEvaluator`)."""
     tokenizer, task = build_task(config)
     built = build_train_step(config, config.mesh.make())
     mesh, fns, batch_sharding = built.mesh, built.fns, built.batch_sharding
     tc = config.train
     state, _ = init_train_state(fns, config.model, built.tx, jax.random.key(config.seed))
-    evaluate = ExactMatchEvaluator(fns, task, tokenizer, n=tc.eval_examples, mesh=mesh)
+    evaluate = ExactMatchEvaluator(fns, task, tokenizer, n=tc.eval_examples, mesh=mesh,
+                                    decode_kernel=decode_kernel)
     ckpt = Checkpointer(run.checkpoint_dir if checkpoint_dir is None else checkpoint_dir,
                         save_every=tc.checkpoint_every, max_to_keep=tc.keep_checkpoints)
     assert_params_sufficiently_sharded(state.params, mesh)  # no-op without a "model" axis
