@@ -65,8 +65,8 @@ def test_flagship_full_roles_come_from_the_target(text):
     assert config.rl == dataclasses.replace(base.rl, microbatches=micro)  # nothing else changed
     n = parse_target(text).n_devices
     rows = base.rl.minibatch_size
-    assert f"trainer {n - roles.rollout_devices} (model {roles.trainer_model}, {micro} " \
-        f"micro-batch(es) of {rows // micro} row(s) per update)" in line
+    said = "" if micro == 1 else f", {micro} micro-batch(es) of {rows // micro} row(s) per update"
+    assert f"trainer {n - roles.rollout_devices} (model {roles.trainer_model}{said})" in line
     # the rule's estimate at that layout: fits, and with one micro-batch fewer it would not
     shape = resolve.ModelShape.of(base.pretrain.model)
     tokens = base.task.max_prompt_len + base.rl.max_new_tokens

@@ -113,7 +113,10 @@ def _rl(config, chip, n, overrides):
                                 trainer_model=lay.trainer_model,
                                 rollout_model=lay.rollout_model)
     est = "; ".join(f"{k} {v.text()}" for k, v in lay.estimates.items())
-    micro = (f", {lay.microbatches} micro-batch(es) of {rows // rl.lag // lay.microbatches} "
+    # one micro-batch (no accumulation) is said only when set: the line of a layout without
+    # accumulation reads as before accumulation existed (the compile matrix compares it)
+    micro = ("" if lay.microbatches == 1 and not user_micro else
+             f", {lay.microbatches} micro-batch(es) of {rows // rl.lag // lay.microbatches} "
              f"row(s) per update" + (" (as set)" if user_micro else ""))
     text = (f"layout for {n} {chip.name}: trainer {n - lay.rollout_devices} (model "
             f"{lay.trainer_model}{micro}), rollout {lay.rollout_devices} (model "
