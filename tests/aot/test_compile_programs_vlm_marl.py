@@ -43,6 +43,7 @@ SMALL = {
                  *WIDE_HEADS],
 }
 ATTENTION = {"tpu": "splash_mha_fwd", "gpu": "mha_forward"}
+BACKWARD = {"tpu": "splash_mha_dq", "gpu": "mha_backward"}  # the attention backward kernels
 PAGED = {"tpu": "paged_flash_attention_kernel", "gpu": "paged_attention_block_h"}  # names' starts
 PREFILL = {"tpu": "ragged_paged_attention_kernel", "gpu": "gpu_prefill_attention"}  # the engine's
 
@@ -70,10 +71,13 @@ def _expected_names(exp: str, chip) -> set[str]:
 
 
 def _kernel_steps(exp: str, name: str) -> bool:
-    """Programs whose attention is ``auto`` over packed rows (the KV-cache engine and the ViT's
-    bidirectional mask use XLA attention)."""
+    """Programs whose attention is ``auto`` over packed rows: FlowTrain's LM steps and, since the
+    ViT's bidirectional segment attention runs through the kernels (``causal=False``), its
+    encoder's forward and update; GRPO's updates (the KV-cache engine's prefill and decode have
+    kernels of their own, checked below)."""
     if exp == "flowtrain":
-        return name.endswith("/step") or name == "eval"
+        encoder = name.startswith("encoder/") and name.split("/")[-1] in ("forward", "update")
+        return name.endswith("/step") or name == "eval" or encoder
     return name.split("/")[-1] in ("old_stats", "update", "accumulate_apply")
 
 
@@ -112,7 +116,10 @@ def test_every_program_compiles_and_fits(exp, target):
         calls = collections.Counter()
         for kernel, n in pallas_calls(traced).items():  # splash_mha_fwd_segmented_residuals
             calls[kernel.split("_segmented")[0]] += n
-        if _kernel_steps(exp, p.name):
+        if exp == "flowtrain" and p.name.startswith("encoder/") and p.name.endswith("/update"):
+            # the encoder's update takes the forward's residuals: the backward kernels only
+            assert calls[BACKWARD[chip.platform]] >= 1, (p.name, dict(calls))
+        elif _kernel_steps(exp, p.name):
             assert calls[ATTENTION[chip.platform]] >= 1, (p.name, dict(calls))
             if exp == "flexmarl":
                 assert calls["fused_logprobs_fwd"] >= 1, (p.name, dict(calls))
