@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -97,9 +98,7 @@ def test_layer_attention_through_the_kernel_matches_xla(backend, dtype):
     width = kernel.stored_head_dim(q.shape[-1])
     assert width == (128 if backend == "tpu" else 16)
 
-    def heads_major(x):  # [B, S, KVH, D] -> [KVH, B, S, D'] (zeros past D)
-        x = jnp.transpose(x, (2, 0, 1, 3))
-        return jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+    heads_major = functools.partial(_heads_major, width=width)
 
     got, got_k, got_v = jax.jit(kernel.cache_attention)(
         q, k, v, heads_major(k_cache), heads_major(v_cache), index, slots, key_valid)
@@ -109,6 +108,12 @@ def test_layer_attention_through_the_kernel_matches_xla(backend, dtype):
     tol = 1e-6 if dtype == jnp.float32 else 2.0**-7 * float(jnp.abs(want_v.astype(jnp.float32)).max())
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=0, atol=tol)
+
+
+def _heads_major(x, *, width):
+    """[B, S, KVH, D] -> [KVH, B, S, width] (zeros past D): the kernel's cache layout."""
+    x = jnp.transpose(x, (2, 0, 1, 3))
+    return jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
 
 
 def _prefill_problem():
@@ -134,9 +139,7 @@ def test_prefill_over_an_empty_cache_through_the_segment_kernel_matches_xla(back
     kernel = DecodeKernel(paged_attention, backend=backend, interpret=True, page_size=PAGE)
     width = kernel.stored_head_dim(q.shape[-1])
 
-    def heads_major(x):  # [B, S, KVH, D] -> [KVH, B, S, D'] (zeros past D)
-        x = jnp.transpose(x, (2, 0, 1, 3))
-        return jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+    heads_major = functools.partial(_heads_major, width=width)
 
     got, got_k, got_v = jax.jit(kernel.prefill_attention)(
         q, k, v, heads_major(empty), heads_major(empty), index, slots, key_valid)
