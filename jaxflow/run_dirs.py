@@ -144,14 +144,46 @@ def _flatten(value, prefix: str = "") -> dict:
     return {prefix[:-1]: value}
 
 
-def config_changes(saved: dict, new: dict) -> list[str]:
+def field_defaults(config) -> dict:
+    """``{dotted key: JSON default}`` of every dataclass field in ``config`` (a tree of
+    dataclasses and mappings) that declares a default: what a config field added after a run was
+    saved means when the run left it out."""
+    import dataclasses
+
+    from jaxflow.experiment import to_jsonable
+
+    out: dict = {}
+
+    def walk(value, prefix: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}{key}.")
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                if f.default is not dataclasses.MISSING:
+                    out.update(_flatten(to_jsonable(f.default), f"{prefix}{f.name}."))
+                elif f.default_factory is not dataclasses.MISSING:
+                    out.update(_flatten(to_jsonable(f.default_factory()), f"{prefix}{f.name}."))
+                walk(getattr(value, f.name), f"{prefix}{f.name}.")
+
+    walk(config, "")
+    return out
+
+
+def config_changes(saved: dict, new: dict, defaults: dict | None = None) -> list[str]:
     """``key: saved -> new`` for every dotted key whose value differs between two JSON configs
-    (a key only in one: ``(absent)`` on the other side), resumable fields left out."""
+    (a key only in one: ``(absent)`` on the other side), resumable fields left out. A key absent
+    from ``saved`` whose new value is its field's default (``defaults``, :func:`field_defaults`)
+    is a field added to the code after the run was saved, at the value that keeps the old
+    behaviour: not a change."""
     a, b = _flatten(saved), _flatten(new)
+    defaults = defaults or {}
     changes = []
     for key in sorted(set(a) | set(b)):
         parts = key.split(".")
         if parts[-1] in RESUMABLE_FIELDS or parts[0] in RESUMABLE_SECTIONS:
+            continue
+        if key not in a and key in defaults and b.get(key) == defaults[key]:
             continue
         if a.get(key, "(absent)") != b.get(key, "(absent)"):
             changes.append(f"{key}: {a.get(key, '(absent)')} -> {b.get(key, '(absent)')}")
@@ -169,7 +201,8 @@ def check_resumed_config(out: epath.Path, config) -> None:
     saved = read_saved_run(out).get("config")
     if not isinstance(saved, dict):
         return
-    changes = config_changes(saved, json.loads(json.dumps(to_jsonable(config))))
+    changes = config_changes(saved, json.loads(json.dumps(to_jsonable(config))),
+                             json.loads(json.dumps(field_defaults(config))))
     if changes:
         shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
         raise UsageError(f"--resume: the config differs from the run's in {shown}; a run resumes "

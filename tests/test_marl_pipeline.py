@@ -25,6 +25,7 @@ from jaxflow.marl.pipeline import (
     run_strict,
     run_sync,
     stack_rows,
+    weighted_grad,
 )
 from jaxflow.marl.store import ExperienceStore
 from jaxflow.marl.swap import AgentStateSwapper, swap_in, swap_out
@@ -129,6 +130,46 @@ def test_accumulated_micro_batch_gradient_equals_full_batch_gradient(setup):
     assert relative_param_diff(unweighted, want) > 1e3 * tol
     partial_sum = jax.tree.map(lambda x, g: x - g, total, gr)  # last micro-batch dropped
     assert relative_param_diff(jax.tree.map(lambda x: x / (weight - w), partial_sum), want) > 1e3 * tol
+
+
+def test_accumulation_weights_tokens_after_the_correction_mask(setup):
+    # Geo-RS drops a row whose geometric-mean pi_old / pi_behaviour leaves [0.999, 1.001] from
+    # the loss and its normaliser; the micro-batches drop different shares (two rows / one), so
+    # weighting them by their raw response tokens is not the full-batch gradient, weighting by
+    # the tokens the correction keeps (policy_loss.aggregation_weight) is.
+    wf, runtimes, init = setup
+    rt = runtimes["solver"]
+    config = dataclasses.replace(rt.config, loss=dataclasses.replace(rt.config.loss, correction="geo-rs"))
+    params = rt.init_policy(init["solver"]).params
+    published = {n: r.publish(r.init_policy(init[n])) for n, r in runtimes.items()}
+    groups = []
+    for i, prompt in enumerate(input_prompts(wf, 0, 0, INPUTS)):
+        out = rollout_input(wf, runtimes, published, prompt, seed=0, version=0, input_id=i)
+        rows = group_rows(out["solver"], rt.spec.group_size)
+        for j, r in enumerate(rows):  # behaviour 1 nat above pi_old on one token
+            hit = np.zeros(r["mask"].shape, bool)
+            if (i == 0 and j < 2) or (i == 1 and j == 0):  # two rows of the first, one of the second
+                hit[np.flatnonzero(r["mask"])[0]] = True
+            r["behaviour_logp"] = r["behaviour_logp"] + np.where(hit, 1.0, 0.0).astype(np.float32)
+        groups.append(rows)
+    key = jax.random.key(0)
+    grad_of = jax.jit(functools.partial(weighted_grad, fns=rt.fns, config=config))
+    full = rt.place(stack_rows([r for g in groups for r in g]))
+    loss = functools.partial(grpo_loss, fns=rt.fns, config=config)
+    want, metrics = jax.jit(jax.grad(loss, has_aux=True))(params, full, rt.old_stats(params, None, full), key=key)
+    total, weight, raw_total, raw_weight = None, 0.0, None, 0.0
+    for g in groups:
+        mb = rt.place(stack_rows(g))
+        gr, w = grad_of(params, mb, rt.old_stats(params, None, mb), key=key)
+        raw = float(jnp.sum(mb.mask))
+        assert float(w) < raw  # the correction dropped tokens of this micro-batch
+        raw_g = jax.tree.map(lambda x: x / w * raw, gr)  # the raw-mask weighting this replaced
+        total = gr if total is None else jax.tree.map(jnp.add, total, gr)
+        raw_total = raw_g if raw_total is None else jax.tree.map(jnp.add, raw_total, raw_g)
+        weight, raw_weight = weight + w, raw_weight + raw
+    tol = 32 * float(np.finfo(np.float32).eps)
+    assert relative_param_diff(jax.tree.map(lambda x: x / weight, total), want) <= tol
+    assert relative_param_diff(jax.tree.map(lambda x: x / raw_weight, raw_total), want) > 1e3 * tol
 
 
 def _bit_equal(a, b) -> bool:

@@ -9,6 +9,7 @@ The end-to-end cases run the CLI in-process on the tiny lm_pretrain model of tes
 run that fills the disk at step 5 (after checkpoint 4), and copies of it.
 """
 
+import dataclasses
 import errno
 import json
 import logging
@@ -25,10 +26,10 @@ import pytest
 from jaxflow import run as runner
 from jaxflow.checkpoint import Checkpointer, CheckpointError, check_step_name, recorded_step
 from jaxflow.errors import FileFormatError
-from jaxflow.experiment import RunContext
+from jaxflow.experiment import RunContext, to_jsonable
 from jaxflow.metric_writers import JsonlWriter
 from jaxflow.plots import read_metrics
-from jaxflow.run_dirs import HeldSaveErrors, config_changes, disk_full_line
+from jaxflow.run_dirs import HeldSaveErrors, config_changes, disk_full_line, field_defaults
 from jaxflow.train.loop import StepsBelowCheckpoint, run_steps
 from tests._cli import TINY_LM, one_line_error
 from tests.test_cli_errors import snapshot
@@ -134,6 +135,31 @@ def test_config_changes_leave_out_what_a_resume_may_change():
            "model": {"d_model": 32, "lora": {"rank": 4}}}
     assert config_changes(saved, new) == ["model.lora.rank: (absent) -> 4", "train.batch_size: 8 -> 16"]
     assert config_changes(saved, saved) == []
+
+
+def test_a_field_added_after_the_run_resumes_only_at_its_default():
+    # A run saved before rl.microbatches existed resumes when the field is at its default (the
+    # old behaviour), and is refused when it is set to anything else.
+    @dataclasses.dataclass(frozen=True)
+    class Loss:
+        agg: str = "token-mean"
+
+    @dataclasses.dataclass(frozen=True)
+    class RL:
+        lag: int = 2
+        loss: Loss = dataclasses.field(default_factory=Loss)
+        microbatches: int = 1
+
+    saved = {"rl": {"lag": 2, "loss": {}}}
+    for new, expected in [(RL(), []), (RL(microbatches=4), ["rl.microbatches: (absent) -> 4"]),
+                          (RL(loss=Loss("seq-mean-token-sum")), ["rl.loss.agg: (absent) -> seq-mean-token-sum"]),
+                          (RL(lag=3), ["rl.lag: 2 -> 3"])]:
+        config = {"rl": new}
+        defaults = field_defaults(config)
+        assert defaults["rl.microbatches"] == 1 and defaults["rl.loss.agg"] == "token-mean"
+        assert config_changes(saved, to_jsonable(config), defaults) == expected
+    assert config_changes(saved, to_jsonable({"rl": RL()})) == ["rl.loss.agg: (absent) -> token-mean",
+                                                                 "rl.microbatches: (absent) -> 1"]
 
 
 def test_checkpoint_records_its_step_and_a_renamed_one_is_caught(tmp_path):

@@ -3,8 +3,9 @@
 Per agent and version v the trainer consumes micro-batches (``micro_inputs`` inputs' G
 trajectories, rows taken from the :class:`~jaxflow.marl.store.ExperienceStore` in input order)
 as soon as the rollout engine stores them, accumulates ``grad(loss_mb) * weight_mb`` (weight =
-the micro-batch's share of the loss normaliser: unmasked tokens for ``token-mean``, rows for the
-``seq-mean-*`` aggs) in one jitted call per micro-batch, and applies one optimizer step with
+the micro-batch's share of the loss normaliser after the correction's mask: tokens for
+``token-mean``, rows with a token for the ``seq-mean-*`` aggs) in one jitted call per
+micro-batch, and applies one optimizer step with
 ``sum(grads) / sum(weights)`` once all of v's rows are consumed (the last micro-batch's
 accumulate and the step are one program); then it publishes version v+1.
 
@@ -58,7 +59,6 @@ from jaxflow.marl.pipeline.accumulate import (
     apply_accumulated,
     flatten_accumulator,
     group_rows,
-    loss_weight,
     relative_param_diff,
     stack_rows,
     unflatten_accumulator,
@@ -84,7 +84,7 @@ from jaxflow.marl.pipeline.trainer import AgentTrainer, Interrupted, TrainerRepo
 from jaxflow.marl.pipeline.versions import VersionBoard
 
 __all__ = ["PAYLOAD_FIELDS", "Accumulator", "accumulate", "accumulate_apply", "apply_accumulated",
-           "flatten_accumulator", "group_rows", "loss_weight", "relative_param_diff", "stack_rows",
+           "flatten_accumulator", "group_rows", "relative_param_diff", "stack_rows",
            "unflatten_accumulator", "weighted_grad", "LockstepStep", "lockstep_step", "run_sync", "DRIVERS", "MODES",
            "PipelineConfig", "PipelinePlan", "RunResult", "AgentRuntime", "agent_loads", "group_row_keys",
            "input_prompts", "loss_key", "request_row_keys", "rollout_input", "rollout_inputs", "sample_key",

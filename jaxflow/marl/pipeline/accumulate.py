@@ -2,7 +2,8 @@
 
 A trainer consumes one version's rows in micro-batches and accumulates
 ``grad(loss_mb) * weight_mb``, where the weight is the micro-batch's share of the loss
-normaliser (unmasked tokens for ``token-mean``, rows for the ``seq-mean-*`` aggregations). One
+normaliser, counted after the correction's mask (tokens for ``token-mean``, rows with a token
+for the ``seq-mean-*`` aggregations: :func:`jaxflow.rl.policy_loss.aggregation_weight`). One
 optimizer step with ``sum(grads) / sum(weights)`` then equals the full-batch GRPO step up to the
 summation order of the gradient.
 
@@ -22,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflow.rl.advantages import grpo_advantages
-from jaxflow.rl.grpo import GRPOConfig, MiniBatch, grpo_loss, old_stats
+from jaxflow.rl.grpo import GRPOConfig, MiniBatch, old_stats
+from jaxflow.rl.grpo_step import _grpo_loss
+from jaxflow.rl.policy_loss import aggregation_weight
 from jaxflow.rl.rollout import RolloutBatch
 from jaxflow.train.state import TrainState
 
@@ -31,18 +34,14 @@ from jaxflow.train.state import TrainState
 PAYLOAD_FIELDS = ("prompts", "prompt_lengths", "tokens", "mask", "behaviour_logp", "advantages")
 
 
-def loss_weight(mb: MiniBatch, agg: str) -> jax.Array:
-    """The micro-batch's share of the loss normaliser (see module doc); a f32 scalar."""
-    if agg == "token-mean":
-        return jnp.sum(mb.mask)
-    return jnp.asarray(mb.mask.shape[0], jnp.float32)
-
-
 def weighted_grad(params: Any, mb: MiniBatch, old: Any, *, fns, config: GRPOConfig,
                   key: jax.Array) -> tuple[Any, jax.Array]:
-    """``(grad(loss_mb) * weight_mb, weight_mb)`` for gradient accumulation."""
-    grads, _ = jax.grad(grpo_loss, has_aux=True)(params, mb, old, fns=fns, config=config, key=key)
-    w = loss_weight(mb, config.loss.aggregation)
+    """``(grad(loss_mb) * weight_mb, weight_mb)`` for gradient accumulation: ``weight_mb`` the
+    micro-batch's loss normaliser after the correction's mask (RS, IcePop and the menu's masks
+    drop tokens from it; :func:`jaxflow.rl.policy_loss.aggregation_weight`), a f32 scalar."""
+    grads, (_, keep) = jax.grad(_grpo_loss, has_aux=True)(params, mb, old, fns=fns, config=config,
+                                                          key=key)
+    w = aggregation_weight(keep, config.loss.aggregation)
     return jax.tree.map(lambda g: g * w, grads), w
 
 
