@@ -92,6 +92,12 @@ def test_matrix_rows_current_old_exit2_and_missing(tmp_path):
                               rule=(None, layout))
     assert stale.status == "stale" and stale.figures == rows[0].figures
     assert stale.text == f"the rule lays it out otherwise now: {layout}; the report: mesh 64x1"
+    # Only the estimate's figures differ: the same programs, current.
+    other_figures = layout.split(" (estimates: ")[0] + " (estimates: params 1.0 = 1.0 GiB)"
+    assert other_figures != layout
+    same = matrix.matrix_row("flowtrain", "tpu-v5p:4x4x4", report=_current_report(other_figures),
+                             rule=(None, layout))
+    assert same.status == "current", same.text
     broken = _current_report(layout)
     broken["programs"].append({"name": "sample", "kind": "sample", "status": "failed",
                                "error": "JaxRuntimeError: INTERNAL:\n  RET_CHECK failure",

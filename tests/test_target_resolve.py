@@ -26,16 +26,19 @@ LM = {"tpu-v5p:4x4x4": (64, 1), "tpu-v6e:16x16": (256, 1), "gpu-h100x8": (8, 8),
 #: flagship full (Qwen3-8B GRPO, 128-row updates): (rollout devices, trainer model, rollout
 #: model, trainer micro-batches). 8 x H100 fits with gradient accumulation: model 4 and 4
 #: micro-batches of 32 rows (at M = 1, model 4: 128.3 GiB of 79.1).
-RL = {"tpu-v5p:4x4x4": (32, 2, 1, 1), "tpu-v6e:16x16": (128, 8, 1, 1),
-      "gpu-h100x8": (4, 4, 1, 4), "gpu-h200x8": (4, 2, 1, 1)}
+#: The sampler holds the published f32 params and the bf16 copy it casts them to (45.8 GiB at
+#: model 1): on v6e and H100 that takes rollout model 2 (flagship's rollout/sample compiled at
+#: model 1 for v6e:16x16 needs 47.1 GiB of 32).
+RL = {"tpu-v5p:4x4x4": (32, 2, 1, 1), "tpu-v6e:16x16": (128, 8, 2, 1),
+      "gpu-h100x8": (4, 4, 2, 4), "gpu-h200x8": (4, 2, 1, 1)}
 
 #: rl full (Qwen3-8B GRPO, 2,048 tokens): as RL, or None where it exits 2: on 8 x H100 the
 #: sampler's KV cache does not fit (the smallest target its estimate fits: 8 x H200).
-RL_EXP = {"tpu-v5p:4x4x4": (32, 2, 1, 1), "tpu-v6e:16x16": (128, 8, 1, 1), "gpu-h100x8": None,
+RL_EXP = {"tpu-v5p:4x4x4": (32, 2, 1, 1), "tpu-v6e:16x16": (128, 8, 2, 1), "gpu-h100x8": None,
           "gpu-h200x8": (4, 4, 1, 4)}
 #: flexmarl full (Qwen3-8B solver + 4B-shaped verifier): (trainer model, rollout model), or
 #: None where it exits 2 (the smallest target: 8 x H200).
-MARL = {"tpu-v5p:4x4x4": (2, 1), "tpu-v6e:16x16": (8, 1), "gpu-h100x8": None,
+MARL = {"tpu-v5p:4x4x4": (2, 1), "tpu-v6e:16x16": (8, 2), "gpu-h100x8": None,
         "gpu-h200x8": (2, 1)}
 
 
@@ -186,6 +189,16 @@ def test_flexmarl_full_model_degrees_come_from_the_target_or_exit_naming_where(t
     assert config is base and "as set" in line
 
 
+def test_rl_samplers_hold_the_published_params_and_the_static_ones_a_cast_copy():
+    f32 = resolve.ModelShape(params=1000, n_layers=1, d_model=4, d_ff=8, vocab=16, n_heads=2,
+                             n_kv_heads=2, head_dim=2, param_bytes=4, compute_bytes=2)
+    assert resolve.rl_sampler_weight_bytes(f32, "static") == 6
+    assert resolve.rl_sampler_weight_bytes(f32, "static_per_row") == 6
+    assert resolve.rl_sampler_weight_bytes(f32, "engine") == 4
+    bf16 = dataclasses.replace(f32, param_bytes=2)
+    assert resolve.rl_sampler_weight_bytes(bf16, "static") == 2  # nothing to cast
+
+
 def test_marl_layout_splits_trainers_like_the_meshes_and_sums_the_samplers():
     small = resolve.ModelShape(params=10 ** 6, n_layers=2, d_model=64, d_ff=128, vocab=256,
                                n_heads=4, n_kv_heads=4, head_dim=16)
@@ -198,7 +211,8 @@ def test_marl_layout_splits_trainers_like_the_meshes_and_sums_the_samplers():
     a = resolve.train_estimate(big, 8 / 3, 16, shards=1, model_width=1,
                                capacity=chip.hbm_bytes, fused_logprobs=True)
     assert lay.estimates["trainer/a"] == a
-    parts = [resolve.sample_estimate(m, 2, 16, model_width=1, capacity=chip.hbm_bytes)
+    parts = [resolve.sample_estimate(m, 2, 16, model_width=1, capacity=chip.hbm_bytes,
+                                     weight_bytes=4)  # the engine holds the published f32 params
              for m in (big, small)]
     assert lay.estimates["rollout"].params == sum(p.params for p in parts)
     assert lay.estimates["rollout"].activations == sum(p.activations for p in parts)

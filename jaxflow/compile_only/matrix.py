@@ -8,7 +8,7 @@ A cell is, in this order:
   current    ``NAME-full-TARGET.json`` (``compile_report.json`` of ``python -m jaxflow.run
              --exp=NAME --variant=full --compile-only --target=TARGET``, ':' -> '-') has the
              current format (top-level ``compile_seconds``) and its ``layout`` is the rule's
-             line today: its figures, read, never estimated;
+             line today (up to the HBM estimate's figures): its figures, read, never estimated;
   stale      the same, but the rule lays the variant out otherwise now (figures shown, both
              layout lines quoted);
   failed     a current-format report in which programs failed to compile (status "failed"):
@@ -31,6 +31,7 @@ import dataclasses
 import importlib
 import json
 import pathlib
+import re
 import subprocess
 import sys
 from typing import Sequence
@@ -167,11 +168,19 @@ class Row:
     commit: str = ""
 
 
+def layout_decision(line: str) -> str:
+    """A layout line without its trailing HBM estimate ("... rollout 32 (model 1) (estimates:
+    ...)" -> "... rollout 32 (model 1)"): what the programs are compiled for. A report whose
+    layout differs from the rule's only in the estimate's figures compiled the same programs."""
+    return re.sub(r" \(estimates?: .*\)$", "", line)
+
+
 def matrix_row(name: str, target: str, *, report: dict | None,
                rule: tuple[str | None, str]) -> Row:
     """The :class:`Row` of ``name`` x ``target`` from its report (None: no file) and the
     layout rule's (exit-2 line or None, layout line) (:func:`rule`); the order is the module
-    docstring's. A current report whose ``layout`` is not the rule's line today is "stale"."""
+    docstring's. A current report whose ``layout`` is not the rule's line today (up to the
+    estimate's figures: :func:`layout_decision`) is "stale"."""
     exit2, layout = rule
     commit = (report or {}).get("git_commit") or ""
     if exit2 is not None:
@@ -186,7 +195,7 @@ def matrix_row(name: str, target: str, *, report: dict | None,
             return Row(name, target, "failed", figures=current_figures(report), commit=commit,
                        text=f"{len(failed)} program(s) failed to compile; "
                             f"{failed[0]['name']}: {first}")
-        same = report.get("layout") == layout
+        same = layout_decision(report.get("layout") or "") == layout_decision(layout)
         return Row(name, target, "current" if same else "stale", figures=current_figures(report),
                    commit=commit, text="" if same else f"the rule lays it out otherwise now: "
                    f"{layout}; the report: {report.get('layout')}")

@@ -6,7 +6,9 @@ with the per-device HBM estimate it rests on. Nothing is compiled; the rule is w
 
 The estimate (:class:`HbmEstimate`, bytes per device) counts
   params + optimizer: the training state (weights, gradients, AdamW's two f32 moments) or the
-    sampler's bf16 replica, divided by the devices its weights are sharded over;
+    sampler's weights (a serving replica's bf16; an RL sampler's published f32 params, plus the
+    bf16 copy a static sampler casts them to: :func:`rl_sampler_weight_bytes`), divided by the
+    devices its weights are sharded over;
   activations: with remat per block, every block's input saved ([rows, tokens, d_model] in the
     compute dtype), one block recomputed (its q/k/v/o and SwiGLU tensors) and the f32 logits
     and their gradient ([rows, tokens, vocab / model]); for a sampler, its KV cache.
@@ -171,13 +173,25 @@ def train_estimate(model: ModelShape, rows: float, tokens: int, *, shards: int, 
 
 
 def sample_estimate(model: ModelShape, rows: float, tokens: int, *, model_width: int,
-                    capacity: int) -> HbmEstimate:
-    """Sampler, per device: the bf16 replica split ``model_width`` ways and the KV cache of
-    ``rows`` sequences of ``tokens`` (heads split ``model_width`` ways)."""
+                    capacity: int, weight_bytes: float = 2) -> HbmEstimate:
+    """Sampler, per device: its weights (``weight_bytes`` per parameter: 2 for a bf16 replica;
+    :func:`rl_sampler_weight_bytes` for an RL run's sampler) split ``model_width`` ways and the
+    KV cache of ``rows`` sequences of ``tokens`` (heads split ``model_width`` ways)."""
     kv = 2 * model.n_layers * rows * tokens * model.n_kv_heads * model.head_dim * 2 / model_width
     logits = rows * model.vocab / model_width * 4 * 2
-    return HbmEstimate(params=model.params * 2 / model_width, optimizer=0.0,
+    return HbmEstimate(params=model.params * weight_bytes / model_width, optimizer=0.0,
                        activations=kv + logits, capacity=capacity)
+
+
+def rl_sampler_weight_bytes(model: ModelShape, sampler: str) -> int:
+    """Bytes per parameter an RL run's sampler holds: the published weights in the trainer's
+    ``param_bytes`` (a one-job run publishes its f32 params), and for the static samplers
+    ("static", "static_per_row") one more copy in the compute dtype, which they cast the whole
+    tree to before the decode scan (flagship full on v5p:4x4x4, compiled: 30.5 GiB f32
+    arguments + 25.7 GiB temporaries, 15.3 of them the bf16 copy); the paged engine casts
+    layer by layer inside its scan (no copy)."""
+    copy = model.compute_bytes if sampler != "engine" and model.compute_bytes < model.param_bytes else 0
+    return model.param_bytes + copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,13 +252,15 @@ def _lm_layout(model, batch, tokens, chip, n) -> LmLayout | HbmEstimate:
 
 
 def rl_layout(model: ModelShape, *, train_rows: int, sample_rows: int, tokens: int,
-              chip: targets.Chip, n_devices: int, microbatches: int | None = None) -> RlLayout:
+              chip: targets.Chip, n_devices: int, microbatches: int | None = None,
+              sampler: str = "static") -> RlLayout:
     """The trainer / sampler split for ``model`` on ``n_devices`` ``chip``s: ``train_rows``
     sequences per trainer step (a mini-batch), ``sample_rows`` per rollout, ``tokens`` each
     (see the module docstring); DoesNotFit naming the smallest candidate that fits.
-    ``microbatches``: the trainer's gradient accumulation as given (None: the fewest that fit)."""
+    ``microbatches``: the trainer's gradient accumulation as given (None: the fewest that fit);
+    ``sampler``: ``rl.sampler`` (its weights: :func:`rl_sampler_weight_bytes`)."""
     return _layout_or_raise(
-        lambda c, n: _rl_layout(model, train_rows, sample_rows, tokens, c, n, microbatches),
+        lambda c, n: _rl_layout(model, train_rows, sample_rows, tokens, c, n, microbatches, sampler),
         train_rows, sample_rows, tokens, chip, n_devices)
 
 
@@ -270,7 +286,7 @@ def _role_width(estimate, devices: int, kv_heads: int) -> tuple[int, HbmEstimate
     return width, est
 
 
-def _rl_layout(model, train_rows, sample_rows, tokens, chip, n, microbatches=None
+def _rl_layout(model, train_rows, sample_rows, tokens, chip, n, microbatches=None, sampler="static"
                ) -> RlLayout | tuple:
     if n < 2:
         return "trainer", train_estimate(model, train_rows, tokens, shards=1, model_width=1,
@@ -286,7 +302,8 @@ def _rl_layout(model, train_rows, sample_rows, tokens, chip, n, microbatches=Non
 
     def sample(width, devices):
         return sample_estimate(model, max(1.0, sample_rows / (devices // width)), tokens,
-                               model_width=width, capacity=cap)
+                               model_width=width, capacity=cap,
+                               weight_bytes=rl_sampler_weight_bytes(model, sampler))
 
     if microbatches is not None and microbatches > 1:  # as given: the widths at that M
         t_width, t_est = _role_width(lambda w, d: train(w, d, microbatches), trainer,
@@ -364,7 +381,8 @@ def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout |
     rollout = None
     for w in (w for w in _pow2(n_roll) if kv % w == 0):
         parts = [sample_estimate(m, max(1.0, sample_rows / (n_roll // w)), tokens, model_width=w,
-                                 capacity=cap) for m in agents.values()]
+                                 capacity=cap, weight_bytes=rl_sampler_weight_bytes(m, "engine"))
+                 for m in agents.values()]
         rollout = HbmEstimate(params=sum(e.params for e in parts), optimizer=0.0,
                               activations=sum(e.activations for e in parts), capacity=cap)
         if rollout.fits:

@@ -109,7 +109,8 @@ def _rl(config, chip, n, overrides):
     lay = resolve.rl_layout(resolve.ModelShape.of(model),
                             train_rows=rows // rl.lag, sample_rows=rows, tokens=tokens,
                             chip=chip, n_devices=n,
-                            microbatches=rl.microbatches if user_micro else None)
+                            microbatches=rl.microbatches if user_micro else None,
+                            sampler=rl.sampler)
     roles = dataclasses.replace(config.roles, rollout_devices=lay.rollout_devices,
                                 trainer_model=lay.trainer_model,
                                 rollout_model=lay.rollout_model)
