@@ -166,8 +166,10 @@ def _full() -> Config:
     (data 4 x model 8), tensor parallel over heads / kv heads / mlp / vocab, rows over "data".
     ``--compile-only --target=T`` lays the roles out for T instead
     (:mod:`jaxflow.compile_only.variants`: halves, the smallest model widths whose HBM estimate
-    fits; v5p:4x4x4 trainer model 2, rollout model 1); on 8 x H100 the trainer's 128-row update
-    fits at model 4 only with gradient accumulation: ``rl.microbatches`` 4 (32 rows each)."""
+    fits; v5p:4x4x4 trainer model 2, rollout model 1; v6e:16x16 trainer model 8, rollout
+    model 2: the sampler holds the f32 params and their bf16 copy, 45.8 GiB unsharded); on
+    8 x H100 the trainer's 128-row update fits at model 4 only with gradient accumulation:
+    ``rl.microbatches`` 4 (32 rows each), the rollout at model 2."""
     policy = shipped_config("qwen3-8b", param_dtype="float32", max_seq_len=2048, remat=True)
     pretrain = dataclasses.replace(
         WARM_START, model=policy,
