@@ -59,7 +59,10 @@ class GRPOConfig:
         the mini-batch rows. 1 (default): :func:`jaxflow.rl.update.update_step`, the whole mini-batch at once.
         M > 1 refuses what cannot be split exactly: a correction whose mask is a statistic of
         the whole batch (M2PO) and a ``seq-mean-*`` aggregation with a KL or entropy term
-        (their token means have another normaliser than the sequence mean).
+        (their token means have another normaliser than the sequence mean). The gradient is
+        exact; of the metrics, token means are exact and quantiles (``ratio_p99`` and the
+        like) and ``moe/router_disagreement`` are the weighted means of the micro-batches'
+        values, not the whole mini-batch's.
       staleness: k, rollouts sample with the weights published k rollouts earlier.
       kl_coef, kl_estimator: KL(pi_theta || pi_ref) to the frozen initial policy, "k1" or "k3"
         per-token estimator on the sampled tokens; 0 turns it off (no reference kept).
