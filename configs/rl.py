@@ -218,8 +218,9 @@ def _full() -> Config:
     32 (data 4 x model 8). ``model.hf_path`` names the real checkpoint to train; compiling needs
     only its shapes (without one, Qwen3-8B's). ``--compile-only --target=T`` lays the roles
     out for T instead (:mod:`jaxflow.compile_only.variants`: halves, the smallest model widths
-    whose HBM estimate fits; v5p:4x4x4 trainer model 2, rollout model 1; v6e:16x16 trainer
-    model 8, rollout model 2, the engine holding the f32 params); on 8 x H200 the
+    whose HBM estimate fits; v5p:4x4x4 trainer model 2, rollout model 4: the engine is one
+    replica whose page pool holds all 1,024 rows' KV on every "model" shard, so on v6e:16x16 it
+    exits 2); on 8 x H200 the
     trainer's 128-row update of 2,048 tokens fits at model 4 with gradient accumulation
     (``rl.microbatches`` 4); on 8 x H100 it exits 2, the sampler's KV cache not fitting (the
     smallest target its HBM estimate fits: 8 x H200)."""

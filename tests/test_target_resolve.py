@@ -32,13 +32,15 @@ LM = {"tpu-v5p:4x4x4": (64, 1), "tpu-v6e:16x16": (256, 1), "gpu-h100x8": (8, 8),
 RL = {"tpu-v5p:4x4x4": (32, 2, 1, 1), "tpu-v6e:16x16": (128, 8, 2, 1),
       "gpu-h100x8": (4, 4, 2, 4), "gpu-h200x8": (4, 2, 1, 1)}
 
-#: rl full (Qwen3-8B GRPO, 2,048 tokens): as RL, or None where it exits 2: on 8 x H100 the
-#: sampler's KV cache does not fit (the smallest target its estimate fits: 8 x H200).
-RL_EXP = {"tpu-v5p:4x4x4": (32, 2, 1, 1), "tpu-v6e:16x16": (128, 8, 2, 1), "gpu-h100x8": None,
-          "gpu-h200x8": (4, 4, 1, 4)}
+#: rl full (Qwen3-8B GRPO, 2,048 tokens, the paged engine): as RL, or None where it exits 2.
+#: The engine is one replica holding all 1,024 rows' KV (309 GiB) split over "model" only: v5p
+#: takes model 4 (at model 1 its compiled prefill needed 320 GiB per device); on v6e (even at
+#: model 8) and 8 x H100 the KV does not fit (the smallest target its estimate fits: 8 x H200).
+RL_EXP = {"tpu-v5p:4x4x4": (32, 2, 4, 1), "tpu-v6e:16x16": None, "gpu-h100x8": None,
+          "gpu-h200x8": (4, 4, 4, 4)}
 #: flexmarl full (Qwen3-8B solver + 4B-shaped verifier): (trainer model, rollout model), or
 #: None where it exits 2 (the smallest target: 8 x H200).
-MARL = {"tpu-v5p:4x4x4": (2, 1), "tpu-v6e:16x16": (8, 2), "gpu-h100x8": None,
+MARL = {"tpu-v5p:4x4x4": (2, 1), "tpu-v6e:16x16": (8, 4), "gpu-h100x8": None,
         "gpu-h200x8": (2, 1)}
 
 
@@ -211,8 +213,9 @@ def test_marl_layout_splits_trainers_like_the_meshes_and_sums_the_samplers():
     a = resolve.train_estimate(big, 8 / 3, 16, shards=1, model_width=1,
                                capacity=chip.hbm_bytes, fused_logprobs=True)
     assert lay.estimates["trainer/a"] == a
-    parts = [resolve.sample_estimate(m, 2, 16, model_width=1, capacity=chip.hbm_bytes,
-                                     weight_bytes=4)  # the engine holds the published f32 params
+    # the engine: one replica with all 8 rows' pages, holding the published f32 params
+    parts = [resolve.sample_estimate(m, 8, 16, model_width=1, capacity=chip.hbm_bytes,
+                                     weight_bytes=4)
              for m in (big, small)]
     assert lay.estimates["rollout"].params == sum(p.params for p in parts)
     assert lay.estimates["rollout"].activations == sum(p.activations for p in parts)

@@ -8,7 +8,10 @@ The estimate (:class:`HbmEstimate`, bytes per device) counts
   params + optimizer: the training state (weights, gradients, AdamW's two f32 moments) or the
     sampler's weights (a serving replica's bf16; an RL sampler's published f32 params, plus the
     bf16 copy a static sampler casts them to: :func:`rl_sampler_weight_bytes`), divided by the
-    devices its weights are sharded over;
+    devices its weights are sharded over (an RL sampler's rows are split over the "data"
+    replicas of the static sampler; the paged engine is one replica whose page pool holds every
+    row's KV on each "model" shard: rl full's engine compiled for v5p:4x4x4 at model 1 needed
+    320 GiB per device, its 1,024 rows x 2,048 tokens of KV unsplit);
   activations: with remat per block, every block's input saved ([rows, tokens, d_model] in the
     compute dtype), one block recomputed (its q/k/v/o and SwiGLU tensors) and the f32 logits
     and their gradient ([rows, tokens, vocab / model]); for a sampler, its KV cache.
@@ -30,11 +33,13 @@ The rule, per system (:func:`lm_train_layout`, :func:`rl_layout`, and as named b
     divisor of its per-device rows) whose estimate fits, counting the f32 gradient sum the
     accumulation carries on top of the state. Used for flagship and rl full (Qwen3-8B GRPO:
     rows = prompts x group, the trainer's a 1 / lag mini-batch; rl's tokens are its prompt and
-    response budgets). Per system, today (tests/test_target_resolve.py): on v5p:4x4x4 and
-    v6e:16x16 both fit without accumulation (M = 1, trainer model 2 / 8); on 8 x H200 flagship
-    fits at trainer model 2, M = 1, and rl (2,048 tokens) at trainer model 4, M = 4; on 8 x
-    H100 flagship takes trainer model 4 and M = 4 (128 rows of 1,032 tokens, 32 per
-    micro-batch), and rl exits 2 on its sampler (1,024 rows' KV cache, even at model 4).
+    response budgets). Per system, today (tests/test_target_resolve.py): on v5p:4x4x4 both
+    fit without accumulation (M = 1, trainer model 2; rollout model 1 for flagship's static
+    sampler, 4 for rl's engine); on v6e:16x16 flagship fits (trainer model 8, rollout model 2)
+    and rl exits 2 on its engine (1,024 rows' KV cache on every shard, even at model 8); on
+    8 x H200 flagship fits at trainer model 2, M = 1, and rl (2,048 tokens) at trainer model 4,
+    M = 4 and rollout model 4; on 8 x H100 flagship takes trainer model 4 and M = 4 (128 rows
+    of 1,032 tokens, 32 per micro-batch) and rollout model 2, and rl exits 2 on its engine.
   MARL (:func:`marl_layout`, flexmarl full: several agents): the rollout role gets N/2 devices
     (every agent's sampler on them, their estimates summed), the trainer devices are split over
     the agents as :func:`jaxflow.marl.meshes.agent_centric_meshes` splits them (in proportion to
@@ -300,8 +305,9 @@ def _rl_layout(model, train_rows, sample_rows, tokens, chip, n, microbatches=Non
         return train_estimate(model, rows / micro, tokens, shards=width, model_width=width,
                               capacity=cap, fused_logprobs=True, grad_accumulator=micro > 1)
 
-    def sample(width, devices):
-        return sample_estimate(model, max(1.0, sample_rows / (devices // width)), tokens,
+    def sample(width, devices):  # the engine: one replica, every row's pages on each model shard
+        rows = sample_rows if sampler == "engine" else max(1.0, sample_rows / (devices // width))
+        return sample_estimate(model, rows, tokens,
                                model_width=width, capacity=cap,
                                weight_bytes=rl_sampler_weight_bytes(model, sampler))
 
@@ -380,7 +386,7 @@ def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout |
         return worst
     rollout = None
     for w in (w for w in _pow2(n_roll) if kv % w == 0):
-        parts = [sample_estimate(m, max(1.0, sample_rows / (n_roll // w)), tokens, model_width=w,
+        parts = [sample_estimate(m, sample_rows, tokens, model_width=w,  # one engine replica
                                  capacity=cap, weight_bytes=rl_sampler_weight_bytes(m, "engine"))
                  for m in agents.values()]
         rollout = HbmEstimate(params=sum(e.params for e in parts), optimizer=0.0,
