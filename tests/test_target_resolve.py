@@ -40,7 +40,7 @@ RL_EXP = {"tpu-v5p:4x4x4": (32, 2, 4, 1), "tpu-v6e:16x16": None, "gpu-h100x8": N
           "gpu-h200x8": (4, 4, 4, 4)}
 #: flexmarl full (Qwen3-8B solver + 4B-shaped verifier): (trainer model, rollout model), or
 #: None where it exits 2 (the smallest target: 8 x H200).
-MARL = {"tpu-v5p:4x4x4": (2, 1), "tpu-v6e:16x16": (8, 4), "gpu-h100x8": None,
+MARL = {"tpu-v5p:4x4x4": (2, 1), "tpu-v6e:16x16": (8, 2), "gpu-h100x8": None,
         "gpu-h200x8": (2, 1)}
 
 
@@ -219,6 +219,14 @@ def test_marl_layout_splits_trainers_like_the_meshes_and_sums_the_samplers():
              for m in (big, small)]
     assert lay.estimates["rollout"].params == sum(p.params for p in parts)
     assert lay.estimates["rollout"].activations == sum(p.activations for p in parts)
+    # per-agent token budgets: each agent's trainer and KV cache at its own length
+    own = resolve.marl_layout({"a": big, "b": small}, train_rows=8, sample_rows=8,
+                              tokens={"a": 16, "b": 64}, chip=chip, n_devices=8)
+    assert own.estimates["trainer/a"] == a
+    kv = [resolve.sample_estimate(m, 8, t, model_width=1, capacity=chip.hbm_bytes, weight_bytes=4)
+          for m, t in ((big, 16), (small, 64))]
+    assert own.estimates["rollout"].activations == sum(p.activations for p in kv)
+    assert own.estimates["rollout"].activations > lay.estimates["rollout"].activations
     with pytest.raises(resolve.DoesNotFit, match="trainer/a"):  # 3 devices: a shared trainer
         resolve.marl_layout({"a": big, "b": small}, train_rows=10 ** 7, sample_rows=8,
                             tokens=16, chip=chip, n_devices=3)

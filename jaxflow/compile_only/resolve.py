@@ -332,14 +332,15 @@ def _rl_layout(model, train_rows, sample_rows, tokens, chip, n, microbatches=Non
     return RlLayout(rollout, t_width, r_width, {"trainer": t_est, "rollout": r_est}, micro)
 
 
-def marl_layout(agents: dict, *, train_rows: int, sample_rows: int, tokens: int,
+def marl_layout(agents: dict, *, train_rows: int, sample_rows: int, tokens: int | dict,
                 chip: targets.Chip, n_devices: int) -> RlLayout:
     """The MARL layout (module docstring) of ``agents`` ({name: :class:`ModelShape`}, run order)
     on ``n_devices`` ``chip``s: ``train_rows`` per trainer micro-batch, ``sample_rows`` per
-    rollout call, ``tokens`` each; ``estimates`` keyed "trainer/NAME" and "rollout".
-    DoesNotFit naming the smallest candidate that fits."""
-    return _layout_or_raise(lambda c, n: _marl_layout(agents, train_rows, sample_rows, tokens, c, n),
-                            train_rows, sample_rows, tokens, chip, n_devices)
+    rollout call, ``tokens`` each (one count, or {name: count} per agent); ``estimates`` keyed
+    "trainer/NAME" and "rollout". DoesNotFit naming the smallest candidate that fits."""
+    per_agent = tokens if isinstance(tokens, dict) else dict.fromkeys(agents, tokens)
+    return _layout_or_raise(lambda c, n: _marl_layout(agents, train_rows, sample_rows, per_agent, c, n),
+                            train_rows, sample_rows, max(per_agent.values()), chip, n_devices)
 
 
 def split_units(loads: dict, units: int) -> dict:
@@ -365,7 +366,7 @@ def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout |
     cap = chip.hbm_bytes
     if n < 2 * len(agents):  # shared trainer mesh: not a production layout
         name = max(agents, key=lambda a: agents[a].params)
-        return f"trainer/{name}", train_estimate(agents[name], train_rows, tokens, shards=1,
+        return f"trainer/{name}", train_estimate(agents[name], train_rows, tokens[name], shards=1,
                                                  model_width=1, capacity=cap,
                                                  fused_logprobs=True)
     n_roll = n // 2
@@ -374,7 +375,7 @@ def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout |
     trainer, worst = None, None
     for tp in (w for w in _pow2(n_train) if kv % w == 0 and n_train // w >= len(agents)):
         split = split_units({a: float(m.params) for a, m in agents.items()}, n_train // tp)
-        ests = {f"trainer/{a}": train_estimate(m, max(1.0, train_rows / split[a]), tokens,
+        ests = {f"trainer/{a}": train_estimate(m, max(1.0, train_rows / split[a]), tokens[a],
                                                shards=tp, model_width=tp, capacity=cap,
                                                fused_logprobs=True)
                 for a, m in agents.items()}
@@ -386,9 +387,9 @@ def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout |
         return worst
     rollout = None
     for w in (w for w in _pow2(n_roll) if kv % w == 0):
-        parts = [sample_estimate(m, sample_rows, tokens, model_width=w,  # one engine replica
+        parts = [sample_estimate(m, sample_rows, tokens[a], model_width=w,  # one engine replica
                                  capacity=cap, weight_bytes=rl_sampler_weight_bytes(m, "engine"))
-                 for m in agents.values()]
+                 for a, m in agents.items()]
         rollout = HbmEstimate(params=sum(e.params for e in parts), optimizer=0.0,
                               activations=sum(e.activations for e in parts), capacity=cap)
         if rollout.fits:

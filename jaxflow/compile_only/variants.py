@@ -13,7 +13,8 @@ programs are built, so one variant (a model and a global batch) compiles on any 
   flexmarl (``solver`` / ``verifier``, caps ``trainer_model`` / ``rollout_model``): the caps
     become the model degrees of :func:`~jaxflow.compile_only.resolve.marl_layout` (trainer
     rows: ``micro_inputs`` x ``group_size``; rollout rows: ``rollout_batch`` x ``group_size``;
-    tokens: ``solver_tokens`` + ``verifier_tokens``, the verifier reading the solver's answer).
+    tokens: each agent's own response budget, ``solver_tokens`` / ``verifier_tokens``: its
+    engine's KV cache holds that and its prompt, 1,031 / 1,036 slots in flexmarl full).
   dlrm_train and nestpipe (``vocab_sizes`` tables row-wise over one "data" axis): the mesh is
     already every device; :func:`~jaxflow.compile_only.resolve.table_layout` only checks the
     target holds the tables (exit 2 naming the smallest that does), and the line says so.
@@ -142,7 +143,8 @@ def _marl(config, chip, n, overrides):
               "verifier": resolve.ModelShape.of(config.verifier)}
     lay = resolve.marl_layout(agents, train_rows=config.micro_inputs * config.group_size,
                               sample_rows=config.rollout_batch * config.group_size,
-                              tokens=config.solver_tokens + config.verifier_tokens, chip=chip,
+                              tokens={"solver": config.solver_tokens,
+                                      "verifier": config.verifier_tokens}, chip=chip,
                               n_devices=n)
     est = "; ".join(f"{k} {v.text()}" for k, v in lay.estimates.items())
     text = (f"layout for {n} {chip.name}: trainers {n - lay.rollout_devices} (model "
