@@ -18,9 +18,6 @@ variant states the model and the global batch; ``--compile-only --target=T`` lay
 and 8 micro-batches of 4 sequences per GPU (32 sequences at once needed 172 GiB per GPU: their
 float32 logits alone are 63 GiB).
 
-``full_70b`` is the same step with Meta-Llama-3-70B, for ``--compile-only`` (the 70B rows
-beside MaxText's published MFU in docs/api/compile_only.md).
-
 The RL experiments warm-start from this run's checkpoint.
 """
 
@@ -122,12 +119,5 @@ def _full() -> Config:
     )
 
 
-def _full_70b() -> Config:
-    """``full`` with Meta-Llama-3-70B (80 layers, d 8192): the 70B row of the efficiency table
-    beside MaxText's (``--compile-only`` only; laid out per target like ``full``)."""
-    base = _full()
-    return dataclasses.replace(base, model=shipped_config("llama-3-70b", max_seq_len=4096, remat=True))
-
-
-get_config = Variants(quick=_quick, default=Config, full=_full, full_70b=_full_70b)
+get_config = Variants(quick=_quick, default=Config, full=_full)
 VARIANTS = get_config.variants

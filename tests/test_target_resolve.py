@@ -61,26 +61,6 @@ def test_lm_pretrain_full_is_fsdp_with_accumulation_where_needed(text):
     assert f"{micro} micro-batch(es) of {256 // n // micro} row(s)" in line
 
 
-#: lm_pretrain full_70b (Llama-3-70B, 256 x 4096): (fsdp, micro-batches), or None where it
-#: exits 2 naming v5p:4x4x4 (AdamW's f32 moments alone are 98.6 GiB per GPU over 8).
-LM_70B = {"tpu-v5p:4x4x4": (64, 2), "tpu-v6e:16x16": (256, 1), "gpu-h100x8": None, "gpu-h200x8": None}
-
-
-@pytest.mark.parametrize("text", TARGETS)
-def test_lm_pretrain_full_70b_is_laid_out_like_full(text):
-    base = lm_config.get_config("full_70b")
-    assert (base.model.n_layers, base.model.d_model, base.model.d_ff) == (80, 8192, 28672)
-    target = parse_target(text)
-    if LM_70B[text] is None:
-        with pytest.raises(resolve.DoesNotFit, match="smallest target this estimate fits: tpu-v5p:4x4x4"):
-            resolve_for_target("lm_pretrain", "full_70b", base, target.chip, target.n_devices)
-        return
-    config, line = resolve_for_target("lm_pretrain", "full_70b", base, target.chip, target.n_devices)
-    fsdp, micro = LM_70B[text]
-    assert dict(zip(config.mesh.axes, config.mesh.shape)) == {"data": 1, "fsdp": fsdp, "model": 1}
-    assert config.train.microbatches == micro and f"{micro} micro-batch(es)" in line
-
-
 @pytest.mark.parametrize("text", TARGETS)
 def test_flagship_full_roles_come_from_the_target(text):
     base = flagship_config.get_config("full")

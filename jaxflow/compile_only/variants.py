@@ -59,14 +59,13 @@ def _user_set(overrides, *prefixes: str) -> bool:
 def resolve_for_target(name: str, variant: str, config, chip, n_devices: int,
                        overrides=()) -> tuple[object, str]:
     """(``config`` laid out for ``n_devices`` ``chip``s, one line saying how) for a ``full``
-    variant (``full`` or ``full_*``, e.g. lm_pretrain's ``full_70b``) of an experiment in
-    :data:`RESOLVED`; otherwise (``config``, "").
+    variant of an experiment in :data:`RESOLVED`; otherwise (``config``, "").
 
     Raises:
       resolve.DoesNotFit: no layout fits; the line names the smallest target it fits.
     """
     kind = RESOLVED.get(name)
-    if not (variant == "full" or variant.startswith("full_")) or kind is None:
+    if variant != "full" or kind is None:
         return config, ""
     if kind == "lm":
         return _lm(config, chip, n_devices, overrides)
