@@ -77,14 +77,19 @@ def row_keys(key: jax.Array, n: int) -> jax.Array:
 def replica_mesh(mesh: Mesh) -> Mesh:
     """The sub-mesh of ``mesh`` at its first "data" index whose devices this process holds
     (every other axis whole): one tensor-parallel replica, where the engine runs. A mesh
-    without a "data" axis is returned as it is; ValueError when no replica is local."""
+    without a "data" axis is returned as it is; ValueError when no replica is local. A mesh of
+    another runtime's devices (``--compile-only``'s abstract target, where no process runs
+    it): the first replica whose devices one process holds, whichever."""
     if "data" not in mesh.axis_names:
         return mesh
     axis = mesh.axis_names.index("data")
     me = jax.process_index()
+    ours = set(jax.devices())
+    abstract = not any(d in ours for d in mesh.devices.flat)
     for i in range(mesh.devices.shape[axis]):
         devices = np.take(mesh.devices, [i], axis=axis)
-        if all(d.process_index == me for d in devices.flat):
+        owner = me if not abstract else devices.flat[0].process_index
+        if all(d.process_index == owner for d in devices.flat):
             return Mesh(devices, mesh.axis_names)
     raise ValueError(f"rollout mesh {dict(mesh.shape)}: no tensor-parallel replica lies on process "
                      f"{me}'s devices; valid: a 'model' axis within one process")

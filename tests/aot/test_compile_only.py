@@ -120,3 +120,25 @@ def test_a_sub_mesh_of_the_first_devices_compiles_on_v6e():
         mesh = Mesh(np.asarray(sub, dtype=object).reshape(1, 8), ("data", "model"))
         x = jax.ShapeDtypeStruct((64, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, "model")))
         jax.jit(lambda a: jnp.sum(a, axis=1), out_shardings=NamedSharding(mesh, PartitionSpec())).lower(x).compile()
+
+
+def test_marl_replica_of_an_abstract_mesh_is_one_hosts_devices():
+    """``--compile-only`` runs no process of the target: the MARL sampler's replica of a rollout
+    mesh on the second half of v6e:16x16 (processes 32-63, none of them this process 0) is its
+    first "data" row whose devices one host holds; a model axis wider than a host's consecutive
+    ids (4: ids 0-3 span two hosts of 4 chips) has none and is refused, as on a real slice."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from jaxflow.compile_only.target import parse_target
+    from jaxflow.marl.sampling import replica_mesh
+
+    devices = parse_target("tpu-v6e:16x16").devices()[128:]
+    mesh = Mesh(np.asarray(devices, dtype=object).reshape(64, 2), ("data", "model"))
+    replica = replica_mesh(mesh)
+    ids = [d.id for d in replica.devices.flat]
+    assert ids == [128, 129] and len({d.process_index for d in replica.devices.flat}) == 1
+    assert replica.devices.flat[0].process_index != 0
+    wide = Mesh(np.asarray(devices, dtype=object).reshape(32, 4), ("data", "model"))
+    with pytest.raises(ValueError, match="no tensor-parallel replica"):
+        replica_mesh(wide)
