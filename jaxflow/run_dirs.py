@@ -154,16 +154,18 @@ def field_defaults(config) -> dict:
 
     out: dict = {}
 
-    def walk(value, prefix: str) -> None:
-        if isinstance(value, dict):
+    def walk(value, prefix: str) -> None:  # outer defaults first: a section's default wins
+        if isinstance(value, dict):  # over its class's own field defaults
             for key, item in value.items():
                 walk(item, f"{prefix}{key}.")
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             for f in dataclasses.fields(value):
-                if f.default is not dataclasses.MISSING:
-                    out.update(_flatten(to_jsonable(f.default), f"{prefix}{f.name}."))
-                elif f.default_factory is not dataclasses.MISSING:
-                    out.update(_flatten(to_jsonable(f.default_factory()), f"{prefix}{f.name}."))
+                default = f.default
+                if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+                    default = f.default_factory()
+                if default is not dataclasses.MISSING:
+                    for key, item in _flatten(to_jsonable(default), f"{prefix}{f.name}.").items():
+                        out.setdefault(key, item)
                 walk(getattr(value, f.name), f"{prefix}{f.name}.")
 
     walk(config, "")
