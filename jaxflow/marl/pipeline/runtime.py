@@ -66,7 +66,7 @@ class AgentRuntime:
                                  donate_argnums=0)
         self.accumulate_apply = jit_on(
             self.mesh, functools.partial(accumulate_apply, fns=self.fns, config=self.config),
-            out_shardings=self.shardings, donate_argnums=1)
+            out_shardings=self.shardings, donate_argnums=0)
 
     def init_policy(self, params: Any) -> TrainState:
         """A fresh train state (step 0) around ``params`` (host or device pytree), on the
