@@ -135,6 +135,36 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     return Mesh(arr, tuple(sizes.keys()))
 
 
+def host_block(devices: Sequence[jax.Device]) -> int:
+    """The fewest leading ``devices`` (in the given order) that are whole hosts filling a box
+    of the slice's chip coordinates, when ``devices`` span several hosts (``process_index``)
+    but one process drives them all (an abstract pod slice compiled with ``--compile-only``);
+    1 otherwise (one host, devices without ``coords``, or a real multi-process run, where
+    :func:`process_role_meshes` spreads every role over every process).
+
+    A sub-mesh of leading devices a multiple of this long is what libtpu compiles for: on
+    v5p:4x4x4 (hosts of 2x2x1 chips) the block is 8 ids (a 4x2x1 box), on v6e:16x16 (hosts of
+    2x2) 32 ids (16x2); a 12-chip v5p sub-mesh (4x3x1) is refused with "chips: 4,3,1 does not
+    evenly divide into chips_per_hosts: 2,2,1".
+    """
+    devices = list(devices)
+    hosts: dict[int, set] = {}
+    for d in devices:
+        hosts.setdefault(d.process_index, set()).add(d.id)
+    if len(hosts) < 2 or jax.process_count() > 1 or \
+            not all(hasattr(d, "coords") for d in devices):
+        return 1
+    seen: set = set()
+    for k, d in enumerate(devices, 1):
+        seen.add(d.id)
+        lead = devices[:k]
+        coords = np.array([x.coords for x in lead])
+        box = int(np.prod(coords.max(0) - coords.min(0) + 1))
+        if box == k and all(hosts[x.process_index] <= seen for x in lead):
+            return k
+    return len(devices)
+
+
 def role_meshes(
     roles: Mapping[str, int],
     axes: Mapping[str, Mapping[str, int]] | None = None,

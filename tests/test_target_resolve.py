@@ -281,3 +281,48 @@ def test_split_units_is_the_meshes_allocation(loads, units):
     from jaxflow.marl.balance import allocate_workers
 
     assert resolve.split_units(loads, units) == allocate_workers(loads, units)
+
+
+def test_host_block_of_a_pod_slice_is_whole_hosts_in_id_order():
+    """Pure rule (``Target.host_block``) and the device-derived one (``mesh.host_block``) on a
+    fake 4x4x1 slice of 2x2-chip hosts in id order (x fastest): the first 8 ids are hosts 0
+    and 1, a 4x2x1 box; one host, or devices without coordinates, give 1."""
+    import types
+
+    from jaxflow.mesh import host_block
+
+    assert [parse_target(t).host_block for t in ("tpu-v5p:4x4x4", "tpu-v6e:16x16",
+                                                  "tpu-v5p:2x2x2", "tpu-v5e:2x2",
+                                                  "gpu-h100x8")] == [8, 32, 4, 1, 1]
+    fake = [types.SimpleNamespace(id=4 * y + x, coords=(x, y, 0),
+                                  process_index=2 * (y // 2) + x // 2)
+            for y in range(4) for x in range(4)]
+    assert host_block(fake) == 8
+    assert host_block([types.SimpleNamespace(id=d.id, coords=d.coords, process_index=0)
+                       for d in fake]) == 1
+    assert host_block([types.SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]) == 1
+
+
+def test_marl_layout_splits_trainers_in_whole_host_blocks():
+    """flexmarl full on v5p:4x4x4 in blocks of 8 chips: 32 trainer chips as 16 + 16 (model
+    2: 8 data replicas each, 32 rows -> 4 per device), where blocks of the model degree alone
+    gave 20 + 12 and the 12-chip verifier mesh did not compile."""
+    base = flexmarl_config.get_config("full")
+    target = parse_target("tpu-v5p:4x4x4")
+    agents = {"solver": resolve.ModelShape.of(base.solver),
+              "verifier": resolve.ModelShape.of(base.verifier)}
+    kw = dict(train_rows=base.micro_inputs * base.group_size,
+              sample_rows=base.rollout_batch * base.group_size,
+              tokens={"solver": base.solver_tokens, "verifier": base.verifier_tokens},
+              chip=target.chip, n_devices=64)
+    lay = resolve.marl_layout(agents, host_block=8, **kw)
+    assert (lay.rollout_devices, lay.trainer_model) == (32, 2)
+    rows = kw["train_rows"] / 8
+    for name, m in agents.items():
+        assert lay.estimates[f"trainer/{name}"] == resolve.train_estimate(
+            m, rows, kw["tokens"][name], shards=2, model_width=2,
+            capacity=target.chip.hbm_bytes, fused_logprobs=True)
+    old = resolve.marl_layout(agents, **kw)  # blocks of 2: solver 20 chips, 10 replicas
+    assert old.estimates["trainer/solver"] == resolve.train_estimate(
+        agents["solver"], kw["train_rows"] / 10, base.solver_tokens, shards=2, model_width=2,
+        capacity=target.chip.hbm_bytes, fused_logprobs=True)

@@ -164,7 +164,8 @@ def resolve_layout(plan, target: Target):
         return plan, ""
     try:
         config, text = resolve_for_target(plan.name, plan.variant, plan.config, target.chip,
-                                          target.n_devices, plan.overrides)
+                                          target.n_devices, plan.overrides,
+                                          host_block=target.host_block)
     except DoesNotFit as e:
         raise CompileOnlyUsageError(f"{plan.name} [{plan.variant}] on --target {target.text} "
                                     f"({target.n_devices} x {target.chip.name}): {e}") from None

@@ -43,7 +43,8 @@ The rule, per system (:func:`lm_train_layout`, :func:`rl_layout`, and as named b
   MARL (:func:`marl_layout`, flexmarl full: several agents): the rollout role gets N/2 devices
     (every agent's sampler on them, their estimates summed), the trainer devices are split over
     the agents as :func:`jaxflow.marl.meshes.agent_centric_meshes` splits them (in proportion to
-    parameter counts, in blocks of the trainers' model degree); the trainer and rollout model
+    parameter counts, in blocks of the trainers' model degree and, on a pod slice, of whole
+    hosts in id order: 8 chips on v5p:4x4x4, 32 on v6e:16x16); the trainer and rollout model
     degrees are each the smallest power of 2 at which every agent fits (they are the caps
     ``trainer_model`` / ``rollout_model``).
   Sharded-embedding recommenders (:func:`table_layout`, dlrm_train and nestpipe full): the mesh
@@ -333,14 +334,28 @@ def _rl_layout(model, train_rows, sample_rows, tokens, chip, n, microbatches=Non
 
 
 def marl_layout(agents: dict, *, train_rows: int, sample_rows: int, tokens: int | dict,
-                chip: targets.Chip, n_devices: int) -> RlLayout:
+                chip: targets.Chip, n_devices: int, host_block: int = 1) -> RlLayout:
     """The MARL layout (module docstring) of ``agents`` ({name: :class:`ModelShape`}, run order)
     on ``n_devices`` ``chip``s: ``train_rows`` per trainer micro-batch, ``sample_rows`` per
-    rollout call, ``tokens`` each (one count, or {name: count} per agent); ``estimates`` keyed
-    "trainer/NAME" and "rollout". DoesNotFit naming the smallest candidate that fits."""
+    rollout call, ``tokens`` each (one count, or {name: count} per agent); ``host_block``: the
+    devices of one whole-host block (:attr:`~jaxflow.compile_only.target.Target.host_block`),
+    each agent's trainer devices a multiple of it; ``estimates`` keyed "trainer/NAME" and
+    "rollout". DoesNotFit naming the smallest candidate that fits."""
     per_agent = tokens if isinstance(tokens, dict) else dict.fromkeys(agents, tokens)
-    return _layout_or_raise(lambda c, n: _marl_layout(agents, train_rows, sample_rows, per_agent, c, n),
-                            train_rows, sample_rows, max(per_agent.values()), chip, n_devices)
+
+    def search(c, n):
+        block = host_block if (c.name, n) == (chip.name, n_devices) else _candidate_block(c, n)
+        return _marl_layout(agents, train_rows, sample_rows, per_agent, c, n, block)
+
+    return _layout_or_raise(search, train_rows, sample_rows, max(per_agent.values()), chip,
+                            n_devices)
+
+
+def _candidate_block(chip: targets.Chip, n: int) -> int:
+    from jaxflow.compile_only.target import parse_target
+
+    return next((parse_target(text).host_block for text, name, k in CANDIDATES
+                 if (name, k) == (chip.name, n)), 1)
 
 
 def split_units(loads: dict, units: int) -> dict:
@@ -362,9 +377,10 @@ def _pow2(n: int) -> list[int]:
     return [w for w in (2 ** i for i in range(n.bit_length())) if n % w == 0]
 
 
-def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout | tuple:
+def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n, block=1
+                 ) -> RlLayout | tuple:
     cap = chip.hbm_bytes
-    if n < 2 * len(agents):  # shared trainer mesh: not a production layout
+    if n - n // 2 < len(agents) * block:  # shared trainer mesh: not a production layout
         name = max(agents, key=lambda a: agents[a].params)
         return f"trainer/{name}", train_estimate(agents[name], train_rows, tokens[name], shards=1,
                                                  model_width=1, capacity=cap,
@@ -373,11 +389,13 @@ def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n) -> RlLayout |
     n_train = n - n_roll
     kv = min(m.n_kv_heads for m in agents.values())
     trainer, worst = None, None
-    for tp in (w for w in _pow2(n_train) if kv % w == 0 and n_train // w >= len(agents)):
-        split = split_units({a: float(m.params) for a, m in agents.items()}, n_train // tp)
-        ests = {f"trainer/{a}": train_estimate(m, max(1.0, train_rows / split[a]), tokens[a],
-                                               shards=tp, model_width=tp, capacity=cap,
-                                               fused_logprobs=True)
+    for tp in (w for w in _pow2(n_train)
+               if kv % w == 0 and n_train // math.lcm(w, block) >= len(agents)):
+        unit = math.lcm(tp, block)
+        split = split_units({a: float(m.params) for a, m in agents.items()}, n_train // unit)
+        ests = {f"trainer/{a}": train_estimate(m, max(1.0, train_rows * tp / (split[a] * unit)),
+                                               tokens[a], shards=tp, model_width=tp,
+                                               capacity=cap, fused_logprobs=True)
                 for a, m in agents.items()}
         worst = max(ests.items(), key=lambda kv_: kv_[1].needed / kv_[1].capacity)
         if worst[1].fits:

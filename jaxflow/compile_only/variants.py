@@ -57,9 +57,11 @@ def _user_set(overrides, *prefixes: str) -> bool:
 
 
 def resolve_for_target(name: str, variant: str, config, chip, n_devices: int,
-                       overrides=()) -> tuple[object, str]:
+                       overrides=(), host_block: int = 1) -> tuple[object, str]:
     """(``config`` laid out for ``n_devices`` ``chip``s, one line saying how) for a ``full``
-    variant of an experiment in :data:`RESOLVED`; otherwise (``config``, "").
+    variant of an experiment in :data:`RESOLVED`; otherwise (``config``, ""). ``host_block``:
+    the target's whole-host block (:attr:`~jaxflow.compile_only.target.Target.host_block`;
+    MARL's trainer split is made of them).
 
     Raises:
       resolve.DoesNotFit: no layout fits; the line names the smallest target it fits.
@@ -74,7 +76,7 @@ def resolve_for_target(name: str, variant: str, config, chip, n_devices: int,
     if kind == "table":
         return _table(name, config, chip, n_devices)
     if kind == "marl":
-        return _marl(config, chip, n_devices, overrides)
+        return _marl(config, chip, n_devices, overrides, host_block)
     if kind == "bench_table":
         return _bench_table(config, chip, n_devices)
     if kind == "flow":
@@ -135,7 +137,7 @@ def _rl_model(config):
     return dataclasses.replace(model, param_dtype="float32")
 
 
-def _marl(config, chip, n, overrides):
+def _marl(config, chip, n, overrides, host_block=1):
     if _user_set(overrides, "trainer_model", "rollout_model"):
         return config, "model degrees as set (--set trainer_model / rollout_model)"
     agents = {"solver": resolve.ModelShape.of(config.solver),
@@ -144,7 +146,7 @@ def _marl(config, chip, n, overrides):
                               sample_rows=config.rollout_batch * config.group_size,
                               tokens={"solver": config.solver_tokens,
                                       "verifier": config.verifier_tokens}, chip=chip,
-                              n_devices=n)
+                              n_devices=n, host_block=host_block)
     est = "; ".join(f"{k} {v.text()}" for k, v in lay.estimates.items())
     text = (f"layout for {n} {chip.name}: trainers {n - lay.rollout_devices} (model "
             f"{lay.trainer_model}), rollout {lay.rollout_devices} (model {lay.rollout_model}) "

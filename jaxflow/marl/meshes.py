@@ -15,7 +15,7 @@ from typing import Sequence
 import jax
 
 from jaxflow.marl.balance import allocate_workers
-from jaxflow.mesh import process_role_meshes, role_meshes
+from jaxflow.mesh import host_block, process_role_meshes, role_meshes
 
 
 def _degree(cap: int, n_devices: int, units: int = 1) -> int:
@@ -44,7 +44,10 @@ def agent_centric_meshes(wf, n_dev: int, *, devices: Sequence | None = None,
     (:func:`jaxflow.mesh.process_role_meshes`): each process gives each role ``count / P`` of
     its devices, so every process runs every agent's programs in the same order, and the
     trainer blocks are lcm(model degree, P) devices (with 2 processes x 4 devices the quick
-    config's trainers get 2 + 2 devices where one process gives 3 + 1).
+    config's trainers get 2 + 2 devices where one process gives 3 + 1). On an abstract pod
+    slice (one process compiling for many hosts) the blocks are also whole hosts in id order
+    (:func:`jaxflow.mesh.host_block`: 8 chips on v5p:4x4x4, 32 on v6e:16x16), the sub-meshes
+    libtpu compiles for.
 
     Raises:
       MeshError: across processes, a role's devices cannot be split evenly over them.
@@ -54,19 +57,20 @@ def agent_centric_meshes(wf, n_dev: int, *, devices: Sequence | None = None,
     if n_dev == 1:
         mesh = role_meshes({"trainer": 1}, devices=devices)["trainer"]
         return {n: {"trainer": mesh, "rollout": mesh} for n in names}
-    n_proc = jax.process_count()
+    # trainer blocks: whole processes (multi-controller) or whole hosts (an abstract pod slice)
+    block = math.lcm(jax.process_count(), host_block(devices))
     n_roll = n_dev // 2
     n_train = n_dev - n_roll
     roll_axes = _axes(_degree(rollout_model, n_roll))
-    if n_train < len(names) * n_proc:
+    if n_train < len(names) * block:
         m = process_role_meshes({"trainer": n_train, "rollout": n_roll},
                                 {"trainer": _axes(_degree(trainer_model, n_train)),
                                  "rollout": roll_axes}, devices=devices)
         return {n: m for n in names}
-    # the largest model degree whose blocks (lcm with the process count) give every agent one
+    # the largest model degree whose blocks (lcm with `block`) give every agent one
     tp = max(d for d in range(1, trainer_model + 1) if trainer_model % d == 0
-             and n_train % d == 0 and n_train // math.lcm(d, n_proc) >= len(names))
-    unit = math.lcm(tp, n_proc)
+             and n_train % d == 0 and n_train // math.lcm(d, block) >= len(names))
+    unit = math.lcm(tp, block)
     sizes = {n: float(_n_params(wf.agent(n).model)) for n in names}
     split = allocate_workers(sizes, n_train // unit)
     axes = {f"trainer/{n}": _axes(tp) for n in names} | {"rollout": roll_axes}

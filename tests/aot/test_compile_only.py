@@ -142,3 +142,65 @@ def test_marl_replica_of_an_abstract_mesh_is_one_hosts_devices():
     wide = Mesh(np.asarray(devices, dtype=object).reshape(32, 4), ("data", "model"))
     with pytest.raises(ValueError, match="no tensor-parallel replica"):
         replica_mesh(wide)
+
+
+@pytest.mark.parametrize("text", ["tpu-v5p:4x4x4", "tpu-v6e:16x16", "tpu-v5p:2x2x2",
+                                  "tpu-v6e:4x4", "tpu-v5e:2x2"])
+def test_the_rules_host_block_is_the_one_the_devices_give_and_libtpu_compiles(text):
+    """The pure rule's whole-host block (``Target.host_block``, no compiler) equals what
+    ``mesh.host_block`` finds on libtpu's devices, and MARL's trainer split is made of it: on
+    v5p:4x4x4 blocks of 8 compile where flexmarl full's old 12-chip verifier mesh (ids 20-31,
+    a 4x3x1 box) was refused ("does not evenly divide into chips_per_hosts: 2,2,1")."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxflow.compile_only.target import parse_target
+    from jaxflow.mesh import host_block
+
+    target = parse_target(text)
+    devices = target.devices()
+    block = host_block(devices)
+    assert block == target.host_block
+    if text != "tpu-v5p:4x4x4":
+        return
+
+    def compile_on(sub):
+        mesh = Mesh(np.asarray(sub, dtype=object).reshape(-1, 2), ("data", "model"))
+        x = jax.ShapeDtypeStruct((len(sub) * 4, 256), jnp.float32,
+                                 sharding=NamedSharding(mesh, PartitionSpec("data", "model")))
+        jax.jit(lambda a: a @ a.T, out_shardings=NamedSharding(mesh, PartitionSpec())
+                ).lower(x).compile()
+
+    assert block == 8
+    for start, size in ((0, 16), (16, 16), (0, 24), (24, 8)):  # unions of whole blocks
+        compile_on(devices[start:start + size])
+    with pytest.raises(Exception, match="evenly divide"):
+        compile_on(devices[20:32])
+
+
+@pytest.mark.parametrize("text", ["tpu-v5p:4x4x4", "tpu-v6e:16x16"])
+def test_flexmarl_full_trainer_meshes_are_whole_host_blocks_as_the_rule_splits_them(text):
+    """flexmarl full laid out for the pod (the rule's model degrees, its host block): each
+    agent's trainer mesh is a run of whole blocks of leading ids, and the devices per agent
+    are the rule's split (16 + 16 on v5p:4x4x4, 64 + 64 on v6e:16x16)."""
+    import configs.flexmarl as flexmarl_config
+    from jaxflow.compile_only.target import parse_target
+    from jaxflow.compile_only.variants import resolve_for_target
+    from jaxflow.marl.system import agent_meshes
+
+    target = parse_target(text)
+    config, line = resolve_for_target("flexmarl", "full", flexmarl_config.get_config("full"),
+                                      target.chip, target.n_devices,
+                                      host_block=target.host_block)
+    meshes = agent_meshes(config, target.devices())
+    block, n = target.host_block, target.n_devices
+    sizes = {}
+    for name, m in meshes.items():
+        ids = sorted(d.id for d in m["trainer"].devices.flat)
+        assert ids == list(range(ids[0], ids[0] + len(ids))), name
+        assert ids[0] % block == 0 and len(ids) % block == 0, (name, ids[0], len(ids))
+        assert dict(m["trainer"].shape).get("model", 1) == config.trainer_model
+        sizes[name] = len(ids)
+    assert sizes == {"solver": n // 4, "verifier": n // 4}, line
