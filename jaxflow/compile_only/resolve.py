@@ -215,13 +215,15 @@ class LmLayout:
 class RlLayout:
     """An RL layout: ``rollout_devices`` (the trainer has the rest), ``trainer_model`` and
     ``rollout_model`` widths, each role's ``estimates`` ({"trainer", "rollout"}) and the
-    trainer's ``microbatches`` (gradient accumulation steps per update; 1: none)."""
+    trainer's ``microbatches`` (gradient accumulation steps per update; 1: none); MARL's
+    ``trainer_split``: {agent: trainer devices} (None for one trainer)."""
 
     rollout_devices: int
     trainer_model: int
     rollout_model: int
     estimates: dict
     microbatches: int = 1
+    trainer_split: dict | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -399,7 +401,7 @@ def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n, block=1
                 for a, m in agents.items()}
         worst = max(ests.items(), key=lambda kv_: kv_[1].needed / kv_[1].capacity)
         if worst[1].fits:
-            trainer = (tp, ests)
+            trainer = (tp, ests, {a: split[a] * unit for a in agents})
             break
     if trainer is None:
         return worst
@@ -411,7 +413,8 @@ def _marl_layout(agents, train_rows, sample_rows, tokens, chip, n, block=1
         rollout = HbmEstimate(params=sum(e.params for e in parts), optimizer=0.0,
                               activations=sum(e.activations for e in parts), capacity=cap)
         if rollout.fits:
-            return RlLayout(n_roll, trainer[0], w, trainer[1] | {"rollout": rollout})
+            return RlLayout(n_roll, trainer[0], w, trainer[1] | {"rollout": rollout},
+                            trainer_split=trainer[2])
     return "rollout", rollout
 
 

@@ -148,7 +148,8 @@ def _marl(config, chip, n, overrides, host_block=1):
                                       "verifier": config.verifier_tokens}, chip=chip,
                               n_devices=n, host_block=host_block)
     est = "; ".join(f"{k} {v.text()}" for k, v in lay.estimates.items())
-    text = (f"layout for {n} {chip.name}: trainers {n - lay.rollout_devices} (model "
+    split = ", ".join(f"{a} {k}" for a, k in lay.trainer_split.items())
+    text = (f"layout for {n} {chip.name}: trainers {n - lay.rollout_devices} ({split}; model "
             f"{lay.trainer_model}), rollout {lay.rollout_devices} (model {lay.rollout_model}) "
             f"(estimates: {est})")
     return dataclasses.replace(config, trainer_model=lay.trainer_model,
