@@ -107,6 +107,11 @@ def test_matrix_rows_current_old_exit2_and_missing(tmp_path):
     assert failed.text == ("1 program(s) failed to compile; sample: JaxRuntimeError: INTERNAL: "
                            "RET_CHECK failure")
     assert failed.figures["not_ok"] == ["big (does_not_fit)", "sample (failed)"]
+    # The host's load, where the report records it, stands beside the wall seconds.
+    loaded = _current_report(layout) | {"host": {"cpus": 2, "load_1min": [0.43, 2.61]}}
+    row = matrix.matrix_row("flowtrain", "tpu-v5p:4x4x4", report=loaded, rule=(None, layout))
+    assert row.figures["load"] == [0.43, 2.61] and rows[0].figures["load"] is None
+    assert "| 100.5 (train/step) / 155.5 | 250 (load 0.4 -> 2.6) | 160 |" in matrix.render([row])
     line = matrix.render([stale]).splitlines()[-1]
     assert line.startswith("| flowtrain | tpu-v5p:4x4x4 | stale | 70.2 / 95.0 (eval); not ok: big "
                            "(does_not_fit); the rule lays it out otherwise now: layout "

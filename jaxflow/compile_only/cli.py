@@ -189,7 +189,7 @@ def run(plan, out, *, git_commit: str, prog: str) -> int:
     from pallas_kernels import dispatch
 
     cache = compile_lib.cache_dir()
-    start = time.time()
+    start, load_start = time.time(), os.getloadavg()[0]
     with compile_lib.persistent_cache(cache) as events:
         with dispatch.recording_fallbacks() as building:
             programs, n_devices = build_programs(plan, target, driver)
@@ -217,6 +217,9 @@ def run(plan, out, *, git_commit: str, prog: str) -> int:
             "note": "jax's persistent cache; deviceless executables are written but, with jax "
                     "0.10.2, cannot be read back (unreadable_entries), so each run compiles"},
         "wall_seconds": time.time() - start,
+        "host": {"cpus": os.cpu_count(), "load_1min": [load_start, os.getloadavg()[0]],
+                 "note": "the compiling host's 1-minute load average at the start and the end "
+                         "(the end's counts this run's own compiles)"},
         "compile_seconds": {e["name"]: e["seconds"] for e in entries},
         "kernel_fallbacks": report_lib.fallback_summary(entries, building),
         "warnings": notes,

@@ -61,11 +61,13 @@ again), **missing** (no report).
 Columns of a current report: HBM, the largest program's `memory.total_bytes` per device over
 the chip's capacity (GiB; "not ok" names programs whose status is not ok); compile s, the
 slowest program's lower + compile and the sum over programs (two compile at a time, so the sum
-can exceed wall s, the whole run; seconds on the compiling host, whose load the report does not
-record); Pallas calls, the Pallas kernel calls in the compiled HLO over all programs;
-fallbacks, the report's kernel fall-backs; MFU, the roofline MFU bound and MFU estimate of the
-step program (the first train program named `*step`, else the first with the figures);
-commit, the code compiled (its date: the commit's, from git).
+can exceed wall s, the whole run; seconds on the compiling host, this repository's 2-core
+machine unless a report says otherwise); wall s, with the host's 1-minute load at the start and
+the end where the report records it (the end's includes the run's own compiles); Pallas calls,
+the Pallas kernel calls in the compiled HLO over all programs; fallbacks, the report's
+kernel fall-backs; MFU, the roofline MFU bound and MFU estimate of the step program (the first
+train program named `*step`, else the first with the figures); commit, the code compiled (its
+date: the commit's, from git).
 """
 
 
@@ -118,7 +120,8 @@ def current_figures(report: dict) -> dict:
     dict): ``hbm_gib`` (the largest program's ``memory.total_bytes`` / GiB), ``capacity_gib``,
     ``hbm_program``, ``not_ok`` (programs whose status is not "ok"), ``slowest`` ((program,
     lower + compile seconds)), ``total_seconds`` (sum over ``compile_seconds``),
-    ``wall_seconds``, ``pallas_calls`` (sum of ``kernels.pallas_count``), ``fallbacks``
+    ``wall_seconds``, ``load`` (the host's 1-minute load at start and end, or None),
+    ``pallas_calls`` (sum of ``kernels.pallas_count``), ``fallbacks``
     (``len(kernel_fallbacks)``), ``step`` (the step program's name or None), ``mfu_bound``,
     ``mfu_estimate``, ``commit``."""
     programs = report.get("programs", [])
@@ -139,6 +142,7 @@ def current_figures(report: dict) -> dict:
         "slowest": None if slowest is None else (slowest[0], _seconds(slowest[1])),
         "total_seconds": sum(_seconds(s) for s in seconds.values()),
         "wall_seconds": report.get("wall_seconds"),
+        "load": (report.get("host") or {}).get("load_1min"),
         "pallas_calls": sum((p.get("kernels") or {}).get("pallas_count", 0) for p in programs),
         "fallbacks": len(report.get("kernel_fallbacks") or []),
         "step": None if step is None else step["name"],
@@ -243,6 +247,10 @@ def _pct(x) -> str:
     return "" if x is None else f"{x:.1%}"
 
 
+def _load(load) -> str:
+    return "" if not load else f" (load {load[0]:.1f} -> {load[1]:.1f})"
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -275,7 +283,7 @@ def render(rows: Sequence[Row], dates: dict[str, str] | None = None) -> str:
         mfu = (f"{_pct(f['mfu_bound'])} / {_pct(f['mfu_estimate'])} ({f['step']})"
                if f["step"] else "none (no train program has them)")
         lines.append(f"| {r.name} | {r.target} | {r.status} | {_cell(hbm)} | {_cell(slow)} / "
-                     f"{_num(f['total_seconds'])} | {_num(f['wall_seconds'], 0)} | "
+                     f"{_num(f['total_seconds'])} | {_num(f['wall_seconds'], 0)}{_load(f['load'])} | "
                      f"{f['pallas_calls']} | {f['fallbacks']} | {_cell(mfu)} | {commit} |")
     return "\n".join(lines) + "\n"
 
