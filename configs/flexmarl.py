@@ -28,12 +28,11 @@ rules); on a v5p:4x4x4 pod the rollout role has 32 chips (4 x 8, both agents' en
 agent's trainer 16 (2 x 8). On fewer devices the model axis shrinks to what the blocks allow
 (8 GPUs: rollout 1 x 4, each trainer 1 x 2). ``--compile-only --target=T`` sets the caps
 ``trainer_model`` / ``rollout_model`` for T instead (:mod:`jaxflow.compile_only.variants`: the
-smallest power-of-2 degrees whose HBM estimate fits every agent; v5p:4x4x4 and 8 x H200: 2 / 1,
-v6e:16x16: 8 / 2); on 8 x H100 it exits 2, the solver's trainer not fitting (the smallest target
-its HBM estimate fits: 8 x H200). On the TPU pods that layout does not compile yet
-(``experiments/compile_reports/``): the trainers' device split by parameters gives the verifier
-12 v5p / 48 v6e chips, which libtpu refuses as not whole hosts ("chips: 4,3,1 does not evenly
-divide into chips_per_hosts: 2,2,1"), and the solver's accumulate_apply needs 113 GiB on v5p.
+smallest power-of-2 degrees whose HBM estimate fits every agent; v5p:4x4x4: 4 / 1, 8 x H200:
+2 / 1, v6e:16x16: 8 / 2); on 8 x H100 it exits 2, the solver's trainer not fitting (the smallest
+target its HBM estimate fits: 8 x H200). On a pod slice each agent's trainer devices are whole
+hosts in id order (blocks of 8 v5p / 32 v6e chips: 16 + 16 and 64 + 64), the sub-meshes libtpu
+compiles for; records in ``experiments/compile_reports/``.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ RL_EXP = {"tpu-v5p:4x4x4": (32, 2, 4, 1), "tpu-v6e:16x16": None, "gpu-h100x8": N
           "gpu-h200x8": (4, 4, 4, 4)}
 #: flexmarl full (Qwen3-8B solver + 4B-shaped verifier): (trainer model, rollout model), or
 #: None where it exits 2 (the smallest target: 8 x H200).
-MARL = {"tpu-v5p:4x4x4": (2, 1), "tpu-v6e:16x16": (8, 2), "gpu-h100x8": None,
+MARL = {"tpu-v5p:4x4x4": (4, 1), "tpu-v6e:16x16": (8, 2), "gpu-h100x8": None,
         "gpu-h200x8": (2, 1)}
 
 
@@ -190,9 +190,13 @@ def test_marl_layout_splits_trainers_like_the_meshes_and_sums_the_samplers():
                               chip=chip, n_devices=8)
     assert (lay.rollout_devices, lay.trainer_model, lay.rollout_model) == (4, 1, 1)
     # 4 trainer devices split 3:1 by parameters (allocate_workers): 8 rows over 3 and over 1
-    a = resolve.train_estimate(big, 8 / 3, 16, shards=1, model_width=1,
-                               capacity=chip.hbm_bytes, fused_logprobs=True)
+    a = resolve.marl_train_estimate(big, 8 / 3, 16, model_width=1, capacity=chip.hbm_bytes)
     assert lay.estimates["trainer/a"] == a
+    # accumulate_apply: f32 weights + their bf16 copy, gradient, gradient sum, AdamW's moments
+    assert (a.params, a.optimizer) == (big.params * 6, big.params * 16)
+    assert a.activations == resolve.train_estimate(big, 8 / 3, 16, shards=1, model_width=1,
+                                                   capacity=chip.hbm_bytes,
+                                                   fused_logprobs=True).activations
     # the engine: one replica with all 8 rows' pages, holding the published f32 params
     parts = [resolve.sample_estimate(m, 8, 16, model_width=1, capacity=chip.hbm_bytes,
                                      weight_bytes=4)
@@ -305,8 +309,8 @@ def test_host_block_of_a_pod_slice_is_whole_hosts_in_id_order():
 
 def test_marl_layout_splits_trainers_in_whole_host_blocks():
     """flexmarl full on v5p:4x4x4 in blocks of 8 chips: 32 trainer chips as 16 + 16 (model
-    2: 8 data replicas each, 32 rows -> 4 per device), where blocks of the model degree alone
-    gave 20 + 12 and the 12-chip verifier mesh did not compile."""
+    4: 4 data replicas each, 32 rows -> 8 per device), where blocks of the model degree alone
+    give 20 + 12, and a 12-chip verifier mesh does not compile."""
     base = flexmarl_config.get_config("full")
     target = parse_target("tpu-v5p:4x4x4")
     agents = {"solver": resolve.ModelShape.of(base.solver),
@@ -316,13 +320,16 @@ def test_marl_layout_splits_trainers_in_whole_host_blocks():
               tokens={"solver": base.solver_tokens, "verifier": base.verifier_tokens},
               chip=target.chip, n_devices=64)
     lay = resolve.marl_layout(agents, host_block=8, **kw)
-    assert (lay.rollout_devices, lay.trainer_model) == (32, 2)
-    rows = kw["train_rows"] / 8
+    assert (lay.rollout_devices, lay.trainer_model) == (32, 4)
+    assert lay.trainer_split == {"solver": 16, "verifier": 16}
     for name, m in agents.items():
-        assert lay.estimates[f"trainer/{name}"] == resolve.train_estimate(
-            m, rows, kw["tokens"][name], shards=2, model_width=2,
-            capacity=target.chip.hbm_bytes, fused_logprobs=True)
-    old = resolve.marl_layout(agents, **kw)  # blocks of 2: solver 20 chips, 10 replicas
-    assert old.estimates["trainer/solver"] == resolve.train_estimate(
-        agents["solver"], kw["train_rows"] / 10, base.solver_tokens, shards=2, model_width=2,
-        capacity=target.chip.hbm_bytes, fused_logprobs=True)
+        assert lay.estimates[f"trainer/{name}"] == resolve.marl_train_estimate(
+            m, kw["train_rows"] / 4, kw["tokens"][name], model_width=4,
+            capacity=target.chip.hbm_bytes)
+    # at model 2 (what the estimate without the gradient sum and bf16 copy took) the solver's
+    # accumulate_apply compiled to 96.8 GiB of 95; now the estimate refuses model 2
+    two = resolve.marl_train_estimate(agents["solver"], kw["train_rows"] / 8, base.solver_tokens,
+                                      model_width=2, capacity=target.chip.hbm_bytes)
+    assert not two.fits
+    old = resolve.marl_layout(agents, **kw)  # blocks of the model degree: 5 + 3 units of 4
+    assert old.trainer_split == {"solver": 20, "verifier": 12}  # the 4x3x1 mesh again
