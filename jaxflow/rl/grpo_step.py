@@ -382,18 +382,16 @@ def grpo_loss(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFuncti
 
     ``old=None`` (only where ``config.old_from_update``): pi_old is ``params`` itself, its
     log-probs the stop-gradient of this forward's (no separate pi_old forward)."""
-    loss, (metrics, _) = grpo_loss_and_mask(params, mb, old, fns=fns, config=config, key=key)
+    loss, (metrics, _) = _grpo_loss(params, mb, old, fns=fns, config=config, key=key)
     return loss, metrics
 
 
-def grpo_loss_and_mask(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFunctions,
+def _grpo_loss(params: Any, mb: MiniBatch, old: OldStats | None, *, fns: LMFunctions,
                config: GRPOConfig, key: jax.Array, uniforms: jax.Array | None = None
                ) -> tuple[jax.Array, tuple[dict[str, jax.Array], jax.Array]]:
     """:func:`grpo_loss`, and the [b, N] bool mask every loss term aggregates over (the
-    response mask after the correction's): what a gradient-accumulating caller weights its
-    micro-batch by (``policy_loss.aggregation_weight``; GRPO's ``rl.microbatches``, MARL's
-    ``accumulate.weighted_grad``). ``uniforms`` [b, N]: SIS's, instead of drawing them from
-    ``key`` (a micro-batch's slice of the mini-batch's draw)."""
+    response mask after the correction's); ``uniforms`` [b, N]: SIS's, instead of drawing them
+    from ``key`` (a micro-batch's slice of the mini-batch's draw)."""
     if old is None and not config.old_from_update:
         raise ValueError("grpo_loss(old=None) needs config.old_from_update (lag 1, no SIS, no "
                          "SIS diagnostics, no KL); pass old_stats(...) otherwise")

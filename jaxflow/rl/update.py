@@ -17,15 +17,7 @@ from jax.sharding import Mesh
 from jaxflow.mesh import jit_on
 from jaxflow.models.transformer import TransformerConfig
 from jaxflow.rl import sis
-from jaxflow.rl.grpo_step import (
-    GRPOConfig,
-    MiniBatch,
-    OldStats,
-    grpo_loss,
-    grpo_loss_and_mask,
-    make_rl_optimizer,
-    old_stats,
-)
+from jaxflow.rl.grpo_step import GRPOConfig, MiniBatch, OldStats, _grpo_loss, grpo_loss, make_rl_optimizer, old_stats
 from jaxflow.rl.policy_loss import aggregation_weight
 from jaxflow.train.lm_state import LMFunctions, OptimConfig, lm_functions, model_optimizer
 from jaxflow.train.state import TrainState
@@ -98,7 +90,7 @@ def accumulated_update_step(policy: TrainState, mb: MiniBatch, old: OldStats | N
 
     def body(grad_sum, x):
         mb_j, old_j, u_j = x
-        grads, (metrics, keep) = jax.grad(grpo_loss_and_mask, has_aux=True)(
+        grads, (metrics, keep) = jax.grad(_grpo_loss, has_aux=True)(
             params, mb_j, old_j, fns=fns, config=config, key=key, uniforms=u_j)
         w = aggregation_weight(keep, agg)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype) * w.astype(s.dtype),

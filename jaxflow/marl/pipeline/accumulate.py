@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxflow.rl.advantages import grpo_advantages
 from jaxflow.rl.grpo import GRPOConfig, MiniBatch, old_stats
-from jaxflow.rl.grpo_step import grpo_loss_and_mask
+from jaxflow.rl.grpo_step import _grpo_loss
 from jaxflow.rl.policy_loss import aggregation_weight
 from jaxflow.rl.rollout import RolloutBatch
 from jaxflow.train.state import TrainState
@@ -39,8 +39,8 @@ def weighted_grad(params: Any, mb: MiniBatch, old: Any, *, fns, config: GRPOConf
     """``(grad(loss_mb) * weight_mb, weight_mb)`` for gradient accumulation: ``weight_mb`` the
     micro-batch's loss normaliser after the correction's mask (RS, IcePop and the menu's masks
     drop tokens from it; :func:`jaxflow.rl.policy_loss.aggregation_weight`), a f32 scalar."""
-    grads, (_, keep) = jax.grad(grpo_loss_and_mask, has_aux=True)(params, mb, old, fns=fns,
-                                                                   config=config, key=key)
+    grads, (_, keep) = jax.grad(_grpo_loss, has_aux=True)(params, mb, old, fns=fns, config=config,
+                                                          key=key)
     w = aggregation_weight(keep, config.loss.aggregation)
     return jax.tree.map(lambda g: g * w, grads), w
 
