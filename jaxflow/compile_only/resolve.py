@@ -364,16 +364,13 @@ def _candidate_block(chip: targets.Chip, n: int) -> int:
 
 def marl_train_estimate(model: ModelShape, rows: float, tokens: int, *, model_width: int,
                         capacity: int) -> HbmEstimate:
-    """A MARL trainer's largest program, ``accumulate_apply`` (a version's last micro-batch and
-    the AdamW step in one program), per device: :func:`train_estimate` with the gradient sum
-    beside the micro-batch's gradient (``grad_accumulator``) and the compute-dtype copy of the
-    weights the forward casts them to, the state split ``model_width`` ways (tensor parallel,
-    replicated over "data"). flexmarl full's solver (Qwen3-8B) on v5p:4x4x4 at model 2,
-    compiled at cb43e70: 96.8 GiB of 95 (the estimate without the sum and copy: 64.3)."""
+    """A MARL trainer's ``accumulate_apply`` (last micro-batch + AdamW step) per device: :func:`train_estimate`
+    with the gradient sum and the weights' compute-dtype copy, the state split ``model_width`` ways (TP only).
+    flexmarl full's solver on v5p:4x4x4 at model 2 compiled (cb43e70): 96.8 GiB; this gives 87.2."""
     est = train_estimate(model, rows, tokens, shards=model_width, model_width=model_width,
                          capacity=capacity, fused_logprobs=True, grad_accumulator=True)
-    copy = model.params * model.compute_bytes / model_width if model.compute_bytes < model.param_bytes else 0
-    return dataclasses.replace(est, params=est.params + copy)
+    copy = model.params * model.compute_bytes if model.compute_bytes < model.param_bytes else 0
+    return dataclasses.replace(est, params=est.params + copy / model_width)
 
 
 def split_units(loads: dict, units: int) -> dict:
