@@ -155,12 +155,12 @@ def host_block(devices: Sequence[jax.Device]) -> int:
             not all(hasattr(d, "coords") for d in devices):
         return 1
     seen: set = set()
-    for k, d in enumerate(devices, 1):
+    low = high = np.asarray(devices[0].coords)
+    for k, d in enumerate(devices, 1):  # the box grows with the prefix: one pass
         seen.add(d.id)
-        lead = devices[:k]
-        coords = np.array([x.coords for x in lead])
-        box = int(np.prod(coords.max(0) - coords.min(0) + 1))
-        if box == k and all(hosts[x.process_index] <= seen for x in lead):
+        low, high = np.minimum(low, d.coords), np.maximum(high, d.coords)
+        if int(np.prod(high - low + 1)) == k and \
+                all(hosts[p] <= seen for p in {x.process_index for x in devices[:k]}):
             return k
     return len(devices)
 

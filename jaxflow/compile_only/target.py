@@ -57,9 +57,10 @@ class Target:
         on a TPU slice of several hosts (libtpu's deviceless hosts hold 2 x 2 chips of the
         first two dimensions) the first dimension times 2 (v5p:4x4x4: 8, v6e:16x16: 32); 1 on
         one host, on a GPU target, or for a topology given by name."""
-        if self.platform != "tpu" or not _DIMS.fullmatch(self.topology.split(":")[1]):
+        shape = self.topology.partition(":")[2]  # TPU "v5p:4x4x4"; GPU "1x1xN" has no chip
+        if self.platform != "tpu" or not _DIMS.fullmatch(shape):
             return 1
-        dims = [int(d) for d in self.topology.split(":")[1].split("x")]
+        dims = [int(d) for d in shape.split("x")]
         return dims[0] * 2 if math.prod(dims) > 4 and len(dims) > 1 else 1
 
     @property
