@@ -6,10 +6,11 @@
     python -m jaxflow.run --exp=lm_pretrain --variant=full --compile-only --target=tpu-v5p:4x4x4
     python -m jaxflow.run --exp=lm_pretrain --variant=quick --set model.lora.rank=8   # LoRA adapters only
 
-``full`` is Meta-Llama-3-8B (bf16, remat per block) on 256 sequences of 4096 tokens per step,
-sharded ZeRO-3 style over "fsdp" (every device): the batch, and the MLP-hidden and vocab
-dimensions of the weights and their AdamW moments (``jaxflow.mesh.DEFAULT_RULES``); the
-attention weights stay replicated (their heads go over "model", size 1).
+``full`` is Meta-Llama-3-8B (bf16, remat per block, the blocks as one ``lax.scan``) on 256
+sequences of 4096 tokens per step, sharded ZeRO-3 style over "fsdp" (every device): the batch,
+and the MLP-hidden and vocab dimensions of the weights, the attention projections' model
+dimension, and their AdamW moments (``jaxflow.mesh.DEFAULT_RULES``); the loss is taken by vocab
+tiles of the head (``train.fused_loss``: no [B, L, V] float32 logits).
 ``--set mesh.shape=1,8,8`` adds 8-way tensor parallelism. On a v5p:4x4x4 pod that is 4
 sequences per chip and 46.6 GiB of 95 GiB HBM per chip (``--compile-only``, jax 0.10.2). The
 variant states the model and the global batch; ``--compile-only --target=T`` lays it out for T
@@ -17,6 +18,9 @@ variant states the model and the global batch; ``--compile-only --target=T`` lay
 (``train.microbatches``) until the HBM estimate fits; on 8 x H100 that is FSDP 8 with remat
 and 8 micro-batches of 4 sequences per GPU (32 sequences at once needed 172 GiB per GPU: their
 float32 logits alone are 63 GiB).
+
+``full_70b`` is the same step with Meta-Llama-3-70B, for ``--compile-only`` (the 70B rows
+beside MaxText's published MFU in docs/api/compile_only.md).
 
 The RL experiments warm-start from this run's checkpoint.
 """
@@ -69,6 +73,9 @@ class TrainConfig:
     # ``full`` variant compiled for a target gets it from the target's layout
     # (jaxflow.compile_only.resolve)
     microbatches: int = 1
+    # the loss from the final hidden states and the head by vocab tiles (no [B, L, V] logits:
+    # jaxflow.train.lm_state.make_train_step's ``fused_loss``); the full variants' choice
+    fused_loss: bool = False
 
     def __post_init__(self):
         require_positive(self, "steps", "batch_size", "seq_len", "log_every", "eval_every",
@@ -110,14 +117,22 @@ def _full() -> Config:
     base = Config()
     return dataclasses.replace(
         base,
-        model=shipped_config("llama-3-8b", max_seq_len=4096, remat=True),
+        model=shipped_config("llama-3-8b", max_seq_len=4096, remat=True, scan_layers=True),
         data=dataclasses.replace(base.data, max_digits=5),
         train=dataclasses.replace(base.train, steps=20000, batch_size=256, seq_len=4096,
-                                  eval_every=2000, checkpoint_every=2000),
+                                  eval_every=2000, checkpoint_every=2000, fused_loss=True),
         optim=OptimConfig(lr=3e-4, warmup_steps=2000, weight_decay=0.1, b2=0.95),
         mesh=MeshConfig(axes=("data", "fsdp", "model"), shape=(1, -1, 1)),
     )
 
 
-get_config = Variants(quick=_quick, default=Config, full=_full)
+def _full_70b() -> Config:
+    """``full`` with Meta-Llama-3-70B (80 layers, d 8192): the 70B row of the efficiency table
+    beside MaxText's (``--compile-only`` only; laid out per target like ``full``)."""
+    base = _full()
+    return dataclasses.replace(base, model=shipped_config("llama-3-70b", max_seq_len=4096,
+                                                          remat=True, scan_layers=True))
+
+
+get_config = Variants(quick=_quick, default=Config, full=_full, full_70b=_full_70b)
 VARIANTS = get_config.variants

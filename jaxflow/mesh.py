@@ -24,7 +24,10 @@ LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 #: The LM's rules (the one table; mesh axes a mesh lacks, or has at size 1, drop out): the batch
 #: over "data" and "fsdp"; the MLP hidden and vocab dimensions of the weights over "fsdp" and
 #: "model" together (ZeRO-3 and tensor parallelism), heads and kv heads over "model"; the
-#: contracted embed dimension stays whole. A weight sharded on its output dimension is
+#: attention projections' model dimension (``attn_embed``) over "fsdp", since their heads go
+#: over "model" only (without it Llama-3-70B's 12B attention parameters, with their moments,
+#: sat whole on every chip: 217 GiB per v6e chip); the MLP and vocab weights' contracted
+#: embed dimension stays whole. A weight sharded on its output dimension is
 #: all-gathered before its matmul, while one sharded on the contracted dimension lets XLA move
 #: the activations instead, which for the LM head means reducing full-batch logits (measured:
 #: 1.2 TiB of temporaries per chip for Llama-3-8B on 64 v5p chips with the embed dimension over
@@ -37,6 +40,7 @@ DEFAULT_RULES: LogicalRules = (
     ("heads", "model"),
     ("kv_heads", "model"),
     ("embed", None),
+    ("attn_embed", "fsdp"),
     ("head_dim", None),
     ("norm", None),
     ("length", None),

@@ -451,7 +451,8 @@ def test_lm_pretrain_full_is_llama_3_8b_with_fsdp_over_every_device():
     assert layer["mlp"]["w_down"].sharding.spec == P("fsdp", None)
     assert state.params["lm_head"].sharding.spec == P(None, "fsdp")
     assert state.params["embedding"].sharding.spec == P("fsdp", None)
-    assert layer["attn"]["wq"].sharding.spec == P(None, None, None)  # heads: over "model" only
+    assert layer["attn"]["wq"].sharding.spec == P("fsdp", None, None)  # attn_embed; heads: "model"
+    assert layer["attn"]["wo"].sharding.spec == P(None, None, "fsdp")
     mu = state.opt_state[1][0].mu  # AdamW's first moment, sharded like the params
     assert mu["lm_head"].sharding.spec == P(None, "fsdp")
     assert all(x.shape == (256, 4096) and x.sharding.spec == P("fsdp", None)
@@ -461,7 +462,7 @@ def test_lm_pretrain_full_is_llama_3_8b_with_fsdp_over_every_device():
     assert step.tokens == tokens and step.kind == "train" and step.mesh is meshes["mesh"]
     assert step.model_flops == transformer_train_flops(
         n_params - 128256 * 4096, tokens, n_layers=32, seq_len=4096, d_attn=32 * 128)
-    assert "fsdp splits batch, vocab, mlp; the rest replicated" in step.note
+    assert "fsdp splits batch, vocab, mlp, attn_embed; the rest replicated" in step.note
 
 
 @pytest.mark.parametrize("shape", [(8, 1), (4, 2)])

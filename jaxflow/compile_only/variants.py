@@ -67,7 +67,7 @@ def resolve_for_target(name: str, variant: str, config, chip, n_devices: int,
       resolve.DoesNotFit: no layout fits; the line names the smallest target it fits.
     """
     kind = RESOLVED.get(name)
-    if variant != "full" or kind is None:
+    if not (variant == "full" or variant.startswith("full_")) or kind is None:
         return config, ""
     if kind == "lm":
         return _lm(config, chip, n_devices, overrides)

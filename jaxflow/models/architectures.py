@@ -403,12 +403,12 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 #: The Hugging Face config.json files kept in ``configs/hf`` (the ``full`` variants' models).
-SHIPPED_CONFIGS = ("qwen3-8b", "llama-3-8b")
+SHIPPED_CONFIGS = ("qwen3-8b", "llama-3-8b", "llama-3-70b")
 
 
 def shipped_config(name: str, *, dtype: Any = None, **changes) -> TransformerConfig:
     """The TransformerConfig of a config.json kept in ``configs/hf/NAME.json`` (values as
-    published with the checkpoint: Qwen3-8B, Meta-Llama-3-8B), through :func:`config_from_hf`;
+    published with the checkpoint: Qwen3-8B, Meta-Llama-3-8B, Meta-Llama-3-70B), through :func:`config_from_hf`;
     ``changes`` replace fields after (e.g. ``n_layers=2``, ``max_seq_len``, ``remat=True``)."""
     import importlib.resources
 

@@ -3,7 +3,8 @@
 Mesh axes (any subset may be present; absent or size-1 axes mean "replicated"):
 
   "data"    pure data parallelism (activations' batch only)
-  "fsdp"    ZeRO-3-style: the batch AND every parameter's "embed" dimension are split over it
+  "fsdp"    ZeRO-3-style: the batch AND every parameter's "embed" dimension (the attention
+            projections' "attn_embed") are split over it
             (Rajbhandari et al., 2020; Zhao et al., 2023, "PyTorch FSDP")
   "model"   Megatron tensor parallelism: heads, kv heads, MLP hidden and vocab
             (Shoeybi et al., 2019)
@@ -21,6 +22,7 @@ FSDP_TP_RULES: LogicalRules = (
     ("batch", ("data", "fsdp")),
     ("vocab", "model"),
     ("embed", "fsdp"),
+    ("attn_embed", "fsdp"),
     ("heads", "model"),
     ("kv_heads", "model"),
     ("mlp", "model"),

@@ -80,10 +80,10 @@ class Attention(nnx.Module):
         d, h, k, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
         pdt = config.params_dtype
         out_std = (h * hd) ** -0.5 / math.sqrt(2 * config.n_layers)
-        self.wq = _param(rngs, (d, h, hd), d**-0.5, ("embed", "heads", "head_dim"), pdt)
-        self.wk = _param(rngs, (d, k, hd), d**-0.5, ("embed", "kv_heads", "head_dim"), pdt)
-        self.wv = _param(rngs, (d, k, hd), d**-0.5, ("embed", "kv_heads", "head_dim"), pdt)
-        self.wo = _param(rngs, (h, hd, d), out_std, ("heads", "head_dim", "embed"), pdt)
+        self.wq = _param(rngs, (d, h, hd), d**-0.5, ("attn_embed", "heads", "head_dim"), pdt)
+        self.wk = _param(rngs, (d, k, hd), d**-0.5, ("attn_embed", "kv_heads", "head_dim"), pdt)
+        self.wv = _param(rngs, (d, k, hd), d**-0.5, ("attn_embed", "kv_heads", "head_dim"), pdt)
+        self.wo = _param(rngs, (h, hd, d), out_std, ("heads", "head_dim", "attn_embed"), pdt)
         lora.attach(self, config.lora, layer, "attn")  # no-op unless config.lora.rank > 0
         if config.qk_norm:
             self.q_norm = RMSNorm(config, hd)

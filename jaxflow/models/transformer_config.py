@@ -21,7 +21,7 @@ from jaxflow.models.moe import MOE_IMPLS
 from jaxflow.models.rope import RopeScaling
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-LOGICAL_AXIS_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm",
+LOGICAL_AXIS_NAMES = ("vocab", "embed", "attn_embed", "heads", "kv_heads", "head_dim", "mlp", "norm",
                       "expert")
 # What a rematerialised block keeps for the backward pass (``jax.checkpoint_policies``).
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")

@@ -21,6 +21,7 @@ from jaxflow.config import require_finite, require_positive, require_range
 from jaxflow.config_domains import COUNT0, NON_NEGATIVE, POSITIVE, UNIT, Real, domains
 from jaxflow.mesh import DEFAULT_RULES, LogicalRules, jit_on, shardings_from_logical
 from jaxflow.models import lora
+from jaxflow.models.fused_logprobs import fused_logprobs
 from jaxflow.models.transformer import Transformer, TransformerConfig, logical_axes
 from jaxflow.train.state import TrainState
 
@@ -129,7 +130,8 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def make_train_step(fns: LMFunctions, tx: optax.GradientTransformation, shardings: TrainState,
-                    batch_sharding: NamedSharding, *, microbatches: int = 1) -> Callable:
+                    batch_sharding: NamedSharding, *, microbatches: int = 1,
+                    fused_loss: bool = False) -> Callable:
     """A jitted, donating ``(state, batch) -> (state, metrics)``.
 
     ``batch`` is a dict of [B, L] arrays: tokens, targets, loss_mask, segment_ids, positions.
@@ -140,25 +142,38 @@ def make_train_step(fns: LMFunctions, tx: optax.GradientTransformation, sharding
     ``lax.scan`` sums the micro-batches' masked NLL gradients and token counts, and one update
     applies their sum over the whole batch's token count: the same loss and gradient as k = 1
     up to float rounding, with a k times smaller activation footprint. B must divide by k.
+
+    ``fused_loss``: the NLL and the accuracy's argmax come from
+    :func:`jaxflow.models.fused_logprobs.fused_logprobs` on the final hidden states and the
+    head (vocab tiles with an online logsumexp; the Pallas kernel on TPU / GPU), never holding
+    the [B, L, V] f32 logits or their gradient: the same loss up to float rounding, for
+    vocabularies whose logits dominate a step's memory (Llama-3's 128,256).
     """
 
-    def loss_fn(params, batch):
+    def nll_and_pred(params, batch):  # [B, L] f32 NLL, [B, L] int32 argmax
         model = fns.model(params)
-        logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-        nll = token_nll(logits, batch["targets"])
+        kw = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
+        if not fused_loss:
+            logits = model(batch["tokens"], **kw)
+            return token_nll(logits, batch["targets"]), jnp.argmax(logits, axis=-1)
+        hidden = model.hidden_states(batch["tokens"], **kw)
+        head = model.head_weight().astype(hidden.dtype)
+        out = fused_logprobs(hidden, head, batch["targets"], own_topk=1)
+        return -out.target_logp, out.own_topk_indices[..., 0]
+
+    def loss_fn(params, batch):
+        nll, pred = nll_and_pred(params, batch)
         mask = batch["loss_mask"]
         n = jnp.maximum(mask.sum(), 1.0)
         loss = (nll * mask).sum() / n
-        pred = jnp.argmax(logits, axis=-1)
         token_acc = ((pred == batch["targets"]) * mask).sum() / n
         return loss, {"loss": loss, "token_accuracy": token_acc, "tokens": mask.sum()}
 
     def sums_fn(params, batch):  # masked NLL and correct-token sums (one micro-batch)
-        model = fns.model(params)
-        logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+        token_nll_, pred = nll_and_pred(params, batch)
         mask = batch["loss_mask"]
-        nll = (token_nll(logits, batch["targets"]) * mask).sum()
-        correct = ((jnp.argmax(logits, axis=-1) == batch["targets"]) * mask).sum()
+        nll = (token_nll_ * mask).sum()
+        correct = ((pred == batch["targets"]) * mask).sum()
         return nll, (correct.astype(jnp.float32), mask.sum().astype(jnp.float32))
 
     def accumulated(params, batch):

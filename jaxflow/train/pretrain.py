@@ -64,7 +64,8 @@ def build_train_step(config, mesh: Mesh) -> PretrainStep:
     batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), DEFAULT_RULES, mesh))
     return PretrainStep(mesh, fns, tx, shardings, batch_sharding,
                         make_train_step(fns, tx, shardings, batch_sharding,
-                                        microbatches=getattr(config.train, "microbatches", 1)))
+                                        microbatches=getattr(config.train, "microbatches", 1),
+                                        fused_loss=getattr(config.train, "fused_loss", False)))
 
 
 def build_task(config):

@@ -204,3 +204,21 @@ def test_flexmarl_full_trainer_meshes_are_whole_host_blocks_as_the_rule_splits_t
         assert dict(m["trainer"].shape).get("model", 1) == config.trainer_model
         sizes[name] = len(ids)
     assert sizes == {"solver": n // 4, "verifier": n // 4}, line
+
+
+def test_scanned_fused_loss_train_step_on_tpu_v5e(tmp_path):
+    """The full variants' step (``model.scan_layers``, ``train.fused_loss``) by XLA:TPU: the
+    loss goes through the fused log-prob kernel's forward and both backward halves (no
+    [B, L, V] logits), the scanned blocks through splash, and nothing falls back to XLA."""
+    proc, errors, report = _compile(tmp_path, "tpu-v5e:2x2", "--set", "model.scan_layers=true",
+                                    "--set", "train.fused_loss=true", "--set",
+                                    "model.vocab_size=4096")
+    assert proc.returncode == 0 and not errors, proc.stderr[-3000:]
+    step = _check_sane(report, "v5e", 4)
+    kernels = step["kernels"]["pallas"]
+    assert {k: kernels.get(k) for k in ("fused_logprobs_fwd", "fused_logprobs_bwd_dh",
+                                        "fused_logprobs_bwd_dw")} == {
+        "fused_logprobs_fwd": 1, "fused_logprobs_bwd_dh": 1, "fused_logprobs_bwd_dw": 1}, kernels
+    # forward, dq, dkv for each of the 3 layers (the count multiplies a loop body's calls)
+    assert sum(n for k, n in kernels.items() if k.startswith("splash_mha")) == 9, kernels
+    assert step["kernel_fallbacks"] == []
