@@ -12,12 +12,13 @@ and the MLP-hidden and vocab dimensions of the weights, the attention projection
 dimension, and their AdamW moments (``jaxflow.mesh.DEFAULT_RULES``); the loss is taken by vocab
 tiles of the head (``train.fused_loss``: no [B, L, V] float32 logits).
 ``--set mesh.shape=1,8,8`` adds 8-way tensor parallelism. On a v5p:4x4x4 pod that is 4
-sequences per chip and 46.6 GiB of 95 GiB HBM per chip (``--compile-only``, jax 0.10.2). The
+sequences per chip and 14.2 GiB of 95 GiB HBM per chip (``--compile-only``, jax 0.10.2; 46.6
+with the layers unrolled, the attention weights replicated and the logits held). The
 variant states the model and the global batch; ``--compile-only --target=T`` lays it out for T
 (:mod:`jaxflow.compile_only.variants`): FSDP over every device and gradient accumulation
 (``train.microbatches``) until the HBM estimate fits; on 8 x H100 that is FSDP 8 with remat
-and 8 micro-batches of 4 sequences per GPU (32 sequences at once needed 172 GiB per GPU: their
-float32 logits alone are 63 GiB).
+and 4 micro-batches of 8 sequences per GPU (32 sequences at once with the logits held needed
+172 GiB per GPU: their float32 logits alone are 63 GiB).
 
 ``full_70b`` is the same step with Meta-Llama-3-70B, for ``--compile-only`` (the 70B rows
 beside MaxText's published MFU in docs/api/compile_only.md).

@@ -21,8 +21,8 @@ from jaxflow.compile_only.variants import resolve_for_target
 
 TARGETS = ("tpu-v5p:4x4x4", "tpu-v6e:16x16", "gpu-h100x8", "gpu-h200x8")
 #: lm_pretrain full (Llama-3-8B, 256 x 4096): (fsdp, micro-batches) per target.
-LM = {"tpu-v5p:4x4x4": (64, 1), "tpu-v6e:16x16": (256, 1), "gpu-h100x8": (8, 8),
-      "gpu-h200x8": (8, 4)}
+LM = {"tpu-v5p:4x4x4": (64, 1), "tpu-v6e:16x16": (256, 1), "gpu-h100x8": (8, 4),
+      "gpu-h200x8": (8, 2)}
 #: flagship full (Qwen3-8B GRPO, 128-row updates): (rollout devices, trainer model, rollout
 #: model, trainer micro-batches). 8 x H100 fits with gradient accumulation: model 4 and 4
 #: micro-batches of 32 rows (at M = 1, model 4: 128.3 GiB of 79.1).

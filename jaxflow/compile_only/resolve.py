@@ -14,10 +14,10 @@ The estimate (:class:`HbmEstimate`, bytes per device) counts
     320 GiB per device, its 1,024 rows x 2,048 tokens of KV unsplit);
   activations: with remat per block, every block's input saved ([rows, tokens, d_model] in the
     compute dtype), one block recomputed (its q/k/v/o and SwiGLU tensors) and the f32 logits
-    and their gradient ([rows, tokens, vocab / model]); for a sampler, its KV cache.
-Training activations are a floor: XLA's temporaries come on top (Llama-3-8B, 4 sequences of
-4,096 per chip on v5p:4x4x4: 46.6 GiB compiled against 24.9 GiB estimated), so they count
-:data:`TRAIN_SLACK` times; a sampler's KV cache is allocated as estimated. A layout is taken when
+    and their gradient ([rows, tokens, vocab / model]; none for a fused loss); a sampler's KV.
+Training activations count :data:`TRAIN_SLACK` times for XLA's temporaries (Llama-3-8B, 4 x
+4,096 tokens per v5p chip, layers unrolled: 46.6 GiB compiled, 24.9 estimated; scanned with a
+fused loss: 14.2); a sampler's KV cache is allocated as estimated. A layout is taken when
 params + optimizer + slack x activations is at most :data:`HEADROOM` of the chip's HBM.
 
 The rule, per system (:func:`lm_train_layout`, :func:`rl_layout`, and as named below):
@@ -46,9 +46,8 @@ The rule, per system (:func:`lm_train_layout`, :func:`rl_layout`, and as named b
     parameter counts, in blocks of the trainers' model degree and, on a pod slice, of whole
     hosts in id order: 8 chips on v5p:4x4x4, 32 on v6e:16x16), each trainer estimated at its
     largest program (:func:`marl_train_estimate`: the gradient sum and the bf16 weight copy on
-    top of the training state); the trainer and rollout model
-    degrees are each the smallest power of 2 at which every agent fits (they are the caps
-    ``trainer_model`` / ``rollout_model``).
+    top of the training state); the trainer and rollout model degrees are each the smallest
+    power of 2 at which every agent fits (the caps ``trainer_model`` / ``rollout_model``).
   Sharded-embedding recommenders (:func:`table_layout`, dlrm_train and nestpipe full): the mesh
     stays one "data" axis over every device, every table row-wise over it and the global batch
     split over it; the target decides only whether it fits: per device ``ceil(V / N)`` rows of
@@ -62,11 +61,10 @@ The rule, per system (:func:`lm_train_layout`, :func:`rl_layout`, and as named b
     that many ways) fits; a larger target runs one such replica per group of chips.
   FlowTrain (:func:`jaxflow.compile_only.resolve_flow.flow_layout`, flowtrain full: ViT
     encoder + LM backbone, weights TP over "model", replicated over "data"): the monolithic
-    mesh is (data N / M, model M), M the
-    smallest power of 2 (dividing N, the LM's KV and the ViT's heads) at which its padded step
-    fits (both states over M, the padded and patch rows over N / M); the decoupled splits keep
-    the stated encoder counts E (data parallel) whose encoder and backbone (N - E devices as
-    data x M_b) fit at M_b, the smallest power of 2 dividing the KV heads at which one does.
+    mesh is (data N / M, model M), M the smallest power of 2 (dividing N, the LM's KV and the
+    ViT's heads) at which its padded step fits (both states over M, the padded and patch rows
+    over N / M); the decoupled splits keep the stated encoder counts E (data parallel) whose
+    encoder and backbone (N - E devices as data x M_b) fit at the smallest such M_b.
 A variant no layout fits raises :class:`DoesNotFit` naming the smallest target of
 :data:`CANDIDATES` it fits and the estimate that decided it.
 """
@@ -233,29 +231,30 @@ def _divisors(n: int) -> list[int]:
 
 
 def lm_train_layout(model: ModelShape, batch: int, tokens: int, chip: targets.Chip,
-                    n_devices: int) -> LmLayout:
-    """The LM training layout of ``batch`` sequences of ``tokens`` on ``n_devices`` ``chip``s
-    (see the module docstring), or DoesNotFit naming the smallest candidate that fits."""
-    found = _lm_layout(model, batch, tokens, chip, n_devices)
+                    n_devices: int, *, fused_logprobs: bool = False) -> LmLayout:
+    """The LM training layout of ``batch`` sequences of ``tokens`` on ``n_devices`` ``chip``s (module
+    docstring; ``fused_logprobs``: no logits counted), or DoesNotFit naming the smallest fit."""
+    def lay(c, n):
+        return _lm_layout(model, batch, tokens, c, n, fused_logprobs)
+    found = lay(chip, n_devices)
     if isinstance(found, LmLayout):
         return found
     raise DoesNotFit(_where_it_fits(f"{batch} x {tokens} tokens do not fit", found,
-                                    lambda c, n: isinstance(_lm_layout(model, batch, tokens, c, n),
-                                                            LmLayout)))
+                                    lambda c, n: isinstance(lay(c, n), LmLayout)))
 
 
-def _lm_layout(model, batch, tokens, chip, n) -> LmLayout | HbmEstimate:
+def _lm_layout(model, batch, tokens, chip, n, fused_logprobs=False) -> LmLayout | HbmEstimate:
     width = 1
     while batch % (n // width) and width < n:  # rows cannot be split: the rest to TP
         width = next(w for w in _divisors(n) if w > width)
     if batch % (n // width) or model.n_heads % width or model.n_kv_heads % width:
         return train_estimate(model, batch / n, tokens, shards=n, model_width=1,
-                              capacity=chip.hbm_bytes)
+                              capacity=chip.hbm_bytes, fused_logprobs=fused_logprobs)
     rows = batch // (n // width)
     last = None
     for k in _divisors(rows):
         last = train_estimate(model, rows // k, tokens, shards=n, model_width=width,
-                              capacity=chip.hbm_bytes)
+                              capacity=chip.hbm_bytes, fused_logprobs=fused_logprobs)
         if last.fits:
             return LmLayout({"data": 1, "fsdp": n // width, "model": width}, k, rows // k, last)
     return last

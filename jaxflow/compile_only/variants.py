@@ -89,7 +89,8 @@ def _lm(config, chip, n, overrides):
         return config, "layout as set (--set mesh / train.microbatches)"
     tc = config.train
     lay = resolve.lm_train_layout(resolve.ModelShape.of(config.model), tc.batch_size,
-                                  tc.seq_len, chip, n)
+                                  tc.seq_len, chip, n,
+                                  fused_logprobs=getattr(tc, "fused_loss", False))
     mesh = dataclasses.replace(config.mesh, axes=tuple(lay.mesh),
                                shape=tuple(lay.mesh.values()))
     train = dataclasses.replace(tc, microbatches=lay.microbatches)
