@@ -462,6 +462,9 @@ def test_lm_pretrain_full_is_llama_3_8b_with_fsdp_over_every_device():
     assert step.tokens == tokens and step.kind == "train" and step.mesh is meshes["mesh"]
     assert step.model_flops == transformer_train_flops(
         n_params - 128256 * 4096, tokens, n_layers=32, seq_len=4096, d_attn=32 * 128)
+    # remat: the blocks' forward once more (not the embedding, not the head)
+    assert step.recompute_flops == pytest.approx(transformer_train_flops(
+        n_params - 2 * 128256 * 4096, tokens, n_layers=32, seq_len=4096, d_attn=32 * 128) / 3)
     assert "fsdp splits batch, vocab, mlp, attn_embed; the rest replicated" in step.note
 
 

@@ -49,6 +49,10 @@ class Program:
     tokens: int | None = None
     model_bytes: float | None = None
     note: str = ""
+    # FLOPs one call runs beyond model_flops (remat's recomputed forward): in the roofline's
+    # compute term, not in MFU's numerator (a scanned step's compiler count sees its loop body
+    # once, so only this analytic figure carries the recompute there)
+    recompute_flops: float | None = None
     # an executable already compiled for the chip (:func:`compile_ahead`) and its
     # {"lower": s, "compile": s}: the compile step reuses it instead of compiling again
     compiled: Any = None

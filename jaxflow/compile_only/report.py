@@ -13,7 +13,8 @@ Roofline time of one call (seconds, per device, the same for every device of an 
     roofline = max(flops / peak_flops, bytes_accessed / hbm_bandwidth)
                + collective_bytes / ici_bandwidth
 
-with flops = max(compiler flops, model_flops / n_devices) (``cost_analysis`` counts a Pallas
+with flops = max(compiler flops, (model_flops + recompute_flops) / n_devices) (the analytic
+count with remat's recomputed forward; ``cost_analysis`` counts a Pallas
 call as ~0 flops, and a ``while`` body once however often it runs - a decode loop, layers run
 as one scan - so the analytic count of :class:`~jaxflow.compile_only.program.Program`
 stands in where it is larger), bytes_accessed the compiler's HBM traffic (a lower bound for a
@@ -53,7 +54,8 @@ from pallas_kernels import targets
 
 GiB = 2**30
 MiB = 2**20
-ROOFLINE_FORMULA = ("max(max(flops, model_flops / n_devices) / peak_flops, max(bytes_accessed, "
+ROOFLINE_FORMULA = ("max(max(flops, (model_flops + recompute_flops) / n_devices) / peak_flops, "
+                    "max(bytes_accessed, "
                     "model_bytes / n_devices) / hbm_bandwidth) + collective_bytes / "
                     "ici_bandwidth")
 ROOFLINE_MFU_BOUND_FORMULA = ("(model_flops / n_devices / peak_flops) / max(compute_seconds, "
@@ -173,7 +175,8 @@ def program_entry(program, chip: targets.Chip, *, memory: Memory | None = None,
         return entry
     flops, bytes_accessed, source = cost
     analytic = (program.model_flops or 0.0) / n
-    used = max(flops, analytic)
+    recompute = (getattr(program, "recompute_flops", None) or 0.0) / n
+    used = max(flops, analytic + recompute)
     model_bytes = (program.model_bytes or 0.0) / n
     line = roofline(used, max(bytes_accessed, model_bytes), hlo.collective_bytes, chip)
     fits = memory.total_bytes <= capacity
@@ -183,6 +186,7 @@ def program_entry(program, chip: targets.Chip, *, memory: Memory | None = None,
                 "capacity_bytes": capacity, "fits": fits},
         cost={"flops": flops, "bytes_accessed": bytes_accessed, "source": source,
               "scope": "per device", "model_flops_per_device": analytic,
+              "recompute_flops_per_device": recompute,
               "roofline_flops": used, "model_bytes_per_device": model_bytes,
               "roofline_bytes": max(bytes_accessed, model_bytes),
               "loop_trips": list(hlo.loop_trips),

@@ -32,7 +32,8 @@ def compile_programs(config, meshes: Mapping[str, Mesh]) -> list[Program]:
 
     ``model_flops``: 6 x (parameters the matmuls use: all but the input embedding table when
     it is untied) x tokens + causal attention (``transformer_train_flops``), with tokens =
-    batch_size x seq_len (padding positions cost as much as real ones).
+    batch_size x seq_len (padding positions cost as much as real ones). ``recompute_flops``
+    (with remat): the blocks' forward again, a third of their ``transformer_train_flops``.
 
     Raises:
       MeshError: ``train.batch_size`` is not divisible by the devices the batch is split over.
@@ -59,10 +60,15 @@ def compile_programs(config, meshes: Mapping[str, Mesh]) -> list[Program]:
     flops = transformer_train_flops(count_params(params) - embedding, tokens,
                                     n_layers=mc.n_layers, seq_len=tc.seq_len,
                                     d_attn=mc.n_heads * mc.head_dim)
+    # remat recomputes each block's forward in the backward: a third of the blocks' training
+    # FLOPs (the head's matmul, outside the blocks, is not recomputed)
+    blocks = count_params(params) - embedding - mc.vocab_size * mc.d_model
+    recompute = transformer_train_flops(blocks, tokens, n_layers=mc.n_layers, seq_len=tc.seq_len,
+                                        d_attn=mc.n_heads * mc.head_dim) / 3 if mc.remat else 0.0
     note = f"{' x '.join(f'{k} {v}' for k, v in mesh.shape.items())}: " + _layout(mesh) + \
         f"; remat={mc.remat}, attention={mc.attention}"
     return [Program("train/step", built.train_step, (state, batch), mesh, kind="train",
-                    model_flops=flops, tokens=tokens, note=note)]
+                    model_flops=flops, recompute_flops=recompute, tokens=tokens, note=note)]
 
 
 def _layout(mesh: Mesh) -> str:
