@@ -12,7 +12,7 @@ and the MLP-hidden and vocab dimensions of the weights, the attention projection
 dimension, and their AdamW moments (``jaxflow.mesh.DEFAULT_RULES``); the loss is taken by vocab
 tiles of the head (``train.fused_loss``: no [B, L, V] float32 logits).
 ``--set mesh.shape=1,8,8`` adds 8-way tensor parallelism. On a v5p:4x4x4 pod that is 4
-sequences per chip and 14.2 GiB of 95 GiB HBM per chip (``--compile-only``, jax 0.10.2; 46.6
+sequences per chip and 14.1 GiB of 95 GiB HBM per chip (``--compile-only``, jax 0.10.2; 46.6
 with the layers unrolled, the attention weights replicated and the logits held). The
 variant states the model and the global batch; ``--compile-only --target=T`` lays it out for T
 (:mod:`jaxflow.compile_only.variants`): FSDP over every device and gradient accumulation

@@ -17,7 +17,7 @@ The estimate (:class:`HbmEstimate`, bytes per device) counts
     and their gradient ([rows, tokens, vocab / model]; none for a fused loss); a sampler's KV.
 Training activations count :data:`TRAIN_SLACK` times for XLA's temporaries (Llama-3-8B, 4 x
 4,096 tokens per v5p chip, layers unrolled: 46.6 GiB compiled, 24.9 estimated; scanned with a
-fused loss: 14.2); a sampler's KV cache is allocated as estimated. A layout is taken when
+fused loss: 14.1); a sampler's KV cache is allocated as estimated. A layout is taken when
 params + optimizer + slack x activations is at most :data:`HEADROOM` of the chip's HBM.
 
 The rule, per system (:func:`lm_train_layout`, :func:`rl_layout`, and as named below):
