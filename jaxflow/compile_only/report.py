@@ -175,7 +175,7 @@ def program_entry(program, chip: targets.Chip, *, memory: Memory | None = None,
         return entry
     flops, bytes_accessed, source = cost
     analytic = (program.model_flops or 0.0) / n
-    recompute = (getattr(program, "recompute_flops", None) or 0.0) / n
+    recompute = (program.recompute_flops or 0.0) / n
     used = max(flops, analytic + recompute)
     model_bytes = (program.model_bytes or 0.0) / n
     line = roofline(used, max(bytes_accessed, model_bytes), hlo.collective_bytes, chip)
